@@ -1,0 +1,1 @@
+//! `oogc bench`: offload benchmarks that print human-readable tables or JSON.

@@ -1,0 +1,2 @@
+//! The `oogc` command line.
+fn main() {}

@@ -1,0 +1,518 @@
+//! The host tier: page-aligned, page-locked buffers from a pooled allocator with a byte budget.
+//!
+//! | concept | what it is |
+//! |---|---|
+//! | [`HostMemory`] | one allocation of host memory (an anonymous mapping, or the CUDA driver's pinned memory) |
+//! | [`HostAllocator`] | makes [`HostMemory`]; [`MmapAllocator`] by default, the CUDA backend's under `cuda` |
+//! | [`HostBuffer`] | a buffer handed out by the pool: `len()` bytes in use of a `capacity()` that is a multiple of 4 KiB |
+//! | [`PinnedPool`] | size classes, a byte budget, reuse of freed buffers without re-pinning |
+//!
+//! Buffers of 2 MiB or more are 2 MiB-aligned and advised `MADV_HUGEPAGE`, so that an
+//! O_DIRECT request of 1 MiB is physically contiguous and reaches the disk whole (a virtio disk
+//! takes 254 segments per request; see `../shared/peers/README.md`). Locking uses `mlock`; when
+//! RLIMIT_MEMLOCK refuses, the pool keeps the memory unlocked, warns once and counts the bytes.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use memmap2::{Advice, MmapMut};
+use parking_lot::Mutex;
+
+use crate::error::{Error, Result};
+use crate::tier::Tier;
+
+/// Bytes of a base page; every host buffer's address and capacity are multiples of it.
+pub const PAGE_BYTES: usize = 4096;
+/// Bytes of a transparent huge page on x86-64.
+pub const HUGE_PAGE_BYTES: usize = 2 << 20;
+
+/// One allocation of host memory. Implementations own the memory; dropping frees it.
+pub trait HostMemory: Send + Sync + 'static {
+    /// The whole allocation, `capacity` bytes, starting at a [`PAGE_BYTES`]-aligned address.
+    fn as_slice(&self) -> &[u8];
+    /// The whole allocation, mutably.
+    fn as_mut_slice(&mut self) -> &mut [u8];
+    /// Whether the pages are locked in RAM (mlock or driver-pinned).
+    fn is_page_locked(&self) -> bool;
+}
+
+/// Makes [`HostMemory`] for a [`PinnedPool`].
+pub trait HostAllocator: Send + Sync + 'static {
+    /// Allocates at least `capacity` bytes (a multiple of [`PAGE_BYTES`]), zeroed.
+    ///
+    /// # Errors
+    /// The OS or driver refused the allocation.
+    fn allocate(&self, capacity: usize) -> io::Result<Box<dyn HostMemory>>;
+    /// A short name for logs (`mmap`, `cuda-pinned`).
+    fn name(&self) -> &'static str;
+}
+
+/// Host memory from an anonymous `mmap`: page-aligned, 2 MiB-aligned and `MADV_HUGEPAGE` when
+/// at least 2 MiB, locked with `mlock` when asked and allowed.
+pub struct MmapMemory {
+    map: MmapMut,
+    offset: usize,
+    capacity: usize,
+    locked: bool,
+}
+
+impl MmapMemory {
+    /// Maps `capacity` bytes (rounded up to [`PAGE_BYTES`]) and pre-faults them. With `lock`, tries
+    /// `mlock`; the second value is the error when locking was refused (the memory is still usable).
+    ///
+    /// # Errors
+    /// `mmap` failed.
+    pub fn new(capacity: usize, lock: bool) -> io::Result<(Self, Option<io::Error>)> {
+        let capacity = capacity.max(1).next_multiple_of(PAGE_BYTES);
+        let huge = capacity >= HUGE_PAGE_BYTES;
+        let align = if huge { HUGE_PAGE_BYTES } else { PAGE_BYTES };
+        let map = MmapMut::map_anon(capacity + align - PAGE_BYTES)?;
+        let addr = map.as_ptr() as usize;
+        let offset = addr.next_multiple_of(align) - addr;
+        if huge {
+            // Best effort: THP may be off ("never"); the buffer works either way.
+            let _ = map.advise_range(Advice::HugePage, offset, capacity);
+        }
+        let mut mem = Self { map, offset, capacity, locked: false };
+        let mut lock_err = None;
+        if lock {
+            match mem.map.lock() {
+                Ok(()) => mem.locked = true,
+                Err(e) => lock_err = Some(e),
+            }
+        }
+        if !mem.locked {
+            // Fault the pages in now (after MADV_HUGEPAGE, so they come as huge pages), so the
+            // first transfer does not pay for page faults.
+            let step = if huge { HUGE_PAGE_BYTES } else { PAGE_BYTES };
+            let s = mem.as_mut_slice();
+            for i in (0..s.len()).step_by(step) {
+                s[i] = 0;
+            }
+        }
+        Ok((mem, lock_err))
+    }
+}
+
+impl HostMemory for MmapMemory {
+    fn as_slice(&self) -> &[u8] {
+        &self.map[self.offset..self.offset + self.capacity]
+    }
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.map[self.offset..self.offset + self.capacity]
+    }
+    fn is_page_locked(&self) -> bool {
+        self.locked
+    }
+}
+
+/// The default [`HostAllocator`]: [`MmapMemory`], locked with `mlock` when `lock` is set. The
+/// first refusal is logged once as a warning; refused bytes are counted in
+/// [`MmapAllocator::unlocked_bytes`].
+pub struct MmapAllocator {
+    lock: bool,
+    warned: AtomicBool,
+    unlocked_bytes: AtomicU64,
+}
+
+impl MmapAllocator {
+    /// An allocator that locks its memory when `lock` is true.
+    pub fn new(lock: bool) -> Self {
+        Self { lock, warned: AtomicBool::new(false), unlocked_bytes: AtomicU64::new(0) }
+    }
+
+    /// Bytes allocated so far that could not be locked (cumulative).
+    pub fn unlocked_bytes(&self) -> u64 {
+        self.unlocked_bytes.load(Ordering::Relaxed)
+    }
+}
+
+impl HostAllocator for MmapAllocator {
+    fn allocate(&self, capacity: usize) -> io::Result<Box<dyn HostMemory>> {
+        let (mem, lock_err) = MmapMemory::new(capacity, self.lock)?;
+        if let Some(e) = lock_err {
+            self.unlocked_bytes.fetch_add(mem.capacity as u64, Ordering::Relaxed);
+            if !self.warned.swap(true, Ordering::Relaxed) {
+                tracing::warn!(
+                    error = %e,
+                    bytes = mem.capacity,
+                    "mlock refused (RLIMIT_MEMLOCK, see `ulimit -l`): host buffers stay unlocked; \
+                     raise the limit for page-locked transfers"
+                );
+            }
+        }
+        Ok(Box::new(mem))
+    }
+    fn name(&self) -> &'static str {
+        "mmap"
+    }
+}
+
+/// Rounds a request up to its size class: a multiple of 4 KiB, and at most 1/8 larger than the
+/// request (8 classes per power of two above 32 KiB), so a class wastes at most 12.5% there.
+pub fn size_class(bytes: usize) -> usize {
+    let bytes = bytes.max(1);
+    let granule = (bytes.next_power_of_two() / 16).max(PAGE_BYTES);
+    bytes.next_multiple_of(granule)
+}
+
+/// A host buffer from a [`PinnedPool`]: `len()` bytes in use out of `capacity()`.
+///
+/// `capacity()` is the size class, a multiple of [`PAGE_BYTES`], and the address is page-aligned,
+/// so [`HostBuffer::as_padded_slice`] is always valid for O_DIRECT. Dropping the buffer returns
+/// its memory to the pool (it stays locked) for the next request of the same class.
+pub struct HostBuffer {
+    mem: Option<Box<dyn HostMemory>>,
+    len: usize,
+    pool: Option<Arc<PoolShared>>,
+}
+
+impl HostBuffer {
+    /// A buffer over `mem` that belongs to no pool (freed on drop), with `len` bytes in use.
+    ///
+    /// # Panics
+    /// If `len` exceeds the memory's capacity.
+    pub fn unpooled(mem: Box<dyn HostMemory>, len: usize) -> Self {
+        assert!(len <= mem.as_slice().len(), "len {len} > capacity {}", mem.as_slice().len());
+        Self { mem: Some(mem), len, pool: None }
+    }
+
+    fn mem(&self) -> &dyn HostMemory {
+        self.mem.as_deref().expect("host buffer memory taken")
+    }
+
+    /// Bytes in use.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether no bytes are in use.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes of the allocation (a multiple of [`PAGE_BYTES`]).
+    pub fn capacity(&self) -> usize {
+        self.mem().as_slice().len()
+    }
+
+    /// Sets the bytes in use.
+    ///
+    /// # Panics
+    /// If `len > capacity()`.
+    pub fn set_len(&mut self, len: usize) {
+        assert!(len <= self.capacity(), "len {len} > capacity {}", self.capacity());
+        self.len = len;
+    }
+
+    /// The bytes in use.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.mem().as_slice()[..self.len]
+    }
+
+    /// The bytes in use, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        let len = self.len;
+        &mut self.mem.as_deref_mut().expect("host buffer memory taken").as_mut_slice()[..len]
+    }
+
+    /// The bytes in use rounded up to a multiple of [`PAGE_BYTES`] (what O_DIRECT transfers).
+    pub fn as_padded_slice(&self) -> &[u8] {
+        let n = self.len.next_multiple_of(PAGE_BYTES).min(self.capacity());
+        &self.mem().as_slice()[..n]
+    }
+
+    /// The bytes in use rounded up to a multiple of [`PAGE_BYTES`], mutably.
+    pub fn as_padded_mut_slice(&mut self) -> &mut [u8] {
+        let n = self.len.next_multiple_of(PAGE_BYTES).min(self.capacity());
+        &mut self.mem.as_deref_mut().expect("host buffer memory taken").as_mut_slice()[..n]
+    }
+
+    /// The whole allocation, mutably (`capacity()` bytes).
+    pub fn as_capacity_mut_slice(&mut self) -> &mut [u8] {
+        self.mem.as_deref_mut().expect("host buffer memory taken").as_mut_slice()
+    }
+
+    /// Whether the memory is page-locked.
+    pub fn is_page_locked(&self) -> bool {
+        self.mem().is_page_locked()
+    }
+}
+
+impl std::fmt::Debug for HostBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostBuffer")
+            .field("len", &self.len)
+            .field("capacity", &self.capacity())
+            .field("page_locked", &self.is_page_locked())
+            .finish()
+    }
+}
+
+impl Drop for HostBuffer {
+    fn drop(&mut self) {
+        if let (Some(mem), Some(pool)) = (self.mem.take(), self.pool.take()) {
+            pool.give_back(mem);
+        }
+    }
+}
+
+/// Configuration of a [`PinnedPool`].
+#[derive(Debug, Clone)]
+pub struct PinnedPoolConfig {
+    /// Most bytes the pool may hold, live and cached together. Default: 4 GiB.
+    pub budget_bytes: u64,
+    /// Lock pages with `mlock` (ignored by allocators that pin by other means). Default: true.
+    pub lock: bool,
+}
+
+impl Default for PinnedPoolConfig {
+    fn default() -> Self {
+        Self { budget_bytes: 4 << 30, lock: true }
+    }
+}
+
+struct PoolShared {
+    budget_bytes: u64,
+    allocator: Arc<dyn HostAllocator>,
+    state: Mutex<PoolState>,
+    allocations: AtomicU64,
+    reuses: AtomicU64,
+}
+
+#[derive(Default)]
+struct PoolState {
+    /// Bytes of live buffers plus cached free ones.
+    held_bytes: u64,
+    /// Bytes of cached free buffers.
+    cached_bytes: u64,
+    free: BTreeMap<usize, Vec<Box<dyn HostMemory>>>,
+    unlocked_bytes: u64,
+}
+
+impl PoolShared {
+    fn give_back(&self, mem: Box<dyn HostMemory>) {
+        let cap = mem.as_slice().len();
+        let mut st = self.state.lock();
+        st.cached_bytes += cap as u64;
+        st.free.entry(cap).or_default().push(mem);
+    }
+}
+
+/// A pool of page-aligned, page-locked host buffers with a byte budget.
+///
+/// Requests are rounded to a [`size_class`]; a freed buffer is cached by class and handed out
+/// again without re-allocating or re-locking. When a new allocation would exceed the budget, the
+/// pool first frees cached buffers of other classes; if it still does not fit, the request fails
+/// with [`Error::OutOfMemory`] on [`Tier::Host`]. Cloning the pool shares it.
+#[derive(Clone)]
+pub struct PinnedPool {
+    shared: Arc<PoolShared>,
+}
+
+impl PinnedPool {
+    /// A pool over `allocator` with `config`'s budget.
+    pub fn new(config: &PinnedPoolConfig, allocator: Arc<dyn HostAllocator>) -> Self {
+        Self {
+            shared: Arc::new(PoolShared {
+                budget_bytes: config.budget_bytes,
+                allocator,
+                state: Mutex::new(PoolState::default()),
+                allocations: AtomicU64::new(0),
+                reuses: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// A pool of [`MmapAllocator`] memory, locked when `config.lock`.
+    pub fn with_mmap(config: &PinnedPoolConfig) -> Self {
+        Self::new(config, Arc::new(MmapAllocator::new(config.lock)))
+    }
+
+    /// The budget in bytes.
+    pub fn budget_bytes(&self) -> u64 {
+        self.shared.budget_bytes
+    }
+
+    /// Bytes of buffers handed out and not yet dropped (by size class).
+    pub fn live_bytes(&self) -> u64 {
+        let st = self.shared.state.lock();
+        st.held_bytes - st.cached_bytes
+    }
+
+    /// Bytes a new request could still get: the budget less the live bytes (cached free buffers
+    /// count as available, they are released on demand).
+    pub fn available_bytes(&self) -> u64 {
+        self.budget_bytes().saturating_sub(self.live_bytes())
+    }
+
+    /// Bytes held from the OS that are not page-locked (mlock refused).
+    pub fn unlocked_bytes(&self) -> u64 {
+        self.shared.state.lock().unlocked_bytes
+    }
+
+    /// (new allocations, reuses of a cached buffer) since the pool was made.
+    pub fn allocation_counts(&self) -> (u64, u64) {
+        (self.shared.allocations.load(Ordering::Relaxed), self.shared.reuses.load(Ordering::Relaxed))
+    }
+
+    /// Name of the allocator (`mmap`, `cuda-pinned`).
+    pub fn allocator_name(&self) -> &'static str {
+        self.shared.allocator.name()
+    }
+
+    /// A buffer of `len` bytes in use (zeroed when newly allocated; a reused buffer keeps old bytes).
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] on [`Tier::Host`] when the size class does not fit in the budget
+    /// after releasing cached buffers; [`Error::InvalidRequest`] when the allocator fails.
+    pub fn alloc(&self, len: usize) -> Result<HostBuffer> {
+        let class = size_class(len);
+        let sh = &self.shared;
+        let mut to_release = Vec::new();
+        {
+            let mut st = sh.state.lock();
+            if let Some(list) = st.free.get_mut(&class) {
+                if let Some(mem) = list.pop() {
+                    if list.is_empty() {
+                        st.free.remove(&class);
+                    }
+                    st.cached_bytes -= class as u64;
+                    drop(st);
+                    sh.reuses.fetch_add(1, Ordering::Relaxed);
+                    return Ok(HostBuffer { mem: Some(mem), len, pool: Some(sh.clone()) });
+                }
+            }
+            // Release cached buffers (largest first) until the new class fits.
+            while st.held_bytes + class as u64 > sh.budget_bytes && st.cached_bytes > 0 {
+                let (&cap, _) = st.free.iter().next_back().expect("cached bytes without buffers");
+                let list = st.free.get_mut(&cap).expect("class present");
+                let mem = list.pop().expect("non-empty class");
+                if list.is_empty() {
+                    st.free.remove(&cap);
+                }
+                st.cached_bytes -= cap as u64;
+                st.held_bytes -= cap as u64;
+                if !mem.is_page_locked() {
+                    st.unlocked_bytes -= cap as u64;
+                }
+                to_release.push(mem);
+            }
+            if st.held_bytes + class as u64 > sh.budget_bytes {
+                return Err(Error::OutOfMemory {
+                    tier: Tier::Host,
+                    requested_bytes: class as u64,
+                    available_bytes: sh.budget_bytes.saturating_sub(st.held_bytes),
+                });
+            }
+            st.held_bytes += class as u64; // reserved before the (slow) allocation
+        }
+        drop(to_release);
+        let mem = match sh.allocator.allocate(class) {
+            Ok(mem) => mem,
+            Err(e) => {
+                sh.state.lock().held_bytes -= class as u64;
+                return Err(Error::InvalidRequest(format!(
+                    "host allocation of {class} bytes failed ({}): {e}",
+                    sh.allocator.name()
+                )));
+            }
+        };
+        if !mem.is_page_locked() {
+            sh.state.lock().unlocked_bytes += class as u64;
+        }
+        sh.allocations.fetch_add(1, Ordering::Relaxed);
+        Ok(HostBuffer { mem: Some(mem), len, pool: Some(sh.clone()) })
+    }
+
+    /// A buffer holding a copy of `bytes`.
+    ///
+    /// # Errors
+    /// As [`PinnedPool::alloc`].
+    pub fn alloc_copy(&self, bytes: &[u8]) -> Result<HostBuffer> {
+        let mut buf = self.alloc(bytes.len())?;
+        buf.as_mut_slice().copy_from_slice(bytes);
+        Ok(buf)
+    }
+
+    /// Frees every cached (unused) buffer back to the OS.
+    pub fn trim(&self) {
+        let freed: Vec<_> = {
+            let mut st = self.shared.state.lock();
+            let free = std::mem::take(&mut st.free);
+            let mut out = Vec::new();
+            for (cap, list) in free {
+                for mem in list {
+                    st.held_bytes -= cap as u64;
+                    st.cached_bytes -= cap as u64;
+                    if !mem.is_page_locked() {
+                        st.unlocked_bytes -= cap as u64;
+                    }
+                    out.push(mem);
+                }
+            }
+            out
+        };
+        drop(freed);
+    }
+}
+
+impl std::fmt::Debug for PinnedPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedPool")
+            .field("budget_bytes", &self.budget_bytes())
+            .field("live_bytes", &self.live_bytes())
+            .field("allocator", &self.allocator_name())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_classes_are_page_multiples_and_waste_at_most_an_eighth() {
+        for bytes in [1usize, 4095, 4096, 4097, 100_000, 1 << 20, (1 << 20) + 1, 3 << 20, 123_456_789] {
+            let c = size_class(bytes);
+            assert!(c >= bytes);
+            assert_eq!(c % PAGE_BYTES, 0);
+            if bytes > 8 * PAGE_BYTES {
+                assert!(c as f64 <= bytes as f64 * 1.125 + 1.0, "{bytes} -> {c}");
+            }
+        }
+    }
+
+    #[test]
+    fn buffers_are_aligned_and_reused_without_new_allocations() {
+        let pool = PinnedPool::with_mmap(&PinnedPoolConfig { budget_bytes: 64 << 20, lock: true });
+        let a = pool.alloc(3 << 20).unwrap();
+        assert_eq!(a.as_slice().as_ptr() as usize % HUGE_PAGE_BYTES, 0);
+        let b = pool.alloc(10_000).unwrap();
+        assert_eq!(b.as_slice().as_ptr() as usize % PAGE_BYTES, 0);
+        assert_eq!(b.len(), 10_000);
+        drop(a);
+        let _a2 = pool.alloc(3 << 20).unwrap();
+        assert_eq!(pool.allocation_counts(), (2, 1));
+    }
+
+    #[test]
+    fn budget_is_enforced_and_cached_buffers_are_released_for_new_classes() {
+        let pool = PinnedPool::with_mmap(&PinnedPoolConfig { budget_bytes: 8 << 20, lock: false });
+        let a = pool.alloc(6 << 20).unwrap();
+        match pool.alloc(4 << 20) {
+            Err(Error::OutOfMemory { tier: Tier::Host, requested_bytes, available_bytes }) => {
+                assert_eq!(requested_bytes, 4 << 20);
+                assert_eq!(available_bytes, 2 << 20);
+            }
+            other => panic!("expected OutOfMemory, got {other:?}"),
+        }
+        drop(a); // cached, 6 MiB held
+        let b = pool.alloc(4 << 20).unwrap(); // must release the cached 6 MiB first
+        assert_eq!(pool.live_bytes(), 4 << 20);
+        assert!(pool.shared.state.lock().held_bytes <= 8 << 20);
+        drop(b);
+    }
+}

@@ -1,0 +1,31 @@
+//! `oogc-swapper`: the tiers of oogc and the residency manager that moves tensors between them.
+//!
+//! | concept | type | what it is |
+//! |---|---|---|
+//! | tier | [`Tier`] | device (GPU), host (pinned), NVMe |
+//! | device backend | [`Device`], [`SimDevice`], [`CudaDevice`] | enforced capacity, asynchronous H2D/D2H, events |
+//! | pinned pool | [`PinnedPool`], [`HostBuffer`] | page-aligned, page-locked host buffers with a byte budget |
+//! | NVMe store | [`NvmeStore`] | files striped over directories, extents with checksums, io_uring or pread/pwrite |
+//! | residency | [`ResidencyManager`] | where each tensor lives, acquire/release (pins), prefetch, eviction by a policy |
+//! | metrics | [`Metrics`] | bytes and busy time per link, stall time |
+//!
+//! The swapper knows nothing of models or optimizer math: it moves bytes of tensors it is told
+//! about, keeps each tier under its budget, and never evicts a pinned tensor.
+#![deny(unsafe_code)]
+
+pub mod device;
+pub mod error;
+pub mod host;
+pub mod metrics;
+pub mod nvme;
+pub mod tier;
+
+pub use device::{
+    CudaBuffer, CudaDevice, Device, DeviceBackend, DeviceBuffer, Direction, SimBuffer, SimDevice, SimDeviceConfig,
+    Transfer,
+};
+pub use error::{Error, Result};
+pub use host::{HostAllocator, HostBuffer, HostMemory, MmapAllocator, PinnedPool, PinnedPoolConfig};
+pub use metrics::{Link, LinkSnapshot, LinkStats, Metrics, MetricsSnapshot};
+pub use nvme::{EngineChoice, EngineKind, Extent, IoHandle, NvmeConfig, NvmeStore};
+pub use tier::{DType, TensorId, TensorMeta, Tier};
