@@ -18,6 +18,8 @@ pub mod error;
 pub mod host;
 pub mod metrics;
 pub mod nvme;
+pub mod policy;
+pub mod residency;
 pub mod tier;
 
 pub use device::{
@@ -27,5 +29,7 @@ pub use device::{
 pub use error::{Error, Result};
 pub use host::{HostAllocator, HostBuffer, HostMemory, MmapAllocator, PinnedPool, PinnedPoolConfig};
 pub use metrics::{Link, LinkSnapshot, LinkStats, Metrics, MetricsSnapshot};
+pub use policy::{EvictionCandidate, EvictionPolicy, LruPolicy};
+pub use residency::{Access, PrefetchHandle, Resident, ResidencyConfig, ResidencyManager};
 pub use nvme::{EngineChoice, EngineKind, Extent, IoHandle, NvmeConfig, NvmeStore};
 pub use tier::{DType, TensorId, TensorMeta, Tier};

@@ -1,0 +1,1198 @@
+//! The residency manager: where each tensor lives, and moving it where it is needed.
+//!
+//! | concept | what it is |
+//! |---|---|
+//! | copy | a tensor's bytes on one tier: absent, loading, ready, or lent to a transfer |
+//! | home | where the authoritative bytes live when nothing needs them (host or NVMe) |
+//! | acquire / [`Resident`] | makes a copy ready on a tier and pins it; dropping the guard unpins |
+//! | prefetch / [`PrefetchHandle`] | the same fetch, started on a background thread, without a pin |
+//! | eviction | dropping (clean) or writing back (dirty) unpinned copies, in the order an [`EvictionPolicy`] gives |
+//!
+//! **Inclusion.** A device copy always has a host copy beneath it (a fetch to the device goes
+//! through pinned host memory, and a dirty device copy is written back into that host copy), as
+//! in ZeRO-Infinity and StrongHold. A host copy of an NVMe-homed tensor is a cache of its NVMe
+//! extent; a host-homed tensor never leaves the host.
+//!
+//! **Coherence.** Acquiring for [`Access::Write`] marks the copy dirty. Acquiring the host copy
+//! while the device copy is dirty first copies it back (D2H); acquiring the host copy for write
+//! drops the device copy, which would be stale. NVMe write-backs are copy-on-write: the new extent
+//! is written before the old one is freed, so a failed write loses nothing.
+//!
+//! **Budgets.** Every byte on a tier is reserved under the manager's lock before it is allocated,
+//! so a tier never holds more than its budget (host bytes are counted in the pool's size
+//! classes). A pinned copy is never evicted. A request that cannot be met even after evicting
+//! everything evictable fails with [`Error::OutOfMemory`]; one that only waits for other
+//! threads' pins or in-flight transfers blocks, up to [`ResidencyConfig::wait_timeout`].
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::thread::{JoinHandle, ThreadId};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
+use parking_lot::{
+    Condvar, MappedRwLockReadGuard, MappedRwLockWriteGuard, Mutex, MutexGuard, RwLock, RwLockReadGuard,
+    RwLockWriteGuard,
+};
+
+use crate::device::{Device, DeviceBuffer};
+use crate::error::{Error, Result};
+use crate::host::{size_class, HostBuffer, PinnedPool, PinnedPoolConfig};
+use crate::metrics::{Link, Metrics, MetricsSnapshot};
+use crate::nvme::{Extent, NvmeStore};
+use crate::policy::{eviction_order, EvictionCandidate, EvictionPolicy};
+use crate::tier::{TensorId, TensorMeta, Tier};
+
+/// How an acquired copy will be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// Read only: the copy stays clean.
+    Read,
+    /// Read and write: the copy becomes dirty and is written back before it is evicted.
+    Write,
+}
+
+/// Configuration of a [`ResidencyManager`].
+#[derive(Debug, Clone)]
+pub struct ResidencyConfig {
+    /// Device bytes the manager may use. Default `None`: the device's capacity.
+    pub device_budget_bytes: Option<u64>,
+    /// Host (pinned) bytes the manager may use, counted in pool size classes. Default: 4 GiB.
+    pub host_budget_bytes: u64,
+    /// Page-lock host memory (`mlock`; falls back to unlocked with a warning). Default: true.
+    pub lock_host_memory: bool,
+    /// Threads that run prefetches. Default: 2.
+    pub prefetch_threads: usize,
+    /// Longest a request waits for other threads' pins or transfers before failing. Default: 60 s.
+    pub wait_timeout: Duration,
+}
+
+impl Default for ResidencyConfig {
+    fn default() -> Self {
+        Self {
+            device_budget_bytes: None,
+            host_budget_bytes: 4 << 30,
+            lock_host_memory: true,
+            prefetch_threads: 2,
+            wait_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CopyState {
+    /// No bytes on this tier.
+    Absent,
+    /// Bytes reserved, arriving.
+    Loading,
+    /// The buffer is in the cell.
+    Ready,
+    /// The buffer is out on a transfer (read from or written to); it comes back.
+    Lent,
+}
+
+type Cell<B> = Arc<RwLock<Option<B>>>;
+
+struct Replica<B> {
+    state: CopyState,
+    cell: Cell<B>,
+    /// Threads holding a pin (one entry per pin).
+    pinners: Vec<ThreadId>,
+    dirty: bool,
+    last_use: u64,
+    /// Bytes counted against the tier's budget (0 when absent).
+    reserved: u64,
+}
+
+impl<B> Replica<B> {
+    fn absent() -> Self {
+        Self {
+            state: CopyState::Absent,
+            cell: Arc::new(RwLock::new(None)),
+            pinners: Vec::new(),
+            dirty: false,
+            last_use: 0,
+            reserved: 0,
+        }
+    }
+    fn take(&mut self) -> B {
+        debug_assert_eq!(self.state, CopyState::Ready);
+        self.state = CopyState::Lent;
+        self.cell.write().take().expect("ready copy holds its buffer")
+    }
+    fn put(&mut self, b: B) {
+        *self.cell.write() = Some(b);
+        self.state = CopyState::Ready;
+    }
+    /// Drops the buffer now (not when the last guard's handle on the cell goes) and resets to
+    /// absent, so the tier's allocator sees the bytes free as soon as the budget does.
+    fn clear(&mut self) {
+        drop(self.cell.write().take());
+        *self = Self::absent();
+    }
+    fn lendable(&self) -> bool {
+        self.state == CopyState::Ready && self.pinners.is_empty()
+    }
+    fn pin(&mut self) {
+        self.pinners.push(std::thread::current().id());
+    }
+    fn unpin(&mut self, thread: ThreadId) {
+        if let Some(i) = self.pinners.iter().position(|t| *t == thread) {
+            self.pinners.swap_remove(i);
+        }
+    }
+    fn pinned_by_others(&self, me: ThreadId) -> bool {
+        self.pinners.iter().any(|t| *t != me)
+    }
+    fn in_flight(&self) -> bool {
+        matches!(self.state, CopyState::Loading | CopyState::Lent)
+    }
+}
+
+struct Entry {
+    meta: TensorMeta,
+    device: Replica<DeviceBuffer>,
+    host: Replica<HostBuffer>,
+    /// The NVMe copy; valid unless the host copy is dirty. Taken out while a read uses it.
+    nvme: Option<Extent>,
+}
+
+impl Entry {
+    fn num_bytes(&self) -> usize {
+        self.meta.num_bytes()
+    }
+}
+
+#[derive(Default, Clone, Copy)]
+struct LinkBusy {
+    in_flight: u32,
+    since: Option<Instant>,
+}
+
+struct State {
+    entries: HashMap<TensorId, Entry>,
+    /// Reserved bytes: [device, host].
+    used: [u64; 2],
+    links: [LinkBusy; 4],
+    clock: u64,
+    policy: Box<dyn EvictionPolicy>,
+}
+
+impl State {
+    fn entry(&mut self, id: TensorId) -> Result<&mut Entry> {
+        self.entries.get_mut(&id).ok_or(Error::UnknownTensor(id))
+    }
+
+    fn begin(&mut self, link: Link) {
+        let l = &mut self.links[link as usize];
+        if l.in_flight == 0 {
+            l.since = Some(Instant::now());
+        }
+        l.in_flight += 1;
+    }
+
+    fn end(&mut self, link: Link, bytes: u64, metrics: &Metrics) {
+        let l = &mut self.links[link as usize];
+        l.in_flight -= 1;
+        let busy = if l.in_flight == 0 { l.since.take().map(|s| s.elapsed()).unwrap_or_default() } else { Duration::ZERO };
+        metrics.link(link).record(bytes, busy);
+    }
+
+}
+
+/// A long data movement, run with the lock released.
+enum Action {
+    /// NVMe → host: read `extent` into a new host buffer.
+    ReadNvme { id: TensorId, extent: Extent },
+    /// Host → device: copy the lent host buffer into a new device buffer.
+    Htod { id: TensorId, host: HostBuffer },
+    /// Device → host: write the lent dirty device copy back into the lent host copy; drop the
+    /// device copy afterwards when `evict`.
+    Dtoh { id: TensorId, dev: DeviceBuffer, host: HostBuffer, evict: bool },
+    /// Host → NVMe: write the lent host copy to a new extent and free the old one; then drop the
+    /// host copy (and a clean device copy above it) when `evict`, else keep it as a clean cache.
+    WriteNvme { id: TensorId, host: HostBuffer, evict: bool },
+}
+
+enum Step {
+    Done,
+    Wait,
+    Retry,
+    Act(Action),
+}
+
+struct Inner {
+    state: Mutex<State>,
+    cond: Condvar,
+    device: Device,
+    pool: PinnedPool,
+    nvme: Option<NvmeStore>,
+    budgets: [u64; 2],
+    config: ResidencyConfig,
+    metrics: Metrics,
+}
+
+/// Moves tensors between device, host and NVMe: see the [module docs](self).
+///
+/// `Send + Sync`; share it by reference or `Arc` between threads. Guards ([`Resident`]) are
+/// `'static` and may outlive the borrow they came from.
+pub struct ResidencyManager {
+    inner: Arc<Inner>,
+    jobs: Option<Sender<Job>>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+struct Job {
+    id: TensorId,
+    tier: Tier,
+    reply: Sender<Result<()>>,
+}
+
+/// A background fetch started by [`ResidencyManager::prefetch`].
+#[derive(Debug)]
+pub struct PrefetchHandle {
+    rx: Receiver<Result<()>>,
+}
+
+impl PrefetchHandle {
+    /// Blocks until the fetch finished.
+    ///
+    /// # Errors
+    /// The fetch's error (out of memory, I/O, corrupt data).
+    pub fn wait(self) -> Result<()> {
+        self.rx.recv().unwrap_or_else(|_| Err(Error::Device("prefetch thread stopped".into())))
+    }
+
+    /// Whether the fetch finished (non-blocking).
+    pub fn is_ready(&self) -> bool {
+        !self.rx.is_empty()
+    }
+}
+
+/// Which copies of a tensor exist, for inspection and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResidencyInfo {
+    /// A ready device copy exists.
+    pub device: bool,
+    /// The device copy is newer than the host copy.
+    pub device_dirty: bool,
+    /// A ready host copy exists.
+    pub host: bool,
+    /// The host copy is newer than the NVMe copy.
+    pub host_dirty: bool,
+    /// An NVMe extent exists.
+    pub nvme: bool,
+    /// Pins on the device copy.
+    pub device_pins: u32,
+    /// Pins on the host copy.
+    pub host_pins: u32,
+}
+
+impl ResidencyManager {
+    /// A manager over `device` and an optional NVMe `nvme` store, evicting by `policy`.
+    ///
+    /// Host memory comes from the device's preferred allocator (driver-pinned under CUDA,
+    /// `mlock`ed mmap otherwise) through a [`PinnedPool`] with `config.host_budget_bytes`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when a budget is zero, the device budget exceeds the device's capacity,
+    /// or `prefetch_threads` is zero.
+    pub fn new(
+        device: Device,
+        nvme: Option<NvmeStore>,
+        config: ResidencyConfig,
+        policy: Box<dyn EvictionPolicy>,
+    ) -> Result<Self> {
+        let capacity = device.capacity_bytes();
+        let device_budget = config.device_budget_bytes.unwrap_or(capacity);
+        if device_budget == 0 || device_budget > capacity {
+            return Err(Error::Config {
+                key: "device_budget_bytes".into(),
+                reason: format!("{device_budget} must be in 1..={capacity} (the device's capacity in bytes)"),
+            });
+        }
+        if config.host_budget_bytes == 0 {
+            return Err(Error::Config { key: "host_budget_bytes".into(), reason: "must be > 0".into() });
+        }
+        if config.prefetch_threads == 0 {
+            return Err(Error::Config { key: "prefetch_threads".into(), reason: "must be >= 1".into() });
+        }
+        let pool = PinnedPool::new(
+            &PinnedPoolConfig { budget_bytes: config.host_budget_bytes, lock: config.lock_host_memory },
+            device.host_allocator(config.lock_host_memory),
+        );
+        let inner = Arc::new(Inner {
+            state: Mutex::new(State {
+                entries: HashMap::new(),
+                used: [0, 0],
+                links: [LinkBusy::default(); 4],
+                clock: 0,
+                policy,
+            }),
+            cond: Condvar::new(),
+            device,
+            pool,
+            nvme,
+            budgets: [device_budget, config.host_budget_bytes],
+            config,
+            metrics: Metrics::default(),
+        });
+        let (tx, rx) = unbounded::<Job>();
+        let threads = (0..inner.config.prefetch_threads)
+            .map(|i| {
+                let inner = inner.clone();
+                let rx = rx.clone();
+                std::thread::Builder::new()
+                    .name(format!("oogc-prefetch-{i}"))
+                    .spawn(move || {
+                        for job in rx {
+                            let r = inner.ensure(job.id, job.tier, None, true, false).map(|_| ());
+                            let _ = job.reply.send(r);
+                        }
+                    })
+                    .expect("spawn prefetch thread")
+            })
+            .collect();
+        Ok(Self { inner, jobs: Some(tx), threads })
+    }
+
+    /// The device.
+    pub fn device(&self) -> &Device {
+        &self.inner.device
+    }
+
+    /// The NVMe store, if any.
+    pub fn nvme(&self) -> Option<&NvmeStore> {
+        self.inner.nvme.as_ref()
+    }
+
+    /// The host pool.
+    pub fn host_pool(&self) -> &PinnedPool {
+        &self.inner.pool
+    }
+
+    /// The byte budget of `tier` (`Nvme`: the store's capacity, 0 without a store).
+    pub fn budget_bytes(&self, tier: Tier) -> u64 {
+        match tier {
+            Tier::Device | Tier::Host => self.inner.budgets[tier.index()],
+            Tier::Nvme => self.inner.nvme.as_ref().map_or(0, |s| s.capacity_bytes()),
+        }
+    }
+
+    /// Bytes reserved on `tier` now (`Nvme`: bytes in live extents).
+    pub fn used_bytes(&self, tier: Tier) -> u64 {
+        match tier {
+            Tier::Device | Tier::Host => self.inner.state.lock().used[tier.index()],
+            Tier::Nvme => self.inner.nvme.as_ref().map_or(0, |s| s.used_bytes()),
+        }
+    }
+
+    /// A copy of the traffic counters.
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let mut m = self.inner.metrics.snapshot();
+        m.unpinned_host_bytes = self.inner.pool.unlocked_bytes();
+        m
+    }
+
+    /// The name of the eviction policy.
+    pub fn policy_name(&self) -> String {
+        self.inner.state.lock().policy.name().to_string()
+    }
+
+    /// Replaces the eviction policy (between steps, when a schedule was recorded).
+    pub fn set_policy(&self, policy: Box<dyn EvictionPolicy>) {
+        self.inner.state.lock().policy = policy;
+    }
+
+    /// Registers a tensor with its initial bytes, stored at its home tier (an NVMe-homed tensor is
+    /// written to the store and its host copy kept as a clean cache while there is room).
+    ///
+    /// # Errors
+    /// [`Error::DuplicateTensor`]; [`Error::InvalidRequest`] when `data` is not
+    /// `meta.num_bytes()` long, the home is the device, or the home is NVMe without a store;
+    /// [`Error::OutOfMemory`] when the tensor is larger than the host budget or the store;
+    /// NVMe I/O errors.
+    pub fn register(&self, meta: TensorMeta, data: &[u8]) -> Result<()> {
+        self.inner.register(meta, data)
+    }
+
+    /// Unregisters a tensor and frees its copies.
+    ///
+    /// # Errors
+    /// [`Error::UnknownTensor`]; [`Error::InvalidRequest`] when it is pinned or in flight.
+    pub fn remove(&self, id: TensorId) -> Result<TensorMeta> {
+        let inner = &self.inner;
+        let mut st = inner.state.lock();
+        let e = st.entry(id)?;
+        let busy = |s: CopyState| matches!(s, CopyState::Loading | CopyState::Lent);
+        if !e.device.pinners.is_empty() || !e.host.pinners.is_empty() || busy(e.device.state) || busy(e.host.state) {
+            return Err(Error::InvalidRequest(format!("tensor {id} is pinned or in flight; release it first")));
+        }
+        let e = st.entries.remove(&id).expect("present");
+        st.used[0] -= e.device.reserved;
+        st.used[1] -= e.host.reserved;
+        if let (Some(x), Some(store)) = (e.nvme, inner.nvme.as_ref()) {
+            store.free(x);
+        }
+        inner.cond.notify_all();
+        Ok(e.meta)
+    }
+
+    /// The metadata of a tensor.
+    ///
+    /// # Errors
+    /// [`Error::UnknownTensor`].
+    pub fn meta(&self, id: TensorId) -> Result<TensorMeta> {
+        Ok(self.inner.state.lock().entry(id)?.meta.clone())
+    }
+
+    /// Which copies of `id` exist now.
+    ///
+    /// # Errors
+    /// [`Error::UnknownTensor`].
+    pub fn residency(&self, id: TensorId) -> Result<ResidencyInfo> {
+        let mut st = self.inner.state.lock();
+        let e = st.entry(id)?;
+        Ok(ResidencyInfo {
+            device: e.device.state == CopyState::Ready,
+            device_dirty: e.device.dirty,
+            host: e.host.state == CopyState::Ready,
+            host_dirty: e.host.dirty,
+            nvme: e.nvme.is_some(),
+            device_pins: e.device.pinners.len() as u32,
+            host_pins: e.host.pinners.len() as u32,
+        })
+    }
+
+    /// Makes `id` ready on `tier` (fetching it, and evicting others, as needed) and pins it there
+    /// until the returned guard is dropped. Blocks while the bytes arrive; the wait counts as stall.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for `Tier::Nvme`; [`Error::UnknownTensor`];
+    /// [`Error::OutOfMemory`] when the tier cannot make room; device and NVMe errors
+    /// ([`Error::Corrupt`] among them).
+    pub fn acquire(&self, id: TensorId, tier: Tier, access: Access) -> Result<Resident> {
+        let span = tracing::trace_span!("swapper::acquire", tensor = id.0, %tier);
+        let _e = span.enter();
+        let cell = self.inner.ensure(id, tier, Some(access), false, false)?.expect("pinned acquire returns its cell");
+        let num_bytes = self.inner.state.lock().entry(id)?.num_bytes();
+        Ok(Resident { inner: self.inner.clone(), id, tier, access, num_bytes, cell, thread: std::thread::current().id() })
+    }
+
+    /// Starts fetching `id` to `tier` on a background thread, without pinning it. An acquire that
+    /// comes later waits only for what is left of the fetch.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for `Tier::Nvme` (reported at once); the fetch's own errors come
+    /// from [`PrefetchHandle::wait`].
+    pub fn prefetch(&self, id: TensorId, tier: Tier) -> Result<PrefetchHandle> {
+        if tier == Tier::Nvme {
+            return Err(Error::InvalidRequest("prefetch targets the device or host tier".into()));
+        }
+        let (reply, rx) = bounded(1);
+        self.jobs
+            .as_ref()
+            .expect("running")
+            .send(Job { id, tier, reply })
+            .map_err(|_| Error::Device("prefetch threads stopped".into()))?;
+        Ok(PrefetchHandle { rx })
+    }
+
+    /// Copies the current bytes of `id` out (from the freshest copy), for tests and checkpoints.
+    ///
+    /// # Errors
+    /// As [`ResidencyManager::acquire`] on the host tier.
+    pub fn read_to_vec(&self, id: TensorId) -> Result<Vec<u8>> {
+        let g = self.acquire(id, Tier::Host, Access::Read)?;
+        let v = g.host_bytes().to_vec();
+        Ok(v)
+    }
+
+    /// Checks the bookkeeping: reserved bytes equal the sum over copies, no tier over its budget,
+    /// the device and pool within budget. For tests; cheap enough to call often.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] describing the first broken invariant.
+    pub fn check_invariants(&self) -> Result<()> {
+        let st = self.inner.state.lock();
+        let mut sum = [0u64; 2];
+        for e in st.entries.values() {
+            sum[0] += e.device.reserved;
+            sum[1] += e.host.reserved;
+            if e.device.state != CopyState::Absent && e.host.state == CopyState::Absent {
+                return Err(Error::InvalidRequest(format!("{}: device copy without host copy", e.meta.id)));
+            }
+            if !e.device.pinners.is_empty() && e.device.state != CopyState::Ready {
+                return Err(Error::InvalidRequest(format!("{}: pinned device copy not ready", e.meta.id)));
+            }
+            if !e.host.pinners.is_empty() && e.host.state != CopyState::Ready {
+                return Err(Error::InvalidRequest(format!("{}: pinned host copy not ready", e.meta.id)));
+            }
+        }
+        for t in [Tier::Device, Tier::Host] {
+            let i = t.index();
+            if sum[i] != st.used[i] {
+                return Err(Error::InvalidRequest(format!("{t}: used {} != sum of copies {}", st.used[i], sum[i])));
+            }
+            if st.used[i] > self.inner.budgets[i] {
+                return Err(Error::InvalidRequest(format!("{t}: used {} > budget {}", st.used[i], self.inner.budgets[i])));
+            }
+        }
+        if self.inner.device.allocated_bytes() > self.inner.budgets[0] {
+            return Err(Error::InvalidRequest("device allocated bytes over budget".into()));
+        }
+        if self.inner.pool.live_bytes() > self.inner.budgets[1] {
+            return Err(Error::InvalidRequest("host pool live bytes over budget".into()));
+        }
+        Ok(())
+    }
+}
+
+impl Drop for ResidencyManager {
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl std::fmt::Debug for ResidencyManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResidencyManager")
+            .field("device", &self.inner.device.name())
+            .field("budgets", &self.inner.budgets)
+            .finish()
+    }
+}
+
+enum PinnedCell {
+    Host(Cell<HostBuffer>),
+    Device(Cell<DeviceBuffer>),
+}
+
+impl Inner {
+    fn store(&self) -> Result<&NvmeStore> {
+        self.nvme.as_ref().ok_or_else(|| Error::InvalidRequest("no NVMe store is configured".into()))
+    }
+
+    fn register(&self, meta: TensorMeta, data: &[u8]) -> Result<()> {
+        let id = meta.id;
+        let bytes = meta.num_bytes();
+        if data.len() != bytes {
+            return Err(Error::InvalidRequest(format!(
+                "tensor {id} ({}) is {bytes} bytes by its shape, {} given",
+                meta.name,
+                data.len()
+            )));
+        }
+        match meta.home {
+            Tier::Device => {
+                return Err(Error::InvalidRequest(format!("tensor {id}: the device cannot be a home tier")));
+            }
+            Tier::Nvme => {
+                self.store()?;
+            }
+            Tier::Host => {}
+        }
+        let class = size_class(bytes) as u64;
+        if class > self.budgets[1] {
+            return Err(Error::OutOfMemory { tier: Tier::Host, requested_bytes: class, available_bytes: self.budgets[1] });
+        }
+        let mut st = self.state.lock();
+        if st.entries.contains_key(&id) {
+            return Err(Error::DuplicateTensor(id));
+        }
+        let home = meta.home;
+        let mut e = Entry { meta, device: Replica::absent(), host: Replica::absent(), nvme: None };
+        e.host.state = CopyState::Loading;
+        st.entries.insert(id, e);
+        let deadline = Instant::now() + self.config.wait_timeout;
+        if let Err(err) = self.reserve(&mut st, Tier::Host, class, id, deadline) {
+            st.entries.remove(&id);
+            return Err(err);
+        }
+        st.entry(id)?.host.reserved = class;
+        let filled = MutexGuard::unlocked(&mut st, || {
+            self.pool.alloc(bytes).map(|mut buf| {
+                buf.as_mut_slice().copy_from_slice(data);
+                buf
+            })
+        });
+        let buf = match filled {
+            Ok(b) => b,
+            Err(err) => {
+                st.used[1] -= class;
+                st.entries.remove(&id);
+                self.cond.notify_all();
+                return Err(err);
+            }
+        };
+        let clock = st.clock;
+        let e = st.entry(id)?;
+        e.host.put(buf);
+        e.host.last_use = clock;
+        if home == Tier::Nvme {
+            // Write the home copy now; the host copy stays as a clean cache.
+            let host = e.host.take();
+            if let Err(err) = self.run(&mut st, Action::WriteNvme { id, host, evict: false }) {
+                let e = st.entries.remove(&id).expect("present");
+                st.used[1] -= e.host.reserved;
+                self.cond.notify_all();
+                return Err(err);
+            }
+        }
+        self.cond.notify_all();
+        Ok(())
+    }
+
+    /// Brings `id` to `tier`; with `pin`, pins it and returns its cell. `prefetch` calls count no
+    /// stall; `nested` calls (a device fetch bringing its host copy) do not notify the policy.
+    fn ensure(
+        &self,
+        id: TensorId,
+        tier: Tier,
+        pin: Option<Access>,
+        prefetch: bool,
+        nested: bool,
+    ) -> Result<Option<PinnedCell>> {
+        if tier == Tier::Nvme {
+            return Err(Error::InvalidRequest("acquire targets the device or host tier; NVMe is a home".into()));
+        }
+        let start = Instant::now();
+        let deadline = start + self.config.wait_timeout;
+        let mut st = self.state.lock();
+        st.entry(id)?;
+        if !nested {
+            st.clock += 1;
+            let clock = st.clock;
+            st.policy.on_acquire(id, tier, clock, prefetch);
+        }
+        let mut first = true;
+        let result = loop {
+            let step = match self.step(&mut st, id, tier, pin, deadline) {
+                Ok(s) => s,
+                Err(e) => break Err(e),
+            };
+            let was_first = std::mem::replace(&mut first, false);
+            match step {
+                Step::Done => {
+                    if was_first && !prefetch {
+                        self.metrics.add_prefetch_hit();
+                    }
+                    let clock = st.clock;
+                    let e = st.entry(id)?;
+                    let cell = match (pin, tier) {
+                        (None, _) => None,
+                        (Some(_), Tier::Host) => Some(PinnedCell::Host(e.host.cell.clone())),
+                        (Some(_), _) => Some(PinnedCell::Device(e.device.cell.clone())),
+                    };
+                    match tier {
+                        Tier::Host => e.host.last_use = clock,
+                        _ => e.device.last_use = clock,
+                    }
+                    break Ok(cell);
+                }
+                Step::Retry => {}
+                Step::Wait => {
+                    if self.cond.wait_until(&mut st, deadline).timed_out() {
+                        tracing::warn!(tensor = id.0, %tier, waited_s = start.elapsed().as_secs_f64(), "gave up waiting");
+                        let requested_bytes = st.entries.get(&id).map_or(0, |e| e.num_bytes() as u64);
+                        break Err(Error::OutOfMemory {
+                            tier,
+                            requested_bytes,
+                            available_bytes: self.budgets[tier.index()].saturating_sub(st.used[tier.index()]),
+                        });
+                    }
+                }
+                Step::Act(action) => {
+                    if let Err(e) = self.run(&mut st, action) {
+                        break Err(e);
+                    }
+                }
+            }
+        };
+        if !prefetch && !first {
+            self.metrics.add_stall(start.elapsed());
+        }
+        result
+    }
+
+    /// One decision for `ensure`, under the lock.
+    fn step(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        id: TensorId,
+        tier: Tier,
+        pin: Option<Access>,
+        deadline: Instant,
+    ) -> Result<Step> {
+        let e = st.entry(id)?;
+        let bytes = e.num_bytes() as u64;
+        if tier == Tier::Host {
+            // Coherence first: a dirty device copy is newer than the host copy.
+            if e.device.dirty {
+                if !(e.device.lendable() && e.host.lendable()) {
+                    return Ok(Step::Wait);
+                }
+                let dev = e.device.take();
+                let host = e.host.take();
+                return Ok(Step::Act(Action::Dtoh { id, dev, host, evict: false }));
+            }
+            match e.host.state {
+                CopyState::Ready => {
+                    if pin == Some(Access::Write) && e.device.state != CopyState::Absent {
+                        // The device copy would go stale: drop it (it is clean here).
+                        if !e.device.lendable() {
+                            return Ok(Step::Wait);
+                        }
+                        let freed = e.device.reserved;
+                        e.device.clear();
+                        st.used[0] -= freed;
+                        self.cond.notify_all();
+                    }
+                    let e = st.entry(id)?;
+                    if let Some(access) = pin {
+                        e.host.pin();
+                        if access == Access::Write {
+                            e.host.dirty = true;
+                        }
+                    }
+                    Ok(Step::Done)
+                }
+                CopyState::Loading | CopyState::Lent => Ok(Step::Wait),
+                CopyState::Absent => {
+                    let class = size_class(bytes as usize) as u64;
+                    e.host.state = CopyState::Loading;
+                    if let Err(err) = self.reserve(st, Tier::Host, class, id, deadline) {
+                        st.entry(id)?.host.state = CopyState::Absent;
+                        self.cond.notify_all();
+                        return Err(err);
+                    }
+                    let e = st.entry(id)?;
+                    e.host.reserved = class;
+                    match e.nvme.take() {
+                        Some(extent) => Ok(Step::Act(Action::ReadNvme { id, extent })),
+                        None => {
+                            e.host.clear();
+                            st.used[1] -= class;
+                            self.cond.notify_all();
+                            Err(Error::InvalidRequest(format!("tensor {id} has neither a host copy nor an NVMe extent")))
+                        }
+                    }
+                }
+            }
+        } else {
+            match e.device.state {
+                CopyState::Ready => {
+                    if let Some(access) = pin {
+                        e.device.pin();
+                        if access == Access::Write {
+                            e.device.dirty = true;
+                        }
+                    }
+                    Ok(Step::Done)
+                }
+                CopyState::Loading | CopyState::Lent => Ok(Step::Wait),
+                CopyState::Absent => {
+                    if bytes > self.budgets[0] {
+                        return Err(Error::OutOfMemory {
+                            tier: Tier::Device,
+                            requested_bytes: bytes,
+                            available_bytes: self.budgets[0],
+                        });
+                    }
+                    // Claim the load: others wait for it instead of starting their own.
+                    e.device.state = CopyState::Loading;
+                    let r = self.load_device(st, id, bytes, deadline);
+                    if r.is_err() {
+                        let e = st.entry(id)?;
+                        if e.device.state == CopyState::Loading {
+                            e.device.state = CopyState::Absent;
+                        }
+                    }
+                    self.cond.notify_all();
+                    r.map(|()| Step::Retry)
+                }
+            }
+        }
+    }
+
+    /// Fetches `id` to the device after `step` claimed the load (device copy `Loading`): brings
+    /// the host copy and pins it, reserves device room, waits until no one else reads the host
+    /// copy, then lends it to the H2D copy.
+    fn load_device(&self, st: &mut MutexGuard<'_, State>, id: TensorId, bytes: u64, deadline: Instant) -> Result<()> {
+        let me = std::thread::current().id();
+        MutexGuard::unlocked(st, || self.ensure(id, Tier::Host, Some(Access::Read), true, true))?;
+        let unpin = |st: &mut MutexGuard<'_, State>| {
+            if let Some(e) = st.entries.get_mut(&id) {
+                e.host.unpin(me);
+            }
+        };
+        if let Err(err) = self.reserve(st, Tier::Device, bytes, id, deadline) {
+            unpin(st);
+            return Err(err);
+        }
+        st.entry(id)?.device.reserved = bytes;
+        // Readers of the host copy are short-lived; the copy needs the buffer to itself.
+        while st.entry(id)?.host.pinners.len() > 1 {
+            if self.cond.wait_until(st, deadline).timed_out() {
+                unpin(st);
+                let e = st.entry(id)?;
+                e.device.reserved = 0;
+                st.used[0] -= bytes;
+                return Err(Error::InvalidRequest(format!(
+                    "tensor {id}: its host copy stayed pinned by another thread while its device copy was \
+                     fetched; do not hold a host guard of a tensor while acquiring its device copy"
+                )));
+            }
+        }
+        let e = st.entry(id)?;
+        e.host.unpin(me);
+        let host = e.host.take();
+        self.run(st, Action::Htod { id, host })
+    }
+
+    /// Reserves `need` bytes on `tier` for `for_id`, evicting by policy; may release the lock to
+    /// write back dirty victims or to wait for other threads' pins and transfers.
+    fn reserve(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        tier: Tier,
+        need: u64,
+        for_id: TensorId,
+        deadline: Instant,
+    ) -> Result<()> {
+        let t = tier.index();
+        let budget = self.budgets[t];
+        let me = std::thread::current().id();
+        loop {
+            if st.used[t] + need <= budget {
+                st.used[t] += need;
+                return Ok(());
+            }
+            let mut candidates = Vec::new();
+            // Whether another thread's pin or an in-flight transfer may free room later.
+            let mut blocked_by_others = false;
+            // Bytes that neither eviction nor waiting can free (host homes, our own pins).
+            let mut fixed = 0u64;
+            for e in st.entries.values() {
+                if e.meta.id == for_id {
+                    continue;
+                }
+                let copy = match tier {
+                    Tier::Device => (e.device.state, &e.device.pinners, e.device.dirty, e.device.reserved, e.device.last_use),
+                    _ => (e.host.state, &e.host.pinners, e.host.dirty, e.host.reserved, e.host.last_use),
+                };
+                let (state, pinners, dirty, reserved, last_use) = copy;
+                if state == CopyState::Absent {
+                    continue;
+                }
+                if matches!(state, CopyState::Loading | CopyState::Lent) {
+                    blocked_by_others = true;
+                    continue;
+                }
+                let evictable = pinners.is_empty()
+                    && match tier {
+                        Tier::Device => !dirty || e.host.lendable(),
+                        _ => {
+                            e.meta.home == Tier::Nvme
+                                && (e.device.state == CopyState::Absent || (e.device.lendable() && !e.device.dirty))
+                        }
+                    };
+                if evictable {
+                    candidates.push(EvictionCandidate { id: e.meta.id, tier, num_bytes: reserved, last_use, dirty });
+                } else if (tier == Tier::Host && e.meta.home == Tier::Host)
+                    || !(e.device.pinned_by_others(me)
+                        || e.host.pinned_by_others(me)
+                        || e.device.in_flight()
+                        || e.host.in_flight())
+                {
+                    fixed += reserved;
+                } else {
+                    blocked_by_others = true;
+                }
+            }
+            if candidates.is_empty() {
+                let out_of_memory = Error::OutOfMemory {
+                    tier,
+                    requested_bytes: need,
+                    available_bytes: budget.saturating_sub(st.used[t]),
+                };
+                if need > budget.saturating_sub(fixed) || !blocked_by_others {
+                    return Err(out_of_memory);
+                }
+                if self.cond.wait_until(st, deadline).timed_out() {
+                    return Err(out_of_memory);
+                }
+                continue;
+            }
+            let clock = st.clock;
+            eviction_order(st.policy.as_ref(), &mut candidates, clock);
+            let victim = candidates[0];
+            let _span =
+                tracing::trace_span!("swapper::evict", tensor = victim.id.0, %tier, bytes = victim.num_bytes).entered();
+            self.metrics.add_eviction();
+            let e = st.entry(victim.id)?;
+            match tier {
+                Tier::Device if e.device.dirty => {
+                    let dev = e.device.take();
+                    let host = e.host.take();
+                    self.run(st, Action::Dtoh { id: victim.id, dev, host, evict: true })?;
+                }
+                Tier::Device => {
+                    e.device.clear();
+                    st.used[0] -= victim.num_bytes;
+                }
+                _ if e.host.dirty => {
+                    let host = e.host.take();
+                    self.run(st, Action::WriteNvme { id: victim.id, host, evict: true })?;
+                }
+                _ => {
+                    let dev_freed = e.device.reserved;
+                    e.device.clear();
+                    e.host.clear();
+                    st.used[0] -= dev_freed;
+                    st.used[1] -= victim.num_bytes;
+                }
+            }
+            self.cond.notify_all();
+        }
+    }
+
+    /// Runs `action` with the lock released and applies its outcome.
+    fn run(&self, st: &mut MutexGuard<'_, State>, action: Action) -> Result<()> {
+        let r = match action {
+            Action::ReadNvme { id, extent } => {
+                st.begin(Link::NvmeRead);
+                let bytes = extent.num_bytes();
+                let (res, extent) = MutexGuard::unlocked(st, || {
+                    let r = self.pool.alloc(bytes as usize).and_then(|buf| {
+                        let (r, buf) = self.store()?.read(&extent, buf).wait();
+                        r.map(|()| buf)
+                    });
+                    (r, extent)
+                });
+                st.end(Link::NvmeRead, bytes, &self.metrics);
+                let clock = st.clock;
+                let e = st.entry(id)?;
+                e.nvme = Some(extent);
+                match res {
+                    Ok(buf) => {
+                        e.host.put(buf);
+                        e.host.dirty = false;
+                        e.host.last_use = clock;
+                        Ok(())
+                    }
+                    Err(err) => {
+                        let freed = e.host.reserved;
+                        e.host.clear();
+                        st.used[1] -= freed;
+                        Err(err)
+                    }
+                }
+            }
+            Action::Htod { id, host } => {
+                let bytes = host.len();
+                st.begin(Link::Htod);
+                let res = MutexGuard::unlocked(st, || {
+                    let span = tracing::trace_span!("swapper::htod", tensor = id.0, bytes);
+                    let _e = span.enter();
+                    match self.device.alloc(bytes) {
+                        Ok(dev) => self.device.htod(host, dev).and_then(|t| t.wait()).map_err(|e| (e, None)),
+                        Err(e) => Err((e, Some(host))),
+                    }
+                });
+                st.end(Link::Htod, bytes as u64, &self.metrics);
+                let clock = st.clock;
+                let e = st.entry(id)?;
+                match res {
+                    Ok((host, dev)) => {
+                        e.host.put(host);
+                        e.device.put(dev);
+                        e.device.dirty = false;
+                        e.device.last_use = clock;
+                        Ok(())
+                    }
+                    Err((err, host)) => {
+                        // A failed copy loses the host buffer only if the engine lost it; the host
+                        // copy is then refetched from NVMe or, for host-homed tensors, reported.
+                        match host {
+                            Some(h) => e.host.put(h),
+                            None => {
+                                let r = e.host.reserved;
+                                e.host.clear();
+                                st.used[1] -= r;
+                            }
+                        }
+                        let e = st.entry(id)?;
+                        let r = e.device.reserved;
+                        e.device.clear();
+                        st.used[0] -= r;
+                        Err(err)
+                    }
+                }
+            }
+            Action::Dtoh { id, dev, host, evict } => {
+                let bytes = host.len();
+                st.begin(Link::Dtoh);
+                let res = MutexGuard::unlocked(st, || {
+                    let span = tracing::trace_span!("swapper::dtoh", tensor = id.0, bytes);
+                    let _e = span.enter();
+                    self.device.dtoh(dev, host).and_then(|t| t.wait())
+                });
+                st.end(Link::Dtoh, bytes as u64, &self.metrics);
+                let e = st.entry(id)?;
+                match res {
+                    Ok((host, dev)) => {
+                        e.host.put(host);
+                        e.host.dirty = true;
+                        if evict {
+                            drop(dev);
+                            let r = e.device.reserved;
+                            e.device.clear();
+                            st.used[0] -= r;
+                        } else {
+                            e.device.put(dev);
+                            e.device.dirty = false;
+                        }
+                        Ok(())
+                    }
+                    Err(err) => {
+                        // The engine dropped both buffers: the newest bytes are gone with the
+                        // device buffer. Report it; the tensor falls back to its host copy.
+                        let (hr, dr) = (e.host.reserved, e.device.reserved);
+                        e.host.clear();
+                        e.device.clear();
+                        st.used[0] -= dr;
+                        st.used[1] -= hr;
+                        Err(err)
+                    }
+                }
+            }
+            Action::WriteNvme { id, host, evict } => {
+                let bytes = host.len() as u64;
+                st.begin(Link::NvmeWrite);
+                let (res, host) = MutexGuard::unlocked(st, || match self.store() {
+                    Ok(s) => s.write(id, host).wait(),
+                    Err(e) => (Err(e), host),
+                });
+                st.end(Link::NvmeWrite, bytes, &self.metrics);
+                let e = st.entry(id)?;
+                match res {
+                    Ok(extent) => {
+                        if let Some(old) = e.nvme.replace(extent) {
+                            self.store()?.free(old);
+                        }
+                        let e = st.entry(id)?;
+                        if evict {
+                            drop(host);
+                            let (hr, dr) = (e.host.reserved, e.device.reserved);
+                            e.host.clear();
+                            e.device.clear();
+                            st.used[0] -= dr;
+                            st.used[1] -= hr;
+                        } else {
+                            e.host.put(host);
+                            e.host.dirty = false;
+                        }
+                        Ok(())
+                    }
+                    Err(err) => {
+                        // Nothing is lost: the dirty host copy stays, the old extent too.
+                        e.host.put(host);
+                        Err(err)
+                    }
+                }
+            }
+        };
+        self.cond.notify_all();
+        r
+    }
+}
+
+/// A pinned copy of a tensor on one tier. While it lives the copy is not evicted; dropping it
+/// unpins. Byte access goes through short-lived lock guards.
+pub struct Resident {
+    inner: Arc<Inner>,
+    id: TensorId,
+    tier: Tier,
+    access: Access,
+    num_bytes: usize,
+    cell: PinnedCell,
+    thread: ThreadId,
+}
+
+impl Resident {
+    /// The tensor.
+    pub fn id(&self) -> TensorId {
+        self.id
+    }
+
+    /// The tier it is pinned on.
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    /// Size in bytes.
+    pub fn num_bytes(&self) -> usize {
+        self.num_bytes
+    }
+
+    /// The host bytes.
+    ///
+    /// # Panics
+    /// If the guard is not for the host tier.
+    pub fn host_bytes(&self) -> MappedRwLockReadGuard<'_, [u8]> {
+        let PinnedCell::Host(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
+        RwLockReadGuard::map(cell.read(), |b| b.as_ref().expect("pinned copy present").as_slice())
+    }
+
+    /// The host bytes, mutably.
+    ///
+    /// # Panics
+    /// If the guard is not for the host tier or was acquired for [`Access::Read`].
+    pub fn host_bytes_mut(&self) -> MappedRwLockWriteGuard<'_, [u8]> {
+        assert_eq!(self.access, Access::Write, "acquired for read");
+        let PinnedCell::Host(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
+        RwLockWriteGuard::map(cell.write(), |b| b.as_mut().expect("pinned copy present").as_mut_slice())
+    }
+
+    /// The device buffer.
+    ///
+    /// # Panics
+    /// If the guard is not for the device tier.
+    pub fn device_buffer(&self) -> MappedRwLockReadGuard<'_, DeviceBuffer> {
+        let PinnedCell::Device(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
+        RwLockReadGuard::map(cell.read(), |b| b.as_ref().expect("pinned copy present"))
+    }
+
+    /// The device buffer, mutably.
+    ///
+    /// # Panics
+    /// If the guard is not for the device tier or was acquired for [`Access::Read`].
+    pub fn device_buffer_mut(&self) -> MappedRwLockWriteGuard<'_, DeviceBuffer> {
+        assert_eq!(self.access, Access::Write, "acquired for read");
+        let PinnedCell::Device(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
+        RwLockWriteGuard::map(cell.write(), |b| b.as_mut().expect("pinned copy present"))
+    }
+}
+
+impl Drop for Resident {
+    fn drop(&mut self) {
+        let mut st = self.inner.state.lock();
+        if let Some(e) = st.entries.get_mut(&self.id) {
+            match self.tier {
+                Tier::Host => e.host.unpin(self.thread),
+                _ => e.device.unpin(self.thread),
+            }
+        }
+        self.inner.cond.notify_all();
+    }
+}
+
+impl std::fmt::Debug for Resident {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resident").field("id", &self.id).field("tier", &self.tier).field("access", &self.access).finish()
+    }
+}

@@ -1,0 +1,290 @@
+//! The residency manager on the sim device: bytes round-trip, budgets hold, pins are respected,
+//! and a randomized concurrent workload keeps every invariant.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use oogc_swapper::{
+    Access, DType, Device, Error, LruPolicy, ResidencyConfig, ResidencyManager, SimDevice, SimDeviceConfig, TensorId,
+    TensorMeta, Tier,
+};
+use proptest::prelude::*;
+
+fn manager(device_bytes: u64, host_bytes: u64) -> ResidencyManager {
+    let dev = SimDevice::new(SimDeviceConfig { capacity_bytes: device_bytes, ..Default::default() }).unwrap();
+    ResidencyManager::new(
+        Device::Sim(dev),
+        None,
+        ResidencyConfig {
+            host_budget_bytes: host_bytes,
+            lock_host_memory: false,
+            wait_timeout: Duration::from_secs(20),
+            ..Default::default()
+        },
+        Box::new(LruPolicy),
+    )
+    .unwrap()
+}
+
+fn meta(id: u64, bytes: usize) -> TensorMeta {
+    TensorMeta::new(TensorId(id), format!("t{id}"), &[bytes], DType::U8, Tier::Host)
+}
+
+fn pattern(id: u64, version: u8, bytes: usize) -> Vec<u8> {
+    (0..bytes).map(|i| (i as u64 * 31 + id * 7 + version as u64) as u8).collect()
+}
+
+/// A tiny deterministic generator (splitmix64) for the randomized workload.
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        (z ^ (z >> 31)) % n
+    }
+}
+
+fn device_bytes(g: &oogc_swapper::Resident) -> Vec<u8> {
+    g.device_buffer().as_sim().unwrap().as_slice().to_vec()
+}
+
+#[test]
+fn device_copy_matches_host_and_writes_come_back() {
+    let m = manager(1 << 20, 16 << 20);
+    let data = pattern(1, 0, 300_001);
+    m.register(meta(1, data.len()), &data).unwrap();
+    {
+        let g = m.acquire(TensorId(1), Tier::Device, Access::Read).unwrap();
+        assert_eq!(device_bytes(&g), data);
+    }
+    let new = pattern(1, 9, data.len());
+    {
+        let g = m.acquire(TensorId(1), Tier::Device, Access::Write).unwrap();
+        g.device_buffer_mut().as_sim_mut().unwrap().as_mut_slice().copy_from_slice(&new);
+    }
+    assert!(m.residency(TensorId(1)).unwrap().device_dirty);
+    assert_eq!(m.read_to_vec(TensorId(1)).unwrap(), new, "host acquire must copy the dirty device copy back");
+    let info = m.residency(TensorId(1)).unwrap();
+    assert!(info.device && !info.device_dirty);
+    assert!(m.metrics().dtoh.bytes >= data.len() as u64);
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn host_write_drops_the_stale_device_copy() {
+    let m = manager(1 << 20, 16 << 20);
+    let data = pattern(2, 0, 5000);
+    m.register(meta(2, data.len()), &data).unwrap();
+    drop(m.acquire(TensorId(2), Tier::Device, Access::Read).unwrap());
+    let new = pattern(2, 3, data.len());
+    m.acquire(TensorId(2), Tier::Host, Access::Write).unwrap().host_bytes_mut().copy_from_slice(&new);
+    assert!(!m.residency(TensorId(2)).unwrap().device);
+    let g = m.acquire(TensorId(2), Tier::Device, Access::Read).unwrap();
+    assert_eq!(device_bytes(&g), new);
+}
+
+#[test]
+fn eviction_keeps_the_device_under_budget_and_dirty_copies_survive() {
+    // Room for 3 of 8 tensors on the device.
+    let size = 100_000;
+    let m = manager(3 * size as u64, 64 << 20);
+    for id in 0..8 {
+        m.register(meta(id, size), &pattern(id, 0, size)).unwrap();
+    }
+    for round in 1..4u8 {
+        for id in 0..8 {
+            let g = m.acquire(TensorId(id), Tier::Device, Access::Write).unwrap();
+            let mut buf = g.device_buffer_mut();
+            let s = buf.as_sim_mut().unwrap().as_mut_slice();
+            assert_eq!(s, &pattern(id, round - 1, size)[..], "tensor {id} round {round}");
+            s.copy_from_slice(&pattern(id, round, size));
+            drop(buf);
+            assert!(m.used_bytes(Tier::Device) <= m.budget_bytes(Tier::Device));
+            m.check_invariants().unwrap();
+        }
+    }
+    for id in 0..8 {
+        assert_eq!(m.read_to_vec(TensorId(id)).unwrap(), pattern(id, 3, size));
+    }
+    let mt = m.metrics();
+    assert!(mt.evictions >= 8 * 3 - 3, "evictions {}", mt.evictions);
+    assert!(mt.dtoh.bytes >= ((8 * 3 - 3) * size) as u64);
+}
+
+#[test]
+fn pinned_tensors_are_never_evicted_and_an_impossible_request_fails_at_once() {
+    let size = 1000;
+    let m = manager(2 * size as u64, 1 << 20);
+    for id in 0..3 {
+        m.register(meta(id, size), &pattern(id, 0, size)).unwrap();
+    }
+    let a = m.acquire(TensorId(0), Tier::Device, Access::Read).unwrap();
+    let b = m.acquire(TensorId(1), Tier::Device, Access::Read).unwrap();
+    match m.acquire(TensorId(2), Tier::Device, Access::Read) {
+        Err(Error::OutOfMemory { tier: Tier::Device, requested_bytes, .. }) => assert_eq!(requested_bytes, size as u64),
+        other => panic!("expected OutOfMemory, got {other:?}"),
+    }
+    assert!(m.residency(TensorId(0)).unwrap().device && m.residency(TensorId(1)).unwrap().device);
+    drop(a);
+    let c = m.acquire(TensorId(2), Tier::Device, Access::Read).unwrap();
+    assert!(!m.residency(TensorId(0)).unwrap().device, "the unpinned one goes");
+    assert!(m.residency(TensorId(1)).unwrap().device);
+    drop((b, c));
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn budgets_smaller_than_one_tensor_are_out_of_memory_errors() {
+    let m = manager(1000, 1 << 20);
+    m.register(meta(1, 4000), &pattern(1, 0, 4000)).unwrap();
+    let e = m.acquire(TensorId(1), Tier::Device, Access::Read).unwrap_err();
+    assert!(
+        matches!(e, Error::OutOfMemory { tier: Tier::Device, requested_bytes: 4000, available_bytes: 1000 }),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("raise the device budget"), "{e}");
+    let e = m.register(meta(2, 2 << 20), &vec![0; 2 << 20]).unwrap_err();
+    assert!(matches!(e, Error::OutOfMemory { tier: Tier::Host, .. }), "{e:?}");
+}
+
+#[test]
+fn bad_requests_name_their_cause() {
+    let m = manager(1 << 20, 1 << 20);
+    assert!(matches!(m.acquire(TensorId(9), Tier::Host, Access::Read), Err(Error::UnknownTensor(TensorId(9)))));
+    m.register(meta(1, 10), &[0; 10]).unwrap();
+    assert!(matches!(m.register(meta(1, 10), &[0; 10]), Err(Error::DuplicateTensor(TensorId(1)))));
+    assert!(matches!(m.register(meta(2, 10), &[0; 9]), Err(Error::InvalidRequest(_))));
+    let nvme = TensorMeta::new(TensorId(3), "x", &[10], DType::U8, Tier::Nvme);
+    let e = m.register(nvme, &[0; 10]).unwrap_err();
+    assert!(e.to_string().contains("no NVMe store"), "{e}");
+    assert!(matches!(m.acquire(TensorId(1), Tier::Nvme, Access::Read), Err(Error::InvalidRequest(_))));
+}
+
+#[test]
+fn prefetch_brings_the_tensor_and_the_acquire_is_a_hit() {
+    let m = manager(1 << 20, 16 << 20);
+    m.register(meta(1, 70_000), &pattern(1, 0, 70_000)).unwrap();
+    m.prefetch(TensorId(1), Tier::Device).unwrap().wait().unwrap();
+    assert!(m.residency(TensorId(1)).unwrap().device);
+    let before = m.metrics();
+    let g = m.acquire(TensorId(1), Tier::Device, Access::Read).unwrap();
+    assert_eq!(device_bytes(&g), pattern(1, 0, 70_000));
+    let after = m.metrics();
+    assert_eq!(after.prefetch_hits, before.prefetch_hits + 1);
+    assert_eq!(after.htod.bytes, 70_000, "one copy only");
+}
+
+/// Threads acquire, write, prefetch and release at random; each thread writes only its own
+/// tensors (so the final bytes are known) but reads everyone's. Budgets must hold at every check,
+/// no pinned copy may vanish, and every copy read must be whole (one version throughout).
+#[test]
+fn randomized_concurrent_workload_keeps_every_invariant() {
+    const THREADS: u64 = 4;
+    const PER_THREAD: u64 = 4;
+    let size = 64 * 1024;
+    let m = Arc::new(manager(5 * size as u64, 12 * size as u64 + (1 << 20)));
+    for id in 0..THREADS * PER_THREAD {
+        m.register(meta(id, size), &vec![0u8; size]).unwrap();
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let checker = {
+        let (m, stop) = (m.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut checks = 0;
+            while !stop.load(Ordering::Relaxed) {
+                m.check_invariants().unwrap();
+                checks += 1;
+                std::thread::yield_now();
+            }
+            checks
+        })
+    };
+    let workers: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let m = m.clone();
+            std::thread::spawn(move || {
+                let mut rng = SplitMix(0x5eed + t);
+                let mut versions = vec![0u8; PER_THREAD as usize];
+                for _ in 0..300 {
+                    let own = rng.below(PER_THREAD);
+                    let id = t * PER_THREAD + own;
+                    match rng.below(6) {
+                        0 | 1 => {
+                            let v = versions[own as usize].wrapping_add(1);
+                            let g = m.acquire(TensorId(id), Tier::Device, Access::Write).unwrap();
+                            g.device_buffer_mut().as_sim_mut().unwrap().as_mut_slice().fill(v);
+                            versions[own as usize] = v;
+                        }
+                        2 => {
+                            let v = versions[own as usize].wrapping_add(1);
+                            let g = m.acquire(TensorId(id), Tier::Host, Access::Write).unwrap();
+                            g.host_bytes_mut().fill(v);
+                            versions[own as usize] = v;
+                        }
+                        3 => {
+                            let any = rng.below(THREADS * PER_THREAD);
+                            let g = m.acquire(TensorId(any), Tier::Device, Access::Read).unwrap();
+                            let b = g.device_buffer();
+                            let s = b.as_sim().unwrap().as_slice();
+                            assert!(s.iter().all(|&x| x == s[0]), "torn device copy of {any}");
+                            drop(b);
+                            assert!(m.residency(TensorId(any)).unwrap().device, "pinned copy vanished");
+                        }
+                        4 => {
+                            let any = rng.below(THREADS * PER_THREAD);
+                            let g = m.acquire(TensorId(any), Tier::Host, Access::Read).unwrap();
+                            let s = g.host_bytes();
+                            assert!(s.iter().all(|&x| x == s[0]), "torn host copy of {any}");
+                        }
+                        _ => {
+                            let any = rng.below(THREADS * PER_THREAD);
+                            let _ = m.prefetch(TensorId(any), Tier::Device).unwrap();
+                        }
+                    }
+                    let own_v = versions[own as usize];
+                    let got = m.read_to_vec(TensorId(id)).unwrap();
+                    assert!(got.iter().all(|&x| x == own_v), "tensor {id}: expected version {own_v}");
+                }
+                versions
+            })
+        })
+        .collect();
+    let versions: Vec<Vec<u8>> = workers.into_iter().map(|w| w.join().unwrap()).collect();
+    stop.store(true, Ordering::Relaxed);
+    assert!(checker.join().unwrap() > 0);
+    m.check_invariants().unwrap();
+    for t in 0..THREADS {
+        for k in 0..PER_THREAD {
+            let got = m.read_to_vec(TensorId(t * PER_THREAD + k)).unwrap();
+            assert!(got.iter().all(|&x| x == versions[t as usize][k as usize]));
+        }
+    }
+    assert!(m.metrics().evictions > 0, "the budget must have forced evictions");
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+    /// Random sizes round-trip host → device → host through the residency manager.
+    #[test]
+    fn random_sizes_round_trip_through_the_device(sizes in proptest::collection::vec(1usize..300_000, 1..6)) {
+        let m = manager(400_000, 64 << 20);
+        for (i, &n) in sizes.iter().enumerate() {
+            m.register(meta(i as u64, n), &pattern(i as u64, 1, n)).unwrap();
+        }
+        for (i, &n) in sizes.iter().enumerate() {
+            let g = m.acquire(TensorId(i as u64), Tier::Device, Access::Write).unwrap();
+            let mut b = g.device_buffer_mut();
+            let s = b.as_sim_mut().unwrap().as_mut_slice();
+            prop_assert_eq!(&*s, &pattern(i as u64, 1, n)[..]);
+            s.copy_from_slice(&pattern(i as u64, 2, n));
+        }
+        for (i, &n) in sizes.iter().enumerate() {
+            prop_assert_eq!(m.read_to_vec(TensorId(i as u64)).unwrap(), pattern(i as u64, 2, n));
+        }
+        m.check_invariants().unwrap();
+    }
+}
