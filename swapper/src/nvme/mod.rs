@@ -368,7 +368,7 @@ impl Inner {
 
     /// crc32c of each block's real bytes of `data`.
     fn checksums(&self, data: &[u8]) -> Vec<u32> {
-        data.chunks(self.block_bytes).map(crc32c::crc32c).collect()
+        data.chunks(self.block_bytes).map(block_checksum).collect()
     }
 }
 
@@ -391,6 +391,12 @@ impl Drop for Reservation {
             self.inner.free_regions(&self.regions);
         }
     }
+}
+
+/// The checksum of one block's bytes: crc32c (Castagnoli; SSE4.2/ARMv8 CRC instructions when
+/// the CPU has them, detected at run time by the `crc32c` crate).
+pub fn block_checksum(bytes: &[u8]) -> u32 {
+    crc32c::crc32c(bytes)
 }
 
 static NEXT_STORE: AtomicU64 = AtomicU64::new(0);
