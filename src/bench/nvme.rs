@@ -1,0 +1,270 @@
+//! `oogc bench nvme`: write then read N GiB through the NVMe store, per engine, beside `fio` in
+//! the same run (the local limit: io_uring, O_DIRECT, 1 MiB blocks, queue depth 32).
+//!
+//! | row | what it measures |
+//! |---|---|
+//! | `store-uring`, `store-psync` | [`NvmeStore`] writing tensors of `tensor_bytes` from 2 MiB huge-page buffers, a few in flight, then reading and verifying them |
+//! | `fio-shmhuge` | `fio --ioengine=io_uring --direct=1 --iomem=shmhuge` (huge-page buffers) |
+//! | `fio-malloc` | the same with fio's default malloc'd buffers (requests split: see `../shared/peers/README.md`) |
+//!
+//! GB/s are 10⁹ bytes per second of wall time, from the first submission to the last completion.
+
+use std::collections::VecDeque;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use oogc_swapper::{EngineChoice, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
+use serde::Serialize;
+
+/// Arguments of the NVMe benchmark.
+#[derive(Debug, Clone)]
+pub struct NvmeBenchArgs {
+    /// Directories of the store (the first also holds fio's file).
+    pub dirs: Vec<PathBuf>,
+    /// GiB written and read back per engine.
+    pub size_gib: f64,
+    /// Engines to measure (one store row each).
+    pub engines: Vec<EngineChoice>,
+    /// Bytes per I/O request (store and fio).
+    pub block_bytes: usize,
+    /// Requests in flight (store and fio).
+    pub queue_depth: u32,
+    /// Bytes per tensor written by the store (default 64 MiB).
+    pub tensor_bytes: usize,
+    /// Also run `fio` when it is on the PATH.
+    pub fio: bool,
+}
+
+impl Default for NvmeBenchArgs {
+    fn default() -> Self {
+        Self {
+            dirs: vec![std::env::temp_dir()],
+            size_gib: 2.0,
+            engines: vec![EngineChoice::Uring, EngineChoice::Psync],
+            block_bytes: 1 << 20,
+            queue_depth: 32,
+            tensor_bytes: 64 << 20,
+            fio: true,
+        }
+    }
+}
+
+/// One row of results.
+#[derive(Debug, Clone, Serialize)]
+pub struct NvmeBenchRow {
+    /// `store-uring`, `store-psync`, `fio-shmhuge`, `fio-malloc`.
+    pub engine: String,
+    /// Write throughput, GB/s (10⁹ B/s); `None` when not measured.
+    pub write_gbps: Option<f64>,
+    /// Read throughput, GB/s (10⁹ B/s), checksums verified for the store; `None` when not measured.
+    pub read_gbps: Option<f64>,
+    /// Bytes per request.
+    pub block_bytes: usize,
+    /// Requests in flight.
+    pub queue_depth: u32,
+    /// Bytes written and read.
+    pub bytes: u64,
+    /// Anything the reader should know (fallbacks, why a row has no figures).
+    pub note: String,
+}
+
+/// Tensors in flight at once: enough to keep `queue_depth` blocks busy, at least 2.
+fn in_flight(args: &NvmeBenchArgs) -> usize {
+    let blocks_per_tensor = args.tensor_bytes.div_ceil(args.block_bytes).max(1);
+    (args.queue_depth as usize).div_ceil(blocks_per_tensor).clamp(2, 8) + 1
+}
+
+fn store_row(args: &NvmeBenchArgs, engine: EngineChoice) -> anyhow::Result<NvmeBenchRow> {
+    let total = (args.size_gib * (1u64 << 30) as f64) as u64;
+    let n = (total / args.tensor_bytes as u64).max(1) as usize;
+    let bytes = n as u64 * args.tensor_bytes as u64;
+    let cfg = NvmeConfig {
+        block_bytes: args.block_bytes,
+        queue_depth: args.queue_depth,
+        engine,
+        ..NvmeConfig::new(args.dirs.clone(), bytes + (args.dirs.len() as u64) * (4 << 20))
+    };
+    let store = NvmeStore::open(cfg)?;
+    let k = in_flight(args);
+    let pool = PinnedPool::with_mmap(&PinnedPoolConfig {
+        budget_bytes: ((k + 1) * oogc_swapper::host::size_class(args.tensor_bytes)) as u64,
+        lock: false,
+    });
+    let mut bufs: Vec<_> = (0..k).map(|_| pool.alloc(args.tensor_bytes)).collect::<Result<_, _>>()?;
+    for (i, b) in bufs.iter_mut().enumerate() {
+        for (j, chunk) in b.as_mut_slice().chunks_mut(4096).enumerate() {
+            chunk.fill((i * 31 + j) as u8);
+        }
+    }
+
+    let mut extents = Vec::with_capacity(n);
+    let mut pending = VecDeque::new();
+    let t = Instant::now();
+    for i in 0..n {
+        let buf = match bufs.pop() {
+            Some(b) => b,
+            None => {
+                let (r, b) = pending.pop_front().map(|h: oogc_swapper::IoHandle<_>| h.wait()).expect("in flight");
+                extents.push(r?);
+                b
+            }
+        };
+        pending.push_back(store.write(TensorId(i as u64), buf));
+    }
+    while let Some(h) = pending.pop_front() {
+        let (r, b) = h.wait();
+        extents.push(r?);
+        bufs.push(b);
+    }
+    let write_s = t.elapsed().as_secs_f64();
+
+    let mut pending = VecDeque::new();
+    let t = Instant::now();
+    for ext in &extents {
+        let buf = match bufs.pop() {
+            Some(b) => b,
+            None => {
+                let (r, b) = pending.pop_front().map(|h: oogc_swapper::IoHandle<()>| h.wait()).expect("in flight");
+                r?;
+                b
+            }
+        };
+        pending.push_back(store.read(ext, buf));
+    }
+    while let Some(h) = pending.pop_front() {
+        let (r, b) = h.wait();
+        r?;
+        bufs.push(b);
+    }
+    let read_s = t.elapsed().as_secs_f64();
+    let kind = store.engine_kind();
+    let direct = store.direct_io().iter().all(|&d| d);
+    let note = format!(
+        "{n} tensors of {} B, {k} in flight, huge-page buffers{}{}",
+        args.tensor_bytes,
+        if direct { "" } else { ", buffered I/O (O_DIRECT refused)" },
+        if engine == EngineChoice::Auto { format!(", auto chose {kind}") } else { String::new() },
+    );
+    for e in extents {
+        store.free(e);
+    }
+    Ok(NvmeBenchRow {
+        engine: format!("store-{kind}"),
+        write_gbps: Some(bytes as f64 / write_s * 1e-9),
+        read_gbps: Some(bytes as f64 / read_s * 1e-9),
+        block_bytes: args.block_bytes,
+        queue_depth: args.queue_depth,
+        bytes,
+        note,
+    })
+}
+
+/// Runs fio once for `rw` (`write` or `read`); returns bytes per second.
+fn fio_once(file: &Path, rw: &str, bytes: u64, args: &NvmeBenchArgs, iomem: Option<&str>) -> anyhow::Result<f64> {
+    let mut cmd = Command::new("fio");
+    cmd.arg("--name=oogc")
+        .arg(format!("--filename={}", file.display()))
+        .arg(format!("--rw={rw}"))
+        .arg(format!("--size={bytes}"))
+        .arg(format!("--bs={}", args.block_bytes))
+        .arg(format!("--iodepth={}", args.queue_depth))
+        .args(["--ioengine=io_uring", "--direct=1", "--numjobs=1", "--output-format=json"]);
+    if let Some(m) = iomem {
+        cmd.arg(format!("--iomem={m}"));
+    }
+    let out = cmd.output().context("running fio")?;
+    if !out.status.success() {
+        bail!("fio {rw} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    // fio may print notes before the JSON object.
+    let json = &text[text.find('{').context("no JSON in fio's output")?..];
+    let v: serde_json::Value = serde_json::from_str(json).context("parsing fio's JSON")?;
+    let bw = v["jobs"][0][rw]["bw_bytes"].as_f64().context("no bw_bytes in fio's JSON")?;
+    Ok(bw)
+}
+
+fn fio_rows(args: &NvmeBenchArgs, bytes: u64) -> Vec<NvmeBenchRow> {
+    let row = |engine: &str, w: Option<f64>, r: Option<f64>, note: String| NvmeBenchRow {
+        engine: engine.into(),
+        write_gbps: w,
+        read_gbps: r,
+        block_bytes: args.block_bytes,
+        queue_depth: args.queue_depth,
+        bytes,
+        note,
+    };
+    if Command::new("fio").arg("--version").output().is_err() {
+        return vec![row(
+            "fio",
+            None,
+            None,
+            "fio is not on the PATH; no reference figures (apt-get install fio)".into(),
+        )];
+    }
+    let dir = args.dirs.first().cloned().unwrap_or_else(std::env::temp_dir);
+    let file = dir.join(format!("oogc-fio-{}.dat", std::process::id()));
+    let mut rows = Vec::new();
+    for (name, iomem) in [("fio-shmhuge", Some("shmhuge")), ("fio-malloc", None)] {
+        let w = fio_once(&file, "write", bytes, args, iomem);
+        let r = w.as_ref().ok().map(|_| fio_once(&file, "read", bytes, args, iomem));
+        let note = match (&w, &r) {
+            (Ok(_), Some(Ok(_))) => "fio io_uring direct=1".to_string(),
+            (Err(e), _) | (_, Some(Err(e))) => format!("fio failed: {e:#}"),
+            _ => String::new(),
+        };
+        let gbps = |x: f64| x * 1e-9;
+        rows.push(row(name, w.ok().map(gbps), r.and_then(Result::ok).map(gbps), note));
+    }
+    let _ = std::fs::remove_file(&file);
+    rows
+}
+
+/// Runs the benchmark: one row per engine, then fio's rows when `args.fio`.
+///
+/// # Errors
+/// The store could not be opened (bad directory, no space, io_uring refused for `Uring`), a
+/// buffer could not be allocated, or an I/O failed.
+pub fn run(args: &NvmeBenchArgs) -> anyhow::Result<Vec<NvmeBenchRow>> {
+    if args.tensor_bytes == 0 || args.size_gib <= 0.0 {
+        bail!("tensor_bytes and size_gib must be positive");
+    }
+    let mut rows = Vec::new();
+    for &engine in &args.engines {
+        rows.push(store_row(args, engine).with_context(|| format!("store with engine {engine:?}"))?);
+    }
+    if args.fio {
+        let bytes = rows.first().map_or((args.size_gib * (1u64 << 30) as f64) as u64, |r| r.bytes);
+        rows.extend(fio_rows(args, bytes));
+    }
+    Ok(rows)
+}
+
+/// Prints the rows as a table for humans, with each store row's ratio to `fio-shmhuge`.
+pub fn print_table(rows: &[NvmeBenchRow]) {
+    let fio = rows.iter().find(|r| r.engine == "fio-shmhuge");
+    let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
+    let ratio = |x: Option<f64>, y: Option<f64>| match (x, y) {
+        (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
+        _ => "-".into(),
+    };
+    println!(
+        "{:<12} {:>10} {:>10} {:>8} {:>8} {:>9} {:>4}  note",
+        "engine", "write GB/s", "read GB/s", "w/fio", "r/fio", "block", "qd"
+    );
+    for r in rows {
+        println!(
+            "{:<12} {:>10} {:>10} {:>8} {:>8} {:>9} {:>4}  {}",
+            r.engine,
+            f(r.write_gbps),
+            f(r.read_gbps),
+            ratio(r.write_gbps, fio.and_then(|x| x.write_gbps)),
+            ratio(r.read_gbps, fio.and_then(|x| x.read_gbps)),
+            r.block_bytes,
+            r.queue_depth,
+            r.note
+        );
+    }
+}
