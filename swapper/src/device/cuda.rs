@@ -129,10 +129,11 @@ impl CudaBuffer {
         self.num_bytes
     }
 
-    /// The device memory, for kernels on the compute stream. Its `len()` is `num_bytes()`,
-    /// except for an empty buffer, which holds 1 byte (the driver does not allocate 0 bytes). Marks the buffer as seen by
-    /// compute, so the next copy without an `after` event and the free wait for compute (see
-    /// [`CudaDevice`]).
+    /// The device memory, for kernels on the compute stream. Its `len()` is `num_bytes()`, except
+    /// for an empty buffer, which holds 1 byte (the driver does not allocate 0 bytes).
+    ///
+    /// Marks the buffer as seen by compute, so the next copy without an `after` event and the
+    /// free wait for compute (see [`CudaDevice`]).
     pub fn as_slice(&self) -> &CudaSlice<u8> {
         self.order.touched.store(true, Ordering::Release);
         &self.slice
@@ -818,6 +819,17 @@ mod tests {
             mem.as_mut_slice().fill(1);
             assert!(mem.as_slice().iter().all(|&b| b == 1));
         }
+    });
+
+    cuda_test!(into_parts_keeps_the_capacity_until_the_reservation_drops, Some(1 << 20), |dev| {
+        let buf = dev.alloc(1000).unwrap();
+        let (slice, reservation) = buf.into_parts();
+        assert_eq!((slice.len(), reservation.num_bytes()), (1000, 1000));
+        drop(slice);
+        assert_eq!(dev.allocated_bytes(), 1000);
+        drop(reservation);
+        assert_eq!(dev.allocated_bytes(), 0);
+        dev.synchronize().unwrap();
     });
 
     cuda_test!(name_names_the_ordinal_and_the_gpu, None, |dev| {
