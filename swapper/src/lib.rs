@@ -29,7 +29,7 @@ pub use device::{
 pub use error::{Error, Result};
 pub use host::{HostAllocator, HostBuffer, HostMemory, MmapAllocator, PinnedPool, PinnedPoolConfig};
 pub use metrics::{Link, LinkSnapshot, LinkStats, Metrics, MetricsSnapshot};
-pub use policy::{EvictionCandidate, EvictionPolicy, LruPolicy};
-pub use residency::{Access, PrefetchHandle, Resident, ResidencyConfig, ResidencyManager};
 pub use nvme::{EngineChoice, EngineKind, Extent, IoHandle, NvmeConfig, NvmeStore};
+pub use policy::{EvictionCandidate, EvictionPolicy, LruPolicy};
+pub use residency::{Access, PrefetchHandle, ResidencyConfig, ResidencyManager, Resident};
 pub use tier::{DType, TensorId, TensorMeta, Tier};

@@ -194,10 +194,10 @@ impl State {
     fn end(&mut self, link: Link, bytes: u64, metrics: &Metrics) {
         let l = &mut self.links[link as usize];
         l.in_flight -= 1;
-        let busy = if l.in_flight == 0 { l.since.take().map(|s| s.elapsed()).unwrap_or_default() } else { Duration::ZERO };
+        let busy =
+            if l.in_flight == 0 { l.since.take().map(|s| s.elapsed()).unwrap_or_default() } else { Duration::ZERO };
         metrics.link(link).record(bytes, busy);
     }
-
 }
 
 /// A long data movement, run with the lock released.
@@ -476,7 +476,15 @@ impl ResidencyManager {
         let _e = span.enter();
         let cell = self.inner.ensure(id, tier, Some(access), false, false)?.expect("pinned acquire returns its cell");
         let num_bytes = self.inner.state.lock().entry(id)?.num_bytes();
-        Ok(Resident { inner: self.inner.clone(), id, tier, access, num_bytes, cell, thread: std::thread::current().id() })
+        Ok(Resident {
+            inner: self.inner.clone(),
+            id,
+            tier,
+            access,
+            num_bytes,
+            cell,
+            thread: std::thread::current().id(),
+        })
     }
 
     /// Starts fetching `id` to `tier` on a background thread, without pinning it. An acquire that
@@ -535,7 +543,10 @@ impl ResidencyManager {
                 return Err(Error::InvalidRequest(format!("{t}: used {} != sum of copies {}", st.used[i], sum[i])));
             }
             if st.used[i] > self.inner.budgets[i] {
-                return Err(Error::InvalidRequest(format!("{t}: used {} > budget {}", st.used[i], self.inner.budgets[i])));
+                return Err(Error::InvalidRequest(format!(
+                    "{t}: used {} > budget {}",
+                    st.used[i], self.inner.budgets[i]
+                )));
             }
         }
         if self.inner.device.allocated_bytes() > self.inner.budgets[0] {
@@ -597,7 +608,11 @@ impl Inner {
         }
         let class = size_class(bytes) as u64;
         if class > self.budgets[1] {
-            return Err(Error::OutOfMemory { tier: Tier::Host, requested_bytes: class, available_bytes: self.budgets[1] });
+            return Err(Error::OutOfMemory {
+                tier: Tier::Host,
+                requested_bytes: class,
+                available_bytes: self.budgets[1],
+            });
         }
         let mut st = self.state.lock();
         if st.entries.contains_key(&id) {
@@ -777,7 +792,9 @@ impl Inner {
                             e.host.clear();
                             st.used[1] -= class;
                             self.cond.notify_all();
-                            Err(Error::InvalidRequest(format!("tensor {id} has neither a host copy nor an NVMe extent")))
+                            Err(Error::InvalidRequest(format!(
+                                "tensor {id} has neither a host copy nor an NVMe extent"
+                            )))
                         }
                     }
                 }
@@ -881,7 +898,9 @@ impl Inner {
                     continue;
                 }
                 let copy = match tier {
-                    Tier::Device => (e.device.state, &e.device.pinners, e.device.dirty, e.device.reserved, e.device.last_use),
+                    Tier::Device => {
+                        (e.device.state, &e.device.pinners, e.device.dirty, e.device.reserved, e.device.last_use)
+                    }
                     _ => (e.host.state, &e.host.pinners, e.host.dirty, e.host.reserved, e.host.last_use),
                 };
                 let (state, pinners, dirty, reserved, last_use) = copy;
@@ -1193,6 +1212,10 @@ impl Drop for Resident {
 
 impl std::fmt::Debug for Resident {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Resident").field("id", &self.id).field("tier", &self.tier).field("access", &self.access).finish()
+        f.debug_struct("Resident")
+            .field("id", &self.id)
+            .field("tier", &self.tier)
+            .field("access", &self.access)
+            .finish()
     }
 }

@@ -63,4 +63,3 @@ impl DeviceBackend for CudaDevice {
         match self.0 {}
     }
 }
-

@@ -328,9 +328,9 @@ impl Transfer {
     /// The copy failed or its engine stopped; the buffers are then dropped safely.
     pub fn wait(mut self) -> CopyResult {
         match std::mem::replace(&mut self.state, TransferState::Taken) {
-            TransferState::Channel(rx) => rx
-                .recv()
-                .unwrap_or_else(|_| Err(Error::Device("copy engine stopped before the copy finished".into()))),
+            TransferState::Channel(rx) => {
+                rx.recv().unwrap_or_else(|_| Err(Error::Device("copy engine stopped before the copy finished".into())))
+            }
             TransferState::Event { event, mut buffers } => {
                 let r = event.synchronize();
                 let bufs = buffers.take().expect("buffers present");

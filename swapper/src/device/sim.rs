@@ -155,11 +155,7 @@ impl Engine {
     }
 
     fn submit(&self, job: Job) -> Result<()> {
-        self.tx
-            .as_ref()
-            .expect("engine running")
-            .send(job)
-            .map_err(|_| Error::Device("sim copy engine stopped".into()))
+        self.tx.as_ref().expect("engine running").send(job).map_err(|_| Error::Device("sim copy engine stopped".into()))
     }
 }
 
@@ -265,8 +261,7 @@ impl DeviceBackend for SimDevice {
                     available_bytes: cap.saturating_sub(cur),
                 });
             }
-            match self.allocated.compare_exchange_weak(cur, cur + bytes as u64, Ordering::AcqRel, Ordering::Acquire)
-            {
+            match self.allocated.compare_exchange_weak(cur, cur + bytes as u64, Ordering::AcqRel, Ordering::Acquire) {
                 Ok(_) => break,
                 Err(v) => cur = v,
             }
@@ -345,9 +340,8 @@ mod tests {
     #[test]
     fn throttle_spaces_copies_by_bytes_over_bandwidth() {
         // 1 GB/s: 8 MiB must take at least 8.4 ms. A lower bound only: a slow machine is never wrong.
-        let dev =
-            SimDevice::new(SimDeviceConfig { link_gbps: Some(1.0), capacity_bytes: 64 << 20, latency_us: 0.0 })
-                .unwrap();
+        let dev = SimDevice::new(SimDeviceConfig { link_gbps: Some(1.0), capacity_bytes: 64 << 20, latency_us: 0.0 })
+            .unwrap();
         let pool = pool();
         let src = pool.alloc(8 << 20).unwrap();
         let buf = dev.alloc(8 << 20).unwrap();
