@@ -914,10 +914,8 @@ impl Inner {
                 let evictable = pinners.is_empty()
                     && match tier {
                         Tier::Device => !dirty || e.host.lendable(),
-                        _ => {
-                            e.meta.home == Tier::Nvme
-                                && (e.device.state == CopyState::Absent || (e.device.lendable() && !e.device.dirty))
-                        }
+                        // A device copy above goes first (written back when dirty): inclusion.
+                        _ => e.meta.home == Tier::Nvme && (e.device.state == CopyState::Absent || e.device.lendable()),
                     };
                 if evictable {
                     candidates.push(EvictionCandidate { id: e.meta.id, tier, num_bytes: reserved, last_use, dirty });
@@ -962,6 +960,11 @@ impl Inner {
                 Tier::Device => {
                     e.device.clear();
                     st.used[0] -= victim.num_bytes;
+                }
+                _ if e.device.state != CopyState::Absent && e.device.dirty => {
+                    let dev = e.device.take();
+                    let host = e.host.take();
+                    self.run(st, Action::Dtoh { id: victim.id, dev, host, evict: true })?;
                 }
                 _ if e.host.dirty => {
                     let host = e.host.take();
