@@ -133,8 +133,12 @@ impl<B> Replica<B> {
     fn lendable(&self) -> bool {
         self.state == CopyState::Ready && self.pinners.is_empty()
     }
-    fn pin(&mut self) {
+    /// Pins for the calling thread; a write access makes the copy dirty.
+    fn pin_for(&mut self, access: Access) {
         self.pinners.push(std::thread::current().id());
+        if access == Access::Write {
+            self.dirty = true;
+        }
     }
     fn unpin(&mut self, thread: ThreadId) {
         if let Some(i) = self.pinners.iter().position(|t| *t == thread) {
@@ -768,10 +772,7 @@ impl Inner {
                     }
                     let e = st.entry(id)?;
                     if let Some(access) = pin {
-                        e.host.pin();
-                        if access == Access::Write {
-                            e.host.dirty = true;
-                        }
+                        e.host.pin_for(access);
                     }
                     Ok(Step::Done)
                 }
@@ -803,10 +804,7 @@ impl Inner {
             match e.device.state {
                 CopyState::Ready => {
                     if let Some(access) = pin {
-                        e.device.pin();
-                        if access == Access::Write {
-                            e.device.dirty = true;
-                        }
+                        e.device.pin_for(access);
                     }
                     Ok(Step::Done)
                 }

@@ -168,7 +168,8 @@ impl Drop for Engine {
     }
 }
 
-/// A simulated GPU: see the [module docs](self).
+/// A simulated GPU: host memory with an enforced byte capacity, and two copy-engine threads (H2D,
+/// D2H) with an optional bandwidth and latency throttle that models the PCIe link.
 pub struct SimDevice {
     config: SimDeviceConfig,
     allocated: Arc<AtomicU64>,

@@ -1,0 +1,151 @@
+//! End-to-end tests of the `oogc` binary: `bench nvme` and `bench swap` with `--json` (JSON Lines
+//! on stdout), a missing `--dir`, and `--help`.
+//!
+//! The io_uring test prints `skipped: <why>` (to stderr, past the harness's capture) where the
+//! store reports io_uring unavailable; `OOGC_REQUIRE_URING=1` turns that skip into a failure.
+
+use std::io::Write;
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn oogc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_oogc")).args(args).output().expect("run the oogc binary")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// Parses stdout as JSON Lines: one object per non-empty line, at least one.
+fn json_rows(out: &Output) -> Vec<Value> {
+    let stdout = text(&out.stdout);
+    let rows: Vec<Value> = stdout
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}\nstdout:\n{stdout}")))
+        .collect();
+    assert!(!rows.is_empty(), "no rows on stdout; stderr:\n{}", text(&out.stderr));
+    rows
+}
+
+fn positive(row: &Value, key: &str) -> f64 {
+    let v = row[key].as_f64().unwrap_or_else(|| panic!("`{key}` is not a number in {row}"));
+    assert!(v > 0.0 && v.is_finite(), "`{key}` = {v} is not positive in {row}");
+    v
+}
+
+fn bench_nvme_json(engine: &str, dir: &std::path::Path) -> Output {
+    let dir = dir.to_str().expect("utf-8 temp dir");
+    oogc(&["bench", "nvme", "--dir", dir, "--size-gib", "0.0625", "--engine", engine, "--no-fio", "--json"])
+}
+
+fn check_nvme_rows(out: &Output, engine: &str) {
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    let rows = json_rows(out);
+    assert_eq!(rows.len(), 1, "--no-fio with one engine gives one row: {rows:?}");
+    let row = &rows[0];
+    assert_eq!(row["engine"], format!("store-{engine}"), "{row}");
+    positive(row, "write_gbps");
+    positive(row, "read_gbps");
+    assert_eq!(row["block_bytes"], 1 << 20, "{row}");
+    assert_eq!(row["queue_depth"], 32, "{row}");
+    assert_eq!(row["bytes"], 64 << 20, "{row}");
+}
+
+#[test]
+fn bench_nvme_psync_prints_json_rows() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = bench_nvme_json("psync", dir.path());
+    check_nvme_rows(&out, "psync");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "the store left files behind");
+}
+
+#[test]
+fn bench_nvme_uring_prints_json_rows_or_skips_loudly() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = bench_nvme_json("uring", dir.path());
+    let stderr = text(&out.stderr);
+    if !out.status.success()
+        && stderr.contains("io_uring is unavailable")
+        && std::env::var("OOGC_REQUIRE_URING").as_deref() != Ok("1")
+    {
+        let line = format!("bench_nvme_uring: skipped: {}\n", stderr.trim());
+        let _ = std::io::stderr().write_all(line.as_bytes());
+        return;
+    }
+    check_nvme_rows(&out, "uring");
+}
+
+#[test]
+fn bench_nvme_missing_dir_fails_and_names_it() {
+    let out =
+        oogc(&["bench", "nvme", "--dir", "/nonexistent/x", "--size-gib", "0.0625", "--engine", "psync", "--no-fio"]);
+    let stderr = text(&out.stderr);
+    assert!(!out.status.success(), "exit {:?} for a missing --dir", out.status);
+    assert!(out.stdout.is_empty(), "stdout for a failed run: {}", text(&out.stdout));
+    assert!(stderr.contains("/nonexistent/x"), "stderr does not name the path:\n{stderr}");
+    assert!(stderr.contains("does not exist"), "stderr does not give the cause:\n{stderr}");
+    assert!(stderr.contains("mkdir -p"), "stderr does not give the fix:\n{stderr}");
+}
+
+#[test]
+fn bench_swap_prints_json_rows() {
+    let out = oogc(&["bench", "swap", "--size-mib", "8", "--json"]);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    let rows = json_rows(&out);
+    let names: Vec<&str> = rows.iter().map(|r| r["name"].as_str().expect("name")).collect();
+    assert_eq!(names, ["sim-htod", "sim-dtoh", "residency-htod"], "{rows:?}");
+    for row in &rows {
+        positive(row, "gbps");
+        positive(row, "limit_gbps");
+        positive(row, "bytes");
+        positive(row, "ops");
+    }
+    let res = &rows[2];
+    // 16 tensors, budget of 8, cyclic order: every timed acquire fetches and evicts.
+    assert_eq!(res["ops"], 8 * 16, "{res}");
+    assert_eq!(res["bytes"], 8 * (8 << 20), "{res}");
+    assert_eq!(res["evictions"], 8 * 16, "{res}");
+    assert!(res["stall_s"].as_f64().is_some_and(|s| s >= 0.0), "{res}");
+}
+
+#[test]
+fn bench_swap_throttled_rows_stay_under_the_link() {
+    let out = oogc(&["bench", "swap", "--size-mib", "4", "--link-gbps", "2", "--repeats", "2", "--json"]);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    let rows = json_rows(&out);
+    let throttled: Vec<&Value> =
+        rows.iter().filter(|r| r["name"].as_str().is_some_and(|n| n.ends_with("-throttled"))).collect();
+    assert_eq!(throttled.len(), 3, "{rows:?}");
+    for row in throttled {
+        // 2 GB/s is far below memcpy, so the throttle is the limit.
+        assert_eq!(row["limit_gbps"], 2.0, "{row}");
+        assert_eq!(row["limit"], "link throttle", "{row}");
+        // The throttle is a lower bound on time, so the rate never exceeds it (small slack for timer rounding).
+        assert!(positive(row, "gbps") <= 2.0 * 1.02, "{row}");
+    }
+}
+
+#[test]
+fn bad_link_gbps_is_refused_naming_the_flag() {
+    let out = oogc(&["bench", "swap", "--size-mib", "1", "--link-gbps", "0"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--link-gbps"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn help_mentions_bench() {
+    let out = oogc(&["--help"]);
+    assert!(out.status.success());
+    let stdout = text(&out.stdout);
+    assert!(stdout.contains("bench"), "{stdout}");
+    let out = oogc(&["bench", "nvme", "--help"]);
+    let stdout = text(&out.stdout);
+    for flag in
+        ["--dir", "--size-gib", "--engine", "--block-bytes", "--queue-depth", "--tensor-mib", "--no-fio", "--json"]
+    {
+        assert!(stdout.contains(flag), "`bench nvme --help` lacks {flag}:\n{stdout}");
+    }
+    assert!(stdout.contains("JSON Lines"), "{stdout}");
+}
