@@ -125,10 +125,13 @@ impl<B> Replica<B> {
         self.state = CopyState::Ready;
     }
     /// Drops the buffer now (not when the last guard's handle on the cell goes) and resets to
-    /// absent, so the tier's allocator sees the bytes free as soon as the budget does.
-    fn clear(&mut self) {
+    /// absent, so the tier's allocator sees the bytes free as soon as the budget does. Returns the
+    /// bytes of the released reservation, for the caller to take off the tier's `used`.
+    fn clear(&mut self) -> u64 {
+        let reserved = self.reserved;
         drop(self.cell.write().take());
         *self = Self::absent();
+        reserved
     }
     fn lendable(&self) -> bool {
         self.state == CopyState::Ready && self.pinners.is_empty()
@@ -765,8 +768,7 @@ impl Inner {
                         if !e.device.lendable() {
                             return Ok(Step::Wait);
                         }
-                        let freed = e.device.reserved;
-                        e.device.clear();
+                        let freed = e.device.clear();
                         st.used[0] -= freed;
                         self.cond.notify_all();
                     }
@@ -790,8 +792,8 @@ impl Inner {
                     match e.nvme.take() {
                         Some(extent) => Ok(Step::Act(Action::ReadNvme { id, extent })),
                         None => {
-                            e.host.clear();
-                            st.used[1] -= class;
+                            let freed = e.host.clear();
+                            st.used[1] -= freed;
                             self.cond.notify_all();
                             Err(Error::InvalidRequest(format!(
                                 "tensor {id} has neither a host copy nor an NVMe extent"
@@ -956,8 +958,8 @@ impl Inner {
                     self.run(st, Action::Dtoh { id: victim.id, dev, host, evict: true })?;
                 }
                 Tier::Device => {
-                    e.device.clear();
-                    st.used[0] -= victim.num_bytes;
+                    let freed = e.device.clear();
+                    st.used[0] -= freed;
                 }
                 _ if e.device.state != CopyState::Absent && e.device.dirty => {
                     let dev = e.device.take();
@@ -969,11 +971,9 @@ impl Inner {
                     self.run(st, Action::WriteNvme { id: victim.id, host, evict: true })?;
                 }
                 _ => {
-                    let dev_freed = e.device.reserved;
-                    e.device.clear();
-                    e.host.clear();
-                    st.used[0] -= dev_freed;
-                    st.used[1] -= victim.num_bytes;
+                    let (dr, hr) = (e.device.clear(), e.host.clear());
+                    st.used[0] -= dr;
+                    st.used[1] -= hr;
                 }
             }
             self.cond.notify_all();
@@ -1005,8 +1005,7 @@ impl Inner {
                         Ok(())
                     }
                     Err(err) => {
-                        let freed = e.host.reserved;
-                        e.host.clear();
+                        let freed = e.host.clear();
                         st.used[1] -= freed;
                         Err(err)
                     }
@@ -1040,14 +1039,12 @@ impl Inner {
                         match host {
                             Some(h) => e.host.put(h),
                             None => {
-                                let r = e.host.reserved;
-                                e.host.clear();
+                                let r = e.host.clear();
                                 st.used[1] -= r;
                             }
                         }
                         let e = st.entry(id)?;
-                        let r = e.device.reserved;
-                        e.device.clear();
+                        let r = e.device.clear();
                         st.used[0] -= r;
                         Err(err)
                     }
@@ -1069,8 +1066,7 @@ impl Inner {
                         e.host.dirty = true;
                         if evict {
                             drop(dev);
-                            let r = e.device.reserved;
-                            e.device.clear();
+                            let r = e.device.clear();
                             st.used[0] -= r;
                         } else {
                             e.device.put(dev);
@@ -1081,9 +1077,7 @@ impl Inner {
                     Err(err) => {
                         // The engine dropped both buffers: the newest bytes are gone with the
                         // device buffer. Report it; the tensor falls back to its host copy.
-                        let (hr, dr) = (e.host.reserved, e.device.reserved);
-                        e.host.clear();
-                        e.device.clear();
+                        let (hr, dr) = (e.host.clear(), e.device.clear());
                         st.used[0] -= dr;
                         st.used[1] -= hr;
                         Err(err)
@@ -1107,9 +1101,7 @@ impl Inner {
                         let e = st.entry(id)?;
                         if evict {
                             drop(host);
-                            let (hr, dr) = (e.host.reserved, e.device.reserved);
-                            e.host.clear();
-                            e.device.clear();
+                            let (hr, dr) = (e.host.clear(), e.device.clear());
                             st.used[0] -= dr;
                             st.used[1] -= hr;
                         } else {
