@@ -1,0 +1,581 @@
+//! The training config: one TOML file per run (`oogc train --config F`).
+//!
+//! Every table and key is documented in the README ("Config reference"); example configs live in
+//! `configs/`. Unknown keys are refused (`deny_unknown_fields`) so a typo never silently falls back
+//! to a default. Sizes are human-friendly strings (`"8GiB"`, `"512 MiB"`, or a plain byte count).
+//! Relative paths (data, NVMe directories, checkpoint, trace, metrics) are resolved against the
+//! directory of the config file, so a run does not depend on the working directory.
+//!
+//! ```toml
+//! [model]
+//! d_model = 128
+//! n_layer = 4
+//! n_head = 4
+//!
+//! [data]
+//! path = "../../shared/data/tinyshakespeare.txt"
+//!
+//! [train]
+//! batch_size = 16
+//! seq_len = 128
+//! steps = 600
+//!
+//! [budgets]
+//! gpu = "2MiB"
+//! ```
+
+use std::path::{Path, PathBuf};
+
+use bytesize::ByteSize;
+use serde::{Deserialize, Serialize};
+
+/// A config that cannot be used: which key, why, and how to fix it.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The config path as given.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The TOML does not parse or does not match the schema (unknown key, wrong type).
+    #[error("invalid config {path}: {message}\n  (every key is listed in the README's config reference)")]
+    Parse {
+        /// The config path.
+        path: PathBuf,
+        /// The parser's message; it names the key and the line.
+        message: String,
+    },
+    /// A value is out of range or inconsistent with another.
+    #[error("invalid config value `{key}`: {reason}")]
+    Invalid {
+        /// Dotted key, e.g. `train.seq_len`.
+        key: String,
+        /// What is wrong and how to fix it.
+        reason: String,
+    },
+}
+
+/// Result of config loading.
+pub type Result<T, E = ConfigError> = std::result::Result<T, E>;
+
+/// A whole run: model, data, training loop, device, budgets, optimizer, prefetch, threads,
+/// checkpoints and outputs.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    /// The GPT's dimensions.
+    pub model: ModelConfig,
+    /// The training text.
+    pub data: DataConfig,
+    /// Batch, sequence length, steps, seed, validation cadence.
+    pub train: TrainLoopConfig,
+    /// Which device computes: the sim device or a CUDA GPU.
+    #[serde(default)]
+    pub device: DeviceConfig,
+    /// Per-tier byte budgets and where optimizer state lives.
+    pub budgets: BudgetsConfig,
+    /// AdamW hyper-parameters and the learning-rate schedule.
+    #[serde(default)]
+    pub optimizer: OptimizerSection,
+    /// Lookahead prefetch.
+    #[serde(default)]
+    pub prefetch: PrefetchConfig,
+    /// Thread counts (this machine has few cores: size every pool explicitly).
+    #[serde(default)]
+    pub threads: ThreadsConfig,
+    /// Checkpoints: where and how often.
+    #[serde(default)]
+    pub checkpoint: CheckpointConfig,
+    /// Metrics and trace files.
+    #[serde(default)]
+    pub output: OutputConfig,
+}
+
+/// `[model]`: a byte-level GPT (vocabulary 256).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Number of transformer blocks.
+    pub n_layer: usize,
+    /// Attention heads per block; must divide `d_model`.
+    pub n_head: usize,
+    /// Hidden width of the MLP. Default: 4 × `d_model`.
+    #[serde(default)]
+    pub d_ff: Option<usize>,
+    /// Tie the LM head to the token embedding. Default: false.
+    #[serde(default)]
+    pub tied_head: bool,
+    /// Learned positions available; must be ≥ `train.seq_len`. Default: `train.seq_len`.
+    #[serde(default)]
+    pub max_seq_len: Option<usize>,
+}
+
+/// `[data]`: the training text.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// A text file; bytes are tokens. Relative to the config file's directory.
+    pub path: PathBuf,
+    /// Fraction of the file (its end) held out for validation. Default: 0.1.
+    #[serde(default = "default_val_fraction")]
+    pub val_fraction: f64,
+}
+
+fn default_val_fraction() -> f64 {
+    0.1
+}
+
+/// `[train]`: the loop.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TrainLoopConfig {
+    /// Sequences per step.
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Optimizer steps of the run (`oogc train --steps` overrides).
+    pub steps: u64,
+    /// Seed of parameter init and of batch sampling. Default: 1.
+    #[serde(default = "default_seed")]
+    pub seed: u64,
+    /// Validation every this many steps (and at the end). 0 = only at the end. Default: 100.
+    #[serde(default = "default_eval_interval")]
+    pub eval_interval: u64,
+    /// Batches averaged per validation. Default: 8.
+    #[serde(default = "default_eval_batches")]
+    pub eval_batches: usize,
+}
+
+fn default_seed() -> u64 {
+    1
+}
+fn default_eval_interval() -> u64 {
+    100
+}
+fn default_eval_batches() -> usize {
+    8
+}
+
+/// `[device]`: where the forward and backward run.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceConfig {
+    /// `"sim"` (host memory with an enforced capacity and a throttled copy engine; compute on
+    /// the CPU) or `"cuda:N"` (needs a binary built with `--features cuda`). Default: `"sim"`.
+    #[serde(default = "default_device_kind")]
+    pub kind: String,
+    /// Sim device: H2D/D2H link bandwidth in GB/s (10^9 B/s); 0 = unthrottled. Default: 16.
+    #[serde(default = "default_link_gbps")]
+    pub link_gbps: f64,
+    /// Sim device: per-copy latency in microseconds. Default: 0.
+    #[serde(default)]
+    pub latency_us: f64,
+}
+
+fn default_device_kind() -> String {
+    "sim".into()
+}
+fn default_link_gbps() -> f64 {
+    16.0
+}
+
+impl Default for DeviceConfig {
+    fn default() -> Self {
+        Self { kind: default_device_kind(), link_gbps: default_link_gbps(), latency_us: 0.0 }
+    }
+}
+
+/// Where a unit's fp32 master weights and Adam `m`, `v` live.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum StateTier {
+    /// Host memory.
+    #[default]
+    Host,
+    /// NVMe files, streamed in chunks during the update.
+    Nvme,
+}
+
+/// `[budgets]`: bytes per tier.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BudgetsConfig {
+    /// GPU memory for parameters (compute copies) and gradient staging, e.g. `"2MiB"`.
+    pub gpu: ByteSize,
+    /// Pinned host memory for the compute copies' home and transfer staging. Default: `"4GiB"`.
+    #[serde(default = "default_host_budget")]
+    pub host: ByteSize,
+    /// Where optimizer state (master weights, m, v) lives: `"host"` or `"nvme"`. Default: host.
+    #[serde(default)]
+    pub optimizer_state: StateTier,
+    /// NVMe directories (files are striped over them). Needed when `optimizer_state = "nvme"`.
+    #[serde(default)]
+    pub nvme_dirs: Vec<PathBuf>,
+    /// Bytes preallocated on NVMe in all. Default: 3 × the optimizer state.
+    #[serde(default)]
+    pub nvme_size: Option<ByteSize>,
+}
+
+fn default_host_budget() -> ByteSize {
+    ByteSize::gib(4)
+}
+
+/// `[optimizer]`: AdamW (Loshchilov & Hutter 2019) with linear warmup then cosine decay.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerSection {
+    /// `"adamw"` (decoupled weight decay) or `"adam"` (L2 in the gradient). Default: adamw.
+    #[serde(default = "default_opt_kind")]
+    pub kind: String,
+    /// Peak learning rate. Default: 1e-3.
+    #[serde(default = "default_lr")]
+    pub lr: f32,
+    /// Learning rate at the end of the cosine decay. Default: 0.1 × `lr`.
+    #[serde(default)]
+    pub min_lr: Option<f32>,
+    /// Steps of linear warmup from 0 to `lr`. Default: 100.
+    #[serde(default = "default_warmup")]
+    pub warmup_steps: u64,
+    /// Adam β1, β2. Default: [0.9, 0.95].
+    #[serde(default = "default_betas")]
+    pub betas: [f32; 2],
+    /// Adam ε. Default: 1e-8.
+    #[serde(default = "default_eps")]
+    pub eps: f32,
+    /// Weight decay. Default: 0.1.
+    #[serde(default = "default_wd")]
+    pub weight_decay: f32,
+    /// Global gradient-norm clip; 0 disables. Default: 1.0.
+    #[serde(default = "default_clip")]
+    pub clip_norm: f32,
+}
+
+fn default_opt_kind() -> String {
+    "adamw".into()
+}
+fn default_lr() -> f32 {
+    1e-3
+}
+fn default_warmup() -> u64 {
+    100
+}
+fn default_betas() -> [f32; 2] {
+    [0.9, 0.95]
+}
+fn default_eps() -> f32 {
+    1e-8
+}
+fn default_wd() -> f32 {
+    0.1
+}
+fn default_clip() -> f32 {
+    1.0
+}
+
+impl Default for OptimizerSection {
+    fn default() -> Self {
+        Self {
+            kind: default_opt_kind(),
+            lr: default_lr(),
+            min_lr: None,
+            warmup_steps: default_warmup(),
+            betas: default_betas(),
+            eps: default_eps(),
+            weight_decay: default_wd(),
+            clip_norm: default_clip(),
+        }
+    }
+}
+
+/// `[prefetch]`: the sliding window of fetches ahead of compute.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PrefetchConfig {
+    /// Units fetched ahead of the one in use; 0 = fetch on demand. Default: 2.
+    #[serde(default = "default_depth")]
+    pub depth: usize,
+}
+
+fn default_depth() -> usize {
+    2
+}
+
+impl Default for PrefetchConfig {
+    fn default() -> Self {
+        Self { depth: default_depth() }
+    }
+}
+
+/// `[threads]`: explicit pool sizes (candle and the optimizer must not oversubscribe).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ThreadsConfig {
+    /// Threads of candle's CPU compute (sim device). Default: all cores.
+    #[serde(default)]
+    pub compute: Option<usize>,
+    /// Threads of the CPU optimizer. Default: 1.
+    #[serde(default = "default_opt_threads")]
+    pub optimizer: usize,
+}
+
+fn default_opt_threads() -> usize {
+    1
+}
+
+impl Default for ThreadsConfig {
+    fn default() -> Self {
+        Self { compute: None, optimizer: default_opt_threads() }
+    }
+}
+
+/// `[checkpoint]`: safetensors checkpoints, written atomically.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Directory of checkpoints. Default: none (no checkpoints).
+    #[serde(default)]
+    pub dir: Option<PathBuf>,
+    /// A checkpoint every this many steps (and at the end). 0 = only at the end. Default: 0.
+    #[serde(default)]
+    pub interval: u64,
+    /// Checkpoints kept (oldest deleted first). Default: 2.
+    #[serde(default)]
+    pub keep: Option<usize>,
+}
+
+/// `[output]`: files the run writes.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct OutputConfig {
+    /// JSON-lines metrics, one object per step. Default: none.
+    #[serde(default)]
+    pub metrics: Option<PathBuf>,
+    /// Chrome/Perfetto trace of the timeline (open in ui.perfetto.dev). Default: none.
+    #[serde(default)]
+    pub trace: Option<PathBuf>,
+}
+
+impl TrainConfig {
+    /// Reads, parses, resolves relative paths against the file's directory, and validates.
+    ///
+    /// # Errors
+    /// [`ConfigError::Read`] when the file cannot be read, [`ConfigError::Parse`] for bad TOML or
+    /// an unknown key, [`ConfigError::Invalid`] for a bad value (see [`TrainConfig::validate`]).
+    pub fn load(path: &Path) -> Result<Self> {
+        let text =
+            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let mut cfg = Self::from_toml_str(&text).map_err(|e| match e {
+            ConfigError::Parse { message, .. } => ConfigError::Parse { path: path.to_path_buf(), message },
+            other => other,
+        })?;
+        let base = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        cfg.resolve_paths(base);
+        Ok(cfg)
+    }
+
+    /// Parses and validates TOML text; relative paths stay as written.
+    ///
+    /// # Errors
+    /// As [`TrainConfig::load`], without the read error.
+    pub fn from_toml_str(text: &str) -> Result<Self> {
+        let cfg: Self = toml::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: PathBuf::from("<string>"), message: e.to_string() })?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Makes every relative path absolute against `base`.
+    pub fn resolve_paths(&mut self, base: &Path) {
+        let fix = |p: &mut PathBuf| {
+            if p.is_relative() {
+                *p = base.join(&*p);
+            }
+        };
+        fix(&mut self.data.path);
+        self.budgets.nvme_dirs.iter_mut().for_each(fix);
+        if let Some(d) = &mut self.checkpoint.dir {
+            fix(d);
+        }
+        if let Some(p) = &mut self.output.metrics {
+            fix(p);
+        }
+        if let Some(p) = &mut self.output.trace {
+            fix(p);
+        }
+    }
+
+    /// Checks ranges and consistency; the error names the key and the fix.
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`].
+    pub fn validate(&self) -> Result<()> {
+        let bad = |key: &str, reason: String| Err(ConfigError::Invalid { key: key.into(), reason });
+        let m = &self.model;
+        if m.d_model == 0 || m.n_layer == 0 || m.n_head == 0 {
+            return bad("model", "d_model, n_layer and n_head must be ≥ 1".into());
+        }
+        if m.d_model % m.n_head != 0 {
+            return bad("model.n_head", format!("n_head = {} must divide d_model = {}", m.n_head, m.d_model));
+        }
+        if m.d_ff == Some(0) {
+            return bad("model.d_ff", "must be ≥ 1 (or left out for 4 × d_model)".into());
+        }
+        let t = &self.train;
+        if t.batch_size == 0 {
+            return bad("train.batch_size", "must be ≥ 1".into());
+        }
+        if t.seq_len == 0 {
+            return bad("train.seq_len", "must be ≥ 1".into());
+        }
+        if let Some(max) = m.max_seq_len {
+            if max < t.seq_len {
+                return bad("model.max_seq_len", format!("{max} is below train.seq_len = {}", t.seq_len));
+            }
+        }
+        if t.eval_batches == 0 {
+            return bad("train.eval_batches", "must be ≥ 1".into());
+        }
+        if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 1.0) {
+            return bad("data.val_fraction", format!("{} must be in (0, 1)", self.data.val_fraction));
+        }
+        let d = &self.device;
+        if d.kind != "sim" && !d.kind.starts_with("cuda") {
+            return bad("device.kind", format!("`{}`: use \"sim\" or \"cuda:N\"", d.kind));
+        }
+        if !(d.link_gbps >= 0.0 && d.link_gbps.is_finite()) {
+            return bad("device.link_gbps", "must be ≥ 0 (0 = unthrottled)".into());
+        }
+        if !(d.latency_us >= 0.0 && d.latency_us.is_finite()) {
+            return bad("device.latency_us", "must be ≥ 0".into());
+        }
+        let b = &self.budgets;
+        if b.gpu.as_u64() == 0 {
+            return bad("budgets.gpu", "must be > 0, e.g. \"64MiB\"".into());
+        }
+        if b.optimizer_state == StateTier::Nvme && b.nvme_dirs.is_empty() {
+            return bad(
+                "budgets.nvme_dirs",
+                "optimizer_state = \"nvme\" needs at least one directory, e.g. nvme_dirs = [\"/tmp/oogc-nvme\"]".into(),
+            );
+        }
+        let o = &self.optimizer;
+        if o.kind != "adamw" && o.kind != "adam" {
+            return bad("optimizer.kind", format!("`{}`: use \"adamw\" or \"adam\"", o.kind));
+        }
+        if !(o.lr > 0.0 && o.lr.is_finite()) {
+            return bad("optimizer.lr", "must be > 0".into());
+        }
+        if let Some(min) = o.min_lr {
+            if !(0.0..=o.lr).contains(&min) {
+                return bad("optimizer.min_lr", format!("{min} must be in [0, lr = {}]", o.lr));
+            }
+        }
+        for (i, beta) in o.betas.iter().enumerate() {
+            if !(0.0..1.0).contains(beta) {
+                return bad("optimizer.betas", format!("betas[{i}] = {beta} must be in [0, 1)"));
+            }
+        }
+        if !(o.eps > 0.0) {
+            return bad("optimizer.eps", "must be > 0".into());
+        }
+        if !(o.weight_decay >= 0.0) {
+            return bad("optimizer.weight_decay", "must be ≥ 0".into());
+        }
+        if !(o.clip_norm >= 0.0) {
+            return bad("optimizer.clip_norm", "must be ≥ 0 (0 disables clipping)".into());
+        }
+        if self.threads.optimizer == 0 {
+            return bad("threads.optimizer", "must be ≥ 1".into());
+        }
+        if self.threads.compute == Some(0) {
+            return bad("threads.compute", "must be ≥ 1".into());
+        }
+        if self.checkpoint.keep == Some(0) {
+            return bad("checkpoint.keep", "must be ≥ 1".into());
+        }
+        Ok(())
+    }
+
+    /// The MLP width: `d_ff` or 4 × `d_model`.
+    pub fn d_ff(&self) -> usize {
+        self.model.d_ff.unwrap_or(4 * self.model.d_model)
+    }
+
+    /// The learned positions: `max_seq_len` or `train.seq_len`.
+    pub fn max_seq_len(&self) -> usize {
+        self.model.max_seq_len.unwrap_or(self.train.seq_len)
+    }
+
+    /// The end-of-decay learning rate: `min_lr` or 0.1 × `lr`.
+    pub fn min_lr(&self) -> f32 {
+        self.optimizer.min_lr.unwrap_or(0.1 * self.optimizer.lr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[model]
+d_model = 32
+n_layer = 2
+n_head = 4
+[data]
+path = "text.txt"
+[train]
+batch_size = 2
+seq_len = 16
+steps = 3
+[budgets]
+gpu = "1.5MiB"
+"#;
+
+    #[test]
+    fn minimal_config_gets_defaults_and_parses_sizes() {
+        let cfg = TrainConfig::from_toml_str(MINIMAL).unwrap();
+        assert_eq!(cfg.budgets.gpu.as_u64(), 3 << 19);
+        assert_eq!(cfg.budgets.host.as_u64(), 4 << 30);
+        assert_eq!(cfg.d_ff(), 128);
+        assert_eq!(cfg.max_seq_len(), 16);
+        assert_eq!(cfg.device.kind, "sim");
+        assert_eq!(cfg.prefetch.depth, 2);
+        assert!((cfg.min_lr() - 1e-4).abs() < 1e-9);
+    }
+
+    #[test]
+    fn unknown_key_is_refused_with_its_name() {
+        let text = MINIMAL.replace("steps = 3", "steps = 3\nstesp = 4");
+        let err = TrainConfig::from_toml_str(&text).unwrap_err().to_string();
+        assert!(err.contains("stesp"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_the_key() {
+        for (from, to, key) in [
+            ("n_head = 4", "n_head = 5", "model.n_head"),
+            ("gpu = \"1.5MiB\"", "gpu = \"0B\"", "budgets.gpu"),
+            ("gpu = \"1.5MiB\"", "gpu = \"1MiB\"\noptimizer_state = \"nvme\"", "budgets.nvme_dirs"),
+            ("seq_len = 16", "seq_len = 0", "train.seq_len"),
+        ] {
+            let err = TrainConfig::from_toml_str(&MINIMAL.replace(from, to)).unwrap_err();
+            assert!(matches!(&err, ConfigError::Invalid { key: k, .. } if k == key), "{to}: {err}");
+        }
+    }
+
+    #[test]
+    fn relative_paths_resolve_against_the_config_dir() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run.toml");
+        std::fs::write(&path, MINIMAL).unwrap();
+        let cfg = TrainConfig::load(&path).unwrap();
+        assert_eq!(cfg.data.path, dir.path().join("text.txt"));
+        let err = TrainConfig::load(&dir.path().join("missing.toml")).unwrap_err().to_string();
+        assert!(err.contains("missing.toml"), "{err}");
+    }
+}
