@@ -480,13 +480,13 @@ impl TrainConfig {
                 return bad("optimizer.betas", format!("betas[{i}] = {beta} must be in [0, 1)"));
             }
         }
-        if !(o.eps > 0.0) {
+        if o.eps.is_nan() || o.eps <= 0.0 {
             return bad("optimizer.eps", "must be > 0".into());
         }
-        if !(o.weight_decay >= 0.0) {
+        if o.weight_decay.is_nan() || o.weight_decay < 0.0 {
             return bad("optimizer.weight_decay", "must be ≥ 0".into());
         }
-        if !(o.clip_norm >= 0.0) {
+        if o.clip_norm.is_nan() || o.clip_norm < 0.0 {
             return bad("optimizer.clip_norm", "must be ≥ 0 (0 disables clipping)".into());
         }
         if self.threads.optimizer == 0 {
