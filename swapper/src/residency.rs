@@ -180,6 +180,8 @@ struct State {
     entries: HashMap<TensorId, Entry>,
     /// Reserved bytes: [device, host].
     used: [u64; 2],
+    /// Highest `used` since creation or the last [`ResidencyManager::reset_peak_bytes`].
+    peak: [u64; 2],
     links: [LinkBusy; 4],
     clock: u64,
     policy: Box<dyn EvictionPolicy>,
@@ -332,6 +334,7 @@ impl ResidencyManager {
             state: Mutex::new(State {
                 entries: HashMap::new(),
                 used: [0, 0],
+                peak: [0, 0],
                 links: [LinkBusy::default(); 4],
                 clock: 0,
                 policy,
@@ -386,7 +389,22 @@ impl ResidencyManager {
         }
     }
 
-    /// Bytes reserved on `tier` now (`Nvme`: bytes in live extents).
+    /// Highest bytes reserved on `tier` since creation or [`ResidencyManager::reset_peak_bytes`]
+    /// (`Nvme`: the bytes in live extents now; the store keeps no peak).
+    pub fn peak_bytes(&self, tier: Tier) -> u64 {
+        match tier {
+            Tier::Device | Tier::Host => self.inner.state.lock().peak[tier.index()],
+            Tier::Nvme => self.inner.nvme.as_ref().map_or(0, |s| s.used_bytes()),
+        }
+    }
+
+    /// Restarts [`ResidencyManager::peak_bytes`] from the bytes in use now.
+    pub fn reset_peak_bytes(&self) {
+        let mut st = self.inner.state.lock();
+        st.peak = st.used;
+    }
+
+    /// Bytes reserved on `tier` now (NVMe: the store's allocated bytes).
     pub fn used_bytes(&self, tier: Tier) -> u64 {
         match tier {
             Tier::Device | Tier::Host => self.inner.state.lock().used[tier.index()],
@@ -886,6 +904,7 @@ impl Inner {
         loop {
             if st.used[t] + need <= budget {
                 st.used[t] += need;
+                st.peak[t] = st.peak[t].max(st.used[t]);
                 return Ok(());
             }
             let mut candidates = Vec::new();
