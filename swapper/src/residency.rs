@@ -25,6 +25,7 @@
 //! threads' pins or in-flight transfers blocks, up to [`ResidencyConfig::wait_timeout`].
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::{JoinHandle, ThreadId};
 use std::time::{Duration, Instant};
@@ -236,7 +237,9 @@ struct Inner {
     device: Device,
     pool: PinnedPool,
     nvme: Option<NvmeStore>,
-    budgets: [u64; 2],
+    /// [device, host] budgets; the device budget may be lowered by
+    /// [`ResidencyManager::set_device_budget_bytes`].
+    budgets: [AtomicU64; 2],
     config: ResidencyConfig,
     metrics: Metrics,
 }
@@ -343,7 +346,7 @@ impl ResidencyManager {
             device,
             pool,
             nvme,
-            budgets: [device_budget, config.host_budget_bytes],
+            budgets: [AtomicU64::new(device_budget), AtomicU64::new(config.host_budget_bytes)],
             config,
             metrics: Metrics::default(),
         });
@@ -384,9 +387,28 @@ impl ResidencyManager {
     /// The byte budget of `tier` (`Nvme`: the store's capacity, 0 without a store).
     pub fn budget_bytes(&self, tier: Tier) -> u64 {
         match tier {
-            Tier::Device | Tier::Host => self.inner.budgets[tier.index()],
+            Tier::Device | Tier::Host => self.inner.budgets[tier.index()].load(Ordering::Relaxed),
             Tier::Nvme => self.inner.nvme.as_ref().map_or(0, |s| s.capacity_bytes()),
         }
+    }
+
+    /// Lowers (or raises, up to the device's capacity) the device budget, e.g. to carve out room
+    /// for buffers the caller allocates on the device itself (gradient staging).
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `bytes` is 0, above the device's capacity, or below the bytes the
+    /// manager holds on the device now.
+    pub fn set_device_budget_bytes(&self, bytes: u64) -> Result<()> {
+        let st = self.inner.state.lock();
+        let capacity = self.inner.device.capacity_bytes();
+        if bytes == 0 || bytes > capacity || bytes < st.used[0] {
+            return Err(Error::Config {
+                key: "device_budget_bytes".into(),
+                reason: format!("{bytes} must be in {}..={capacity} (bytes held now ..= capacity)", st.used[0].max(1)),
+            });
+        }
+        self.inner.budgets[0].store(bytes, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Highest bytes reserved on `tier` since creation or [`ResidencyManager::reset_peak_bytes`]
@@ -567,17 +589,18 @@ impl ResidencyManager {
             if sum[i] != st.used[i] {
                 return Err(Error::InvalidRequest(format!("{t}: used {} != sum of copies {}", st.used[i], sum[i])));
             }
-            if st.used[i] > self.inner.budgets[i] {
+            if st.used[i] > self.inner.budgets[i].load(Ordering::Relaxed) {
                 return Err(Error::InvalidRequest(format!(
                     "{t}: used {} > budget {}",
-                    st.used[i], self.inner.budgets[i]
+                    st.used[i],
+                    self.inner.budgets[i].load(Ordering::Relaxed)
                 )));
             }
         }
-        if self.inner.device.allocated_bytes() > self.inner.budgets[0] {
+        if self.inner.device.allocated_bytes() > self.inner.device.capacity_bytes() {
             return Err(Error::InvalidRequest("device allocated bytes over budget".into()));
         }
-        if self.inner.pool.live_bytes() > self.inner.budgets[1] {
+        if self.inner.pool.live_bytes() > self.inner.budgets[1].load(Ordering::Relaxed) {
             return Err(Error::InvalidRequest("host pool live bytes over budget".into()));
         }
         Ok(())
@@ -632,11 +655,11 @@ impl Inner {
             Tier::Host => {}
         }
         let class = size_class(bytes) as u64;
-        if class > self.budgets[1] {
+        if class > self.budgets[1].load(Ordering::Relaxed) {
             return Err(Error::OutOfMemory {
                 tier: Tier::Host,
                 requested_bytes: class,
-                available_bytes: self.budgets[1],
+                available_bytes: self.budgets[1].load(Ordering::Relaxed),
             });
         }
         let mut st = self.state.lock();
@@ -741,7 +764,9 @@ impl Inner {
                         break Err(Error::OutOfMemory {
                             tier,
                             requested_bytes,
-                            available_bytes: self.budgets[tier.index()].saturating_sub(st.used[tier.index()]),
+                            available_bytes: self.budgets[tier.index()]
+                                .load(Ordering::Relaxed)
+                                .saturating_sub(st.used[tier.index()]),
                         });
                     }
                 }
@@ -830,11 +855,11 @@ impl Inner {
                 }
                 CopyState::Loading | CopyState::Lent => Ok(Step::Wait),
                 CopyState::Absent => {
-                    if bytes > self.budgets[0] {
+                    if bytes > self.budgets[0].load(Ordering::Relaxed) {
                         return Err(Error::OutOfMemory {
                             tier: Tier::Device,
                             requested_bytes: bytes,
-                            available_bytes: self.budgets[0],
+                            available_bytes: self.budgets[0].load(Ordering::Relaxed),
                         });
                     }
                     // Claim the load: others wait for it instead of starting their own.
@@ -899,7 +924,7 @@ impl Inner {
         deadline: Instant,
     ) -> Result<()> {
         let t = tier.index();
-        let budget = self.budgets[t];
+        let budget = self.budgets[t].load(Ordering::Relaxed);
         let me = std::thread::current().id();
         loop {
             if st.used[t] + need <= budget {

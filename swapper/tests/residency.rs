@@ -288,3 +288,26 @@ proptest! {
         m.check_invariants().unwrap();
     }
 }
+
+#[test]
+fn a_lowered_device_budget_holds_and_peaks_are_tracked() {
+    let m = manager(1 << 20, 16 << 20);
+    for id in 0..3 {
+        m.register(meta(id, 300_000), &pattern(id, 0, 300_000)).unwrap();
+    }
+    // Room for two tensors of 300 kB once the budget drops to 700 kB; the caller keeps the rest.
+    m.set_device_budget_bytes(700_000).unwrap();
+    for id in 0..3 {
+        drop(m.acquire(TensorId(id), Tier::Device, Access::Read).unwrap());
+    }
+    assert!(m.used_bytes(Tier::Device) <= 700_000);
+    assert!(m.peak_bytes(Tier::Device) <= 700_000 && m.peak_bytes(Tier::Device) >= 300_000);
+    m.check_invariants().unwrap();
+    // Two pinned tensors fill the budget: it cannot go below what is held, nor above capacity.
+    let _a = m.acquire(TensorId(0), Tier::Device, Access::Read).unwrap();
+    let _b = m.acquire(TensorId(1), Tier::Device, Access::Read).unwrap();
+    assert!(matches!(m.set_device_budget_bytes(100_000), Err(Error::Config { .. })));
+    assert!(matches!(m.set_device_budget_bytes(2 << 20), Err(Error::Config { .. })));
+    m.reset_peak_bytes();
+    assert_eq!(m.peak_bytes(Tier::Device), m.used_bytes(Tier::Device));
+}
