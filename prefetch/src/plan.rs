@@ -172,6 +172,8 @@ pub struct PlanInput {
     pub prefetch: PrefetchConfig,
     /// Simulated steps (the last is reported). Default 3.
     pub steps: usize,
+    /// Keep the Chrome/Perfetto trace of the simulated step in [`PlanReport::sim`].
+    pub trace: bool,
 }
 
 /// Bytes needed per tier.
@@ -261,6 +263,7 @@ pub fn plan(input: &PlanInput, hw: &HardwareProfile) -> Result<PlanReport> {
     cfg.optimizer_params_per_s = hw.cpu_adam_params_per_s;
     cfg.steps = input.steps.max(1);
     cfg.prefetch = Some(input.prefetch);
+    cfg.trace = input.trace;
     if input.gpu_budget_bytes < min_working_set(&schedule) {
         cfg.device_budget_bytes = input.gpu_budget_bytes;
     }
@@ -346,6 +349,7 @@ mod tests {
             optimizer_state: StatePlacement::Auto,
             prefetch: PrefetchConfig::default(),
             steps: 3,
+            trace: false,
         };
         let r = plan(&input, &HardwareProfile::default()).unwrap();
         assert_eq!(r.min_gpu_budget_bytes, 2 << 20);
@@ -353,7 +357,7 @@ mod tests {
         assert!(r.step_s >= r.lower_bound_s * 0.999, "{r:?}");
         let sum = r.compute_s + r.exposed_transfer_s + r.exposed_optimizer_s;
         assert!((sum - r.step_s).abs() < 1e-9 * r.step_s.max(1.0), "{r:?}");
-        assert_eq!(r.memory.host_bytes >= 12 * r.params + r.model_bytes, true);
+        assert!(r.memory.host_bytes >= 12 * r.params + r.model_bytes);
         let small = PlanInput { gpu_budget_bytes: 1 << 20, ..input.clone() };
         let e = plan(&small, &HardwareProfile::default()).unwrap_err();
         assert!(e.to_string().contains(&format!("{} B", 2 << 20)), "{e}");
