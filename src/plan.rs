@@ -185,7 +185,7 @@ pub struct ProbeArgs {
 
 impl Default for ProbeArgs {
     fn default() -> Self {
-        Self { dir: std::env::temp_dir(), nvme_bytes: 64 << 20, triad_elems: 4 << 20, adam_params: 4 << 20 }
+        Self { dir: std::env::temp_dir(), nvme_bytes: 64 << 20, triad_elems: 2 << 20, adam_params: 1 << 20 }
     }
 }
 
