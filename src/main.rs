@@ -130,6 +130,12 @@ struct PlanCmd {
     /// With --hardware-probe: MiB written then read through the NVMe store.
     #[arg(long, value_name = "MIB", default_value_t = 64, value_parser = clap::value_parser!(u64).range(8..))]
     probe_mib: u64,
+    /// With --hardware-probe: f64 elements per triad array (tests use small sizes).
+    #[arg(long, value_name = "N", hide = true, default_value_t = planner::ProbeArgs::default().triad_elems)]
+    probe_triad_elems: usize,
+    /// With --hardware-probe: parameters of the Adam loop (tests use small sizes).
+    #[arg(long, value_name = "N", hide = true, default_value_t = planner::ProbeArgs::default().adam_params)]
+    probe_adam_params: usize,
     /// Print the plan as one JSON object (fields: units, params, model_bytes, min_gpu_budget_bytes,
     /// memory, step_s, compute_s, exposed_transfer_s, exposed_optimizer_s, lower_bound_s, sim, warnings).
     #[arg(long)]
@@ -152,6 +158,10 @@ struct EvictCmd {
     /// Override the profile's device GFLOP/s (compute time per unit), e.g. 100000 for a GPU.
     #[arg(long, value_name = "GFLOPS", value_parser = parse_positive_f64)]
     device_gflops: Option<f64>,
+    /// The window never moves more bytes than offline MIN's demand fetching would (it then
+    /// defers prefetches that need cache MIN keeps: more stall on forward-only scans).
+    #[arg(long)]
+    no_extra_bytes: bool,
     /// Print JSON Lines on stdout: one object per row per line, with fields workload, policy,
     /// budget_fraction, budget_bytes, bytes_moved, min_bytes, ratio_to_min, stall_s, step_s,
     /// stall_fraction, prefetches.
@@ -336,7 +346,8 @@ fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         let args = planner::ProbeArgs {
             dir: cmd.probe_dir.unwrap_or_else(std::env::temp_dir),
             nvme_bytes: cmd.probe_mib << 20,
-            ..planner::ProbeArgs::default()
+            triad_elems: cmd.probe_triad_elems.max(1),
+            adam_params: cmd.probe_adam_params.max(1),
         };
         let profile = planner::probe(&args).context("oogc plan --hardware-probe")?;
         let toml = profile.to_toml_string();
@@ -386,6 +397,7 @@ fn bench_evict(cmd: EvictCmd) -> anyhow::Result<()> {
         fractions: cmd.fractions,
         hardware,
         max_depth: cmd.max_depth as usize,
+        no_extra_bytes: cmd.no_extra_bytes,
         ..evict::EvictBenchArgs::default()
     };
     let rows = evict::run(&args).context("oogc bench evict")?;

@@ -102,7 +102,7 @@ pub fn plan_gpt(args: &PlanArgs) -> anyhow::Result<PlanReport> {
         gpu_budget_bytes: args.gpu_budget_bytes,
         host_budget_bytes: args.host_budget_bytes,
         optimizer_state: args.optimizer_state,
-        prefetch: PrefetchConfig { max_depth: args.max_depth },
+        prefetch: PrefetchConfig { max_depth: args.max_depth, ..PrefetchConfig::default() },
         steps: 3,
         trace: args.trace,
     };

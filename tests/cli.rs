@@ -188,6 +188,30 @@ fn bench_evict_prints_json_rows_for_every_policy() {
 }
 
 #[test]
+fn bench_evict_no_extra_bytes_keeps_every_row_at_min() {
+    let out = oogc(&[
+        "bench",
+        "evict",
+        "--layers",
+        "6",
+        "--d-model",
+        "64",
+        "--seq-len",
+        "32",
+        "--batch",
+        "2",
+        "--fractions",
+        "0.3,0.7",
+        "--no-extra-bytes",
+        "--json",
+    ]);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    for row in json_rows(&out).iter().filter(|r| r["policy"] == "next-use") {
+        assert!(row["ratio_to_min"].as_f64().unwrap() <= 1.05, "{row}");
+    }
+}
+
+#[test]
 fn bench_evict_refuses_a_fraction_out_of_range() {
     let out = oogc(&["bench", "evict", "--fractions", "0.5,1.5"]);
     assert!(!out.status.success());
@@ -249,6 +273,11 @@ fn plan_hardware_probe_writes_a_profile_that_plan_reads() {
         dir.path().to_str().unwrap(),
         "--probe-mib",
         "8",
+        // Small loops: the swap benchmark's memcpy limit is measured beside this test.
+        "--probe-triad-elems",
+        "262144",
+        "--probe-adam-params",
+        "262144",
     ]);
     assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
     let profile = oogc::prefetch::HardwareProfile::load(&hw).expect("the probe writes a valid profile");

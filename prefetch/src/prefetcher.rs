@@ -31,11 +31,17 @@ pub struct PrefetchConfig {
     /// Device accesses looked ahead of the current position (units in the window, resident or
     /// not). Default: 4. Must be ≥ 1.
     pub max_depth: usize,
+    /// Never move more bytes than demand fetching under Belady's MIN: a victim is also refused
+    /// when MIN, at the fetched unit's use, would rather evict a unit used in between (its next
+    /// use after that is farther than the victim's). Costs stall where the schedule is a cyclic
+    /// scan (forward-only steps: no prefetch fits without giving up cache); changes nothing on
+    /// palindromic training steps. Default: false (hide transfers first).
+    pub no_extra_bytes: bool,
 }
 
 impl Default for PrefetchConfig {
     fn default() -> Self {
-        Self { max_depth: 4 }
+        Self { max_depth: 4, no_extra_bytes: false }
     }
 }
 
@@ -175,6 +181,19 @@ impl Prefetcher {
                     })
                     .collect();
                 eviction_order(ranking, &mut cands, snapshot.clock);
+                // The farthest next use (absolute) of the units used from now until `unit`: with
+                // `no_extra_bytes`, a victim must be needed after all of them (stale copies are
+                // dropped, not evicted, so they do not compete).
+                let horizon = if self.config.no_extra_bytes {
+                    (0..k)
+                        .filter_map(|i| {
+                            let q = position + i;
+                            schedule.next_use_distance(schedule.device_unit(q), q).map(|d| q + d)
+                        })
+                        .max()
+                } else {
+                    None
+                };
                 let mut victims = Vec::new();
                 let mut freed = 0u64;
                 let mut safe = true;
@@ -184,7 +203,8 @@ impl Prefetcher {
                     }
                     // A victim needed no later than `unit` (at distance k) would be refetched
                     // before `unit` is used: not worth it.
-                    if schedule.next_use_distance(v.id, position).is_some_and(|d| d <= k) {
+                    let next = schedule.next_use_distance(v.id, position);
+                    if next.is_some_and(|d| d <= k || horizon.is_some_and(|h| position + d <= h)) {
                         safe = false;
                         break;
                     }
@@ -235,7 +255,7 @@ mod tests {
     #[test]
     fn fetches_in_order_up_to_the_depth_when_there_is_room() {
         let s = sched(8);
-        let p = Prefetcher::new(PrefetchConfig { max_depth: 3 }).unwrap();
+        let p = Prefetcher::new(PrefetchConfig { max_depth: 3, ..PrefetchConfig::default() }).unwrap();
         let snap = TierSnapshot { budget_bytes: 10_000, used_bytes: 100, copies: vec![ready(0, 100)], clock: 1 };
         let pol = NextUsePolicy::new(s.clone());
         let plan = p.plan(&s, 16, &snap, &pol, &|_| false);
@@ -261,7 +281,7 @@ mod tests {
             pol.on_acquire(TensorId(u), Tier::Device, u + 1, false);
         }
         assert_eq!(pol.cursor().position(), 18);
-        let p = Prefetcher::new(PrefetchConfig { max_depth: 4 }).unwrap();
+        let p = Prefetcher::new(PrefetchConfig { max_depth: 4, ..PrefetchConfig::default() }).unwrap();
         let plan = p.plan(&s, 18, &snap, &pol, &|_| false);
         let ids: Vec<u64> = plan.fetch.iter().map(|f| f.0 .0).collect();
         assert_eq!(ids, vec![3, 4], "{plan:?}");
@@ -279,7 +299,7 @@ mod tests {
         let mut r2 = ready(2, 100);
         r2.last_use = 0;
         let snap = TierSnapshot { budget_bytes: 200, used_bytes: 200, copies: vec![r2, pinned], clock: 9 };
-        let p = Prefetcher::new(PrefetchConfig { max_depth: 2 }).unwrap();
+        let p = Prefetcher::new(PrefetchConfig { max_depth: 2, ..PrefetchConfig::default() }).unwrap();
         let plan = p.plan(&s, 8 + 4, &snap, &LruPolicy, &|_| false);
         assert!(plan.fetch.is_empty(), "{plan:?}");
         assert_eq!(plan.stopped, Some((TensorId(1), Stop::NoRoom)));
@@ -288,13 +308,13 @@ mod tests {
     #[test]
     fn a_blocked_unit_defers_the_rest() {
         let s = sched(4);
-        let p = Prefetcher::new(PrefetchConfig { max_depth: 4 }).unwrap();
+        let p = Prefetcher::new(PrefetchConfig { max_depth: 4, ..PrefetchConfig::default() }).unwrap();
         let snap = TierSnapshot { budget_bytes: 10_000, ..Default::default() };
         let pol = NextUsePolicy::new(s.clone());
         let plan = p.plan(&s, 7, &snap, &pol, &|u| u == TensorId(1));
         let ids: Vec<u64> = plan.fetch.iter().map(|f| f.0 .0).collect();
         assert_eq!(ids, vec![0]);
         assert_eq!(plan.stopped, Some((TensorId(1), Stop::Blocked)));
-        assert!(Prefetcher::new(PrefetchConfig { max_depth: 0 }).is_err());
+        assert!(Prefetcher::new(PrefetchConfig { max_depth: 0, ..PrefetchConfig::default() }).is_err());
     }
 }

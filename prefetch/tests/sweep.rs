@@ -137,3 +137,28 @@ fn the_minimum_working_set_completes_for_every_policy() {
         assert!(r.peak_bytes.device <= min);
     }
 }
+
+#[test]
+fn no_extra_bytes_keeps_a_forward_scan_at_min() {
+    use oogc_prefetch::PrefetchConfig;
+    for train in [false, true] {
+        let (s, units) = gpt_like_with(32, 128, &[1.0, 0.6, 1.4], 1e-3, train);
+        for fraction in [0.2, 0.5, 0.8] {
+            let b = budget(&s, &units, fraction);
+            let min = run(&s, &units, b, PolicyKind::Min).bytes_moved;
+            let mut cfg = SimConfig::new(b);
+            cfg.prefetch = Some(PrefetchConfig { no_extra_bytes: true, ..PrefetchConfig::default() });
+            let strict = simulate_kind(&s, &units, &cfg, PolicyKind::NextUse).unwrap();
+            assert!(
+                strict.bytes_moved as f64 <= 1.05 * min as f64,
+                "train={train} budget {fraction}: {} B vs MIN {min} B",
+                strict.bytes_moved
+            );
+            if train {
+                // Palindromic steps lose no prefetch to the rule.
+                let loose = run(&s, &units, b, PolicyKind::NextUse);
+                assert_eq!(strict.prefetches, loose.prefetches, "budget {fraction}");
+            }
+        }
+    }
+}

@@ -36,6 +36,8 @@ pub struct EvictBenchArgs {
     pub hardware: HardwareProfile,
     /// Prefetch window depth, units.
     pub max_depth: usize,
+    /// The window's `no_extra_bytes` rule (never move more bytes than MIN's demand fetching).
+    pub no_extra_bytes: bool,
 }
 
 impl Default for EvictBenchArgs {
@@ -46,6 +48,7 @@ impl Default for EvictBenchArgs {
             workloads: vec![Workload::Train, Workload::Forward],
             hardware: HardwareProfile::default(),
             max_depth: PrefetchConfig::default().max_depth,
+            no_extra_bytes: false,
         }
     }
 }
@@ -130,7 +133,7 @@ pub fn run(args: &EvictBenchArgs) -> anyhow::Result<Vec<EvictBenchRow>> {
             let mut cfg = SimConfig::new(budget);
             cfg.links = args.hardware.links();
             cfg.optimizer_params_per_s = args.hardware.cpu_adam_params_per_s;
-            cfg.prefetch = Some(PrefetchConfig { max_depth: args.max_depth });
+            cfg.prefetch = Some(PrefetchConfig { max_depth: args.max_depth, no_extra_bytes: args.no_extra_bytes });
             let mut min_cfg = cfg.clone();
             min_cfg.prefetch = None;
             let min = simulate_kind(&s, &sim_units, &min_cfg, PolicyKind::Min)?;
