@@ -19,3 +19,4 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod plan;

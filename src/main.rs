@@ -1,4 +1,4 @@
-//! The `oogc` command line: `oogc bench nvme` and `oogc bench swap`.
+//! The `oogc` command line: `oogc bench nvme`, `oogc bench swap`, `oogc bench evict` and `oogc plan`.
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`); results go to stdout, as a table
 //! or, with `--json`, as JSON Lines (one object per row per line). Errors print the whole cause
@@ -10,7 +10,10 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use oogc::bench::{nvme, swap};
+use oogc::bench::{evict, nvme, swap};
+use oogc::plan as planner;
+use oogc::prefetch::plan::StatePlacement;
+use oogc::prefetch::HardwareProfile;
 use oogc::swapper::{EngineChoice, Error as SwapError};
 use serde::Serialize;
 use tracing_subscriber::EnvFilter;
@@ -30,6 +33,10 @@ enum Command {
     /// Offload benchmarks: a table on stdout, or JSON Lines with --json.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Plan a GPT under budgets: memory per tier, the minimum GPU budget, and the predicted step
+    /// time (compute, exposed transfer, exposed optimizer) from the step simulator; or, with
+    /// --hardware-probe, measure this machine into a hardware profile (TOML).
+    Plan(PlanCmd),
 }
 
 #[derive(Debug, Subcommand)]
@@ -40,6 +47,126 @@ enum BenchCommand {
     /// Host<->device copies on the sim device (raw and through the residency manager), each row
     /// beside a limit measured or set in the same run. GB/s are 10^9 bytes per second.
     Swap(SwapCmd),
+    /// Bytes moved and stall of the eviction policies (next-use, LRU, FIFO, offline MIN) over a
+    /// sweep of device budgets, in the step simulator, for a GPT's training and forward-only steps.
+    Evict(EvictCmd),
+}
+
+/// The GPT whose units are planned or swept (byte vocabulary of 256).
+#[derive(Debug, Args)]
+struct ModelArgs {
+    /// Transformer blocks.
+    #[arg(long, value_name = "N", default_value_t = 12, value_parser = clap::value_parser!(u64).range(1..))]
+    layers: u64,
+    /// Model width.
+    #[arg(long, value_name = "D", default_value_t = 768, value_parser = clap::value_parser!(u64).range(1..))]
+    d_model: u64,
+    /// Tokens per sequence.
+    #[arg(long, value_name = "T", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    seq_len: u64,
+    /// Sequences per step.
+    #[arg(long, value_name = "B", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    batch: u64,
+    /// Bytes per element of the compute copy (2: bf16, 4: f32).
+    #[arg(long, value_name = "BYTES", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=4))]
+    dtype_bytes: u64,
+}
+
+impl ModelArgs {
+    fn shape(&self) -> planner::GptShape {
+        planner::GptShape {
+            layers: self.layers,
+            d_model: self.d_model,
+            seq_len: self.seq_len,
+            batch: self.batch,
+            dtype_bytes: self.dtype_bytes,
+        }
+    }
+}
+
+/// Where the optimizer state lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum StateArg {
+    /// Host memory.
+    Host,
+    /// NVMe.
+    Nvme,
+    /// Host when --host-budget holds it, else NVMe.
+    Auto,
+}
+
+#[derive(Debug, Args)]
+struct PlanCmd {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// GPU bytes for the units' compute copies; suffixes KiB, MiB, GiB (or K, M, G).
+    #[arg(long, value_name = "BYTES", default_value = "1GiB", value_parser = parse_bytes)]
+    gpu_budget: usize,
+    /// Host bytes, if limited (decides --optimizer-state auto and warns when exceeded).
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    host_budget: Option<usize>,
+    /// Where the optimizer state (12 B per parameter) lives.
+    #[arg(long, value_enum, default_value_t = StateArg::Auto)]
+    optimizer_state: StateArg,
+    /// Prefetch window, units ahead.
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    max_depth: u64,
+    /// Hardware profile (TOML; see `--hardware-probe`); defaults: the sim device.
+    #[arg(long, value_name = "FILE")]
+    hardware: Option<PathBuf>,
+    /// Write the simulated step's Chrome/Perfetto trace (JSON) here.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<PathBuf>,
+    /// Measure this machine (memory triad, NVMe through the store, CPU Adam) and print or write
+    /// (--out) a hardware profile instead of planning.
+    #[arg(long)]
+    hardware_probe: bool,
+    /// With --hardware-probe: write the profile (TOML) to this file.
+    #[arg(long, value_name = "FILE", requires = "hardware_probe")]
+    out: Option<PathBuf>,
+    /// With --hardware-probe: directory for the NVMe store's temporary file (default: the temp dir).
+    #[arg(long, value_name = "DIR", requires = "hardware_probe")]
+    probe_dir: Option<PathBuf>,
+    /// With --hardware-probe: MiB written then read through the NVMe store.
+    #[arg(long, value_name = "MIB", default_value_t = 64, value_parser = clap::value_parser!(u64).range(8..))]
+    probe_mib: u64,
+    /// With --hardware-probe: f64 elements per triad array (tests use small sizes).
+    #[arg(long, value_name = "N", hide = true, default_value_t = planner::ProbeArgs::default().triad_elems)]
+    probe_triad_elems: usize,
+    /// With --hardware-probe: parameters of the Adam loop (tests use small sizes).
+    #[arg(long, value_name = "N", hide = true, default_value_t = planner::ProbeArgs::default().adam_params)]
+    probe_adam_params: usize,
+    /// Print the plan as one JSON object (fields: units, params, model_bytes, min_gpu_budget_bytes,
+    /// memory, step_s, compute_s, exposed_transfer_s, exposed_optimizer_s, lower_bound_s, sim, warnings).
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct EvictCmd {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Device budgets as fractions of the model's compute copies, comma-separated (each in (0, 1]).
+    #[arg(long, value_name = "F,F,..", value_delimiter = ',', default_value = "0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9", value_parser = parse_fraction)]
+    fractions: Vec<f64>,
+    /// Prefetch window, units ahead.
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    max_depth: u64,
+    /// Hardware profile (TOML); defaults: the sim device.
+    #[arg(long, value_name = "FILE")]
+    hardware: Option<PathBuf>,
+    /// Override the profile's device GFLOP/s (compute time per unit), e.g. 100000 for a GPU.
+    #[arg(long, value_name = "GFLOPS", value_parser = parse_positive_f64)]
+    device_gflops: Option<f64>,
+    /// The window never moves more bytes than offline MIN's demand fetching would (it then
+    /// defers prefetches that need cache MIN keeps: more stall on forward-only scans).
+    #[arg(long)]
+    no_extra_bytes: bool,
+    /// Print JSON Lines on stdout: one object per row per line, with fields workload, policy,
+    /// budget_fraction, budget_bytes, bytes_moved, min_bytes, ratio_to_min, stall_s, step_s,
+    /// stall_fraction, prefetches.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Which store engines `bench nvme` measures.
@@ -107,6 +234,15 @@ struct SwapCmd {
     /// ops, limit_gbps, limit, evictions, stall_s (null for raw rows), note.
     #[arg(long)]
     json: bool,
+}
+
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|e| format!("`{s}` is not a number: {e}"))?;
+    if v.is_finite() && v > 0.0 && v <= 1.0 {
+        Ok(v)
+    } else {
+        Err(format!("`{s}` must be a fraction in (0, 1]"))
+    }
 }
 
 fn parse_positive_f64(s: &str) -> Result<f64, String> {
@@ -198,6 +334,81 @@ fn bench_swap(cmd: SwapCmd) -> anyhow::Result<()> {
     }
 }
 
+fn load_hardware(path: Option<&PathBuf>) -> anyhow::Result<HardwareProfile> {
+    match path {
+        Some(p) => HardwareProfile::load(p).context("--hardware"),
+        None => Ok(HardwareProfile::default()),
+    }
+}
+
+fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
+    if cmd.hardware_probe {
+        let args = planner::ProbeArgs {
+            dir: cmd.probe_dir.unwrap_or_else(std::env::temp_dir),
+            nvme_bytes: cmd.probe_mib << 20,
+            triad_elems: cmd.probe_triad_elems.max(1),
+            adam_params: cmd.probe_adam_params.max(1),
+        };
+        let profile = planner::probe(&args).context("oogc plan --hardware-probe")?;
+        let toml = profile.to_toml_string();
+        match &cmd.out {
+            Some(path) => {
+                std::fs::write(path, &toml).with_context(|| format!("writing the profile to {}", path.display()))?;
+                eprintln!("wrote {}", path.display());
+            }
+            None => print!("{toml}"),
+        }
+        return Ok(());
+    }
+    let args = planner::PlanArgs {
+        shape: cmd.model.shape(),
+        gpu_budget_bytes: cmd.gpu_budget as u64,
+        host_budget_bytes: cmd.host_budget.map(|b| b as u64),
+        optimizer_state: match cmd.optimizer_state {
+            StateArg::Host => StatePlacement::Host,
+            StateArg::Nvme => StatePlacement::Nvme,
+            StateArg::Auto => StatePlacement::Auto,
+        },
+        max_depth: cmd.max_depth as usize,
+        hardware: load_hardware(cmd.hardware.as_ref())?,
+        trace: cmd.trace.is_some(),
+    };
+    let mut report = planner::plan_gpt(&args).context("oogc plan")?;
+    if let (Some(path), Some(trace)) = (&cmd.trace, report.sim.trace.take()) {
+        let json = serde_json::to_string(&trace).context("serializing the trace")?;
+        std::fs::write(path, json).with_context(|| format!("writing the trace to {}", path.display()))?;
+        eprintln!("wrote {} (open in https://ui.perfetto.dev)", path.display());
+    }
+    if cmd.json {
+        println!("{}", serde_json::to_string(&report).context("serializing the plan")?);
+    } else {
+        planner::print_plan(&args, &report);
+    }
+    Ok(())
+}
+
+fn bench_evict(cmd: EvictCmd) -> anyhow::Result<()> {
+    let mut hardware = load_hardware(cmd.hardware.as_ref())?;
+    if let Some(g) = cmd.device_gflops {
+        hardware.device_gflops = g;
+    }
+    let args = evict::EvictBenchArgs {
+        shape: cmd.model.shape(),
+        fractions: cmd.fractions,
+        hardware,
+        max_depth: cmd.max_depth as usize,
+        no_extra_bytes: cmd.no_extra_bytes,
+        ..evict::EvictBenchArgs::default()
+    };
+    let rows = evict::run(&args).context("oogc bench evict")?;
+    if cmd.json {
+        print_json_lines(&rows)
+    } else {
+        evict::print_table(&rows);
+        Ok(())
+    }
+}
+
 /// The error's cause chain as one line, leaving out a cause whose text the previous message
 /// already contains (the swapper's `Io` error prints its source itself).
 fn error_line(e: &anyhow::Error) -> String {
@@ -237,6 +448,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Bench(BenchCommand::Nvme(cmd)) => bench_nvme(cmd),
         Command::Bench(BenchCommand::Swap(cmd)) => bench_swap(cmd),
+        Command::Bench(BenchCommand::Evict(cmd)) => bench_evict(cmd),
+        Command::Plan(cmd) => plan(cmd),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -244,6 +457,14 @@ fn main() -> ExitCode {
             eprintln!("error: {}", error_line(&e));
             if e.chain().any(|c| matches!(c.downcast_ref::<SwapError>(), Some(SwapError::NvmeDir { .. }))) {
                 eprintln!("hint: store directories are given with --dir (nvme.dirs in a config file)");
+            }
+            if e.chain().any(|c| {
+                matches!(
+                    c.downcast_ref::<oogc::prefetch::Error>(),
+                    Some(oogc::prefetch::Error::BudgetBelowWorkingSet { .. })
+                )
+            }) {
+                eprintln!("hint: the GPU budget is given with --gpu-budget (e.g. --gpu-budget 2GiB)");
             }
             ExitCode::FAILURE
         }

@@ -1,5 +1,6 @@
-//! End-to-end tests of the `oogc` binary: `bench nvme` and `bench swap` with `--json` (JSON Lines
-//! on stdout), a missing `--dir`, and `--help`.
+//! End-to-end tests of the `oogc` binary: `bench nvme`, `bench swap` and `bench evict` with
+//! `--json` (JSON Lines on stdout), `plan` (JSON, a budget below the minimum, the hardware probe
+//! and profiles), a missing `--dir`, and `--help`.
 //!
 //! The io_uring test prints `skipped: <why>` (to stderr, past the harness's capture) where the
 //! store reports io_uring unavailable; `OOGC_REQUIRE_URING=1` turns that skip into a failure.
@@ -148,4 +149,153 @@ fn help_mentions_bench() {
         assert!(stdout.contains(flag), "`bench nvme --help` lacks {flag}:\n{stdout}");
     }
     assert!(stdout.contains("JSON Lines"), "{stdout}");
+}
+
+#[test]
+fn bench_evict_prints_json_rows_for_every_policy() {
+    let out = oogc(&[
+        "bench",
+        "evict",
+        "--layers",
+        "4",
+        "--d-model",
+        "64",
+        "--seq-len",
+        "32",
+        "--batch",
+        "2",
+        "--fractions",
+        "0.2,0.6",
+        "--json",
+    ]);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    let rows = json_rows(&out);
+    assert_eq!(rows.len(), 2 * 2 * 4, "2 workloads x 2 budgets x 4 policies: {rows:?}");
+    for row in &rows {
+        for key in ["policy", "budget_fraction", "bytes_moved", "min_bytes", "stall_s", "step_s", "workload"] {
+            assert!(!row[key].is_null(), "`{key}` missing in {row}");
+        }
+        positive(row, "bytes_moved");
+        positive(row, "min_bytes");
+        assert!(row["stall_s"].as_f64().is_some_and(|s| s >= 0.0), "{row}");
+        if row["policy"] == "next-use" && row["workload"] == "train" {
+            let ratio = row["bytes_moved"].as_f64().unwrap() / row["min_bytes"].as_f64().unwrap();
+            assert!(ratio <= 1.05, "next-use moves {ratio:.3}x MIN: {row}");
+        }
+    }
+    let policies: std::collections::BTreeSet<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(policies.into_iter().collect::<Vec<_>>(), ["fifo", "lru", "min", "next-use"]);
+}
+
+#[test]
+fn bench_evict_no_extra_bytes_keeps_every_row_at_min() {
+    let out = oogc(&[
+        "bench",
+        "evict",
+        "--layers",
+        "6",
+        "--d-model",
+        "64",
+        "--seq-len",
+        "32",
+        "--batch",
+        "2",
+        "--fractions",
+        "0.3,0.7",
+        "--no-extra-bytes",
+        "--json",
+    ]);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    for row in json_rows(&out).iter().filter(|r| r["policy"] == "next-use") {
+        assert!(row["ratio_to_min"].as_f64().unwrap() <= 1.05, "{row}");
+    }
+}
+
+#[test]
+fn bench_evict_refuses_a_fraction_out_of_range() {
+    let out = oogc(&["bench", "evict", "--fractions", "0.5,1.5"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--fractions"), "{}", text(&out.stderr));
+}
+
+fn plan_small(extra: &[&str]) -> Output {
+    let mut args = vec!["plan", "--layers", "2", "--d-model", "64", "--seq-len", "32", "--batch", "2"];
+    args.extend_from_slice(extra);
+    oogc(&args)
+}
+
+#[test]
+fn plan_prints_memory_and_a_step_breakdown_as_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("step.json");
+    let out = plan_small(&["--gpu-budget", "128KiB", "--json", "--trace", trace.to_str().unwrap()]);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    let rows = json_rows(&out);
+    assert_eq!(rows.len(), 1);
+    let r = &rows[0];
+    // The largest unit is a block: (12·64² + 13·64) params × 2 B.
+    assert_eq!(r["min_gpu_budget_bytes"], (12 * 64 * 64 + 13 * 64) * 2, "{r}");
+    assert_eq!(r["units"], 4, "{r}");
+    let step = positive(r, "step_s");
+    let sum = positive(r, "compute_s")
+        + r["exposed_transfer_s"].as_f64().unwrap()
+        + r["exposed_optimizer_s"].as_f64().unwrap();
+    assert!((sum - step).abs() <= 1e-9 + 1e-6 * step, "{r}");
+    assert!(step >= 0.999 * positive(r, "lower_bound_s"), "{r}");
+    for tier in ["device_bytes", "host_bytes"] {
+        positive(&r["memory"], tier);
+    }
+    let trace: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let events = trace["traceEvents"].as_array().expect("traceEvents");
+    assert!(events.iter().any(|e| e["ph"] == "X" && e["tid"] == 1), "no compute events");
+}
+
+#[test]
+fn plan_refuses_a_gpu_budget_below_the_minimum_and_names_it() {
+    let out = plan_small(&["--gpu-budget", "64KiB"]);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    let min = (12 * 64 * 64 + 13 * 64) * 2;
+    assert!(stderr.contains(&format!("{min} B")), "stderr does not give the minimum:\n{stderr}");
+    assert!(stderr.contains("raise"), "stderr does not give the fix:\n{stderr}");
+}
+
+#[test]
+fn plan_hardware_probe_writes_a_profile_that_plan_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let hw = dir.path().join("hw.toml");
+    let out = oogc(&[
+        "plan",
+        "--hardware-probe",
+        "--out",
+        hw.to_str().unwrap(),
+        "--probe-dir",
+        dir.path().to_str().unwrap(),
+        "--probe-mib",
+        "8",
+        // Small loops: the swap benchmark's memcpy limit is measured beside this test.
+        "--probe-triad-elems",
+        "262144",
+        "--probe-adam-params",
+        "262144",
+    ]);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    let profile = oogc::prefetch::HardwareProfile::load(&hw).expect("the probe writes a valid profile");
+    assert!(profile.nvme_read_gbps > 0.0 && profile.cpu_adam_params_per_s > 0.0 && profile.host_memory_gbps > 0.0);
+    assert!(profile.source.contains("probe"), "{}", profile.source);
+    let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(leftovers, vec![std::ffi::OsString::from("hw.toml")], "the probe left files behind");
+    let out = plan_small(&["--hardware", hw.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "stderr:\n{}", text(&out.stderr));
+}
+
+#[test]
+fn plan_refuses_an_unknown_profile_key_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let hw = dir.path().join("hw.toml");
+    std::fs::write(&hw, "h2d_gbps = 20.0\nnvme_gbps = 3.0\n").unwrap();
+    let out = plan_small(&["--hardware", hw.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("nvme_gbps") && stderr.contains("hw.toml"), "{stderr}");
 }

@@ -1,15 +1,33 @@
 //! `oogc-prefetch`: the schedule of a training step and the policies that follow from it.
 //!
-//! Owns (filled by the prefetch issue):
+//! | concept | type | what it is |
+//! |---|---|---|
+//! | trace | [`TraceRecorder`] | the recorded acquires of one step (unit, phase, tier, write, bytes held) |
+//! | schedule | [`Schedule`] | the trace as the order of the following steps; next-use lookups, cyclic |
+//! | minimum working set | [`min_working_set`], [`check_budget`] | the smallest device budget that can run the step |
+//! | eviction priority | [`NextUsePolicy`] | Belady's MIN (1966) over the schedule, plugged into the swapper's `EvictionPolicy` |
+//! | position | [`CursorHandle`] | where the policy is in the schedule (advanced by demand acquires) |
+//! | lookahead | [`Prefetcher`], [`PrefetchDriver`] | the sliding window of prefetches (StrongHold, ZeRO-Infinity), pure planner + thin driver |
+//! | baselines | [`FifoPolicy`], [`PolicyKind`] | FIFO, the swapper's LRU, and offline MIN for comparisons |
+//! | simulator | [`simulate`], [`SimReport`] | a discrete-event model of steps: bytes per link, stalls, peaks, Perfetto trace |
+//! | planner | [`plan::plan`], [`HardwareProfile`] | memory per tier, minimum GPU budget and predicted step time for a model |
 //!
-//! | concept | what it is |
-//! |---|---|
-//! | trace | the recorded acquire order of one step (unit, phase, tier) |
-//! | next-use distance | for each resident unit, how far in the schedule its next acquire is |
-//! | eviction priority | Belady's MIN over the schedule, given to the swapper through `oogc_swapper::EvictionPolicy` |
-//! | lookahead | the sliding window of prefetches, several units ahead, under the tier budgets |
-//! | simulator | a discrete-event model of one step (bytes, stalls, timeline) |
-//!
-//! Pure policy: decisions in, decisions out, no I/O, no CUDA, no candle. Today the crate holds
-//! no code; the swapper's `EvictionPolicy` trait is the seam it will plug into.
+//! Pure policy: decisions in, decisions out; only [`PrefetchDriver`] touches a
+//! `ResidencyManager`. No CUDA types, no candle.
 #![forbid(unsafe_code)]
+
+pub mod driver;
+pub mod error;
+pub mod plan;
+pub mod policy;
+pub mod prefetcher;
+pub mod schedule;
+pub mod sim;
+
+pub use driver::PrefetchDriver;
+pub use error::{Error, Result};
+pub use plan::{HardwareProfile, ModelUnit, PlanInput, PlanReport};
+pub use policy::{CursorHandle, FifoPolicy, NextUsePolicy, PolicyKind, PRIORITY_DEAD, PRIORITY_UNKNOWN};
+pub use prefetcher::{CopyView, PrefetchConfig, PrefetchPlan, Prefetcher, ResidentView, Stop, TierSnapshot};
+pub use schedule::{check_budget, min_working_set, Phase, Schedule, ScheduleEntry, TraceRecorder};
+pub use sim::{simulate, simulate_kind, LinkBandwidths, LinkBytes, SimConfig, SimReport, SimUnit, TierBytes};

@@ -38,6 +38,13 @@ pub trait EvictionPolicy: Send + 'static {
 
     /// The eviction priority of `candidate` at logical time `clock`: larger is evicted first.
     fn priority(&self, candidate: &EvictionCandidate, clock: u64) -> u64;
+
+    /// Notes that the manager chose `id`'s copy on `tier` as a victim (it is dropped, or written
+    /// back then dropped) at logical time `clock`. Default: nothing. Insertion-ordered policies
+    /// (FIFO) use it to forget an arrival, so a refetched copy counts as new.
+    fn on_evict(&mut self, id: TensorId, tier: Tier, clock: u64) {
+        let _ = (id, tier, clock);
+    }
 }
 
 /// Least recently used: the copy whose last acquire is oldest goes first.

@@ -991,6 +991,7 @@ impl Inner {
             let clock = st.clock;
             eviction_order(st.policy.as_ref(), &mut candidates, clock);
             let victim = candidates[0];
+            st.policy.on_evict(victim.id, tier, clock);
             let _span =
                 tracing::trace_span!("swapper::evict", tensor = victim.id.0, %tier, bytes = victim.num_bytes).entered();
             self.metrics.add_eviction();

@@ -1,0 +1,368 @@
+//! The planner behind `oogc plan`: memory per tier, the minimum GPU budget and the predicted
+//! step time of a model under budgets, from a [`HardwareProfile`] and the [simulator](crate::sim).
+//!
+//! Compute time per unit is estimated from FLOPs: forward `2 · params · tokens` (one multiply
+//! and one add per parameter and token; attention scores are not counted), backward with
+//! recompute `3 ×` forward (recompute 1× + VJP 2×, Chen et al. 2016 / Kaplan et al. 2020),
+//! divided by [`HardwareProfile::device_gflops`].
+
+use std::path::Path;
+
+use oogc_swapper::TensorId;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::policy::PolicyKind;
+use crate::prefetcher::PrefetchConfig;
+use crate::schedule::{min_working_set, Schedule};
+use crate::sim::{simulate_kind, LinkBandwidths, SimConfig, SimReport, SimUnit};
+
+/// The figures of a machine that the planner needs. TOML, every key optional (defaults: the
+/// sim device on the development machine), unknown keys refused.
+///
+/// ```toml
+/// h2d_gbps = 25.0
+/// nvme_read_gbps = 3.1
+/// cpu_adam_params_per_s = 1.2e9
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HardwareProfile {
+    /// Host → device bandwidth, GB/s (10⁹ B/s). Default: 15 (the sim device's memcpy speed on
+    /// the development machine; PCIe 4.0 x16 is about 25, PCIe 5.0 x16 about 50).
+    pub h2d_gbps: f64,
+    /// Device → host bandwidth, GB/s (10⁹ B/s). Default: 15.
+    pub d2h_gbps: f64,
+    /// NVMe read bandwidth of the store, GB/s (10⁹ B/s). Default: 3.0.
+    pub nvme_read_gbps: f64,
+    /// NVMe write bandwidth of the store, GB/s (10⁹ B/s). Default: 3.0.
+    pub nvme_write_gbps: f64,
+    /// CPU Adam(W) rate, parameters per second, all optimizer threads together. Default: 1e9.
+    pub cpu_adam_params_per_s: f64,
+    /// Device compute rate for the step-time estimate, GFLOP/s (10⁹ FLOP/s) achieved, not peak.
+    /// Default: 50 (candle on the CPU of a 2-core machine, which is what the sim device computes with).
+    pub device_gflops: f64,
+    /// Host memory bandwidth (STREAM triad), GB/s (10⁹ B/s). Informational: the CPU Adam
+    /// roofline is this / 28 B per parameter. Default: 40.
+    pub host_memory_gbps: f64,
+    /// Where the figures come from (`defaults (sim device)`, or what the probe measured and when).
+    pub source: String,
+}
+
+impl Default for HardwareProfile {
+    fn default() -> Self {
+        Self {
+            h2d_gbps: 15.0,
+            d2h_gbps: 15.0,
+            nvme_read_gbps: 3.0,
+            nvme_write_gbps: 3.0,
+            cpu_adam_params_per_s: 1e9,
+            device_gflops: 50.0,
+            host_memory_gbps: 40.0,
+            source: "defaults (sim device)".into(),
+        }
+    }
+}
+
+impl HardwareProfile {
+    /// Parses a TOML profile and checks it.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the key for an unknown key, a bad type or a value that is not a
+    /// positive number.
+    pub fn from_toml_str(s: &str) -> Result<Self> {
+        let p: HardwareProfile =
+            toml::from_str(s).map_err(|e| Error::Config { key: "hardware profile".into(), reason: e.to_string() })?;
+        p.validate()?;
+        Ok(p)
+    }
+
+    /// Reads a TOML profile from `path`.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the file when it cannot be read, else as [`HardwareProfile::from_toml_str`].
+    pub fn load(path: &Path) -> Result<Self> {
+        let s = std::fs::read_to_string(path).map_err(|e| Error::Config {
+            key: path.display().to_string(),
+            reason: format!(
+                "cannot read the hardware profile ({e}); write one with `oogc plan --hardware-probe --out {}`",
+                path.display()
+            ),
+        })?;
+        Self::from_toml_str(&s).map_err(|e| match e {
+            Error::Config { reason, .. } => Error::Config { key: path.display().to_string(), reason },
+            e => e,
+        })
+    }
+
+    /// The profile as TOML.
+    pub fn to_toml_string(&self) -> String {
+        toml::to_string(self).expect("a profile of numbers and a string serializes")
+    }
+
+    /// Checks every rate is a finite number > 0.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the key.
+    pub fn validate(&self) -> Result<()> {
+        for (key, v) in [
+            ("h2d_gbps", self.h2d_gbps),
+            ("d2h_gbps", self.d2h_gbps),
+            ("nvme_read_gbps", self.nvme_read_gbps),
+            ("nvme_write_gbps", self.nvme_write_gbps),
+            ("cpu_adam_params_per_s", self.cpu_adam_params_per_s),
+            ("device_gflops", self.device_gflops),
+            ("host_memory_gbps", self.host_memory_gbps),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(Error::Config { key: key.into(), reason: format!("{v} must be a finite number > 0") });
+            }
+        }
+        Ok(())
+    }
+
+    /// The links as the simulator takes them.
+    pub fn links(&self) -> LinkBandwidths {
+        LinkBandwidths {
+            h2d_gbps: self.h2d_gbps,
+            d2h_gbps: self.d2h_gbps,
+            nvme_read_gbps: self.nvme_read_gbps,
+            nvme_write_gbps: self.nvme_write_gbps,
+        }
+    }
+}
+
+/// One unit of a model, for planning.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelUnit {
+    /// Name (`embedding`, `block.3`, `head`).
+    pub name: String,
+    /// Parameters.
+    pub numel: u64,
+    /// Bytes of the compute copy (and of its gradients): `numel ×` the compute dtype's size.
+    pub compute_bytes: u64,
+    /// Forward FLOPs of one step (all tokens of the batch).
+    pub forward_flops: f64,
+}
+
+/// Where the optimizer state (fp32 master, m, v: 12 B per parameter) lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StatePlacement {
+    /// Host memory.
+    Host,
+    /// NVMe.
+    Nvme,
+    /// Host if the host budget holds everything, else NVMe.
+    Auto,
+}
+
+/// What to plan.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PlanInput {
+    /// The model's units in forward order.
+    pub units: Vec<ModelUnit>,
+    /// Device bytes for unit copies.
+    pub gpu_budget_bytes: u64,
+    /// Host bytes, if limited (decides [`StatePlacement::Auto`] and the warnings).
+    pub host_budget_bytes: Option<u64>,
+    /// Optimizer state placement.
+    pub optimizer_state: StatePlacement,
+    /// The sliding window.
+    pub prefetch: PrefetchConfig,
+    /// Simulated steps (the last is reported). Default 3.
+    pub steps: usize,
+    /// Keep the Chrome/Perfetto trace of the simulated step in [`PlanReport::sim`].
+    pub trace: bool,
+}
+
+/// Bytes needed per tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct TierNeeds {
+    /// Device: the budget the step uses (at most the model's compute copies), bytes.
+    pub device_bytes: u64,
+    /// Host: compute copies, optimizer state kept in memory, gradients in flight (peak), bytes.
+    pub host_bytes: u64,
+    /// NVMe: optimizer state kept there, bytes.
+    pub nvme_bytes: u64,
+}
+
+/// The plan.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PlanReport {
+    /// Units in the model.
+    pub units: usize,
+    /// Parameters in the model.
+    pub params: u64,
+    /// Bytes of all compute copies.
+    pub model_bytes: u64,
+    /// The smallest GPU budget that can run the step ([`min_working_set`]), bytes.
+    pub min_gpu_budget_bytes: u64,
+    /// The GPU budget that holds every unit at once (nothing moves but the post-update refresh), bytes.
+    pub full_gpu_budget_bytes: u64,
+    /// Memory per tier.
+    pub memory: TierNeeds,
+    /// Whether the optimizer state was placed on NVMe.
+    pub optimizer_state_on_nvme: bool,
+    /// Predicted step time, seconds.
+    pub step_s: f64,
+    /// Compute part, seconds.
+    pub compute_s: f64,
+    /// Transfers the compute stream waited for, seconds.
+    pub exposed_transfer_s: f64,
+    /// Optimizer steps the compute stream waited for, seconds.
+    pub exposed_optimizer_s: f64,
+    /// `max(compute, H2D, D2H, NVMe read, NVMe write, optimizer)` seconds: no schedule beats it.
+    pub lower_bound_s: f64,
+    /// The simulation behind the figures (next-use policy with the window).
+    pub sim: SimReport,
+    /// Things to fix (host budget exceeded, ...).
+    pub warnings: Vec<String>,
+}
+
+/// Plans `input` on `hw`.
+///
+/// # Errors
+/// [`Error::Config`] for no units or a bad profile; [`Error::BudgetBelowWorkingSet`] (with the
+/// minimum) when the GPU budget cannot run the step.
+pub fn plan(input: &PlanInput, hw: &HardwareProfile) -> Result<PlanReport> {
+    hw.validate()?;
+    if input.units.is_empty() {
+        return Err(Error::Config { key: "units".into(), reason: "the model has no units".into() });
+    }
+    let ids: Vec<(TensorId, u64)> =
+        input.units.iter().enumerate().map(|(i, u)| (TensorId(i as u64), u.compute_bytes)).collect();
+    let schedule = Schedule::training_step(&ids, true)?;
+    let params: u64 = input.units.iter().map(|u| u.numel).sum();
+    let model_bytes: u64 = input.units.iter().map(|u| u.compute_bytes).sum();
+    let state_bytes = 12 * params;
+    let grads_bytes = model_bytes;
+    let mut warnings = Vec::new();
+    let on_nvme = match input.optimizer_state {
+        StatePlacement::Host => false,
+        StatePlacement::Nvme => true,
+        StatePlacement::Auto => input.host_budget_bytes.is_some_and(|b| model_bytes + grads_bytes + state_bytes > b),
+    };
+    let flops_s = hw.device_gflops * 1e9;
+    let units: Vec<SimUnit> = input
+        .units
+        .iter()
+        .zip(&ids)
+        .map(|(u, (id, _))| SimUnit {
+            id: *id,
+            num_bytes: u.compute_bytes,
+            numel: u.numel,
+            grad_bytes: u.compute_bytes,
+            forward_s: u.forward_flops / flops_s,
+            backward_s: 3.0 * u.forward_flops / flops_s,
+            optimizer_on_nvme: on_nvme,
+        })
+        .collect();
+    let mut cfg = SimConfig::new(input.gpu_budget_bytes.min(model_bytes.max(min_working_set(&schedule))));
+    cfg.links = hw.links();
+    cfg.optimizer_params_per_s = hw.cpu_adam_params_per_s;
+    cfg.steps = input.steps.max(1);
+    cfg.prefetch = Some(input.prefetch);
+    cfg.trace = input.trace;
+    if input.gpu_budget_bytes < min_working_set(&schedule) {
+        cfg.device_budget_bytes = input.gpu_budget_bytes;
+    }
+    let sim = simulate_kind(&schedule, &units, &cfg, PolicyKind::NextUse)?;
+    if let Some(b) = input.host_budget_bytes {
+        if sim.peak_bytes.host > b {
+            warnings.push(format!(
+                "host needs {} B at peak but the host budget is {b} B: raise the host budget{}",
+                sim.peak_bytes.host,
+                if on_nvme { "" } else { " or put the optimizer state on NVMe" }
+            ));
+        }
+    }
+    let lb = &sim.link_bytes;
+    let l = hw.links();
+    let lower_bound_s = [
+        sim.compute_s,
+        lb.h2d as f64 / (l.h2d_gbps * 1e9),
+        lb.d2h as f64 / (l.d2h_gbps * 1e9),
+        lb.nvme_read as f64 / (l.nvme_read_gbps * 1e9),
+        lb.nvme_write as f64 / (l.nvme_write_gbps * 1e9),
+        params as f64 / hw.cpu_adam_params_per_s,
+    ]
+    .into_iter()
+    .fold(0.0, f64::max);
+    Ok(PlanReport {
+        units: input.units.len(),
+        params,
+        model_bytes,
+        min_gpu_budget_bytes: min_working_set(&schedule),
+        full_gpu_budget_bytes: model_bytes,
+        memory: TierNeeds {
+            device_bytes: sim.peak_bytes.device,
+            host_bytes: sim.peak_bytes.host,
+            nvme_bytes: sim.peak_bytes.nvme,
+        },
+        optimizer_state_on_nvme: on_nvme,
+        step_s: sim.step_s,
+        compute_s: sim.compute_s,
+        exposed_transfer_s: sim.exposed_transfer_s,
+        exposed_optimizer_s: sim.exposed_optimizer_s,
+        lower_bound_s,
+        sim,
+        warnings,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn units(n: usize) -> Vec<ModelUnit> {
+        (0..n)
+            .map(|i| ModelUnit {
+                name: format!("block.{i}"),
+                numel: 1 << 20,
+                compute_bytes: 2 << 20,
+                forward_flops: 2.0 * (1u64 << 20) as f64 * 2048.0,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn profile_round_trips_and_refuses_unknown_keys() {
+        let p = HardwareProfile::default();
+        let back = HardwareProfile::from_toml_str(&p.to_toml_string()).unwrap();
+        assert_eq!(p, back);
+        let e = HardwareProfile::from_toml_str("h2d_gbs = 3.0").unwrap_err();
+        assert!(e.to_string().contains("h2d_gbs"), "{e}");
+        let e = HardwareProfile::from_toml_str("h2d_gbps = 0").unwrap_err();
+        assert!(e.to_string().contains("h2d_gbps"), "{e}");
+        let p = HardwareProfile::from_toml_str("nvme_read_gbps = 7.5").unwrap();
+        assert_eq!(p.nvme_read_gbps, 7.5);
+        assert_eq!(p.h2d_gbps, 15.0);
+    }
+
+    #[test]
+    fn plan_reports_the_minimum_and_a_breakdown() {
+        let input = PlanInput {
+            units: units(12),
+            gpu_budget_bytes: 8 << 20,
+            host_budget_bytes: None,
+            optimizer_state: StatePlacement::Auto,
+            prefetch: PrefetchConfig::default(),
+            steps: 3,
+            trace: false,
+        };
+        let r = plan(&input, &HardwareProfile::default()).unwrap();
+        assert_eq!(r.min_gpu_budget_bytes, 2 << 20);
+        assert!(!r.optimizer_state_on_nvme);
+        assert!(r.step_s >= r.lower_bound_s * 0.999, "{r:?}");
+        let sum = r.compute_s + r.exposed_transfer_s + r.exposed_optimizer_s;
+        assert!((sum - r.step_s).abs() < 1e-9 * r.step_s.max(1.0), "{r:?}");
+        assert!(r.memory.host_bytes >= 12 * r.params + r.model_bytes);
+        let small = PlanInput { gpu_budget_bytes: 1 << 20, ..input.clone() };
+        let e = plan(&small, &HardwareProfile::default()).unwrap_err();
+        assert!(e.to_string().contains(&format!("{} B", 2 << 20)), "{e}");
+        let tight = PlanInput { host_budget_bytes: Some(32 << 20), ..input };
+        let r = plan(&tight, &HardwareProfile::default()).unwrap();
+        assert!(r.optimizer_state_on_nvme && r.memory.nvme_bytes == 12 * r.params);
+    }
+}
