@@ -204,6 +204,19 @@ impl CopyOut<'_> {
         }
     }
 
+    /// Elements `range` of the destination, reborrowed.
+    ///
+    /// # Panics
+    /// If `range` is out of bounds.
+    pub fn slice_mut(&mut self, range: std::ops::Range<usize>) -> CopyOut<'_> {
+        match self {
+            CopyOut::None => CopyOut::None,
+            CopyOut::F32(o) => CopyOut::F32(&mut o[range]),
+            CopyOut::BF16(o) => CopyOut::BF16(&mut o[range]),
+            CopyOut::F16(o) => CopyOut::F16(&mut o[range]),
+        }
+    }
+
     fn split_at(self, mid: usize) -> (Self, Self) {
         match self {
             CopyOut::None => (CopyOut::None, CopyOut::None),
@@ -348,6 +361,22 @@ pub fn adam_step(
     check_isa(isa)?;
     check_lens(&state, &grads, &out)?;
     simd::adam(isa, scalars, state, grads, out);
+    Ok(())
+}
+
+/// [`adam_step`] block by block on the calling thread, with the block sums of squares written to
+/// `partials` (one slot per [`NORM_BLOCK`]) when given. Lengths must have been checked.
+pub(crate) fn step_blocks(
+    isa: Isa,
+    scalars: &StepScalars,
+    state: StateIo<'_>,
+    grads: GradSlice<'_>,
+    out: CopyOut<'_>,
+    partials: Option<&mut [f64]>,
+) -> Result<()> {
+    check_isa(isa)?;
+    check_lens(&state, &grads, &out)?;
+    Work { state, grads, out, partials }.run(isa, scalars);
     Ok(())
 }
 

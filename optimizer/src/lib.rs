@@ -24,7 +24,7 @@ pub mod error;
 pub mod kernel;
 // pub mod pipeline;
 mod simd;
-// pub mod stream;
+pub mod stream;
 
 pub use config::{AdamConfig, AdamKind, FloatType, LrSchedule, OptimizerConfig, StatePlacement};
 pub use error::{Error, Result};
@@ -33,4 +33,4 @@ pub use kernel::{
 };
 // pub use pipeline::{Grads, PipelinedOptimizer, StepReport, UnitState, UpdateHandle};
 pub use simd::Isa;
-// pub use stream::{stream_update, NvmeState, StreamConfig, StreamStats};
+pub use stream::{stream_update, NvmeState, StreamConfig, StreamStats};
