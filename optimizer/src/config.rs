@@ -234,9 +234,6 @@ pub struct OptimizerConfig {
     /// disables clipping. Default: `None`. When set, > 0.
     #[serde(default)]
     pub clip_norm: Option<f32>,
-    /// Element type of the gradients given to `submit`. Default: bf16.
-    #[serde(default = "OptimizerConfig::default_grad_dtype")]
-    pub grad_dtype: FloatType,
     /// Element type of the compute copy written by each update. Default: bf16.
     #[serde(default = "OptimizerConfig::default_compute_dtype")]
     pub compute_dtype: FloatType,
@@ -266,7 +263,6 @@ impl Default for OptimizerConfig {
             threads: Self::default_threads(),
             adam: AdamConfig::default(),
             clip_norm: None,
-            grad_dtype: Self::default_grad_dtype(),
             compute_dtype: Self::default_compute_dtype(),
             stream_chunk_bytes: Self::default_stream_chunk_bytes(),
             stream_host_budget_bytes: Self::default_stream_host_budget_bytes(),
@@ -279,9 +275,6 @@ impl Default for OptimizerConfig {
 impl OptimizerConfig {
     fn default_threads() -> usize {
         2
-    }
-    fn default_grad_dtype() -> FloatType {
-        FloatType::BF16
     }
     fn default_compute_dtype() -> FloatType {
         FloatType::BF16

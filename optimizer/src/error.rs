@@ -2,7 +2,6 @@
 
 use oogc_swapper::TensorId;
 
-use crate::config::FloatType;
 use crate::simd::Isa;
 
 /// Everything that can go wrong in `oogc-optimizer`. Each message names the cause and the fix.
@@ -32,18 +31,6 @@ pub enum Error {
         expected: usize,
         /// Elements given.
         got: usize,
-    },
-    /// A buffer has another element type than the optimizer was configured for.
-    #[error("{what}: expected {expected}, got {got}; set optimizer.{key} or convert the buffer")]
-    DTypeMismatch {
-        /// Which buffer, and of which unit.
-        what: String,
-        /// The configuration key that fixes the type.
-        key: &'static str,
-        /// Type expected.
-        expected: FloatType,
-        /// Type given.
-        got: FloatType,
     },
     /// A unit id that was never added.
     #[error("unit {unit} is not known to the optimizer; call add_unit first")]

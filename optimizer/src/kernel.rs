@@ -526,9 +526,9 @@ impl AdamKernel {
         self.threads
     }
 
-    /// The pool (the pipelined optimizer runs its unit jobs on it too).
-    pub(crate) fn pool(&self) -> &ThreadPool {
-        &self.pool
+    /// Runs `job` on the pool, asynchronously (the pipelined optimizer's unit jobs).
+    pub(crate) fn spawn(&self, job: impl FnOnce() + Send + 'static) {
+        self.pool.spawn(job)
     }
 
     fn parts(&self, n: usize) -> usize {

@@ -22,7 +22,7 @@
 pub mod config;
 pub mod error;
 pub mod kernel;
-// pub mod pipeline;
+pub mod pipeline;
 mod simd;
 pub mod stream;
 
@@ -31,6 +31,6 @@ pub use error::{Error, Result};
 pub use kernel::{
     adam_step, clip_scale, global_norm, grad_sumsq, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK,
 };
-// pub use pipeline::{Grads, PipelinedOptimizer, StepReport, UnitState, UpdateHandle};
+pub use pipeline::{Grads, PipelinedOptimizer, StepReport, UnitState, UpdateHandle};
 pub use simd::Isa;
 pub use stream::{stream_update, NvmeState, StreamConfig, StreamStats};

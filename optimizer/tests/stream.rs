@@ -17,7 +17,7 @@ fn pool(budget_bytes: u64) -> PinnedPool {
 }
 
 fn data(n: usize, seed: u32) -> Vec<f32> {
-    (0..n).map(|i| (((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0 - 0.5)).collect()
+    (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0 - 0.5).collect()
 }
 
 fn bits(x: &[f32]) -> Vec<u32> {
