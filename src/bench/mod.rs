@@ -4,5 +4,6 @@
 //! |---|---|---|
 //! | `oogc bench nvme` | [`nvme`] | the NVMe store per engine, beside `fio` |
 //! | `oogc bench swap` | [`swap`] | host↔sim-device copies and the residency manager, beside memcpy or the link throttle |
+pub mod adam;
 pub mod nvme;
 pub mod swap;
