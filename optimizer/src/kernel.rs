@@ -173,6 +173,7 @@ pub enum CopyOut<'a> {
 
 impl CopyOut<'_> {
     /// Elements (`None` for no copy).
+    #[allow(clippy::len_without_is_empty)] // "no copy" is not "an empty copy"
     pub fn len(&self) -> Option<usize> {
         match self {
             CopyOut::None => None,

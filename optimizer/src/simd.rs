@@ -227,18 +227,23 @@ mod avx512 {
 
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn load_grads(g: &GradSlice<'_>, i: usize) -> __m512 {
-        // SAFETY (all arms): the caller guarantees `i + 16 <= len` of the gradient slice.
+    fn load_grads(g: &GradSlice<'_>, i: usize) -> __m512 {
         match g {
-            GradSlice::F32(g) => unsafe { _mm512_loadu_ps(g.as_ptr().add(i)) },
+            GradSlice::F32(g) => {
+                let s = &g[i..i + 16];
+                // SAFETY: `s` holds 16 f32 (an unaligned load).
+                unsafe { _mm512_loadu_ps(s.as_ptr()) }
+            }
             GradSlice::BF16(g) => {
-                // SAFETY: 16 × 2 bytes at `i` are in bounds (see above).
-                let h = unsafe { _mm256_loadu_si256(g.as_ptr().add(i).cast()) };
+                let s = &g[i..i + 16];
+                // SAFETY: `s` holds 16 × 2 bytes (an unaligned load).
+                let h = unsafe { _mm256_loadu_si256(s.as_ptr().cast()) };
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
             }
             GradSlice::F16(g) => {
-                // SAFETY: 16 × 2 bytes at `i` are in bounds (see above).
-                let h = unsafe { _mm256_loadu_si256(g.as_ptr().add(i).cast()) };
+                let s = &g[i..i + 16];
+                // SAFETY: `s` holds 16 × 2 bytes (an unaligned load).
+                let h = unsafe { _mm256_loadu_si256(s.as_ptr().cast()) };
                 _mm512_cvtph_ps(h)
             }
         }
@@ -259,15 +264,24 @@ mod avx512 {
 
     #[inline]
     #[target_feature(enable = "avx512f")]
-    unsafe fn store_copy(out: &mut CopyOut<'_>, i: usize, p: __m512) {
-        // SAFETY (all arms): the caller guarantees `i + 16 <= len` of the output slice.
+    fn store_copy(out: &mut CopyOut<'_>, i: usize, p: __m512) {
         match out {
             CopyOut::None => {}
-            CopyOut::F32(o) => unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(i), p) },
-            CopyOut::BF16(o) => unsafe { _mm256_storeu_si256(o.as_mut_ptr().add(i).cast(), to_bf16(p)) },
-            CopyOut::F16(o) => unsafe {
-                _mm256_storeu_si256(o.as_mut_ptr().add(i).cast(), _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(p))
-            },
+            CopyOut::F32(o) => {
+                let d = &mut o[i..i + 16];
+                // SAFETY: `d` holds 16 f32 (an unaligned store).
+                unsafe { _mm512_storeu_ps(d.as_mut_ptr(), p) }
+            }
+            CopyOut::BF16(o) => {
+                let (d, x) = (&mut o[i..i + 16], to_bf16(p));
+                // SAFETY: `d` holds 16 × 2 bytes (an unaligned store).
+                unsafe { _mm256_storeu_si256(d.as_mut_ptr().cast(), x) }
+            }
+            CopyOut::F16(o) => {
+                let (d, x) = (&mut o[i..i + 16], _mm512_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(p));
+                // SAFETY: `d` holds 16 × 2 bytes (an unaligned store).
+                unsafe { _mm256_storeu_si256(d.as_mut_ptr().cast(), x) }
+            }
         }
     }
 
@@ -323,8 +337,7 @@ mod avx512 {
         let mut hi = _mm512_setzero_pd();
         let mut i = 0;
         while i + 16 <= n {
-            // SAFETY: `i + 16 <= n` (contract: `g` holds `n` elements).
-            let x = unsafe { load_grads(&g, i) };
+            let x = load_grads(&g, i);
             let a = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
             let b = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(x))));
             lo = _mm512_fmadd_pd(a, a, lo);
@@ -351,18 +364,23 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load_grads(g: &GradSlice<'_>, i: usize) -> __m256 {
-        // SAFETY (all arms): the caller guarantees `i + 8 <= len` of the gradient slice.
+    fn load_grads(g: &GradSlice<'_>, i: usize) -> __m256 {
         match g {
-            GradSlice::F32(g) => unsafe { _mm256_loadu_ps(g.as_ptr().add(i)) },
+            GradSlice::F32(g) => {
+                let s = &g[i..i + 8];
+                // SAFETY: `s` holds 8 f32 (an unaligned load).
+                unsafe { _mm256_loadu_ps(s.as_ptr()) }
+            }
             GradSlice::BF16(g) => {
-                // SAFETY: 8 × 2 bytes at `i` are in bounds (see above).
-                let h = unsafe { _mm_loadu_si128(g.as_ptr().add(i).cast()) };
+                let s = &g[i..i + 8];
+                // SAFETY: `s` holds 8 × 2 bytes (an unaligned load).
+                let h = unsafe { _mm_loadu_si128(s.as_ptr().cast()) };
                 _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
             }
             GradSlice::F16(g) => {
-                // SAFETY: 8 × 2 bytes at `i` are in bounds (see above).
-                let h = unsafe { _mm_loadu_si128(g.as_ptr().add(i).cast()) };
+                let s = &g[i..i + 8];
+                // SAFETY: `s` holds 8 × 2 bytes (an unaligned load).
+                let h = unsafe { _mm_loadu_si128(s.as_ptr().cast()) };
                 _mm256_cvtph_ps(h)
             }
         }
@@ -387,15 +405,24 @@ mod avx2 {
 
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn store_copy(out: &mut CopyOut<'_>, i: usize, p: __m256) {
-        // SAFETY (all arms): the caller guarantees `i + 8 <= len` of the output slice.
+    fn store_copy(out: &mut CopyOut<'_>, i: usize, p: __m256) {
         match out {
             CopyOut::None => {}
-            CopyOut::F32(o) => unsafe { _mm256_storeu_ps(o.as_mut_ptr().add(i), p) },
-            CopyOut::BF16(o) => unsafe { _mm_storeu_si128(o.as_mut_ptr().add(i).cast(), to_bf16(p)) },
-            CopyOut::F16(o) => unsafe {
-                _mm_storeu_si128(o.as_mut_ptr().add(i).cast(), _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(p))
-            },
+            CopyOut::F32(o) => {
+                let d = &mut o[i..i + 8];
+                // SAFETY: `d` holds 8 f32 (an unaligned store).
+                unsafe { _mm256_storeu_ps(d.as_mut_ptr(), p) }
+            }
+            CopyOut::BF16(o) => {
+                let (d, x) = (&mut o[i..i + 8], to_bf16(p));
+                // SAFETY: `d` holds 8 × 2 bytes (an unaligned store).
+                unsafe { _mm_storeu_si128(d.as_mut_ptr().cast(), x) }
+            }
+            CopyOut::F16(o) => {
+                let (d, x) = (&mut o[i..i + 8], _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(p));
+                // SAFETY: `d` holds 8 × 2 bytes (an unaligned store).
+                unsafe { _mm_storeu_si128(d.as_mut_ptr().cast(), x) }
+            }
         }
     }
 
@@ -450,8 +477,7 @@ mod avx2 {
         let mut a = [_mm256_setzero_pd(); 4];
         let mut i = 0;
         while i + 16 <= n {
-            // SAFETY: `i + 16 <= n` (contract: `g` holds `n` elements).
-            let (x, y) = unsafe { (load_grads(&g, i), load_grads(&g, i + 8)) };
+            let (x, y) = (load_grads(&g, i), load_grads(&g, i + 8));
             let parts = [
                 _mm256_cvtps_pd(_mm256_castps256_ps128(x)),
                 _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(x)),

@@ -43,7 +43,7 @@ impl StreamConfig {
     /// # Errors
     /// [`Error::Config`] unless `chunk_params` is a positive multiple of [`NORM_BLOCK`].
     pub fn new(chunk_params: usize) -> Result<Self> {
-        if chunk_params == 0 || chunk_params % NORM_BLOCK != 0 {
+        if chunk_params == 0 || !chunk_params.is_multiple_of(NORM_BLOCK) {
             return Err(Error::Config {
                 key: "optimizer.stream_chunk_bytes".into(),
                 reason: format!("{chunk_params} parameters per chunk is not a positive multiple of {NORM_BLOCK}"),

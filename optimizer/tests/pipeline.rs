@@ -199,7 +199,7 @@ fn nvme_placed_units_equal_the_reference_and_leave_no_extents() {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(NvmeStore::open(NvmeConfig::new(vec![dir.path().to_path_buf()], 256 << 20)).unwrap());
     let cfg = config(Some(50.0), 2);
-    let place = |i: usize| if i % 2 == 0 { StatePlacement::Nvme } else { StatePlacement::Host };
+    let place = |i: usize| if i.is_multiple_of(2) { StatePlacement::Nvme } else { StatePlacement::Host };
     let (opt, mut reference) = setup(&cfg, Some(store.clone()), &SIZES, place);
     assert!(store.used_bytes() > 0);
     let reports = run(
