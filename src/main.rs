@@ -1,4 +1,5 @@
-//! The `oogc` command line: `oogc bench nvme`, `oogc bench swap`, `oogc bench evict` and `oogc plan`.
+//! The `oogc` command line: `oogc bench nvme`, `oogc bench swap`, `oogc bench evict`,
+//! `oogc bench adam` and `oogc plan`.
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`); results go to stdout, as a table
 //! or, with `--json`, as JSON Lines (one object per row per line). Errors print the whole cause
@@ -10,7 +11,8 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use oogc::bench::{evict, nvme, swap};
+use oogc::bench::{adam, evict, nvme, swap};
+use oogc::optimizer::{FloatType, Isa};
 use oogc::plan as planner;
 use oogc::prefetch::plan::StatePlacement;
 use oogc::prefetch::HardwareProfile;
@@ -50,6 +52,71 @@ enum BenchCommand {
     /// Bytes moved and stall of the eviction policies (next-use, LRU, FIFO, offline MIN) over a
     /// sweep of device budgets, in the step simulator, for a GPT's training and forward-only steps.
     Evict(EvictCmd),
+    /// The CPU AdamW step (fused: gradients in, compute copy out) on one flat tensor, per thread
+    /// count, beside a STREAM triad of the same run. GB/s are 10^9 bytes per second.
+    Adam(AdamCmd),
+}
+
+/// Element types for `bench adam`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum DTypeArg {
+    /// 32-bit float.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+    /// No compute copy (only for --param-out).
+    None,
+}
+
+impl DTypeArg {
+    fn float(self) -> Option<FloatType> {
+        match self {
+            DTypeArg::F32 => Some(FloatType::F32),
+            DTypeArg::Bf16 => Some(FloatType::BF16),
+            DTypeArg::F16 => Some(FloatType::F16),
+            DTypeArg::None => None,
+        }
+    }
+}
+
+/// Dispatch paths for `bench adam`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum IsaArg {
+    /// AVX-512F.
+    Avx512,
+    /// AVX2 + FMA + F16C.
+    Avx2,
+    /// Plain Rust.
+    Scalar,
+}
+
+#[derive(Debug, Args)]
+struct AdamCmd {
+    /// Parameters of the flat tensor; suffixes K, M, G are 2^10, 2^20, 2^30 (256M = 268435456).
+    #[arg(long, value_name = "N", default_value = "256M", value_parser = parse_count)]
+    params: usize,
+    /// Thread counts, comma-separated; one row each.
+    #[arg(long, value_name = "N,..", value_delimiter = ',', default_value = "1,2", value_parser = clap::value_parser!(u16).range(1..))]
+    threads: Vec<u16>,
+    /// Element type of the gradients.
+    #[arg(long, value_enum, default_value_t = DTypeArg::F32)]
+    grad_dtype: DTypeArg,
+    /// Element type of the compute copy written in the same pass, or none.
+    #[arg(long, value_enum, default_value_t = DTypeArg::None)]
+    param_out: DTypeArg,
+    /// Timed steps per row (the median is reported).
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    steps: u64,
+    /// Force a dispatch path (default: the widest this CPU has).
+    #[arg(long, value_enum)]
+    isa: Option<IsaArg>,
+    /// Print JSON Lines on stdout: one object per row per line, with fields variant, isa,
+    /// threads, params, seconds_per_step, params_per_s, bytes_per_param, gbps, triad_gbps,
+    /// ratio_to_triad, torch_params_per_s, ratio_to_torch.
+    #[arg(long)]
+    json: bool,
 }
 
 /// The GPT whose units are planned or swept (byte vocabulary of 256).
@@ -270,6 +337,26 @@ fn parse_bytes(s: &str) -> Result<usize, String> {
     n.checked_mul(mult).ok_or_else(|| format!("`{s}` is too large"))
 }
 
+/// Parses `1000`, `4K`, `256M`, `1G` (binary multiples) into a count.
+fn parse_count(s: &str) -> Result<usize, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: usize = num.parse().map_err(|_| format!("`{s}` is not a count (e.g. 1000, 4K, 256M)"))?;
+    let mult: usize = match unit.trim().to_ascii_lowercase().as_str() {
+        "" => 1,
+        "k" => 1 << 10,
+        "m" => 1 << 20,
+        "g" => 1 << 30,
+        other => return Err(format!("unknown suffix `{other}` in `{s}`: use K, M or G")),
+    };
+    match n.checked_mul(mult) {
+        Some(0) => Err(format!("`{s}` must be at least 1")),
+        Some(v) => Ok(v),
+        None => Err(format!("`{s}` is too large")),
+    }
+}
+
 /// Prints `rows` as JSON Lines: one compact object per line.
 fn print_json_lines<T: Serialize>(rows: &[T]) -> anyhow::Result<()> {
     for r in rows {
@@ -409,6 +496,31 @@ fn bench_evict(cmd: EvictCmd) -> anyhow::Result<()> {
     }
 }
 
+fn bench_adam(cmd: AdamCmd) -> anyhow::Result<()> {
+    let grad_dtype =
+        cmd.grad_dtype.float().context("--grad-dtype none is not a gradient type: use f32, bf16 or f16")?;
+    let isa = cmd.isa.map(|i| match i {
+        IsaArg::Avx512 => Isa::Avx512,
+        IsaArg::Avx2 => Isa::Avx2,
+        IsaArg::Scalar => Isa::Scalar,
+    });
+    let args = adam::AdamBenchArgs {
+        params: cmd.params,
+        threads: cmd.threads.iter().map(|&t| t as usize).collect(),
+        grad_dtype,
+        param_out: cmd.param_out.float(),
+        steps: cmd.steps as usize,
+        isa,
+    };
+    let rows = adam::run(&args).context("oogc bench adam")?;
+    if cmd.json {
+        print_json_lines(&rows)
+    } else {
+        adam::print_table(&rows);
+        Ok(())
+    }
+}
+
 /// The error's cause chain as one line, leaving out a cause whose text the previous message
 /// already contains (the swapper's `Io` error prints its source itself).
 fn error_line(e: &anyhow::Error) -> String {
@@ -449,6 +561,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Nvme(cmd)) => bench_nvme(cmd),
         Command::Bench(BenchCommand::Swap(cmd)) => bench_swap(cmd),
         Command::Bench(BenchCommand::Evict(cmd)) => bench_evict(cmd),
+        Command::Bench(BenchCommand::Adam(cmd)) => bench_adam(cmd),
         Command::Plan(cmd) => plan(cmd),
     };
     match result {

@@ -299,3 +299,55 @@ fn plan_refuses_an_unknown_profile_key_naming_it() {
     let stderr = text(&out.stderr);
     assert!(stderr.contains("nvme_gbps") && stderr.contains("hw.toml"), "{stderr}");
 }
+
+#[test]
+fn bench_adam_prints_json_rows_per_thread_count() {
+    for (grad, out, bytes) in [("f32", "none", 28), ("f16", "f32", 30)] {
+        let out_ = oogc(&[
+            "bench",
+            "adam",
+            "--params",
+            "64K",
+            "--threads",
+            "1,2",
+            "--steps",
+            "2",
+            "--grad-dtype",
+            grad,
+            "--param-out",
+            out,
+            "--json",
+        ]);
+        assert!(out_.status.success(), "exit {:?}; stderr:\n{}", out_.status, text(&out_.stderr));
+        let rows = json_rows(&out_);
+        assert_eq!(rows.len(), 2, "{rows:?}");
+        for (row, threads) in rows.iter().zip([1, 2]) {
+            assert_eq!(row["threads"], threads, "{row}");
+            assert_eq!(row["params"], 64 << 10, "{row}");
+            assert_eq!(row["bytes_per_param"], bytes, "{row}");
+            let (pps, gbps, triad, ratio) = (
+                positive(row, "params_per_s"),
+                positive(row, "gbps"),
+                positive(row, "triad_gbps"),
+                positive(row, "ratio_to_triad"),
+            );
+            assert!((gbps - pps * bytes as f64 * 1e-9).abs() <= 1e-9 * gbps.max(1.0) * 1e3, "{row}");
+            assert!((ratio - gbps / triad).abs() <= 1e-9 * ratio.max(1.0) * 1e3, "{row}");
+            positive(row, "seconds_per_step");
+            positive(row, "ratio_to_torch");
+        }
+    }
+}
+
+#[test]
+fn bench_adam_refuses_bad_arguments_naming_them() {
+    let out = oogc(&["bench", "adam", "--params", "0"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--params"), "{}", text(&out.stderr));
+    let out = oogc(&["bench", "adam", "--params", "1K", "--grad-dtype", "none"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--grad-dtype"), "{}", text(&out.stderr));
+    let out = oogc(&["bench", "adam", "--threads", "0"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--threads"), "{}", text(&out.stderr));
+}

@@ -1,14 +1,36 @@
-//! `oogc-optimizer`: the CPU optimizers of oogc.
+//! `oogc-optimizer`: the CPU optimizers of oogc — AdamW and Adam over fp32 master weights, with
+//! the compute copy written in the same pass, state streamed from NVMe, and the pipelined
+//! per-unit step that overlaps the GPU backward.
 //!
-//! Owns (filled by the optimizer issue):
+//! | concept | type | what it is |
+//! |---|---|---|
+//! | hyper-parameters | [`AdamConfig`], [`LrSchedule`] | torch's `AdamW`/`Adam` (decoupled or L2 decay, bias correction); warm-up + cosine |
+//! | dispatch | [`Isa`] | AVX-512, AVX2+FMA+F16C or scalar, detected at run time or forced; all bit-identical |
+//! | kernel | [`adam_step`], [`AdamKernel`] | one fused pass: read `p, m, v, g` (f32/bf16/f16), write `p, m, v` and the compute copy (f32/bf16/f16) |
+//! | gradient norm | [`grad_sumsq`], [`global_norm`], [`clip_scale`] | a canonical f64 sum of squares, the same bits on every path and thread count |
+//! | streamed state | [`NvmeState`], [`StreamConfig`], [`stream_update`] | state chunks on the swapper's `NvmeStore`, read k+1 ‖ update k ‖ write k−1 |
+//! | pipelined step | [`PipelinedOptimizer`] | `submit(unit, grads)` returns at once; speculative update with exact global-norm clipping |
 //!
-//! | concept | what it is |
-//! |---|---|
-//! | kernel | AdamW / Adam step over fp32 master weights, `m`, `v`, with the bf16/f16 compute copy written in the same pass (SIMD, run-time dispatch) |
-//! | streamed state | optimizer state chunks read from and written to the NVMe tier of `oogc-swapper` with double buffering |
-//! | pipelined step | a per-unit update submitted as soon as the unit's gradients reach the host, overlapping the GPU backward |
+//! Sources: Kingma & Ba, "Adam" (ICLR 2015); Loshchilov & Hutter, "Decoupled Weight Decay
+//! Regularization" (ICLR 2019); the CPU-side step of ZeRO-Offload (Ren et al., USENIX ATC 2021)
+//! and DeepSpeed's `DeepSpeedCPUAdam`; speculation with roll-back as in DeepSpeed SuperOffload.
 //!
-//! It depends on `oogc-swapper`'s public types only (tensor ids, tiers, host buffers); it knows
-//! nothing of CUDA or of the model. Today the crate holds no code: the layout of the workspace
-//! is fixed first so the swapper can be built against it.
-#![forbid(unsafe_code)]
+//! It depends on `oogc-swapper`'s public types only (tensor ids, host buffers, the NVMe store);
+//! it knows nothing of CUDA or of the model. `unsafe` code lives only in the `simd` module.
+#![deny(unsafe_code)]
+
+pub mod config;
+pub mod error;
+pub mod kernel;
+pub mod pipeline;
+mod simd;
+pub mod stream;
+
+pub use config::{AdamConfig, AdamKind, FloatType, LrSchedule, OptimizerConfig, StatePlacement};
+pub use error::{Error, Result};
+pub use kernel::{
+    adam_step, clip_scale, global_norm, grad_sumsq, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK,
+};
+pub use pipeline::{Grads, PipelinedOptimizer, StepReport, UnitState, UpdateHandle};
+pub use simd::Isa;
+pub use stream::{stream_update, NvmeState, StreamConfig, StreamStats};

@@ -5,6 +5,7 @@
 //! | `oogc bench nvme` | [`nvme`] | the NVMe store per engine, beside `fio` |
 //! | `oogc bench evict` | [`evict`] | bytes moved and stall of next-use, LRU, FIFO and offline MIN over device budgets, in the step simulator |
 //! | `oogc bench swap` | [`swap`] | host↔sim-device copies and the residency manager, beside memcpy or the link throttle |
+pub mod adam;
 pub mod evict;
 pub mod nvme;
 pub mod swap;

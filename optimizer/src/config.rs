@@ -1,0 +1,381 @@
+//! Hyper-parameters and configuration: [`AdamConfig`], [`LrSchedule`], [`OptimizerConfig`].
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::kernel::StepScalars;
+use crate::simd::Isa;
+
+/// A floating-point element type of gradients or of the compute copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FloatType {
+    /// IEEE single precision, 4 bytes.
+    F32,
+    /// bfloat16, 2 bytes.
+    BF16,
+    /// IEEE half precision, 2 bytes.
+    F16,
+}
+
+impl FloatType {
+    /// Bytes per element.
+    pub fn size_in_bytes(self) -> usize {
+        match self {
+            FloatType::F32 => 4,
+            FloatType::BF16 | FloatType::F16 => 2,
+        }
+    }
+
+    /// Lowercase name (`f32`, `bf16`, `f16`).
+    pub fn name(self) -> &'static str {
+        match self {
+            FloatType::F32 => "f32",
+            FloatType::BF16 => "bf16",
+            FloatType::F16 => "f16",
+        }
+    }
+}
+
+impl std::fmt::Display for FloatType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How weight decay enters the update.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AdamKind {
+    /// AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019), as
+    /// `torch.optim.AdamW`: `p ← p·(1 − lr·wd)` before the Adam step.
+    #[default]
+    AdamW,
+    /// Adam (Kingma & Ba, "Adam: A Method for Stochastic Optimization", ICLR 2015) with L2
+    /// regularisation, as `torch.optim.Adam`: `g ← g + wd·p`.
+    Adam,
+}
+
+/// Adam/AdamW hyper-parameters except the learning rate, which is given per step. `amsgrad` is
+/// not supported (torch's default, `False`).
+///
+/// They are f64, as torch's (Python floats): the kernel's constants such as `1 − β2` are
+/// computed in f64 and rounded once; from an f32 `β2 = 0.999` the constant would be off by
+/// 1.3e-5 relative, outside the tolerance of torch's reference vectors.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdamConfig {
+    /// Decoupled (AdamW) or L2 (Adam) weight decay. Default: AdamW.
+    #[serde(default)]
+    pub kind: AdamKind,
+    /// Decay of the first moment `m`, in [0, 1). Default: 0.9.
+    #[serde(default = "AdamConfig::default_beta1")]
+    pub beta1: f64,
+    /// Decay of the second moment `v`, in [0, 1). Default: 0.999.
+    #[serde(default = "AdamConfig::default_beta2")]
+    pub beta2: f64,
+    /// Added to `sqrt(v̂)` in the denominator, > 0. Default: 1e-8.
+    #[serde(default = "AdamConfig::default_eps")]
+    pub eps: f64,
+    /// Weight decay coefficient, ≥ 0. Default: 0.01 (torch's AdamW default).
+    #[serde(default = "AdamConfig::default_weight_decay")]
+    pub weight_decay: f64,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        Self {
+            kind: AdamKind::AdamW,
+            beta1: Self::default_beta1(),
+            beta2: Self::default_beta2(),
+            eps: Self::default_eps(),
+            weight_decay: Self::default_weight_decay(),
+        }
+    }
+}
+
+impl AdamConfig {
+    fn default_beta1() -> f64 {
+        0.9
+    }
+    fn default_beta2() -> f64 {
+        0.999
+    }
+    fn default_eps() -> f64 {
+        1e-8
+    }
+    fn default_weight_decay() -> f64 {
+        0.01
+    }
+
+    /// Checks the ranges.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the key (`optimizer.adam.beta1`, ...) and the accepted range.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |key: &str, reason: String| Err(Error::Config { key: format!("optimizer.adam.{key}"), reason });
+        if !(0.0..1.0).contains(&self.beta1) {
+            return bad("beta1", format!("{} is not in [0, 1)", self.beta1));
+        }
+        if !(0.0..1.0).contains(&self.beta2) {
+            return bad("beta2", format!("{} is not in [0, 1)", self.beta2));
+        }
+        if !(self.eps > 0.0 && self.eps.is_finite()) {
+            return bad("eps", format!("{} is not a finite number > 0", self.eps));
+        }
+        if !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
+            return bad("weight_decay", format!("{} is not a finite number >= 0", self.weight_decay));
+        }
+        Ok(())
+    }
+
+    /// The per-step constants of the update at step `t` (1-based, as torch's `state['step']`
+    /// after its increment) with learning rate `lr`, gradients multiplied by `grad_scale` (the
+    /// clipping factor; 1 for none).
+    ///
+    /// As torch's fused CPU kernel, the bias corrections `1 − β^t`, the step size
+    /// `lr / (1 − β1^t)`, `sqrt(1 − β2^t)`, `1 − lr·wd`, `1 − β1` and `1 − β2` are computed in f64
+    /// and rounded once to f32.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `t` is 0 (steps are 1-based) or `lr` is negative or not finite.
+    pub fn scalars(&self, t: u64, lr: f32, grad_scale: f32) -> Result<StepScalars> {
+        if t == 0 {
+            return Err(Error::Config {
+                key: "step".into(),
+                reason: "steps are 1-based: the first step is t = 1".into(),
+            });
+        }
+        if !(lr >= 0.0 && lr.is_finite()) {
+            return Err(Error::Config { key: "lr".into(), reason: format!("{lr} is not a finite number >= 0") });
+        }
+        Ok(StepScalars::new(self, t, lr, grad_scale))
+    }
+}
+
+/// Learning-rate schedule: linear warm-up from 0 to `peak_lr` over `warmup_steps`, then cosine
+/// decay to `min_lr` at `total_steps`, constant after (as nanoGPT's `get_lr`, Loshchilov &
+/// Hutter, "SGDR", ICLR 2017, without restarts). Steps are 1-based.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LrSchedule {
+    /// Learning rate at the end of warm-up. > 0.
+    pub peak_lr: f32,
+    /// Learning rate from `total_steps` on, in [0, peak_lr].
+    pub min_lr: f32,
+    /// Steps of linear warm-up (0: start at `peak_lr`).
+    pub warmup_steps: u64,
+    /// Step at which the cosine reaches `min_lr`; at least `warmup_steps`.
+    pub total_steps: u64,
+}
+
+impl LrSchedule {
+    /// A constant learning rate.
+    pub fn constant(lr: f32) -> Self {
+        Self { peak_lr: lr, min_lr: lr, warmup_steps: 0, total_steps: 0 }
+    }
+
+    /// Checks the ranges.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the key (`optimizer.schedule.peak_lr`, ...).
+    pub fn validate(&self) -> Result<()> {
+        let bad = |key: &str, reason: String| Err(Error::Config { key: format!("optimizer.schedule.{key}"), reason });
+        if !(self.peak_lr > 0.0 && self.peak_lr.is_finite()) {
+            return bad("peak_lr", format!("{} is not a finite number > 0", self.peak_lr));
+        }
+        if !(self.min_lr >= 0.0 && self.min_lr <= self.peak_lr) {
+            return bad("min_lr", format!("{} is not in [0, peak_lr = {}]", self.min_lr, self.peak_lr));
+        }
+        if self.total_steps < self.warmup_steps {
+            return bad("total_steps", format!("{} is below warmup_steps = {}", self.total_steps, self.warmup_steps));
+        }
+        Ok(())
+    }
+
+    /// The learning rate of step `t` (1-based; `t = 0` is treated as 1).
+    pub fn lr(&self, t: u64) -> f32 {
+        let t = t.max(1);
+        if t <= self.warmup_steps {
+            return (self.peak_lr as f64 * t as f64 / self.warmup_steps as f64) as f32;
+        }
+        if t >= self.total_steps {
+            return if self.total_steps > self.warmup_steps { self.min_lr } else { self.peak_lr };
+        }
+        let progress = (t - self.warmup_steps) as f64 / (self.total_steps - self.warmup_steps) as f64;
+        let cos = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+        (self.min_lr as f64 + cos * (self.peak_lr as f64 - self.min_lr as f64)) as f32
+    }
+}
+
+/// Where a unit's optimizer state (master weights, `m`, `v`) lives between steps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StatePlacement {
+    /// In host memory (three `Vec<f32>`).
+    #[default]
+    Host,
+    /// On the NVMe store, in chunks streamed through host memory at each update.
+    Nvme,
+}
+
+/// Configuration of a [`crate::PipelinedOptimizer`] (config key prefix `optimizer.`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OptimizerConfig {
+    /// Worker threads (updates of units and the threads of one update share them). Size it
+    /// explicitly beside the trainer's own pools. Default: 2. From 1 to 1024.
+    #[serde(default = "OptimizerConfig::default_threads")]
+    pub threads: usize,
+    /// Adam hyper-parameters.
+    #[serde(default)]
+    pub adam: AdamConfig,
+    /// Global-norm gradient clipping threshold (torch's `clip_grad_norm_(max_norm)`); `None`
+    /// disables clipping. Default: `None`. When set, > 0.
+    #[serde(default)]
+    pub clip_norm: Option<f32>,
+    /// Element type of the compute copy written by each update. Default: bf16.
+    #[serde(default = "OptimizerConfig::default_compute_dtype")]
+    pub compute_dtype: FloatType,
+    /// Bytes of optimizer state (master, `m`, `v` together: 12 B per parameter) per streamed
+    /// NVMe chunk. Default: 12 MiB (1 Mi parameters). Rounded to whole blocks of
+    /// [`crate::NORM_BLOCK`] parameters (192 KiB); at least one block.
+    #[serde(default = "OptimizerConfig::default_stream_chunk_bytes")]
+    pub stream_chunk_bytes: usize,
+    /// Most bytes of host memory the NVMe streams hold at once (three chunk buffers per stream
+    /// in flight: read, update, write). Default: 128 MiB. At least three chunk buffers.
+    #[serde(default = "OptimizerConfig::default_stream_host_budget_bytes")]
+    pub stream_host_budget_bytes: u64,
+    /// Most bytes of host memory held to roll back a speculative update (the second state
+    /// buffers of host-placed units, the second compute copy of every unit); units beyond it
+    /// are not speculated but updated once the step's scale is known. `None`: no limit.
+    /// Default: `None`.
+    #[serde(default)]
+    pub rollback_budget_bytes: Option<u64>,
+    /// Force a dispatch path (`avx512`, `avx2`, `scalar`); `None` detects. Default: `None`.
+    #[serde(default)]
+    pub isa: Option<Isa>,
+}
+
+impl Default for OptimizerConfig {
+    fn default() -> Self {
+        Self {
+            threads: Self::default_threads(),
+            adam: AdamConfig::default(),
+            clip_norm: None,
+            compute_dtype: Self::default_compute_dtype(),
+            stream_chunk_bytes: Self::default_stream_chunk_bytes(),
+            stream_host_budget_bytes: Self::default_stream_host_budget_bytes(),
+            rollback_budget_bytes: None,
+            isa: None,
+        }
+    }
+}
+
+impl OptimizerConfig {
+    fn default_threads() -> usize {
+        2
+    }
+    fn default_compute_dtype() -> FloatType {
+        FloatType::BF16
+    }
+    fn default_stream_chunk_bytes() -> usize {
+        12 << 20
+    }
+    fn default_stream_host_budget_bytes() -> u64 {
+        128 << 20
+    }
+
+    /// Parameters per streamed chunk: `stream_chunk_bytes / 12` rounded down to whole
+    /// [`crate::NORM_BLOCK`]s, at least one block.
+    pub fn stream_chunk_params(&self) -> usize {
+        (self.stream_chunk_bytes / 12 / crate::NORM_BLOCK).max(1) * crate::NORM_BLOCK
+    }
+
+    /// Checks every value's range (and the Adam hyper-parameters).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the key and the accepted range; [`Error::IsaUnavailable`] for a
+    /// forced path this CPU lacks.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |key: &str, reason: String| Err(Error::Config { key: format!("optimizer.{key}"), reason });
+        if !(1..=1024).contains(&self.threads) {
+            return bad("threads", format!("{} is not between 1 and 1024", self.threads));
+        }
+        self.adam.validate()?;
+        if let Some(c) = self.clip_norm {
+            if !(c > 0.0 && c.is_finite()) {
+                return bad("clip_norm", format!("{c} is not a finite number > 0; leave it unset to disable clipping"));
+            }
+        }
+        if self.stream_chunk_bytes == 0 {
+            return bad("stream_chunk_bytes", "must be more than 0".into());
+        }
+        let need = 3 * oogc_swapper::host::size_class(self.stream_chunk_params() * 12) as u64;
+        if self.stream_host_budget_bytes < need {
+            return bad(
+                "stream_host_budget_bytes",
+                format!(
+                    "{} bytes cannot hold the three chunk buffers of one stream ({need} bytes at \
+                     stream_chunk_bytes = {}); raise it or lower stream_chunk_bytes",
+                    self.stream_host_budget_bytes, self.stream_chunk_bytes
+                ),
+            );
+        }
+        if let Some(isa) = self.isa {
+            if !isa.is_available() {
+                return Err(Error::IsaUnavailable { isa });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schedule_warms_up_linearly_then_decays_by_cosine_to_min() {
+        let s = LrSchedule { peak_lr: 1e-3, min_lr: 1e-4, warmup_steps: 10, total_steps: 110 };
+        s.validate().unwrap();
+        assert!((s.lr(1) - 1e-4).abs() < 1e-9);
+        assert!((s.lr(5) - 5e-4).abs() < 1e-9);
+        assert_eq!(s.lr(10), 1e-3);
+        assert!((s.lr(60) - 5.5e-4).abs() < 1e-8, "{}", s.lr(60));
+        assert!(s.lr(11) < 1e-3 && s.lr(11) > 0.99e-3);
+        assert_eq!(s.lr(110), 1e-4);
+        assert_eq!(s.lr(1000), 1e-4);
+        let mut prev = f32::INFINITY;
+        for t in 10..=110 {
+            assert!(s.lr(t) <= prev);
+            prev = s.lr(t);
+        }
+        assert_eq!(LrSchedule::constant(3e-4).lr(7), 3e-4);
+        assert!(LrSchedule { min_lr: 2e-3, ..s }.validate().is_err());
+        assert!(LrSchedule { total_steps: 5, ..s }.validate().is_err());
+    }
+
+    #[test]
+    fn config_errors_name_the_key() {
+        let c = OptimizerConfig { threads: 0, ..Default::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("optimizer.threads"));
+        let c = OptimizerConfig { adam: AdamConfig { beta2: 1.0, ..Default::default() }, ..Default::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("optimizer.adam.beta2"));
+        let c = OptimizerConfig { stream_host_budget_bytes: 1 << 20, ..Default::default() };
+        let e = c.validate().unwrap_err().to_string();
+        assert!(e.contains("stream_host_budget_bytes") && e.contains("raise it"), "{e}");
+        let c = OptimizerConfig { clip_norm: Some(0.0), ..Default::default() };
+        assert!(c.validate().unwrap_err().to_string().contains("clip_norm"));
+        OptimizerConfig::default().validate().unwrap();
+    }
+
+    #[test]
+    fn config_parses_from_json_with_defaults_and_refuses_unknown_keys() {
+        let c: OptimizerConfig = serde_json::from_str(r#"{"threads": 1, "clip_norm": 1.0, "isa": "scalar"}"#).unwrap();
+        assert_eq!(c.threads, 1);
+        assert_eq!(c.clip_norm, Some(1.0));
+        assert_eq!(c.adam, AdamConfig::default());
+        assert!(serde_json::from_str::<OptimizerConfig>(r#"{"thread": 1}"#).is_err());
+    }
+}

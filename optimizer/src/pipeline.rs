@@ -1,0 +1,889 @@
+//! The pipelined per-unit optimizer step: [`PipelinedOptimizer`].
+//!
+//! The GPU backward produces a unit's gradients one unit at a time (last unit first). As soon as
+//! they reach the host, [`PipelinedOptimizer::submit`] hands them to a worker pool and returns;
+//! the update of that unit runs on the CPU while the GPU goes on with the earlier units
+//! (ZeRO-Offload's one-step-delay-free CPU step, Ren et al. 2021, §4.2; DeepSpeed `DeepSpeedCPUAdam`).
+//! The next forward waits only for the unit it needs ([`PipelinedOptimizer::wait_unit`]).
+//!
+//! # Exact global-norm clipping and non-finite skips: speculate, then commit or redo
+//!
+//! Clipping by the global norm needs every unit's gradients before the first update, and a
+//! non-finite gradient anywhere must leave every unit unchanged. Both are decided only when the
+//! backward is over. The scheme (as DeepSpeed SuperOffload's speculation, with an exact redo):
+//!
+//! 1. **Speculate.** A unit's job takes the gradients' sum of squares (fused into the update,
+//!    block by block, in the canonical order of [`crate::grad_sumsq`]) and updates the unit
+//!    **out of place** with scale 1: it reads the committed state `A` and writes a second buffer
+//!    `B` (and a second compute copy). Out of place moves the same bytes as in place, so
+//!    speculation costs no extra memory traffic. NVMe-placed state is copy-on-write anyway (new
+//!    chunk extents), so it costs no host memory at all.
+//! 2. **Decide** in [`PipelinedOptimizer::finish_step`]: the global norm is `sqrt(Σ sumsq)` over
+//!    the submitted units in unit-id order; `scale = min(1, clip / (norm + 1e-6))`
+//!    (`clip_grad_norm_`). Non-finite norm: every unit keeps `A`, the step is reported
+//!    `skipped` and not counted. Scale 1 (the common case): every speculated unit commits by a
+//!    swap `A ↔ B` (NVMe: the old extents are freed). Scale < 1: every unit is redone from `A`
+//!    with the scale, as the reference would compute it, on the worker pool in the reverse order
+//!    of submission (the order of the next forward), so the redo overlaps the next forward.
+//! 3. **Defer** when speculation cannot pay: a unit whose job starts when the running partial
+//!    norm already exceeds the clip (the step will be clipped), or that has no second buffer
+//!    because the roll-back budget ([`crate::OptimizerConfig::rollback_budget_bytes`]) is spent,
+//!    only takes its sum of squares; its one update runs after the decision, in place.
+//!
+//! The result is bitwise the non-pipelined step (all norms first, then every unit updated with
+//! the scale), because the kernel is deterministic, element-wise, and its sum of squares does not
+//! depend on the thread cut or the ISA. Memory cost: a speculated host unit holds a second
+//! `p, m, v` (12 B per parameter) and every speculated unit a second compute copy, bounded by the
+//! roll-back budget; a clipped step costs one extra optimizer pass, off the backward's critical path.
+//!
+//! # Threads
+//!
+//! One pool of [`crate::OptimizerConfig::threads`] threads runs the unit jobs; a host unit's
+//! update is cut over the same threads. Jobs of different units run at once, never two of one
+//! unit. NVMe streams run on one thread each, at most as many at once as the stream budget holds
+//! (three chunk buffers each).
+
+use std::collections::{BTreeMap, HashMap};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+use oogc_swapper::{NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
+use parking_lot::{Condvar, Mutex, RwLock};
+
+use crate::config::{FloatType, OptimizerConfig, StatePlacement};
+use crate::error::{Error, Result};
+use crate::kernel::{clip_scale, global_norm, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
+use crate::simd::Isa;
+use crate::stream::{stream_update, NvmeState, StreamConfig};
+
+/// A unit's gradients, owned (the optimizer keeps them until the step is final, then drops them).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Grads {
+    /// fp32.
+    F32(Vec<f32>),
+    /// bf16.
+    BF16(Vec<bf16>),
+    /// f16.
+    F16(Vec<f16>),
+}
+
+impl Grads {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> FloatType {
+        self.as_slice().dtype()
+    }
+
+    /// Borrowed view.
+    pub fn as_slice(&self) -> GradSlice<'_> {
+        match self {
+            Grads::F32(g) => GradSlice::F32(g),
+            Grads::BF16(g) => GradSlice::BF16(g),
+            Grads::F16(g) => GradSlice::F16(g),
+        }
+    }
+}
+
+/// A unit's optimizer state, for checkpoints: fp32 master weights, `m`, `v` (one length).
+#[derive(Debug, Clone, PartialEq)]
+pub struct UnitState {
+    /// Master weights.
+    pub master: Vec<f32>,
+    /// First moment (torch's `exp_avg`).
+    pub m: Vec<f32>,
+    /// Second moment (torch's `exp_avg_sq`).
+    pub v: Vec<f32>,
+}
+
+/// What a step did, from [`PipelinedOptimizer::finish_step`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepReport {
+    /// The step `t` (1-based) given to `begin_step`.
+    pub step: u64,
+    /// The learning rate given to `begin_step`.
+    pub lr: f32,
+    /// Global L2 norm of all submitted gradients (before clipping); not finite when `skipped`.
+    pub grad_norm: f64,
+    /// The factor the gradients were multiplied by: `min(1, clip / (norm + 1e-6))`, 1 without
+    /// clipping or when skipped.
+    pub clip_scale: f32,
+    /// A gradient was not finite: no unit changed and the step does not count (give the same
+    /// `t` to the next `begin_step`).
+    pub skipped: bool,
+    /// Units submitted in the step.
+    pub units: usize,
+    /// Units whose speculative update was committed as it was.
+    pub committed_speculative: usize,
+    /// Units updated again after the decision (speculated, then the step was clipped).
+    pub redone: usize,
+    /// Units updated only after the decision (no roll-back budget, or the norm was already over
+    /// the clip when their job started).
+    pub deferred: usize,
+}
+
+/// The outcome of one `submit`: ready when the unit's update of that step is final (committed,
+/// redone, or discarded because the step was skipped), which happens in or after
+/// [`PipelinedOptimizer::finish_step`].
+#[derive(Debug, Clone)]
+pub struct UpdateHandle {
+    cell: Arc<UnitCell>,
+    epoch: u64,
+}
+
+impl UpdateHandle {
+    /// The unit.
+    pub fn unit(&self) -> TensorId {
+        self.cell.id
+    }
+
+    /// Whether the update is final.
+    pub fn is_ready(&self) -> bool {
+        self.cell.inner.lock().final_epoch >= self.epoch
+    }
+
+    /// Blocks until the update is final. Needs `finish_step` to be called (by another thread if
+    /// this one waits before it).
+    ///
+    /// # Errors
+    /// The error of the unit's last job, if it failed (reported once, here or by `wait_unit`).
+    pub fn wait(&self) -> Result<()> {
+        let mut g = self.cell.inner.lock();
+        while g.final_epoch < self.epoch || g.data.is_none() {
+            self.cell.cv.wait(&mut g);
+        }
+        g.error.take().map_or(Ok(()), Err)
+    }
+}
+
+/// Host-resident state buffers.
+struct HostBufs {
+    p: Vec<f32>,
+    m: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl HostBufs {
+    fn zeros(n: usize) -> Self {
+        Self { p: vec![0.0; n], m: vec![0.0; n], v: vec![0.0; n] }
+    }
+}
+
+enum Home {
+    Host { cur: HostBufs, spare: Option<HostBufs> },
+    Nvme { cur: Option<NvmeState>, new: Option<NvmeState> },
+}
+
+/// A unit's data; taken out of the cell by the job that runs on it.
+struct UnitData {
+    home: Home,
+    /// The committed compute copy (bytes of the compute dtype, in 4-byte words for alignment).
+    copy: Vec<u32>,
+    copy_spare: Option<Vec<u32>>,
+    partials: Vec<f64>,
+    grads: Option<Grads>,
+}
+
+/// What the unit's job of the open step found.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    epoch: u64,
+    sumsq: f64,
+    speculated: bool,
+}
+
+struct UnitInner {
+    /// `None` while a job holds the data.
+    data: Option<UnitData>,
+    error: Option<Error>,
+    pending: Option<Pending>,
+    submitted_epoch: u64,
+    final_epoch: u64,
+}
+
+struct UnitCell {
+    id: TensorId,
+    n: usize,
+    /// Has second buffers to update out of place.
+    speculative: bool,
+    inner: Mutex<UnitInner>,
+    cv: Condvar,
+}
+
+impl std::fmt::Debug for UnitCell {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnitCell").field("id", &self.id).field("n", &self.n).finish()
+    }
+}
+
+impl UnitCell {
+    /// Waits until no job holds the data; returns the guard.
+    fn idle(&self) -> parking_lot::MutexGuard<'_, UnitInner> {
+        let mut g = self.inner.lock();
+        while g.data.is_none() {
+            self.cv.wait(&mut g);
+        }
+        g
+    }
+
+    /// Puts the data back after a job, records its outcome, wakes waiters.
+    fn put_back(&self, data: UnitData, error: Option<Error>, pending: Option<Pending>, final_epoch: Option<u64>) {
+        let mut g = self.inner.lock();
+        g.data = Some(data);
+        if error.is_some() {
+            g.error = error;
+        }
+        if pending.is_some() {
+            g.pending = pending;
+        }
+        if let Some(e) = final_epoch {
+            g.final_epoch = e;
+        }
+        drop(g);
+        self.cv.notify_all();
+    }
+}
+
+struct OpenStep {
+    t: u64,
+    lr: f32,
+    epoch: u64,
+    scalars: StepScalars,
+    /// Units in the order they were submitted.
+    submitted: Vec<TensorId>,
+    /// Sum of the sums of squares of the jobs done so far (arrival order; only to decide
+    /// whether to speculate, never for the result).
+    partial_sumsq: f64,
+}
+
+struct StepState {
+    open: Option<OpenStep>,
+    epoch: u64,
+    last_step: Option<u64>,
+    rollback_used_bytes: u64,
+}
+
+/// A counting semaphore of NVMe stream slots.
+struct Slots {
+    free: Mutex<usize>,
+    cv: Condvar,
+}
+
+impl Slots {
+    fn acquire(&self) -> SlotGuard<'_> {
+        let mut f = self.free.lock();
+        while *f == 0 {
+            self.cv.wait(&mut f);
+        }
+        *f -= 1;
+        SlotGuard(self)
+    }
+}
+
+struct SlotGuard<'a>(&'a Slots);
+
+impl Drop for SlotGuard<'_> {
+    fn drop(&mut self) {
+        *self.0.free.lock() += 1;
+        self.0.cv.notify_one();
+    }
+}
+
+struct Shared {
+    config: OptimizerConfig,
+    kernel: AdamKernel,
+    nvme: Option<Arc<NvmeStore>>,
+    stream: StreamConfig,
+    stream_pool: PinnedPool,
+    slots: Slots,
+    units: RwLock<HashMap<TensorId, Arc<UnitCell>>>,
+    step: Mutex<StepState>,
+}
+
+/// The pipelined optimizer: per-unit AdamW/Adam updates submitted during the backward, with
+/// exact global-norm clipping and non-finite skips (see the module docs for the scheme).
+///
+/// Units are keyed by the swapper's [`TensorId`] of the unit's flat compute copy; a unit's
+/// parameters are one flat f32 vector of `numel` elements. `Send + Sync`: every method takes
+/// `&self`.
+///
+/// A step: [`begin_step`](Self::begin_step)`(t, lr)`, [`submit`](Self::submit) for each unit
+/// (any order, from any thread), [`finish_step`](Self::finish_step) once all gradients are in,
+/// then [`wait_unit`](Self::wait_unit) / [`read_compute_copy`](Self::read_compute_copy) for each
+/// unit as the next forward needs it.
+pub struct PipelinedOptimizer {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for PipelinedOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PipelinedOptimizer")
+            .field("config", &self.shared.config)
+            .field("units", &self.shared.units.read().len())
+            .finish()
+    }
+}
+
+fn copy_words(n: usize, dtype: FloatType) -> usize {
+    (n * dtype.size_in_bytes()).div_ceil(4)
+}
+
+fn copy_bytes(words: &[u32], n: usize, dtype: FloatType) -> &[u8] {
+    &bytemuck::cast_slice(words)[..n * dtype.size_in_bytes()]
+}
+
+fn copy_out(words: &mut [u32], n: usize, dtype: FloatType) -> CopyOut<'_> {
+    CopyOut::from_bytes(dtype, &mut bytemuck::cast_slice_mut(words)[..n * dtype.size_in_bytes()])
+}
+
+/// Converts master weights to the compute copy (outside a step: add and import).
+fn fill_copy(words: &mut [u32], master: &[f32], dtype: FloatType) {
+    match copy_out(words, master.len(), dtype) {
+        CopyOut::F32(o) => o.copy_from_slice(master),
+        CopyOut::BF16(o) => o.convert_from_f32_slice(master),
+        CopyOut::F16(o) => o.convert_from_f32_slice(master),
+        CopyOut::None => {}
+    }
+}
+
+fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".into())
+}
+
+impl PipelinedOptimizer {
+    /// An optimizer with `config`; `nvme` is the store for units placed on NVMe (`None`: host only).
+    ///
+    /// # Errors
+    /// [`Error::Config`] / [`Error::IsaUnavailable`] from [`OptimizerConfig::validate`];
+    /// [`Error::ThreadPool`].
+    pub fn new(config: OptimizerConfig, nvme: Option<Arc<NvmeStore>>) -> Result<Self> {
+        config.validate()?;
+        let isa = config.isa.unwrap_or_else(Isa::detect);
+        let kernel = AdamKernel::new(isa, config.threads)?;
+        let stream = StreamConfig::new(config.stream_chunk_params())?;
+        let stream_pool =
+            PinnedPool::with_mmap(&PinnedPoolConfig { budget_bytes: config.stream_host_budget_bytes, lock: true });
+        let slots = (config.stream_host_budget_bytes / stream.stream_host_bytes()) as usize;
+        tracing::debug!(%isa, threads = config.threads, stream_slots = slots, "pipelined optimizer");
+        Ok(Self {
+            shared: Arc::new(Shared {
+                kernel,
+                nvme,
+                stream,
+                stream_pool,
+                slots: Slots { free: Mutex::new(slots.max(1)), cv: Condvar::new() },
+                units: RwLock::new(HashMap::new()),
+                step: Mutex::new(StepState { open: None, epoch: 0, last_step: None, rollback_used_bytes: 0 }),
+                config,
+            }),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &OptimizerConfig {
+        &self.shared.config
+    }
+
+    /// The dispatch path in use.
+    pub fn isa(&self) -> Isa {
+        self.shared.kernel.isa()
+    }
+
+    /// The last step `t` that was committed (not skipped), if any.
+    pub fn last_step(&self) -> Option<u64> {
+        self.shared.step.lock().last_step
+    }
+
+    /// Host bytes held for roll-back (second buffers), at most the roll-back budget.
+    pub fn rollback_bytes(&self) -> u64 {
+        self.shared.step.lock().rollback_used_bytes
+    }
+
+    /// Host bytes of the NVMe stream buffers in use now (at most `stream_host_budget_bytes`).
+    pub fn stream_host_bytes(&self) -> u64 {
+        self.shared.stream_pool.live_bytes()
+    }
+
+    fn cell(&self, unit: TensorId) -> Result<Arc<UnitCell>> {
+        self.shared.units.read().get(&unit).cloned().ok_or(Error::UnknownUnit { unit })
+    }
+
+    /// Registers a unit with its master weights (`m = v = 0`, compute copy = `master` converted).
+    /// With [`StatePlacement::Nvme`] the state is written to the store now. The second buffers
+    /// for speculation are allocated now when the roll-back budget allows (the unit is then
+    /// updated out of place), so a step allocates no state memory.
+    ///
+    /// # Errors
+    /// [`Error::DuplicateUnit`]; [`Error::Protocol`] during a step; [`Error::NoNvmeStore`];
+    /// [`Error::Swapper`] when writing to the store fails.
+    pub fn add_unit(&self, unit: TensorId, master: &[f32], placement: StatePlacement) -> Result<()> {
+        let sh = &self.shared;
+        let n = master.len();
+        let dtype = sh.config.compute_dtype;
+        if sh.units.read().contains_key(&unit) {
+            return Err(Error::DuplicateUnit { unit });
+        }
+        let mut step = sh.step.lock();
+        if step.open.is_some() {
+            return Err(Error::Protocol(format!("add_unit({unit}) during a step: add units before begin_step")));
+        }
+        let copy_bytes = (copy_words(n, dtype) * 4) as u64;
+        let extra = copy_bytes + if placement == StatePlacement::Host { 12 * n as u64 } else { 0 };
+        let speculative =
+            sh.config.rollback_budget_bytes.is_none_or(|b| step.rollback_used_bytes.saturating_add(extra) <= b);
+        let home = match placement {
+            StatePlacement::Host => {
+                let mut cur = HostBufs::zeros(n);
+                cur.p.copy_from_slice(master);
+                Home::Host { cur, spare: speculative.then(|| HostBufs::zeros(n)) }
+            }
+            StatePlacement::Nvme => {
+                let store = sh.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
+                let zeros = vec![0.0f32; n];
+                let _slot = sh.slots.acquire();
+                let st = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, [master, &zeros, &zeros])?;
+                Home::Nvme { cur: Some(st), new: None }
+            }
+        };
+        if speculative {
+            step.rollback_used_bytes += extra;
+        }
+        let mut copy = vec![0u32; copy_words(n, dtype)];
+        fill_copy(&mut copy, master, dtype);
+        let data = UnitData {
+            home,
+            copy,
+            copy_spare: speculative.then(|| vec![0u32; copy_words(n, dtype)]),
+            partials: vec![0.0; n.div_ceil(NORM_BLOCK)],
+            grads: None,
+        };
+        let cell = UnitCell {
+            id: unit,
+            n,
+            speculative,
+            inner: Mutex::new(UnitInner {
+                data: Some(data),
+                error: None,
+                pending: None,
+                submitted_epoch: 0,
+                final_epoch: step.epoch,
+            }),
+            cv: Condvar::new(),
+        };
+        sh.units.write().insert(unit, Arc::new(cell));
+        Ok(())
+    }
+
+    /// Opens step `t` (1-based, as torch's step counter) with learning rate `lr` (e.g. from
+    /// [`crate::LrSchedule::lr`]). After a skipped step, give the same `t` again.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] when a step is open; [`Error::Config`] for `t = 0` or a bad `lr`.
+    pub fn begin_step(&self, step: u64, lr: f32) -> Result<()> {
+        let sh = &self.shared;
+        let mut st = sh.step.lock();
+        if let Some(o) = &st.open {
+            return Err(Error::Protocol(format!(
+                "begin_step({step}) while step {} is open: call finish_step first",
+                o.t
+            )));
+        }
+        let scalars = sh.config.adam.scalars(step, lr, 1.0)?;
+        st.epoch += 1;
+        let epoch = st.epoch;
+        st.open = Some(OpenStep { t: step, lr, epoch, scalars, submitted: Vec::new(), partial_sumsq: 0.0 });
+        Ok(())
+    }
+
+    /// Hands over a unit's gradients (`numel` elements, f32, bf16 or f16) and returns at once;
+    /// the unit's update runs on the worker pool. If the unit's previous update is still running
+    /// (the last step's redo), waits for it first.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] without an open step or for a second submit of the unit in the step;
+    /// [`Error::UnknownUnit`]; [`Error::LengthMismatch`] naming the unit.
+    pub fn submit(&self, unit: TensorId, grads: Grads) -> Result<UpdateHandle> {
+        let sh = &self.shared;
+        let cell = self.cell(unit)?;
+        if grads.len() != cell.n {
+            return Err(Error::LengthMismatch {
+                what: format!("unit {unit} gradients"),
+                expected: cell.n,
+                got: grads.len(),
+            });
+        }
+        let (epoch, scalars) = {
+            let mut st = sh.step.lock();
+            let Some(open) = st.open.as_mut() else {
+                return Err(Error::Protocol(format!("submit({unit}) without an open step: call begin_step first")));
+            };
+            if open.submitted.contains(&unit) {
+                return Err(Error::Protocol(format!("unit {unit} submitted twice in step {}", open.t)));
+            }
+            open.submitted.push(unit);
+            (open.epoch, open.scalars)
+        };
+        let mut data = {
+            let mut g = cell.idle();
+            g.submitted_epoch = epoch;
+            g.pending = None;
+            g.data.take().expect("idle cell holds its data")
+        };
+        data.grads = Some(grads);
+        let (sh2, cell2) = (self.shared.clone(), cell.clone());
+        sh.kernel.spawn(move || speculate_job(&sh2, &cell2, data, epoch, scalars));
+        Ok(UpdateHandle { cell, epoch })
+    }
+
+    /// Blocks until the unit has no update in flight. After [`finish_step`](Self::finish_step)
+    /// returned, this means its state and compute copy of that step are final.
+    ///
+    /// # Errors
+    /// [`Error::UnknownUnit`]; the error of the unit's last job if it failed (reported once).
+    pub fn wait_unit(&self, unit: TensorId) -> Result<()> {
+        let cell = self.cell(unit)?;
+        let mut g = cell.idle();
+        g.error.take().map_or(Ok(()), Err)
+    }
+
+    /// Calls `f` with the unit's committed compute copy (`numel × size` bytes of
+    /// [`OptimizerConfig::compute_dtype`], little-endian), after waiting as
+    /// [`wait_unit`](Self::wait_unit). During a step (before `finish_step`) this is the copy of
+    /// the previous step.
+    ///
+    /// # Errors
+    /// As [`wait_unit`](Self::wait_unit).
+    pub fn read_compute_copy(&self, unit: TensorId, f: impl FnOnce(&[u8])) -> Result<()> {
+        let cell = self.cell(unit)?;
+        let mut g = cell.idle();
+        if let Some(e) = g.error.take() {
+            return Err(e);
+        }
+        let data = g.data.as_ref().expect("idle cell holds its data");
+        f(copy_bytes(&data.copy, cell.n, self.shared.config.compute_dtype));
+        Ok(())
+    }
+
+    /// Closes the step once every gradient is in: waits for the speculative jobs, computes the
+    /// global norm and the clipping scale, then commits, redoes or discards each submitted unit
+    /// (module docs). Redone and deferred updates continue on the pool after this returns; wait
+    /// for them per unit with [`wait_unit`](Self::wait_unit). Units not submitted are not
+    /// updated (as a parameter without gradient in torch).
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] without an open step; the first job error (NVMe I/O, a panic): the
+    /// step is then rolled back for every unit (as a skipped step) and not counted.
+    pub fn finish_step(&self) -> Result<StepReport> {
+        let sh = &self.shared;
+        let open = {
+            let st = sh.step.lock();
+            match &st.open {
+                Some(o) => OpenStep { submitted: o.submitted.clone(), ..*o },
+                None => return Err(Error::Protocol("finish_step without an open step: call begin_step first".into())),
+            }
+        };
+        let cells: Vec<Arc<UnitCell>> = open.submitted.iter().map(|&u| self.cell(u)).collect::<Result<_>>()?;
+        let mut first_error = None;
+        let mut norms = BTreeMap::new();
+        for cell in &cells {
+            let mut g = cell.idle();
+            if let Some(e) = g.error.take() {
+                first_error.get_or_insert(e);
+            }
+            let p = g.pending.expect("a finished job leaves its outcome");
+            debug_assert_eq!(p.epoch, open.epoch);
+            norms.insert(cell.id, p);
+        }
+        let grad_norm = global_norm(norms.values().map(|p| p.sumsq));
+        let skipped = !grad_norm.is_finite() || first_error.is_some();
+        let scale = if skipped { 1.0 } else { clip_scale(grad_norm, sh.config.clip_norm) };
+        let mut report = StepReport {
+            step: open.t,
+            lr: open.lr,
+            grad_norm,
+            clip_scale: scale,
+            skipped,
+            units: cells.len(),
+            committed_speculative: 0,
+            redone: 0,
+            deferred: 0,
+        };
+        let scalars = open.scalars.with_grad_scale(scale);
+        // Reverse submission order: the backward submits last unit first, the forward needs
+        // the first unit first.
+        for cell in cells.iter().rev() {
+            let pending = norms[&cell.id];
+            let mut g = cell.idle();
+            let mut data = g.data.take().expect("idle cell holds its data");
+            if skipped {
+                discard(sh, &mut data);
+                data.grads = None;
+                g.data = Some(data);
+                g.final_epoch = open.epoch;
+            } else if pending.speculated && scale == 1.0 {
+                commit(sh, &mut data);
+                data.grads = None;
+                g.data = Some(data);
+                g.final_epoch = open.epoch;
+                report.committed_speculative += 1;
+            } else {
+                if pending.speculated {
+                    report.redone += 1;
+                } else {
+                    report.deferred += 1;
+                }
+                drop(g);
+                let (sh2, cell2) = (sh.clone(), cell.clone());
+                let epoch = open.epoch;
+                sh.kernel.spawn(move || final_job(&sh2, &cell2, data, epoch, scalars));
+                continue;
+            }
+            drop(g);
+            cell.cv.notify_all();
+        }
+        {
+            let mut st = sh.step.lock();
+            st.open = None;
+            if !skipped {
+                st.last_step = Some(open.t);
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => {
+                tracing::debug!(step = open.t, grad_norm, scale, skipped, "optimizer step");
+                Ok(report)
+            }
+        }
+    }
+
+    /// The unit's committed state (for a checkpoint), after waiting as [`wait_unit`](Self::wait_unit).
+    ///
+    /// # Errors
+    /// [`Error::UnknownUnit`]; [`Error::Protocol`] during a step; [`Error::Swapper`] reading NVMe.
+    pub fn export_state(&self, unit: TensorId) -> Result<UnitState> {
+        self.no_open_step("export_state")?;
+        let cell = self.cell(unit)?;
+        let mut g = cell.idle();
+        if let Some(e) = g.error.take() {
+            return Err(e);
+        }
+        let data = g.data.as_ref().expect("idle cell holds its data");
+        match &data.home {
+            Home::Host { cur, .. } => Ok(UnitState { master: cur.p.clone(), m: cur.m.clone(), v: cur.v.clone() }),
+            Home::Nvme { cur, .. } => {
+                let store = self.shared.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
+                let _slot = self.shared.slots.acquire();
+                let [master, m, v] = cur.as_ref().expect("committed state").read(store, &self.shared.stream_pool)?;
+                Ok(UnitState { master, m, v })
+            }
+        }
+    }
+
+    /// Replaces the unit's state (from a checkpoint) and rewrites its compute copy from `master`.
+    ///
+    /// # Errors
+    /// [`Error::UnknownUnit`]; [`Error::Protocol`] during a step; [`Error::LengthMismatch`]
+    /// naming the unit and the vector; [`Error::Swapper`] writing NVMe (the old state stays).
+    pub fn import_state(&self, unit: TensorId, state: UnitState) -> Result<()> {
+        self.no_open_step("import_state")?;
+        let cell = self.cell(unit)?;
+        for (what, got) in [("master", state.master.len()), ("m", state.m.len()), ("v", state.v.len())] {
+            if got != cell.n {
+                return Err(Error::LengthMismatch {
+                    what: format!("unit {unit} imported {what}"),
+                    expected: cell.n,
+                    got,
+                });
+            }
+        }
+        let mut g = cell.idle();
+        g.error = None;
+        let data = g.data.as_mut().expect("idle cell holds its data");
+        match &mut data.home {
+            Home::Host { cur, .. } => {
+                *cur = HostBufs { p: state.master.clone(), m: state.m, v: state.v };
+            }
+            Home::Nvme { cur, .. } => {
+                let store = self.shared.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
+                let _slot = self.shared.slots.acquire();
+                let new = NvmeState::write(
+                    store,
+                    &self.shared.stream_pool,
+                    unit,
+                    self.shared.stream,
+                    [&state.master, &state.m, &state.v],
+                )?;
+                if let Some(old) = cur.replace(new) {
+                    old.free(store);
+                }
+            }
+        }
+        fill_copy(&mut data.copy, &state.master, self.shared.config.compute_dtype);
+        Ok(())
+    }
+
+    fn no_open_step(&self, what: &str) -> Result<()> {
+        match &self.shared.step.lock().open {
+            Some(o) => Err(Error::Protocol(format!("{what} during step {}: call it after finish_step", o.t))),
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for PipelinedOptimizer {
+    /// Waits for every job, then frees the NVMe extents of the units.
+    fn drop(&mut self) {
+        let units: Vec<Arc<UnitCell>> = self.shared.units.read().values().cloned().collect();
+        for cell in units {
+            let mut g = cell.idle();
+            if let (Some(store), Some(data)) = (self.shared.nvme.as_ref(), g.data.as_mut()) {
+                if let Home::Nvme { cur, new } = &mut data.home {
+                    for st in [cur.take(), new.take()].into_iter().flatten() {
+                        st.free(store);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Makes the speculative result the committed state.
+fn commit(sh: &Shared, data: &mut UnitData) {
+    match &mut data.home {
+        Home::Host { cur, spare } => std::mem::swap(cur, spare.as_mut().expect("a speculated unit has a spare")),
+        Home::Nvme { cur, new } => {
+            let fresh = new.take().expect("a speculated NVMe unit has new extents");
+            if let Some(old) = cur.replace(fresh) {
+                old.free(sh.nvme.as_ref().expect("NVMe unit has a store"));
+            }
+        }
+    }
+    if let Some(spare) = data.copy_spare.as_mut() {
+        std::mem::swap(&mut data.copy, spare);
+    }
+}
+
+/// Drops a speculative result (the committed state is untouched).
+fn discard(sh: &Shared, data: &mut UnitData) {
+    if let Home::Nvme { new, .. } = &mut data.home {
+        if let Some(st) = new.take() {
+            st.free(sh.nvme.as_ref().expect("NVMe unit has a store"));
+        }
+    }
+}
+
+/// Runs one update of the unit from its committed state with `scalars`: out of place into the
+/// spare buffers (speculative units) or in place; NVMe state to new extents. With `partials`,
+/// returns the gradients' sum of squares.
+fn update(sh: &Shared, cell: &UnitCell, data: &mut UnitData, scalars: &StepScalars, with_sumsq: bool) -> Result<f64> {
+    let dtype = sh.config.compute_dtype;
+    let n = cell.n;
+    let grads = data.grads.as_ref().expect("a submitted unit holds its gradients").as_slice();
+    let out = match data.copy_spare.as_mut() {
+        Some(spare) => copy_out(spare, n, dtype),
+        None => copy_out(&mut data.copy, n, dtype),
+    };
+    let partials = &mut data.partials;
+    match &mut data.home {
+        Home::Host { cur, spare } => {
+            let state = match spare {
+                Some(s) => StateIo::OutOfPlace { src: [&cur.p, &cur.m, &cur.v], dst: [&mut s.p, &mut s.m, &mut s.v] },
+                None => StateIo::InPlace { p: &mut cur.p, m: &mut cur.m, v: &mut cur.v },
+            };
+            if with_sumsq {
+                sh.kernel.step_with_sumsq(scalars, state, grads, out, partials)
+            } else {
+                sh.kernel.step(scalars, state, grads, out).map(|()| 0.0)
+            }
+        }
+        Home::Nvme { cur, new } => {
+            let store = sh.nvme.as_ref().expect("NVMe unit has a store");
+            if let Some(stale) = new.take() {
+                stale.free(store);
+            }
+            let _slot = sh.slots.acquire();
+            let part = with_sumsq.then_some(&mut partials[..]);
+            let (fresh, stats) = stream_update(
+                store,
+                &sh.stream_pool,
+                sh.kernel.isa(),
+                scalars,
+                cur.as_ref().expect("committed state"),
+                grads,
+                out,
+                part,
+            )?;
+            tracing::trace!(unit = %cell.id, chunks = stats.chunks, peak_host_bytes = stats.peak_host_bytes, "streamed");
+            *new = Some(fresh);
+            Ok(if with_sumsq { partials.iter().fold(0.0f64, |a, &s| a + s) } else { 0.0 })
+        }
+    }
+}
+
+/// The job of `submit`: speculate (update out of place with scale 1 and take the sum of
+/// squares) or, when that cannot pay, take the sum of squares only.
+fn speculate_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, epoch: u64, scalars: StepScalars) {
+    let _span = tracing::debug_span!("optimizer::speculate", unit = cell.id.0, params = cell.n).entered();
+    let over_clip = {
+        let st = sh.step.lock();
+        let partial = st.open.as_ref().map_or(0.0, |o| o.partial_sumsq);
+        !partial.is_finite() || sh.config.clip_norm.is_some_and(|c| partial.sqrt() + 1e-6 > c as f64)
+    };
+    let speculate = cell.speculative && !over_clip;
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        if speculate {
+            update(sh, cell, &mut data, &scalars, true)
+        } else {
+            let g = data.grads.as_ref().expect("submitted gradients").as_slice();
+            Ok(sh.kernel.grad_sumsq(g))
+        }
+    }));
+    let (sumsq, error) = match result {
+        Ok(Ok(s)) => (s, None),
+        Ok(Err(e)) => (f64::NAN, Some(e)),
+        Err(p) => (f64::NAN, Some(Error::WorkerPanic { unit: cell.id, message: panic_message(p) })),
+    };
+    if let Some(o) = sh.step.lock().open.as_mut() {
+        o.partial_sumsq += sumsq;
+    }
+    let pending = Pending { epoch, sumsq, speculated: speculate && error.is_none() };
+    cell.put_back(data, error, Some(pending), None);
+}
+
+/// The job of `finish_step` for a clipped step or a deferred unit: the one real update, then commit.
+fn final_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, epoch: u64, scalars: StepScalars) {
+    let _span = tracing::debug_span!("optimizer::update", unit = cell.id.0, params = cell.n).entered();
+    let result = catch_unwind(AssertUnwindSafe(|| update(sh, cell, &mut data, &scalars, false)));
+    let error = match result {
+        Ok(Ok(_)) => {
+            if cell.speculative || matches!(data.home, Home::Nvme { .. }) {
+                commit(sh, &mut data);
+            }
+            None
+        }
+        Ok(Err(e)) => {
+            discard(sh, &mut data);
+            Some(e)
+        }
+        Err(p) => {
+            discard(sh, &mut data);
+            Some(Error::WorkerPanic { unit: cell.id, message: panic_message(p) })
+        }
+    };
+    data.grads = None;
+    cell.put_back(data, error, None, Some(epoch));
+}

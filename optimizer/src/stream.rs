@@ -1,0 +1,299 @@
+//! Optimizer state on NVMe, streamed through a bounded amount of host memory.
+//!
+//! A unit's state is cut into chunks of [`StreamConfig::chunk_params`] parameters (a multiple of
+//! [`NORM_BLOCK`]); chunk `k` is one extent of the swapper's [`NvmeStore`] holding
+//! `[p | m | v]` (12 B per parameter). [`stream_update`] runs the update with three host buffers
+//! (ZeRO-Infinity's overlap of NVMe reads, CPU update and NVMe writes):
+//!
+//! ```text
+//! buffer A: read k+1   | update k+2 | write k+2 ...
+//! buffer B: update k   | write k    | read k+3 ...     (read k+1 ‖ update k ‖ write k−1)
+//! buffer C: write k−1  | read k+2   | update k+2 ...
+//! ```
+//!
+//! The chunk is updated in place in its buffer (the kernel is element-wise, so chunking does not
+//! change a bit of the result) and written to a **new** extent: the old extents stay valid until
+//! the caller frees them, which makes every streamed update out-of-place at no extra host memory
+//! (the pipelined step's roll-back) and an I/O error harmless (the new extents are freed, the
+//! old state is intact). Host memory is three buffers of `size_class(12 × chunk_params)` bytes,
+//! taken from the [`PinnedPool`] the caller passes, whose budget bounds it.
+
+use std::collections::VecDeque;
+
+use oogc_swapper::{Extent, HostBuffer, IoHandle, NvmeStore, PinnedPool, TensorId};
+
+use crate::error::{Error, Result};
+use crate::kernel::{step_blocks, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
+use crate::simd::Isa;
+
+/// Buffers one stream holds: read, update, write.
+pub const STREAM_BUFFERS: usize = 3;
+
+/// How state is cut and streamed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StreamConfig {
+    /// Parameters per chunk: a multiple of [`NORM_BLOCK`], more than 0. A chunk is
+    /// `12 × chunk_params` bytes (p, m, v in f32).
+    pub chunk_params: usize,
+}
+
+impl StreamConfig {
+    /// Chunks of `chunk_params` parameters.
+    ///
+    /// # Errors
+    /// [`Error::Config`] unless `chunk_params` is a positive multiple of [`NORM_BLOCK`].
+    pub fn new(chunk_params: usize) -> Result<Self> {
+        if chunk_params == 0 || !chunk_params.is_multiple_of(NORM_BLOCK) {
+            return Err(Error::Config {
+                key: "optimizer.stream_chunk_bytes".into(),
+                reason: format!("{chunk_params} parameters per chunk is not a positive multiple of {NORM_BLOCK}"),
+            });
+        }
+        Ok(Self { chunk_params })
+    }
+
+    /// Bytes of one chunk buffer as the pool hands it out (its size class).
+    pub fn buffer_bytes(&self) -> u64 {
+        oogc_swapper::host::size_class(12 * self.chunk_params) as u64
+    }
+
+    /// Host bytes one stream holds at most: [`STREAM_BUFFERS`] chunk buffers.
+    pub fn stream_host_bytes(&self) -> u64 {
+        STREAM_BUFFERS as u64 * self.buffer_bytes()
+    }
+}
+
+/// What one stream did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Chunks updated.
+    pub chunks: usize,
+    /// Most host bytes the stream held at once (buffer capacities).
+    pub peak_host_bytes: u64,
+    /// Bytes read from the store.
+    pub read_bytes: u64,
+    /// Bytes written to the store.
+    pub written_bytes: u64,
+}
+
+/// A unit's optimizer state on the NVMe store: `len` parameters in chunks, one extent each.
+///
+/// Not `Clone`, like [`Extent`]: give it back with [`NvmeState::free`] exactly once.
+#[derive(Debug)]
+pub struct NvmeState {
+    unit: TensorId,
+    len: usize,
+    chunk_params: usize,
+    extents: Vec<Extent>,
+}
+
+fn swap_err(unit: TensorId) -> impl Fn(oogc_swapper::Error) -> Error {
+    move |source| Error::Swapper { unit, source }
+}
+
+impl NvmeState {
+    /// Writes `p`, `m`, `v` (one length) to new extents, chunk by chunk through one buffer of
+    /// `pool`.
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`]; [`Error::Swapper`] for a full store, an I/O error or the pool's
+    /// budget (extents written before the error are freed).
+    pub fn write(
+        store: &NvmeStore,
+        pool: &PinnedPool,
+        unit: TensorId,
+        cfg: StreamConfig,
+        [p, m, v]: [&[f32]; 3],
+    ) -> Result<Self> {
+        for (what, got) in [("m", m.len()), ("v", v.len())] {
+            if got != p.len() {
+                return Err(Error::LengthMismatch {
+                    what: format!("unit {unit} state {what}"),
+                    expected: p.len(),
+                    got,
+                });
+            }
+        }
+        let mut state = NvmeState { unit, len: p.len(), chunk_params: cfg.chunk_params, extents: Vec::new() };
+        let mut buf = Some(pool.alloc(12 * cfg.chunk_params.min(p.len())).map_err(swap_err(unit))?);
+        for k in 0..state.num_chunks() {
+            let r = state.chunk_range(k);
+            let mut b = buf.take().expect("buffer returned by the previous write");
+            b.set_len(12 * r.len());
+            let f: &mut [f32] = bytemuck::cast_slice_mut(b.as_mut_slice());
+            let (fp, rest) = f.split_at_mut(r.len());
+            let (fm, fv) = rest.split_at_mut(r.len());
+            fp.copy_from_slice(&p[r.clone()]);
+            fm.copy_from_slice(&m[r.clone()]);
+            fv.copy_from_slice(&v[r]);
+            let (res, b) = store.write(unit, b).wait();
+            buf = Some(b);
+            match res {
+                Ok(e) => state.extents.push(e),
+                Err(e) => {
+                    state.free(store);
+                    return Err(Error::Swapper { unit, source: e });
+                }
+            }
+        }
+        Ok(state)
+    }
+
+    /// Reads the whole state back: `(p, m, v)`.
+    ///
+    /// # Errors
+    /// [`Error::Swapper`] for an I/O error, a corrupt block or the pool's budget.
+    pub fn read(&self, store: &NvmeStore, pool: &PinnedPool) -> Result<[Vec<f32>; 3]> {
+        let mut out = [vec![0f32; self.len], vec![0f32; self.len], vec![0f32; self.len]];
+        let mut buf = Some(pool.alloc(12 * self.chunk_params.min(self.len)).map_err(swap_err(self.unit))?);
+        for (k, e) in self.extents.iter().enumerate() {
+            let r = self.chunk_range(k);
+            let (res, b) = store.read(e, buf.take().expect("buffer back")).wait();
+            res.map_err(swap_err(self.unit))?;
+            let f: &[f32] = bytemuck::cast_slice(b.as_slice());
+            for (j, o) in out.iter_mut().enumerate() {
+                o[r.clone()].copy_from_slice(&f[j * r.len()..(j + 1) * r.len()]);
+            }
+            buf = Some(b);
+        }
+        Ok(out)
+    }
+
+    /// Frees every extent.
+    pub fn free(self, store: &NvmeStore) {
+        for e in self.extents {
+            store.free(e);
+        }
+    }
+
+    /// The unit.
+    pub fn unit(&self) -> TensorId {
+        self.unit
+    }
+
+    /// Parameters.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Chunks (extents).
+    pub fn num_chunks(&self) -> usize {
+        self.len.div_ceil(self.chunk_params)
+    }
+
+    /// Parameters of chunk `k`.
+    pub fn chunk_range(&self, k: usize) -> std::ops::Range<usize> {
+        k * self.chunk_params..((k + 1) * self.chunk_params).min(self.len)
+    }
+
+    /// Bytes on the store (padded extents).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.extents.iter().map(|e| e.allocated_bytes()).sum()
+    }
+}
+
+/// One Adam step over NVMe-resident `state`, streamed chunk by chunk (read k+1 ‖ update k ‖
+/// write k−1) through [`STREAM_BUFFERS`] buffers of `pool`, on the calling thread with `isa`.
+/// Writes the compute copy to `out` and, when given, the block sums of squares of `grads` to
+/// `partials` (one slot per [`NORM_BLOCK`]). Returns the **new** state (new extents) and the
+/// stream's figures; `state` is left as it was, for the caller to free (commit) or keep (roll back).
+///
+/// The result equals [`crate::adam_step`] over the same state in memory, bit for bit.
+///
+/// # Errors
+/// [`Error::LengthMismatch`] (grads, out, partials); [`Error::Swapper`] for the pool's budget
+/// (`OutOfMemory` on the host tier: raise `optimizer.stream_host_budget_bytes`), a full store,
+/// an I/O error or a corrupt block. On error every new extent is freed and `state` is intact.
+#[allow(clippy::too_many_arguments)]
+pub fn stream_update(
+    store: &NvmeStore,
+    pool: &PinnedPool,
+    isa: Isa,
+    scalars: &StepScalars,
+    state: &NvmeState,
+    grads: GradSlice<'_>,
+    mut out: CopyOut<'_>,
+    mut partials: Option<&mut [f64]>,
+) -> Result<(NvmeState, StreamStats)> {
+    let unit = state.unit;
+    let n = state.len;
+    if grads.len() != n {
+        return Err(Error::LengthMismatch { what: format!("unit {unit} gradients"), expected: n, got: grads.len() });
+    }
+    if let Some(got) = out.len() {
+        if got != n {
+            return Err(Error::LengthMismatch { what: format!("unit {unit} compute copy"), expected: n, got });
+        }
+    }
+    if let Some(p) = &partials {
+        if p.len() != n.div_ceil(NORM_BLOCK) {
+            let what = format!("unit {unit} norm partials");
+            return Err(Error::LengthMismatch { what, expected: n.div_ceil(NORM_BLOCK), got: p.len() });
+        }
+    }
+    let chunks = state.num_chunks();
+    let mut stats = StreamStats { chunks, ..Default::default() };
+    let mut new = NvmeState { unit, len: n, chunk_params: state.chunk_params, extents: Vec::with_capacity(chunks) };
+    if chunks == 0 {
+        return Ok((new, stats));
+    }
+    let buffer_len = 12 * state.chunk_params.min(n);
+    let mut free: Vec<HostBuffer> = Vec::with_capacity(STREAM_BUFFERS);
+    for _ in 0..STREAM_BUFFERS.min(chunks + 1) {
+        let b = pool.alloc(buffer_len).map_err(swap_err(unit))?;
+        stats.peak_host_bytes += b.capacity() as u64;
+        free.push(b);
+    }
+    let mut writes: VecDeque<IoHandle<Extent>> = VecDeque::with_capacity(STREAM_BUFFERS);
+    // On error: in-flight handles are dropped (the swapper keeps their buffers until the kernel
+    // is done and frees a dropped write's extent); finished new extents are freed here.
+    let fail = |new: NvmeState, e: oogc_swapper::Error| {
+        new.free(store);
+        Error::Swapper { unit, source: e }
+    };
+    let mut reading = Some(store.read(&state.extents[0], free.pop().expect("a buffer")));
+    for k in 0..chunks {
+        let next = if k + 1 < chunks {
+            if free.is_empty() {
+                let (res, b) = writes.pop_front().expect("a buffer is in a write").wait();
+                free.push(b);
+                match res {
+                    Ok(e) => new.extents.push(e),
+                    Err(e) => return Err(fail(new, e)),
+                }
+            }
+            Some(store.read(&state.extents[k + 1], free.pop().expect("a buffer")))
+        } else {
+            None
+        };
+        let (res, mut buf) = reading.take().expect("chunk k is being read").wait();
+        if let Err(e) = res {
+            return Err(fail(new, e));
+        }
+        let r = state.chunk_range(k);
+        stats.read_bytes += buf.len() as u64;
+        {
+            let f: &mut [f32] = bytemuck::cast_slice_mut(buf.as_mut_slice());
+            let (p, rest) = f.split_at_mut(r.len());
+            let (m, v) = rest.split_at_mut(r.len());
+            let blocks = (r.start / NORM_BLOCK)..r.end.div_ceil(NORM_BLOCK);
+            let part = partials.as_deref_mut().map(|p| &mut p[blocks]);
+            step_blocks(isa, scalars, StateIo::InPlace { p, m, v }, grads.slice(r.clone()), out.slice_mut(r), part)?;
+        }
+        stats.written_bytes += buf.len() as u64;
+        writes.push_back(store.write(unit, buf));
+        reading = next;
+    }
+    while let Some(h) = writes.pop_front() {
+        match h.wait() {
+            (Ok(e), _) => new.extents.push(e),
+            (Err(e), _) => return Err(fail(new, e)),
+        }
+    }
+    Ok((new, stats))
+}

@@ -1,0 +1,302 @@
+//! The pipelined step against the non-pipelined reference (all norms first, then every unit),
+//! bitwise: without clipping, with clipping that triggers, with a non-finite gradient, with
+//! NVMe-placed units, with a roll-back budget, and with many units and threads.
+
+use std::sync::Arc;
+
+use half::bf16;
+use oogc_optimizer::{
+    adam_step, clip_scale, global_norm, grad_sumsq, AdamConfig, CopyOut, FloatType, GradSlice, Grads, Isa,
+    OptimizerConfig, PipelinedOptimizer, StateIo, StatePlacement, UnitState, NORM_BLOCK,
+};
+use oogc_swapper::{NvmeConfig, NvmeStore, TensorId};
+
+fn noise(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * scale
+        })
+        .collect()
+}
+
+fn grads(unit: u64, step: u64, n: usize, scale: f32) -> Vec<bf16> {
+    noise(unit * 1000 + step, n, scale).into_iter().map(bf16::from_f32).collect()
+}
+
+/// The non-pipelined reference of the same steps: in-memory state per unit.
+struct Reference {
+    cfg: OptimizerConfig,
+    units: Vec<(TensorId, UnitState, Vec<bf16>)>,
+}
+
+impl Reference {
+    fn new(cfg: &OptimizerConfig) -> Self {
+        Self { cfg: cfg.clone(), units: Vec::new() }
+    }
+
+    fn add(&mut self, id: TensorId, master: &[f32]) {
+        let n = master.len();
+        let copy = master.iter().map(|&x| bf16::from_f32(x)).collect();
+        self.units.push((id, UnitState { master: master.to_vec(), m: vec![0.0; n], v: vec![0.0; n] }, copy));
+        self.units.sort_by_key(|u| u.0);
+    }
+
+    /// Clip over all gradients, then step every unit. Returns (norm, scale, skipped).
+    fn step(&mut self, t: u64, lr: f32, g: &[(TensorId, Vec<bf16>)]) -> (f64, f32, bool) {
+        let isa = Isa::detect();
+        let mut by_id: Vec<&(TensorId, Vec<bf16>)> = g.iter().collect();
+        by_id.sort_by_key(|x| x.0);
+        let norm = global_norm(by_id.iter().map(|(_, g)| grad_sumsq(isa, GradSlice::BF16(g)).unwrap()));
+        if !norm.is_finite() {
+            return (norm, 1.0, true);
+        }
+        let scale = clip_scale(norm, self.cfg.clip_norm);
+        let s = self.cfg.adam.scalars(t, lr, scale).unwrap();
+        for (id, gr) in by_id {
+            let (_, st, copy) = self.units.iter_mut().find(|u| u.0 == *id).unwrap();
+            let state = StateIo::InPlace { p: &mut st.master, m: &mut st.m, v: &mut st.v };
+            adam_step(isa, &s, state, GradSlice::BF16(gr), CopyOut::BF16(copy)).unwrap();
+        }
+        (norm, scale, false)
+    }
+
+    fn check(&self, opt: &PipelinedOptimizer, what: &str) {
+        for (id, st, copy) in &self.units {
+            opt.wait_unit(*id).unwrap();
+            let got = opt.export_state(*id).unwrap();
+            assert!(bits(&got.master) == bits(&st.master), "{what}: unit {id} master differs");
+            assert!(bits(&got.m) == bits(&st.m), "{what}: unit {id} m differs");
+            assert!(bits(&got.v) == bits(&st.v), "{what}: unit {id} v differs");
+            opt.read_compute_copy(*id, |b| {
+                assert!(b == bytemuck::cast_slice::<bf16, u8>(copy), "{what}: unit {id} copy")
+            })
+            .unwrap();
+        }
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+const SIZES: [usize; 6] = [3 * NORM_BLOCK + 5, 1, 1000, NORM_BLOCK, 9 * NORM_BLOCK + 333, 17];
+
+fn config(clip: Option<f32>, threads: usize) -> OptimizerConfig {
+    OptimizerConfig {
+        threads,
+        clip_norm: clip,
+        adam: AdamConfig { weight_decay: 0.1, ..Default::default() },
+        compute_dtype: FloatType::BF16,
+        stream_chunk_bytes: 12 * 2 * NORM_BLOCK,
+        stream_host_budget_bytes: 8 << 20,
+        ..Default::default()
+    }
+}
+
+/// Runs `steps` (t, lr, gradient scale, poison unit) through both, checking after each.
+fn run(
+    opt: &PipelinedOptimizer,
+    reference: &mut Reference,
+    sizes: &[usize],
+    steps: &[(u64, f32, f32, Option<usize>)],
+) -> Vec<oogc_optimizer::StepReport> {
+    let mut reports = Vec::new();
+    for &(t, lr, gscale, poison) in steps {
+        let mut all = Vec::new();
+        opt.begin_step(t, lr).unwrap();
+        // Backward order: last unit first.
+        for (i, &n) in sizes.iter().enumerate().rev() {
+            let mut g = grads(i as u64, t, n, gscale);
+            if poison == Some(i) {
+                g[n / 2] = bf16::NAN;
+            }
+            all.push((TensorId(i as u64), g.clone()));
+            opt.submit(TensorId(i as u64), Grads::BF16(g)).unwrap();
+        }
+        let r = opt.finish_step().unwrap();
+        let (norm, scale, skipped) = reference.step(t, lr, &all);
+        assert_eq!(r.skipped, skipped, "step {t}");
+        assert_eq!(r.step, t);
+        if !skipped {
+            assert_eq!(r.grad_norm.to_bits(), norm.to_bits(), "step {t} norm");
+            assert_eq!(r.clip_scale.to_bits(), scale.to_bits(), "step {t} scale");
+        }
+        reference.check(opt, &format!("step {t}"));
+        reports.push(r);
+    }
+    reports
+}
+
+fn setup(
+    cfg: &OptimizerConfig,
+    nvme: Option<Arc<NvmeStore>>,
+    sizes: &[usize],
+    place: impl Fn(usize) -> StatePlacement,
+) -> (PipelinedOptimizer, Reference) {
+    let opt = PipelinedOptimizer::new(cfg.clone(), nvme).unwrap();
+    let mut reference = Reference::new(cfg);
+    for (i, &n) in sizes.iter().enumerate() {
+        let master = noise(77 + i as u64, n, 2.0);
+        opt.add_unit(TensorId(i as u64), &master, place(i)).unwrap();
+        reference.add(TensorId(i as u64), &master);
+    }
+    (opt, reference)
+}
+
+#[test]
+fn pipelined_equals_reference_without_clipping() {
+    let cfg = config(None, 2);
+    let (opt, mut reference) = setup(&cfg, None, &SIZES, |_| StatePlacement::Host);
+    let reports =
+        run(&opt, &mut reference, &SIZES, &[(1, 1e-3, 1.0, None), (2, 9e-4, 1.0, None), (3, 8e-4, 0.1, None)]);
+    for r in reports {
+        assert_eq!((r.units, r.committed_speculative, r.redone, r.deferred), (6, 6, 0, 0), "{r:?}");
+        assert_eq!(r.clip_scale, 1.0);
+    }
+    assert_eq!(opt.last_step(), Some(3));
+}
+
+#[test]
+fn clipping_that_triggers_equals_clipping_after_the_whole_backward() {
+    // Gradients of ~0.5 per element over ~200k elements: norm ~ 130; clip at 1 triggers;
+    // then a step with tiny gradients that does not trigger.
+    let cfg = config(Some(1.0), 2);
+    let (opt, mut reference) = setup(&cfg, None, &SIZES, |_| StatePlacement::Host);
+    let reports =
+        run(&opt, &mut reference, &SIZES, &[(1, 1e-3, 1.0, None), (2, 1e-3, 1e-5, None), (3, 1e-3, 1.0, None)]);
+    assert!(reports[0].clip_scale < 0.1, "{:?}", reports[0]);
+    assert_eq!(reports[0].redone + reports[0].deferred, 6, "{:?}", reports[0]);
+    assert_eq!(reports[1].clip_scale, 1.0, "{:?}", reports[1]);
+    assert_eq!(reports[1].committed_speculative, 6, "{:?}", reports[1]);
+    assert!(reports[2].clip_scale < 0.1);
+}
+
+#[test]
+fn a_non_finite_gradient_skips_the_step_for_every_unit() {
+    let cfg = config(Some(1.0), 2);
+    let (opt, mut reference) = setup(&cfg, None, &SIZES, |_| StatePlacement::Host);
+    // Poison the unit submitted last (unit 0), after every other unit speculated.
+    let reports =
+        run(&opt, &mut reference, &SIZES, &[(1, 1e-3, 1e-5, None), (2, 1e-3, 1e-5, Some(0)), (2, 1e-3, 1e-5, None)]);
+    assert!(!reports[0].skipped);
+    assert!(reports[1].skipped && !reports[1].grad_norm.is_finite(), "{:?}", reports[1]);
+    assert!(!reports[2].skipped);
+    assert_eq!(opt.last_step(), Some(2));
+    // And the poisoned unit submitted first, without clipping.
+    let cfg = config(None, 1);
+    let (opt, mut reference) = setup(&cfg, None, &SIZES, |_| StatePlacement::Host);
+    let reports = run(&opt, &mut reference, &SIZES, &[(1, 1e-3, 1.0, Some(5)), (1, 1e-3, 1.0, None)]);
+    assert!(reports[0].skipped);
+    assert_eq!(opt.last_step(), Some(1));
+}
+
+#[test]
+fn nvme_placed_units_equal_the_reference_and_leave_no_extents() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(NvmeStore::open(NvmeConfig::new(vec![dir.path().to_path_buf()], 256 << 20)).unwrap());
+    let cfg = config(Some(50.0), 2);
+    let place = |i: usize| if i.is_multiple_of(2) { StatePlacement::Nvme } else { StatePlacement::Host };
+    let (opt, mut reference) = setup(&cfg, Some(store.clone()), &SIZES, place);
+    assert!(store.used_bytes() > 0);
+    let reports = run(
+        &opt,
+        &mut reference,
+        &SIZES,
+        &[(1, 1e-3, 1e-3, None), (2, 1e-3, 1.0, None), (3, 1e-3, 1e-3, Some(4)), (3, 1e-3, 1e-3, None)],
+    );
+    assert_eq!(reports[0].committed_speculative, 6, "{:?}", reports[0]);
+    assert!(reports[1].clip_scale < 1.0, "{:?}", reports[1]);
+    assert!(reports[2].skipped);
+    assert!(opt.stream_host_bytes() <= cfg.stream_host_budget_bytes);
+    // Export/import round trip through NVMe.
+    let st = opt.export_state(TensorId(4)).unwrap();
+    let mut changed = st.clone();
+    changed.master[0] += 1.0;
+    opt.import_state(TensorId(4), changed.clone()).unwrap();
+    assert_eq!(opt.export_state(TensorId(4)).unwrap(), changed);
+    drop(opt);
+    assert_eq!(store.used_bytes(), 0, "extents left on the store");
+}
+
+#[test]
+fn rollback_budget_bounds_the_second_buffers_and_defers_the_rest() {
+    let mut cfg = config(None, 2);
+    // Room for the second buffers of the first unit only (12 B + 2 B per parameter).
+    cfg.rollback_budget_bytes = Some(14 * SIZES[0] as u64 + 4096);
+    let (opt, mut reference) = setup(&cfg, None, &SIZES, |_| StatePlacement::Host);
+    assert!(opt.rollback_bytes() <= cfg.rollback_budget_bytes.unwrap());
+    let reports =
+        run(&opt, &mut reference, &SIZES, &[(1, 1e-3, 1.0, None), (2, 1e-3, 1.0, Some(2)), (2, 1e-3, 1.0, None)]);
+    // Units 0, 1 and 5 fit (first come, first served); 2, 3 and 4 do not.
+    assert_eq!((reports[0].committed_speculative, reports[0].deferred), (3, 3), "{:?}", reports[0]);
+    assert!(reports[1].skipped);
+}
+
+#[test]
+fn many_units_from_several_threads_equal_the_reference() {
+    let sizes: Vec<usize> = (0..40).map(|i| [777, NORM_BLOCK + 1, 5 * NORM_BLOCK, 3][i % 4] + i).collect();
+    for clip in [None, Some(3.0)] {
+        let cfg = config(clip, 3);
+        let (opt, mut reference) = setup(&cfg, None, &sizes, |_| StatePlacement::Host);
+        let opt = Arc::new(opt);
+        for t in 1..=3u64 {
+            opt.begin_step(t, 1e-3).unwrap();
+            let all: Vec<(TensorId, Vec<bf16>)> =
+                (0..sizes.len()).map(|i| (TensorId(i as u64), grads(i as u64, t, sizes[i], 0.02))).collect();
+            std::thread::scope(|s| {
+                for part in all.chunks(10) {
+                    let opt = opt.clone();
+                    s.spawn(move || {
+                        for (id, g) in part.iter().rev() {
+                            opt.submit(*id, Grads::BF16(g.clone())).unwrap();
+                        }
+                    });
+                }
+            });
+            let r = opt.finish_step().unwrap();
+            let (norm, scale, _) = reference.step(t, 1e-3, &all);
+            assert_eq!(r.grad_norm.to_bits(), norm.to_bits());
+            assert_eq!(r.clip_scale, scale);
+            if clip.is_some() {
+                assert!(scale < 1.0, "the clip should trigger: norm {norm}");
+            }
+            reference.check(&opt, &format!("clip {clip:?} step {t}"));
+        }
+    }
+}
+
+#[test]
+fn handles_and_protocol_errors() {
+    let cfg = config(None, 1);
+    let (opt, _) = setup(&cfg, None, &[100, 200], |_| StatePlacement::Host);
+    let e = opt.submit(TensorId(0), Grads::BF16(vec![bf16::ZERO; 100])).unwrap_err().to_string();
+    assert!(e.contains("begin_step"), "{e}");
+    opt.begin_step(1, 1e-3).unwrap();
+    assert!(opt.begin_step(2, 1e-3).unwrap_err().to_string().contains("finish_step"));
+    let e = opt.submit(TensorId(1), Grads::F32(vec![0.0; 99])).unwrap_err().to_string();
+    assert!(e.contains("unit #1") && e.contains("200") && e.contains("99"), "{e}");
+    let e = opt.submit(TensorId(5), Grads::F32(vec![0.0; 5])).unwrap_err().to_string();
+    assert!(e.contains("#5") && e.contains("add_unit"), "{e}");
+    let h = opt.submit(TensorId(0), Grads::F32(vec![0.5; 100])).unwrap();
+    assert!(opt.submit(TensorId(0), Grads::F32(vec![0.5; 100])).unwrap_err().to_string().contains("twice"));
+    assert!(opt.add_unit(TensorId(9), &[1.0], StatePlacement::Host).unwrap_err().to_string().contains("begin_step"));
+    assert!(opt.export_state(TensorId(0)).is_err());
+    assert!(opt.add_unit(TensorId(0), &[1.0], StatePlacement::Nvme).is_err());
+    let mut before = Vec::new();
+    opt.read_compute_copy(TensorId(0), |b| before = b.to_vec()).unwrap();
+    let r = opt.finish_step().unwrap();
+    h.wait().unwrap();
+    assert!(h.is_ready() && h.unit() == TensorId(0));
+    assert_eq!(r.units, 1, "unit 1 was not submitted: not updated");
+    let mut after = Vec::new();
+    opt.read_compute_copy(TensorId(0), |b| after = b.to_vec()).unwrap();
+    assert_eq!(after.len(), 200);
+    assert_ne!(before, after, "the committed copy changed");
+    assert_eq!(opt.export_state(TensorId(1)).unwrap().m, vec![0.0; 200]);
+    let e = PipelinedOptimizer::new(cfg.clone(), None).unwrap().add_unit(TensorId(3), &[1.0], StatePlacement::Nvme);
+    assert!(e.unwrap_err().to_string().contains("NvmeStore"));
+}

@@ -1,0 +1,137 @@
+//! NVMe-streamed optimizer state: bitwise equal to the in-memory update, bounded host memory,
+//! old state intact (roll-back) and errors that leave nothing behind.
+
+use half::bf16;
+use oogc_optimizer::{
+    adam_step, grad_sumsq, stream_update, AdamConfig, CopyOut, GradSlice, Isa, NvmeState, StateIo, StreamConfig,
+    NORM_BLOCK,
+};
+use oogc_swapper::{NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
+
+fn store(dir: &std::path::Path) -> NvmeStore {
+    NvmeStore::open(NvmeConfig::new(vec![dir.to_path_buf()], 64 << 20)).expect("open NVMe store in a temp dir")
+}
+
+fn pool(budget_bytes: u64) -> PinnedPool {
+    PinnedPool::with_mmap(&PinnedPoolConfig { budget_bytes, lock: false })
+}
+
+fn data(n: usize, seed: u32) -> Vec<f32> {
+    (0..n).map(|i| ((i as u32).wrapping_mul(2654435761).wrapping_add(seed) >> 8) as f32 / 16777216.0 - 0.5).collect()
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn streamed_update_equals_in_memory_update_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path());
+    let cfg = StreamConfig::new(2 * NORM_BLOCK).unwrap();
+    let pool = pool(cfg.stream_host_bytes() + (1 << 20));
+    let n = 5 * cfg.chunk_params + NORM_BLOCK + 77; // 6 chunks, the last one short
+    let unit = TensorId(7);
+    let (mut p, mut m, mut v) = (data(n, 1), vec![0f32; n], vec![0f32; n]);
+    let adam = AdamConfig::default();
+    let mut state = NvmeState::write(&store, &pool, unit, cfg, [&p, &m, &v]).unwrap();
+    assert_eq!(state.num_chunks(), 6);
+    for t in 1..=3u64 {
+        let g: Vec<bf16> = data(n, 100 + t as u32).iter().map(|&x| bf16::from_f32(x * 1e-2)).collect();
+        let s = adam.scalars(t, 1e-3, if t == 2 { 0.25 } else { 1.0 }).unwrap();
+        let mut copy_mem = vec![bf16::ZERO; n];
+        let isa = Isa::detect();
+        adam_step(
+            isa,
+            &s,
+            StateIo::InPlace { p: &mut p, m: &mut m, v: &mut v },
+            GradSlice::BF16(&g),
+            CopyOut::BF16(&mut copy_mem),
+        )
+        .unwrap();
+        for stream_isa in Isa::available() {
+            let mut copy = vec![bf16::ZERO; n];
+            let mut partials = vec![0f64; n.div_ceil(NORM_BLOCK)];
+            let (new, stats) = stream_update(
+                &store,
+                &pool,
+                stream_isa,
+                &s,
+                &state,
+                GradSlice::BF16(&g),
+                CopyOut::BF16(&mut copy),
+                Some(&mut partials),
+            )
+            .unwrap();
+            assert_eq!(stats.chunks, 6);
+            assert!(stats.peak_host_bytes <= cfg.stream_host_bytes());
+            assert_eq!(stats.read_bytes, 12 * n as u64);
+            let sumsq: f64 = partials.iter().fold(0.0, |a, &b| a + b);
+            assert_eq!(sumsq.to_bits(), grad_sumsq(isa, GradSlice::BF16(&g)).unwrap().to_bits());
+            let [np, nm, nv] = new.read(&store, &pool).unwrap();
+            assert_eq!(bits(&np), bits(&p), "step {t} {stream_isa}: p");
+            assert_eq!(bits(&nm), bits(&m), "step {t} {stream_isa}: m");
+            assert_eq!(bits(&nv), bits(&v), "step {t} {stream_isa}: v");
+            assert!(copy.iter().zip(&copy_mem).all(|(a, b)| a.to_bits() == b.to_bits()));
+            if stream_isa == Isa::Scalar {
+                // Commit: the old extents go, the new ones are the state.
+                std::mem::replace(&mut state, new).free(&store);
+            } else {
+                // Roll back: the old state is untouched.
+                new.free(&store);
+            }
+        }
+    }
+    assert_eq!(pool.live_bytes(), 0, "the stream kept host buffers");
+    let used = store.used_bytes();
+    assert_eq!(used, state.allocated_bytes(), "extents leaked");
+    state.free(&store);
+    assert_eq!(store.used_bytes(), 0);
+}
+
+#[test]
+fn host_memory_is_bounded_by_the_pool_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path());
+    let cfg = StreamConfig::new(NORM_BLOCK).unwrap();
+    let n = 10 * NORM_BLOCK;
+    let (p, m, v) = (data(n, 3), vec![0f32; n], vec![0f32; n]);
+    let g = data(n, 4);
+    let s = AdamConfig::default().scalars(1, 1e-3, 1.0).unwrap();
+    // Exactly three chunk buffers: enough for read k+1 ‖ update k ‖ write k−1, nothing more.
+    let exact = pool(cfg.stream_host_bytes());
+    let state = NvmeState::write(&store, &exact, TensorId(1), cfg, [&p, &m, &v]).unwrap();
+    let (new, stats) =
+        stream_update(&store, &exact, Isa::detect(), &s, &state, GradSlice::F32(&g), CopyOut::None, None).unwrap();
+    assert_eq!(stats.peak_host_bytes, cfg.stream_host_bytes());
+    assert_eq!(stats.chunks, 10);
+    new.free(&store);
+    // Two buffers' worth: refused up front with the host budget named, nothing written.
+    let small = pool(2 * cfg.buffer_bytes());
+    let before = store.used_bytes();
+    let e = stream_update(&store, &small, Isa::detect(), &s, &state, GradSlice::F32(&g), CopyOut::None, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("host") && e.contains("unit #1"), "{e}");
+    assert_eq!(store.used_bytes(), before);
+    let [rp, _, _] = state.read(&store, &exact).unwrap();
+    assert_eq!(bits(&rp), bits(&p));
+    state.free(&store);
+}
+
+#[test]
+fn wrong_gradient_length_names_the_unit() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = store(dir.path());
+    let cfg = StreamConfig::new(NORM_BLOCK).unwrap();
+    let pool = pool(cfg.stream_host_bytes());
+    let p = data(100, 1);
+    let state = NvmeState::write(&store, &pool, TensorId(9), cfg, [&p, &p, &p]).unwrap();
+    let s = AdamConfig::default().scalars(1, 1e-3, 1.0).unwrap();
+    let e = stream_update(&store, &pool, Isa::Scalar, &s, &state, GradSlice::F32(&p[..99]), CopyOut::None, None)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("unit #9") && e.contains("100") && e.contains("99"), "{e}");
+    assert!(StreamConfig::new(1000).is_err());
+    state.free(&store);
+}
