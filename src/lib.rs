@@ -16,3 +16,4 @@ pub use oogc_prefetch as prefetch;
 pub use oogc_swapper as swapper;
 
 pub mod bench;
+pub mod model;
