@@ -20,3 +20,4 @@ pub mod checkpoint;
 pub mod config;
 pub mod data;
 pub mod plan;
+pub mod model;

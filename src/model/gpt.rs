@@ -1,0 +1,584 @@
+//! Unit-wise forward and recompute-based backward of the GPT on candle.
+
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Tensor, Var, D};
+
+use super::config::{block_idx as bi, GptConfig, UnitKind, UnitSpec};
+use super::{Error, Result};
+
+/// Gradients of one unit's backward.
+#[derive(Debug, Clone)]
+pub struct UnitGrads {
+    /// Gradient of the unit's flat parameters: 1-D, `unit.numel` elements, the params' dtype.
+    pub grad_params: Tensor,
+    /// Gradient of the unit's input `[B, T, d]`; `None` for the embedding (its input is token ids).
+    pub grad_input: Option<Tensor>,
+    /// Tied head only: gradient of the **embedding unit's** flat vector from the head's use of
+    /// `wte` (1-D, `units[0].numel` elements, zero over `wpe`). The embedding's full gradient is
+    /// its own [`UnitGrads::grad_params`] plus this. `None` for untied heads and other units.
+    pub grad_tied_wte: Option<Tensor>,
+}
+
+/// Output of [`Gpt::head_loss_backward`].
+#[derive(Debug, Clone)]
+pub struct HeadLossGrads {
+    /// Mean cross-entropy over the `B * T` positions, in nats, computed in the params' dtype.
+    pub loss: f64,
+    /// Gradients of the head unit (see [`UnitGrads`]); `grad_input` is always `Some`.
+    pub grads: UnitGrads,
+}
+
+/// A causal mask `[T, T]` (0 on and below the diagonal, -inf above) cached per
+/// `(T, dtype, device)`.
+struct CachedMask {
+    seq_len: usize,
+    dtype: DType,
+    device: Device,
+    mask: Tensor,
+}
+
+/// The byte-level GPT, computed one unit at a time.
+///
+/// Holds the configuration, the unit layouts and a small cache of causal masks; no parameters
+/// and no activations. Every call takes a unit's flat parameters (a 1-D [`Tensor`] of
+/// `unit.numel` elements on any candle device, dtype F32, F64, or BF16/F16 where the device has
+/// matmuls for it — candle's CPU backend has none for BF16) and computes in that dtype.
+///
+/// `Gpt` is `Send + Sync`; calls may run concurrently.
+pub struct Gpt {
+    config: GptConfig,
+    units: Vec<UnitSpec>,
+    masks: Mutex<Vec<CachedMask>>,
+}
+
+impl std::fmt::Debug for Gpt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gpt").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl Gpt {
+    /// Validates `config` and computes the unit layouts.
+    ///
+    /// # Errors
+    /// [`Error::Config`] from [`GptConfig::validate`].
+    pub fn new(config: GptConfig) -> Result<Self> {
+        config.validate()?;
+        let units = config.units();
+        Ok(Self { config, units, masks: Mutex::new(Vec::new()) })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &GptConfig {
+        &self.config
+    }
+
+    /// The units in forward order (`n_layer + 2` of them), as [`GptConfig::units`].
+    pub fn units(&self) -> &[UnitSpec] {
+        &self.units
+    }
+
+    /// Forward of unit `unit`.
+    ///
+    /// - embedding: `input` token ids `[B, T]` (U32, `T <= max_seq_len`) → hidden `[B, T, d]`;
+    /// - block: hidden `[B, T, d]` → hidden `[B, T, d]`;
+    /// - head: hidden `[B, T, d]` → logits `[B, T, vocab_size]`.
+    ///
+    /// `params` is the unit's flat vector; `tied_wte` is the **embedding unit's** flat vector and
+    /// is required by the head when `tied_head` is set (ignored otherwise and by other units).
+    /// Nothing is kept after the call.
+    ///
+    /// # Errors
+    /// [`Error::Input`] on a wrong unit index, shape, dtype, sequence length or token id;
+    /// [`Error::Candle`] from the ops.
+    pub fn forward(&self, unit: usize, params: &Tensor, input: &Tensor, tied_wte: Option<&Tensor>) -> Result<Tensor> {
+        let spec = self.unit_spec(unit)?;
+        self.check_params(spec, params)?;
+        let p = views(spec, params)?;
+        match spec.kind {
+            UnitKind::Embedding => {
+                self.check_tokens(input, "embedding input")?;
+                self.embed_math(&p, input)
+            }
+            UnitKind::Block(_) => {
+                self.check_hidden(input, params.dtype(), "block input")?;
+                self.block_math(&p, input)
+            }
+            UnitKind::Head => {
+                self.check_hidden(input, params.dtype(), "head input")?;
+                let w_out = self.head_out_weight(&p, tied_wte, params.dtype())?;
+                self.head_math(&p, &w_out, input)
+            }
+        }
+    }
+
+    /// Backward of unit `unit` by recomputation: runs the unit's forward again from its
+    /// checkpointed `input` with its parameters (and the input) as candle `Var`s, then takes the
+    /// vector-Jacobian product with `grad_output` (same shape as the forward's output; for the
+    /// head, the gradient of the logits). Only this unit's activations live during the call
+    /// (activation checkpointing, Chen et al. 2016).
+    ///
+    /// For the head of the training loss use [`Gpt::head_loss_backward`], which takes the targets.
+    ///
+    /// # Errors
+    /// As [`Gpt::forward`], and [`Error::Input`] when `grad_output` does not match the output.
+    pub fn backward(
+        &self,
+        unit: usize,
+        params: &Tensor,
+        input: &Tensor,
+        grad_output: &Tensor,
+        tied_wte: Option<&Tensor>,
+    ) -> Result<UnitGrads> {
+        let spec = self.unit_spec(unit)?;
+        self.check_params(spec, params)?;
+        let dtype = params.dtype();
+        if grad_output.dtype() != dtype {
+            return Err(input_err("grad_output dtype", format!("{dtype:?}"), format!("{:?}", grad_output.dtype())));
+        }
+        let vars = vars(spec, params)?;
+        let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let (out, x_var, wte_var) = match spec.kind {
+            UnitKind::Embedding => {
+                self.check_tokens(input, "embedding input")?;
+                (self.embed_math(&p, input)?, None, None)
+            }
+            UnitKind::Block(_) => {
+                self.check_hidden(input, dtype, "block input")?;
+                let x = Var::from_tensor(input)?;
+                (self.block_math(&p, x.as_tensor())?, Some(x), None)
+            }
+            UnitKind::Head => {
+                self.check_hidden(input, dtype, "head input")?;
+                let x = Var::from_tensor(input)?;
+                let wte = self.tied_wte_var(tied_wte, dtype)?;
+                let w_out = match &wte {
+                    Some(w) => w.as_tensor().t()?,
+                    None => p[2].clone(),
+                };
+                (self.head_math(&p, &w_out, x.as_tensor())?, Some(x), wte)
+            }
+        };
+        if out.dims() != grad_output.dims() {
+            return Err(input_err(
+                "grad_output shape",
+                format!("{:?}", out.dims()),
+                format!("{:?}", grad_output.dims()),
+            ));
+        }
+        let grads = (out * grad_output)?.sum_all()?.backward()?;
+        self.collect(spec, &vars, x_var.as_ref(), wte_var.as_ref(), &grads)
+    }
+
+    /// Validation loss of the head: mean cross-entropy in nats of `softmax(logits)` against
+    /// `targets` (`[B, T]` U32), no gradient kept. `input` is the head's input `[B, T, d]`.
+    ///
+    /// The loss is returned as f64 (the mean is computed in the params' dtype, then widened) so
+    /// that finite-difference checks in F64 keep their precision.
+    ///
+    /// # Errors
+    /// As [`Gpt::forward`], and [`Error::Input`] when `targets` is not `[B, T]` U32 below
+    /// `vocab_size`.
+    pub fn head_loss(
+        &self,
+        params: &Tensor,
+        input: &Tensor,
+        tied_wte: Option<&Tensor>,
+        targets: &Tensor,
+    ) -> Result<f64> {
+        let logits = self.forward(self.units.len() - 1, params, input, tied_wte)?;
+        self.check_targets(targets, &logits)?;
+        scalar(&cross_entropy(&logits, targets)?)
+    }
+
+    /// The head's training backward: recomputes the head from its checkpointed `input`
+    /// (`[B, T, d]`), returns the mean cross-entropy (nats) against `targets` (`[B, T]` U32) and
+    /// the gradients of that loss: the head's flat params, its input, and, when the head is tied,
+    /// the embedding unit's flat vector ([`UnitGrads::grad_tied_wte`], which the trainer adds to
+    /// the embedding's own gradient).
+    ///
+    /// # Errors
+    /// As [`Gpt::head_loss`].
+    pub fn head_loss_backward(
+        &self,
+        params: &Tensor,
+        input: &Tensor,
+        tied_wte: Option<&Tensor>,
+        targets: &Tensor,
+    ) -> Result<HeadLossGrads> {
+        let spec = &self.units[self.units.len() - 1];
+        self.check_params(spec, params)?;
+        let dtype = params.dtype();
+        self.check_hidden(input, dtype, "head input")?;
+        let vars = vars(spec, params)?;
+        let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let x = Var::from_tensor(input)?;
+        let wte = self.tied_wte_var(tied_wte, dtype)?;
+        let w_out = match &wte {
+            Some(w) => w.as_tensor().t()?,
+            None => p[2].clone(),
+        };
+        let logits = self.head_math(&p, &w_out, x.as_tensor())?;
+        self.check_targets(targets, &logits)?;
+        let loss = cross_entropy(&logits, targets)?;
+        let grads = loss.backward()?;
+        let grads = self.collect(spec, &vars, Some(&x), wte.as_ref(), &grads)?;
+        Ok(HeadLossGrads { loss: scalar(&loss)?, grads })
+    }
+
+    /// Logits `[B, T, vocab_size]` of the whole model: the unit forwards in order.
+    /// `params[u]` is unit `u`'s flat vector (`n_layer + 2` of them); `tokens` is `[B, T]` U32.
+    ///
+    /// # Errors
+    /// As [`Gpt::forward`]; [`Error::Input`] when `params` has the wrong length.
+    pub fn forward_all(&self, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
+        let x = self.forward_trunk(params, tokens)?;
+        let last = self.units.len() - 1;
+        self.forward(last, &params[last], &x, self.tied(params))
+    }
+
+    /// Mean cross-entropy (nats) of the whole model on `tokens` → `targets` (both `[B, T]` U32).
+    ///
+    /// # Errors
+    /// As [`Gpt::forward_all`] and [`Gpt::head_loss`].
+    pub fn loss(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<f64> {
+        let x = self.forward_trunk(params, tokens)?;
+        let last = self.units.len() - 1;
+        self.head_loss(&params[last], &x, self.tied(params), targets)
+    }
+
+    /// Loss and gradients of the whole model, composed of the unit calls exactly as the
+    /// out-of-core trainer runs them (the in-memory reference): forward unit by unit keeping
+    /// each unit's input, then [`Gpt::head_loss_backward`] and [`Gpt::backward`] in reverse,
+    /// each recomputing its unit. The tied head's `wte` gradient is added to the embedding's.
+    ///
+    /// Returns the mean cross-entropy (nats) and one flat gradient per unit, in unit order.
+    ///
+    /// # Errors
+    /// As [`Gpt::forward_all`].
+    pub fn loss_and_grads(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<(f64, Vec<Tensor>)> {
+        self.check_num_units(params)?;
+        let n = self.units.len();
+        let tied = self.tied(params);
+        // checkpoints[u] = input of unit u + 1 (output of unit u), u in 0..n-1.
+        let mut checkpoints = Vec::with_capacity(n - 1);
+        let mut x = self.forward(0, &params[0], tokens, None)?;
+        for (u, p) in params.iter().enumerate().take(n - 1).skip(1) {
+            let y = self.forward(u, p, &x, None)?;
+            checkpoints.push(std::mem::replace(&mut x, y));
+        }
+        checkpoints.push(x);
+
+        let mut grads: Vec<Option<Tensor>> = vec![None; n];
+        let head = self.head_loss_backward(&params[n - 1], &checkpoints[n - 2], tied, targets)?;
+        let mut g = head.grads.grad_input.expect("head has an input gradient");
+        grads[n - 1] = Some(head.grads.grad_params);
+        for u in (1..n - 1).rev() {
+            let ug = self.backward(u, &params[u], &checkpoints[u - 1], &g, None)?;
+            grads[u] = Some(ug.grad_params);
+            g = ug.grad_input.expect("a block has an input gradient");
+        }
+        let mut g0 = self.backward(0, &params[0], tokens, &g, None)?.grad_params;
+        if let Some(gt) = head.grads.grad_tied_wte {
+            g0 = (g0 + gt)?;
+        }
+        grads[0] = Some(g0);
+        Ok((head.loss, grads.into_iter().map(|g| g.expect("set")).collect()))
+    }
+
+    // ---- internals -----------------------------------------------------------------------
+
+    fn forward_trunk(&self, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
+        self.check_num_units(params)?;
+        let mut x = self.forward(0, &params[0], tokens, None)?;
+        for (u, p) in params.iter().enumerate().take(self.units.len() - 1).skip(1) {
+            x = self.forward(u, p, &x, None)?;
+        }
+        Ok(x)
+    }
+
+    fn tied<'a>(&self, params: &'a [Tensor]) -> Option<&'a Tensor> {
+        self.config.tied_head.then(|| &params[0])
+    }
+
+    fn check_num_units(&self, params: &[Tensor]) -> Result<()> {
+        if params.len() != self.units.len() {
+            return Err(input_err(
+                "number of unit parameter vectors",
+                self.units.len().to_string(),
+                params.len().to_string(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn unit_spec(&self, unit: usize) -> Result<&UnitSpec> {
+        self.units.get(unit).ok_or_else(|| input_err("unit index", format!("< {}", self.units.len()), unit.to_string()))
+    }
+
+    fn check_params(&self, spec: &UnitSpec, params: &Tensor) -> Result<()> {
+        if params.dims() != [spec.numel] {
+            return Err(input_err(
+                "unit parameters shape",
+                format!("[{}] (unit {})", spec.numel, spec.name),
+                format!("{:?}", params.dims()),
+            ));
+        }
+        if !params.dtype().is_float() {
+            return Err(input_err("unit parameters dtype", "a float dtype".into(), format!("{:?}", params.dtype())));
+        }
+        Ok(())
+    }
+
+    fn check_hidden(&self, x: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
+        let ok = matches!(x.dims(), &[_, t, d] if d == self.config.d_model && t >= 1 && t <= self.config.max_seq_len);
+        if !ok {
+            return Err(input_err(
+                what,
+                format!("[B, T <= {}, {}]", self.config.max_seq_len, self.config.d_model),
+                format!("{:?}", x.dims()),
+            ));
+        }
+        if x.dtype() != dtype {
+            return Err(input_err(what, format!("dtype {dtype:?} (the params')"), format!("{:?}", x.dtype())));
+        }
+        Ok(())
+    }
+
+    fn check_ids(&self, ids: &Tensor, what: &'static str) -> Result<()> {
+        let ok = matches!(ids.dims(), &[b, t] if b >= 1 && t >= 1 && t <= self.config.max_seq_len);
+        if !ok || ids.dtype() != DType::U32 {
+            return Err(input_err(
+                what,
+                format!("U32 [B, T <= {}]", self.config.max_seq_len),
+                format!("{:?} {:?}", ids.dtype(), ids.dims()),
+            ));
+        }
+        let max = ids.max_all()?.to_scalar::<u32>()? as usize;
+        if max >= self.config.vocab_size {
+            return Err(input_err(what, format!("ids < vocab_size = {}", self.config.vocab_size), format!("id {max}")));
+        }
+        Ok(())
+    }
+
+    fn check_tokens(&self, tokens: &Tensor, what: &'static str) -> Result<()> {
+        self.check_ids(tokens, what)
+    }
+
+    fn check_targets(&self, targets: &Tensor, logits: &Tensor) -> Result<()> {
+        self.check_ids(targets, "targets")?;
+        if targets.dims() != &logits.dims()[..2] {
+            return Err(input_err(
+                "targets shape",
+                format!("{:?}", &logits.dims()[..2]),
+                format!("{:?}", targets.dims()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `[d, V]` output weight of the head for forward (a view, no copy).
+    fn head_out_weight(&self, p: &[Tensor], tied_wte: Option<&Tensor>, dtype: DType) -> Result<Tensor> {
+        match self.tied_wte_view(tied_wte, dtype)? {
+            Some(wte) => Ok(wte.t()?),
+            None => Ok(p[2].clone()),
+        }
+    }
+
+    /// `wte` `[V, d]` as a view of the embedding's flat vector, when the head is tied.
+    fn tied_wte_view(&self, tied_wte: Option<&Tensor>, dtype: DType) -> Result<Option<Tensor>> {
+        if !self.config.tied_head {
+            return Ok(None);
+        }
+        let flat = tied_wte.ok_or_else(|| {
+            input_err("tied_wte", "the embedding unit's flat params (model.tied_head = true)".into(), "None".into())
+        })?;
+        self.check_params(&self.units[0], flat)?;
+        if flat.dtype() != dtype {
+            return Err(input_err(
+                "tied_wte dtype",
+                format!("{dtype:?} (the head params')"),
+                format!("{:?}", flat.dtype()),
+            ));
+        }
+        let (v, d) = (self.config.vocab_size, self.config.d_model);
+        Ok(Some(flat.narrow(0, 0, v * d)?.reshape((v, d))?))
+    }
+
+    fn tied_wte_var(&self, tied_wte: Option<&Tensor>, dtype: DType) -> Result<Option<Var>> {
+        Ok(match self.tied_wte_view(tied_wte, dtype)? {
+            Some(w) => Some(Var::from_tensor(&w)?),
+            None => None,
+        })
+    }
+
+    /// Flattens the gradients of `vars` into one vector in layout order, plus the input's and
+    /// the tied `wte`'s.
+    fn collect(
+        &self,
+        spec: &UnitSpec,
+        vars: &[Var],
+        x: Option<&Var>,
+        wte: Option<&Var>,
+        grads: &candle_core::backprop::GradStore,
+    ) -> Result<UnitGrads> {
+        let mut flat = Vec::with_capacity(vars.len());
+        for v in vars {
+            let g = match grads.get(v.as_tensor()) {
+                Some(g) => g.flatten_all()?,
+                // A parameter the output does not depend on (none today) has a zero gradient.
+                None => v.as_tensor().zeros_like()?.flatten_all()?,
+            };
+            flat.push(g);
+        }
+        let grad_params = Tensor::cat(&flat, 0)?;
+        debug_assert_eq!(grad_params.dims(), [spec.numel]);
+        let grad_input = match x {
+            Some(x) => Some(match grads.get(x.as_tensor()) {
+                Some(g) => g.clone(),
+                None => x.as_tensor().zeros_like()?,
+            }),
+            None => None,
+        };
+        let grad_tied_wte = match wte {
+            Some(w) => {
+                let g = match grads.get(w.as_tensor()) {
+                    Some(g) => g.flatten_all()?,
+                    None => w.as_tensor().zeros_like()?.flatten_all()?,
+                };
+                let rest = self.units[0].numel - g.elem_count();
+                let pad = Tensor::zeros(rest, g.dtype(), g.device())?;
+                Some(Tensor::cat(&[&g, &pad], 0)?)
+            }
+            None => None,
+        };
+        Ok(UnitGrads { grad_params, grad_input, grad_tied_wte })
+    }
+
+    /// The causal mask `[T, T]`: 0 where key position ≤ query position, -inf after.
+    fn causal_mask(&self, t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
+        let mut cache = self.masks.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = cache.iter().find(|m| m.seq_len == t && m.dtype == dtype && m.device.same_device(device)) {
+            return Ok(m.mask.clone());
+        }
+        let data: Vec<f32> = (0..t * t).map(|k| if k % t > k / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+        let mask = Tensor::from_vec(data, (t, t), device)?.to_dtype(dtype)?;
+        // A handful of (T, dtype, device) combinations at most; keep the cache small anyway.
+        if cache.len() >= 8 {
+            cache.remove(0);
+        }
+        cache.push(CachedMask { seq_len: t, dtype, device: device.clone(), mask: mask.clone() });
+        Ok(mask)
+    }
+
+    /// Embedding: `wte[tokens] + wpe[0..T]` → `[B, T, d]`.
+    pub(super) fn embed_math(&self, p: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        let d = self.config.d_model;
+        let x = p[0].index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, d))?;
+        Ok(x.broadcast_add(&p[1].narrow(0, 0, t)?)?)
+    }
+
+    /// Pre-LN block: `x + attn(ln_1(x))`, then `+ mlp(ln_2(.))` → `[B, T, d]`.
+    pub(super) fn block_math(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let (nh, hd) = (self.config.n_head, self.config.head_dim());
+        let eps = self.config.ln_eps;
+
+        // Attention.
+        let h = layer_norm(x, &p[bi::LN1_W], &p[bi::LN1_B], eps)?.reshape((b * t, d))?;
+        let qkv = h.matmul(&p[bi::QKV_W])?.broadcast_add(&p[bi::QKV_B])?.reshape((b, t, 3, nh, hd))?;
+        let head = |i: usize| -> candle_core::Result<Tensor> {
+            qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2) // [B, H, T, hd], strided
+        };
+        // The scale is folded into the copy that makes q contiguous.
+        let q = head(0)?.affine(1.0 / (hd as f64).sqrt(), 0.0)?;
+        let k = head(1)?.contiguous()?;
+        let v = head(2)?.contiguous()?;
+        let att = q.matmul(&k.t()?)?; // [B, H, T, T]
+        let att = att.broadcast_add(&self.causal_mask(t, x.dtype(), x.device())?)?;
+        let att = softmax_last_dim(&att)?;
+        let y = att
+            .matmul(&v)? // [B, H, T, hd]
+            .transpose(1, 2)?
+            .reshape((b * t, d))?;
+        let y = y.matmul(&p[bi::PROJ_W])?.broadcast_add(&p[bi::PROJ_B])?;
+        let x = (x + y.reshape((b, t, d))?)?;
+
+        // MLP.
+        let h = layer_norm(&x, &p[bi::LN2_W], &p[bi::LN2_B], eps)?.reshape((b * t, d))?;
+        let h = h.matmul(&p[bi::FC_W])?.broadcast_add(&p[bi::FC_B])?.gelu()?;
+        let h = h.matmul(&p[bi::FC2_W])?.broadcast_add(&p[bi::FC2_B])?;
+        Ok((x + h.reshape((b, t, d))?)?)
+    }
+
+    /// Head: `ln_f(x) @ w_out` → logits `[B, T, V]`; `w_out` is `[d, V]`.
+    pub(super) fn head_math(&self, p: &[Tensor], w_out: &Tensor, x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let h = layer_norm(x, &p[0], &p[1], self.config.ln_eps)?.reshape((b * t, d))?;
+        Ok(h.matmul(w_out)?.reshape((b, t, self.config.vocab_size))?)
+    }
+}
+
+fn input_err(what: &'static str, expected: String, got: String) -> Error {
+    Error::Input { what, expected, got }
+}
+
+/// Views `[shape]` of each parameter into the flat vector (no copy).
+pub(super) fn views(spec: &UnitSpec, flat: &Tensor) -> Result<Vec<Tensor>> {
+    spec.params.iter().map(|p| Ok(flat.narrow(0, p.offset, p.numel())?.reshape(p.shape.as_slice())?)).collect()
+}
+
+/// One `Var` per parameter, copied out of the flat vector (one pass over the unit's bytes).
+///
+/// Separate leaves rather than one flat `Var` with narrowed views: candle's backward of `narrow`
+/// pads each parameter's gradient to the full flat length and adds it, which costs a pass over
+/// the whole unit per parameter; here the flat gradient is one `cat`.
+fn vars(spec: &UnitSpec, flat: &Tensor) -> Result<Vec<Var>> {
+    views(spec, flat)?.iter().map(|v| Ok(Var::from_tensor(v)?)).collect()
+}
+
+/// A scalar tensor's value widened to f64.
+fn scalar(t: &Tensor) -> Result<f64> {
+    Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+}
+
+/// LayerNorm over the last dim composed of ops that all have a backward (candle-nn's fused
+/// `layer_norm`/`LayerNorm` have none). Statistics in F32 for half dtypes, as
+/// `candle_nn::ops::layer_norm_slow`.
+pub(super) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let dtype = x.dtype();
+    let xs = match dtype {
+        DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
+        _ => x.clone(),
+    };
+    let mean = xs.mean_keepdim(D::Minus1)?;
+    let xc = xs.broadcast_sub(&mean)?;
+    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
+    let inv_std = (var + eps)?.sqrt()?.recip()?;
+    let xn = xc.broadcast_mul(&inv_std)?.to_dtype(dtype)?;
+    Ok(xn.broadcast_mul(w)?.broadcast_add(b)?)
+}
+
+/// Softmax over the last dim. The row max is subtracted for range only and detached: softmax is
+/// invariant to a per-row constant, so the gradient is exact and the max's backward is skipped.
+pub(super) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    let max = x.max_keepdim(D::Minus1)?.detach();
+    let e = x.broadcast_sub(&max)?.exp()?;
+    let s = e.sum_keepdim(D::Minus1)?;
+    Ok(e.broadcast_div(&s)?)
+}
+
+/// Mean cross-entropy of `logits` `[B, T, V]` against `targets` `[B, T]` U32, as a scalar
+/// tensor: `mean(logsumexp(z) - z[target])`, the logsumexp's max detached (see
+/// [`softmax_last_dim`]).
+pub(super) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let v = logits.dim(D::Minus1)?;
+    let z = logits.reshape(((), v))?;
+    let n = z.dim(0)?;
+    let max = z.max_keepdim(D::Minus1)?.detach();
+    let lse = (z.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + max)?; // [N, 1]
+    let picked = z.gather(&targets.reshape((n, 1))?, D::Minus1)?; // [N, 1]
+    Ok(((lse - picked)?.sum_all()? * (1.0 / n as f64))?)
+}
