@@ -1,5 +1,5 @@
-//! The `oogc` command line: `oogc bench nvme`, `oogc bench swap`, `oogc bench evict`,
-//! `oogc bench adam` and `oogc plan`.
+//! The `oogc` command line: `oogc train`, `oogc inspect`, `oogc plan`, `oogc bench nvme`,
+//! `oogc bench swap`, `oogc bench evict`, `oogc bench adam`.
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`); results go to stdout, as a table
 //! or, with `--json`, as JSON Lines (one object per row per line). Errors print the whole cause
@@ -12,6 +12,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use oogc::bench::{adam, evict, nvme, swap};
+use oogc::config::TrainConfig;
 use oogc::optimizer::{FloatType, Isa};
 use oogc::plan as planner;
 use oogc::prefetch::plan::StatePlacement;
@@ -32,6 +33,11 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Train the byte-level GPT of a TOML config out of GPU core (sim device unless the config
+    /// says `device.kind = "cuda:N"`): progress bar, validation, metrics, checkpoints, summary.
+    Train(TrainCmd),
+    /// Summarize a checkpoint (a ckpt-*.safetensors file, or a checkpoint directory: its newest).
+    Inspect(InspectCmd),
     /// Offload benchmarks: a table on stdout, or JSON Lines with --json.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -39,6 +45,34 @@ enum Command {
     /// time (compute, exposed transfer, exposed optimizer) from the step simulator; or, with
     /// --hardware-probe, measure this machine into a hardware profile (TOML).
     Plan(PlanCmd),
+}
+
+#[derive(Debug, Args)]
+struct TrainCmd {
+    /// The run's TOML config (see configs/ and the README's config reference).
+    #[arg(long, value_name = "FILE")]
+    config: PathBuf,
+    /// Continue from the newest checkpoint in DIR (or from a checkpoint file).
+    #[arg(long, value_name = "DIR")]
+    resume: Option<PathBuf>,
+    /// Stop after this step (default: train.steps of the config).
+    #[arg(long, value_name = "N")]
+    steps: Option<u64>,
+    /// Override [data] path (relative to the working directory).
+    #[arg(long, value_name = "FILE")]
+    data: Option<PathBuf>,
+    /// No progress bar (it is also hidden when stderr is not a terminal).
+    #[arg(long)]
+    no_progress: bool,
+    /// Print the summary as one JSON object on stdout.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Debug, Args)]
+struct InspectCmd {
+    /// A checkpoint file or directory.
+    path: PathBuf,
 }
 
 #[derive(Debug, Subcommand)]
@@ -540,7 +574,10 @@ fn error_line(e: &anyhow::Error) -> String {
     out
 }
 
-fn init_tracing() {
+/// Logs to stderr by `RUST_LOG`; with `trace`, also a Chrome trace of the runtime's spans (one
+/// track per thread: compute, copy engines, optimizer workers). The guard flushes the trace.
+fn init_tracing(trace: Option<&std::path::Path>) -> Option<tracing_chrome::FlushGuard> {
+    use tracing_subscriber::prelude::*;
     let filter = match EnvFilter::try_from_default_env() {
         Ok(f) => f,
         Err(e) => {
@@ -551,13 +588,88 @@ fn init_tracing() {
         }
     };
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(ansi).init();
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_ansi(ansi).with_filter(filter);
+    let (chrome, guard) = match trace {
+        Some(path) => {
+            if let Some(dir) = path.parent() {
+                let _ = std::fs::create_dir_all(dir);
+            }
+            let (layer, guard) = tracing_chrome::ChromeLayerBuilder::new().file(path).include_args(true).build();
+            let filter = EnvFilter::new("oogc=trace,oogc_swapper=trace,oogc_optimizer=trace,oogc_prefetch=info");
+            (Some(layer.with_filter(filter)), Some(guard))
+        }
+        None => (None, None),
+    };
+    tracing_subscriber::registry().with(fmt).with(chrome).init();
+    guard
+}
+
+fn train(cmd: TrainCmd, cfg: TrainConfig) -> anyhow::Result<()> {
+    let mut cfg = cfg;
+    if let Some(data) = cmd.data {
+        cfg.data.path = data;
+    }
+    let opts = oogc::run::RunOptions {
+        resume: cmd.resume,
+        steps: cmd.steps,
+        progress: !cmd.no_progress && std::io::IsTerminal::is_terminal(&std::io::stderr()),
+    };
+    let summary = oogc::run::run(cfg, &opts).context("oogc train")?;
+    if cmd.json {
+        println!("{}", serde_json::to_string(&summary)?);
+    } else {
+        print!("{}", summary.render());
+    }
+    Ok(())
+}
+
+fn inspect(cmd: InspectCmd) -> anyhow::Result<()> {
+    let ckpt = oogc::checkpoint::load(&cmd.path).context("oogc inspect")?;
+    println!("step: {}", ckpt.step);
+    for (k, v) in &ckpt.metadata {
+        if k == "config" {
+            continue;
+        }
+        println!("{k}: {v}");
+    }
+    let params: usize = ckpt
+        .tensors
+        .iter()
+        .filter(|t| !t.name.ends_with(".exp_avg") && !t.name.ends_with(".exp_avg_sq"))
+        .map(|t| t.data.len())
+        .sum();
+    println!("tensors: {} ({} parameters, {} bytes in all)", ckpt.tensors.len(), params, ckpt.num_bytes());
+    for t in ckpt.tensors.iter().filter(|t| !t.name.ends_with(".exp_avg") && !t.name.ends_with(".exp_avg_sq")) {
+        let n = t.data.len().max(1) as f64;
+        let rms = (t.data.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>() / n).sqrt();
+        let finite = t.data.iter().all(|x| x.is_finite());
+        println!("  {:<40} {:?} rms {rms:.4e}{}", t.name, t.shape, if finite { "" } else { "  NOT FINITE" });
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    init_tracing();
+    // `train` reads its config first: a trace file in it adds a Chrome/Perfetto layer.
+    let mut train_cfg = None;
+    let mut _trace_guard = None;
+    if let Command::Train(cmd) = &cli.command {
+        match TrainConfig::load(&cmd.config) {
+            Ok(cfg) => {
+                _trace_guard = init_tracing(cfg.output.trace.as_deref());
+                train_cfg = Some(cfg);
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    } else {
+        init_tracing(None);
+    }
     let result = match cli.command {
+        Command::Train(cmd) => train(cmd, train_cfg.expect("loaded above")),
+        Command::Inspect(cmd) => inspect(cmd),
         Command::Bench(BenchCommand::Nvme(cmd)) => bench_nvme(cmd),
         Command::Bench(BenchCommand::Swap(cmd)) => bench_swap(cmd),
         Command::Bench(BenchCommand::Evict(cmd)) => bench_evict(cmd),

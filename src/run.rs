@@ -1,0 +1,292 @@
+//! `oogc train`'s driver: the loop around [`Trainer`] with a progress bar, validation, metrics
+//! (JSON lines, one object per step), checkpoints, and the end-of-run summary.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use crate::config::TrainConfig;
+use crate::swapper::Tier;
+use crate::train::{Result, TrainError, Trainer};
+
+/// Options of one `oogc train` invocation.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Resume from this checkpoint directory (or file).
+    pub resume: Option<PathBuf>,
+    /// Stop after this step (overrides `train.steps` as the last step; the LR schedule still
+    /// spans `train.steps`).
+    pub steps: Option<u64>,
+    /// Draw a progress bar on stderr.
+    pub progress: bool,
+}
+
+/// One line of the metrics file.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepRecord {
+    /// Step (1-based).
+    pub step: u64,
+    /// Training loss of the step's batch, nats per byte.
+    pub loss: f64,
+    /// Validation loss when evaluated at this step, nats per byte.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+    /// Learning rate.
+    pub lr: f32,
+    /// Tokens per second of the step.
+    pub tokens_per_s: f64,
+    /// Step wall time, seconds.
+    pub step_s: f64,
+    /// Time the step waited for transfers or optimizer updates, seconds.
+    pub stall_s: f64,
+    /// Of which waiting for H2D/D2H copies.
+    pub stall_transfer_s: f64,
+    /// Of which waiting for optimizer updates.
+    pub stall_optimizer_s: f64,
+    /// Bytes host→device.
+    pub h2d_bytes: u64,
+    /// Bytes device→host.
+    pub d2h_bytes: u64,
+    /// Bytes read from NVMe.
+    pub nvme_read_bytes: u64,
+    /// Bytes written to NVMe.
+    pub nvme_write_bytes: u64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Clip scale (1 = not clipped).
+    pub clip_scale: f32,
+    /// Step skipped for a non-finite gradient.
+    pub skipped: bool,
+}
+
+/// What a run did, printed at the end.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RunSummary {
+    /// First step run (1-based) and last.
+    pub first_step: u64,
+    /// Last step completed.
+    pub last_step: u64,
+    /// Parameters of the model.
+    pub params: usize,
+    /// Unigram entropy of the training text, nats per byte (the loss to beat).
+    pub unigram_entropy_nats: f64,
+    /// Last training loss, nats per byte.
+    pub final_loss: f64,
+    /// Last validation loss, nats per byte.
+    pub final_val_loss: f64,
+    /// Tokens per second over the run (steps only, validation excluded).
+    pub tokens_per_s: f64,
+    /// Seconds in steps.
+    pub train_s: f64,
+    /// Of which compute (not waiting).
+    pub compute_s: f64,
+    /// Of which exposed transfer.
+    pub exposed_transfer_s: f64,
+    /// Of which exposed optimizer.
+    pub exposed_optimizer_s: f64,
+    /// Bytes per link over the run.
+    pub h2d_bytes: u64,
+    /// D2H bytes.
+    pub d2h_bytes: u64,
+    /// NVMe bytes read.
+    pub nvme_read_bytes: u64,
+    /// NVMe bytes written.
+    pub nvme_write_bytes: u64,
+    /// Peak bytes held on the GPU tier (compute copies; gradient staging excluded).
+    pub peak_gpu_bytes: u64,
+    /// Peak bytes held in pinned host memory by the residency manager.
+    pub peak_host_bytes: u64,
+    /// NVMe bytes in use at the end (optimizer state).
+    pub nvme_bytes: u64,
+    /// Parameters + optimizer state (16 B/param: f32 compute copy + master + m + v) over the GPU
+    /// budget.
+    pub model_to_gpu_ratio: f64,
+    /// Checkpoints written.
+    pub checkpoints: Vec<PathBuf>,
+}
+
+fn gb(bytes: u64) -> String {
+    format!("{:.2} GB", bytes as f64 / 1e9)
+}
+
+/// Runs the training described by `cfg`.
+///
+/// # Errors
+/// Whatever [`Trainer`] returns; I/O errors of the metrics file (named).
+pub fn run(cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
+    let mut trainer = match &opts.resume {
+        Some(dir) => Trainer::resume(cfg.clone(), dir)?,
+        None => Trainer::new(cfg.clone())?,
+    };
+    let last = opts.steps.unwrap_or(cfg.train.steps);
+    let first = trainer.step() + 1;
+    let mut metrics = match &cfg.output.metrics {
+        Some(path) => {
+            let io =
+                |source| TrainError::Checkpoint(crate::checkpoint::CheckpointError::Io { path: path.clone(), source });
+            if let Some(dir) = path.parent() {
+                std::fs::create_dir_all(dir).map_err(io)?;
+            }
+            // A resumed run appends: the file then holds the whole run.
+            let f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(opts.resume.is_some())
+                .write(true)
+                .truncate(opts.resume.is_none())
+                .open(path)
+                .map_err(io)?;
+            Some((std::io::BufWriter::new(f), path.clone()))
+        }
+        None => None,
+    };
+    let mut summary = RunSummary {
+        first_step: first,
+        params: trainer.num_params(),
+        unigram_entropy_nats: trainer.data().unigram_entropy_nats(),
+        model_to_gpu_ratio: trainer.num_params() as f64 * 16.0 / cfg.budgets.gpu.as_u64() as f64,
+        ..RunSummary::default()
+    };
+    tracing::info!(
+        params = summary.params,
+        unigram_nats = summary.unigram_entropy_nats,
+        ratio = summary.model_to_gpu_ratio,
+        "starting at step {first}"
+    );
+    let bar = if opts.progress && last >= first {
+        let bar = ProgressBar::new(last - first + 1);
+        bar.set_style(
+            ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
+    let mut tokens = 0usize;
+    let run_start = Instant::now();
+    while trainer.step() < last {
+        let out = trainer.train_step()?;
+        let s = &out.stats;
+        tokens += out.tokens;
+        summary.train_s += s.step_s;
+        summary.exposed_transfer_s += s.stall_transfer_s;
+        summary.exposed_optimizer_s += s.stall_optimizer_s;
+        summary.h2d_bytes += s.h2d_bytes;
+        summary.d2h_bytes += s.d2h_bytes;
+        summary.nvme_read_bytes += s.nvme_read_bytes;
+        summary.nvme_write_bytes += s.nvme_write_bytes;
+        summary.final_loss = out.loss;
+        let step = trainer.step();
+        let eval_now = step == last || (cfg.train.eval_interval > 0 && step % cfg.train.eval_interval == 0);
+        let val_loss = if eval_now { Some(trainer.evaluate()?) } else { None };
+        if let Some(v) = val_loss {
+            summary.final_val_loss = v;
+            bar.println(format!(
+                "step {step:>6}  train {:.4}  val {v:.4} nats/byte ({:.3} bits/byte)",
+                out.loss,
+                v / std::f64::consts::LN_2
+            ));
+        }
+        let record = StepRecord {
+            step,
+            loss: out.loss,
+            val_loss,
+            lr: out.lr,
+            tokens_per_s: out.tokens as f64 / s.step_s.max(1e-9),
+            step_s: s.step_s,
+            stall_s: s.stall_s(),
+            stall_transfer_s: s.stall_transfer_s,
+            stall_optimizer_s: s.stall_optimizer_s,
+            h2d_bytes: s.h2d_bytes,
+            d2h_bytes: s.d2h_bytes,
+            nvme_read_bytes: s.nvme_read_bytes,
+            nvme_write_bytes: s.nvme_write_bytes,
+            grad_norm: s.grad_norm,
+            clip_scale: s.clip_scale,
+            skipped: s.skipped,
+        };
+        if s.skipped {
+            bar.println(format!("step {step}: skipped, a gradient was not finite (norm {})", s.grad_norm));
+        }
+        if let Some((w, path)) = &mut metrics {
+            let line = serde_json::to_string(&record).expect("record serializes");
+            writeln!(w, "{line}").and_then(|_| w.flush()).map_err(|source| {
+                TrainError::Checkpoint(crate::checkpoint::CheckpointError::Io { path: path.clone(), source })
+            })?;
+        }
+        bar.set_message(format!(
+            "loss {:.3} | {:.0} tok/s | stall {:.0}% | H2D {} D2H {} NVMe r {} w {}",
+            out.loss,
+            record.tokens_per_s,
+            100.0 * record.stall_s / s.step_s.max(1e-9),
+            gb(summary.h2d_bytes),
+            gb(summary.d2h_bytes),
+            gb(summary.nvme_read_bytes),
+            gb(summary.nvme_write_bytes),
+        ));
+        bar.inc(1);
+        let interval = cfg.checkpoint.interval;
+        if step == last || (interval > 0 && step % interval == 0) {
+            if let Some(p) = trainer.save_checkpoint()? {
+                summary.checkpoints.push(p);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    summary.last_step = trainer.step();
+    summary.tokens_per_s = tokens as f64 / summary.train_s.max(1e-9);
+    summary.compute_s = (summary.train_s - summary.exposed_transfer_s - summary.exposed_optimizer_s).max(0.0);
+    let res = trainer.runtime().residency();
+    summary.peak_gpu_bytes = res.peak_bytes(Tier::Device);
+    summary.peak_host_bytes = res.peak_bytes(Tier::Host);
+    summary.nvme_bytes = trainer.runtime().optimizer_nvme_bytes();
+    tracing::debug!(wall_s = run_start.elapsed().as_secs_f64(), "run finished");
+    Ok(summary)
+}
+
+impl RunSummary {
+    /// A human-readable report.
+    pub fn render(&self) -> String {
+        let pct = |x: f64| 100.0 * x / self.train_s.max(1e-9);
+        let mut s = String::new();
+        s += &format!("steps {}..={}, {} parameters\n", self.first_step, self.last_step, self.params);
+        s += &format!(
+            "loss: train {:.4}, val {:.4} nats/byte ({:.3} bits/byte); unigram entropy of the text {:.4} nats/byte ({:.3} bits/byte)\n",
+            self.final_loss,
+            self.final_val_loss,
+            self.final_val_loss / std::f64::consts::LN_2,
+            self.unigram_entropy_nats,
+            self.unigram_entropy_nats / std::f64::consts::LN_2
+        );
+        s += &format!(
+            "throughput: {:.0} tokens/s; time {:.1} s = compute {:.1} s ({:.0}%) + exposed transfer {:.1} s ({:.0}%) + exposed optimizer {:.1} s ({:.0}%)\n",
+            self.tokens_per_s,
+            self.train_s,
+            self.compute_s,
+            pct(self.compute_s),
+            self.exposed_transfer_s,
+            pct(self.exposed_transfer_s),
+            self.exposed_optimizer_s,
+            pct(self.exposed_optimizer_s)
+        );
+        s += &format!(
+            "traffic: H2D {}, D2H {}, NVMe read {}, NVMe write {}\n",
+            gb(self.h2d_bytes),
+            gb(self.d2h_bytes),
+            gb(self.nvme_read_bytes),
+            gb(self.nvme_write_bytes)
+        );
+        s += &format!(
+            "peak: GPU {} B, pinned host {} B, NVMe {} B; parameters + optimizer state = {:.1} × the GPU budget\n",
+            self.peak_gpu_bytes, self.peak_host_bytes, self.nvme_bytes, self.model_to_gpu_ratio
+        );
+        for c in &self.checkpoints {
+            s += &format!("checkpoint: {}\n", c.display());
+        }
+        s
+    }
+}

@@ -1,0 +1,806 @@
+//! The runtime a trainer embeds: it owns the tiers (through the swapper's residency manager), the
+//! pipelined CPU optimizer and the prefetch schedule, and runs one training step as
+//! fetch → compute → release per unit (DESIGN.md, "One training step").
+//!
+//! | call | what happens |
+//! |---|---|
+//! | [`Runtime::add_unit`] | the unit's compute copy is registered (home: pinned host); its fp32 master weights and Adam state go to the optimizer (host or NVMe) |
+//! | [`Runtime::begin_step`] | checks budgets against the minimum working set; sets the step's learning rate |
+//! | [`Runtime::fetch`] | waits for the unit's pending update if any (publishing the new compute copy), pins the unit on the device, issues prefetches for the next units of the schedule |
+//! | [`Runtime::push_grads`] | copies the unit's gradients D2H on the copy engine and hands them to the optimizer, which updates the unit on CPU threads while the caller goes on |
+//! | [`Runtime::finish_step`] | waits until every gradient is submitted; global norm, clip scale and non-finite skip come back in [`StepStats`] |
+//!
+//! The next step's forward waits only for units whose update is not finished: a unit's update is
+//! awaited at its first [`Runtime::fetch`] after [`Runtime::push_grads`].
+//!
+//! ```no_run
+//! use oogc::runtime::{Phase, Runtime, RuntimeConfig};
+//! # fn grads_of(_: &candle_core::Tensor) -> Vec<f32> { vec![0.0; 4] }
+//! let mut rt = Runtime::new(RuntimeConfig::sim(64 << 20))?;
+//! let unit = rt.add_unit("layer0", &[0.5f32; 4])?;
+//! rt.begin_step(1, 1e-3)?;
+//! let params = rt.fetch(unit, Phase::Forward)?;          // a [4] f32 tensor on the compute device
+//! let grads = grads_of(params.tensor());
+//! drop(params);                                           // release: the unit may be evicted
+//! rt.push_grads(unit, &grads)?;                           // D2H + pipelined CPU AdamW
+//! let stats = rt.finish_step()?;
+//! # anyhow::Ok(())
+//! ```
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+use oogc_optimizer::{Grads, OptimizerConfig, PipelinedOptimizer, StatePlacement, StepReport, UpdateHandle};
+use oogc_prefetch::{
+    check_budget, CursorHandle, NextUsePolicy, Phase as PrefetchPhase, PrefetchConfig, PrefetchDriver, Schedule,
+    TraceRecorder,
+};
+use oogc_swapper::{
+    Access, DType, Device, DeviceBuffer, NvmeConfig, NvmeStore, PinnedPool, ResidencyConfig, ResidencyManager,
+    Resident, SimDevice, SimDeviceConfig, TensorId, TensorMeta, Tier, Transfer,
+};
+use parking_lot::Mutex;
+
+use crate::config::StateTier;
+
+/// What can go wrong in the runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    /// The swapper failed (out of memory, I/O, corrupt NVMe block, no CUDA device...).
+    #[error(transparent)]
+    Swapper(#[from] oogc_swapper::Error),
+    /// The optimizer failed.
+    #[error(transparent)]
+    Optimizer(#[from] oogc_optimizer::Error),
+    /// The prefetch planner refused the budgets or the schedule.
+    #[error(transparent)]
+    Prefetch(#[from] oogc_prefetch::Error),
+    /// candle failed while wrapping or reading a tensor.
+    #[error("candle: {0}")]
+    Candle(#[from] candle_core::Error),
+    /// The GPU budget cannot hold what one step must hold at once.
+    #[error(
+        "GPU budget of {budget_bytes} bytes is below the minimum working set of {min_bytes} bytes \
+         (largest unit(s) in use at once plus gradient staging)\n  fix: raise [budgets] gpu to at least {min_bytes} bytes"
+    )]
+    BudgetBelowWorkingSet {
+        /// The configured GPU budget.
+        budget_bytes: u64,
+        /// The minimum.
+        min_bytes: u64,
+    },
+    /// A call out of order or with a wrong argument.
+    #[error("runtime misuse: {0}")]
+    Usage(String),
+}
+
+/// Result of runtime operations.
+pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
+
+/// A unit handle: its index in registration order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct UnitId(pub usize);
+
+impl UnitId {
+    fn tensor(self) -> TensorId {
+        TensorId(self.0 as u64)
+    }
+}
+
+/// Why a unit is fetched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// Forward of the training step.
+    Forward,
+    /// Backward (recompute + VJP).
+    Backward,
+    /// Off-schedule use (validation): no prefetch, not recorded in the schedule.
+    Eval,
+}
+
+/// Which device computes.
+#[derive(Debug, Clone)]
+pub enum DeviceSpec {
+    /// The sim device: capacity = the GPU budget, H2D/D2H throttled to `link_gbps` (0 = no
+    /// throttle) plus `latency_us` per copy.
+    Sim {
+        /// GB/s (10^9 B/s).
+        link_gbps: f64,
+        /// Microseconds per copy.
+        latency_us: f64,
+    },
+    /// CUDA device `ordinal` (needs `--features cuda`).
+    Cuda {
+        /// Device index.
+        ordinal: usize,
+    },
+}
+
+/// How a [`Runtime`] is built.
+#[derive(Debug, Clone)]
+pub struct RuntimeConfig {
+    /// The compute device.
+    pub device: DeviceSpec,
+    /// Device bytes for compute copies and gradient staging.
+    pub gpu_budget_bytes: u64,
+    /// Pinned host bytes for the compute copies' home and staging.
+    pub host_budget_bytes: u64,
+    /// Where master weights and Adam state live.
+    pub state_tier: StateTier,
+    /// NVMe store for optimizer state (needed when `state_tier` is NVMe).
+    pub nvme: Option<NvmeConfig>,
+    /// Units prefetched ahead; 0 = on demand.
+    pub prefetch_depth: usize,
+    /// The CPU optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Page-lock host memory (falls back with a warning when RLIMIT_MEMLOCK is low).
+    pub lock_host_memory: bool,
+}
+
+impl RuntimeConfig {
+    /// A sim-device runtime with `gpu_budget_bytes`, an unthrottled link, state in host memory,
+    /// prefetch depth 2 and the optimizer's defaults.
+    pub fn sim(gpu_budget_bytes: u64) -> Self {
+        Self {
+            device: DeviceSpec::Sim { link_gbps: 0.0, latency_us: 0.0 },
+            gpu_budget_bytes,
+            host_budget_bytes: 4 << 30,
+            state_tier: StateTier::Host,
+            nvme: None,
+            prefetch_depth: 2,
+            optimizer: OptimizerConfig::default(),
+            lock_host_memory: false,
+        }
+    }
+}
+
+/// One registered unit.
+#[derive(Debug, Clone)]
+struct UnitInfo {
+    name: String,
+    numel: usize,
+}
+
+/// Time and traffic of one step, for logs, metrics and the end-of-run summary.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct StepStats {
+    /// The optimizer step (1-based).
+    pub step: u64,
+    /// Wall time from [`Runtime::begin_step`] to the end of [`Runtime::finish_step`], seconds.
+    pub step_s: f64,
+    /// Time the caller was blocked in [`Runtime::fetch`] waiting for H2D copies (exposed
+    /// transfer), seconds.
+    pub stall_transfer_s: f64,
+    /// Time the caller was blocked waiting for optimizer updates (at fetch and at the end of the
+    /// step), seconds.
+    pub stall_optimizer_s: f64,
+    /// Bytes copied host→device.
+    pub h2d_bytes: u64,
+    /// Bytes copied device→host (gradients and write-backs).
+    pub d2h_bytes: u64,
+    /// Bytes read from NVMe (optimizer state, spilled compute copies).
+    pub nvme_read_bytes: u64,
+    /// Bytes written to NVMe.
+    pub nvme_write_bytes: u64,
+    /// Global gradient L2 norm before clipping.
+    pub grad_norm: f64,
+    /// Scale applied to the gradients (1 = not clipped).
+    pub clip_scale: f32,
+    /// The step was skipped: a gradient was not finite.
+    pub skipped: bool,
+}
+
+impl StepStats {
+    /// Total stall (exposed transfer + exposed optimizer), seconds.
+    pub fn stall_s(&self) -> f64 {
+        self.stall_transfer_s + self.stall_optimizer_s
+    }
+}
+
+/// A unit pinned on the device for compute: its parameters as one flat candle tensor
+/// (`[numel]`, f32). Dropping it releases the unit (it may then be evicted).
+pub struct UnitParams {
+    tensor: candle_core::Tensor,
+    _pin: Resident,
+    unit: UnitId,
+}
+
+impl UnitParams {
+    /// The flat parameter tensor, `[numel]`.
+    pub fn tensor(&self) -> &candle_core::Tensor {
+        &self.tensor
+    }
+
+    /// The unit.
+    pub fn unit(&self) -> UnitId {
+        self.unit
+    }
+}
+
+struct GradJob {
+    unit: UnitId,
+    transfer: Transfer,
+}
+
+struct Shared {
+    optimizer: PipelinedOptimizer,
+    /// The latest update handle of each unit (by unit index).
+    handles: Mutex<HashMap<usize, UpdateHandle>>,
+    /// Free device buffers for gradient staging.
+    staging: Mutex<Vec<DeviceBuffer>>,
+    staging_returned: parking_lot::Condvar,
+    /// First error of the gradient drain thread.
+    drain_error: Mutex<Option<RuntimeError>>,
+    /// Gradient submissions in flight (sent to the drain thread, not yet submitted).
+    in_flight: Mutex<usize>,
+    in_flight_done: parking_lot::Condvar,
+}
+
+/// The out-of-GPU-core runtime for one model on one device. See the module docs.
+pub struct Runtime {
+    config: RuntimeConfig,
+    residency: Arc<ResidencyManager>,
+    shared: Arc<Shared>,
+    grad_pool: PinnedPool,
+    grad_tx: Option<Sender<GradJob>>,
+    drain: Option<std::thread::JoinHandle<()>>,
+    units: Vec<UnitInfo>,
+    /// Units whose update was submitted and whose new compute copy is not yet published.
+    pending: Vec<bool>,
+    step: u64,
+    step_started: Option<Instant>,
+    stats: StepStats,
+    metrics_at_begin: Option<oogc_swapper::MetricsSnapshot>,
+    checked_working_set: bool,
+    /// Units a caller holds pinned at once (2 when a tied head uses the embedding).
+    max_units_in_use: usize,
+    /// The access trace of the step in progress.
+    recorder: TraceRecorder,
+    /// The schedule in force (the last step's trace) and the policy's cursor on it.
+    schedule: Option<Arc<Schedule>>,
+    cursor: Option<CursorHandle>,
+    /// The sliding window of prefetches (depth > 0, from the second step on).
+    driver: Option<PrefetchDriver>,
+    nvme_dirs: Vec<PathBuf>,
+    /// The optimizer state's NVMe store (shared with the optimizer).
+    nvme: Option<Arc<NvmeStore>>,
+}
+
+/// Device buffers for gradients on their way D2H: one unit's gradients are copied while the
+/// next unit's backward computes.
+const STAGING_BUFFERS: usize = 1;
+
+impl Runtime {
+    /// Builds the device, the residency manager, the optimizer (and its NVMe store when state
+    /// lives on NVMe).
+    ///
+    /// # Errors
+    /// [`RuntimeError::Swapper`] for a bad device (no CUDA device, not compiled with CUDA), a bad
+    /// NVMe directory (named, with the bytes needed) or budget; [`RuntimeError::Optimizer`] for a
+    /// bad optimizer config.
+    pub fn new(config: RuntimeConfig) -> Result<Self> {
+        let device = match &config.device {
+            DeviceSpec::Sim { link_gbps, latency_us } => Device::Sim(SimDevice::new(SimDeviceConfig {
+                capacity_bytes: config.gpu_budget_bytes,
+                link_gbps: (*link_gbps > 0.0).then_some(*link_gbps),
+                latency_us: *latency_us,
+            })?),
+            DeviceSpec::Cuda { ordinal } => {
+                Device::Cuda(oogc_swapper::CudaDevice::new(*ordinal, Some(config.gpu_budget_bytes))?)
+            }
+        };
+        let nvme = match (config.state_tier, &config.nvme) {
+            (StateTier::Nvme, Some(nvme)) => Some(Arc::new(NvmeStore::open(nvme.clone())?)),
+            (StateTier::Nvme, None) => {
+                return Err(RuntimeError::Usage("optimizer state on NVMe needs an NVMe config".into()));
+            }
+            (StateTier::Host, _) => None,
+        };
+        let nvme_dirs = config.nvme.as_ref().map(|n| n.dirs.clone()).unwrap_or_default();
+        let optimizer = PipelinedOptimizer::new(config.optimizer.clone(), nvme.clone())?;
+        let host_allocator = device.host_allocator(config.lock_host_memory);
+        let residency = Arc::new(ResidencyManager::new(
+            device,
+            None,
+            ResidencyConfig {
+                // Set for real once the units are known (gradient staging is carved out).
+                device_budget_bytes: Some(config.gpu_budget_bytes),
+                host_budget_bytes: config.host_budget_bytes,
+                lock_host_memory: config.lock_host_memory,
+                ..ResidencyConfig::default()
+            },
+            Box::new(oogc_swapper::LruPolicy::default()),
+        )?);
+        let grad_pool = PinnedPool::new(
+            &oogc_swapper::PinnedPoolConfig {
+                budget_bytes: config.host_budget_bytes,
+                lock: config.lock_host_memory,
+                ..Default::default()
+            },
+            host_allocator,
+        );
+        let shared = Arc::new(Shared {
+            optimizer,
+            handles: Mutex::new(HashMap::new()),
+            staging: Mutex::new(Vec::new()),
+            staging_returned: parking_lot::Condvar::new(),
+            drain_error: Mutex::new(None),
+            in_flight: Mutex::new(0),
+            in_flight_done: parking_lot::Condvar::new(),
+        });
+        let (tx, rx) = crossbeam_channel::unbounded::<GradJob>();
+        let drain = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("oogc-grad-drain".into())
+                .spawn(move || drain_loop(rx, shared))
+                .expect("spawn the gradient drain thread")
+        };
+        Ok(Self {
+            config,
+            residency,
+            shared,
+            grad_pool,
+            grad_tx: Some(tx),
+            drain: Some(drain),
+            units: Vec::new(),
+            pending: Vec::new(),
+            step: 0,
+            step_started: None,
+            stats: StepStats::default(),
+            metrics_at_begin: None,
+            checked_working_set: false,
+            max_units_in_use: 1,
+            recorder: TraceRecorder::new(),
+            schedule: None,
+            cursor: None,
+            driver: None,
+            nvme_dirs,
+            nvme,
+        })
+    }
+
+    /// Registers a unit: `master` is its flat fp32 parameter vector (`[numel]`); the compute
+    /// copy (f32) gets its home in pinned host memory and the master weights and Adam state go to
+    /// the optimizer's tier. Units are numbered in registration order.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] after the first step began; swapper or optimizer errors (host
+    /// budget, NVMe full).
+    pub fn add_unit(&mut self, name: &str, master: &[f32]) -> Result<UnitId> {
+        if self.checked_working_set {
+            return Err(RuntimeError::Usage(format!("add_unit({name}) after the first step began")));
+        }
+        let unit = UnitId(self.units.len());
+        let meta = TensorMeta {
+            id: unit.tensor(),
+            name: name.to_string(),
+            shape: vec![master.len()],
+            dtype: DType::F32,
+            home: Tier::Host,
+        };
+        self.residency.register(meta, bytemuck::cast_slice(master))?;
+        let placement = match self.config.state_tier {
+            StateTier::Host => StatePlacement::Host,
+            StateTier::Nvme => StatePlacement::Nvme,
+        };
+        self.shared.optimizer.add_unit(unit.tensor(), master, placement)?;
+        self.units.push(UnitInfo { name: name.to_string(), numel: master.len() });
+        self.pending.push(false);
+        Ok(unit)
+    }
+
+    /// Declares how many units the caller pins at once (default 1; 2 for a tied LM head, which
+    /// uses the embedding unit beside its own). Enters the minimum working set.
+    pub fn set_max_units_in_use(&mut self, units: usize) {
+        self.max_units_in_use = units.max(1);
+    }
+
+    /// Registered units in order.
+    pub fn num_units(&self) -> usize {
+        self.units.len()
+    }
+
+    /// The unit's name and element count.
+    pub fn unit_info(&self, unit: UnitId) -> (&str, usize) {
+        let u = &self.units[unit.0];
+        (&u.name, u.numel)
+    }
+
+    /// The residency manager (tiers, budgets, metrics).
+    pub fn residency(&self) -> &ResidencyManager {
+        &self.residency
+    }
+
+    /// The pipelined optimizer.
+    pub fn optimizer(&self) -> &PipelinedOptimizer {
+        &self.shared.optimizer
+    }
+
+    /// The NVMe directories of the optimizer state (empty when it lives in host memory).
+    pub fn nvme_dirs(&self) -> &[PathBuf] {
+        &self.nvme_dirs
+    }
+
+    fn unit_bytes(&self, unit: usize) -> u64 {
+        self.units[unit].numel as u64 * 4
+    }
+
+    /// Bytes the device must hold at once: the `max_units_in_use` largest units plus gradient
+    /// staging (one buffer of the largest unit's gradients).
+    pub fn min_working_set_bytes(&self, max_units_in_use: usize) -> u64 {
+        let mut sizes: Vec<u64> = (0..self.units.len()).map(|u| self.unit_bytes(u)).collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        let largest = sizes.first().copied().unwrap_or(0);
+        sizes.iter().take(max_units_in_use.max(1)).sum::<u64>() + STAGING_BUFFERS as u64 * largest
+    }
+
+    /// Starts optimizer step `step` (1-based) with learning rate `lr`. The first call checks the
+    /// GPU budget against the minimum working set and carves out gradient staging.
+    ///
+    /// # Errors
+    /// [`RuntimeError::BudgetBelowWorkingSet`] with the minimum in bytes; optimizer errors.
+    pub fn begin_step(&mut self, step: u64, lr: f32) -> Result<()> {
+        self.check_working_set()?;
+        self.shared.optimizer.begin_step(step, lr)?;
+        self.step = step;
+        self.stats = StepStats { step, clip_scale: 1.0, ..StepStats::default() };
+        self.metrics_at_begin = Some(self.traffic());
+        self.step_started = Some(Instant::now());
+        self.recorder = TraceRecorder::new();
+        if let Some(cursor) = &self.cursor {
+            // Evaluation between steps made off-schedule acquires: start the step afresh.
+            cursor.restart_step();
+        }
+        Ok(())
+    }
+
+    /// Checks the GPU budget against the minimum working set and carves out gradient staging;
+    /// no more units can be added afterwards. [`Runtime::begin_step`] calls it; call it earlier
+    /// to refuse a bad budget before anything else happens.
+    ///
+    /// # Errors
+    /// [`RuntimeError::BudgetBelowWorkingSet`] with the minimum in bytes.
+    pub fn check_working_set(&mut self) -> Result<()> {
+        if self.checked_working_set {
+            return Ok(());
+        }
+        let min = self.min_working_set_bytes(self.max_units_in_use);
+        if self.config.gpu_budget_bytes < min {
+            return Err(RuntimeError::BudgetBelowWorkingSet {
+                budget_bytes: self.config.gpu_budget_bytes,
+                min_bytes: min,
+            });
+        }
+        let largest = (0..self.units.len()).map(|u| self.unit_bytes(u)).max().unwrap_or(0) as usize;
+        let mut staging = self.shared.staging.lock();
+        for _ in 0..STAGING_BUFFERS {
+            staging.push(self.residency.device().alloc(largest.max(1))?);
+        }
+        drop(staging);
+        self.residency
+            .set_device_budget_bytes(self.config.gpu_budget_bytes - STAGING_BUFFERS as u64 * largest as u64)?;
+        self.checked_working_set = true;
+        Ok(())
+    }
+
+    /// Pins `unit` on the device and returns its parameters as a tensor. Waits first for the
+    /// unit's pending optimizer update (its new compute copy is published to the host copy, which
+    /// drops the stale device copy). Then issues prefetches for the next units of the schedule.
+    ///
+    /// # Errors
+    /// Swapper errors (out of device memory with everything pinned, I/O), optimizer errors.
+    pub fn fetch(&mut self, unit: UnitId, phase: Phase) -> Result<UnitParams> {
+        let span = tracing::info_span!("runtime::fetch", unit = unit.0, ?phase);
+        let _e = span.enter();
+        self.publish(unit)?;
+        let t = Instant::now();
+        let pin = self.residency.acquire(unit.tensor(), Tier::Device, Access::Read)?;
+        self.stats.stall_transfer_s += t.elapsed().as_secs_f64();
+        let tensor = {
+            let buf = pin.device_buffer();
+            device_tensor(&buf, self.units[unit.0].numel)?
+        };
+        if phase != Phase::Eval {
+            let bytes = self.unit_bytes(unit.0);
+            let p = if phase == Phase::Forward { PrefetchPhase::Forward } else { PrefetchPhase::Backward };
+            self.recorder.acquire(unit.tensor(), bytes, p, Tier::Device, false);
+            self.issue_prefetches()?;
+        }
+        Ok(UnitParams { tensor, _pin: pin, unit })
+    }
+
+    /// Waits for `unit`'s pending update and copies its new compute copy into the host copy.
+    fn publish(&mut self, unit: UnitId) -> Result<()> {
+        if !self.pending[unit.0] {
+            return Ok(());
+        }
+        let t = Instant::now();
+        self.wait_submitted()?;
+        self.shared.optimizer.wait_unit(unit.tensor())?;
+        let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Write)?;
+        self.shared.optimizer.read_compute_copy(unit.tensor(), |bytes| pin.host_bytes_mut().copy_from_slice(bytes))?;
+        drop(pin);
+        self.pending[unit.0] = false;
+        self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// Publishes the compute copies of units whose update has finished, so the window can
+    /// prefetch them; then lets the driver plan and issue the window's prefetches.
+    fn issue_prefetches(&mut self) -> Result<()> {
+        if self.driver.is_none() {
+            return Ok(());
+        }
+        let ready: Vec<UnitId> = {
+            let handles = self.shared.handles.lock();
+            (0..self.pending.len())
+                .filter(|&u| self.pending[u] && handles.get(&u).is_some_and(|h| h.is_ready()))
+                .map(UnitId)
+                .collect()
+        };
+        for u in ready {
+            self.publish(u)?;
+        }
+        let pending = &self.pending;
+        let blocked = |id: TensorId| pending.get(id.0 as usize).copied().unwrap_or(false);
+        let driver = self.driver.as_mut().expect("checked above");
+        driver.after_acquire(&self.residency, &blocked)?;
+        Ok(())
+    }
+
+    /// Hands `unit`'s gradients (`[numel]` f32, the unit's flat layout) to the pipeline: they are
+    /// written to a device staging buffer, copied D2H on the copy engine, and submitted to the CPU
+    /// optimizer by a background thread. Returns as soon as the D2H copy is queued.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] for a length mismatch; a failure of an earlier submission.
+    pub fn push_grads(&mut self, unit: UnitId, grads: &[f32]) -> Result<()> {
+        let numel = self.units[unit.0].numel;
+        if grads.len() != numel {
+            return Err(RuntimeError::Usage(format!(
+                "push_grads({}): {} gradients for a unit of {numel} parameters",
+                self.units[unit.0].name,
+                grads.len()
+            )));
+        }
+        self.check_drain()?;
+        let bytes: &[u8] = bytemuck::cast_slice(grads);
+        let mut dev = {
+            let t = Instant::now();
+            let mut staging = self.shared.staging.lock();
+            while staging.is_empty() {
+                self.shared.staging_returned.wait(&mut staging);
+            }
+            let buf = staging.pop().expect("a staging buffer");
+            self.stats.stall_transfer_s += t.elapsed().as_secs_f64();
+            buf
+        };
+        match &mut dev {
+            DeviceBuffer::Sim(b) => b.as_mut_slice()[..bytes.len()].copy_from_slice(bytes),
+            #[allow(unreachable_patterns)]
+            _ => return Err(RuntimeError::Usage("gradient staging from a CUDA tensor is not wired yet".into())),
+        }
+        let mut host = self.grad_pool.alloc(dev.num_bytes())?;
+        host.set_len(dev.num_bytes());
+        let transfer = self.residency.device().dtoh(dev, host)?;
+        *self.shared.in_flight.lock() += 1;
+        self.pending[unit.0] = true;
+        // The optimizer will rewrite the unit's compute copy: its device copy is dead from here.
+        let unit_bytes = self.unit_bytes(unit.0);
+        self.recorder.acquire(unit.tensor(), unit_bytes, PrefetchPhase::Optimizer, Tier::Host, true);
+        self.recorder.release(unit.tensor(), Tier::Host);
+        self.grad_tx.as_ref().expect("drain running").send(GradJob { unit, transfer }).expect("drain thread alive");
+        Ok(())
+    }
+
+    fn wait_submitted(&self) -> Result<()> {
+        let mut n = self.shared.in_flight.lock();
+        while *n > 0 {
+            self.shared.in_flight_done.wait(&mut n);
+        }
+        drop(n);
+        self.check_drain()
+    }
+
+    fn check_drain(&self) -> Result<()> {
+        match self.shared.drain_error.lock().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Ends the step: waits until every gradient is submitted, then for the optimizer's verdict
+    /// (global norm, clip scale, non-finite skip). Updates may still be running; the next fetch
+    /// of each unit waits for its own.
+    ///
+    /// # Errors
+    /// A failure of a gradient copy or of the optimizer.
+    pub fn finish_step(&mut self) -> Result<StepStats> {
+        let t = Instant::now();
+        self.wait_submitted()?;
+        let report: StepReport = self.shared.optimizer.finish_step()?;
+        self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
+        self.update_schedule()?;
+        self.stats.grad_norm = report.grad_norm;
+        self.stats.clip_scale = report.clip_scale;
+        self.stats.skipped = report.skipped;
+        let now = self.traffic();
+        if let Some(begin) = self.metrics_at_begin.take() {
+            self.stats.h2d_bytes = now.htod.bytes - begin.htod.bytes;
+            self.stats.d2h_bytes = now.dtoh.bytes - begin.dtoh.bytes;
+            self.stats.nvme_read_bytes = now.nvme_read.bytes - begin.nvme_read.bytes;
+            self.stats.nvme_write_bytes = now.nvme_write.bytes - begin.nvme_write.bytes;
+        }
+        self.stats.step_s = self.step_started.take().map_or(0.0, |s| s.elapsed().as_secs_f64());
+        Ok(self.stats.clone())
+    }
+
+    /// The step's trace becomes the schedule when it differs from the one in force: the policy
+    /// switches to next-use (Belady) over it and the prefetch window starts.
+    fn update_schedule(&mut self) -> Result<()> {
+        let recorder = std::mem::take(&mut self.recorder);
+        if recorder.is_empty() {
+            return Ok(());
+        }
+        let trace = recorder.finish()?;
+        if self.schedule.as_ref().is_some_and(|s| s.same_accesses(&trace)) {
+            return Ok(());
+        }
+        let schedule = Arc::new(trace);
+        check_budget(&schedule, self.residency.budget_bytes(Tier::Device))?;
+        match &self.cursor {
+            Some(cursor) => cursor.set_schedule(schedule.clone()),
+            None => {
+                let policy = NextUsePolicy::new(schedule.clone());
+                let cursor = policy.cursor();
+                self.residency.set_policy(Box::new(policy));
+                if self.config.prefetch_depth > 0 {
+                    let config = PrefetchConfig { max_depth: self.config.prefetch_depth, ..PrefetchConfig::default() };
+                    self.driver = Some(PrefetchDriver::new(&self.residency, cursor.clone(), config)?);
+                }
+                self.cursor = Some(cursor);
+            }
+        }
+        tracing::debug!(accesses = schedule.entries().len(), "runtime: new schedule");
+        self.schedule = Some(schedule);
+        Ok(())
+    }
+
+    /// The schedule in force (recorded from the last step whose accesses changed).
+    pub fn schedule(&self) -> Option<&Schedule> {
+        self.schedule.as_deref()
+    }
+
+    /// Waits for every pending update and publishes the compute copies (before a checkpoint or
+    /// an evaluation that must see the latest parameters).
+    ///
+    /// # Errors
+    /// As [`Runtime::fetch`].
+    pub fn sync(&mut self) -> Result<()> {
+        for u in 0..self.units.len() {
+            self.publish(UnitId(u))?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of optimizer state on NVMe now (0 when it lives in host memory).
+    pub fn optimizer_nvme_bytes(&self) -> u64 {
+        self.nvme.as_ref().map_or(0, |s| s.used_bytes())
+    }
+
+    /// The unit's fp32 master weights, Adam `m` and `v` (each `[numel]`). Call [`Runtime::sync`]
+    /// first to see the latest update.
+    ///
+    /// # Errors
+    /// Optimizer failures (NVMe read).
+    pub fn unit_state(&self, unit: UnitId) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let s = self.shared.optimizer.export_state(unit.tensor())?;
+        Ok((s.master, s.m, s.v))
+    }
+
+    /// Replaces the unit's master weights and Adam state (a checkpoint being restored) and its
+    /// compute copy.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] for a length mismatch; optimizer or swapper failures.
+    pub fn load_unit_state(&mut self, unit: UnitId, master: Vec<f32>, m: Vec<f32>, v: Vec<f32>) -> Result<()> {
+        let numel = self.units[unit.0].numel;
+        if master.len() != numel || m.len() != numel || v.len() != numel {
+            return Err(RuntimeError::Usage(format!(
+                "load_unit_state({}): lengths differ from {numel}",
+                self.units[unit.0].name
+            )));
+        }
+        self.publish(unit)?;
+        let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Write)?;
+        pin.host_bytes_mut().copy_from_slice(bytemuck::cast_slice(&master));
+        drop(pin);
+        self.shared.optimizer.import_state(unit.tensor(), oogc_optimizer::UnitState { master, m, v })?;
+        Ok(())
+    }
+
+    /// Traffic counters since the runtime began: the device's H2D/D2H links (gradients and
+    /// fetches) and the optimizer's NVMe reads and writes.
+    pub fn traffic(&self) -> oogc_swapper::MetricsSnapshot {
+        let mut m = self.residency.metrics();
+        if let Device::Sim(sim) = self.residency.device() {
+            let (h2d, d2h) = sim.link_stats();
+            m.htod = h2d.snapshot();
+            m.dtoh = d2h.snapshot();
+        }
+        if let Some(store) = &self.nvme {
+            let (read, write) = store.link_stats();
+            let (read, write) = (read.snapshot(), write.snapshot());
+            m.nvme_read.bytes += read.bytes;
+            m.nvme_read.busy_s += read.busy_s;
+            m.nvme_write.bytes += write.bytes;
+            m.nvme_write.busy_s += write.busy_s;
+        }
+        m
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if let Some(d) = self.driver.as_mut() {
+            let _ = d.wait_all();
+        }
+        self.grad_tx.take();
+        if let Some(t) = self.drain.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
+    for job in rx {
+        let (host, dev) = match job.transfer.wait() {
+            Ok(pair) => pair,
+            Err(e) => {
+                shared.drain_error.lock().get_or_insert(e.into());
+                finish_job(&shared);
+                continue;
+            }
+        };
+        shared.staging.lock().push(dev);
+        shared.staging_returned.notify_all();
+        let _span = tracing::info_span!("runtime::submit", unit = job.unit.0).entered();
+        let grads: Vec<f32> = bytemuck::pod_collect_to_vec(host.as_slice());
+        drop(host);
+        match shared.optimizer.submit(job.unit.tensor(), Grads::F32(grads)) {
+            Ok(handle) => {
+                shared.handles.lock().insert(job.unit.0, handle);
+            }
+            Err(e) => {
+                shared.drain_error.lock().get_or_insert(e.into());
+            }
+        }
+        finish_job(&shared);
+    }
+}
+
+fn finish_job(shared: &Shared) {
+    let mut n = shared.in_flight.lock();
+    *n -= 1;
+    if *n == 0 {
+        shared.in_flight_done.notify_all();
+    }
+}
+
+/// The device buffer's first `numel` f32s as a candle tensor on the compute device. On the sim
+/// device compute runs on the CPU, so this is a copy into a CPU tensor.
+fn device_tensor(buf: &DeviceBuffer, numel: usize) -> Result<candle_core::Tensor> {
+    match buf {
+        DeviceBuffer::Sim(b) => {
+            let bytes = &b.as_slice()[..numel * 4];
+            let values: Vec<f32> = bytemuck::pod_collect_to_vec(bytes);
+            Ok(candle_core::Tensor::from_vec(values, numel, &candle_core::Device::Cpu)?)
+        }
+        #[allow(unreachable_patterns)]
+        _ => Err(RuntimeError::Usage("CUDA tensors are wired in the CUDA issue".into())),
+    }
+}

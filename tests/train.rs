@@ -1,0 +1,206 @@
+//! End-to-end training: offloaded equals in-memory (DESIGN.md invariant 3), a killed run resumes
+//! exactly (invariant 4), and bad input is a clear error that loses nothing (invariant 5).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use oogc::config::TrainConfig;
+use oogc::train::Trainer;
+
+fn data_path() -> PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt");
+    assert!(p.exists(), "{} is missing: the tests need ../shared beside the repository", p.display());
+    p
+}
+
+/// A 16-block model of tiny width, so a GPU budget of 1/8 of the parameters still holds the
+/// minimum working set (one block + its gradients).
+fn tiny(gpu: &str, state: &str, nvme: &Path, depth: usize) -> String {
+    format!(
+        r#"
+[model]
+d_model = 16
+n_layer = 16
+n_head = 2
+[data]
+path = "{data}"
+[train]
+batch_size = 4
+seq_len = 16
+steps = 20
+seed = 3
+eval_interval = 0
+eval_batches = 2
+[budgets]
+gpu = "{gpu}"
+host = "64MiB"
+optimizer_state = "{state}"
+nvme_dirs = ["{nvme}"]
+[optimizer]
+lr = 3e-3
+warmup_steps = 5
+clip_norm = 0.5
+[prefetch]
+depth = {depth}
+[threads]
+optimizer = 2
+"#,
+        data = data_path().display(),
+        nvme = nvme.display()
+    )
+}
+
+fn run_steps(cfg: TrainConfig, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>, Trainer) {
+    let mut t = Trainer::new(cfg).unwrap();
+    let mut losses = Vec::new();
+    let mut clipped = 0;
+    for _ in 0..steps {
+        let out = t.train_step().unwrap();
+        clipped += (out.stats.clip_scale < 1.0) as usize;
+        losses.push(out.loss);
+    }
+    assert!(clipped > 0, "the test should exercise clipping (clip_norm 0.5)");
+    let params = t.master_weights().unwrap();
+    (losses, params, t)
+}
+
+#[test]
+fn offloaded_training_equals_in_memory_training_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let resident = TrainConfig::from_toml_str(&tiny("64MiB", "host", dir.path(), 0)).unwrap();
+    let (losses_a, params_a, _) = run_steps(resident, 20);
+
+    let mut offloaded = TrainConfig::from_toml_str(&tiny("64MiB", "nvme", dir.path(), 2)).unwrap();
+    let t = Trainer::new(offloaded.clone()).unwrap();
+    let param_bytes = t.num_params() as u64 * 4;
+    drop(t);
+    // GPU budget: 1/8 of the parameters' bytes.
+    offloaded.budgets.gpu = bytesize::ByteSize::b(param_bytes / 8);
+    let (losses_b, params_b, t) = run_steps(offloaded, 20);
+
+    // Same kernels in the same order on the same data: bitwise equal (f32).
+    assert_eq!(losses_a, losses_b);
+    assert_eq!(params_a, params_b);
+    assert!(losses_a[19] < losses_a[0], "loss should fall: {losses_a:?}");
+    // The offloaded run really moved bytes: evictions and re-fetches, and NVMe state traffic.
+    let traffic = t.runtime().traffic();
+    assert!(traffic.htod.bytes > 2 * param_bytes, "h2d {} vs params {param_bytes}", traffic.htod.bytes);
+    assert!(traffic.nvme_read.bytes > 0 && traffic.nvme_write.bytes > 0);
+}
+
+#[test]
+fn a_budget_below_the_working_set_is_refused_with_the_minimum() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = TrainConfig::from_toml_str(&tiny("4KiB", "host", dir.path(), 2)).unwrap();
+    let err = Trainer::new(cfg).err().expect("refused").to_string();
+    assert!(err.contains("minimum working set") && err.contains("budgets] gpu"), "{err}");
+}
+
+fn oogc() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_oogc"))
+}
+
+fn metrics_losses(path: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+fn cli_config(dir: &Path, name: &str) -> PathBuf {
+    let text = tiny("64KiB", "nvme", &dir.join("nvme"), 2)
+        .replace("steps = 20", "steps = 14")
+        .replace("[threads]", &format!("[checkpoint]\ndir = \"{name}/ckpt\"\ninterval = 3\n[output]\nmetrics = \"{name}/metrics.jsonl\"\n[threads]"));
+    std::fs::create_dir_all(dir.join("nvme")).unwrap();
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_run_killed_mid_step_resumes_with_the_same_losses() {
+    let dir = tempfile::tempdir().unwrap();
+    // The uninterrupted run.
+    let full = cli_config(dir.path(), "full");
+    let st = oogc().args(["train", "--no-progress", "--config"]).arg(&full).status().unwrap();
+    assert!(st.success());
+    let reference = metrics_losses(&dir.path().join("full/metrics.jsonl"));
+    assert_eq!(reference.len(), 14);
+
+    // The same run, killed with SIGKILL once step 7 is logged (mid-way through a later step).
+    let killed = cli_config(dir.path(), "killed");
+    let metrics = dir.path().join("killed/metrics.jsonl");
+    let mut child =
+        oogc().args(["train", "--no-progress", "--config"]).arg(&killed).stdout(Stdio::null()).spawn().unwrap();
+    let start = Instant::now();
+    while metrics_losses(&metrics).len() < 7 {
+        assert!(start.elapsed() < Duration::from_secs(120), "the run did not reach step 7");
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("the run ended ({st}) before it was killed");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let ckpts = oogc::checkpoint::list(&dir.path().join("killed/ckpt")).unwrap();
+    let resumed_from = ckpts.last().expect("a checkpoint before the kill").0;
+    assert!(resumed_from >= 6, "checkpoints {ckpts:?}");
+
+    let st = oogc()
+        .args(["train", "--no-progress", "--config"])
+        .arg(&killed)
+        .arg("--resume")
+        .arg(dir.path().join("killed/ckpt"))
+        .status()
+        .unwrap();
+    assert!(st.success());
+    let after: Vec<(u64, f64)> = metrics_losses(&metrics).into_iter().filter(|(s, _)| *s > resumed_from).collect();
+    let expected: Vec<(u64, f64)> = reference.into_iter().filter(|(s, _)| *s > resumed_from).collect();
+    assert!(!after.is_empty());
+    // Of the steps logged twice (before the kill and after the resume), the last copy counts.
+    let mut dedup = std::collections::BTreeMap::new();
+    dedup.extend(after);
+    assert_eq!(dedup.into_iter().collect::<Vec<_>>(), expected);
+}
+
+fn run_cli_err(config_text: &str, dir: &Path) -> (i32, String) {
+    let path = dir.join("bad.toml");
+    std::fs::write(&path, config_text).unwrap();
+    let out = oogc().args(["train", "--no-progress", "--config"]).arg(&path).output().unwrap();
+    (out.status.code().unwrap_or(-1), String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+#[test]
+fn bad_input_names_the_cause_and_writes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let nvme = dir.path().join("nvme");
+    std::fs::create_dir_all(&nvme).unwrap();
+    let good =
+        tiny("64KiB", "nvme", &nvme, 2).replace("[threads]", "[output]\nmetrics = \"out/metrics.jsonl\"\n[threads]");
+    let metrics = dir.path().join("out/metrics.jsonl");
+    std::fs::create_dir_all(metrics.parent().unwrap()).unwrap();
+    std::fs::write(&metrics, "previous run\n").unwrap();
+
+    let cases = [
+        (good.replace("seed = 3", "seed = 3\nsede = 4"), "sede"),
+        (good.replace("gpu = \"64KiB\"", "gpu = \"4KiB\""), "minimum working set"),
+        (good.replace(&data_path().display().to_string(), "/nonexistent/text.txt"), "/nonexistent/text.txt"),
+        (good.replace(&nvme.display().to_string(), "/proc/oogc-not-writable"), "/proc/oogc-not-writable"),
+    ];
+    for (text, needle) in cases {
+        let (code, err) = run_cli_err(&text, dir.path());
+        assert_ne!(code, 0, "{needle}: {err}");
+        assert!(err.contains(needle), "expected `{needle}` in: {err}");
+        assert!(err.contains("fix") || err.contains("README"), "no fix in: {err}");
+        assert_eq!(std::fs::read_to_string(&metrics).unwrap(), "previous run\n", "{needle}: metrics overwritten");
+    }
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let (code, err) =
+        run_cli_err(&good.replace(&data_path().display().to_string(), &empty.display().to_string()), dir.path());
+    assert_ne!(code, 0);
+    assert!(err.contains("empty.txt") && err.contains("0 bytes"), "{err}");
+}
