@@ -5,6 +5,7 @@ use std::sync::Mutex;
 use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::config::{block_idx as bi, GptConfig, UnitKind, UnitSpec};
+use super::kernels;
 use super::{Error, Result};
 
 /// Gradients of one unit's backward.
@@ -50,6 +51,9 @@ pub struct Gpt {
     config: GptConfig,
     units: Vec<UnitSpec>,
     masks: Mutex<Vec<CachedMask>>,
+    /// Use the fused CPU kernels ([`kernels`]) where they apply; `false` forces the op
+    /// compositions everywhere (tests compare the two).
+    fused_cpu_kernels: bool,
 }
 
 impl std::fmt::Debug for Gpt {
@@ -66,7 +70,15 @@ impl Gpt {
     pub fn new(config: GptConfig) -> Result<Self> {
         config.validate()?;
         let units = config.units();
-        Ok(Self { config, units, masks: Mutex::new(Vec::new()) })
+        Ok(Self { config, units, masks: Mutex::new(Vec::new()), fused_cpu_kernels: true })
+    }
+
+    /// The same model computed with candle op compositions only (no fused CPU kernels): the
+    /// path every non-CPU device takes, so CPU tests can check it.
+    #[cfg(test)]
+    pub(super) fn composed_only(mut self) -> Self {
+        self.fused_cpu_kernels = false;
+        self
     }
 
     /// The configuration.
@@ -480,15 +492,25 @@ impl Gpt {
         Ok(x.broadcast_add(&p[1].narrow(0, 0, t)?)?)
     }
 
+    /// Whether the fused CPU kernels apply to computations on `x`.
+    fn fused(&self, x: &Tensor) -> bool {
+        self.fused_cpu_kernels && kernels::fused_supported(x)
+    }
+
     /// Pre-LN block: `x + attn(ln_1(x))`, then `+ mlp(ln_2(.))` → `[B, T, d]`.
     pub(super) fn block_math(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let (nh, hd) = (self.config.n_head, self.config.head_dim());
         let eps = self.config.ln_eps;
+        let fused = self.fused(x);
+        let linear = |h: &Tensor, w: usize, bias: usize| -> Result<Tensor> {
+            let y = h.matmul(&p[w])?;
+            Ok(if fused { kernels::bias_add(&y, &p[bias])? } else { y.broadcast_add(&p[bias])? })
+        };
 
         // Attention.
-        let h = layer_norm(x, &p[bi::LN1_W], &p[bi::LN1_B], eps)?.reshape((b * t, d))?;
-        let qkv = h.matmul(&p[bi::QKV_W])?.broadcast_add(&p[bi::QKV_B])?.reshape((b, t, 3, nh, hd))?;
+        let h = layer_norm(x, &p[bi::LN1_W], &p[bi::LN1_B], eps, fused)?.reshape((b * t, d))?;
+        let qkv = linear(&h, bi::QKV_W, bi::QKV_B)?.reshape((b, t, 3, nh, hd))?;
         let head = |i: usize| -> candle_core::Result<Tensor> {
             qkv.narrow(2, i, 1)?.squeeze(2)?.transpose(1, 2) // [B, H, T, hd], strided
         };
@@ -497,26 +519,31 @@ impl Gpt {
         let k = head(1)?.contiguous()?;
         let v = head(2)?.contiguous()?;
         let att = q.matmul(&k.t()?)?; // [B, H, T, T]
-        let att = att.broadcast_add(&self.causal_mask(t, x.dtype(), x.device())?)?;
-        let att = softmax_last_dim(&att)?;
+        let att = if fused {
+            kernels::causal_softmax(&att)?
+        } else {
+            let att = att.broadcast_add(&self.causal_mask(t, x.dtype(), x.device())?)?;
+            softmax_last_dim(&att)?
+        };
         let y = att
             .matmul(&v)? // [B, H, T, hd]
             .transpose(1, 2)?
             .reshape((b * t, d))?;
-        let y = y.matmul(&p[bi::PROJ_W])?.broadcast_add(&p[bi::PROJ_B])?;
+        let y = linear(&y, bi::PROJ_W, bi::PROJ_B)?;
         let x = (x + y.reshape((b, t, d))?)?;
 
         // MLP.
-        let h = layer_norm(&x, &p[bi::LN2_W], &p[bi::LN2_B], eps)?.reshape((b * t, d))?;
-        let h = h.matmul(&p[bi::FC_W])?.broadcast_add(&p[bi::FC_B])?.gelu()?;
-        let h = h.matmul(&p[bi::FC2_W])?.broadcast_add(&p[bi::FC2_B])?;
+        let h = layer_norm(&x, &p[bi::LN2_W], &p[bi::LN2_B], eps, fused)?.reshape((b * t, d))?;
+        let h = linear(&h, bi::FC_W, bi::FC_B)?;
+        let h = if fused { kernels::gelu(&h)? } else { gelu_composed(&h)? };
+        let h = linear(&h, bi::FC2_W, bi::FC2_B)?;
         Ok((x + h.reshape((b, t, d))?)?)
     }
 
     /// Head: `ln_f(x) @ w_out` → logits `[B, T, V]`; `w_out` is `[d, V]`.
     pub(super) fn head_math(&self, p: &[Tensor], w_out: &Tensor, x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        let h = layer_norm(x, &p[0], &p[1], self.config.ln_eps)?.reshape((b * t, d))?;
+        let h = layer_norm(x, &p[0], &p[1], self.config.ln_eps, self.fused(x))?.reshape((b * t, d))?;
         Ok(h.matmul(w_out)?.reshape((b, t, self.config.vocab_size))?)
     }
 }
@@ -547,7 +574,7 @@ fn scalar(t: &Tensor) -> Result<f64> {
 /// LayerNorm over the last dim composed of ops that all have a backward (candle-nn's fused
 /// `layer_norm`/`LayerNorm` have none). Statistics in F32 for half dtypes, as
 /// `candle_nn::ops::layer_norm_slow`.
-pub(super) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+pub(super) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, fused: bool) -> Result<Tensor> {
     let dtype = x.dtype();
     let xs = match dtype {
         DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
@@ -558,7 +585,21 @@ pub(super) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
     let inv_std = (var + eps)?.sqrt()?.recip()?;
     let xn = xc.broadcast_mul(&inv_std)?.to_dtype(dtype)?;
-    Ok(xn.broadcast_mul(w)?.broadcast_add(b)?)
+    if fused {
+        Ok(kernels::scale_shift(&xn, w, b)?)
+    } else {
+        Ok(xn.broadcast_mul(w)?.broadcast_add(b)?)
+    }
+}
+
+/// Tanh-form GELU (GPT-2) composed of ops with a backward, written `x · sigmoid(2u)`,
+/// `u = sqrt(2/π) (x + 0.044715 x³)` (equal to `0.5 x (1 + tanh u)`), so its gradient is exact;
+/// candle's own `gelu` backward uses 6-digit constants.
+pub(super) fn gelu_composed(x: &Tensor) -> Result<Tensor> {
+    const C: f64 = 0.797_884_560_802_865_4; // sqrt(2/π)
+    const A: f64 = 0.044_715;
+    let two_u = (x * x.sqr()?.affine(2.0 * C * A, 2.0 * C)?)?;
+    Ok((x * candle_nn::ops::sigmoid(&two_u)?)?)
 }
 
 /// Softmax over the last dim. The row max is subtracted for range only and detached: softmax is
