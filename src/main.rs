@@ -198,6 +198,11 @@ enum StateArg {
 
 #[derive(Debug, Args)]
 struct PlanCmd {
+    /// Plan the run of an `oogc train` config: its model, batch, GPU and host budgets, optimizer
+    /// state tier and prefetch depth replace --layers/--d-model/--seq-len/--batch/--gpu-budget/
+    /// --host-budget/--optimizer-state/--max-depth (f32 compute copies, as on the sim device).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     #[command(flatten)]
     model: ModelArgs,
     /// GPU bytes for the units' compute copies; suffixes KiB, MiB, GiB (or K, M, G).
@@ -481,6 +486,28 @@ fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    if let Some(path) = &cmd.config {
+        let cfg = TrainConfig::load(path)?;
+        let args = planner::PlanArgs {
+            shape: planner::GptShape {
+                layers: cfg.model.n_layer as u64,
+                d_model: cfg.model.d_model as u64,
+                seq_len: cfg.train.seq_len as u64,
+                batch: cfg.train.batch_size as u64,
+                dtype_bytes: 4,
+            },
+            gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
+            host_budget_bytes: Some(cfg.budgets.host.as_u64()),
+            optimizer_state: match cfg.budgets.optimizer_state {
+                oogc::config::StateTier::Host => StatePlacement::Host,
+                oogc::config::StateTier::Nvme => StatePlacement::Nvme,
+            },
+            max_depth: cfg.prefetch.depth.max(1),
+            hardware: load_hardware(cmd.hardware.as_ref())?,
+            trace: cmd.trace.is_some(),
+        };
+        return finish_plan(&cmd, args);
+    }
     let args = planner::PlanArgs {
         shape: cmd.model.shape(),
         gpu_budget_bytes: cmd.gpu_budget as u64,
@@ -494,6 +521,10 @@ fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         hardware: load_hardware(cmd.hardware.as_ref())?,
         trace: cmd.trace.is_some(),
     };
+    finish_plan(&cmd, args)
+}
+
+fn finish_plan(cmd: &PlanCmd, args: planner::PlanArgs) -> anyhow::Result<()> {
     let mut report = planner::plan_gpt(&args).context("oogc plan")?;
     if let (Some(path), Some(trace)) = (&cmd.trace, report.sim.trace.take()) {
         let json = serde_json::to_string(&trace).context("serializing the trace")?;
@@ -606,6 +637,7 @@ fn init_tracing(trace: Option<&std::path::Path>) -> Option<tracing_chrome::Flush
 
 fn train(cmd: TrainCmd, cfg: TrainConfig) -> anyhow::Result<()> {
     let mut cfg = cfg;
+    oogc::run::size_compute_threads(&cfg)?;
     if let Some(data) = cmd.data {
         cfg.data.path = data;
     }

@@ -12,6 +12,18 @@ use crate::config::TrainConfig;
 use crate::swapper::Tier;
 use crate::train::{Result, TrainError, Trainer};
 
+/// Sizes candle's CPU compute pool (sim device) from `[threads] compute`: candle's matmuls split
+/// into `RAYON_NUM_THREADS` tasks on the global rayon pool, so both are set. Call it before any
+/// candle or rayon work, from the main thread.
+///
+/// # Errors
+/// When the global rayon pool was already built with another size.
+pub fn size_compute_threads(cfg: &TrainConfig) -> Result<(), rayon::ThreadPoolBuildError> {
+    let n = cfg.threads.compute.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    rayon::ThreadPoolBuilder::new().num_threads(n).thread_name(|i| format!("oogc-compute-{i}")).build_global()
+}
+
 /// Options of one `oogc train` invocation.
 #[derive(Debug, Clone, Default)]
 pub struct RunOptions {
@@ -284,8 +296,8 @@ impl RunSummary {
             "peak: GPU {} B, pinned host {} B, NVMe {} B; parameters + optimizer state = {:.1} × the GPU budget\n",
             self.peak_gpu_bytes, self.peak_host_bytes, self.nvme_bytes, self.model_to_gpu_ratio
         );
-        for c in &self.checkpoints {
-            s += &format!("checkpoint: {}\n", c.display());
+        if let Some(last) = self.checkpoints.last() {
+            s += &format!("checkpoints: {} written, the last {}\n", self.checkpoints.len(), last.display());
         }
         s
     }

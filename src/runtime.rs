@@ -142,7 +142,7 @@ pub struct RuntimeConfig {
 
 impl RuntimeConfig {
     /// A sim-device runtime with `gpu_budget_bytes`, an unthrottled link, state in host memory,
-    /// prefetch depth 2 and the optimizer's defaults.
+    /// prefetch depth 2 and the optimizer's defaults with f32 compute copies.
     pub fn sim(gpu_budget_bytes: u64) -> Self {
         Self {
             device: DeviceSpec::Sim { link_gbps: 0.0, latency_us: 0.0 },
@@ -151,7 +151,7 @@ impl RuntimeConfig {
             state_tier: StateTier::Host,
             nvme: None,
             prefetch_depth: 2,
-            optimizer: OptimizerConfig::default(),
+            optimizer: OptimizerConfig { compute_dtype: oogc_optimizer::FloatType::F32, ..OptimizerConfig::default() },
             lock_host_memory: false,
         }
     }
@@ -206,6 +206,15 @@ pub struct UnitParams {
     tensor: candle_core::Tensor,
     _pin: Resident,
     unit: UnitId,
+    recorder: Option<Arc<Mutex<TraceRecorder>>>,
+}
+
+impl Drop for UnitParams {
+    fn drop(&mut self) {
+        if let Some(r) = &self.recorder {
+            r.lock().release(self.unit.tensor(), Tier::Device);
+        }
+    }
 }
 
 impl UnitParams {
@@ -250,6 +259,9 @@ pub struct Runtime {
     units: Vec<UnitInfo>,
     /// Units whose update was submitted and whose new compute copy is not yet published.
     pending: Vec<bool>,
+    /// Pending units whose step has finished ([`Runtime::finish_step`]): their update is final
+    /// once idle, and may be published. Before that the optimizer's copy is the previous step's.
+    finalized: Vec<bool>,
     step: u64,
     step_started: Option<Instant>,
     stats: StepStats,
@@ -257,8 +269,9 @@ pub struct Runtime {
     checked_working_set: bool,
     /// Units a caller holds pinned at once (2 when a tied head uses the embedding).
     max_units_in_use: usize,
-    /// The access trace of the step in progress.
-    recorder: TraceRecorder,
+    /// The access trace of the step in progress (shared with [`UnitParams`], which records its
+    /// release when dropped).
+    recorder: Arc<Mutex<TraceRecorder>>,
     /// The schedule in force (the last step's trace) and the policy's cursor on it.
     schedule: Option<Arc<Schedule>>,
     cursor: Option<CursorHandle>,
@@ -282,6 +295,12 @@ impl Runtime {
     /// NVMe directory (named, with the bytes needed) or budget; [`RuntimeError::Optimizer`] for a
     /// bad optimizer config.
     pub fn new(config: RuntimeConfig) -> Result<Self> {
+        if config.optimizer.compute_dtype != oogc_optimizer::FloatType::F32 {
+            return Err(RuntimeError::Usage(format!(
+                "compute copies are f32 on this device; set the optimizer's compute_dtype to f32 (got {})",
+                config.optimizer.compute_dtype
+            )));
+        }
         let device = match &config.device {
             DeviceSpec::Sim { link_gbps, latency_us } => Device::Sim(SimDevice::new(SimDeviceConfig {
                 capacity_bytes: config.gpu_budget_bytes,
@@ -312,13 +331,12 @@ impl Runtime {
                 lock_host_memory: config.lock_host_memory,
                 ..ResidencyConfig::default()
             },
-            Box::new(oogc_swapper::LruPolicy::default()),
+            Box::new(oogc_swapper::LruPolicy),
         )?);
         let grad_pool = PinnedPool::new(
             &oogc_swapper::PinnedPoolConfig {
                 budget_bytes: config.host_budget_bytes,
                 lock: config.lock_host_memory,
-                ..Default::default()
             },
             host_allocator,
         );
@@ -348,13 +366,14 @@ impl Runtime {
             drain: Some(drain),
             units: Vec::new(),
             pending: Vec::new(),
+            finalized: Vec::new(),
             step: 0,
             step_started: None,
             stats: StepStats::default(),
             metrics_at_begin: None,
             checked_working_set: false,
             max_units_in_use: 1,
-            recorder: TraceRecorder::new(),
+            recorder: Arc::new(Mutex::new(TraceRecorder::new())),
             schedule: None,
             cursor: None,
             driver: None,
@@ -390,6 +409,7 @@ impl Runtime {
         self.shared.optimizer.add_unit(unit.tensor(), master, placement)?;
         self.units.push(UnitInfo { name: name.to_string(), numel: master.len() });
         self.pending.push(false);
+        self.finalized.push(false);
         Ok(unit)
     }
 
@@ -438,7 +458,8 @@ impl Runtime {
         sizes.iter().take(max_units_in_use.max(1)).sum::<u64>() + STAGING_BUFFERS as u64 * largest
     }
 
-    /// Starts optimizer step `step` (1-based) with learning rate `lr`. The first call checks the
+    /// Starts a step whose update is Adam step `step` (1-based `t`; a skipped step does not
+    /// advance it) with learning rate `lr`. The first call checks the
     /// GPU budget against the minimum working set and carves out gradient staging.
     ///
     /// # Errors
@@ -450,7 +471,7 @@ impl Runtime {
         self.stats = StepStats { step, clip_scale: 1.0, ..StepStats::default() };
         self.metrics_at_begin = Some(self.traffic());
         self.step_started = Some(Instant::now());
-        self.recorder = TraceRecorder::new();
+        *self.recorder.lock() = TraceRecorder::new();
         if let Some(cursor) = &self.cursor {
             // Evaluation between steps made off-schedule acquires: start the step afresh.
             cursor.restart_step();
@@ -504,18 +525,22 @@ impl Runtime {
             let buf = pin.device_buffer();
             device_tensor(&buf, self.units[unit.0].numel)?
         };
+        let mut recorder = None;
         if phase != Phase::Eval {
             let bytes = self.unit_bytes(unit.0);
             let p = if phase == Phase::Forward { PrefetchPhase::Forward } else { PrefetchPhase::Backward };
-            self.recorder.acquire(unit.tensor(), bytes, p, Tier::Device, false);
+            self.recorder.lock().acquire(unit.tensor(), bytes, p, Tier::Device, false);
+            recorder = Some(Arc::clone(&self.recorder));
             self.issue_prefetches()?;
         }
-        Ok(UnitParams { tensor, _pin: pin, unit })
+        Ok(UnitParams { tensor, _pin: pin, unit, recorder })
     }
 
     /// Waits for `unit`'s pending update and copies its new compute copy into the host copy.
     fn publish(&mut self, unit: UnitId) -> Result<()> {
-        if !self.pending[unit.0] {
+        if !self.pending[unit.0] || !self.finalized[unit.0] {
+            // Not submitted, or submitted in the step still running: the copy in the tiers is
+            // the one this step must use.
             return Ok(());
         }
         let t = Instant::now();
@@ -525,6 +550,7 @@ impl Runtime {
         self.shared.optimizer.read_compute_copy(unit.tensor(), |bytes| pin.host_bytes_mut().copy_from_slice(bytes))?;
         drop(pin);
         self.pending[unit.0] = false;
+        self.finalized[unit.0] = false;
         self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
         Ok(())
     }
@@ -538,7 +564,7 @@ impl Runtime {
         let ready: Vec<UnitId> = {
             let handles = self.shared.handles.lock();
             (0..self.pending.len())
-                .filter(|&u| self.pending[u] && handles.get(&u).is_some_and(|h| h.is_ready()))
+                .filter(|&u| self.finalized[u] && handles.get(&u).is_some_and(|h| h.is_ready()))
                 .map(UnitId)
                 .collect()
         };
@@ -584,15 +610,16 @@ impl Runtime {
             #[allow(unreachable_patterns)]
             _ => return Err(RuntimeError::Usage("gradient staging from a CUDA tensor is not wired yet".into())),
         }
-        let mut host = self.grad_pool.alloc(dev.num_bytes())?;
-        host.set_len(dev.num_bytes());
+        let mut host = self.grad_pool.alloc(bytes.len())?;
+        host.set_len(bytes.len());
         let transfer = self.residency.device().dtoh(dev, host)?;
         *self.shared.in_flight.lock() += 1;
         self.pending[unit.0] = true;
         // The optimizer will rewrite the unit's compute copy: its device copy is dead from here.
         let unit_bytes = self.unit_bytes(unit.0);
-        self.recorder.acquire(unit.tensor(), unit_bytes, PrefetchPhase::Optimizer, Tier::Host, true);
-        self.recorder.release(unit.tensor(), Tier::Host);
+        let mut recorder = self.recorder.lock();
+        recorder.acquire(unit.tensor(), unit_bytes, PrefetchPhase::Optimizer, Tier::Host, true);
+        recorder.release(unit.tensor(), Tier::Host);
         self.grad_tx.as_ref().expect("drain running").send(GradJob { unit, transfer }).expect("drain thread alive");
         Ok(())
     }
@@ -623,6 +650,9 @@ impl Runtime {
         let t = Instant::now();
         self.wait_submitted()?;
         let report: StepReport = self.shared.optimizer.finish_step()?;
+        for u in 0..self.units.len() {
+            self.finalized[u] = self.pending[u];
+        }
         self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
         self.update_schedule()?;
         self.stats.grad_norm = report.grad_norm;
@@ -642,7 +672,7 @@ impl Runtime {
     /// The step's trace becomes the schedule when it differs from the one in force: the policy
     /// switches to next-use (Belady) over it and the prefetch window starts.
     fn update_schedule(&mut self) -> Result<()> {
-        let recorder = std::mem::take(&mut self.recorder);
+        let recorder = std::mem::take(&mut *self.recorder.lock());
         if recorder.is_empty() {
             return Ok(());
         }

@@ -78,19 +78,15 @@ pub fn gpt_config(cfg: &TrainConfig) -> GptConfig {
     }
 }
 
-/// Learning rate at `step` (1-based): linear warmup from `lr / warmup` to `lr` over
-/// `warmup_steps`, then cosine decay to `min_lr` at `total_steps` (GPT-3's schedule, Brown et al.
-/// 2020).
-pub fn lr_at(cfg: &TrainConfig, step: u64) -> f32 {
-    let o = &cfg.optimizer;
-    let total = cfg.train.steps.max(1);
-    if step <= o.warmup_steps {
-        return o.lr * step as f32 / o.warmup_steps.max(1) as f32;
+/// The learning-rate schedule of the run: linear warmup over `warmup_steps`, cosine decay to
+/// `min_lr` at `train.steps`.
+pub fn lr_schedule(cfg: &TrainConfig) -> oogc_optimizer::LrSchedule {
+    oogc_optimizer::LrSchedule {
+        peak_lr: cfg.optimizer.lr,
+        min_lr: cfg.min_lr(),
+        warmup_steps: cfg.optimizer.warmup_steps.min(cfg.train.steps),
+        total_steps: cfg.train.steps,
     }
-    let span = total.saturating_sub(o.warmup_steps).max(1);
-    let progress = ((step - o.warmup_steps) as f64 / span as f64).min(1.0);
-    let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
-    (cfg.min_lr() as f64 + (o.lr - cfg.min_lr()) as f64 * cosine) as f32
 }
 
 /// The runtime's config from the run's config.
@@ -157,6 +153,9 @@ pub struct Trainer {
     val: Vec<Batch>,
     /// Steps completed.
     step: u64,
+    /// Optimizer updates applied (steps skipped for non-finite gradients do not count): the
+    /// Adam step counter `t` of the next update is this + 1.
+    updates: u64,
 }
 
 impl Trainer {
@@ -194,7 +193,7 @@ impl Trainer {
         rt.check_working_set()?;
         let val = validation_batches(&data, cfg.train.eval_batches, cfg.train.batch_size, cfg.train.seq_len);
         let sampler = Sampler::new(cfg.train.seed);
-        Ok(Self { cfg, model, units, rt, ids, data, sampler, val, step: 0 })
+        Ok(Self { cfg, model, units, rt, ids, data, sampler, val, step: 0, updates: 0 })
     }
 
     /// Resumes from the newest checkpoint in `dir` (or a checkpoint file): parameters, optimizer
@@ -235,6 +234,10 @@ impl Trainer {
         let sampler = ckpt.metadata.get("sampler").ok_or_else(|| mismatch("no `sampler` metadata".into()))?;
         t.sampler = serde_json::from_str(sampler).map_err(|e| mismatch(format!("sampler state: {e}")))?;
         t.step = ckpt.step;
+        t.updates = match ckpt.metadata.get("optimizer_updates") {
+            Some(u) => u.parse().map_err(|e| mismatch(format!("optimizer_updates: {e}")))?,
+            None => ckpt.step,
+        };
         Ok(t)
     }
 
@@ -274,14 +277,14 @@ impl Trainer {
     /// Runtime, model or candle failures.
     pub fn train_step(&mut self) -> Result<StepOutcome> {
         let step = self.step + 1;
-        let lr = lr_at(&self.cfg, step);
+        let lr = lr_schedule(&self.cfg).lr(step);
         let batch = self.sampler.next_batch(self.data.train(), self.cfg.train.batch_size, self.cfg.train.seq_len);
         let inputs = self.tokens(&batch.inputs)?;
         let targets = self.tokens(&batch.targets)?;
         let n = self.units.len();
         let head = n - 1;
         let tied = self.cfg.model.tied_head;
-        self.rt.begin_step(step, lr)?;
+        self.rt.begin_step(self.updates + 1, lr)?;
 
         // Forward: keep each unit's input (the activation checkpoint).
         let mut checkpoints: Vec<Tensor> = Vec::with_capacity(n);
@@ -326,6 +329,9 @@ impl Trainer {
         }
         let stats = self.rt.finish_step()?;
         self.step = step;
+        if !stats.skipped {
+            self.updates += 1;
+        }
         Ok(StepOutcome { loss, lr, tokens: batch.inputs.len(), stats })
     }
 
@@ -384,6 +390,7 @@ impl Trainer {
         }
         let mut metadata = BTreeMap::new();
         metadata.insert("format".into(), "oogc-gpt-1".into());
+        metadata.insert("optimizer_updates".into(), self.updates.to_string());
         metadata.insert("model".into(), serde_json::to_string(&self.cfg.model).expect("model config serializes"));
         metadata.insert("sampler".into(), serde_json::to_string(&self.sampler).expect("sampler serializes"));
         metadata.insert("config".into(), toml::to_string(&self.cfg).unwrap_or_default());

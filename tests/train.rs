@@ -14,14 +14,14 @@ fn data_path() -> PathBuf {
     p
 }
 
-/// A 16-block model of tiny width, so a GPU budget of 1/8 of the parameters still holds the
+/// A 24-block model of tiny width, so a GPU budget of 1/8 of the parameters still holds the
 /// minimum working set (one block + its gradients).
 fn tiny(gpu: &str, state: &str, nvme: &Path, depth: usize) -> String {
     format!(
         r#"
 [model]
 d_model = 16
-n_layer = 16
+n_layer = 24
 n_head = 2
 [data]
 path = "{data}"
