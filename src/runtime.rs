@@ -334,10 +334,7 @@ impl Runtime {
             Box::new(oogc_swapper::LruPolicy),
         )?);
         let grad_pool = PinnedPool::new(
-            &oogc_swapper::PinnedPoolConfig {
-                budget_bytes: config.host_budget_bytes,
-                lock: config.lock_host_memory,
-            },
+            &oogc_swapper::PinnedPoolConfig { budget_bytes: config.host_budget_bytes, lock: config.lock_host_memory },
             host_allocator,
         );
         let shared = Arc::new(Shared {

@@ -39,7 +39,7 @@ pub enum TrainError {
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
     /// The checkpoint does not belong to this config.
-    #[error("cannot resume from {path}: {reason}\n  fix: resume with the config the checkpoint was written with")]
+    #[error("checkpoint {path}: {reason}")]
     Mismatch {
         /// The checkpoint.
         path: PathBuf,
@@ -165,7 +165,26 @@ impl Trainer {
     /// Bad config, missing or short data, a budget below the minimum working set, a bad NVMe
     /// directory — each naming the key or path.
     pub fn new(cfg: TrainConfig) -> Result<Self> {
+        Self::build(cfg, false)
+    }
+
+    fn build(cfg: TrainConfig, resuming: bool) -> Result<Self> {
         cfg.validate()?;
+        if let Some(dir) = cfg.checkpoint.dir.as_deref().filter(|_| !resuming) {
+            // A fresh run must not mix its checkpoints with another run's (nor rotate them away).
+            if let Some((step, path)) = checkpoint::list(dir).ok().and_then(|l| l.last().cloned()) {
+                return Err(TrainError::Mismatch {
+                    path,
+                    reason: format!(
+                        "[checkpoint] dir {} already holds a run's checkpoint (step {step}); a fresh run would \
+                         mix with it\n  fix: continue that run with --resume {}, or start over after removing the \
+                         directory (or set another [checkpoint] dir)",
+                        dir.display(),
+                        dir.display()
+                    ),
+                });
+            }
+        }
         let gcfg = gpt_config(&cfg);
         let model = Gpt::new(gcfg.clone())?;
         let data = TextData::load(&cfg.data.path, cfg.data.val_fraction, cfg.train.seq_len)?;
@@ -205,13 +224,16 @@ impl Trainer {
     pub fn resume(cfg: TrainConfig, dir: &Path) -> Result<Self> {
         let ckpt = checkpoint::load(dir)?;
         let path = if dir.is_dir() { checkpoint::latest(dir)? } else { dir.to_path_buf() };
-        let mismatch = |reason: String| TrainError::Mismatch { path: path.clone(), reason };
+        let mismatch = |reason: String| TrainError::Mismatch {
+            path: path.clone(),
+            reason: format!("cannot resume: {reason}\n  fix: resume with the config the checkpoint was written with"),
+        };
         let saved_model = ckpt.metadata.get("model").ok_or_else(|| mismatch("no `model` metadata".into()))?;
         let ours = serde_json::to_string(&cfg.model).expect("model config serializes");
         if *saved_model != ours {
             return Err(mismatch(format!("checkpoint model {saved_model} != config model {ours}")));
         }
-        let mut t = Self::new(cfg)?;
+        let mut t = Self::build(cfg, true)?;
         for (k, spec) in t.units.clone().iter().enumerate() {
             let mut state = [vec![0f32; spec.numel], vec![0f32; spec.numel], vec![0f32; spec.numel]];
             for p in &spec.params {

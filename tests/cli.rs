@@ -120,9 +120,12 @@ fn bench_swap_throttled_rows_stay_under_the_link() {
         rows.iter().filter(|r| r["name"].as_str().is_some_and(|n| n.ends_with("-throttled"))).collect();
     assert_eq!(throttled.len(), 3, "{rows:?}");
     for row in throttled {
-        // 2 GB/s is far below memcpy, so the throttle is the limit.
-        assert_eq!(row["limit_gbps"], 2.0, "{row}");
-        assert_eq!(row["limit"], "link throttle", "{row}");
+        // The limit is the lower of the throttle and the memcpy measured in the same run (on a
+        // loaded machine memcpy can fall below 2 GB/s): never above the throttle.
+        assert!(positive(row, "limit_gbps") <= 2.0, "{row}");
+        if row["limit"] == "link throttle" {
+            assert_eq!(row["limit_gbps"], 2.0, "{row}");
+        }
         // The throttle is a lower bound on time, so the rate never exceeds it (small slack for timer rounding).
         assert!(positive(row, "gbps") <= 2.0 * 1.02, "{row}");
     }

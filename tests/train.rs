@@ -112,7 +112,7 @@ fn metrics_losses(path: &Path) -> Vec<(u64, f64)> {
 
 fn cli_config(dir: &Path, name: &str) -> PathBuf {
     let text = tiny("64KiB", "nvme", &dir.join("nvme"), 2)
-        .replace("steps = 20", "steps = 14")
+        .replace("steps = 20", "steps = 60")
         .replace("[threads]", &format!("[checkpoint]\ndir = \"{name}/ckpt\"\ninterval = 3\n[output]\nmetrics = \"{name}/metrics.jsonl\"\n[threads]"));
     std::fs::create_dir_all(dir.join("nvme")).unwrap();
     let path = dir.join(format!("{name}.toml"));
@@ -128,7 +128,7 @@ fn a_run_killed_mid_step_resumes_with_the_same_losses() {
     let st = oogc().args(["train", "--no-progress", "--config"]).arg(&full).status().unwrap();
     assert!(st.success());
     let reference = metrics_losses(&dir.path().join("full/metrics.jsonl"));
-    assert_eq!(reference.len(), 14);
+    assert_eq!(reference.len(), 60);
 
     // The same run, killed with SIGKILL once step 7 is logged (mid-way through a later step).
     let killed = cli_config(dir.path(), "killed");
@@ -144,7 +144,10 @@ fn a_run_killed_mid_step_resumes_with_the_same_losses() {
         std::thread::sleep(Duration::from_millis(5));
     }
     child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    let status = child.wait().unwrap();
+    // Killed by the signal, not finished: the run was cut mid-way.
+    assert_eq!(std::os::unix::process::ExitStatusExt::signal(&status), Some(9), "{status}");
+    assert!(metrics_losses(&metrics).len() < 60);
     let ckpts = oogc::checkpoint::list(&dir.path().join("killed/ckpt")).unwrap();
     let resumed_from = ckpts.last().expect("a checkpoint before the kill").0;
     assert!(resumed_from >= 6, "checkpoints {ckpts:?}");
@@ -197,10 +200,67 @@ fn bad_input_names_the_cause_and_writes_nothing() {
         assert!(err.contains("fix") || err.contains("README"), "no fix in: {err}");
         assert_eq!(std::fs::read_to_string(&metrics).unwrap(), "previous run\n", "{needle}: metrics overwritten");
     }
+    // A fresh run into a checkpoint directory that holds another run's checkpoint.
+    let ckpt_dir = dir.path().join("ckpt");
+    std::fs::create_dir_all(&ckpt_dir).unwrap();
+    let old = oogc::checkpoint::Checkpoint { step: 7, ..Default::default() };
+    let old_path = oogc::checkpoint::save(&ckpt_dir, &old, 2).unwrap();
+    let before = std::fs::read(&old_path).unwrap();
+    let text = good.replace("[threads]", "[checkpoint]\ndir = \"ckpt\"\ninterval = 1\n[threads]");
+    let (code, err) = run_cli_err(&text, dir.path());
+    assert_ne!(code, 0);
+    assert!(err.contains("--resume") && err.contains("fix"), "{err}");
+    assert_eq!(std::fs::read(&old_path).unwrap(), before);
+    assert_eq!(std::fs::read_to_string(&metrics).unwrap(), "previous run\n");
+
     let empty = dir.path().join("empty.txt");
     std::fs::write(&empty, "").unwrap();
     let (code, err) =
         run_cli_err(&good.replace(&data_path().display().to_string(), &empty.display().to_string()), dir.path());
     assert_ne!(code, 0);
     assert!(err.contains("empty.txt") && err.contains("0 bytes"), "{err}");
+}
+
+#[test]
+fn train_writes_trace_metrics_and_a_checkpoint_that_inspect_and_plan_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = tiny("64KiB", "nvme", &dir.path().join("nvme"), 2).replace("steps = 20", "steps = 4").replace(
+        "[threads]",
+        "[checkpoint]\ndir = \"ckpt\"\n[output]\nmetrics = \"m.jsonl\"\ntrace = \"trace.json\"\n[threads]",
+    );
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let out = oogc().args(["train", "--no-progress", "--json", "--config"]).arg(&cfg).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(summary["last_step"], 4);
+    assert!(summary["h2d_bytes"].as_u64().unwrap() > 0 && summary["nvme_write_bytes"].as_u64().unwrap() > 0);
+    assert!(summary["final_val_loss"].as_f64().unwrap() > 0.0);
+
+    // One metrics object per step with the documented fields.
+    let lines = std::fs::read_to_string(dir.path().join("m.jsonl")).unwrap();
+    let rows: Vec<serde_json::Value> = lines.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(rows.len(), 4);
+    for key in
+        ["step", "loss", "tokens_per_s", "stall_s", "h2d_bytes", "d2h_bytes", "nvme_read_bytes", "nvme_write_bytes"]
+    {
+        assert!(rows.iter().all(|r| !r[key].is_null()), "{key} missing");
+    }
+
+    // The trace holds compute spans and copy-engine spans on their own threads.
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("trace.json")).unwrap()).unwrap();
+    let events = trace.as_array().or_else(|| trace["traceEvents"].as_array()).expect("trace events");
+    let names: std::collections::HashSet<&str> = events.iter().filter_map(|e| e["name"].as_str()).collect();
+    for name in ["compute::forward", "compute::backward", "runtime::fetch", "swapper::dtoh"] {
+        assert!(names.contains(name), "{name} not in the trace: {names:?}");
+    }
+
+    let out = oogc().arg("inspect").arg(dir.path().join("ckpt")).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("step: 4") && text.contains("blocks.0.attn.qkv.weight"), "{text}");
+
+    let out = oogc().args(["plan", "--config"]).arg(&cfg).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("predicted step"), "{text}{}", String::from_utf8_lossy(&out.stderr));
 }
