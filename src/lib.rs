@@ -1,13 +1,17 @@
 //! `oogc`: an out-of-GPU-core training runtime.
 //!
-//! The facade crate: it re-exports the component crates and holds the CLI's commands.
+//! The facade crate: it re-exports the component crates, wires them into the [`runtime::Runtime`]
+//! a trainer embeds, and holds the reference GPT trainer and the CLI's commands.
 //!
-//! | crate | owns |
+//! | crate / module | owns |
 //! |---|---|
 //! | [`swapper`] | tiers (GPU, pinned host, NVMe), residency manager, transfers, metrics |
-//! | [`optimizer`] | CPU optimizers (later issue) |
-//! | [`prefetch`] | schedule, next-use eviction, lookahead prefetch, simulator (later issue) |
+//! | [`optimizer`] | CPU AdamW/Adam (SIMD, threads), NVMe-streamed state, the pipelined per-unit step |
+//! | [`prefetch`] | traced schedule, next-use (Belady) eviction, lookahead prefetch, simulator, planner |
 //! | [`moe_placement`] | expert placement (later issue) |
+//! | [`runtime`] | `Runtime`: fetch → compute → release per unit, gradients D2H to the pipelined optimizer |
+//! | [`model`], [`train`], [`run`] | the byte-level GPT on candle, its trainer, the `oogc train` loop |
+//! | [`config`], [`data`], [`checkpoint`] | the TOML config, training text, safetensors checkpoints |
 #![deny(unsafe_code)]
 
 pub use oogc_moe_placement as moe_placement;
