@@ -259,6 +259,10 @@ pub struct Runtime {
     units: Vec<UnitInfo>,
     /// Units whose update was submitted and whose new compute copy is not yet published.
     pending: Vec<bool>,
+    /// Units kept out of the schedule (MoE experts: used as routing decides).
+    unscheduled: Vec<bool>,
+    /// Ranks unscheduled units for eviction once the next-use policy is installed.
+    fallback: Option<Box<dyn oogc_swapper::EvictionPolicy>>,
     /// Pending units whose step has finished ([`Runtime::finish_step`]): their update is final
     /// once idle, and may be published. Before that the optimizer's copy is the previous step's.
     finalized: Vec<bool>,
@@ -363,6 +367,8 @@ impl Runtime {
             drain: Some(drain),
             units: Vec::new(),
             pending: Vec::new(),
+            unscheduled: Vec::new(),
+            fallback: None,
             finalized: Vec::new(),
             step: 0,
             step_started: None,
@@ -406,6 +412,7 @@ impl Runtime {
         self.shared.optimizer.add_unit(unit.tensor(), master, placement)?;
         self.units.push(UnitInfo { name: name.to_string(), numel: master.len() });
         self.pending.push(false);
+        self.unscheduled.push(false);
         self.finalized.push(false);
         Ok(unit)
     }
@@ -414,6 +421,20 @@ impl Runtime {
     /// uses the embedding unit beside its own). Enters the minimum working set.
     pub fn set_max_units_in_use(&mut self, units: usize) {
         self.max_units_in_use = units.max(1);
+    }
+
+    /// Keeps `unit` out of the recorded schedule: its fetches are not recorded, the prefetch
+    /// window does not fetch it, and the eviction policy ranks it by its fallback (see
+    /// [`Runtime::set_fallback_policy`]). For units used as data decides, such as MoE experts
+    /// (their next use is unknown until the router runs).
+    pub fn set_unscheduled(&mut self, unit: UnitId) {
+        self.unscheduled[unit.0] = true;
+    }
+
+    /// The policy that ranks unscheduled units (default LRU) once the next-use policy is
+    /// installed after the first step, e.g. MoE expert popularity from `oogc-moe-placement`.
+    pub fn set_fallback_policy(&mut self, policy: Box<dyn oogc_swapper::EvictionPolicy>) {
+        self.fallback = Some(policy);
     }
 
     /// Registered units in order.
@@ -523,7 +544,7 @@ impl Runtime {
             device_tensor(&buf, self.units[unit.0].numel)?
         };
         let mut recorder = None;
-        if phase != Phase::Eval {
+        if phase != Phase::Eval && !self.unscheduled[unit.0] {
             let bytes = self.unit_bytes(unit.0);
             let p = if phase == Phase::Forward { PrefetchPhase::Forward } else { PrefetchPhase::Backward };
             self.recorder.lock().acquire(unit.tensor(), bytes, p, Tier::Device, false);
@@ -612,12 +633,56 @@ impl Runtime {
         let transfer = self.residency.device().dtoh(dev, host)?;
         *self.shared.in_flight.lock() += 1;
         self.pending[unit.0] = true;
-        // The optimizer will rewrite the unit's compute copy: its device copy is dead from here.
+        self.record_optimizer_write(unit);
+        self.grad_tx.as_ref().expect("drain running").send(GradJob { unit, transfer }).expect("drain thread alive");
+        Ok(())
+    }
+
+    /// The optimizer will rewrite the unit's compute copy: its device copy is dead from here.
+    fn record_optimizer_write(&self, unit: UnitId) {
+        if self.unscheduled[unit.0] {
+            return;
+        }
         let unit_bytes = self.unit_bytes(unit.0);
         let mut recorder = self.recorder.lock();
         recorder.acquire(unit.tensor(), unit_bytes, PrefetchPhase::Optimizer, Tier::Host, true);
         recorder.release(unit.tensor(), Tier::Host);
-        self.grad_tx.as_ref().expect("drain running").send(GradJob { unit, transfer }).expect("drain thread alive");
+    }
+
+    /// Pins `unit`'s host copy and returns its parameters as a CPU tensor, for computing the
+    /// unit on the CPU instead of fetching it (a cold MoE expert with few tokens, as Fiddler
+    /// does). Waits for the unit's pending update first. Nothing moves H2D.
+    ///
+    /// # Errors
+    /// Swapper errors (host budget, NVMe read), optimizer errors.
+    pub fn fetch_host(&mut self, unit: UnitId) -> Result<UnitParams> {
+        let _e = tracing::info_span!("runtime::fetch_host", unit = unit.0).entered();
+        self.publish(unit)?;
+        let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Read)?;
+        let values: Vec<f32> = bytemuck::pod_collect_to_vec(&pin.host_bytes()[..self.units[unit.0].numel * 4]);
+        let tensor = candle_core::Tensor::from_vec(values, self.units[unit.0].numel, &candle_core::Device::Cpu)?;
+        Ok(UnitParams { tensor, _pin: pin, unit, recorder: None })
+    }
+
+    /// Submits gradients computed on the CPU (after [`Runtime::fetch_host`]) straight to the
+    /// CPU optimizer: no device staging, no D2H.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] for a length mismatch; optimizer errors.
+    pub fn push_grads_host(&mut self, unit: UnitId, grads: &[f32]) -> Result<()> {
+        let numel = self.units[unit.0].numel;
+        if grads.len() != numel {
+            return Err(RuntimeError::Usage(format!(
+                "push_grads_host({}): {} gradients for a unit of {numel} parameters",
+                self.units[unit.0].name,
+                grads.len()
+            )));
+        }
+        self.check_drain()?;
+        let handle = self.shared.optimizer.submit(unit.tensor(), Grads::F32(grads.to_vec()))?;
+        self.shared.handles.lock().insert(unit.0, handle);
+        self.pending[unit.0] = true;
+        self.record_optimizer_write(unit);
         Ok(())
     }
 
@@ -682,7 +747,10 @@ impl Runtime {
         match &self.cursor {
             Some(cursor) => cursor.set_schedule(schedule.clone()),
             None => {
-                let policy = NextUsePolicy::new(schedule.clone());
+                let mut policy = NextUsePolicy::new(schedule.clone());
+                if let Some(fallback) = self.fallback.take() {
+                    policy = policy.with_fallback(fallback);
+                }
                 let cursor = policy.cursor();
                 self.residency.set_policy(Box::new(policy));
                 if self.config.prefetch_depth > 0 {
