@@ -16,6 +16,10 @@ use super::{Error, Result};
 /// n_head = 6
 /// max_seq_len = 256
 /// tied_head = false
+///
+/// [model.moe]          # optional: MoE feed-forward blocks (see [`MoeConfig`])
+/// experts = 8
+/// top_k = 2
 /// ```
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -38,6 +42,10 @@ pub struct GptConfig {
     pub tied_head: bool,
     /// Epsilon added to the variance in every LayerNorm. Default: `1e-5`.
     pub ln_eps: f64,
+    /// Mixture-of-experts feed-forward blocks: when set, **every** block's MLP is replaced by
+    /// `moe.experts` expert MLPs behind a softmax top-k router, and each block becomes one trunk
+    /// unit plus one unit per expert (see [`GptConfig::units`]). Default: `None` (the dense GPT).
+    pub moe: Option<MoeConfig>,
 }
 
 impl Default for GptConfig {
@@ -51,7 +59,64 @@ impl Default for GptConfig {
             max_seq_len: 256,
             tied_head: false,
             ln_eps: 1e-5,
+            moe: None,
         }
+    }
+}
+
+/// Mixture-of-experts feed-forward blocks (the `[model.moe]` table): Switch Transformer (Fedus et
+/// al. 2021, "Switch Transformers: Scaling to Trillion Parameter Models with Simple and
+/// Efficient Sparsity") for `top_k = 1`, GShard (Lepikhin et al. 2020, "GShard: Scaling Giant
+/// Models with Conditional Computation and Automatic Sharding") for `top_k = 2`.
+///
+/// Each token's `ln_2` output `h` goes through a router `probs = softmax(h W_r + b_r)` over
+/// `experts` experts; the token is sent to its `top_k` most probable experts (ties to the lower
+/// expert index) and the block adds `Σ gate · expert(h)` to the residual stream:
+///
+/// - **gate**: `top_k = 1`: the raw router probability of the chosen expert (Switch);
+///   `top_k = 2`: the probability renormalized over the chosen pair, `p_e / (p_e1 + p_e2)`
+///   (GShard), the pair being the one chosen *before* capacity drops.
+/// - **capacity** (when `capacity_factor` is set): each expert takes at most
+///   `C = ceil(capacity_factor · N · top_k / experts)` tokens per block call (`N = B · T`);
+///   the tokens that chose it beyond the first `C`, in token order (flattened `b · T + t`,
+///   whatever the slot), are dropped for that slot: that slot adds nothing (the residual
+///   passes through), the token's other slot keeps its gate (not renormalized again).
+/// - **auxiliary load-balancing loss** per block: `aux = aux_loss_coef · E · Σ_e f_e · P_e`,
+///   `f_e` the fraction of the `N` tokens whose top-1 choice is `e` (before capacity drops; a
+///   constant for the gradient), `P_e` the mean router probability of `e` over the `N` tokens.
+///   The model minimizes `CE + Σ_blocks aux`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MoeConfig {
+    /// Experts per block, `E ≥ 2`. Default: 8.
+    pub experts: usize,
+    /// Experts per token, 1 (Switch) or 2 (GShard), at most `experts`. Default: 2.
+    pub top_k: usize,
+    /// Weight of the load-balancing loss (≥ 0; 0 turns it off). Default: 0.01 (Switch).
+    pub aux_loss_coef: f64,
+    /// Capacity factor (> 0): expert capacity `ceil(capacity_factor · N · top_k / experts)`
+    /// tokens per block call. Default: `None` (no capacity limit, no token dropped).
+    pub capacity_factor: Option<f64>,
+    /// Hidden width of each expert's MLP. Default: `None`, meaning the dense MLP's
+    /// [`GptConfig::ff_dim`].
+    pub d_expert: Option<usize>,
+}
+
+impl Default for MoeConfig {
+    fn default() -> Self {
+        Self { experts: 8, top_k: 2, aux_loss_coef: 0.01, capacity_factor: None, d_expert: None }
+    }
+}
+
+impl MoeConfig {
+    /// Expert capacity in tokens for a block call over `num_tokens` tokens:
+    /// `ceil(capacity_factor · num_tokens · top_k / experts)` (at least 1), or `None` without a
+    /// capacity factor.
+    pub fn capacity(&self, num_tokens: usize) -> Option<usize> {
+        self.capacity_factor.map(|cf| {
+            let c = (cf * (num_tokens * self.top_k) as f64 / self.experts as f64).ceil();
+            (c as usize).max(1)
+        })
     }
 }
 
@@ -60,8 +125,19 @@ impl Default for GptConfig {
 pub enum UnitKind {
     /// Unit 0: token embedding `wte` and position embedding `wpe`.
     Embedding,
-    /// Units `1..=n_layer`: transformer block `i` (0-based layer index, unit index `i + 1`).
+    /// Dense model only: transformer block `i` (0-based layer index, unit index `i + 1`).
     Block(usize),
+    /// MoE model only: the trunk of block `i` (0-based layer index): `ln_1`, attention, `ln_2`
+    /// and the router; unit index [`GptConfig::block_unit`]`(i)`.
+    MoeTrunk(usize),
+    /// MoE model only: expert `expert` of block `block`, an MLP `[d] → [d_expert] → [d]`;
+    /// unit index [`GptConfig::expert_unit`]`(block, expert)`.
+    Expert {
+        /// 0-based layer index.
+        block: usize,
+        /// 0-based expert index within the block.
+        expert: usize,
+    },
     /// Unit `n_layer + 1`: final LayerNorm and the LM head.
     Head,
 }
@@ -103,11 +179,11 @@ impl ParamSpec {
 /// The flat layout of one unit: its parameters, back to back, in one vector of `numel` elements.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UnitSpec {
-    /// Position of the unit in the forward order (`0..n_layer + 2`).
+    /// Position of the unit in the forward order (`0..`[`GptConfig::num_units`]).
     pub index: usize,
     /// What the unit is.
     pub kind: UnitKind,
-    /// Name prefix of the unit: `embed`, `blocks.{i}`, `head`.
+    /// Name prefix of the unit: `embed`, `blocks.{i}`, `blocks.{i}.experts.{e}`, `head`.
     pub name: String,
     /// Parameters in flat order; `params[k].offset == sum of numel of params[..k]`.
     pub params: Vec<ParamSpec>,
@@ -136,6 +212,18 @@ pub(super) mod block_idx {
     pub const FC_B: usize = 9;
     pub const FC2_W: usize = 10;
     pub const FC2_B: usize = 11;
+    /// MoE trunk: router weight `[d, E]` (replaces the MLP).
+    pub const ROUTER_W: usize = 8;
+    /// MoE trunk: router bias `[E]`.
+    pub const ROUTER_B: usize = 9;
+}
+
+/// Index of each parameter inside an expert unit's `params`.
+pub(super) mod expert_idx {
+    pub const FC_W: usize = 0;
+    pub const FC_B: usize = 1;
+    pub const PROJ_W: usize = 2;
+    pub const PROJ_B: usize = 3;
 }
 
 /// Standard deviation of GPT-2's weight init.
@@ -173,9 +261,35 @@ impl GptConfig {
         self.d_model / self.n_head.max(1)
     }
 
-    /// Number of units: `n_layer + 2` (embedding, blocks, head).
+    /// Hidden width of each expert's MLP (MoE): `moe.d_expert`, else [`GptConfig::ff_dim`].
+    pub fn expert_dim(&self) -> usize {
+        self.moe.as_ref().and_then(|m| m.d_expert).unwrap_or_else(|| self.ff_dim())
+    }
+
+    /// Experts per block: `moe.experts`, 0 for the dense model.
+    pub fn num_experts(&self) -> usize {
+        self.moe.as_ref().map_or(0, |m| m.experts)
+    }
+
+    /// Number of units: `n_layer + 2` for the dense model (embedding, blocks, head);
+    /// `n_layer · (1 + E) + 2` with MoE (embedding, per block a trunk and `E` experts, head).
     pub fn num_units(&self) -> usize {
-        self.n_layer + 2
+        self.n_layer * (1 + self.num_experts()) + 2
+    }
+
+    /// Unit index of block `block`: the dense block, or the MoE trunk, `1 + block · (1 + E)`.
+    pub fn block_unit(&self, block: usize) -> usize {
+        1 + block * (1 + self.num_experts())
+    }
+
+    /// Unit index of expert `expert` of block `block` (MoE): `block_unit(block) + 1 + expert`.
+    pub fn expert_unit(&self, block: usize, expert: usize) -> usize {
+        self.block_unit(block) + 1 + expert
+    }
+
+    /// Unit index of the head: `num_units() - 1`.
+    pub fn head_unit(&self) -> usize {
+        self.num_units() - 1
     }
 
     /// Checks every constraint in one place.
@@ -211,6 +325,34 @@ impl GptConfig {
         if !(self.ln_eps.is_finite() && self.ln_eps > 0.0) {
             return cfg("model.ln_eps", format!("must be a positive finite number, got {}", self.ln_eps));
         }
+        if let Some(moe) = &self.moe {
+            if moe.experts < 2 {
+                return cfg("model.moe.experts", format!("must be at least 2, got {}", moe.experts));
+            }
+            if !(1..=2).contains(&moe.top_k) || moe.top_k > moe.experts {
+                return cfg(
+                    "model.moe.top_k",
+                    format!("must be 1 (Switch) or 2 (GShard) and at most model.moe.experts, got {}", moe.top_k),
+                );
+            }
+            if !(moe.aux_loss_coef.is_finite() && moe.aux_loss_coef >= 0.0) {
+                return cfg(
+                    "model.moe.aux_loss_coef",
+                    format!("must be a finite number >= 0 (0 turns the loss off), got {}", moe.aux_loss_coef),
+                );
+            }
+            if let Some(cf) = moe.capacity_factor {
+                if !(cf.is_finite() && cf > 0.0) {
+                    return cfg(
+                        "model.moe.capacity_factor",
+                        format!("must be a positive finite number (or leave it out for no limit), got {cf}"),
+                    );
+                }
+            }
+            if moe.d_expert == Some(0) {
+                return cfg("model.moe.d_expert", "must be at least 1 (or leave it out for model.d_ff)".into());
+            }
+        }
         Ok(())
     }
 
@@ -221,6 +363,18 @@ impl GptConfig {
     /// | `embed` | `wte.weight` `[V, d]`, `wpe.weight` `[S, d]` |
     /// | `blocks.i` | `ln_1.{weight,bias}` `[d]`, `attn.qkv.weight` `[d, 3d]`, `attn.qkv.bias` `[3d]`, `attn.proj.weight` `[d, d]`, `attn.proj.bias` `[d]`, `ln_2.{weight,bias}` `[d]`, `mlp.fc.weight` `[d, f]`, `mlp.fc.bias` `[f]`, `mlp.proj.weight` `[f, d]`, `mlp.proj.bias` `[d]` |
     /// | `head` | `ln_f.{weight,bias}` `[d]`, and unless `tied_head`: `head.weight` `[d, V]` |
+    ///
+    /// With `moe` set, block `i` is instead a trunk unit `blocks.{i}` ([`UnitKind::MoeTrunk`])
+    /// followed by its `E` expert units `blocks.{i}.experts.{e}` ([`UnitKind::Expert`]):
+    ///
+    /// | unit | parameters (shape) |
+    /// |---|---|
+    /// | `blocks.i` (trunk) | `ln_1`, `attn.qkv`, `attn.proj`, `ln_2` as above, `router.weight` `[d, E]`, `router.bias` `[E]` |
+    /// | `blocks.i.experts.e` | `fc.weight` `[d, f_e]`, `fc.bias` `[f_e]`, `proj.weight` `[f_e, d]`, `proj.bias` `[d]` (`f_e` = [`GptConfig::expert_dim`]) |
+    ///
+    /// so the unit order is `[embed, blocks.0, blocks.0.experts.0, .., blocks.0.experts.{E-1},
+    /// blocks.1, .., head]` (indices from [`GptConfig::block_unit`] and
+    /// [`GptConfig::expert_unit`]).
     ///
     /// Block parameter names carry the prefix `blocks.{i}.`. The layout does not depend on
     /// validation, but it is only meaningful for a valid config.
@@ -247,11 +401,29 @@ impl GptConfig {
             b.push(n("attn.proj.bias"), vec![d], ParamInit::Zeros);
             b.push(n("ln_2.weight"), vec![d], ParamInit::Ones);
             b.push(n("ln_2.bias"), vec![d], ParamInit::Zeros);
-            b.push(n("mlp.fc.weight"), vec![d, f], normal);
-            b.push(n("mlp.fc.bias"), vec![f], ParamInit::Zeros);
-            b.push(n("mlp.proj.weight"), vec![f, d], resid);
-            b.push(n("mlp.proj.bias"), vec![d], ParamInit::Zeros);
-            units.push(b.finish(i + 1, UnitKind::Block(i), format!("blocks.{i}")));
+            let Some(moe) = &self.moe else {
+                b.push(n("mlp.fc.weight"), vec![d, f], normal);
+                b.push(n("mlp.fc.bias"), vec![f], ParamInit::Zeros);
+                b.push(n("mlp.proj.weight"), vec![f, d], resid);
+                b.push(n("mlp.proj.bias"), vec![d], ParamInit::Zeros);
+                units.push(b.finish(units.len(), UnitKind::Block(i), format!("blocks.{i}")));
+                continue;
+            };
+            let e_count = moe.experts;
+            b.push(n("router.weight"), vec![d, e_count], normal);
+            b.push(n("router.bias"), vec![e_count], ParamInit::Zeros);
+            units.push(b.finish(units.len(), UnitKind::MoeTrunk(i), format!("blocks.{i}")));
+            let fe = self.expert_dim();
+            for e in 0..e_count {
+                let mut b = LayoutBuilder::new();
+                let n = |suffix: &str| format!("blocks.{i}.experts.{e}.{suffix}");
+                b.push(n("fc.weight"), vec![d, fe], normal);
+                b.push(n("fc.bias"), vec![fe], ParamInit::Zeros);
+                b.push(n("proj.weight"), vec![fe, d], resid);
+                b.push(n("proj.bias"), vec![d], ParamInit::Zeros);
+                let kind = UnitKind::Expert { block: i, expert: e };
+                units.push(b.finish(units.len(), kind, format!("blocks.{i}.experts.{e}")));
+            }
         }
 
         let mut b = LayoutBuilder::new();
@@ -260,7 +432,7 @@ impl GptConfig {
         if !self.tied_head {
             b.push("head.weight".into(), vec![d, v], normal);
         }
-        units.push(b.finish(self.n_layer + 1, UnitKind::Head, "head".into()));
+        units.push(b.finish(units.len(), UnitKind::Head, "head".into()));
         units
     }
 

@@ -6,6 +6,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::config::{block_idx as bi, GptConfig, UnitKind, UnitSpec};
 use super::kernels;
+use super::moe::{LossParts, Routing};
 use super::{Error, Result};
 
 /// Gradients of one unit's backward.
@@ -48,8 +49,8 @@ struct CachedMask {
 ///
 /// `Gpt` is `Send + Sync`; calls may run concurrently.
 pub struct Gpt {
-    config: GptConfig,
-    units: Vec<UnitSpec>,
+    pub(super) config: GptConfig,
+    pub(super) units: Vec<UnitSpec>,
     masks: Mutex<Vec<CachedMask>>,
     /// Use the fused CPU kernels ([`kernels`]) where they apply; `false` forces the op
     /// compositions everywhere (tests compare the two).
@@ -86,7 +87,7 @@ impl Gpt {
         &self.config
     }
 
-    /// The units in forward order (`n_layer + 2` of them), as [`GptConfig::units`].
+    /// The units in forward order ([`GptConfig::num_units`] of them), as [`GptConfig::units`].
     pub fn units(&self) -> &[UnitSpec] {
         &self.units
     }
@@ -122,6 +123,7 @@ impl Gpt {
                 let w_out = self.head_out_weight(&p, tied_wte, params.dtype())?;
                 self.head_math(&p, &w_out, input)
             }
+            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => Err(moe_unit_err(spec)),
         }
     }
 
@@ -171,6 +173,7 @@ impl Gpt {
                 };
                 (self.head_math(&p, &w_out, x.as_tensor())?, Some(x), wte)
             }
+            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => return Err(moe_unit_err(spec)),
         };
         if out.dims() != grad_output.dims() {
             return Err(input_err(
@@ -242,22 +245,37 @@ impl Gpt {
     /// Logits `[B, T, vocab_size]` of the whole model: the unit forwards in order.
     /// `params[u]` is unit `u`'s flat vector (`n_layer + 2` of them); `tokens` is `[B, T]` U32.
     ///
+    /// With MoE the blocks run as a trainer runs them: [`Gpt::moe_trunk_forward`], then
+    /// [`Gpt::expert_forward`] for every expert that received tokens, then [`Gpt::moe_combine`].
+    ///
     /// # Errors
     /// As [`Gpt::forward`]; [`Error::Input`] when `params` has the wrong length.
     pub fn forward_all(&self, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
-        let x = self.forward_trunk(params, tokens)?;
+        let x = self.forward_trunk(params, tokens)?.0;
         let last = self.units.len() - 1;
         self.forward(last, &params[last], &x, self.tied(params))
     }
 
-    /// Mean cross-entropy (nats) of the whole model on `tokens` → `targets` (both `[B, T]` U32).
+    /// The training objective of the whole model on `tokens` → `targets` (both `[B, T]` U32):
+    /// the mean cross-entropy (nats) plus, with MoE, the blocks' load-balancing losses
+    /// ([`LossParts::total`]). For the dense model this is the mean cross-entropy.
     ///
     /// # Errors
     /// As [`Gpt::forward_all`] and [`Gpt::head_loss`].
     pub fn loss(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<f64> {
-        let x = self.forward_trunk(params, tokens)?;
+        Ok(self.loss_parts(params, tokens, targets)?.total())
+    }
+
+    /// The cross-entropy and the auxiliary loss of the whole model, separately (see
+    /// [`LossParts`]).
+    ///
+    /// # Errors
+    /// As [`Gpt::loss`].
+    pub fn loss_parts(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<LossParts> {
+        let (x, aux) = self.forward_trunk(params, tokens)?;
         let last = self.units.len() - 1;
-        self.head_loss(&params[last], &x, self.tied(params), targets)
+        let ce = self.head_loss(&params[last], &x, self.tied(params), targets)?;
+        Ok(LossParts { ce, aux })
     }
 
     /// Loss and gradients of the whole model, composed of the unit calls exactly as the
@@ -265,11 +283,38 @@ impl Gpt {
     /// each unit's input, then [`Gpt::head_loss_backward`] and [`Gpt::backward`] in reverse,
     /// each recomputing its unit. The tied head's `wte` gradient is added to the embedding's.
     ///
-    /// Returns the mean cross-entropy (nats) and one flat gradient per unit, in unit order.
+    /// Returns the objective ([`Gpt::loss`]: the mean cross-entropy in nats, plus the MoE
+    /// auxiliary loss) and its gradient, one flat vector per unit, in unit order. With MoE see
+    /// [`Gpt::loss_parts_and_grads`] for the unit calls.
     ///
     /// # Errors
     /// As [`Gpt::forward_all`].
     pub fn loss_and_grads(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<(f64, Vec<Tensor>)> {
+        let (parts, grads) = self.loss_parts_and_grads(params, tokens, targets)?;
+        Ok((parts.total(), grads))
+    }
+
+    /// As [`Gpt::loss_and_grads`], with the cross-entropy and the auxiliary loss apart; the
+    /// gradients are those of [`LossParts::total`].
+    ///
+    /// With MoE, block `i` runs forward as [`Gpt::moe_trunk_forward`] → [`Gpt::expert_forward`]
+    /// for each expert with tokens → [`Gpt::moe_combine`], keeping the trunk's input `x`, `h`,
+    /// the [`Routing`] and the experts' outputs; backward (after the head's) as
+    /// [`Gpt::moe_combine_backward`] → [`Gpt::expert_backward`] for each expert with tokens, in
+    /// reverse expert order (an expert without tokens is not called; its gradient is zero) →
+    /// [`Routing::scatter_input_grads`] → [`Gpt::moe_trunk_backward`].
+    ///
+    /// # Errors
+    /// As [`Gpt::forward_all`].
+    pub fn loss_parts_and_grads(
+        &self,
+        params: &[Tensor],
+        tokens: &Tensor,
+        targets: &Tensor,
+    ) -> Result<(LossParts, Vec<Tensor>)> {
+        if self.config.moe.is_some() {
+            return self.moe_loss_parts_and_grads(params, tokens, targets);
+        }
         self.check_num_units(params)?;
         let n = self.units.len();
         let tied = self.tied(params);
@@ -296,25 +341,31 @@ impl Gpt {
             g0 = (g0 + gt)?;
         }
         grads[0] = Some(g0);
-        Ok((head.loss, grads.into_iter().map(|g| g.expect("set")).collect()))
+        let parts = LossParts { ce: head.loss, aux: 0.0 };
+        Ok((parts, grads.into_iter().map(|g| g.expect("set")).collect()))
     }
 
     // ---- internals -----------------------------------------------------------------------
 
-    fn forward_trunk(&self, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
+    /// The head's input `[B, T, d]` and the sum of the blocks' auxiliary losses (0 when dense).
+    fn forward_trunk(&self, params: &[Tensor], tokens: &Tensor) -> Result<(Tensor, f64)> {
+        if self.config.moe.is_some() {
+            let (x, routings) = self.moe_forward_hidden(params, tokens)?;
+            return Ok((x, routings.iter().map(Routing::aux_loss).sum()));
+        }
         self.check_num_units(params)?;
         let mut x = self.forward(0, &params[0], tokens, None)?;
         for (u, p) in params.iter().enumerate().take(self.units.len() - 1).skip(1) {
             x = self.forward(u, p, &x, None)?;
         }
-        Ok(x)
+        Ok((x, 0.0))
     }
 
-    fn tied<'a>(&self, params: &'a [Tensor]) -> Option<&'a Tensor> {
+    pub(super) fn tied<'a>(&self, params: &'a [Tensor]) -> Option<&'a Tensor> {
         self.config.tied_head.then(|| &params[0])
     }
 
-    fn check_num_units(&self, params: &[Tensor]) -> Result<()> {
+    pub(super) fn check_num_units(&self, params: &[Tensor]) -> Result<()> {
         if params.len() != self.units.len() {
             return Err(input_err(
                 "number of unit parameter vectors",
@@ -325,11 +376,11 @@ impl Gpt {
         Ok(())
     }
 
-    fn unit_spec(&self, unit: usize) -> Result<&UnitSpec> {
+    pub(super) fn unit_spec(&self, unit: usize) -> Result<&UnitSpec> {
         self.units.get(unit).ok_or_else(|| input_err("unit index", format!("< {}", self.units.len()), unit.to_string()))
     }
 
-    fn check_params(&self, spec: &UnitSpec, params: &Tensor) -> Result<()> {
+    pub(super) fn check_params(&self, spec: &UnitSpec, params: &Tensor) -> Result<()> {
         if params.dims() != [spec.numel] {
             return Err(input_err(
                 "unit parameters shape",
@@ -343,7 +394,7 @@ impl Gpt {
         Ok(())
     }
 
-    fn check_hidden(&self, x: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
+    pub(super) fn check_hidden(&self, x: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
         let ok = matches!(x.dims(), &[_, t, d] if d == self.config.d_model && t >= 1 && t <= self.config.max_seq_len);
         if !ok {
             return Err(input_err(
@@ -427,7 +478,7 @@ impl Gpt {
 
     /// Flattens the gradients of `vars` into one vector in layout order, plus the input's and
     /// the tied `wte`'s.
-    fn collect(
+    pub(super) fn collect(
         &self,
         spec: &UnitSpec,
         vars: &[Var],
@@ -493,20 +544,32 @@ impl Gpt {
     }
 
     /// Whether the fused CPU kernels apply to computations on `x`.
-    fn fused(&self, x: &Tensor) -> bool {
+    pub(super) fn fused(&self, x: &Tensor) -> bool {
         self.fused_cpu_kernels && kernels::fused_supported(x)
     }
 
     /// Pre-LN block: `x + attn(ln_1(x))`, then `+ mlp(ln_2(.))` → `[B, T, d]`.
     pub(super) fn block_math(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
+        let fused = self.fused(x);
+        let x = self.attention_residual(p, x)?;
+
+        // MLP.
+        let h = layer_norm(&x, &p[bi::LN2_W], &p[bi::LN2_B], self.config.ln_eps, fused)?.reshape((b * t, d))?;
+        let h = linear(&h, &p[bi::FC_W], &p[bi::FC_B], fused)?;
+        let h = if fused { kernels::gelu(&h)? } else { gelu_composed(&h)? };
+        let h = linear(&h, &p[bi::FC2_W], &p[bi::FC2_B], fused)?;
+        Ok((x + h.reshape((b, t, d))?)?)
+    }
+
+    /// The attention half of a block (dense or MoE trunk; `p` holds `ln_1`, `attn.*` at the
+    /// indices of [`bi`]): `x + proj(attn(ln_1(x)))` → `[B, T, d]`.
+    pub(super) fn attention_residual(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
         let (nh, hd) = (self.config.n_head, self.config.head_dim());
         let eps = self.config.ln_eps;
         let fused = self.fused(x);
-        let linear = |h: &Tensor, w: usize, bias: usize| -> Result<Tensor> {
-            let y = h.matmul(&p[w])?;
-            Ok(if fused { kernels::bias_add(&y, &p[bias])? } else { y.broadcast_add(&p[bias])? })
-        };
+        let linear = |h: &Tensor, w: usize, bias: usize| linear(h, &p[w], &p[bias], fused);
 
         // Attention.
         let h = layer_norm(x, &p[bi::LN1_W], &p[bi::LN1_B], eps, fused)?.reshape((b * t, d))?;
@@ -530,14 +593,7 @@ impl Gpt {
             .transpose(1, 2)?
             .reshape((b * t, d))?;
         let y = linear(&y, bi::PROJ_W, bi::PROJ_B)?;
-        let x = (x + y.reshape((b, t, d))?)?;
-
-        // MLP.
-        let h = layer_norm(&x, &p[bi::LN2_W], &p[bi::LN2_B], eps, fused)?.reshape((b * t, d))?;
-        let h = linear(&h, bi::FC_W, bi::FC_B)?;
-        let h = if fused { kernels::gelu(&h)? } else { gelu_composed(&h)? };
-        let h = linear(&h, bi::FC2_W, bi::FC2_B)?;
-        Ok((x + h.reshape((b, t, d))?)?)
+        Ok((x + y.reshape((b, t, d))?)?)
     }
 
     /// Head: `ln_f(x) @ w_out` → logits `[B, T, V]`; `w_out` is `[d, V]`.
@@ -548,8 +604,23 @@ impl Gpt {
     }
 }
 
-fn input_err(what: &'static str, expected: String, got: String) -> Error {
+pub(super) fn input_err(what: &'static str, expected: String, got: String) -> Error {
     Error::Input { what, expected, got }
+}
+
+/// The error of [`Gpt::forward`]/[`Gpt::backward`] on an MoE unit.
+fn moe_unit_err(spec: &UnitSpec) -> Error {
+    input_err(
+        "unit kind",
+        "the embedding, a dense block or the head (MoE units: moe_trunk_forward, expert_forward, ...)".into(),
+        format!("{:?} (unit {})", spec.kind, spec.name),
+    )
+}
+
+/// `h W + b` with `h` `[N, in]`, `w` `[in, out]`, `b` `[out]` → `[N, out]`.
+pub(super) fn linear(h: &Tensor, w: &Tensor, b: &Tensor, fused: bool) -> Result<Tensor> {
+    let y = h.matmul(w)?;
+    Ok(if fused { kernels::bias_add(&y, b)? } else { y.broadcast_add(b)? })
 }
 
 /// Views `[shape]` of each parameter into the flat vector (no copy).
@@ -562,12 +633,12 @@ pub(super) fn views(spec: &UnitSpec, flat: &Tensor) -> Result<Vec<Tensor>> {
 /// Separate leaves rather than one flat `Var` with narrowed views: candle's backward of `narrow`
 /// pads each parameter's gradient to the full flat length and adds it, which costs a pass over
 /// the whole unit per parameter; here the flat gradient is one `cat`.
-fn vars(spec: &UnitSpec, flat: &Tensor) -> Result<Vec<Var>> {
+pub(super) fn vars(spec: &UnitSpec, flat: &Tensor) -> Result<Vec<Var>> {
     views(spec, flat)?.iter().map(|v| Ok(Var::from_tensor(v)?)).collect()
 }
 
 /// A scalar tensor's value widened to f64.
-fn scalar(t: &Tensor) -> Result<f64> {
+pub(super) fn scalar(t: &Tensor) -> Result<f64> {
     Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
 }
 

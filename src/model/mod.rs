@@ -59,14 +59,16 @@ mod config;
 mod gpt;
 mod init;
 mod kernels;
+mod moe;
 #[cfg(test)]
 mod tests;
 
 use candle_core::{DType, Device, Tensor};
 
-pub use config::{GptConfig, ParamInit, ParamSpec, UnitKind, UnitSpec};
+pub use config::{GptConfig, MoeConfig, ParamInit, ParamSpec, UnitKind, UnitSpec};
 pub use gpt::{Gpt, HeadLossGrads, UnitGrads};
 pub use init::{init_params, init_unit, init_unit_from_seed};
+pub use moe::{CombineGrads, ExpertGrads, LossParts, Routing, TrunkOut};
 
 /// Errors of the model.
 #[derive(Debug, thiserror::Error)]

@@ -19,6 +19,7 @@ fn tiny(tied: bool) -> GptConfig {
         max_seq_len: 6,
         tied_head: tied,
         ln_eps: 1e-5,
+        moe: None,
     }
 }
 
