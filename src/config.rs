@@ -113,6 +113,51 @@ pub struct ModelConfig {
     /// Learned positions available; must be ≥ `train.seq_len`. Default: `train.seq_len`.
     #[serde(default)]
     pub max_seq_len: Option<usize>,
+    /// Mixture-of-Experts feed-forward blocks (every block): `experts`, `top_k` (1 or 2),
+    /// `aux_loss_coef`, `capacity_factor`, `d_expert`. Default: none (a dense model).
+    #[serde(default)]
+    pub moe: Option<MoeModelConfig>,
+}
+
+/// `[model.moe]`: Mixture-of-Experts feed-forward blocks (Switch Transformer / GShard routing).
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MoeModelConfig {
+    /// Experts per block (≥ 2); each expert is its own unit.
+    pub experts: usize,
+    /// Experts per token: 1 (Switch) or 2 (GShard). Default: 2.
+    #[serde(default = "default_top_k")]
+    pub top_k: usize,
+    /// Weight of the load-balancing loss; 0 turns it off. Default: 0.01.
+    #[serde(default = "default_aux")]
+    pub aux_loss_coef: f64,
+    /// Expert capacity factor; tokens beyond `ceil(cf · tokens · top_k / experts)` per expert are
+    /// dropped. Default: none (no capacity limit).
+    #[serde(default)]
+    pub capacity_factor: Option<f64>,
+    /// Hidden width of each expert's MLP. Default: the dense MLP's width.
+    #[serde(default)]
+    pub d_expert: Option<usize>,
+}
+
+fn default_top_k() -> usize {
+    2
+}
+fn default_aux() -> f64 {
+    0.01
+}
+
+impl MoeModelConfig {
+    /// The model's MoE config.
+    pub fn to_model(&self) -> crate::model::MoeConfig {
+        crate::model::MoeConfig {
+            experts: self.experts,
+            top_k: self.top_k,
+            aux_loss_coef: self.aux_loss_coef,
+            capacity_factor: self.capacity_factor,
+            d_expert: self.d_expert,
+        }
+    }
 }
 
 /// `[data]`: the training text.

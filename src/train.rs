@@ -15,7 +15,7 @@ use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::config::{StateTier, TrainConfig};
 use crate::data::{validation_batches, Batch, Sampler, TextData};
 use crate::model::{init_params, Gpt, GptConfig, UnitSpec};
-use crate::runtime::{DeviceSpec, Phase, Runtime, RuntimeConfig, StepStats, UnitId};
+use crate::runtime::{DeviceSpec, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
 
 /// Anything that stops a training run; every variant's message names the cause and the fix.
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +62,13 @@ pub struct StepOutcome {
     pub tokens: usize,
     /// Time and traffic.
     pub stats: StepStats,
+    /// MoE: the load-balancing loss of the step (sum over blocks, already weighted); 0 for a
+    /// dense model. The objective is `loss + aux_loss`.
+    pub aux_loss: f64,
+    /// MoE: tokens routed to each expert, per block (`[block][expert]`); empty for a dense model.
+    pub routed_tokens: Vec<Vec<usize>>,
+    /// MoE: tokens whose expert ran on the CPU from its host copy this step (forward).
+    pub cpu_tokens: usize,
 }
 
 /// The model's config from the run's `[model]` table and `train.seq_len`.
@@ -74,6 +81,7 @@ pub fn gpt_config(cfg: &TrainConfig) -> GptConfig {
         d_ff: cfg.model.d_ff,
         max_seq_len: cfg.max_seq_len(),
         tied_head: cfg.model.tied_head,
+        moe: cfg.model.moe.as_ref().map(|m| m.to_model()),
         ..GptConfig::default()
     }
 }
@@ -156,6 +164,34 @@ pub struct Trainer {
     /// Optimizer updates applied (steps skipped for non-finite gradients do not count): the
     /// Adam step counter `t` of the next update is this + 1.
     updates: u64,
+    /// MoE: unit indices of each block's trunk and experts; `None` for a dense model.
+    moe: Option<MoeUnits>,
+    /// MoE: where each expert runs.
+    placement: ExpertPlacement,
+}
+
+/// Unit indices of an MoE model's blocks.
+#[derive(Debug, Clone)]
+struct MoeUnits {
+    trunks: Vec<usize>,
+    experts: Vec<Vec<usize>>,
+}
+
+/// Where the experts of an MoE model run in a step (DESIGN.md: hot experts stay on the GPU, a
+/// cold expert is fetched or computed on the CPU, whichever is cheaper).
+#[derive(Debug, Clone, Default)]
+pub struct ExpertPlacement {
+    /// (block, expert) pairs kept on the device from their forward to their backward in a step.
+    pub hot: std::collections::HashSet<(usize, usize)>,
+    /// A cold expert with at most this many routed tokens runs on the CPU from its host copy
+    /// (no H2D, gradients straight to the CPU optimizer); 0: cold experts are always fetched.
+    pub cpu_max_tokens: usize,
+}
+
+impl ExpertPlacement {
+    fn on_cpu(&self, block: usize, expert: usize, tokens: usize) -> bool {
+        !self.hot.contains(&(block, expert)) && tokens <= self.cpu_max_tokens
+    }
 }
 
 impl Trainer {
@@ -208,11 +244,46 @@ impl Trainer {
         for (spec, flat) in units.iter().zip(&params) {
             ids.push(rt.add_unit(&spec.name, flat)?);
         }
-        rt.set_max_units_in_use(if cfg.model.tied_head { 2 } else { 1 });
+        if gcfg.moe.is_some() && gcfg.tied_head {
+            return Err(crate::config::ConfigError::Invalid {
+                key: "model.tied_head".into(),
+                reason: "a tied LM head with MoE blocks is not supported; set tied_head = false".into(),
+            }
+            .into());
+        }
+        if let Some(m) = &gcfg.moe {
+            // Experts are fetched as the router decides: outside the recorded schedule.
+            for (k, spec) in units.iter().enumerate() {
+                if matches!(spec.kind, crate::model::UnitKind::Expert { .. }) {
+                    rt.set_unscheduled(ids[k]);
+                }
+            }
+            let _ = m;
+        }
+        // A trunk stays pinned while its experts run (MoE); a tied head uses the embedding.
+        rt.set_max_units_in_use(if cfg.model.tied_head || gcfg.moe.is_some() { 2 } else { 1 });
         rt.check_working_set()?;
         let val = validation_batches(&data, cfg.train.eval_batches, cfg.train.batch_size, cfg.train.seq_len);
         let sampler = Sampler::new(cfg.train.seed);
-        Ok(Self { cfg, model, units, rt, ids, data, sampler, val, step: 0, updates: 0 })
+        let moe = gcfg.moe.as_ref().map(|m| {
+            let trunks = (0..gcfg.n_layer).map(|i| gcfg.block_unit(i)).collect();
+            let experts = (0..gcfg.n_layer).map(|i| (0..m.experts).map(|e| gcfg.expert_unit(i, e)).collect()).collect();
+            MoeUnits { trunks, experts }
+        });
+        Ok(Self {
+            cfg,
+            model,
+            units,
+            rt,
+            ids,
+            data,
+            sampler,
+            val,
+            step: 0,
+            updates: 0,
+            moe,
+            placement: ExpertPlacement::default(),
+        })
     }
 
     /// Resumes from the newest checkpoint in `dir` (or a checkpoint file): parameters, optimizer
@@ -298,6 +369,9 @@ impl Trainer {
     /// # Errors
     /// Runtime, model or candle failures.
     pub fn train_step(&mut self) -> Result<StepOutcome> {
+        if self.moe.is_some() {
+            return self.train_step_moe();
+        }
         let step = self.step + 1;
         let lr = lr_schedule(&self.cfg).lr(step);
         let batch = self.sampler.next_batch(self.data.train(), self.cfg.train.batch_size, self.cfg.train.seq_len);
@@ -354,7 +428,162 @@ impl Trainer {
         if !stats.skipped {
             self.updates += 1;
         }
-        Ok(StepOutcome { loss, lr, tokens: batch.inputs.len(), stats })
+        Ok(StepOutcome {
+            loss,
+            lr,
+            tokens: batch.inputs.len(),
+            stats,
+            aux_loss: 0.0,
+            routed_tokens: Vec::new(),
+            cpu_tokens: 0,
+        })
+    }
+
+    /// Sets where experts run (MoE); between steps only.
+    pub fn set_expert_placement(&mut self, placement: ExpertPlacement) {
+        self.placement = placement;
+    }
+
+    /// Fetches expert `(block, expert)` where the placement says: pinned on the device, or its
+    /// host copy for CPU compute. Returns the params and whether it is on the CPU.
+    fn fetch_expert(&mut self, block: usize, expert: usize, tokens: usize, phase: Phase) -> Result<(UnitParams, bool)> {
+        let unit = self.ids[self.moe.as_ref().expect("MoE").experts[block][expert]];
+        if self.placement.on_cpu(block, expert, tokens) {
+            Ok((self.rt.fetch_host(unit)?, true))
+        } else {
+            Ok((self.rt.fetch(unit, phase)?, false))
+        }
+    }
+
+    /// One MoE block forward: trunk, the routed experts (hot ones stay pinned in `held` until the
+    /// backward), combine. Returns the block output and the routing.
+    fn moe_block_forward(
+        &mut self,
+        block: usize,
+        x: &Tensor,
+        phase: Phase,
+        held: &mut std::collections::HashMap<(usize, usize), UnitParams>,
+        cpu_tokens: &mut usize,
+    ) -> Result<(Tensor, crate::model::Routing)> {
+        let trunk = self.ids[self.moe.as_ref().expect("MoE").trunks[block]];
+        let t = {
+            let p = self.rt.fetch(trunk, phase)?;
+            let _span = tracing::info_span!("compute::forward", unit = trunk.0).entered();
+            self.model.moe_trunk_forward(block, p.tensor(), x)?
+        };
+        let experts = t.routing.num_experts();
+        let mut outs: Vec<Option<Tensor>> = vec![None; experts];
+        for (e, out) in outs.iter_mut().enumerate() {
+            let Some(h_e) = t.routing.expert_input(e, &t.h)? else { continue };
+            let tokens = t.routing.tokens(e).len();
+            let (p, on_cpu) = self.fetch_expert(block, e, tokens, phase)?;
+            if on_cpu {
+                *cpu_tokens += tokens;
+            }
+            let _span = tracing::info_span!("compute::expert_forward", block, expert = e, tokens, on_cpu).entered();
+            *out = Some(self.model.expert_forward(p.tensor(), &h_e)?);
+            if !on_cpu && phase != Phase::Eval && self.placement.hot.contains(&(block, e)) {
+                held.insert((block, e), p);
+            }
+        }
+        let y = self.model.moe_combine(&t.x1, &t.routing, &outs)?;
+        Ok((y, t.routing))
+    }
+
+    fn train_step_moe(&mut self) -> Result<StepOutcome> {
+        let step = self.step + 1;
+        let lr = lr_schedule(&self.cfg).lr(step);
+        let batch = self.sampler.next_batch(self.data.train(), self.cfg.train.batch_size, self.cfg.train.seq_len);
+        let inputs = self.tokens(&batch.inputs)?;
+        let targets = self.tokens(&batch.targets)?;
+        let head = self.units.len() - 1;
+        let layers = self.moe.as_ref().expect("MoE").trunks.len();
+        self.rt.begin_step(self.updates + 1, lr)?;
+
+        let mut held = std::collections::HashMap::new();
+        let mut cpu_tokens = 0;
+        let x0 = {
+            let p = self.rt.fetch(self.ids[0], Phase::Forward)?;
+            self.model.forward(0, p.tensor(), &inputs, None)?
+        };
+        let mut x = x0;
+        let mut checkpoints = Vec::with_capacity(layers);
+        for i in 0..layers {
+            let (y, routing) = self.moe_block_forward(i, &x, Phase::Forward, &mut held, &mut cpu_tokens)?;
+            checkpoints.push((std::mem::replace(&mut x, y), routing));
+        }
+        let aux: f64 = checkpoints.iter().map(|(_, r)| r.aux_loss()).sum();
+        let routed: Vec<Vec<usize>> = checkpoints.iter().map(|(_, r)| r.counts()).collect();
+
+        let (loss, mut grad_y) = {
+            let p = self.rt.fetch(self.ids[head], Phase::Backward)?;
+            let out = self.model.head_loss_backward(p.tensor(), &x, None, &targets)?;
+            drop(p);
+            self.rt.push_grads(self.ids[head], &out.grads.grad_params.to_vec1::<f32>()?)?;
+            (out.loss, out.grads.grad_input.expect("the head returns its input's gradient"))
+        };
+
+        for i in (0..layers).rev() {
+            let (x_in, routing) = checkpoints.pop().expect("one checkpoint per block");
+            let trunk = self.ids[self.moe.as_ref().expect("MoE").trunks[i]];
+            let p = self.rt.fetch(trunk, Phase::Backward)?;
+            let t = self.model.moe_trunk_forward(i, p.tensor(), &x_in)?;
+            let experts = routing.num_experts();
+            let mut grad_inputs: Vec<Option<Tensor>> = vec![None; experts];
+            let mut grad_gates: Vec<Option<Tensor>> = vec![None; experts];
+            for e in 0..experts {
+                let Some(h_e) = routing.expert_input(e, &t.h)? else { continue };
+                let grad_out = self.model.moe_expert_grad_output(&routing, e, &grad_y)?.expect("active expert");
+                let tokens = routing.tokens(e).len();
+                let (pe, on_cpu) = match held.remove(&(i, e)) {
+                    Some(pe) => (pe, false),
+                    None => self.fetch_expert(i, e, tokens, Phase::Backward)?,
+                };
+                let g = {
+                    let _span = tracing::info_span!("compute::expert_backward", block = i, expert = e, tokens, on_cpu)
+                        .entered();
+                    self.model.expert_backward(pe.tensor(), &h_e, &grad_out)?
+                };
+                drop(pe);
+                let unit = self.ids[self.moe.as_ref().expect("MoE").experts[i][e]];
+                let flat = g.grad_params.to_vec1::<f32>()?;
+                if on_cpu {
+                    self.rt.push_grads_host(unit, &flat)?;
+                } else {
+                    self.rt.push_grads(unit, &flat)?;
+                }
+                grad_gates[e] = self.model.moe_expert_grad_gate(&routing, e, &grad_y, &g.output)?;
+                grad_inputs[e] = Some(g.grad_input);
+            }
+            let grad_h = routing.scatter_input_grads(&grad_inputs)?;
+            let g = {
+                let _span = tracing::info_span!("compute::backward", unit = trunk.0).entered();
+                self.model.moe_trunk_backward(i, p.tensor(), &x_in, &routing, &grad_y, &grad_h, &grad_gates)?
+            };
+            drop(p);
+            self.rt.push_grads(trunk, &g.grad_params.to_vec1::<f32>()?)?;
+            grad_y = g.grad_input.expect("the trunk returns its input's gradient");
+        }
+        {
+            let p = self.rt.fetch(self.ids[0], Phase::Backward)?;
+            let g = self.model.backward(0, p.tensor(), &inputs, &grad_y, None)?;
+            drop(p);
+            self.rt.push_grads(self.ids[0], &g.grad_params.to_vec1::<f32>()?)?;
+        }
+        let stats = self.rt.finish_step()?;
+        self.step = step;
+        if !stats.skipped {
+            self.updates += 1;
+        }
+        Ok(StepOutcome {
+            loss,
+            lr,
+            tokens: batch.inputs.len(),
+            stats,
+            aux_loss: aux,
+            routed_tokens: routed,
+            cpu_tokens,
+        })
     }
 
     /// Mean validation loss (nats per byte) over the fixed validation batches, with the latest
@@ -368,9 +597,19 @@ impl Trainer {
         for b in self.val.clone() {
             let mut x = self.tokens(&b.inputs)?;
             let targets = self.tokens(&b.targets)?;
-            for u in 0..head {
-                let p = self.rt.fetch(self.ids[u], Phase::Eval)?;
-                x = self.model.forward(u, p.tensor(), &x, None)?;
+            if let Some(layers) = self.moe.as_ref().map(|m| m.trunks.len()) {
+                let p = self.rt.fetch(self.ids[0], Phase::Eval)?;
+                x = self.model.forward(0, p.tensor(), &x, None)?;
+                drop(p);
+                let (mut held, mut cpu) = (std::collections::HashMap::new(), 0);
+                for i in 0..layers {
+                    x = self.moe_block_forward(i, &x, Phase::Eval, &mut held, &mut cpu)?.0;
+                }
+            } else {
+                for u in 0..head {
+                    let p = self.rt.fetch(self.ids[u], Phase::Eval)?;
+                    x = self.model.forward(u, p.tensor(), &x, None)?;
+                }
             }
             let emb = if self.cfg.model.tied_head { Some(self.rt.fetch(self.ids[0], Phase::Eval)?) } else { None };
             let p = self.rt.fetch(self.ids[head], Phase::Eval)?;
