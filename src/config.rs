@@ -92,6 +92,56 @@ pub struct TrainConfig {
     /// Metrics and trace files.
     #[serde(default)]
     pub output: OutputConfig,
+    /// Expert placement for an MoE model (`[model.moe]`).
+    #[serde(default)]
+    pub moe: MoePlacementConfig,
+}
+
+/// `[moe]`: where the experts of an MoE model live and run.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MoePlacementConfig {
+    /// `"ours"` (popularity hot set + CPU compute of cold experts when cheaper), `"fetch"`
+    /// (every routed expert fetched on demand, twice per step), `"resident"` (none kept, none on
+    /// the CPU: the same as fetch, for in-memory baselines with a large GPU budget). Default: ours.
+    #[serde(default = "default_moe_policy")]
+    pub policy: String,
+    /// GPU bytes for hot experts, kept from their forward to their backward. Default: a quarter
+    /// of `budgets.gpu`.
+    #[serde(default)]
+    pub expert_budget: Option<ByteSize>,
+    /// Decay of the per-expert moving average of routed tokens, in [0, 1). Default: 0.8.
+    #[serde(default = "default_decay")]
+    pub popularity_decay: f64,
+    /// Compute cold experts on the CPU when the cost model says it is faster than fetching them.
+    /// Default: true.
+    #[serde(default = "default_true")]
+    pub cpu_compute: bool,
+    /// JSON-lines routing trace (step, block, expert, tokens) for `oogc bench moe`. Default: none.
+    #[serde(default)]
+    pub routing_trace: Option<PathBuf>,
+}
+
+fn default_moe_policy() -> String {
+    "ours".into()
+}
+fn default_decay() -> f64 {
+    0.8
+}
+fn default_true() -> bool {
+    true
+}
+
+impl Default for MoePlacementConfig {
+    fn default() -> Self {
+        Self {
+            policy: default_moe_policy(),
+            expert_budget: None,
+            popularity_decay: default_decay(),
+            cpu_compute: true,
+            routing_trace: None,
+        }
+    }
 }
 
 /// `[model]`: a byte-level GPT (vocabulary 256).
@@ -452,6 +502,9 @@ impl TrainConfig {
         if let Some(p) = &mut self.output.trace {
             fix(p);
         }
+        if let Some(p) = &mut self.moe.routing_trace {
+            fix(p);
+        }
     }
 
     /// Checks ranges and consistency; the error names the key and the fix.
@@ -539,6 +592,24 @@ impl TrainConfig {
         }
         if self.threads.compute == Some(0) {
             return bad("threads.compute", "must be ≥ 1".into());
+        }
+        let moe = &self.moe;
+        if !["ours", "fetch", "resident"].contains(&moe.policy.as_str()) {
+            return bad("moe.policy", format!("`{}`: use \"ours\", \"fetch\" or \"resident\"", moe.policy));
+        }
+        if !(0.0..1.0).contains(&moe.popularity_decay) {
+            return bad("moe.popularity_decay", format!("{} must be in [0, 1)", moe.popularity_decay));
+        }
+        if let Some(m) = &self.model.moe {
+            if m.experts < 2 {
+                return bad("model.moe.experts", format!("{} must be ≥ 2", m.experts));
+            }
+            if !(1..=2).contains(&m.top_k) || m.top_k > m.experts {
+                return bad("model.moe.top_k", format!("{} must be 1 or 2 (and ≤ experts)", m.top_k));
+            }
+            if self.model.tied_head {
+                return bad("model.tied_head", "a tied LM head with MoE blocks is not supported; set tied_head = false".into());
+            }
         }
         if self.checkpoint.keep == Some(0) {
             return bad("checkpoint.keep", "must be ≥ 1".into());
