@@ -61,6 +61,8 @@ mod init;
 mod kernels;
 mod moe;
 #[cfg(test)]
+mod moe_tests;
+#[cfg(test)]
 mod tests;
 
 use candle_core::{DType, Device, Tensor};
