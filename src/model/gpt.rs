@@ -102,8 +102,11 @@ impl Gpt {
     /// is required by the head when `tied_head` is set (ignored otherwise and by other units).
     /// Nothing is kept after the call.
     ///
+    /// MoE trunk and expert units are refused (`what = "unit kind"`): their calls take and
+    /// return more than one tensor, see [`Gpt::moe_trunk_forward`] and [`Gpt::expert_forward`].
+    ///
     /// # Errors
-    /// [`Error::Input`] on a wrong unit index, shape, dtype, sequence length or token id;
+    /// [`Error::Input`] on a wrong unit index, kind, shape, dtype, sequence length or token id;
     /// [`Error::Candle`] from the ops.
     pub fn forward(&self, unit: usize, params: &Tensor, input: &Tensor, tied_wte: Option<&Tensor>) -> Result<Tensor> {
         let spec = self.unit_spec(unit)?;

@@ -10,7 +10,9 @@ use super::config::{GptConfig, ParamInit, UnitSpec};
 ///
 /// GPT-2 (Radford et al. 2019): weights and embeddings N(0, 0.02); the two residual
 /// projections of each block (`attn.proj.weight`, `mlp.proj.weight`) N(0, 0.02 / sqrt(2 ·
-/// n_layer)); biases 0; LayerNorm weight 1, bias 0. Parameters are drawn in layout order, element
+/// n_layer)); biases 0; LayerNorm weight 1, bias 0. MoE: each expert like the dense MLP (`fc`
+/// N(0, 0.02), `proj` N(0, 0.02 / sqrt(2 · n_layer)), biases 0), the router weight N(0, 0.02) and
+/// its bias 0. Parameters are drawn in layout order, element
 /// by element, so the result depends only on `rng`'s state. `config` is taken for symmetry with
 /// the layout; the per-parameter rule is already in [`ParamSpec::init`](super::ParamSpec::init).
 pub fn init_unit<R: Rng + ?Sized>(config: &GptConfig, unit: &UnitSpec, rng: &mut R) -> Vec<f32> {

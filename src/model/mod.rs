@@ -11,6 +11,26 @@
 //! (`V` = `vocab_size`, `S` = `max_seq_len`, `d` = `d_model`, `L` = `n_layer`; exact shapes
 //! and offsets in [`GptConfig::units`].)
 //!
+//! # MoE-GPT
+//!
+//! With [`GptConfig::moe`] set ([`MoeConfig`]: Switch Transformer, Fedus et al. 2021, for
+//! top-1; GShard, Lepikhin et al. 2020, for top-2), every block's MLP becomes `E` experts
+//! behind a softmax router, and each expert is **its own unit** (resident or not on its own):
+//!
+//! | unit index | kind | name | parameters | input → output |
+//! |---|---|---|---|---|
+//! | 0 | [`UnitKind::Embedding`] | `embed` | as above | tokens → `[B, T, d]` |
+//! | `1 + i (1 + E)` | [`UnitKind::MoeTrunk`]`(i)` | `blocks.{i}` | `ln_1`, `attn.qkv`, `attn.proj`, `ln_2`, `router.weight` `[d, E]`, `router.bias` `[E]` | `[B, T, d]` → `x1` `[B, T, d]`, `h` `[N, d]`, probs `[N, E]`, [`Routing`] |
+//! | `2 + i (1 + E) + e` | [`UnitKind::Expert`]` { block: i, expert: e }` | `blocks.{i}.experts.{e}` | `fc.weight` `[d, f]`, `fc.bias` `[f]`, `proj.weight` `[f, d]`, `proj.bias` `[d]` | `h_e` `[n_e, d]` → `[n_e, d]` |
+//! | last | [`UnitKind::Head`] | `head` | as above | `[B, T, d]` → logits |
+//!
+//! (`N = B · T`, `f` = [`GptConfig::expert_dim`], `n_e` the tokens routed to expert `e`; the
+//! indices are [`GptConfig::block_unit`], [`GptConfig::expert_unit`], [`GptConfig::head_unit`].)
+//! The block is `y = x1 + Σ_e scatter(idx_e, gate_e · expert_e(h[idx_e]))` and the objective
+//! is `CE + Σ_blocks aux` ([`LossParts`]); gates, capacity and the auxiliary loss are defined
+//! in [`MoeConfig`]. The MoE unit calls (trunk forward, expert forward, combine, and their
+//! backward) are described in [`Gpt::loss_parts_and_grads`], which runs them as a trainer does.
+//!
 //! Blocks are pre-LN: `x + proj(attn(ln_1(x)))`, then `x + mlp(ln_2(x))` with causal
 //! multi-head self-attention and a GELU (tanh form) MLP. LayerNorm, softmax and the
 //! cross-entropy are composed of candle ops that all have a backward (the fused candle-nn ones
@@ -29,7 +49,8 @@
 //!           g_0 = backward(0, p_0, tokens, g).grad_params (+ g_tied when the head is tied)
 //! ```
 //!
-//! [`Gpt::loss_and_grads`] is exactly this loop, in memory. Nothing is kept between calls but
+//! [`Gpt::loss_and_grads`] is exactly this loop, in memory (for the MoE block's calls see
+//! [`Gpt::loss_parts_and_grads`]). Nothing is kept between calls but
 //! what the caller keeps; a unit's activations live only during its own call.
 //!
 //! # Tied head
@@ -60,6 +81,8 @@ mod gpt;
 mod init;
 mod kernels;
 mod moe;
+#[cfg(test)]
+mod moe_tests;
 #[cfg(test)]
 mod tests;
 

@@ -729,7 +729,7 @@ impl Gpt {
     }
 
     /// One MoE block through the unit calls: `(y, x, trunk output, expert outputs)`.
-    fn moe_block_forward(
+    pub(super) fn moe_block_forward(
         &self,
         i: usize,
         params: &[Tensor],

@@ -23,23 +23,23 @@ fn tiny(tied: bool) -> GptConfig {
     }
 }
 
-fn ids(b: usize, t: usize, vocab: usize, rng: &mut impl Rng) -> Tensor {
+pub(super) fn ids(b: usize, t: usize, vocab: usize, rng: &mut impl Rng) -> Tensor {
     let v: Vec<u32> = (0..b * t).map(|_| rng.random_range(0..vocab as u32)).collect();
     Tensor::from_vec(v, (b, t), &Device::Cpu).unwrap()
 }
 
 /// Random parameters (not the init: LN weights away from 1, non-zero biases, larger weights,
 /// so every path of the graph is exercised), as F64 host vectors.
-fn random_params(cfg: &GptConfig, std: f64, rng: &mut impl Rng) -> Vec<Vec<f64>> {
+pub(super) fn random_params(cfg: &GptConfig, std: f64, rng: &mut impl Rng) -> Vec<Vec<f64>> {
     let normal = Normal::new(0.0, std).unwrap();
     cfg.units().iter().map(|u| (0..u.numel).map(|_| normal.sample(rng)).collect()).collect()
 }
 
-fn to_tensors(flats: &[Vec<f64>], dtype: DType) -> Vec<Tensor> {
+pub(super) fn to_tensors(flats: &[Vec<f64>], dtype: DType) -> Vec<Tensor> {
     flats.iter().map(|f| Tensor::from_slice(f, f.len(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()).collect()
 }
 
-fn to_vec(t: &Tensor) -> Vec<f64> {
+pub(super) fn to_vec(t: &Tensor) -> Vec<f64> {
     t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()
 }
 
@@ -159,9 +159,9 @@ fn loss_from(gpt: &Gpt, params: &[Tensor], u: usize, input: &Tensor, targets: &T
 /// at h = 1e-5 both stay below ~2e-10 here (observed max 1.7e-10). The bound per element is
 /// |autograd − fd| ≤ 1e-9 + 1e-6 |fd|. (With candle's built-in `gelu`, whose backward uses
 /// 6-digit constants, errors reached 1.3e-8: the model uses an exact GELU instead.)
-const FD_STEP: f64 = 1e-5;
-const FD_RTOL: f64 = 1e-6;
-const FD_ATOL: f64 = 1e-9;
+pub(super) const FD_STEP: f64 = 1e-5;
+pub(super) const FD_RTOL: f64 = 1e-6;
+pub(super) const FD_ATOL: f64 = 1e-9;
 
 fn check_finite_differences(tied: bool, composed: bool) {
     let cfg = tiny(tied);
@@ -283,7 +283,7 @@ fn whole_graph_loss_and_grads(gpt: &Gpt, params: &[Tensor], tokens: &Tensor, tar
     (to_vec(&loss.reshape(1).unwrap())[0], grads)
 }
 
-fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+pub(super) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
     to_vec(a).iter().zip(to_vec(b)).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
 }
 
