@@ -608,7 +608,10 @@ impl TrainConfig {
                 return bad("model.moe.top_k", format!("{} must be 1 or 2 (and ≤ experts)", m.top_k));
             }
             if self.model.tied_head {
-                return bad("model.tied_head", "a tied LM head with MoE blocks is not supported; set tied_head = false".into());
+                return bad(
+                    "model.tied_head",
+                    "a tied LM head with MoE blocks is not supported; set tied_head = false".into(),
+                );
             }
         }
         if self.checkpoint.keep == Some(0) {
