@@ -288,10 +288,7 @@ impl CostModel {
             })
             .collect();
         let mut best = self.block_cost(tokens, &p).block_s;
-        loop {
-            let Some(e) = (0..p.len()).filter(|&e| p[e] == Placement::Cpu).max_by_key(|&e| (tokens[e], e)) else {
-                break;
-            };
+        while let Some(e) = (0..p.len()).filter(|&e| p[e] == Placement::Cpu).max_by_key(|&e| (tokens[e], e)) {
             p[e] = Placement::Fetch;
             let s = self.block_cost(tokens, &p).block_s;
             if s < best {
