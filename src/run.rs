@@ -72,6 +72,12 @@ pub struct StepRecord {
     pub clip_scale: f32,
     /// Step skipped for a non-finite gradient.
     pub skipped: bool,
+    /// MoE: the load-balancing loss (the objective is `loss + aux_loss`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub aux_loss: Option<f64>,
+    /// MoE: tokens whose expert ran on the CPU from its host copy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_tokens: Option<usize>,
 }
 
 /// What a run did, printed at the end.
@@ -220,6 +226,8 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
             grad_norm: s.grad_norm,
             clip_scale: s.clip_scale,
             skipped: s.skipped,
+            aux_loss: (!out.routed_tokens.is_empty()).then_some(out.aux_loss),
+            cpu_tokens: (!out.routed_tokens.is_empty()).then_some(out.cpu_tokens),
         };
         if s.skipped {
             bar.println(format!("step {step}: skipped, a gradient was not finite (norm {})", s.grad_norm));

@@ -149,6 +149,10 @@ pub fn optimizer_config(cfg: &TrainConfig) -> oogc_optimizer::OptimizerConfig {
     }
 }
 
+fn moe_err(key: &'static str) -> impl Fn(oogc_moe_placement::Error) -> TrainError {
+    move |e| TrainError::Config(crate::config::ConfigError::Invalid { key: key.into(), reason: e.to_string() })
+}
+
 /// A training run in progress.
 pub struct Trainer {
     cfg: TrainConfig,
@@ -166,8 +170,13 @@ pub struct Trainer {
     updates: u64,
     /// MoE: unit indices of each block's trunk and experts; `None` for a dense model.
     moe: Option<MoeUnits>,
-    /// MoE: where each expert runs.
-    placement: ExpertPlacement,
+    /// MoE: a fixed placement set by [`Trainer::set_expert_placement`] (tests, baselines);
+    /// `None`: the placer decides.
+    placement: Option<ExpertPlacement>,
+    /// MoE: popularity statistics, hot set and cost model (`[moe] policy = "ours"`).
+    placer: Option<oogc_moe_placement::Placer>,
+    /// MoE: the routing trace being written (`[moe] routing_trace`).
+    routing_trace: Option<oogc_moe_placement::RoutingTraceWriter<std::io::BufWriter<std::fs::File>>>,
 }
 
 /// Unit indices of an MoE model's blocks.
@@ -189,10 +198,20 @@ pub struct ExpertPlacement {
 }
 
 impl ExpertPlacement {
-    fn on_cpu(&self, block: usize, expert: usize, tokens: usize) -> bool {
-        !self.hot.contains(&(block, expert)) && tokens <= self.cpu_max_tokens
+    fn place(&self, block: usize, expert: usize, tokens: usize) -> Placement {
+        if tokens == 0 {
+            Placement::Skip
+        } else if self.hot.contains(&(block, expert)) {
+            Placement::Resident
+        } else if tokens <= self.cpu_max_tokens {
+            Placement::Cpu
+        } else {
+            Placement::Fetch
+        }
     }
 }
+
+use oogc_moe_placement::Placement;
 
 impl Trainer {
     /// A fresh run: parameters initialized from `train.seed`, state zero, step 0.
@@ -265,6 +284,10 @@ impl Trainer {
         rt.check_working_set()?;
         let val = validation_batches(&data, cfg.train.eval_batches, cfg.train.batch_size, cfg.train.seq_len);
         let sampler = Sampler::new(cfg.train.seed);
+        let (placer, routing_trace) = match &gcfg.moe {
+            Some(m) => Self::moe_placement(&cfg, &gcfg, m, &units, &ids, &mut rt)?,
+            None => (None, None),
+        };
         let moe = gcfg.moe.as_ref().map(|m| {
             let trunks = (0..gcfg.n_layer).map(|i| gcfg.block_unit(i)).collect();
             let experts = (0..gcfg.n_layer).map(|i| (0..m.experts).map(|e| gcfg.expert_unit(i, e)).collect()).collect();
@@ -282,7 +305,9 @@ impl Trainer {
             step: 0,
             updates: 0,
             moe,
-            placement: ExpertPlacement::default(),
+            placement: None,
+            placer,
+            routing_trace,
         })
     }
 
@@ -439,19 +464,112 @@ impl Trainer {
         })
     }
 
-    /// Sets where experts run (MoE); between steps only.
+    /// Fixes where experts run (MoE), overriding the placer; between steps only.
     pub fn set_expert_placement(&mut self, placement: ExpertPlacement) {
-        self.placement = placement;
+        self.placement = Some(placement);
     }
 
-    /// Fetches expert `(block, expert)` where the placement says: pinned on the device, or its
-    /// host copy for CPU compute. Returns the params and whether it is on the CPU.
-    fn fetch_expert(&mut self, block: usize, expert: usize, tokens: usize, phase: Phase) -> Result<(UnitParams, bool)> {
+    /// The MoE placer: its statistics, hot set and cost model (`[moe] policy = "ours"`).
+    pub fn placer(&self) -> Option<&oogc_moe_placement::Placer> {
+        self.placer.as_ref()
+    }
+
+    /// The placer (popularity, hot set under `[moe] expert_budget`, cost model calibrated from
+    /// the link and a measured CPU GEMM rate) and the routing trace writer of an MoE run; the
+    /// placer's popularity ranks expert copies for eviction.
+    #[allow(clippy::type_complexity)]
+    fn moe_placement(
+        cfg: &TrainConfig,
+        gcfg: &GptConfig,
+        m: &crate::model::MoeConfig,
+        units: &[UnitSpec],
+        ids: &[UnitId],
+        rt: &mut Runtime,
+    ) -> Result<(
+        Option<oogc_moe_placement::Placer>,
+        Option<oogc_moe_placement::RoutingTraceWriter<std::io::BufWriter<std::fs::File>>>,
+    )> {
+        let expert_params =
+            units.iter().find(|u| matches!(u.kind, crate::model::UnitKind::Expert { .. })).map_or(0, |u| u.numel);
+        let expert_bytes = expert_params as u64 * 4;
+        // Forward 2, recompute 2, backward 4 FLOPs per parameter and token.
+        let flops_per_token = 8.0 * expert_params as f64;
+        let tokens_per_step = (cfg.train.batch_size * cfg.train.seq_len) as u64;
+        let header = oogc_moe_placement::TraceHeader::new(
+            gcfg.n_layer as u32,
+            m.experts as u32,
+            m.top_k as u32,
+            expert_params as u64,
+            expert_bytes,
+            flops_per_token,
+            tokens_per_step,
+        );
+        let trace = match &cfg.moe.routing_trace {
+            Some(path) => {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir).map_err(|source| {
+                        TrainError::Checkpoint(checkpoint::CheckpointError::Io { path: dir.to_path_buf(), source })
+                    })?;
+                }
+                Some(
+                    oogc_moe_placement::RoutingTraceWriter::create(path, header.clone())
+                        .map_err(moe_err("moe.routing_trace"))?,
+                )
+            }
+            None => None,
+        };
+        if cfg.moe.policy != "ours" {
+            return Ok((None, trace));
+        }
+        let budget = cfg.moe.expert_budget.map_or(cfg.budgets.gpu.as_u64() / 4, |b| b.as_u64());
+        let link = if cfg.device.kind == "sim" && cfg.device.link_gbps > 0.0 { cfg.device.link_gbps } else { 16.0 };
+        // On the sim device the "GPU" is this CPU: both rates are the measured CPU GEMM rate.
+        let cpu = oogc_moe_placement::calibrate_cpu_gemm() * cfg.threads.compute.unwrap_or(1).max(1) as f64;
+        let mut pc = oogc_moe_placement::PlacerConfig::new(budget);
+        pc.decay = cfg.moe.popularity_decay;
+        pc.hot_set.cpu_compute = cfg.moe.cpu_compute;
+        pc.cost = oogc_moe_placement::CostModelConfig {
+            h2d_gbps: link,
+            d2h_gbps: link,
+            gpu_gflops: if cfg.device.kind == "sim" { cpu } else { pc.cost.gpu_gflops },
+            cpu_gflops: cpu,
+            ..pc.cost
+        };
+        let placer = oogc_moe_placement::Placer::new(gcfg.n_layer as u32, m.experts as u32, header.expert_shape(), pc)
+            .map_err(moe_err("moe.expert_budget"))?;
+        let experts = units.iter().zip(ids).filter_map(|(u, id)| match u.kind {
+            crate::model::UnitKind::Expert { block, expert } => Some((
+                oogc_swapper::TensorId(id.0 as u64),
+                oogc_moe_placement::ExpertId::new(block as u32, expert as u32),
+            )),
+            _ => None,
+        });
+        rt.set_fallback_policy(Box::new(placer.fallback(experts)));
+        Ok((Some(placer), trace))
+    }
+
+    /// Where each expert of `block` runs for the routed `tokens`.
+    fn place_block(&self, block: usize, tokens: &[usize]) -> Result<Vec<Placement>> {
+        if let Some(p) = &self.placement {
+            return Ok(tokens.iter().enumerate().map(|(e, &n)| p.place(block, e, n)).collect());
+        }
+        match &self.placer {
+            Some(placer) => {
+                let t: Vec<u64> = tokens.iter().map(|&n| n as u64).collect();
+                placer.place_block(block as u32, &t).map_err(moe_err("moe"))
+            }
+            // `fetch` / `resident`: every routed expert fetched on demand.
+            None => Ok(tokens.iter().map(|&n| if n == 0 { Placement::Skip } else { Placement::Fetch }).collect()),
+        }
+    }
+
+    /// Fetches expert `(block, expert)` where `placement` says: pinned on the device, or its
+    /// host copy for CPU compute.
+    fn fetch_expert(&mut self, block: usize, expert: usize, placement: Placement, phase: Phase) -> Result<UnitParams> {
         let unit = self.ids[self.moe.as_ref().expect("MoE").experts[block][expert]];
-        if self.placement.on_cpu(block, expert, tokens) {
-            Ok((self.rt.fetch_host(unit)?, true))
-        } else {
-            Ok((self.rt.fetch(unit, phase)?, false))
+        match placement {
+            Placement::Cpu => Ok(self.rt.fetch_host(unit)?),
+            _ => Ok(self.rt.fetch(unit, phase)?),
         }
     }
 
@@ -464,7 +582,7 @@ impl Trainer {
         phase: Phase,
         held: &mut std::collections::HashMap<(usize, usize), UnitParams>,
         cpu_tokens: &mut usize,
-    ) -> Result<(Tensor, crate::model::Routing)> {
+    ) -> Result<(Tensor, crate::model::Routing, Vec<Placement>)> {
         let trunk = self.ids[self.moe.as_ref().expect("MoE").trunks[block]];
         let t = {
             let p = self.rt.fetch(trunk, phase)?;
@@ -472,22 +590,25 @@ impl Trainer {
             self.model.moe_trunk_forward(block, p.tensor(), x)?
         };
         let experts = t.routing.num_experts();
+        let counts = t.routing.counts();
+        let placements = self.place_block(block, &counts)?;
         let mut outs: Vec<Option<Tensor>> = vec![None; experts];
         for (e, out) in outs.iter_mut().enumerate() {
             let Some(h_e) = t.routing.expert_input(e, &t.h)? else { continue };
-            let tokens = t.routing.tokens(e).len();
-            let (p, on_cpu) = self.fetch_expert(block, e, tokens, phase)?;
+            let tokens = counts[e];
+            let on_cpu = placements[e] == Placement::Cpu;
+            let p = self.fetch_expert(block, e, placements[e], phase)?;
             if on_cpu {
                 *cpu_tokens += tokens;
             }
             let _span = tracing::info_span!("compute::expert_forward", block, expert = e, tokens, on_cpu).entered();
             *out = Some(self.model.expert_forward(p.tensor(), &h_e)?);
-            if !on_cpu && phase != Phase::Eval && self.placement.hot.contains(&(block, e)) {
+            if placements[e] == Placement::Resident && phase != Phase::Eval {
                 held.insert((block, e), p);
             }
         }
         let y = self.model.moe_combine(&t.x1, &t.routing, &outs)?;
-        Ok((y, t.routing))
+        Ok((y, t.routing, placements))
     }
 
     fn train_step_moe(&mut self) -> Result<StepOutcome> {
@@ -509,11 +630,11 @@ impl Trainer {
         let mut x = x0;
         let mut checkpoints = Vec::with_capacity(layers);
         for i in 0..layers {
-            let (y, routing) = self.moe_block_forward(i, &x, Phase::Forward, &mut held, &mut cpu_tokens)?;
-            checkpoints.push((std::mem::replace(&mut x, y), routing));
+            let (y, routing, placements) = self.moe_block_forward(i, &x, Phase::Forward, &mut held, &mut cpu_tokens)?;
+            checkpoints.push((std::mem::replace(&mut x, y), routing, placements));
         }
-        let aux: f64 = checkpoints.iter().map(|(_, r)| r.aux_loss()).sum();
-        let routed: Vec<Vec<usize>> = checkpoints.iter().map(|(_, r)| r.counts()).collect();
+        let aux: f64 = checkpoints.iter().map(|(_, r, _)| r.aux_loss()).sum();
+        let routed: Vec<Vec<usize>> = checkpoints.iter().map(|(_, r, _)| r.counts()).collect();
 
         let (loss, mut grad_y) = {
             let p = self.rt.fetch(self.ids[head], Phase::Backward)?;
@@ -524,7 +645,7 @@ impl Trainer {
         };
 
         for i in (0..layers).rev() {
-            let (x_in, routing) = checkpoints.pop().expect("one checkpoint per block");
+            let (x_in, routing, placements) = checkpoints.pop().expect("one checkpoint per block");
             let trunk = self.ids[self.moe.as_ref().expect("MoE").trunks[i]];
             let p = self.rt.fetch(trunk, Phase::Backward)?;
             let t = self.model.moe_trunk_forward(i, p.tensor(), &x_in)?;
@@ -535,9 +656,10 @@ impl Trainer {
                 let Some(h_e) = routing.expert_input(e, &t.h)? else { continue };
                 let grad_out = self.model.moe_expert_grad_output(&routing, e, &grad_y)?.expect("active expert");
                 let tokens = routing.tokens(e).len();
-                let (pe, on_cpu) = match held.remove(&(i, e)) {
-                    Some(pe) => (pe, false),
-                    None => self.fetch_expert(i, e, tokens, Phase::Backward)?,
+                let on_cpu = placements[e] == Placement::Cpu;
+                let pe = match held.remove(&(i, e)) {
+                    Some(pe) => pe,
+                    None => self.fetch_expert(i, e, placements[e], Phase::Backward)?,
                 };
                 let g = {
                     let _span = tracing::info_span!("compute::expert_backward", block = i, expert = e, tokens, on_cpu)
@@ -575,6 +697,20 @@ impl Trainer {
         if !stats.skipped {
             self.updates += 1;
         }
+        for (i, counts) in routed.iter().enumerate() {
+            let t: Vec<u64> = counts.iter().map(|&n| n as u64).collect();
+            if let Some(placer) = &self.placer {
+                placer.observe_routing(step, i as u32, &t).map_err(moe_err("moe"))?;
+            }
+            if let Some(w) = &mut self.routing_trace {
+                w.record(step, i as u32, &t).map_err(moe_err("moe.routing_trace"))?;
+            }
+        }
+        if let Some(placer) = &mut self.placer {
+            // Between steps: re-place the hot set (with hysteresis).
+            let change = placer.replan();
+            tracing::debug!(?change, "moe: hot set");
+        }
         Ok(StepOutcome {
             loss,
             lr,
@@ -605,6 +741,7 @@ impl Trainer {
                 for i in 0..layers {
                     x = self.moe_block_forward(i, &x, Phase::Eval, &mut held, &mut cpu)?.0;
                 }
+                drop(held);
             } else {
                 for u in 0..head {
                     let p = self.rt.fetch(self.ids[u], Phase::Eval)?;

@@ -275,9 +275,11 @@ fn tiny_moe(gpu: &str, state: &str, nvme: &Path) -> String {
 fn moe_training_with_hot_and_cpu_experts_equals_in_memory_moe_training() {
     use oogc::train::ExpertPlacement;
     let dir = tempfile::tempdir().unwrap();
-    let run = |cfg: TrainConfig, placement: ExpertPlacement| {
+    let run = |cfg: TrainConfig, placement: Option<ExpertPlacement>| {
         let mut t = Trainer::new(cfg).unwrap();
-        t.set_expert_placement(placement);
+        if let Some(p) = placement {
+            t.set_expert_placement(p);
+        }
         let mut out = Vec::new();
         for _ in 0..20 {
             let s = t.train_step().unwrap();
@@ -286,10 +288,14 @@ fn moe_training_with_hot_and_cpu_experts_equals_in_memory_moe_training() {
         (out, t.master_weights().unwrap())
     };
     let resident = TrainConfig::from_toml_str(&tiny_moe("64MiB", "host", dir.path())).unwrap();
-    let (a, params_a) = run(resident, ExpertPlacement::default());
+    let (a, params_a) = run(resident, Some(ExpertPlacement::default()));
     let offloaded = TrainConfig::from_toml_str(&tiny_moe("96KiB", "nvme", dir.path())).unwrap();
     let placement = ExpertPlacement { hot: [(0, 0), (1, 1), (2, 2)].into(), cpu_max_tokens: 12 };
-    let (b, params_b) = run(offloaded, placement);
+    let (b, params_b) = run(offloaded.clone(), Some(placement));
+    // The placer's own choices (popularity hot set, CPU compute when the cost model says so).
+    let (c, params_c) = run(offloaded, None);
+    assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), c.iter().map(|x| x.0).collect::<Vec<_>>());
+    assert_eq!(params_a, params_c);
     // Bitwise: the CPU path and the device path run the same candle ops on the sim device.
     let losses = |v: &[(f64, f64, usize, u64)]| v.iter().map(|x| (x.0, x.1)).collect::<Vec<_>>();
     assert_eq!(losses(&a), losses(&b));
