@@ -1,5 +1,5 @@
 //! The `oogc` command line: `oogc train`, `oogc inspect`, `oogc plan`, `oogc bench nvme`,
-//! `oogc bench swap`, `oogc bench evict`, `oogc bench adam`.
+//! `oogc bench swap`, `oogc bench evict`, `oogc bench adam`, `oogc bench moe`.
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`); results go to stdout, as a table
 //! or, with `--json`, as JSON Lines (one object per row per line). Errors print the whole cause
@@ -11,7 +11,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use oogc::bench::{adam, evict, nvme, swap};
+use oogc::bench::{adam, evict, moe, nvme, swap};
 use oogc::config::TrainConfig;
 use oogc::optimizer::{FloatType, Isa};
 use oogc::plan as planner;
@@ -89,6 +89,11 @@ enum BenchCommand {
     /// The CPU AdamW step (fused: gradients in, compute copy out) on one flat tensor, per thread
     /// count, beside a STREAM triad of the same run. GB/s are 10^9 bytes per second.
     Adam(AdamCmd),
+    /// Replay an MoE routing trace (or a synthetic one) under expert placement policies with the
+    /// same GPU expert budget: fetch-on-demand, an LRU cache, a static hot set, and ours (EMA hot
+    /// set with hysteresis plus CPU compute of cold experts). Reports expert bytes moved H2D, hit
+    /// rate, CPU-computed tokens and the predicted expert time per step (cost model).
+    Moe(MoeCmd),
 }
 
 /// Element types for `bench adam`.
@@ -273,6 +278,73 @@ struct EvictCmd {
     /// stall_fraction, prefetches.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Debug, Args)]
+struct MoeCmd {
+    /// A routing trace (oogc-routing-1 JSON Lines, as `oogc train` records it).
+    #[arg(long, value_name = "FILE", required_unless_present = "synthetic", conflicts_with = "synthetic")]
+    trace: Option<PathBuf>,
+    /// Replay a synthetic trace instead: Zipf-skewed popularity that drifts slowly (4 blocks of
+    /// 16 experts, top-2, 256 tokens per step, 2 MiB f32 experts).
+    #[arg(long)]
+    synthetic: bool,
+    /// Steps of the synthetic trace.
+    #[arg(long, value_name = "N", default_value_t = 200, requires = "synthetic", value_parser = clap::value_parser!(u64).range(1..))]
+    steps: u64,
+    /// Seed of the synthetic trace.
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "synthetic")]
+    seed: u64,
+    /// Zipf exponent of the synthetic trace's popularity (0: uniform).
+    #[arg(long, value_name = "S", default_value_t = 1.0, requires = "synthetic", value_parser = parse_nonnegative_f64)]
+    zipf: f64,
+    /// Also write the synthetic trace (oogc-routing-1) to this file.
+    #[arg(long, value_name = "FILE", requires = "synthetic")]
+    write_trace: Option<PathBuf>,
+    /// GPU bytes for resident experts, as a fraction of all experts' bytes, in (0, 1].
+    #[arg(long, value_name = "F", default_value_t = 0.25, value_parser = parse_fraction)]
+    budget_fraction: f64,
+    /// Host-to-device bandwidth, GB/s (10^9 B/s).
+    #[arg(long, value_name = "GBPS", default_value_t = 16.0, value_parser = parse_positive_f64)]
+    h2d_gbps: f64,
+    /// Device-to-host bandwidth (gradients), GB/s; default: --h2d-gbps.
+    #[arg(long, value_name = "GBPS", value_parser = parse_positive_f64)]
+    d2h_gbps: Option<f64>,
+    /// Achieved CPU rate on expert GEMMs, GFLOP/s (10^9 FLOP/s).
+    #[arg(long, value_name = "G", default_value_t = 100.0, value_parser = parse_positive_f64)]
+    cpu_gflops: f64,
+    /// Achieved GPU rate on expert GEMMs, GFLOP/s.
+    #[arg(long, value_name = "G", default_value_t = 50000.0, value_parser = parse_positive_f64)]
+    gpu_gflops: f64,
+    /// EMA decay of expert popularity, in [0, 1).
+    #[arg(long, value_name = "D", default_value_t = 0.9, value_parser = parse_decay)]
+    decay: f64,
+    /// Hysteresis margin: the hot set changes when the gain exceeds the cost of moving by this fraction.
+    #[arg(long, value_name = "M", default_value_t = 0.5, value_parser = parse_nonnegative_f64)]
+    margin: f64,
+    /// Print JSON Lines on stdout: one object per policy per line, with fields policy,
+    /// budget_bytes, expert_h2d_bytes, refresh_h2d_bytes, bytes_vs_fetch, hit_rate,
+    /// resident_rate, cpu_tokens, fetches, uses, step_s, speedup_vs_fetch.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_nonnegative_f64(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("`{s}` is not a number: {e}"))?;
+    if v.is_finite() && v >= 0.0 {
+        Ok(v)
+    } else {
+        Err(format!("`{s}` must be a finite number ≥ 0"))
+    }
+}
+
+fn parse_decay(s: &str) -> Result<f64, String> {
+    let v: f64 = s.parse().map_err(|e| format!("`{s}` is not a number: {e}"))?;
+    if v.is_finite() && (0.0..1.0).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("`{s}` must be in [0, 1)"))
+    }
 }
 
 /// Which store engines `bench nvme` measures.
@@ -561,6 +633,44 @@ fn bench_evict(cmd: EvictCmd) -> anyhow::Result<()> {
     }
 }
 
+fn bench_moe(cmd: MoeCmd) -> anyhow::Result<()> {
+    use oogc::moe_placement::{read_trace_file, synthetic_trace, CostModelConfig, SyntheticConfig};
+    let trace = match &cmd.trace {
+        Some(path) => read_trace_file(path).context("--trace")?,
+        None => {
+            let cfg =
+                SyntheticConfig { steps: cmd.steps, seed: cmd.seed, zipf_s: cmd.zipf, ..SyntheticConfig::default() };
+            let trace = synthetic_trace(&cfg).context("--synthetic")?;
+            if let Some(path) = &cmd.write_trace {
+                let file = std::fs::File::create(path).with_context(|| format!("--write-trace {}", path.display()))?;
+                trace
+                    .write_to(std::io::BufWriter::new(file))
+                    .with_context(|| format!("--write-trace {}", path.display()))?;
+            }
+            trace
+        }
+    };
+    let args = moe::MoeBenchArgs {
+        budget_fraction: cmd.budget_fraction,
+        cost: CostModelConfig {
+            h2d_gbps: cmd.h2d_gbps,
+            d2h_gbps: cmd.d2h_gbps.unwrap_or(cmd.h2d_gbps),
+            gpu_gflops: cmd.gpu_gflops,
+            cpu_gflops: cmd.cpu_gflops,
+            ..CostModelConfig::default()
+        },
+        decay: cmd.decay,
+        margin: cmd.margin,
+    };
+    let rows = moe::run(&trace, &args).context("oogc bench moe")?;
+    if cmd.json {
+        print_json_lines(&rows)
+    } else {
+        moe::print_table(&trace, &rows);
+        Ok(())
+    }
+}
+
 fn bench_adam(cmd: AdamCmd) -> anyhow::Result<()> {
     let grad_dtype =
         cmd.grad_dtype.float().context("--grad-dtype none is not a gradient type: use f32, bf16 or f16")?;
@@ -706,6 +816,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Swap(cmd)) => bench_swap(cmd),
         Command::Bench(BenchCommand::Evict(cmd)) => bench_evict(cmd),
         Command::Bench(BenchCommand::Adam(cmd)) => bench_adam(cmd),
+        Command::Bench(BenchCommand::Moe(cmd)) => bench_moe(cmd),
         Command::Plan(cmd) => plan(cmd),
     };
     match result {

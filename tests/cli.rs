@@ -1,4 +1,4 @@
-//! End-to-end tests of the `oogc` binary: `bench nvme`, `bench swap` and `bench evict` with
+//! End-to-end tests of the `oogc` binary: `bench nvme`, `bench swap`, `bench evict` and `bench moe` with
 //! `--json` (JSON Lines on stdout), `plan` (JSON, a budget below the minimum, the hardware probe
 //! and profiles), a missing `--dir`, and `--help`.
 //!
@@ -353,4 +353,48 @@ fn bench_adam_refuses_bad_arguments_naming_them() {
     let out = oogc(&["bench", "adam", "--threads", "0"]);
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("--threads"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn bench_moe_synthetic_prints_one_json_row_per_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let written = dir.path().join("routing.jsonl");
+    let out =
+        oogc(&["bench", "moe", "--synthetic", "--steps", "30", "--write-trace", written.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    let rows = json_rows(&out);
+    let policies: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().expect("policy")).collect();
+    assert_eq!(policies, ["fetch-on-demand", "lru", "static", "ours", "ours-no-cpu"]);
+    for row in &rows {
+        for key in ["expert_h2d_bytes", "hit_rate", "cpu_tokens", "step_s", "refresh_h2d_bytes", "budget_bytes"] {
+            assert!(row[key].is_number(), "`{key}` missing in {row}");
+        }
+        positive(row, "step_s");
+        let hit = row["hit_rate"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&hit), "{row}");
+    }
+    // By construction: fetch-on-demand serves nothing in place and only ours computes on the CPU.
+    assert_eq!(rows[0]["hit_rate"], 0.0, "{}", rows[0]);
+    assert!(rows.iter().filter(|r| r["policy"] != "ours").all(|r| r["cpu_tokens"] == 0), "{rows:?}");
+    // The written trace replays to the same rows.
+    let again = oogc(&["bench", "moe", "--trace", written.to_str().unwrap(), "--json"]);
+    assert!(again.status.success(), "stderr:\n{}", text(&again.stderr));
+    assert_eq!(json_rows(&again), rows);
+}
+
+#[test]
+fn bench_moe_refuses_bad_arguments_naming_them() {
+    let out = oogc(&["bench", "moe", "--synthetic", "--budget-fraction", "1.5"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--budget-fraction"), "{}", text(&out.stderr));
+    let out = oogc(&["bench", "moe"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--trace"), "{}", text(&out.stderr));
+    let out = oogc(&["bench", "moe", "--trace", "/nonexistent/routing.jsonl"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("/nonexistent/routing.jsonl"), "{}", text(&out.stderr));
+    // A budget below one expert (64 experts: 1/128 of them is half an expert) names the fix.
+    let out = oogc(&["bench", "moe", "--synthetic", "--steps", "2", "--budget-fraction", "0.0078125"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("raise the expert budget"), "{}", text(&out.stderr));
 }
