@@ -175,6 +175,8 @@ pub struct Trainer {
     placement: Option<ExpertPlacement>,
     /// MoE: popularity statistics, hot set and cost model (`[moe] policy = "ours"`).
     placer: Option<oogc_moe_placement::Placer>,
+    /// MoE: forward compute seconds of each expert in the step, until its backward.
+    expert_compute_s: std::collections::HashMap<(usize, usize), f64>,
     /// MoE: the routing trace being written (`[moe] routing_trace`).
     routing_trace: Option<oogc_moe_placement::RoutingTraceWriter<std::io::BufWriter<std::fs::File>>>,
 }
@@ -307,6 +309,7 @@ impl Trainer {
             moe,
             placement: None,
             placer,
+            expert_compute_s: std::collections::HashMap::new(),
             routing_trace,
         })
     }
@@ -563,6 +566,30 @@ impl Trainer {
         }
     }
 
+    /// [`Trainer::fetch_expert`], feeding the time of a real H2D copy (the expert had no device
+    /// copy) to the cost model's bandwidth estimate.
+    fn timed_fetch_expert(
+        &mut self,
+        block: usize,
+        expert: usize,
+        placement: Placement,
+        phase: Phase,
+    ) -> Result<UnitParams> {
+        let unit = self.ids[self.moe.as_ref().expect("MoE").experts[block][expert]];
+        let cold = placement != Placement::Cpu
+            && self.placer.is_some()
+            && !self.rt.residency().residency(oogc_swapper::TensorId(unit.0 as u64)).is_ok_and(|r| r.device);
+        let started = std::time::Instant::now();
+        let p = self.fetch_expert(block, expert, placement, phase)?;
+        if cold {
+            let bytes = self.units[self.moe.as_ref().expect("MoE").experts[block][expert]].numel as u64 * 4;
+            if let Some(placer) = &mut self.placer {
+                placer.cost_model_mut().observe_fetch(bytes, started.elapsed().as_secs_f64());
+            }
+        }
+        Ok(p)
+    }
+
     /// Fetches expert `(block, expert)` where `placement` says: pinned on the device, or its
     /// host copy for CPU compute.
     fn fetch_expert(&mut self, block: usize, expert: usize, placement: Placement, phase: Phase) -> Result<UnitParams> {
@@ -597,12 +624,14 @@ impl Trainer {
             let Some(h_e) = t.routing.expert_input(e, &t.h)? else { continue };
             let tokens = counts[e];
             let on_cpu = placements[e] == Placement::Cpu;
-            let p = self.fetch_expert(block, e, placements[e], phase)?;
+            let p = self.timed_fetch_expert(block, e, placements[e], phase)?;
             if on_cpu {
                 *cpu_tokens += tokens;
             }
             let _span = tracing::info_span!("compute::expert_forward", block, expert = e, tokens, on_cpu).entered();
+            let started = std::time::Instant::now();
             *out = Some(self.model.expert_forward(p.tensor(), &h_e)?);
+            self.expert_compute_s.insert((block, e), started.elapsed().as_secs_f64());
             if placements[e] == Placement::Resident && phase != Phase::Eval {
                 held.insert((block, e), p);
             }

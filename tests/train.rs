@@ -305,3 +305,35 @@ fn moe_training_with_hot_and_cpu_experts_equals_in_memory_moe_training() {
     assert_eq!(a.iter().map(|x| x.2).sum::<usize>(), 0);
     assert!(b.iter().map(|x| x.2).sum::<usize>() > 0, "some experts ran on the CPU");
 }
+
+#[test]
+fn a_routing_trace_recorded_by_moe_training_replays_in_bench_moe() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = tiny_moe("96KiB", "host", &dir.path().join("nvme"))
+        .replace("steps = 20", "steps = 12")
+        .replace("[threads]", "[moe]\nrouting_trace = \"routing.jsonl\"\n[threads]");
+    let cfg = dir.path().join("moe.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let out = oogc().args(["train", "--no-progress", "--config"]).arg(&cfg).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let trace = dir.path().join("routing.jsonl");
+    let lines = std::fs::read_to_string(&trace).unwrap();
+    assert!(lines.starts_with("{\"format\":\"oogc-routing-1\""), "{}", &lines[..100.min(lines.len())]);
+    // Rates of the sim device: its "GPU" is this CPU, and a slow link (see configs/tinyshakespeare-moe.toml).
+    let out = oogc()
+        .args(["bench", "moe", "--h2d-gbps", "0.1", "--cpu-gflops", "50", "--gpu-gflops", "50", "--json", "--trace"])
+        .arg(&trace)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let rows: Vec<serde_json::Value> =
+        String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let row =
+        |p: &str| rows.iter().find(|r| r["policy"] == p).unwrap_or_else(|| panic!("no {p} row: {rows:?}")).clone();
+    let moved = |r: &serde_json::Value| r["expert_h2d_bytes"].as_u64().unwrap();
+    let (ours, fetch, lru) = (row("ours"), row("fetch-on-demand"), row("lru"));
+    assert!(moved(&fetch) > 0);
+    assert!((moved(&ours) as f64) <= 0.6 * moved(&fetch) as f64, "ours {ours} vs fetch {fetch}");
+    assert!((moved(&ours) as f64) <= 0.8 * moved(&lru) as f64, "ours {ours} vs lru {lru}");
+    assert!(ours["step_s"].as_f64().unwrap() * 1.15 <= fetch["step_s"].as_f64().unwrap(), "{ours} vs {fetch}");
+}
