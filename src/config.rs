@@ -394,6 +394,11 @@ pub struct PrefetchConfig {
     /// Units fetched ahead of the one in use; 0 = fetch on demand. Default: 2.
     #[serde(default = "default_depth")]
     pub depth: usize,
+    /// Run the CPU optimizer on each unit as soon as its gradients land, overlapping compute
+    /// (ours). false: hold the gradients and update every unit at the end of the step, waiting
+    /// for it (the ZeRO-Infinity-like baseline; same results bit for bit). Default: true.
+    #[serde(default = "default_true")]
+    pub overlap_optimizer: bool,
 }
 
 fn default_depth() -> usize {
@@ -402,7 +407,7 @@ fn default_depth() -> usize {
 
 impl Default for PrefetchConfig {
     fn default() -> Self {
-        Self { depth: default_depth() }
+        Self { depth: default_depth(), overlap_optimizer: true }
     }
 }
 

@@ -1,5 +1,5 @@
 //! The `oogc` command line: `oogc train`, `oogc inspect`, `oogc plan`, `oogc bench nvme`,
-//! `oogc bench swap`, `oogc bench evict`, `oogc bench adam`, `oogc bench moe`.
+//! `oogc bench swap`, `oogc bench evict`, `oogc bench adam`, `oogc bench moe`, `oogc bench step`.
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`); results go to stdout, as a table
 //! or, with `--json`, as JSON Lines (one object per row per line). Errors print the whole cause
@@ -11,7 +11,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use oogc::bench::{adam, evict, moe, nvme, swap};
+use oogc::bench::{adam, evict, moe, nvme, step, swap};
 use oogc::config::TrainConfig;
 use oogc::optimizer::{FloatType, Isa};
 use oogc::plan as planner;
@@ -94,6 +94,36 @@ enum BenchCommand {
     /// set with hysteresis plus CPU compute of cold experts). Reports expert bytes moved H2D, hit
     /// rate, CPU-computed tokens and the predicted expert time per step (cost model).
     Moe(MoeCmd),
+    /// Real training steps of a config under ours, the on-demand baseline (no lookahead, no
+    /// pipelined optimizer) and all-resident (when it fits): median step time beside its lower
+    /// bound max(compute, transfer, optimizer), the speedup over on-demand, and the planner's
+    /// prediction. With --json: one JSON object per variant (each with a `machine` record and
+    /// the variant's config), then `{"variant":..,"skipped":reason}` for a variant not run.
+    Step(StepCmd),
+}
+
+#[derive(Debug, Args)]
+struct StepCmd {
+    /// The `oogc train` config (no checkpoints or metrics are written; NVMe scratch goes to a
+    /// subdirectory of its nvme_dirs, removed after).
+    #[arg(long, value_name = "FILE")]
+    config: PathBuf,
+    /// Steps measured per variant, after the warmup.
+    #[arg(long, value_name = "N", default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    steps: u64,
+    /// Steps run first per variant and not measured (the first one records the schedule).
+    #[arg(long, value_name = "N", default_value_t = 3)]
+    warmup: u64,
+    /// Run the all-resident variant only when parameters + optimizer state (16 B/param) fit in
+    /// this many bytes; suffixes KiB, MiB, GiB.
+    #[arg(long, value_name = "BYTES", default_value = "1GiB", value_parser = parse_bytes)]
+    resident_cap: usize,
+    /// Hardware profile for the plan's prediction (TOML; see `oogc plan --hardware-probe`).
+    #[arg(long, value_name = "FILE")]
+    hardware: Option<PathBuf>,
+    /// JSON Lines on stdout instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Element types for `bench adam`.
@@ -611,6 +641,26 @@ fn finish_plan(cmd: &PlanCmd, args: planner::PlanArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn bench_step(cmd: StepCmd) -> anyhow::Result<()> {
+    let cfg = TrainConfig::load(&cmd.config)?;
+    oogc::run::size_compute_threads(&cfg)?;
+    let args = step::StepBenchArgs {
+        steps: cmd.steps as usize,
+        warmup: cmd.warmup as usize,
+        resident_cap_bytes: cmd.resident_cap as u64,
+        hardware: load_hardware(cmd.hardware.as_ref())?,
+        ..step::StepBenchArgs::new(cfg)
+    };
+    let report = step::run(&args).context("oogc bench step")?;
+    if cmd.json {
+        print_json_lines(&report.rows)?;
+        print_json_lines(&report.skipped)?;
+    } else {
+        step::print_table(&report);
+    }
+    Ok(())
+}
+
 fn bench_evict(cmd: EvictCmd) -> anyhow::Result<()> {
     let mut hardware = load_hardware(cmd.hardware.as_ref())?;
     if let Some(g) = cmd.device_gflops {
@@ -817,6 +867,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Evict(cmd)) => bench_evict(cmd),
         Command::Bench(BenchCommand::Adam(cmd)) => bench_adam(cmd),
         Command::Bench(BenchCommand::Moe(cmd)) => bench_moe(cmd),
+        Command::Bench(BenchCommand::Step(cmd)) => bench_step(cmd),
         Command::Plan(cmd) => plan(cmd),
     };
     match result {

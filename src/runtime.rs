@@ -138,6 +138,12 @@ pub struct RuntimeConfig {
     pub optimizer: OptimizerConfig,
     /// Page-lock host memory (falls back with a warning when RLIMIT_MEMLOCK is low).
     pub lock_host_memory: bool,
+    /// true (ours): each unit's gradients go to the CPU optimizer as soon as their D2H copy
+    /// lands, so updates overlap the rest of the backward and the next step's forward. false (the
+    /// ZeRO-Infinity-like baseline): gradients are still copied D2H per unit but held, submitted
+    /// only in [`Runtime::finish_step`], which then waits for every unit's update before
+    /// returning: the optimizer never overlaps compute. Same results bit for bit.
+    pub overlap_optimizer: bool,
 }
 
 impl RuntimeConfig {
@@ -153,6 +159,7 @@ impl RuntimeConfig {
             prefetch_depth: 2,
             optimizer: OptimizerConfig { compute_dtype: oogc_optimizer::FloatType::F32, ..OptimizerConfig::default() },
             lock_host_memory: false,
+            overlap_optimizer: true,
         }
     }
 }
@@ -246,6 +253,9 @@ struct Shared {
     /// Gradient submissions in flight (sent to the drain thread, not yet submitted).
     in_flight: Mutex<usize>,
     in_flight_done: parking_lot::Condvar,
+    /// `overlap_optimizer = false`: gradients landed in host memory, held for `finish_step`.
+    hold_grads: bool,
+    held: Mutex<Vec<(UnitId, Vec<f32>)>>,
 }
 
 /// The out-of-GPU-core runtime for one model on one device. See the module docs.
@@ -349,6 +359,8 @@ impl Runtime {
             drain_error: Mutex::new(None),
             in_flight: Mutex::new(0),
             in_flight_done: parking_lot::Condvar::new(),
+            hold_grads: !config.overlap_optimizer,
+            held: Mutex::new(Vec::new()),
         });
         let (tx, rx) = crossbeam_channel::unbounded::<GradJob>();
         let drain = {
@@ -704,18 +716,29 @@ impl Runtime {
 
     /// Ends the step: waits until every gradient is submitted, then for the optimizer's verdict
     /// (global norm, clip scale, non-finite skip). Updates may still be running; the next fetch
-    /// of each unit waits for its own.
+    /// of each unit waits for its own. With [`RuntimeConfig::overlap_optimizer`] false, the held
+    /// gradients are submitted here (in arrival order) and every unit's update is awaited and
+    /// published before this returns (the baseline's serial optimizer phase).
     ///
     /// # Errors
     /// A failure of a gradient copy or of the optimizer.
     pub fn finish_step(&mut self) -> Result<StepStats> {
         let t = Instant::now();
         self.wait_submitted()?;
+        let held = std::mem::take(&mut *self.shared.held.lock());
+        for (unit, grads) in held {
+            let handle = self.shared.optimizer.submit(unit.tensor(), Grads::F32(grads))?;
+            self.shared.handles.lock().insert(unit.0, handle);
+        }
         let report: StepReport = self.shared.optimizer.finish_step()?;
         for u in 0..self.units.len() {
             self.finalized[u] = self.pending[u];
         }
         self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
+        if !self.config.overlap_optimizer {
+            // `publish` adds its own wait to `stall_optimizer_s`.
+            self.sync()?;
+        }
         self.update_schedule()?;
         self.stats.grad_norm = report.grad_norm;
         self.stats.clip_scale = report.clip_scale;
@@ -866,6 +889,11 @@ fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
         let _span = tracing::info_span!("runtime::submit", unit = job.unit.0).entered();
         let grads: Vec<f32> = bytemuck::pod_collect_to_vec(host.as_slice());
         drop(host);
+        if shared.hold_grads {
+            shared.held.lock().push((job.unit, grads));
+            finish_job(&shared);
+            continue;
+        }
         match shared.optimizer.submit(job.unit.tensor(), Grads::F32(grads)) {
             Ok(handle) => {
                 shared.handles.lock().insert(job.unit.0, handle);

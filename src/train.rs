@@ -127,6 +127,7 @@ pub fn runtime_config(cfg: &TrainConfig, num_params: usize) -> Result<RuntimeCon
         prefetch_depth: cfg.prefetch.depth,
         optimizer: crate::train::optimizer_config(cfg),
         lock_host_memory: true,
+        overlap_optimizer: cfg.prefetch.overlap_optimizer,
     })
 }
 

@@ -398,3 +398,115 @@ fn bench_moe_refuses_bad_arguments_naming_them() {
     assert!(!out.status.success());
     assert!(text(&out.stderr).contains("raise the expert budget"), "{}", text(&out.stderr));
 }
+
+/// A tiny offloaded config for `bench step`: 8 blocks of width 16, GPU budget of a few blocks,
+/// optimizer state on NVMe under `dir`.
+fn tiny_step_config(dir: &std::path::Path) -> std::path::PathBuf {
+    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt");
+    assert!(data.exists(), "{} is missing: the tests need ../shared beside the repository", data.display());
+    let cfg = format!(
+        r#"
+[model]
+d_model = 16
+n_layer = 8
+n_head = 2
+[data]
+path = "{data}"
+[train]
+batch_size = 2
+seq_len = 16
+steps = 100
+eval_interval = 0
+eval_batches = 1
+[device]
+link_gbps = 1.0
+[budgets]
+gpu = "48KiB"
+host = "64MiB"
+optimizer_state = "nvme"
+nvme_dirs = ["{nvme}"]
+[prefetch]
+depth = 2
+[threads]
+compute = 1
+optimizer = 1
+[checkpoint]
+dir = "{ckpt}"
+[output]
+metrics = "{metrics}"
+"#,
+        data = data.display(),
+        nvme = dir.join("nvme").display(),
+        ckpt = dir.join("ckpt").display(),
+        metrics = dir.join("metrics.jsonl").display(),
+    );
+    let path = dir.join("tiny.toml");
+    std::fs::write(&path, cfg).unwrap();
+    path
+}
+
+#[test]
+fn bench_step_prints_one_json_row_per_variant() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_step_config(dir.path());
+    let out = oogc(&["bench", "step", "--config", cfg.to_str().unwrap(), "--steps", "2", "--warmup", "1", "--json"]);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    let rows = json_rows(&out);
+    let variants: Vec<&str> = rows.iter().map(|r| r["variant"].as_str().expect("variant")).collect();
+    assert_eq!(variants, ["ours", "on-demand", "resident"], "{rows:?}");
+    for row in &rows {
+        for key in ["step_s", "lower_bound_s", "ratio_to_lower_bound", "compute_s", "optimizer_s", "transfer_s"] {
+            positive(row, key);
+        }
+        positive(row, "speedup_vs_on_demand");
+        positive(row, "d2h_bytes");
+        for key in ["h2d_bytes", "nvme_read_bytes", "nvme_write_bytes"] {
+            assert!(row[key].is_u64(), "`{key}` missing in {row}");
+        }
+        assert!(row["machine"]["cores"].as_u64().unwrap() >= 1, "{row}");
+        assert!(row["machine"]["git_rev"].is_string(), "{row}");
+        assert!(row["config"].as_str().unwrap().contains("[model]"), "{row}");
+    }
+    let (ours, on_demand, resident) = (&rows[0], &rows[1], &rows[2]);
+    positive(ours, "plan_step_s");
+    assert!(ours["plan_error"].is_number(), "{ours}");
+    assert!(on_demand["plan_step_s"].is_null(), "{on_demand}");
+    // On demand moves at least the bytes ours moves (no lookahead can only refetch more).
+    let bytes = |r: &Value| r["h2d_bytes"].as_u64().unwrap() + r["d2h_bytes"].as_u64().unwrap();
+    assert!(bytes(on_demand) >= bytes(ours), "{on_demand}\n{ours}");
+    assert_eq!(on_demand["prefetch_depth"], 0);
+    assert_eq!(on_demand["overlap_optimizer"], false);
+    // Ours keeps its optimizer state on NVMe; resident keeps it in host memory.
+    positive(ours, "nvme_read_bytes");
+    assert_eq!(resident["nvme_read_bytes"], 0, "{resident}");
+    // No checkpoints, metrics, or NVMe scratch are left behind.
+    assert!(!dir.path().join("ckpt").exists());
+    assert!(!dir.path().join("metrics.jsonl").exists());
+    let left: Vec<_> = std::fs::read_dir(dir.path().join("nvme")).map(|d| d.flatten().collect()).unwrap_or_default();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn bench_step_skips_resident_over_the_cap_with_a_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_step_config(dir.path());
+    let out = oogc(&[
+        "bench",
+        "step",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--resident-cap",
+        "1KiB",
+        "--json",
+    ]);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    let rows = json_rows(&out);
+    assert_eq!(rows.len(), 3, "{rows:?}");
+    assert_eq!(rows[2]["variant"], "resident");
+    assert!(rows[2]["skipped"].as_str().unwrap().contains("resident cap"), "{}", rows[2]);
+    assert_eq!(rows[0]["compute_source"], "own steps minus stalls");
+}

@@ -5,9 +5,12 @@
 //! | `oogc bench nvme` | [`nvme`] | the NVMe store per engine, beside `fio` |
 //! | `oogc bench evict` | [`evict`] | bytes moved and stall of next-use, LRU, FIFO and offline MIN over device budgets, in the step simulator |
 //! | `oogc bench moe` | [`moe`] | expert bytes moved, hit rate and predicted MoE step of expert placement policies replaying a routing trace |
+//! | `oogc bench step` | [`step`] | real training steps under ours, on-demand and all-resident, beside the lower bound and the plan ([`machine`] records the machine) |
 //! | `oogc bench swap` | [`swap`] | host↔sim-device copies and the residency manager, beside memcpy or the link throttle |
 pub mod adam;
 pub mod evict;
+pub mod machine;
 pub mod moe;
 pub mod nvme;
+pub mod step;
 pub mod swap;

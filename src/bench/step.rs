@@ -1,0 +1,425 @@
+//! `oogc bench step --config F`: real training steps of a config under three policies, each
+//! beside its lower bound `max(compute, transfer, optimizer)`, and the planner's prediction.
+//!
+//! | `variant` | what runs |
+//! |---|---|
+//! | `ours` | the config as it is (prefetch window, pipelined CPU optimizer) |
+//! | `on-demand` | `[prefetch] depth = 0`, `overlap_optimizer = false`: every unit fetched when used, gradients held and the optimizer run after the backward (the ZeRO-Infinity-like baseline) |
+//! | `resident` | GPU budget raised to hold every unit, optimizer state in host memory (skipped, with the reason, when parameters + state exceed the cap) |
+//!
+//! Each variant runs on a copy of the config without checkpoints, metrics, trace or routing
+//! trace; its NVMe state goes to a scratch subdirectory of each `[budgets] nvme_dirs` entry,
+//! removed afterwards. Per variant, over the measured steps (after the warmup ones):
+//!
+//! | figure | how |
+//! |---|---|
+//! | `step_s` | median step wall time |
+//! | `compute_s` | the smaller of: median `step_s − stall_s` of the `resident` run (no NVMe, nothing evicted), and that of the variant's own steps (runs at different moments see different machine load) |
+//! | `transfer_s` | the busiest link: max(H2D bytes / link GB/s, D2H bytes / link GB/s, NVMe store busy time), per step; 0 for an unthrottled sim link |
+//! | `optimizer_s` | parameters / the params/s of one [`AdamKernel`] step over all parameters in this process (same threads, f32 copy out) |
+//! | `lower_bound_s` | max(compute, transfer, optimizer) |
+//! | `plan_step_s` | `oogc plan --config` for the variant's config (the planner models the prefetch window and the pipelined optimizer, so `null` for `on-demand`) |
+//!
+//! The compute of the sim device runs on the same CPU cores as the optimizer, so on a small
+//! machine compute and optimizer contend and the bound is optimistic.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::Context;
+use oogc_optimizer::{AdamConfig, AdamKernel, CopyOut, FloatType, GradSlice, Isa, StateIo};
+use oogc_prefetch::plan::StatePlacement;
+use oogc_prefetch::HardwareProfile;
+use serde::Serialize;
+
+use crate::bench::machine::{self, Machine};
+use crate::config::{StateTier, TrainConfig};
+use crate::plan::{plan_gpt, GptShape, PlanArgs};
+use crate::train::{gpt_config, Trainer};
+
+/// Arguments of the step benchmark.
+#[derive(Debug, Clone)]
+pub struct StepBenchArgs {
+    /// The run's config (paths already resolved).
+    pub config: TrainConfig,
+    /// Measured steps per variant (≥ 1).
+    pub steps: usize,
+    /// Steps run first and not measured (the first step records the schedule).
+    pub warmup: usize,
+    /// The `resident` variant runs only when parameters + optimizer state (16 B/param) fit in
+    /// this many bytes.
+    pub resident_cap_bytes: u64,
+    /// The machine profile the plan uses (`oogc plan --hardware`; default: the sim defaults).
+    pub hardware: HardwareProfile,
+}
+
+impl StepBenchArgs {
+    /// `steps` 10, `warmup` 3, a 1 GiB resident cap, the default hardware profile.
+    pub fn new(config: TrainConfig) -> Self {
+        Self { config, steps: 10, warmup: 3, resident_cap_bytes: 1 << 30, hardware: HardwareProfile::default() }
+    }
+}
+
+/// One variant's measured step.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepBenchRow {
+    /// `ours`, `on-demand` or `resident`.
+    pub variant: String,
+    /// Steps measured.
+    pub steps: usize,
+    /// Median step wall time, seconds.
+    pub step_s: f64,
+    /// max(compute, transfer, optimizer), seconds.
+    pub lower_bound_s: f64,
+    /// `step_s / lower_bound_s`.
+    pub ratio_to_lower_bound: f64,
+    /// Compute per step, seconds (see the module docs).
+    pub compute_s: f64,
+    /// Where `compute_s` comes from: `resident run` or `own steps minus stalls` (the smaller).
+    pub compute_source: String,
+    /// The busiest link's time per step, seconds.
+    pub transfer_s: f64,
+    /// H2D bytes / link bandwidth, seconds per step.
+    pub h2d_s: f64,
+    /// D2H bytes / link bandwidth, seconds per step.
+    pub d2h_s: f64,
+    /// NVMe store busy time (reads + writes), seconds per step.
+    pub nvme_s: f64,
+    /// Parameters / measured optimizer rate, seconds per step.
+    pub optimizer_s: f64,
+    /// Mean H2D bytes per step.
+    pub h2d_bytes: u64,
+    /// Mean D2H bytes per step.
+    pub d2h_bytes: u64,
+    /// Mean NVMe bytes read per step.
+    pub nvme_read_bytes: u64,
+    /// Mean NVMe bytes written per step.
+    pub nvme_write_bytes: u64,
+    /// Median time blocked on transfers per step, seconds.
+    pub stall_transfer_s: f64,
+    /// Median time blocked on the optimizer per step, seconds.
+    pub stall_optimizer_s: f64,
+    /// `on-demand`'s `step_s` over this `step_s`.
+    pub speedup_vs_on_demand: f64,
+    /// The planner's predicted step for this variant's config, seconds (`null` for on-demand).
+    pub plan_step_s: Option<f64>,
+    /// `(plan_step_s − step_s) / step_s`.
+    pub plan_error: Option<f64>,
+    /// Parameters of the model.
+    pub params: usize,
+    /// The variant's GPU budget, bytes.
+    pub gpu_budget_bytes: u64,
+    /// The variant's prefetch depth, units.
+    pub prefetch_depth: usize,
+    /// The variant's `[prefetch] overlap_optimizer`.
+    pub overlap_optimizer: bool,
+    /// The machine (same in every row).
+    pub machine: Machine,
+    /// The variant's config as TOML.
+    pub config: String,
+}
+
+/// A variant that did not run.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepBenchSkip {
+    /// The variant.
+    pub variant: String,
+    /// Why it did not run.
+    pub skipped: String,
+}
+
+/// What [`run`] measured.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepBenchReport {
+    /// Variants that ran, in the order `ours`, `on-demand`, `resident`.
+    pub rows: Vec<StepBenchRow>,
+    /// Variants that did not run.
+    pub skipped: Vec<StepBenchSkip>,
+}
+
+/// Raw measurements of one variant.
+struct Measured {
+    step_s: f64,
+    busy_s: f64,
+    stall_transfer_s: f64,
+    stall_optimizer_s: f64,
+    h2d: u64,
+    d2h: u64,
+    nvme_r: u64,
+    nvme_w: u64,
+    nvme_busy_s: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// The config of one variant: no checkpoints or output files, NVMe state in a scratch
+/// subdirectory `tag` of each NVMe directory, enough scheduled steps for the LR schedule.
+fn variant_config(base: &TrainConfig, tag: &str, steps: u64) -> TrainConfig {
+    let mut c = base.clone();
+    c.checkpoint.dir = None;
+    c.output.metrics = None;
+    c.output.trace = None;
+    c.moe.routing_trace = None;
+    c.train.steps = c.train.steps.max(steps);
+    let sub = format!("oogc-bench-step-{}-{tag}", std::process::id());
+    c.budgets.nvme_dirs = c.budgets.nvme_dirs.iter().map(|d| d.join(&sub)).collect();
+    c
+}
+
+fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> anyhow::Result<Measured> {
+    let result = (|| -> anyhow::Result<Measured> {
+        let mut t = Trainer::new(cfg.clone())?;
+        for _ in 0..warmup {
+            t.train_step()?;
+        }
+        let before = t.runtime().traffic();
+        let mut stats = Vec::with_capacity(steps);
+        for _ in 0..steps {
+            stats.push(t.train_step()?.stats);
+        }
+        let after = t.runtime().traffic();
+        let n = steps as u64;
+        let sum = |f: fn(&crate::runtime::StepStats) -> u64| stats.iter().map(f).sum::<u64>() / n;
+        Ok(Measured {
+            step_s: median(stats.iter().map(|s| s.step_s).collect()),
+            busy_s: median(stats.iter().map(|s| (s.step_s - s.stall_s()).max(0.0)).collect()),
+            stall_transfer_s: median(stats.iter().map(|s| s.stall_transfer_s).collect()),
+            stall_optimizer_s: median(stats.iter().map(|s| s.stall_optimizer_s).collect()),
+            h2d: sum(|s| s.h2d_bytes),
+            d2h: sum(|s| s.d2h_bytes),
+            nvme_r: sum(|s| s.nvme_read_bytes),
+            nvme_w: sum(|s| s.nvme_write_bytes),
+            nvme_busy_s: ((after.nvme_read.busy_s - before.nvme_read.busy_s)
+                + (after.nvme_write.busy_s - before.nvme_write.busy_s))
+                / steps as f64,
+        })
+    })();
+    for d in &cfg.budgets.nvme_dirs {
+        // The store deletes its own files as its last users let go; give it a moment, then
+        // remove whatever is left.
+        for _ in 0..20 {
+            if std::fs::remove_dir(d).is_ok() || !d.exists() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(25));
+        }
+        let _ = std::fs::remove_dir_all(d);
+    }
+    result
+}
+
+/// Seconds of one fused AdamW step (f32 gradients in, f32 compute copy out) over `params`
+/// parameters on `threads` threads: median of 3 after a warm-up step.
+///
+/// # Errors
+/// The kernel's errors (no SIMD path, zero threads).
+pub fn optimizer_step_s(params: usize, threads: usize) -> anyhow::Result<f64> {
+    let kernel = AdamKernel::new(Isa::detect(), threads).context("the optimizer kernel")?;
+    let adam = AdamConfig::default();
+    let (mut p, mut m, mut v) = (vec![0.5f32; params], vec![0f32; params], vec![0f32; params]);
+    let g = vec![1e-3f32; params];
+    let mut copy = vec![0u8; params * 4];
+    let mut times = Vec::new();
+    for t in 1..=4u64 {
+        let s = adam.scalars(t, 1e-3, 1.0)?;
+        let start = Instant::now();
+        kernel.step(
+            &s,
+            StateIo::InPlace { p: &mut p, m: &mut m, v: &mut v },
+            GradSlice::F32(&g),
+            CopyOut::from_bytes(FloatType::F32, &mut copy),
+        )?;
+        if t > 1 {
+            times.push(start.elapsed().as_secs_f64());
+        }
+    }
+    std::hint::black_box(&copy);
+    Ok(median(times))
+}
+
+/// `oogc plan --config`'s prediction for `cfg`, seconds.
+///
+/// # Errors
+/// The planner's errors.
+pub fn plan_step_s(cfg: &TrainConfig, hardware: &HardwareProfile) -> anyhow::Result<f64> {
+    let args = PlanArgs {
+        shape: GptShape {
+            layers: cfg.model.n_layer as u64,
+            d_model: cfg.model.d_model as u64,
+            seq_len: cfg.train.seq_len as u64,
+            batch: cfg.train.batch_size as u64,
+            dtype_bytes: 4,
+        },
+        gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
+        host_budget_bytes: Some(cfg.budgets.host.as_u64()),
+        optimizer_state: match cfg.budgets.optimizer_state {
+            StateTier::Host => StatePlacement::Host,
+            StateTier::Nvme => StatePlacement::Nvme,
+        },
+        max_depth: cfg.prefetch.depth.max(1),
+        hardware: hardware.clone(),
+        trace: false,
+    };
+    Ok(plan_gpt(&args)?.step_s)
+}
+
+/// Runs the three variants and computes their bounds.
+///
+/// # Errors
+/// `--steps 0`; a config that cannot train (named by the trainer); NVMe or optimizer failures.
+pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
+    if args.steps == 0 {
+        anyhow::bail!("--steps must be at least 1 (the steps measured after --warmup)");
+    }
+    let base = &args.config;
+    let total = (args.warmup + args.steps) as u64;
+    let gcfg = gpt_config(base);
+    let params = gcfg.num_params();
+    let nvme_dir = base.budgets.nvme_dirs.first().map(PathBuf::as_path);
+    // The NVMe directory may not exist yet: record the file system of its nearest existing ancestor.
+    let fs_dir = nvme_dir.and_then(|d| d.ancestors().find(|a| a.exists())).unwrap_or(Path::new("."));
+    let machine = machine::record(Some(fs_dir));
+
+    let ours = variant_config(base, "ours", total);
+    let mut on_demand = variant_config(base, "on-demand", total);
+    on_demand.prefetch.depth = 0;
+    on_demand.prefetch.overlap_optimizer = false;
+    let model_bytes = params as u64 * 16;
+    let resident = if model_bytes > args.resident_cap_bytes {
+        Err(format!(
+            "parameters + optimizer state = {model_bytes} bytes (16 B/param) exceed the resident cap of {} bytes",
+            args.resident_cap_bytes
+        ))
+    } else {
+        let mut r = variant_config(base, "resident", total);
+        // Every unit's compute copy, twice over for gradient staging and slack.
+        r.budgets.gpu = bytesize::ByteSize::b(2 * params as u64 * 4 + (1 << 20));
+        r.budgets.optimizer_state = StateTier::Host;
+        Ok(r)
+    };
+
+    let mut measured: Vec<(&str, TrainConfig, Measured)> = Vec::new();
+    let mut skipped = Vec::new();
+    match resident {
+        Ok(cfg) => {
+            let m = measure(&cfg, args.warmup, args.steps).context("the resident variant")?;
+            measured.push(("resident", cfg, m));
+        }
+        Err(reason) => skipped.push(StepBenchSkip { variant: "resident".into(), skipped: reason }),
+    }
+    let m = measure(&on_demand, args.warmup, args.steps).context("the on-demand variant")?;
+    measured.push(("on-demand", on_demand, m));
+    let m = measure(&ours, args.warmup, args.steps).context("the ours variant")?;
+    measured.push(("ours", ours, m));
+
+    let optimizer_s = optimizer_step_s(params, base.threads.optimizer)?;
+    let resident_compute = measured.iter().find(|(v, ..)| *v == "resident").map(|(_, _, m)| m.busy_s);
+    let on_demand_step = measured.iter().find(|(v, ..)| *v == "on-demand").map_or(0.0, |(_, _, m)| m.step_s);
+    let link = base.device.link_gbps * 1e9;
+    let mut rows = Vec::new();
+    for variant in ["ours", "on-demand", "resident"] {
+        let Some((_, cfg, m)) = measured.iter().find(|(v, ..)| *v == variant) else { continue };
+        // The smaller of the two estimates: runs at different moments see different machine
+        // load, and a bound must not exceed what any run achieved.
+        let (compute_s, compute_source) = match resident_compute {
+            Some(c) if c <= m.busy_s => (c, "resident run"),
+            _ => (m.busy_s, "own steps minus stalls"),
+        };
+        let per_link = |bytes: u64| if link > 0.0 { bytes as f64 / link } else { 0.0 };
+        let (h2d_s, d2h_s) = (per_link(m.h2d), per_link(m.d2h));
+        let transfer_s = h2d_s.max(d2h_s).max(m.nvme_busy_s);
+        let lower_bound_s = compute_s.max(transfer_s).max(optimizer_s);
+        let plan = if variant == "on-demand" {
+            None
+        } else {
+            Some(plan_step_s(cfg, &args.hardware).with_context(|| format!("planning the {variant} variant"))?)
+        };
+        rows.push(StepBenchRow {
+            variant: variant.into(),
+            steps: args.steps,
+            step_s: m.step_s,
+            lower_bound_s,
+            ratio_to_lower_bound: m.step_s / lower_bound_s.max(1e-12),
+            compute_s,
+            compute_source: compute_source.into(),
+            transfer_s,
+            h2d_s,
+            d2h_s,
+            nvme_s: m.nvme_busy_s,
+            optimizer_s,
+            h2d_bytes: m.h2d,
+            d2h_bytes: m.d2h,
+            nvme_read_bytes: m.nvme_r,
+            nvme_write_bytes: m.nvme_w,
+            stall_transfer_s: m.stall_transfer_s,
+            stall_optimizer_s: m.stall_optimizer_s,
+            speedup_vs_on_demand: on_demand_step / m.step_s.max(1e-12),
+            plan_step_s: plan,
+            plan_error: plan.map(|p| (p - m.step_s) / m.step_s.max(1e-12)),
+            params,
+            gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
+            prefetch_depth: cfg.prefetch.depth,
+            overlap_optimizer: cfg.prefetch.overlap_optimizer,
+            machine: machine.clone(),
+            config: toml::to_string(cfg).unwrap_or_default(),
+        });
+    }
+    Ok(StepBenchReport { rows, skipped })
+}
+
+/// Prints the report as a table (skipped variants with their reason).
+pub fn print_table(r: &StepBenchReport) {
+    println!(
+        "{:<10} {:>9} {:>9} {:>6} {:>9} {:>9} {:>9} {:>8} {:>11} {:>11} {:>11} {:>9} {:>7}",
+        "variant",
+        "step s",
+        "bound s",
+        "x bnd",
+        "compute",
+        "transfer",
+        "optim",
+        "speedup",
+        "H2D B",
+        "D2H B",
+        "NVMe r+w B",
+        "plan s",
+        "plan err"
+    );
+    for row in &r.rows {
+        println!(
+            "{:<10} {:>9.4} {:>9.4} {:>6.2} {:>9.4} {:>9.4} {:>9.4} {:>8.2} {:>11} {:>11} {:>11} {:>9} {:>7}",
+            row.variant,
+            row.step_s,
+            row.lower_bound_s,
+            row.ratio_to_lower_bound,
+            row.compute_s,
+            row.transfer_s,
+            row.optimizer_s,
+            row.speedup_vs_on_demand,
+            row.h2d_bytes,
+            row.d2h_bytes,
+            row.nvme_read_bytes + row.nvme_write_bytes,
+            row.plan_step_s.map_or("-".into(), |p| format!("{p:.4}")),
+            row.plan_error.map_or("-".into(), |e| format!("{:+.0}%", 100.0 * e)),
+        );
+    }
+    for s in &r.skipped {
+        println!("{:<10} skipped: {}", s.variant, s.skipped);
+    }
+    if let Some(row) = r.rows.first() {
+        println!(
+            "compute from: {}; machine: {} ({} cores), NVMe dir on {}, git {}",
+            row.compute_source, row.machine.cpu_model, row.machine.cores, row.machine.fs_type, row.machine.git_rev
+        );
+    }
+}
