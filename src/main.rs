@@ -590,24 +590,7 @@ fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
     }
     if let Some(path) = &cmd.config {
         let cfg = TrainConfig::load(path)?;
-        let args = planner::PlanArgs {
-            shape: planner::GptShape {
-                layers: cfg.model.n_layer as u64,
-                d_model: cfg.model.d_model as u64,
-                seq_len: cfg.train.seq_len as u64,
-                batch: cfg.train.batch_size as u64,
-                dtype_bytes: 4,
-            },
-            gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
-            host_budget_bytes: Some(cfg.budgets.host.as_u64()),
-            optimizer_state: match cfg.budgets.optimizer_state {
-                oogc::config::StateTier::Host => StatePlacement::Host,
-                oogc::config::StateTier::Nvme => StatePlacement::Nvme,
-            },
-            max_depth: cfg.prefetch.depth.max(1),
-            hardware: load_hardware(cmd.hardware.as_ref())?,
-            trace: cmd.trace.is_some(),
-        };
+        let args = planner::plan_args_for_config(&cfg, &load_hardware(cmd.hardware.as_ref())?, cmd.trace.is_some());
         return finish_plan(&cmd, args);
     }
     let args = planner::PlanArgs {

@@ -89,6 +89,36 @@ pub struct PlanArgs {
     pub trace: bool,
 }
 
+/// The plan of an `oogc train` config: its model (f32 compute copies, as on the sim device),
+/// batch, GPU and host budgets, state tier and prefetch depth. On the sim device with a throttled
+/// link (`[device] link_gbps > 0`) the link replaces the profile's H2D/D2H bandwidth, since that
+/// is the link the run will have.
+pub fn plan_args_for_config(cfg: &crate::config::TrainConfig, hardware: &HardwareProfile, trace: bool) -> PlanArgs {
+    let mut hardware = hardware.clone();
+    if cfg.device.kind == "sim" && cfg.device.link_gbps > 0.0 {
+        hardware.h2d_gbps = cfg.device.link_gbps;
+        hardware.d2h_gbps = cfg.device.link_gbps;
+    }
+    PlanArgs {
+        shape: GptShape {
+            layers: cfg.model.n_layer as u64,
+            d_model: cfg.model.d_model as u64,
+            seq_len: cfg.train.seq_len as u64,
+            batch: cfg.train.batch_size as u64,
+            dtype_bytes: 4,
+        },
+        gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
+        host_budget_bytes: Some(cfg.budgets.host.as_u64()),
+        optimizer_state: match cfg.budgets.optimizer_state {
+            crate::config::StateTier::Host => oogc_prefetch::plan::StatePlacement::Host,
+            crate::config::StateTier::Nvme => oogc_prefetch::plan::StatePlacement::Nvme,
+        },
+        max_depth: cfg.prefetch.depth.max(1),
+        hardware,
+        trace,
+    }
+}
+
 /// Plans a GPT: [`gpt_units`] then [`oogc_prefetch::plan::plan`].
 ///
 /// # Errors

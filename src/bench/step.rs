@@ -28,13 +28,12 @@ use std::time::Instant;
 
 use anyhow::Context;
 use oogc_optimizer::{AdamConfig, AdamKernel, CopyOut, FloatType, GradSlice, Isa, StateIo};
-use oogc_prefetch::plan::StatePlacement;
 use oogc_prefetch::HardwareProfile;
 use serde::Serialize;
 
 use crate::bench::machine::{self, Machine};
 use crate::config::{StateTier, TrainConfig};
-use crate::plan::{plan_gpt, GptShape, PlanArgs};
+use crate::plan::plan_gpt;
 use crate::train::{gpt_config, Trainer};
 
 /// Arguments of the step benchmark.
@@ -252,25 +251,7 @@ pub fn optimizer_step_s(params: usize, threads: usize) -> anyhow::Result<f64> {
 /// # Errors
 /// The planner's errors.
 pub fn plan_step_s(cfg: &TrainConfig, hardware: &HardwareProfile) -> anyhow::Result<f64> {
-    let args = PlanArgs {
-        shape: GptShape {
-            layers: cfg.model.n_layer as u64,
-            d_model: cfg.model.d_model as u64,
-            seq_len: cfg.train.seq_len as u64,
-            batch: cfg.train.batch_size as u64,
-            dtype_bytes: 4,
-        },
-        gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
-        host_budget_bytes: Some(cfg.budgets.host.as_u64()),
-        optimizer_state: match cfg.budgets.optimizer_state {
-            StateTier::Host => StatePlacement::Host,
-            StateTier::Nvme => StatePlacement::Nvme,
-        },
-        max_depth: cfg.prefetch.depth.max(1),
-        hardware: hardware.clone(),
-        trace: false,
-    };
-    Ok(plan_gpt(&args)?.step_s)
+    Ok(plan_gpt(&crate::plan::plan_args_for_config(cfg, hardware, false))?.step_s)
 }
 
 /// Runs the three variants and computes their bounds.
