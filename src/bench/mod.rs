@@ -6,8 +6,11 @@
 //! | `oogc bench evict` | [`evict`] | bytes moved and stall of next-use, LRU, FIFO and offline MIN over device budgets, in the step simulator |
 //! | `oogc bench moe` | [`moe`] | expert bytes moved, hit rate and predicted MoE step of expert placement policies replaying a routing trace |
 //! | `oogc bench swap` | [`swap`] | host↔sim-device copies and the residency manager, beside memcpy or the link throttle |
+//! | `oogc bench all` | [`all`], [`plots`] | every benchmark above (quick or full sizes): one JSON file each and PNG + SVG plots in one directory |
 pub mod adam;
+pub mod all;
 pub mod evict;
 pub mod moe;
 pub mod nvme;
+pub mod plots;
 pub mod swap;
