@@ -111,21 +111,28 @@ pub fn draw_nvme<DB: DrawingBackend>(
     text: bool,
 ) -> anyhow::Result<()> {
     let store: Vec<&nvme::NvmeBenchRow> = rows.iter().filter(|r| r.engine.starts_with("store-")).collect();
-    let fio = rows.iter().find(|r| r.engine == "fio-shmhuge" && r.write_gbps.is_some());
+    // fio with huge-page buffers is the local limit; with malloc'd buffers when hugetlb pages are
+    // missing (`sysctl vm.nr_hugepages=64`).
+    let fio = ["fio-shmhuge", "fio-malloc"]
+        .into_iter()
+        .find_map(|name| rows.iter().find(|r| r.engine == name && r.write_gbps.is_some()));
     let names: Vec<String> = store.iter().map(|r| r.engine.clone()).collect();
     let n = store.len().max(1);
-    let top = 1.15 * max_or(rows.iter().flat_map(|r| [r.write_gbps, r.read_gbps]).flatten(), 0.1);
+    let top = 1.4 * max_or(rows.iter().flat_map(|r| [r.write_gbps, r.read_gbps]).flatten(), 0.1);
     let mut b = ChartBuilder::on(root);
     b.margin(15);
     if text {
-        b.caption("NVMe store: GB/s per engine (fio huge-page buffers as lines)", ("sans-serif", 20))
-            .x_label_area_size(35)
-            .y_label_area_size(55);
+        let caption = match fio {
+            Some(f) => format!("NVMe store: GB/s per engine ({} as lines)", f.engine),
+            None => "NVMe store: GB/s per engine (no fio figures)".to_string(),
+        };
+        b.caption(caption, ("sans-serif", 20)).x_label_area_size(35).y_label_area_size(55);
     }
     let mut chart = b.build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..top).map_err(err)?;
     if text {
         chart
             .configure_mesh()
+            .light_line_style(TRANSPARENT)
             .disable_x_mesh()
             .x_labels(n + 1)
             .x_label_formatter(&|x| category(&names, *x))
@@ -148,7 +155,8 @@ pub fn draw_nvme<DB: DrawingBackend>(
         s.label("read").legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], GREEN.filled()));
     }
     if let Some(f) = fio {
-        for (v, color, label) in [(f.write_gbps, BLUE, "fio write"), (f.read_gbps, GREEN, "fio read")] {
+        let (w_label, r_label) = (format!("{} write", f.engine), format!("{} read", f.engine));
+        for (v, color, label) in [(f.write_gbps, BLUE, w_label), (f.read_gbps, GREEN, r_label)] {
             let Some(v) = v else { continue };
             let s = chart
                 .draw_series(LineSeries::new([(-0.5, v), (n as f64 - 0.5, v)], color.stroke_width(2)))
@@ -159,7 +167,13 @@ pub fn draw_nvme<DB: DrawingBackend>(
         }
     }
     if text {
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(err)?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
     }
     Ok(())
 }
@@ -187,6 +201,7 @@ pub fn draw_adam<DB: DrawingBackend>(
     if text {
         chart
             .configure_mesh()
+            .light_line_style(TRANSPARENT)
             .x_labels(max_t as usize + 2)
             .x_label_formatter(&|x| if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() })
             .x_desc("threads")
@@ -196,7 +211,7 @@ pub fn draw_adam<DB: DrawingBackend>(
     }
     let series = [
         ("oogc AdamW", BLUE, rows.iter().map(|r| (r.threads as f64, r.params_per_s * g)).collect::<Vec<_>>()),
-        ("triad roofline", RED, rows.iter().map(|r| (r.threads as f64, roof(r))).collect()),
+        ("triad roofline (same run)", RED, rows.iter().map(|r| (r.threads as f64, roof(r))).collect()),
         ("torch fused (peers)", BLACK, rows.iter().map(|r| (r.threads as f64, r.torch_params_per_s * g)).collect()),
     ];
     for (label, color, pts) in series {
@@ -253,6 +268,7 @@ pub fn draw_evict<DB: DrawingBackend>(
         if text {
             chart
                 .configure_mesh()
+                .light_line_style(TRANSPARENT)
                 .x_desc("GPU budget (fraction of compute copies)")
                 .y_desc("GB moved per step")
                 .draw()
@@ -272,7 +288,13 @@ pub fn draw_evict<DB: DrawingBackend>(
             chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled()))).map_err(err)?;
         }
         if text {
-            chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(err)?;
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::LowerLeft)
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()
+                .map_err(err)?;
         }
     }
     Ok(())
@@ -286,7 +308,7 @@ pub fn draw_moe<DB: DrawingBackend>(
 ) -> anyhow::Result<()> {
     let names: Vec<String> = rows.iter().map(|r| r.policy.clone()).collect();
     let n = rows.len().max(1);
-    let top = 1.15 * max_or(rows.iter().map(|r| (r.expert_h2d_bytes + r.refresh_h2d_bytes) as f64 * 1e-9), 1e-6);
+    let top = 1.35 * max_or(rows.iter().map(|r| (r.expert_h2d_bytes + r.refresh_h2d_bytes) as f64 * 1e-9), 1e-6);
     let mut b = ChartBuilder::on(root);
     b.margin(15);
     if text {
@@ -298,6 +320,7 @@ pub fn draw_moe<DB: DrawingBackend>(
     if text {
         chart
             .configure_mesh()
+            .light_line_style(TRANSPARENT)
             .disable_x_mesh()
             .x_labels(n + 1)
             .x_label_formatter(&|x| category(&names, *x))
@@ -323,7 +346,13 @@ pub fn draw_moe<DB: DrawingBackend>(
     if text {
         s.label("refresh of resident copies")
             .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], CYAN.filled()));
-        chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw().map_err(err)?;
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
     }
     Ok(())
 }
