@@ -385,3 +385,42 @@ pub fn write_all(dir: &Path, rows: &SuiteRows) -> anyhow::Result<Vec<PathBuf>> {
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod tests {
+    use oogc_moe_placement::{synthetic_trace, SyntheticConfig};
+
+    use super::*;
+
+    /// Without a font the plots are drawn with no text at all: that path must not touch fonts.
+    #[test]
+    fn every_plot_draws_without_text() {
+        let evict_args = evict::EvictBenchArgs {
+            shape: crate::plan::GptShape { layers: 2, d_model: 32, seq_len: 8, batch: 1, dtype_bytes: 2 },
+            fractions: vec![0.5],
+            ..evict::EvictBenchArgs::default()
+        };
+        let evict_rows = evict::run(&evict_args).unwrap();
+        let trace = synthetic_trace(&SyntheticConfig { steps: 5, ..SyntheticConfig::default() }).unwrap();
+        let moe_rows = moe::run(&trace, &moe::MoeBenchArgs::default()).unwrap();
+        let nvme_rows = vec![nvme::NvmeBenchRow {
+            engine: "store-psync".into(),
+            write_gbps: Some(1.0),
+            read_gbps: Some(2.0),
+            block_bytes: 1 << 20,
+            queue_depth: 32,
+            bytes: 1 << 30,
+            note: String::new(),
+        }];
+        let mut svg = String::new();
+        {
+            let root = SVGBackend::with_string(&mut svg, (WIDTH_PX, HEIGHT_PX)).into_drawing_area();
+            draw_nvme(&root, &nvme_rows, false).unwrap();
+            draw_adam(&root, &[], false).unwrap();
+            draw_evict(&root, &evict_rows, false).unwrap();
+            draw_moe(&root, &moe_rows, false).unwrap();
+            root.present().unwrap();
+        }
+        assert!(svg.contains("<rect") && !svg.contains("<text"), "{svg}");
+    }
+}
