@@ -1,5 +1,6 @@
 //! The `oogc` command line: `oogc train`, `oogc inspect`, `oogc plan`, `oogc bench nvme`,
-//! `oogc bench swap`, `oogc bench evict`, `oogc bench adam`, `oogc bench moe`, `oogc bench step`.
+//! `oogc bench swap`, `oogc bench evict`, `oogc bench adam`, `oogc bench moe`, `oogc bench step`,
+//! `oogc bench all`.
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`); results go to stdout, as a table
 //! or, with `--json`, as JSON Lines (one object per row per line). Errors print the whole cause
@@ -11,7 +12,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use oogc::bench::{adam, evict, moe, nvme, step, swap};
+use oogc::bench::{adam, all, evict, moe, nvme, step, swap};
 use oogc::config::TrainConfig;
 use oogc::optimizer::{FloatType, Isa};
 use oogc::plan as planner;
@@ -100,6 +101,9 @@ enum BenchCommand {
     /// prediction. With --json: one JSON object per variant (each with a `machine` record and
     /// the variant's config), then `{"variant":..,"skipped":reason}` for a variant not run.
     Step(StepCmd),
+    /// The whole suite (nvme, swap, adam, evict, moe) with --quick or full sizes: one JSON file
+    /// per benchmark (`{ "benchmark", "args", "rows" }`) and PNG + SVG plots in --out DIR.
+    All(AllCmd),
 }
 
 #[derive(Debug, Args)]
@@ -124,6 +128,39 @@ struct StepCmd {
     /// JSON Lines on stdout instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Debug, Args)]
+struct AllCmd {
+    /// Directory for the JSON files and plots (created when missing).
+    #[arg(long, value_name = "DIR")]
+    out: PathBuf,
+    /// Small sizes: the whole suite in under 3 minutes on 2 cores (nvme 0.25 GiB, swap 64 MiB,
+    /// adam 16 Mi parameters, moe 100 synthetic steps).
+    #[arg(long)]
+    quick: bool,
+    /// Test sizes (seconds in a debug build; the figures mean little).
+    #[arg(long, hide = true, conflicts_with = "quick")]
+    tiny: bool,
+    /// Directory of the NVMe store and fio's file (repeat for several; default: the temp dir).
+    #[arg(long = "nvme-dir", value_name = "DIR")]
+    nvme_dirs: Vec<PathBuf>,
+    /// Do not run fio beside the store even when it is installed.
+    #[arg(long)]
+    no_fio: bool,
+    /// A recorded MoE routing trace (JSON Lines, from a training run) replayed after the
+    /// synthetic one into moe-trace.json.
+    #[arg(long, value_name = "FILE")]
+    moe_trace: Option<PathBuf>,
+    /// A training config: also run `oogc bench step` on it (3 steps after 1 warmup with --quick) and write step.json.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// No progress bar (it is also hidden when stderr is not a terminal).
+    #[arg(long)]
+    no_progress: bool,
+    /// Print only the summary, not each benchmark's table.
+    #[arg(long)]
+    summary_only: bool,
 }
 
 /// Element types for `bench adam`.
@@ -729,6 +766,27 @@ fn bench_adam(cmd: AdamCmd) -> anyhow::Result<()> {
     }
 }
 
+fn bench_all(cmd: AllCmd) -> anyhow::Result<()> {
+    let size = match (cmd.quick, cmd.tiny) {
+        (_, true) => all::SuiteSize::Tiny,
+        (true, _) => all::SuiteSize::Quick,
+        _ => all::SuiteSize::Full,
+    };
+    let args = all::AllBenchArgs {
+        out: cmd.out,
+        size,
+        nvme_dirs: cmd.nvme_dirs,
+        fio: !cmd.no_fio,
+        moe_trace: cmd.moe_trace,
+        step_config: cmd.config,
+        progress: !cmd.no_progress,
+        tables: !cmd.summary_only,
+    };
+    let (report, _) = all::run(&args).context("oogc bench all")?;
+    all::print_summary(&report);
+    Ok(())
+}
+
 /// The error's cause chain as one line, leaving out a cause whose text the previous message
 /// already contains (the swapper's `Io` error prints its source itself).
 fn error_line(e: &anyhow::Error) -> String {
@@ -851,6 +909,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Adam(cmd)) => bench_adam(cmd),
         Command::Bench(BenchCommand::Moe(cmd)) => bench_moe(cmd),
         Command::Bench(BenchCommand::Step(cmd)) => bench_step(cmd),
+        Command::Bench(BenchCommand::All(cmd)) => bench_all(cmd),
         Command::Plan(cmd) => plan(cmd),
     };
     match result {

@@ -510,3 +510,44 @@ fn bench_step_skips_resident_over_the_cap_with_a_reason() {
     assert!(rows[2]["skipped"].as_str().unwrap().contains("resident cap"), "{}", rows[2]);
     assert_eq!(rows[0]["compute_source"], "own steps minus stalls");
 }
+
+#[test]
+fn bench_all_writes_a_json_file_per_benchmark_and_the_plots() {
+    let tmp = tempfile::tempdir().expect("temp dir");
+    let out_dir = tmp.path().join("suite");
+    let nvme_dir = tmp.path().join("nvme");
+    std::fs::create_dir_all(&nvme_dir).expect("nvme dir");
+    let out = oogc(&[
+        "bench",
+        "all",
+        "--tiny",
+        "--no-fio",
+        "--no-progress",
+        "--out",
+        out_dir.to_str().unwrap(),
+        "--nvme-dir",
+        nvme_dir.to_str().unwrap(),
+        "--config",
+        "configs/none.toml",
+    ]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}\nstdout:\n{stdout}", out.status, text(&out.stderr));
+    assert!(stdout.contains("oogc bench step --config configs/none.toml"), "{stdout}");
+    for name in ["nvme", "swap", "adam", "evict", "moe"] {
+        let path = out_dir.join(format!("{name}.json"));
+        let doc: Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}")))
+                .unwrap_or_else(|e| panic!("{path:?} is not JSON: {e}"));
+        assert_eq!(doc["benchmark"], name, "{doc}");
+        assert!(doc["args"].is_object(), "{doc}");
+        let rows = doc["rows"].as_array().unwrap_or_else(|| panic!("no rows array in {path:?}"));
+        assert!(!rows.is_empty(), "{path:?} has no rows");
+    }
+    for name in ["nvme", "adam", "evict", "moe"] {
+        for ext in ["png", "svg"] {
+            let path = out_dir.join(format!("{name}.{ext}"));
+            let len = std::fs::metadata(&path).unwrap_or_else(|e| panic!("{path:?}: {e}")).len();
+            assert!(len > 0, "{path:?} is empty");
+        }
+    }
+}

@@ -7,10 +7,13 @@
 //! | `oogc bench moe` | [`moe`] | expert bytes moved, hit rate and predicted MoE step of expert placement policies replaying a routing trace |
 //! | `oogc bench step` | [`step`] | real training steps under ours, on-demand and all-resident, beside the lower bound and the plan ([`machine`] records the machine) |
 //! | `oogc bench swap` | [`swap`] | host↔sim-device copies and the residency manager, beside memcpy or the link throttle |
+//! | `oogc bench all` | [`all`], [`plots`] | every benchmark above (quick or full sizes): one JSON file each and PNG + SVG plots in one directory |
 pub mod adam;
+pub mod all;
 pub mod evict;
 pub mod machine;
 pub mod moe;
 pub mod nvme;
+pub mod plots;
 pub mod step;
 pub mod swap;

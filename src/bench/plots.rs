@@ -1,0 +1,426 @@
+//! Plots of `oogc bench all` (plotters, pure Rust): each as `NAME.png` (800 × 480 px) and
+//! `NAME.svg`.
+//!
+//! | file | what it shows |
+//! |---|---|
+//! | `nvme` | write and read GB/s (10⁹ B/s) of the NVMe store per engine, bars; fio's figures (huge-page buffers) as horizontal lines when fio ran |
+//! | `adam` | CPU AdamW Gparam/s vs threads, beside the triad roofline (the triad's real bytes, 16 per element against the 12 it is counted at, × GB/s ÷ the step's bytes per parameter) and torch's fused AdamW |
+//! | `evict` | bytes moved (GB) per step vs the GPU budget (fraction of the compute copies) for next-use (ours), LRU, FIFO and offline MIN; training and forward-only panels |
+//! | `moe` | expert bytes moved host→GPU (GB) per placement policy over the replayed trace, bars |
+//!
+//! Text needs a TrueType font, found at run time and never bundled: `OOGC_PLOT_FONT` (a `.ttf`
+//! path), else DejaVu Sans or Liberation Sans at their usual Linux paths. Without one the plots
+//! are drawn without text (axes, series and bars only) and a warning says how to fix it.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+
+use anyhow::Context;
+use plotters::coord::Shift;
+use plotters::prelude::*;
+use plotters::style::{register_font, FontStyle};
+
+use super::all::SuiteRows;
+use super::{adam, evict, moe, nvme};
+
+/// Width of each plot, pixels.
+pub const WIDTH_PX: u32 = 800;
+/// Height of each plot, pixels.
+pub const HEIGHT_PX: u32 = 480;
+
+const FONT_PATHS: &[&str] = &[
+    "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/TTF/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu/DejaVuSans.ttf",
+    "/usr/share/fonts/dejavu-sans-fonts/DejaVuSans.ttf",
+    "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+    "/usr/share/fonts/liberation/LiberationSans-Regular.ttf",
+];
+
+/// Registers a TrueType font for plot text once; whether one is available.
+pub fn font_available() -> bool {
+    static FONT: OnceLock<bool> = OnceLock::new();
+    *FONT.get_or_init(|| {
+        let candidates = std::env::var_os("OOGC_PLOT_FONT").map(PathBuf::from).into_iter().chain(FONT_PATHS.iter().map(PathBuf::from));
+        for path in candidates {
+            let Ok(bytes) = std::fs::read(&path) else { continue };
+            // plotters keeps fonts for the life of the process.
+            let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+            if register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                return true;
+            }
+            tracing::warn!("{} is not a usable TrueType font", path.display());
+        }
+        tracing::warn!(
+            "no TrueType font found for plot text: plots are drawn without labels (set OOGC_PLOT_FONT=/path/to/font.ttf, \
+             or install DejaVu Sans: apt-get install fonts-dejavu-core)"
+        );
+        false
+    })
+}
+
+fn err<E: std::fmt::Display>(e: E) -> anyhow::Error {
+    anyhow::anyhow!("drawing: {e}")
+}
+
+/// A plotting function drawn on both backends.
+type Draw<'a> = dyn Fn(&DrawingArea<SVGBackend, Shift>, bool) -> anyhow::Result<()> + 'a;
+type DrawPng<'a> = dyn Fn(&DrawingArea<BitMapBackend, Shift>, bool) -> anyhow::Result<()> + 'a;
+
+/// Writes `DIR/name.png` and `DIR/name.svg` with the same drawing; returns both paths.
+fn both(dir: &Path, name: &str, svg: &Draw, png: &DrawPng) -> anyhow::Result<Vec<PathBuf>> {
+    let text = font_available();
+    let (p_png, p_svg) = (dir.join(format!("{name}.png")), dir.join(format!("{name}.svg")));
+    {
+        let root = BitMapBackend::new(&p_png, (WIDTH_PX, HEIGHT_PX)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        png(&root, text).with_context(|| format!("plot {name}.png"))?;
+        root.present()
+            .map_err(err)
+            .with_context(|| format!("writing {} (is the directory writable?)", p_png.display()))?;
+    }
+    {
+        let root = SVGBackend::new(&p_svg, (WIDTH_PX, HEIGHT_PX)).into_drawing_area();
+        root.fill(&WHITE).map_err(err)?;
+        svg(&root, text).with_context(|| format!("plot {name}.svg"))?;
+        root.present()
+            .map_err(err)
+            .with_context(|| format!("writing {} (is the directory writable?)", p_svg.display()))?;
+    }
+    Ok(vec![p_png, p_svg])
+}
+
+/// Maps key points of an integer-centred f64 axis to category names ("" between them).
+fn category(names: &[String], x: f64) -> String {
+    let i = x.round();
+    if (x - i).abs() < 1e-6 && i >= 0.0 && (i as usize) < names.len() {
+        names[i as usize].clone()
+    } else {
+        String::new()
+    }
+}
+
+fn max_or(xs: impl Iterator<Item = f64>, floor: f64) -> f64 {
+    xs.filter(|x| x.is_finite()).fold(floor, f64::max)
+}
+
+/// (a) NVMe write/read GB/s per store engine, with fio's huge-page figures as lines.
+pub fn draw_nvme<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    rows: &[nvme::NvmeBenchRow],
+    text: bool,
+) -> anyhow::Result<()> {
+    let store: Vec<&nvme::NvmeBenchRow> = rows.iter().filter(|r| r.engine.starts_with("store-")).collect();
+    // fio with huge-page buffers is the local limit; with malloc'd buffers when hugetlb pages are
+    // missing (`sysctl vm.nr_hugepages=64`).
+    let fio = ["fio-shmhuge", "fio-malloc"]
+        .into_iter()
+        .find_map(|name| rows.iter().find(|r| r.engine == name && r.write_gbps.is_some()));
+    let names: Vec<String> = store.iter().map(|r| r.engine.clone()).collect();
+    let n = store.len().max(1);
+    let top = 1.4 * max_or(rows.iter().flat_map(|r| [r.write_gbps, r.read_gbps]).flatten(), 0.1);
+    let mut b = ChartBuilder::on(root);
+    b.margin(15);
+    if text {
+        let caption = match fio {
+            Some(f) => format!("NVMe store: GB/s per engine ({} as lines)", f.engine),
+            None => "NVMe store: GB/s per engine (no fio figures)".to_string(),
+        };
+        b.caption(caption, ("sans-serif", 20)).x_label_area_size(35).y_label_area_size(55);
+    }
+    let mut chart = b.build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..top).map_err(err)?;
+    if text {
+        chart
+            .configure_mesh()
+            .light_line_style(TRANSPARENT)
+            .disable_x_mesh()
+            .x_labels(n + 1)
+            .x_label_formatter(&|x| category(&names, *x))
+            .y_desc("GB/s (10^9 B/s)")
+            .draw()
+            .map_err(err)?;
+    }
+    let w = store.iter().enumerate().filter_map(|(i, r)| r.write_gbps.map(|v| (i, v)));
+    let s = chart
+        .draw_series(w.map(|(i, v)| Rectangle::new([(i as f64 - 0.38, 0.0), (i as f64 - 0.02, v)], BLUE.filled())))
+        .map_err(err)?;
+    if text {
+        s.label("write").legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], BLUE.filled()));
+    }
+    let r = store.iter().enumerate().filter_map(|(i, r)| r.read_gbps.map(|v| (i, v)));
+    let s = chart
+        .draw_series(r.map(|(i, v)| Rectangle::new([(i as f64 + 0.02, 0.0), (i as f64 + 0.38, v)], GREEN.filled())))
+        .map_err(err)?;
+    if text {
+        s.label("read").legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], GREEN.filled()));
+    }
+    if let Some(f) = fio {
+        let (w_label, r_label) = (format!("{} write", f.engine), format!("{} read", f.engine));
+        for (v, color, label) in [(f.write_gbps, BLUE, w_label), (f.read_gbps, GREEN, r_label)] {
+            let Some(v) = v else { continue };
+            let s = chart
+                .draw_series(LineSeries::new([(-0.5, v), (n as f64 - 0.5, v)], color.stroke_width(2)))
+                .map_err(err)?;
+            if text {
+                s.label(label).legend(move |(x, y)| PathElement::new([(x, y), (x + 14, y)], color.stroke_width(2)));
+            }
+        }
+    }
+    if text {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+/// (b) CPU AdamW parameters per second vs threads, against the triad roofline and torch.
+pub fn draw_adam<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    rows: &[adam::AdamBenchRow],
+    text: bool,
+) -> anyhow::Result<()> {
+    let g = 1e-9;
+    // The triad is counted at 12 B per element but moves 16 (write-allocate): the roofline uses the
+    // bytes that really move, as the step's bytes per parameter do.
+    let roof = |r: &adam::AdamBenchRow| r.triad_gbps * 16.0 / 12.0 / r.bytes_per_param.max(1) as f64;
+    let max_t = rows.iter().map(|r| r.threads).max().unwrap_or(2).max(2) as f64;
+    let top = 1.15 * max_or(rows.iter().flat_map(|r| [r.params_per_s * g, roof(r), r.torch_params_per_s * g]), 0.1);
+    let mut b = ChartBuilder::on(root);
+    b.margin(15);
+    if text {
+        b.caption("CPU AdamW: Gparam/s vs threads, against the triad roofline", ("sans-serif", 20))
+            .x_label_area_size(40)
+            .y_label_area_size(55);
+    }
+    let mut chart = b.build_cartesian_2d(0.5f64..(max_t + 0.5), 0f64..top).map_err(err)?;
+    if text {
+        chart
+            .configure_mesh()
+            .light_line_style(TRANSPARENT)
+            .x_labels(max_t as usize + 2)
+            .x_label_formatter(&|x| if (x - x.round()).abs() < 1e-6 { format!("{x:.0}") } else { String::new() })
+            .x_desc("threads")
+            .y_desc("Gparam/s")
+            .draw()
+            .map_err(err)?;
+    }
+    let series = [
+        ("oogc AdamW", BLUE, rows.iter().map(|r| (r.threads as f64, r.params_per_s * g)).collect::<Vec<_>>()),
+        ("triad roofline (same run)", RED, rows.iter().map(|r| (r.threads as f64, roof(r))).collect()),
+        ("torch fused (peers)", BLACK, rows.iter().map(|r| (r.threads as f64, r.torch_params_per_s * g)).collect()),
+    ];
+    for (label, color, pts) in series {
+        let s = chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(2))).map_err(err)?;
+        if text {
+            s.label(label).legend(move |(x, y)| PathElement::new([(x, y), (x + 14, y)], color.stroke_width(2)));
+        }
+        chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
+    }
+    if text {
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::LowerRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+const POLICY_COLORS: [(&str, &str, RGBColor); 4] = [
+    ("next-use", "next-use (ours)", BLUE),
+    ("lru", "LRU", RED),
+    ("fifo", "FIFO", MAGENTA),
+    ("min", "MIN (offline)", BLACK),
+];
+
+/// (c) Bytes moved per step vs the GPU budget for next-use (ours), LRU, FIFO and MIN; one
+/// panel per workload present in `rows`.
+pub fn draw_evict<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    rows: &[evict::EvictBenchRow],
+    text: bool,
+) -> anyhow::Result<()> {
+    let workloads: Vec<evict::Workload> = [evict::Workload::Train, evict::Workload::Forward]
+        .into_iter()
+        .filter(|w| rows.iter().any(|r| r.workload == *w))
+        .collect();
+    let panels = root.split_evenly((1, workloads.len().max(1)));
+    for (panel, w) in panels.iter().zip(&workloads) {
+        let rs: Vec<&evict::EvictBenchRow> = rows.iter().filter(|r| r.workload == *w).collect();
+        let top = 1.1 * max_or(rs.iter().map(|r| r.bytes_moved as f64 * 1e-9), 1e-6);
+        let mut b = ChartBuilder::on(panel);
+        b.margin(12);
+        if text {
+            let title = match w {
+                evict::Workload::Train => "training step: bytes moved vs GPU budget",
+                evict::Workload::Forward => "forward only: bytes moved vs GPU budget",
+            };
+            b.caption(title, ("sans-serif", 16)).x_label_area_size(40).y_label_area_size(55);
+        }
+        let mut chart = b.build_cartesian_2d(0f64..1f64, 0f64..top).map_err(err)?;
+        if text {
+            chart
+                .configure_mesh()
+                .light_line_style(TRANSPARENT)
+                .x_desc("GPU budget (fraction of compute copies)")
+                .y_desc("GB moved per step")
+                .draw()
+                .map_err(err)?;
+        }
+        for (policy, label, color) in POLICY_COLORS {
+            let mut pts: Vec<(f64, f64)> = rs
+                .iter()
+                .filter(|r| r.policy == policy)
+                .map(|r| (r.budget_fraction, r.bytes_moved as f64 * 1e-9))
+                .collect();
+            pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let s = chart.draw_series(LineSeries::new(pts.clone(), color.stroke_width(2))).map_err(err)?;
+            if text {
+                s.label(label).legend(move |(x, y)| PathElement::new([(x, y), (x + 14, y)], color.stroke_width(2)));
+            }
+            chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled()))).map_err(err)?;
+        }
+        if text {
+            chart
+                .configure_series_labels()
+                .position(SeriesLabelPosition::LowerLeft)
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .draw()
+                .map_err(err)?;
+        }
+    }
+    Ok(())
+}
+
+/// (d) Expert bytes moved host→GPU per MoE placement policy, bars (refresh bytes stacked on top).
+pub fn draw_moe<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    rows: &[moe::MoeBenchRow],
+    text: bool,
+) -> anyhow::Result<()> {
+    let names: Vec<String> = rows.iter().map(|r| r.policy.clone()).collect();
+    let n = rows.len().max(1);
+    let top = 1.35 * max_or(rows.iter().map(|r| (r.expert_h2d_bytes + r.refresh_h2d_bytes) as f64 * 1e-9), 1e-6);
+    let mut b = ChartBuilder::on(root);
+    b.margin(15);
+    if text {
+        b.caption("MoE: expert bytes host→GPU per placement policy", ("sans-serif", 20))
+            .x_label_area_size(35)
+            .y_label_area_size(55);
+    }
+    let mut chart = b.build_cartesian_2d(-0.5f64..(n as f64 - 0.5), 0f64..top).map_err(err)?;
+    if text {
+        chart
+            .configure_mesh()
+            .light_line_style(TRANSPARENT)
+            .disable_x_mesh()
+            .x_labels(n + 1)
+            .x_label_formatter(&|x| category(&names, *x))
+            .y_desc("GB over the trace")
+            .draw()
+            .map_err(err)?;
+    }
+    let bar = |i: usize, lo: f64, hi: f64, c: RGBColor| {
+        Rectangle::new([(i as f64 - 0.35, lo), (i as f64 + 0.35, hi)], c.filled())
+    };
+    let s = chart
+        .draw_series(rows.iter().enumerate().map(|(i, r)| bar(i, 0.0, r.expert_h2d_bytes as f64 * 1e-9, BLUE)))
+        .map_err(err)?;
+    if text {
+        s.label("expert fetches").legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], BLUE.filled()));
+    }
+    let s = chart
+        .draw_series(rows.iter().enumerate().map(|(i, r)| {
+            let lo = r.expert_h2d_bytes as f64 * 1e-9;
+            bar(i, lo, lo + r.refresh_h2d_bytes as f64 * 1e-9, CYAN)
+        }))
+        .map_err(err)?;
+    if text {
+        s.label("refresh of resident copies")
+            .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], CYAN.filled()));
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperRight)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(err)?;
+    }
+    Ok(())
+}
+
+/// Writes every plot whose rows are present to `dir`; returns the files (PNG and SVG).
+///
+/// # Errors
+/// A file cannot be written (the directory is missing or read-only), or plotters failed to draw.
+pub fn write_all(dir: &Path, rows: &SuiteRows) -> anyhow::Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    if !rows.nvme.is_empty() {
+        let r = &rows.nvme;
+        out.extend(both(dir, "nvme", &|a, t| draw_nvme(a, r, t), &|a, t| draw_nvme(a, r, t))?);
+    }
+    if !rows.adam.is_empty() {
+        let r = &rows.adam;
+        out.extend(both(dir, "adam", &|a, t| draw_adam(a, r, t), &|a, t| draw_adam(a, r, t))?);
+    }
+    if !rows.evict.is_empty() {
+        let r = &rows.evict;
+        out.extend(both(dir, "evict", &|a, t| draw_evict(a, r, t), &|a, t| draw_evict(a, r, t))?);
+    }
+    if !rows.moe.is_empty() {
+        let r = &rows.moe;
+        out.extend(both(dir, "moe", &|a, t| draw_moe(a, r, t), &|a, t| draw_moe(a, r, t))?);
+    }
+    if !rows.moe_trace.is_empty() {
+        let r = &rows.moe_trace;
+        out.extend(both(dir, "moe-trace", &|a, t| draw_moe(a, r, t), &|a, t| draw_moe(a, r, t))?);
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use oogc_moe_placement::{synthetic_trace, SyntheticConfig};
+
+    use super::*;
+
+    /// Without a font the plots are drawn with no text at all: that path must not touch fonts.
+    #[test]
+    fn every_plot_draws_without_text() {
+        let evict_args = evict::EvictBenchArgs {
+            shape: crate::plan::GptShape { layers: 2, d_model: 32, seq_len: 8, batch: 1, dtype_bytes: 2 },
+            fractions: vec![0.5],
+            ..evict::EvictBenchArgs::default()
+        };
+        let evict_rows = evict::run(&evict_args).unwrap();
+        let trace = synthetic_trace(&SyntheticConfig { steps: 5, ..SyntheticConfig::default() }).unwrap();
+        let moe_rows = moe::run(&trace, &moe::MoeBenchArgs::default()).unwrap();
+        let nvme_rows = vec![nvme::NvmeBenchRow {
+            engine: "store-psync".into(),
+            write_gbps: Some(1.0),
+            read_gbps: Some(2.0),
+            block_bytes: 1 << 20,
+            queue_depth: 32,
+            bytes: 1 << 30,
+            note: String::new(),
+        }];
+        let mut svg = String::new();
+        {
+            let root = SVGBackend::with_string(&mut svg, (WIDTH_PX, HEIGHT_PX)).into_drawing_area();
+            draw_nvme(&root, &nvme_rows, false).unwrap();
+            draw_adam(&root, &[], false).unwrap();
+            draw_evict(&root, &evict_rows, false).unwrap();
+            draw_moe(&root, &moe_rows, false).unwrap();
+            root.present().unwrap();
+        }
+        assert!(svg.contains("<rect") && !svg.contains("<text"), "{svg}");
+    }
+}
