@@ -471,9 +471,10 @@ fn bench_step_prints_one_json_row_per_variant() {
     positive(ours, "plan_step_s");
     assert!(ours["plan_error"].is_number(), "{ours}");
     assert!(on_demand["plan_step_s"].is_null(), "{on_demand}");
-    // On demand moves at least the bytes ours moves (no lookahead can only refetch more).
+    // Both move bytes. (Not "on demand moves at least ours": under a tight budget the prefetch
+    // window may fetch a unit that is evicted again before its use, trading bytes for stall.)
     let bytes = |r: &Value| r["h2d_bytes"].as_u64().unwrap() + r["d2h_bytes"].as_u64().unwrap();
-    assert!(bytes(on_demand) >= bytes(ours), "{on_demand}\n{ours}");
+    assert!(bytes(on_demand) > 0 && bytes(ours) > 0, "{on_demand}\n{ours}");
     assert_eq!(on_demand["prefetch_depth"], 0);
     assert_eq!(on_demand["overlap_optimizer"], false);
     // Ours keeps its optimizer state on NVMe; resident keeps it in host memory.
