@@ -17,7 +17,7 @@ use std::time::Instant;
 use anyhow::{bail, Context};
 use oogc_prefetch::plan::{plan, ModelUnit, PlanInput, PlanReport, StatePlacement};
 use oogc_prefetch::{HardwareProfile, PrefetchConfig};
-use oogc_swapper::{EngineChoice, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
+use oogc_swapper::{EngineChoice, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig};
 use serde::Serialize;
 
 /// Byte-level vocabulary of the reference GPT.
@@ -285,45 +285,7 @@ pub fn nvme_gbps(dir: &std::path::Path, bytes: u64) -> anyhow::Result<(f64, f64,
         for (i, b) in bufs.iter_mut().enumerate() {
             b.as_mut_slice().iter_mut().enumerate().for_each(|(j, x)| *x = (i + j / 4096) as u8);
         }
-        let mut extents = Vec::with_capacity(n);
-        let mut pending = std::collections::VecDeque::new();
-        let t = Instant::now();
-        for i in 0..n {
-            let buf = match bufs.pop() {
-                Some(b) => b,
-                None => {
-                    let (r, b) = pending.pop_front().map(|h: oogc_swapper::IoHandle<_>| h.wait()).expect("in flight");
-                    extents.push(r?);
-                    b
-                }
-            };
-            pending.push_back(store.write(TensorId(i as u64), buf));
-        }
-        while let Some(h) = pending.pop_front() {
-            let (r, b) = h.wait();
-            extents.push(r?);
-            bufs.push(b);
-        }
-        let write_s = t.elapsed().as_secs_f64();
-        let mut pending = std::collections::VecDeque::new();
-        let t = Instant::now();
-        for ext in &extents {
-            let buf = match bufs.pop() {
-                Some(b) => b,
-                None => {
-                    let (r, b) = pending.pop_front().map(|h: oogc_swapper::IoHandle<()>| h.wait()).expect("in flight");
-                    r?;
-                    b
-                }
-            };
-            pending.push_back(store.read(ext, buf));
-        }
-        while let Some(h) = pending.pop_front() {
-            let (r, b) = h.wait();
-            r?;
-            bufs.push(b);
-        }
-        let read_s = t.elapsed().as_secs_f64();
+        let (extents, write_s, read_s) = crate::bench::nvme::write_then_read(&store, &mut bufs, n)?;
         let note = format!("{} engine, {} MiB", store.engine_kind(), (n * tensor) >> 20);
         for e in extents {
             store.free(e);

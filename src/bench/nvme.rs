@@ -15,7 +15,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use anyhow::{bail, Context};
-use oogc_swapper::{EngineChoice, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
+use oogc_swapper::{EngineChoice, Extent, HostBuffer, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
 use serde::Serialize;
 
 /// Arguments of the NVMe benchmark.
@@ -76,29 +76,22 @@ fn in_flight(args: &NvmeBenchArgs) -> usize {
     (args.queue_depth as usize).div_ceil(blocks_per_tensor).clamp(2, 8) + 1
 }
 
-fn store_row(args: &NvmeBenchArgs, engine: EngineChoice) -> anyhow::Result<NvmeBenchRow> {
-    let total = (args.size_gib * (1u64 << 30) as f64) as u64;
-    let n = (total / args.tensor_bytes as u64).max(1) as usize;
-    let bytes = n as u64 * args.tensor_bytes as u64;
-    let cfg = NvmeConfig {
-        block_bytes: args.block_bytes,
-        queue_depth: args.queue_depth,
-        engine,
-        ..NvmeConfig::new(args.dirs.clone(), bytes + (args.dirs.len() as u64) * (4 << 20))
-    };
-    let store = NvmeStore::open(cfg)?;
-    let k = in_flight(args);
-    let pool = PinnedPool::with_mmap(&PinnedPoolConfig {
-        budget_bytes: ((k + 1) * oogc_swapper::host::size_class(args.tensor_bytes)) as u64,
-        lock: false,
-    });
-    let mut bufs: Vec<_> = (0..k).map(|_| pool.alloc(args.tensor_bytes)).collect::<Result<_, _>>()?;
-    for (i, b) in bufs.iter_mut().enumerate() {
-        for (j, chunk) in b.as_mut_slice().chunks_mut(4096).enumerate() {
-            chunk.fill((i * 31 + j) as u8);
-        }
-    }
-
+/// Writes `n` tensors through `store` from the buffers in `bufs` (each submitted buffer is
+/// reused once its write completes: `bufs.len()` tensors in flight), then reads every extent
+/// back into the same buffers (checksums verified). Returns the extents and the write and read
+/// wall times, seconds. `bufs` holds all its buffers again on return.
+///
+/// # Errors
+/// The store's I/O or checksum errors.
+///
+/// # Panics
+/// If `bufs` is empty.
+pub fn write_then_read(
+    store: &NvmeStore,
+    bufs: &mut Vec<HostBuffer>,
+    n: usize,
+) -> anyhow::Result<(Vec<Extent>, f64, f64)> {
+    assert!(!bufs.is_empty(), "write_then_read needs at least one buffer");
     let mut extents = Vec::with_capacity(n);
     let mut pending = VecDeque::new();
     let t = Instant::now();
@@ -138,7 +131,33 @@ fn store_row(args: &NvmeBenchArgs, engine: EngineChoice) -> anyhow::Result<NvmeB
         r?;
         bufs.push(b);
     }
-    let read_s = t.elapsed().as_secs_f64();
+    Ok((extents, write_s, t.elapsed().as_secs_f64()))
+}
+
+fn store_row(args: &NvmeBenchArgs, engine: EngineChoice) -> anyhow::Result<NvmeBenchRow> {
+    let total = (args.size_gib * (1u64 << 30) as f64) as u64;
+    let n = (total / args.tensor_bytes as u64).max(1) as usize;
+    let bytes = n as u64 * args.tensor_bytes as u64;
+    let cfg = NvmeConfig {
+        block_bytes: args.block_bytes,
+        queue_depth: args.queue_depth,
+        engine,
+        ..NvmeConfig::new(args.dirs.clone(), bytes + (args.dirs.len() as u64) * (4 << 20))
+    };
+    let store = NvmeStore::open(cfg)?;
+    let k = in_flight(args);
+    let pool = PinnedPool::with_mmap(&PinnedPoolConfig {
+        budget_bytes: ((k + 1) * oogc_swapper::host::size_class(args.tensor_bytes)) as u64,
+        lock: false,
+    });
+    let mut bufs: Vec<_> = (0..k).map(|_| pool.alloc(args.tensor_bytes)).collect::<Result<_, _>>()?;
+    for (i, b) in bufs.iter_mut().enumerate() {
+        for (j, chunk) in b.as_mut_slice().chunks_mut(4096).enumerate() {
+            chunk.fill((i * 31 + j) as u8);
+        }
+    }
+
+    let (extents, write_s, read_s) = write_then_read(&store, &mut bufs, n)?;
     let kind = store.engine_kind();
     let direct = store.direct_io().iter().all(|&d| d);
     let note = format!(
