@@ -1,16 +1,12 @@
 //! The ZeRO-Infinity-like baseline (`[prefetch] overlap_optimizer = false`, depth 0) trains to
 //! bitwise the same losses and weights as the pipelined run: only the timing differs.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::Path;
 
 use oogc::config::TrainConfig;
 use oogc::train::Trainer;
-
-fn data_path() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt");
-    assert!(p.exists(), "{} is missing: the tests need ../shared beside the repository", p.display());
-    p
-}
 
 /// The tiny model of `tests/train.rs` (24 blocks of width 16), offloaded: GPU budget of about a
 /// quarter of the parameters, optimizer state on NVMe.
@@ -45,7 +41,7 @@ overlap_optimizer = {overlap}
 [threads]
 optimizer = 2
 "#,
-        data = data_path().display(),
+        data = common::data_path().display(),
         nvme = nvme.display()
     )
 }

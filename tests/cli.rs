@@ -5,6 +5,8 @@
 //! The io_uring test prints `skipped: <why>` (to stderr, past the harness's capture) where the
 //! store reports io_uring unavailable; `OOGC_REQUIRE_URING=1` turns that skip into a failure.
 
+mod common;
+
 use std::io::Write;
 use std::process::{Command, Output};
 
@@ -402,8 +404,7 @@ fn bench_moe_refuses_bad_arguments_naming_them() {
 /// A tiny offloaded config for `bench step`: 8 blocks of width 16, GPU budget of a few blocks,
 /// optimizer state on NVMe under `dir`.
 fn tiny_step_config(dir: &std::path::Path) -> std::path::PathBuf {
-    let data = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt");
-    assert!(data.exists(), "{} is missing: the tests need ../shared beside the repository", data.display());
+    let data = common::data_path();
     let cfg = format!(
         r#"
 [model]

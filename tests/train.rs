@@ -1,18 +1,14 @@
 //! End-to-end training: offloaded equals in-memory (DESIGN.md invariant 3), a killed run resumes
 //! exactly (invariant 4), and bad input is a clear error that loses nothing (invariant 5).
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use oogc::config::TrainConfig;
 use oogc::train::Trainer;
-
-fn data_path() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data/tinyshakespeare.txt");
-    assert!(p.exists(), "{} is missing: the tests need ../shared beside the repository", p.display());
-    p
-}
 
 /// A 24-block model of tiny width, so a GPU budget of 1/8 of the parameters still holds the
 /// minimum working set (one block + its gradients).
@@ -46,7 +42,7 @@ depth = {depth}
 [threads]
 optimizer = 2
 "#,
-        data = data_path().display(),
+        data = common::data_path().display(),
         nvme = nvme.display()
     )
 }
@@ -190,7 +186,7 @@ fn bad_input_names_the_cause_and_writes_nothing() {
     let cases = [
         (good.replace("seed = 3", "seed = 3\nsede = 4"), "sede"),
         (good.replace("gpu = \"64KiB\"", "gpu = \"4KiB\""), "minimum working set"),
-        (good.replace(&data_path().display().to_string(), "/nonexistent/text.txt"), "/nonexistent/text.txt"),
+        (good.replace(&common::data_path().display().to_string(), "/nonexistent/text.txt"), "/nonexistent/text.txt"),
         (good.replace(&nvme.display().to_string(), "/proc/oogc-not-writable"), "/proc/oogc-not-writable"),
     ];
     for (text, needle) in cases {
@@ -215,8 +211,10 @@ fn bad_input_names_the_cause_and_writes_nothing() {
 
     let empty = dir.path().join("empty.txt");
     std::fs::write(&empty, "").unwrap();
-    let (code, err) =
-        run_cli_err(&good.replace(&data_path().display().to_string(), &empty.display().to_string()), dir.path());
+    let (code, err) = run_cli_err(
+        &good.replace(&common::data_path().display().to_string(), &empty.display().to_string()),
+        dir.path(),
+    );
     assert_ne!(code, 0);
     assert!(err.contains("empty.txt") && err.contains("0 bytes"), "{err}");
 }
