@@ -125,6 +125,10 @@ struct StepCmd {
     /// Hardware profile for the plan's prediction (TOML; see `oogc plan --hardware-probe`).
     #[arg(long, value_name = "FILE")]
     hardware: Option<PathBuf>,
+    /// Throttle the sim device's link to this many GB/s (10⁹ B/s) each way instead of the config's
+    /// `[device] link_gbps` (sim device only).
+    #[arg(long, value_name = "GBPS")]
+    link_gbps: Option<f64>,
     /// JSON Lines on stdout instead of a table.
     #[arg(long)]
     json: bool,
@@ -543,6 +547,23 @@ fn print_json_lines<T: Serialize>(rows: &[T]) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// JSON Lines of a benchmark's rows, each with the `machine` it ran on (CPU, cores, memory,
+/// kernel, file system of `dir`, git revision) and the `command` line that produced it, so two
+/// runs can be compared row by row.
+fn print_bench_json<T: Serialize>(rows: &[T], dir: Option<&std::path::Path>) -> anyhow::Result<()> {
+    let machine = serde_json::to_value(oogc::bench::machine::record(dir)).context("serializing the machine")?;
+    let command: Vec<String> = std::env::args().collect();
+    for r in rows {
+        let mut v = serde_json::to_value(r).context("serializing a result row")?;
+        if let serde_json::Value::Object(m) = &mut v {
+            m.insert("machine".into(), machine.clone());
+            m.insert("command".into(), command.join(" ").into());
+        }
+        println!("{v}");
+    }
+    Ok(())
+}
+
 fn is_uring_unavailable(e: &anyhow::Error) -> bool {
     e.chain().any(|c| matches!(c.downcast_ref::<SwapError>(), Some(SwapError::UringUnavailable { .. })))
 }
@@ -556,7 +577,7 @@ fn bench_nvme(cmd: NvmeCmd) -> anyhow::Result<()> {
     };
     let tensor_bytes = usize::try_from(cmd.tensor_mib << 20).context("--tensor-mib is too large")?;
     let mut args = nvme::NvmeBenchArgs {
-        dirs: cmd.dirs,
+        dirs: cmd.dirs.clone(),
         size_gib: cmd.size_gib,
         engines,
         block_bytes: cmd.block_bytes,
@@ -574,7 +595,7 @@ fn bench_nvme(cmd: NvmeCmd) -> anyhow::Result<()> {
     }
     .context("oogc bench nvme")?;
     if cmd.json {
-        print_json_lines(&rows)
+        print_bench_json(&rows, cmd.dirs.first().map(PathBuf::as_path))
     } else {
         nvme::print_table(&rows);
         Ok(())
@@ -592,7 +613,7 @@ fn bench_swap(cmd: SwapCmd) -> anyhow::Result<()> {
     };
     let rows = swap::run(&args).context("oogc bench swap")?;
     if cmd.json {
-        print_json_lines(&rows)
+        print_bench_json(&rows, None)
     } else {
         swap::print_table(&rows);
         Ok(())
@@ -662,7 +683,16 @@ fn finish_plan(cmd: &PlanCmd, args: planner::PlanArgs) -> anyhow::Result<()> {
 }
 
 fn bench_step(cmd: StepCmd) -> anyhow::Result<()> {
-    let cfg = TrainConfig::load(&cmd.config)?;
+    let mut cfg = TrainConfig::load(&cmd.config)?;
+    if let Some(l) = cmd.link_gbps {
+        if cfg.device.kind != "sim" || !(l > 0.0 && l.is_finite()) {
+            anyhow::bail!(
+                "--link-gbps {l}: only a sim device's link can be throttled, to a positive rate                  (the config's device is `{}`); drop the flag or use a sim config",
+                cfg.device.kind
+            );
+        }
+        cfg.device.link_gbps = l;
+    }
     oogc::run::size_compute_threads(&cfg)?;
     let args = step::StepBenchArgs {
         steps: cmd.steps as usize,
@@ -696,7 +726,7 @@ fn bench_evict(cmd: EvictCmd) -> anyhow::Result<()> {
     };
     let rows = evict::run(&args).context("oogc bench evict")?;
     if cmd.json {
-        print_json_lines(&rows)
+        print_bench_json(&rows, None)
     } else {
         evict::print_table(&rows);
         Ok(())
@@ -734,7 +764,7 @@ fn bench_moe(cmd: MoeCmd) -> anyhow::Result<()> {
     };
     let rows = moe::run(&trace, &args).context("oogc bench moe")?;
     if cmd.json {
-        print_json_lines(&rows)
+        print_bench_json(&rows, None)
     } else {
         moe::print_table(&trace, &rows);
         Ok(())
@@ -759,7 +789,7 @@ fn bench_adam(cmd: AdamCmd) -> anyhow::Result<()> {
     };
     let rows = adam::run(&args).context("oogc bench adam")?;
     if cmd.json {
-        print_json_lines(&rows)
+        print_bench_json(&rows, None)
     } else {
         adam::print_table(&rows);
         Ok(())

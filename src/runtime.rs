@@ -198,6 +198,22 @@ pub struct StepStats {
     pub clip_scale: f32,
     /// The step was skipped: a gradient was not finite.
     pub skipped: bool,
+    /// The forward phase (from [`Runtime::begin_step`] to [`Runtime::end_forward`]); all zero
+    /// when the caller did not mark the turn. The backward phase is the step minus this.
+    pub forward: PhaseStats,
+}
+
+/// Time and link traffic of one phase of a step (see [`StepStats::forward`]).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct PhaseStats {
+    /// Wall time of the phase, seconds.
+    pub wall_s: f64,
+    /// Time blocked on transfers and optimizer updates in the phase, seconds.
+    pub stall_s: f64,
+    /// Bytes copied host→device during the phase.
+    pub h2d_bytes: u64,
+    /// Bytes copied device→host during the phase.
+    pub d2h_bytes: u64,
 }
 
 impl StepStats {
@@ -507,6 +523,26 @@ impl Runtime {
             cursor.restart_step();
         }
         Ok(())
+    }
+
+    /// Marks the turn from the forward to the backward phase (before the head's backward): the
+    /// time, stalls and H2D/D2H bytes so far become [`StepStats::forward`], which lets a
+    /// benchmark bound each phase by its own busiest resource. Optional; idempotent within a
+    /// step (the first call counts).
+    pub fn end_forward(&mut self) {
+        if self.stats.forward.wall_s > 0.0 {
+            return;
+        }
+        let (Some(start), Some(begin)) = (self.step_started, self.metrics_at_begin.as_ref()) else {
+            return;
+        };
+        let now = self.traffic();
+        self.stats.forward = PhaseStats {
+            wall_s: start.elapsed().as_secs_f64(),
+            stall_s: self.stats.stall_s(),
+            h2d_bytes: now.htod.bytes - begin.htod.bytes,
+            d2h_bytes: now.dtoh.bytes - begin.dtoh.bytes,
+        };
     }
 
     /// Checks the GPU budget against the minimum working set and carves out gradient staging;

@@ -422,6 +422,7 @@ impl Trainer {
         }
 
         // The turn: the head's forward, loss and backward at once.
+        self.rt.end_forward();
         let (loss, mut grad_x, mut tied_grad) = {
             let emb = if tied { Some(self.rt.fetch(self.ids[0], Phase::Backward)?) } else { None };
             let p = self.rt.fetch(self.ids[head], Phase::Backward)?;
@@ -666,6 +667,7 @@ impl Trainer {
         let aux: f64 = checkpoints.iter().map(|(_, r, _)| r.aux_loss()).sum();
         let routed: Vec<Vec<usize>> = checkpoints.iter().map(|(_, r, _)| r.counts()).collect();
 
+        self.rt.end_forward();
         let (loss, mut grad_y) = {
             let p = self.rt.fetch(self.ids[head], Phase::Backward)?;
             let out = self.model.head_loss_backward(p.tensor(), &x, None, &targets)?;

@@ -77,3 +77,19 @@ fn overlap_optimizer_defaults_to_true_and_parses() {
     let default = tiny(dir.path(), 2, true).replace("overlap_optimizer = true\n", "");
     assert!(TrainConfig::from_toml_str(&default).unwrap().prefetch.overlap_optimizer);
 }
+
+#[test]
+fn the_turn_splits_each_step_into_forward_and_backward() {
+    let nvme = tempfile::tempdir().unwrap();
+    let mut t = Trainer::new(TrainConfig::from_toml_str(&tiny(nvme.path(), 2, true)).unwrap()).unwrap();
+    for _ in 0..3 {
+        let s = t.train_step().unwrap().stats;
+        let f = s.forward;
+        assert!(f.wall_s > 0.0 && f.wall_s < s.step_s, "{s:?}");
+        assert!(f.stall_s <= s.stall_s() + 1e-12, "{s:?}");
+        // The forward fetches every unit but the head, which the backward fetches at the turn.
+        assert!(f.h2d_bytes > 0 && f.h2d_bytes < s.h2d_bytes, "{s:?}");
+        // Gradients go down only in the backward.
+        assert_eq!(f.d2h_bytes, 0, "{s:?}");
+    }
+}

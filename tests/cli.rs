@@ -104,6 +104,10 @@ fn bench_swap_prints_json_rows() {
         positive(row, "limit_gbps");
         positive(row, "bytes");
         positive(row, "ops");
+        // Every row says where and how it was measured.
+        assert!(row["machine"]["cores"].as_u64().unwrap() >= 1, "{row}");
+        assert!(row["machine"]["git_rev"].is_string(), "{row}");
+        assert!(row["command"].as_str().unwrap().contains("bench swap --size-mib 8"), "{row}");
     }
     let res = &rows[2];
     // 16 tensors, budget of 8, cyclic order: every timed acquire fetches and evicts.
@@ -461,6 +465,14 @@ fn bench_step_prints_one_json_row_per_variant() {
         }
         positive(row, "speedup_vs_on_demand");
         positive(row, "d2h_bytes");
+        // The schedule bound splits the step at the turn: never below the plain bound, and the
+        // forward's compute is a part of the step's.
+        let f = |k: &str| row[k].as_f64().unwrap_or_else(|| panic!("`{k}` missing in {row}"));
+        assert!(f("schedule_bound_s") >= f("lower_bound_s"), "{row}");
+        assert!((f("ratio_to_schedule_bound") - f("step_s") / f("schedule_bound_s")).abs() < 1e-9, "{row}");
+        assert!(f("forward_compute_s") > 0.0 && f("forward_compute_s") < f("compute_s"), "{row}");
+        assert!((f("forward_compute_s") + f("backward_compute_s") - f("compute_s")).abs() < 1e-9, "{row}");
+        positive(row, "speedup_ceiling");
         for key in ["h2d_bytes", "nvme_read_bytes", "nvme_write_bytes"] {
             assert!(row[key].is_u64(), "`{key}` missing in {row}");
         }

@@ -18,7 +18,17 @@
 //! | `transfer_s` | the busiest link: max(H2D bytes / link GB/s, D2H bytes / link GB/s, NVMe store busy time), per step; 0 for an unthrottled sim link |
 //! | `optimizer_s` | parameters / the params/s of one [`AdamKernel`] step over all parameters in this process (same threads, f32 copy out) |
 //! | `lower_bound_s` | max(compute, transfer, optimizer) |
+//! | `schedule_bound_s` | the schedule's bound: `max(compute_f, H2D_f, D2H_f) + max(compute_b, H2D_b, D2H_b)` over the forward (`f`, up to the turn: [`crate::runtime::Runtime::end_forward`]) and backward (`b`) phases, at least NVMe busy time and the optimizer |
+//! | `speedup_ceiling` | on-demand's `step_s` / the variant's `schedule_bound_s` |
 //! | `plan_step_s` | `oogc plan --config` for the variant's config (the planner models the prefetch window and the pipelined optimizer, so `null` for `on-demand`) |
+//!
+//! Why two bounds: every unit's new compute copy depends on the whole step's gradients (the
+//! global-norm clip and the skip of a non-finite step are decided after the last gradient), so
+//! no H2D of step `t + 1`'s forward can start before step `t`'s backward has ended. The forward's
+//! H2D therefore cannot hide behind the backward's compute, and with a slow link the forward is
+//! link-bound while the backward is compute-bound: `lower_bound_s`, which lets all traffic hide
+//! behind all compute, is then out of reach for any schedule with these bytes; the schedule bound
+//! is not.
 //!
 //! The compute of the sim device runs on the same CPU cores as the optimizer, so on a small
 //! machine compute and optimizer contend and the bound is optimistic.
@@ -72,6 +82,20 @@ pub struct StepBenchRow {
     pub lower_bound_s: f64,
     /// `step_s / lower_bound_s`.
     pub ratio_to_lower_bound: f64,
+    /// The schedule's lower bound: each phase bounded by its own busiest resource,
+    /// `max(compute_f, H2D_f, D2H_f) + max(compute_b, H2D_b, D2H_b)`, and the whole step by
+    /// NVMe and the optimizer, seconds (see the module docs). Never below `lower_bound_s`.
+    pub schedule_bound_s: f64,
+    /// `step_s / schedule_bound_s`.
+    pub ratio_to_schedule_bound: f64,
+    /// Compute of the forward phase (from the same run as `compute_s`), seconds.
+    pub forward_compute_s: f64,
+    /// Compute of the backward phase (with recompute and the head's loss), seconds.
+    pub backward_compute_s: f64,
+    /// Mean H2D bytes per step in the forward phase.
+    pub forward_h2d_bytes: u64,
+    /// Mean D2H bytes per step in the forward phase.
+    pub forward_d2h_bytes: u64,
     /// Compute per step, seconds (see the module docs).
     pub compute_s: f64,
     /// Where `compute_s` comes from: `resident run` or `own steps minus stalls` (the smaller).
@@ -100,6 +124,9 @@ pub struct StepBenchRow {
     pub stall_optimizer_s: f64,
     /// `on-demand`'s `step_s` over this `step_s`.
     pub speedup_vs_on_demand: f64,
+    /// `on-demand`'s `step_s` over this variant's `schedule_bound_s`: the most that any
+    /// schedule moving this variant's bytes could gain over the measured baseline.
+    pub speedup_ceiling: f64,
     /// The planner's predicted step for this variant's config, seconds (`null` for on-demand).
     pub plan_step_s: Option<f64>,
     /// `(plan_step_s − step_s) / step_s`.
@@ -140,6 +167,9 @@ pub struct StepBenchReport {
 struct Measured {
     step_s: f64,
     busy_s: f64,
+    forward_busy_s: f64,
+    forward_h2d: u64,
+    forward_d2h: u64,
     stall_transfer_s: f64,
     stall_optimizer_s: f64,
     h2d: u64,
@@ -192,6 +222,9 @@ fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> anyhow::Result<Mea
         Ok(Measured {
             step_s: median(stats.iter().map(|s| s.step_s).collect()),
             busy_s: median(stats.iter().map(|s| (s.step_s - s.stall_s()).max(0.0)).collect()),
+            forward_busy_s: median(stats.iter().map(|s| (s.forward.wall_s - s.forward.stall_s).max(0.0)).collect()),
+            forward_h2d: sum(|s| s.forward.h2d_bytes),
+            forward_d2h: sum(|s| s.forward.d2h_bytes),
             stall_transfer_s: median(stats.iter().map(|s| s.stall_transfer_s).collect()),
             stall_optimizer_s: median(stats.iter().map(|s| s.stall_optimizer_s).collect()),
             h2d: sum(|s| s.h2d_bytes),
@@ -304,7 +337,8 @@ pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
     measured.push(("ours", ours, m));
 
     let optimizer_s = optimizer_step_s(params, base.threads.optimizer)?;
-    let resident_compute = measured.iter().find(|(v, ..)| *v == "resident").map(|(_, _, m)| m.busy_s);
+    let resident_compute =
+        measured.iter().find(|(v, ..)| *v == "resident").map(|(_, _, m)| (m.busy_s, m.forward_busy_s));
     let on_demand_step = measured.iter().find(|(v, ..)| *v == "on-demand").map_or(0.0, |(_, _, m)| m.step_s);
     let link = base.device.link_gbps * 1e9;
     let mut rows = Vec::new();
@@ -312,14 +346,21 @@ pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
         let Some((_, cfg, m)) = measured.iter().find(|(v, ..)| *v == variant) else { continue };
         // The smaller of the two estimates: runs at different moments see different machine
         // load, and a bound must not exceed what any run achieved.
-        let (compute_s, compute_source) = match resident_compute {
-            Some(c) if c <= m.busy_s => (c, "resident run"),
-            _ => (m.busy_s, "own steps minus stalls"),
+        let (compute_s, forward_compute_s, compute_source) = match resident_compute {
+            Some((c, f)) if c <= m.busy_s => (c, f, "resident run"),
+            _ => (m.busy_s, m.forward_busy_s, "own steps minus stalls"),
         };
+        let forward_compute_s = forward_compute_s.min(compute_s);
+        let backward_compute_s = compute_s - forward_compute_s;
         let per_link = |bytes: u64| if link > 0.0 { bytes as f64 / link } else { 0.0 };
         let (h2d_s, d2h_s) = (per_link(m.h2d), per_link(m.d2h));
         let transfer_s = h2d_s.max(d2h_s).max(m.nvme_busy_s);
         let lower_bound_s = compute_s.max(transfer_s).max(optimizer_s);
+        let forward_s = forward_compute_s.max(per_link(m.forward_h2d)).max(per_link(m.forward_d2h));
+        let backward_s = backward_compute_s
+            .max(per_link(m.h2d.saturating_sub(m.forward_h2d)))
+            .max(per_link(m.d2h.saturating_sub(m.forward_d2h)));
+        let schedule_bound_s = (forward_s + backward_s).max(m.nvme_busy_s).max(optimizer_s).max(lower_bound_s);
         let plan = if variant == "on-demand" {
             None
         } else {
@@ -331,6 +372,12 @@ pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
             step_s: m.step_s,
             lower_bound_s,
             ratio_to_lower_bound: m.step_s / lower_bound_s.max(1e-12),
+            schedule_bound_s,
+            ratio_to_schedule_bound: m.step_s / schedule_bound_s.max(1e-12),
+            forward_compute_s,
+            backward_compute_s,
+            forward_h2d_bytes: m.forward_h2d,
+            forward_d2h_bytes: m.forward_d2h,
             compute_s,
             compute_source: compute_source.into(),
             transfer_s,
@@ -345,6 +392,7 @@ pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
             stall_transfer_s: m.stall_transfer_s,
             stall_optimizer_s: m.stall_optimizer_s,
             speedup_vs_on_demand: on_demand_step / m.step_s.max(1e-12),
+            speedup_ceiling: on_demand_step / schedule_bound_s.max(1e-12),
             plan_step_s: plan,
             plan_error: plan.map(|p| (p - m.step_s) / m.step_s.max(1e-12)),
             params,
@@ -361,11 +409,13 @@ pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
 /// Prints the report as a table (skipped variants with their reason).
 pub fn print_table(r: &StepBenchReport) {
     println!(
-        "{:<10} {:>9} {:>9} {:>6} {:>9} {:>9} {:>9} {:>8} {:>11} {:>11} {:>11} {:>9} {:>7}",
+        "{:<10} {:>9} {:>9} {:>6} {:>9} {:>6} {:>9} {:>9} {:>9} {:>8} {:>11} {:>11} {:>11} {:>9} {:>7}",
         "variant",
         "step s",
         "bound s",
         "x bnd",
+        "sched s",
+        "x sch",
         "compute",
         "transfer",
         "optim",
@@ -378,11 +428,13 @@ pub fn print_table(r: &StepBenchReport) {
     );
     for row in &r.rows {
         println!(
-            "{:<10} {:>9.4} {:>9.4} {:>6.2} {:>9.4} {:>9.4} {:>9.4} {:>8.2} {:>11} {:>11} {:>11} {:>9} {:>7}",
+            "{:<10} {:>9.4} {:>9.4} {:>6.2} {:>9.4} {:>6.2} {:>9.4} {:>9.4} {:>9.4} {:>8.2} {:>11} {:>11} {:>11} {:>9} {:>7}",
             row.variant,
             row.step_s,
             row.lower_bound_s,
             row.ratio_to_lower_bound,
+            row.schedule_bound_s,
+            row.ratio_to_schedule_bound,
             row.compute_s,
             row.transfer_s,
             row.optimizer_s,
@@ -396,6 +448,12 @@ pub fn print_table(r: &StepBenchReport) {
     }
     for s in &r.skipped {
         println!("{:<10} skipped: {}", s.variant, s.skipped);
+    }
+    if let Some(row) = r.rows.iter().find(|r| r.variant == "ours") {
+        println!(
+            "ours: {:.2}x the schedule bound, {:.2}x faster than on-demand (a perfect schedule of the same bytes: {:.2}x)",
+            row.ratio_to_schedule_bound, row.speedup_vs_on_demand, row.speedup_ceiling
+        );
     }
     if let Some(row) = r.rows.first() {
         println!(
