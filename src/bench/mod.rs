@@ -8,6 +8,7 @@
 //! | `oogc bench step` | [`step`] | real training steps under ours, on-demand and all-resident, beside the lower bound and the plan ([`machine`] records the machine) |
 //! | `oogc bench swap` | [`swap`] | host↔sim-device copies and the residency manager, beside memcpy or the link throttle |
 //! | `oogc bench all` | [`all`], [`plots`] | every benchmark above (quick or full sizes): one JSON file each and PNG + SVG plots in one directory |
+//! | (in `oogc bench all`) | [`timeline`] | a step timeline (compute, H2D, D2H, NVMe, optimizer lanes) from a real run's trace, and how much of the transfers and optimizer overlapped compute |
 pub mod adam;
 pub mod all;
 pub mod evict;
@@ -17,3 +18,4 @@ pub mod nvme;
 pub mod plots;
 pub mod step;
 pub mod swap;
+pub mod timeline;

@@ -7,6 +7,7 @@
 //! | `adam` | CPU AdamW Gparam/s vs threads, beside the triad roofline (the triad's real bytes, 16 per element against the 12 it is counted at, × GB/s ÷ the step's bytes per parameter) and torch's fused AdamW |
 //! | `evict` | bytes moved (GB) per step vs the GPU budget (fraction of the compute copies) for next-use (ours), LRU, FIFO and offline MIN; training and forward-only panels |
 //! | `moe` | expert bytes moved host→GPU (GB) per placement policy over the replayed trace, bars |
+//! | `timeline` | the last steps of a real run (1200 × 480 px): one lane per resource (compute, H2D, D2H, NVMe, optimizer), a box per span, step boundaries as vertical lines, how much of each lane's busy time overlapped compute ([`super::timeline`]) |
 //!
 //! Text needs a TrueType font, found at run time and never bundled: `OOGC_PLOT_FONT` (a `.ttf`
 //! path), else DejaVu Sans or Liberation Sans at their usual Linux paths. Without one the plots
@@ -21,12 +22,15 @@ use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
 use super::all::SuiteRows;
+use super::timeline::{Timeline, Track};
 use super::{adam, evict, moe, nvme};
 
 /// Width of each plot, pixels.
 pub const WIDTH_PX: u32 = 800;
 /// Height of each plot, pixels.
 pub const HEIGHT_PX: u32 = 480;
+/// Width of the step timeline, pixels (wider: a step holds hundreds of spans).
+pub const TIMELINE_WIDTH_PX: u32 = 1200;
 
 const FONT_PATHS: &[&str] = &[
     "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
@@ -69,10 +73,15 @@ type DrawPng<'a> = dyn Fn(&DrawingArea<BitMapBackend, Shift>, bool) -> anyhow::R
 
 /// Writes `DIR/name.png` and `DIR/name.svg` with the same drawing; returns both paths.
 fn both(dir: &Path, name: &str, svg: &Draw, png: &DrawPng) -> anyhow::Result<Vec<PathBuf>> {
+    both_sized(dir, name, (WIDTH_PX, HEIGHT_PX), svg, png)
+}
+
+/// [`both`] at `size` (width, height) pixels.
+fn both_sized(dir: &Path, name: &str, size: (u32, u32), svg: &Draw, png: &DrawPng) -> anyhow::Result<Vec<PathBuf>> {
     let text = font_available();
     let (p_png, p_svg) = (dir.join(format!("{name}.png")), dir.join(format!("{name}.svg")));
     {
-        let root = BitMapBackend::new(&p_png, (WIDTH_PX, HEIGHT_PX)).into_drawing_area();
+        let root = BitMapBackend::new(&p_png, size).into_drawing_area();
         root.fill(&WHITE).map_err(err)?;
         png(&root, text).with_context(|| format!("plot {name}.png"))?;
         root.present()
@@ -80,7 +89,7 @@ fn both(dir: &Path, name: &str, svg: &Draw, png: &DrawPng) -> anyhow::Result<Vec
             .with_context(|| format!("writing {} (is the directory writable?)", p_png.display()))?;
     }
     {
-        let root = SVGBackend::new(&p_svg, (WIDTH_PX, HEIGHT_PX)).into_drawing_area();
+        let root = SVGBackend::new(&p_svg, size).into_drawing_area();
         root.fill(&WHITE).map_err(err)?;
         svg(&root, text).with_context(|| format!("plot {name}.svg"))?;
         root.present()
@@ -357,6 +366,158 @@ pub fn draw_moe<DB: DrawingBackend>(
     Ok(())
 }
 
+/// Fill colours of the timeline's spans, by what the span's name holds, with the legend's words.
+const SPAN_COLORS: [(&str, &str, RGBColor); 8] = [
+    ("forward", "forward", RGBColor(100, 149, 237)),
+    ("backward", "backward", RGBColor(25, 55, 140)),
+    ("htod", "H2D copy", RGBColor(34, 150, 34)),
+    ("dtoh", "D2H copy", RGBColor(240, 120, 0)),
+    ("nvme_read", "NVMe read", RGBColor(140, 80, 190)),
+    ("nvme_write", "NVMe write", RGBColor(220, 90, 180)),
+    ("optimizer::update", "optimizer update", RGBColor(200, 30, 30)),
+    ("optimizer::speculate", "speculative update", RGBColor(245, 150, 140)),
+];
+
+fn span_color(name: &str) -> RGBColor {
+    SPAN_COLORS.iter().find(|(key, ..)| name.contains(key)).map_or(RGBColor(128, 128, 128), |c| c.2)
+}
+
+/// Vertical extent of a span within its lane, relative to the lane's centre: reads and updates
+/// in the upper half, writes and speculative updates in the lower, so that overlapping ones show.
+fn span_band(name: &str) -> (f64, f64) {
+    const H: f64 = 0.38;
+    match name {
+        "swapper::nvme_read" | "optimizer::update" => (0.0, H),
+        "swapper::nvme_write" | "optimizer::speculate" => (-H, 0.0),
+        _ => (-H, H),
+    }
+}
+
+fn percent(x: Option<f64>) -> String {
+    x.map_or_else(|| "idle".into(), |x| format!("{:.0}%", 100.0 * x))
+}
+
+/// Height of the timeline's legend strip, pixels.
+const LEGEND_PX: u32 = 30;
+
+/// (e) The step timeline: a lane per [`Track`] (compute on top), a box per span (at least 1.5 px
+/// wide), x in ms from the start of the first shown step, step boundaries as vertical lines; NVMe
+/// reads and optimizer updates in the upper half of their lane, NVMe writes and speculative
+/// updates in the lower. With text: a title ([`Timeline::title`]), each step's wall time, the
+/// share of each lane's busy time that overlapped compute, and a legend of the colours.
+///
+/// # Errors
+/// Plotters failed to draw.
+pub fn draw_timeline<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    tl: &Timeline,
+    text: bool,
+) -> anyhow::Result<()> {
+    let lanes = Track::ALL.len();
+    let lane_y = |t: Track| (lanes - 1 - Track::ALL.iter().position(|x| *x == t).unwrap_or(0)) as f64;
+    let lane_names: Vec<String> = Track::ALL.iter().rev().map(|t| t.name().to_string()).collect();
+    let end_ms = tl.steps.last().map_or(0.0, |s| s.1 * 1e3).max(1e-3);
+    let top = lanes as f64 - 0.5 + if text { 0.4 } else { 0.0 };
+    let area = if text {
+        let (area, strip) = root.split_vertically(root.dim_in_pixel().1.saturating_sub(LEGEND_PX));
+        draw_timeline_legend(&strip, tl)?;
+        area
+    } else {
+        root.clone()
+    };
+    let mut b = ChartBuilder::on(&area);
+    b.margin(12);
+    if text {
+        let caption = if tl.title.is_empty() {
+            format!("Step timeline: the last {} steps", tl.steps.len())
+        } else {
+            format!("Step timeline: {} (the last {} steps)", tl.title, tl.steps.len())
+        };
+        b.caption(caption, ("sans-serif", 20)).x_label_area_size(40).y_label_area_size(80);
+    }
+    let mut chart = b.build_cartesian_2d(0f64..end_ms, -0.5f64..top).map_err(err)?;
+    if text {
+        let s = tl.summary();
+        let desc = format!(
+            "ms from the start of the first shown step;  busy time overlapping compute: H2D {}, D2H {}, NVMe {}, \
+             optimizer {}",
+            percent(s.h2d_overlap_compute),
+            percent(s.d2h_overlap_compute),
+            percent(s.nvme_overlap_compute),
+            percent(s.optimizer_overlap_compute)
+        );
+        chart
+            .configure_mesh()
+            .light_line_style(TRANSPARENT)
+            .disable_y_mesh()
+            .x_labels(12)
+            .x_label_formatter(&|x| format!("{x:.0}"))
+            .y_labels(4 * lanes + 2)
+            .y_label_formatter(&|y| category(&lane_names, *y))
+            .x_desc(desc)
+            .draw()
+            .map_err(err)?;
+    }
+    // Lane backgrounds, then the spans.
+    let lane_bg = RGBColor(240, 240, 240);
+    chart
+        .draw_series(Track::ALL.iter().map(|&t| {
+            let y = lane_y(t);
+            Rectangle::new([(0.0, y - 0.45), (end_ms, y + 0.45)], lane_bg.filled())
+        }))
+        .map_err(err)?;
+    // A span narrower than 1.5 px (a 40 µs speculative update) is drawn 1.5 px wide, so it shows.
+    let min_ms = 1.5 * end_ms / chart.plotting_area().dim_in_pixel().0.max(1) as f64;
+    chart
+        .draw_series(tl.spans.iter().map(|s| {
+            let (y, (lo, hi)) = (lane_y(s.track), span_band(&s.name));
+            let (x0, x1) = (s.start_s * 1e3, (s.end_s * 1e3).max(s.start_s * 1e3 + min_ms));
+            Rectangle::new([(x0, y + lo), (x1, y + hi)], span_color(&s.name).filled())
+        }))
+        .map_err(err)?;
+    // Step boundaries.
+    let mut bounds: Vec<f64> = tl.steps.iter().map(|s| s.0 * 1e3).collect();
+    bounds.extend(tl.steps.last().map(|s| s.1 * 1e3));
+    for x in bounds {
+        chart.draw_series(LineSeries::new([(x, -0.5), (x, top)], BLACK.stroke_width(2))).map_err(err)?;
+    }
+    if text {
+        let labels = tl.steps.iter().enumerate().map(|(i, &(lo, hi))| {
+            let at = (lo * 1e3 + 0.005 * end_ms, top - 0.04);
+            Text::new(format!("step {}: {:.0} ms", i + 1, (hi - lo) * 1e3), at, ("sans-serif", 14))
+        });
+        chart.draw_series(labels).map_err(err)?;
+    }
+    Ok(())
+}
+
+/// The timeline's legend, one line of colour boxes and words (only the kinds of span present).
+fn draw_timeline_legend<DB: DrawingBackend>(strip: &DrawingArea<DB, Shift>, tl: &Timeline) -> anyhow::Result<()> {
+    let style = ("sans-serif", 14).into_text_style(strip);
+    let mut x = 90i32;
+    let y = (LEGEND_PX / 2) as i32;
+    for (key, words, color) in SPAN_COLORS {
+        if !tl.spans.iter().any(|s| s.name.contains(key)) {
+            continue;
+        }
+        strip.draw(&Rectangle::new([(x, y - 6), (x + 14, y + 6)], color.filled())).map_err(err)?;
+        strip.draw(&Text::new(words, (x + 19, y - 7), style.clone())).map_err(err)?;
+        let (w, _) = strip.estimate_text_size(words, &style).map_err(err)?;
+        x += 19 + w as i32 + 22;
+    }
+    Ok(())
+}
+
+/// Writes `dir/timeline.png` and `dir/timeline.svg` ([`TIMELINE_WIDTH_PX`] × [`HEIGHT_PX`]) of
+/// `tl`; returns both paths.
+///
+/// # Errors
+/// A file cannot be written (the directory is missing or read-only), or plotters failed to draw.
+pub fn write_timeline(dir: &Path, tl: &Timeline) -> anyhow::Result<Vec<PathBuf>> {
+    let size = (TIMELINE_WIDTH_PX, HEIGHT_PX);
+    both_sized(dir, "timeline", size, &|a, t| draw_timeline(a, tl, t), &|a, t| draw_timeline(a, tl, t))
+}
+
 /// Writes every plot whose rows are present to `dir`; returns the files (PNG and SVG).
 ///
 /// # Errors
@@ -391,6 +552,52 @@ mod tests {
     use oogc_moe_placement::{synthetic_trace, SyntheticConfig};
 
     use super::*;
+    use crate::bench::timeline::TrackSpan;
+
+    fn small_timeline() -> Timeline {
+        let span = |track, start_s, end_s, name: &str| TrackSpan {
+            track,
+            start_s,
+            end_s,
+            name: name.into(),
+            label: name.into(),
+        };
+        Timeline {
+            title: "tiny, sim link 0.05 GB/s".into(),
+            steps: vec![(0.0, 0.5), (0.5, 1.0)],
+            spans: vec![
+                span(Track::Compute, 0.0, 0.1, "compute::forward"),
+                span(Track::Compute, 0.1, 0.3, "compute::backward"),
+                span(Track::H2D, 0.05, 0.4, "swapper::htod"),
+                span(Track::D2H, 0.2, 0.35, "swapper::dtoh"),
+                span(Track::NVMe, 0.3, 0.45, "swapper::nvme_read"),
+                span(Track::NVMe, 0.32, 0.5, "swapper::nvme_write"),
+                span(Track::Optimizer, 0.25, 0.45, "optimizer::update"),
+                span(Track::Optimizer, 0.3, 0.6, "optimizer::speculate"),
+                span(Track::Compute, 0.5, 0.6, "compute::forward"),
+            ],
+        }
+    }
+
+    #[test]
+    fn the_timeline_writes_png_and_svg_with_a_box_per_span() {
+        let dir = tempfile::tempdir().unwrap();
+        let tl = small_timeline();
+        let files = write_timeline(dir.path(), &tl).unwrap();
+        assert_eq!(files, vec![dir.path().join("timeline.png"), dir.path().join("timeline.svg")]);
+        for f in &files {
+            assert!(std::fs::metadata(f).unwrap().len() > 0, "{} is empty", f.display());
+        }
+        let svg = std::fs::read_to_string(&files[1]).unwrap();
+        // White fill, 5 lane backgrounds and a box per span (the legend's boxes when text).
+        let boxes = svg.matches("<rect").count();
+        assert!(boxes > 5 + tl.spans.len(), "{boxes} rectangles:\n{svg}");
+        if font_available() {
+            for words in ["Step timeline", "NVMe", "optimizer", "step 2: 500 ms", "H2D 71%", "speculative update"] {
+                assert!(svg.contains(words), "`{words}` missing:\n{svg}");
+            }
+        }
+    }
 
     /// Without a font the plots are drawn with no text at all: that path must not touch fonts.
     #[test]
@@ -419,6 +626,8 @@ mod tests {
             draw_adam(&root, &[], false).unwrap();
             draw_evict(&root, &evict_rows, false).unwrap();
             draw_moe(&root, &moe_rows, false).unwrap();
+            draw_timeline(&root, &small_timeline(), false).unwrap();
+            draw_timeline(&root, &Timeline::default(), false).unwrap();
             root.present().unwrap();
         }
         assert!(svg.contains("<rect") && !svg.contains("<text"), "{svg}");

@@ -191,9 +191,10 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
 }
 
-/// The config of one variant: no checkpoints or output files, NVMe state in a scratch
-/// subdirectory `tag` of each NVMe directory, enough scheduled steps for the LR schedule.
-fn variant_config(base: &TrainConfig, tag: &str, steps: u64) -> TrainConfig {
+/// The config of one variant: no checkpoints or output files (metrics, trace, routing trace),
+/// NVMe state in a scratch subdirectory `oogc-bench-step-<pid>-<tag>` of each NVMe directory
+/// (remove it with [`remove_scratch`]), at least `steps` scheduled steps for the LR schedule.
+pub(crate) fn variant_config(base: &TrainConfig, tag: &str, steps: u64) -> TrainConfig {
     let mut c = base.clone();
     c.checkpoint.dir = None;
     c.output.metrics = None;
@@ -203,6 +204,21 @@ fn variant_config(base: &TrainConfig, tag: &str, steps: u64) -> TrainConfig {
     let sub = format!("oogc-bench-step-{}-{tag}", std::process::id());
     c.budgets.nvme_dirs = c.budgets.nvme_dirs.iter().map(|d| d.join(&sub)).collect();
     c
+}
+
+/// Removes the NVMe scratch directories of a [`variant_config`] and whatever is left in them.
+pub(crate) fn remove_scratch(cfg: &TrainConfig) {
+    for d in &cfg.budgets.nvme_dirs {
+        // The store deletes its own files as its last users let go; give it a moment, then
+        // remove whatever is left.
+        for _ in 0..20 {
+            if std::fs::remove_dir(d).is_ok() || !d.exists() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(25));
+        }
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
 
 fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> anyhow::Result<Measured> {
@@ -236,17 +252,7 @@ fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> anyhow::Result<Mea
                 / steps as f64,
         })
     })();
-    for d in &cfg.budgets.nvme_dirs {
-        // The store deletes its own files as its last users let go; give it a moment, then
-        // remove whatever is left.
-        for _ in 0..20 {
-            if std::fs::remove_dir(d).is_ok() || !d.exists() {
-                break;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(25));
-        }
-        let _ = std::fs::remove_dir_all(d);
-    }
+    remove_scratch(cfg);
     result
 }
 
