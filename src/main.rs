@@ -156,9 +156,13 @@ struct AllCmd {
     /// synthetic one into moe-trace.json.
     #[arg(long, value_name = "FILE")]
     moe_trace: Option<PathBuf>,
-    /// A training config: also run `oogc bench step` on it (3 steps after 1 warmup with --quick) and write step.json.
+    /// A training config: also run `oogc bench step` on it (3 steps after 1 warmup with --quick;
+    /// step.json) and record a step timeline from a real run of it (timeline.json, timeline.png).
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
+    /// Throttle the --config run's sim link to this many GB/s (10⁹ B/s) each way.
+    #[arg(long, value_name = "GBPS", requires = "config")]
+    link_gbps: Option<f64>,
     /// No progress bar (it is also hidden when stderr is not a terminal).
     #[arg(long)]
     no_progress: bool,
@@ -683,16 +687,7 @@ fn finish_plan(cmd: &PlanCmd, args: planner::PlanArgs) -> anyhow::Result<()> {
 }
 
 fn bench_step(cmd: StepCmd) -> anyhow::Result<()> {
-    let mut cfg = TrainConfig::load(&cmd.config)?;
-    if let Some(l) = cmd.link_gbps {
-        if cfg.device.kind != "sim" || !(l > 0.0 && l.is_finite()) {
-            anyhow::bail!(
-                "--link-gbps {l}: only a sim device's link can be throttled, to a positive rate                  (the config's device is `{}`); drop the flag or use a sim config",
-                cfg.device.kind
-            );
-        }
-        cfg.device.link_gbps = l;
-    }
+    let cfg = step::load_config(&cmd.config, cmd.link_gbps)?;
     oogc::run::size_compute_threads(&cfg)?;
     let args = step::StepBenchArgs {
         steps: cmd.steps as usize,
@@ -809,6 +804,7 @@ fn bench_all(cmd: AllCmd) -> anyhow::Result<()> {
         fio: !cmd.no_fio,
         moe_trace: cmd.moe_trace,
         step_config: cmd.config,
+        link_gbps: cmd.link_gbps,
         progress: !cmd.no_progress,
         tables: !cmd.summary_only,
     };

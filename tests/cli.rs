@@ -531,7 +531,8 @@ fn bench_all_writes_a_json_file_per_benchmark_and_the_plots() {
     let out_dir = tmp.path().join("suite");
     let nvme_dir = tmp.path().join("nvme");
     std::fs::create_dir_all(&nvme_dir).expect("nvme dir");
-    // (`--config F` adds `oogc bench step`, covered by its own test.)
+    // `--config F` adds `oogc bench step` (its rows are checked by its own test) and the timeline.
+    let cfg = tiny_step_config(tmp.path());
     let out = oogc(&[
         "bench",
         "all",
@@ -542,10 +543,14 @@ fn bench_all_writes_a_json_file_per_benchmark_and_the_plots() {
         out_dir.to_str().unwrap(),
         "--nvme-dir",
         nvme_dir.to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+        "--link-gbps",
+        "0.5",
     ]);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "exit {:?}; stderr:\n{}\nstdout:\n{stdout}", out.status, text(&out.stderr));
-    for name in ["nvme", "swap", "adam", "evict", "moe"] {
+    for name in ["nvme", "swap", "adam", "evict", "moe", "step", "timeline"] {
         let path = out_dir.join(format!("{name}.json"));
         let doc: Value =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}")))
@@ -556,11 +561,32 @@ fn bench_all_writes_a_json_file_per_benchmark_and_the_plots() {
         let rows = doc["rows"].as_array().unwrap_or_else(|| panic!("no rows array in {path:?}"));
         assert!(!rows.is_empty(), "{path:?} has no rows");
     }
-    for name in ["nvme", "adam", "evict", "moe"] {
+    let step: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("step.json")).unwrap()).unwrap();
+    assert_eq!(step["args"]["link_gbps"], 0.5, "--link-gbps reaches the step bench: {step}");
+    let timeline: Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("timeline.json")).unwrap()).unwrap();
+    // One row per shown step and a summary (`step: null`) whose lanes were busy.
+    let rows = timeline["rows"].as_array().unwrap();
+    let summary = rows.last().unwrap();
+    assert!(summary["step"].is_null(), "{summary}");
+    for lane in ["compute_s", "h2d_s", "d2h_s", "optimizer_s"] {
+        assert!(summary[lane].as_f64().is_some_and(|t| t > 0.0), "`{lane}` not busy: {summary}");
+    }
+    for name in ["nvme", "adam", "evict", "moe", "timeline"] {
         for ext in ["png", "svg"] {
             let path = out_dir.join(format!("{name}.{ext}"));
             let len = std::fs::metadata(&path).unwrap_or_else(|e| panic!("{path:?}: {e}")).len();
             assert!(len > 0, "{path:?} is empty");
         }
     }
+}
+
+#[test]
+fn bench_step_refuses_a_link_that_is_not_positive() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_step_config(dir.path());
+    let out = oogc(&["bench", "step", "--config", cfg.to_str().unwrap(), "--link-gbps", "0"]);
+    assert!(!out.status.success(), "a zero link must be refused");
+    let err = text(&out.stderr);
+    assert!(err.contains("--link-gbps 0") && err.contains("positive"), "{err}");
 }

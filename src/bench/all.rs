@@ -15,8 +15,11 @@
 //! | evict | the default GPT (24 × 512) and budget sweep | the same |
 //! | moe | synthetic, 100 steps | synthetic, 200 steps |
 //!
-//! fio runs beside the store when it is on the PATH (`--no-fio` skips it). `oogc bench step`
-//! runs when a training config is given: see [`run_step`].
+//! fio runs beside the store when it is on the PATH (`--no-fio` skips it). With a training config
+//! (`--config F`, optionally `--link-gbps G` to throttle its sim link) the suite also runs
+//! `oogc bench step` on it (`step.json`: 3 measured steps after 1 warmup with `--quick`, else 10
+//! after 3) and records a step timeline from a real run's trace (`timeline.json`,
+//! `timeline.png`/`.svg`; see [`super::timeline`]).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -28,7 +31,7 @@ use oogc_swapper::{EngineChoice, Error as SwapError};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::{adam, evict, moe, nvme, plots, swap};
+use super::{adam, evict, moe, nvme, plots, step, swap, timeline};
 use crate::plan::GptShape;
 
 /// How large each benchmark runs.
@@ -56,8 +59,10 @@ pub struct AllBenchArgs {
     pub fio: bool,
     /// A recorded MoE routing trace (JSON Lines) replayed after the synthetic one.
     pub moe_trace: Option<PathBuf>,
-    /// A training config for `oogc bench step` (see [`run_step`]); none: the step bench is left out.
+    /// A training config for `oogc bench step` and the step timeline; none: both are left out.
     pub step_config: Option<PathBuf>,
+    /// Throttle the step config's sim link to this many GB/s (10⁹ B/s) each way.
+    pub link_gbps: Option<f64>,
     /// Show the progress bar (it is hidden anyway when stderr is not a terminal).
     pub progress: bool,
     /// Print each benchmark's table on stdout as it finishes.
@@ -152,26 +157,6 @@ fn moe_steps(size: SuiteSize) -> u64 {
     }
 }
 
-/// Runs `oogc bench step` on `config` (3 measured steps after 1 warmup with `quick`, else the
-/// bench's defaults) and writes `DIR/step.json`; `None` without a config.
-///
-/// # Errors
-/// The step bench's errors (a config that cannot train, NVMe failures).
-pub fn run_step(config: Option<&Path>, dir: &Path, quick: bool) -> anyhow::Result<Option<PathBuf>> {
-    let Some(config) = config else { return Ok(None) };
-    let cfg = crate::config::TrainConfig::load(config)?;
-    let mut args = crate::bench::step::StepBenchArgs::new(cfg);
-    if quick {
-        args.steps = 3;
-        args.warmup = 1;
-    }
-    let report = crate::bench::step::run(&args).context("bench all: step")?;
-    crate::bench::step::print_table(&report);
-    let path =
-        write_json(dir, "step", json!({ "config": config, "steps": args.steps, "warmup": args.warmup }), &report.rows)?;
-    Ok(Some(path))
-}
-
 fn is_uring_unavailable(e: &anyhow::Error) -> bool {
     e.chain().any(|c| matches!(c.downcast_ref::<SwapError>(), Some(SwapError::UringUnavailable { .. })))
 }
@@ -209,9 +194,14 @@ pub fn run(args: &AllBenchArgs) -> anyhow::Result<(SuiteReport, SuiteRows)> {
     let start = Instant::now();
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating the output directory {} (check --out)", args.out.display()))?;
+    let step_config = match &args.step_config {
+        Some(path) => Some((path, step::load_config(path, args.link_gbps)?)),
+        None => None,
+    };
     let names: Vec<&str> = ["nvme", "swap", "adam", "evict", "moe"]
         .into_iter()
         .chain(args.moe_trace.as_ref().map(|_| "moe-trace"))
+        .chain(step_config.iter().flat_map(|_| ["step", "timeline"]))
         .chain(["plots"])
         .collect();
     let bar = if args.progress {
@@ -322,8 +312,39 @@ pub fn run(args: &AllBenchArgs) -> anyhow::Result<(SuiteReport, SuiteRows)> {
                 }
                 (file, n)
             }
+            "step" => {
+                let (path, cfg) = step_config.as_ref().expect("step runs with a config");
+                let mut a = step::StepBenchArgs::new(cfg.clone());
+                if args.size != SuiteSize::Full {
+                    (a.steps, a.warmup) = (3, 1);
+                }
+                let r = step::run(&a).context("bench all: step")?;
+                if args.tables {
+                    bar.suspend(|| step::print_table(&r));
+                }
+                let j = json!({
+                    "config": path, "link_gbps": cfg.device.link_gbps, "steps": a.steps, "warmup": a.warmup,
+                    "skipped": r.skipped,
+                });
+                (write_json(&args.out, name, j, &r.rows)?, r.rows.len())
+            }
+            "timeline" => {
+                let (path, cfg) = step_config.as_ref().expect("the timeline runs with a config");
+                let trace = timeline::record(cfg, timeline::DEFAULT_RECORD_STEPS, &args.out)
+                    .context("bench all: recording the step timeline")?;
+                let mut tl = timeline::parse(&trace, timeline::DEFAULT_KEEP_STEPS)
+                    .with_context(|| format!("bench all: reading the trace {}", trace.display()))?;
+                tl.title = timeline::run_title(path, cfg);
+                let r = tl.rows();
+                if args.tables {
+                    bar.suspend(|| timeline::print_table(&tl));
+                }
+                plots_written.extend(plots::write_timeline(&args.out, &tl).context("bench all: the timeline plot")?);
+                let j = json!({ "config": path, "link_gbps": cfg.device.link_gbps, "trace": trace });
+                (write_json(&args.out, name, j, &r)?, r.len())
+            }
             _ => {
-                plots_written = plots::write_all(&args.out, &rows).context("bench all: plots")?;
+                plots_written.extend(plots::write_all(&args.out, &rows).context("bench all: plots")?);
                 bar.inc(1);
                 continue;
             }
@@ -332,9 +353,6 @@ pub fn run(args: &AllBenchArgs) -> anyhow::Result<(SuiteReport, SuiteRows)> {
         bar.inc(1);
     }
     bar.finish_and_clear();
-    if let Some(file) = run_step(args.step_config.as_deref(), &args.out, args.size != SuiteSize::Full)? {
-        entries.push(SuiteEntry { benchmark: "step".into(), file, rows: 3, seconds: 0.0 });
-    }
     Ok((SuiteReport { entries, plots: plots_written, seconds: start.elapsed().as_secs_f64() }, rows))
 }
 

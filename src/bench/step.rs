@@ -256,6 +256,28 @@ fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> anyhow::Result<Mea
     result
 }
 
+/// Loads a training config for a benchmark, its sim link throttled to `link_gbps` (10⁹ B/s each
+/// way) when given.
+///
+/// # Errors
+/// The config's load errors (named by key or path); `link_gbps` not positive and finite, or given
+/// for a config whose device is not the sim device.
+pub fn load_config(path: &Path, link_gbps: Option<f64>) -> anyhow::Result<TrainConfig> {
+    let mut cfg = TrainConfig::load(path)?;
+    if let Some(l) = link_gbps {
+        if cfg.device.kind != "sim" || !(l > 0.0 && l.is_finite()) {
+            anyhow::bail!(
+                "--link-gbps {l}: only a sim device's link can be throttled, to a positive rate \
+                 ({} has device `{}`); drop the flag or use a sim config",
+                path.display(),
+                cfg.device.kind
+            );
+        }
+        cfg.device.link_gbps = l;
+    }
+    Ok(cfg)
+}
+
 /// Seconds of one fused AdamW step (f32 gradients in, f32 compute copy out) over `params`
 /// parameters on `threads` threads: median of 3 after a warm-up step.
 ///

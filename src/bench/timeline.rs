@@ -543,6 +543,32 @@ impl Timeline {
     }
 }
 
+/// Prints `timeline`'s rows as a table: busy milliseconds per lane and the overlap with compute.
+pub fn print_table(timeline: &Timeline) {
+    println!("{}", timeline.title);
+    println!(
+        "{:<6} {:>9} {:>10} {:>8} {:>8} {:>8} {:>8} {:>7} {:>7} {:>7} {:>7}",
+        "step", "step ms", "compute", "H2D", "D2H", "NVMe", "optim", "H2D ov", "D2H ov", "NVMe ov", "opt ov"
+    );
+    let pct = |f: Option<f64>| f.map_or("-".into(), |f| format!("{:.0}%", 100.0 * f));
+    for r in timeline.rows() {
+        println!(
+            "{:<6} {:>9.1} {:>10.1} {:>8.1} {:>8.1} {:>8.1} {:>8.1} {:>7} {:>7} {:>7} {:>7}",
+            r.step.map_or("mean".into(), |s| s.to_string()),
+            1e3 * r.step_s,
+            1e3 * r.compute_s,
+            1e3 * r.h2d_s,
+            1e3 * r.d2h_s,
+            1e3 * r.nvme_s,
+            1e3 * r.optimizer_s,
+            pct(r.h2d_overlap_compute),
+            pct(r.d2h_overlap_compute),
+            pct(r.nvme_overlap_compute),
+            pct(r.optimizer_overlap_compute),
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
