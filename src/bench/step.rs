@@ -136,20 +136,31 @@ pub struct StepBenchReport {
     pub skipped: Vec<StepBenchSkip>,
 }
 
-/// Raw measurements of one variant.
-struct Measured {
-    step_s: f64,
-    busy_s: f64,
-    stall_transfer_s: f64,
-    stall_optimizer_s: f64,
-    h2d: u64,
-    d2h: u64,
-    nvme_r: u64,
-    nvme_w: u64,
-    nvme_busy_s: f64,
+/// Raw measurements of one variant: medians over the measured steps, or means per step for
+/// bytes.
+pub(crate) struct Measured {
+    /// Median step wall time, seconds.
+    pub(crate) step_s: f64,
+    /// Median `step_s − stall_s` (compute and everything else not waiting), seconds.
+    pub(crate) busy_s: f64,
+    /// Median time blocked on transfers, seconds.
+    pub(crate) stall_transfer_s: f64,
+    /// Median time blocked on the optimizer, seconds.
+    pub(crate) stall_optimizer_s: f64,
+    /// Mean H2D bytes per step.
+    pub(crate) h2d: u64,
+    /// Mean D2H bytes per step.
+    pub(crate) d2h: u64,
+    /// Mean NVMe bytes read per step.
+    pub(crate) nvme_r: u64,
+    /// Mean NVMe bytes written per step.
+    pub(crate) nvme_w: u64,
+    /// NVMe store busy time per step, seconds.
+    pub(crate) nvme_busy_s: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median of `v` (the mean of the middle two for an even count; 0 when empty).
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
     if n == 0 {
@@ -163,7 +174,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// The config of one variant: no checkpoints or output files, NVMe state in a scratch
 /// subdirectory `tag` of each NVMe directory, enough scheduled steps for the LR schedule.
-fn variant_config(base: &TrainConfig, tag: &str, steps: u64) -> TrainConfig {
+pub(crate) fn variant_config(base: &TrainConfig, tag: &str, steps: u64) -> TrainConfig {
     let mut c = base.clone();
     c.checkpoint.dir = None;
     c.output.metrics = None;
@@ -175,7 +186,12 @@ fn variant_config(base: &TrainConfig, tag: &str, steps: u64) -> TrainConfig {
     c
 }
 
-fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> anyhow::Result<Measured> {
+/// Trains `warmup` then `steps` steps of `cfg` (a [`variant_config`]) and measures the latter;
+/// removes `cfg`'s NVMe directories afterwards.
+///
+/// # Errors
+/// The trainer's errors (bad config, data, NVMe).
+pub(crate) fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> anyhow::Result<Measured> {
     let result = (|| -> anyhow::Result<Measured> {
         let mut t = Trainer::new(cfg.clone())?;
         for _ in 0..warmup {
