@@ -1,18 +1,21 @@
 //! `oogc plan` checked against reality: for each config, the planner's predicted step beside
 //! the median of real training steps of the config as it is, on the sim device.
 //!
-//! Per config, on a rayon pool of the config's compute threads ([`crate::run::compute_threads`]):
+//! Per config, on the config's compute threads ([`crate::run::compute_threads`]; where, below):
 //!
 //! | step | how |
 //! |---|---|
-//! | probe | [`crate::plan::probe_compute`] for the config's block shape, once before the steps and once after (the machine's load drifts), and a third time when those two differ by more than [`PROBE_DISAGREEMENT`] (a transient caught one of them): `device_gflops` and `backward_flops_ratio` from the mean forward and backward times of the two closest (about 1 s each) |
+//! | probe | [`crate::plan::probe_compute`] for the config's block shape, in the steps' conditions (the trainer alive and idle): after the warmup steps, after the measured steps (the machine's load drifts), and a third time when those two differ by more than [`PROBE_DISAGREEMENT`] (a transient caught one of them); `device_gflops` and `backward_flops_ratio` from the mean forward and backward times of the two closest (about 1 s each) |
 //! | plan | [`crate::plan::plan_args_for_config`] with the probed figures over the base profile (default: the sim defaults; the link of a throttled sim device replaces H2D/D2H), MoE blocks with their coarse expert placement ([`crate::plan::moe_placement`]) |
 //! | measure | `warmup + steps` real steps of the config ([`crate::bench::step`]'s variant without checkpoints, metrics or traces; NVMe scratch in a subdirectory, removed after); the median of the last `steps` |
 //! | compare | `error = plan / measured − 1`, `within_15pct = |error| ≤ 0.15` |
 //!
-//! The machine's load moves both figures (a probe measures the rate of its moment; the two
-//! bracket the steps): the 1-minute load average is recorded before the first probe and after
-//! the steps, and both probes' rates are kept in the row.
+//! The machine's load moves both figures (a probe measures the rate of its moment; the probes
+//! bracket the steps): the 1-minute load average is recorded before the run and after it, and
+//! every probe's rate is kept in the row. The probes run while the trainer exists, not before it
+//! is built or after it is dropped: on the development VM the seconds after a run with state on
+//! NVMe (its store files deleted, discarded on the virtual disk) computed up to a third slower,
+//! which a probe there took for the machine's rate.
 //!
 //! The probes and the steps run where `oogc train` runs a step: on the calling thread over the
 //! global rayon pool when that has the config's compute threads (call
@@ -26,7 +29,7 @@ use oogc_prefetch::HardwareProfile;
 use serde::Serialize;
 
 use crate::bench::machine::{self, Machine};
-use crate::bench::step::{measure, variant_config};
+use crate::bench::step::{measure_with, variant_config, Moment};
 use crate::config::TrainConfig;
 use crate::plan::{plan_args_for_config, plan_gpt, probe_compute_on_current_pool, ComputeProbe, ComputeShape};
 
@@ -99,8 +102,8 @@ pub struct PlanCheckRow {
     pub probe_forward_s: f64,
     /// The probed block's backward (mean of the two closest probes' medians), seconds.
     pub probe_backward_s: f64,
-    /// Each probe's own rate in order (before the steps, after, and a third when those two
-    /// disagree), GFLOP/s.
+    /// Each probe's own rate in order (after the warmup, after the measured steps, and a third
+    /// when those two disagree), GFLOP/s.
     pub probe_gflops: Vec<f64>,
     /// Wall time of one probe (the longest), seconds.
     pub probe_wall_s: f64,
@@ -158,13 +161,16 @@ pub fn check(cfg: &TrainConfig, name: &str, args: &PlanCheckArgs) -> anyhow::Res
     let threads = shape.threads;
     let load_before = load_avg_1m();
     let (probes, measured) = crate::plan::with_compute_threads(threads, || -> anyhow::Result<_> {
-        let mut probes = vec![probe_compute_on_current_pool(&shape).context("probing compute")?];
         let run = variant_config(cfg, "plan-check", (args.warmup + args.steps) as u64);
-        let measured = measure(&run, args.warmup, args.steps).context("training the measured steps")?;
-        probes.push(probe_compute_on_current_pool(&shape).context("probing compute after the steps")?);
-        if spread(&probes[0], &probes[1]) > PROBE_DISAGREEMENT {
-            probes.push(probe_compute_on_current_pool(&shape).context("probing compute a third time")?);
-        }
+        let mut probes = Vec::new();
+        let measured = measure_with(&run, args.warmup, args.steps, |moment| {
+            probes.push(probe_compute_on_current_pool(&shape).context("probing compute")?);
+            if moment == Moment::Measured && spread(&probes[0], &probes[1]) > PROBE_DISAGREEMENT {
+                probes.push(probe_compute_on_current_pool(&shape).context("probing compute a third time")?);
+            }
+            Ok(())
+        })
+        .context("training the measured steps")?;
         Ok((probes, measured))
     })??;
     let load_after = load_avg_1m();

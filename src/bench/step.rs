@@ -192,17 +192,43 @@ pub(crate) fn variant_config(base: &TrainConfig, tag: &str, steps: u64) -> Train
 /// # Errors
 /// The trainer's errors (bad config, data, NVMe).
 pub(crate) fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> anyhow::Result<Measured> {
+    measure_with(cfg, warmup, steps, |_| Ok(()))
+}
+
+/// When [`measure_with`] calls back: the trainer is alive (its memory allocated, its threads
+/// idle or finishing the last updates), no step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Moment {
+    /// After the warmup steps, before the measured ones.
+    Warm,
+    /// After the measured steps, before the trainer is dropped and its NVMe files removed.
+    Measured,
+}
+
+/// [`measure`], calling `at` at each [`Moment`] (to take other measurements in the steps'
+/// conditions).
+///
+/// # Errors
+/// The trainer's errors; `at`'s.
+pub(crate) fn measure_with(
+    cfg: &TrainConfig,
+    warmup: usize,
+    steps: usize,
+    mut at: impl FnMut(Moment) -> anyhow::Result<()>,
+) -> anyhow::Result<Measured> {
     let result = (|| -> anyhow::Result<Measured> {
         let mut t = Trainer::new(cfg.clone())?;
         for _ in 0..warmup {
             t.train_step()?;
         }
+        at(Moment::Warm)?;
         let before = t.runtime().traffic();
         let mut stats = Vec::with_capacity(steps);
         for _ in 0..steps {
             stats.push(t.train_step()?.stats);
         }
         let after = t.runtime().traffic();
+        at(Moment::Measured)?;
         let n = steps as u64;
         let sum = |f: fn(&crate::runtime::StepStats) -> u64| stats.iter().map(f).sum::<u64>() / n;
         Ok(Measured {
