@@ -303,10 +303,17 @@ struct PlanCmd {
     /// Write the simulated step's Chrome/Perfetto trace (JSON) here.
     #[arg(long, value_name = "FILE")]
     trace: Option<PathBuf>,
-    /// Measure this machine (memory triad, NVMe through the store, CPU Adam) and print or write
-    /// (--out) a hardware profile instead of planning.
+    /// Measure this machine (memory triad, NVMe through the store, CPU Adam, and the sim
+    /// device's compute: one block forward and backward, of --config's shape if given, else the
+    /// main example's) and print or write (--out) a hardware profile instead of planning.
     #[arg(long)]
     hardware_probe: bool,
+    /// With --config: before planning, time one block of the config's model forward and
+    /// backward with candle on this CPU (the sim device, the config's compute threads; about
+    /// 1 s) and plan with the measured GFLOP/s and backward/forward ratio instead of the
+    /// profile's.
+    #[arg(long, requires = "config", conflicts_with = "hardware_probe")]
+    probe_compute: bool,
     /// With --hardware-probe: write the profile (TOML) to this file.
     #[arg(long, value_name = "FILE", requires = "hardware_probe")]
     out: Option<PathBuf>,
@@ -638,6 +645,10 @@ fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
             nvme_bytes: cmd.probe_mib << 20,
             triad_elems: cmd.probe_triad_elems.max(1),
             adam_params: cmd.probe_adam_params.max(1),
+            compute: Some(match &cmd.config {
+                Some(path) => planner::ComputeShape::for_config(&TrainConfig::load(path)?),
+                None => planner::ComputeShape::representative(),
+            }),
         };
         let profile = planner::probe(&args).context("oogc plan --hardware-probe")?;
         let toml = profile.to_toml_string();
@@ -652,11 +663,17 @@ fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
     }
     if let Some(path) = &cmd.config {
         let cfg = TrainConfig::load(path)?;
-        let args = planner::plan_args_for_config(&cfg, &load_hardware(cmd.hardware.as_ref())?, cmd.trace.is_some());
+        let mut hardware = load_hardware(cmd.hardware.as_ref())?;
+        if cmd.probe_compute {
+            let probe = planner::probe_compute(&planner::ComputeShape::for_config(&cfg)).context("--probe-compute")?;
+            probe.apply(&mut hardware);
+        }
+        let args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some());
         return finish_plan(&cmd, args);
     }
     let args = planner::PlanArgs {
         shape: cmd.model.shape(),
+        feed_forward: planner::FeedForward::default(),
         gpu_budget_bytes: cmd.gpu_budget as u64,
         host_budget_bytes: cmd.host_budget.map(|b| b as u64),
         optimizer_state: match cmd.optimizer_state {

@@ -12,14 +12,20 @@ use crate::config::TrainConfig;
 use crate::swapper::Tier;
 use crate::train::{Result, TrainError, Trainer};
 
-/// Sizes candle's CPU compute pool (sim device) from `[threads] compute`: candle's matmuls split
-/// into `RAYON_NUM_THREADS` tasks on the global rayon pool, so both are set. Call it before any
-/// candle or rayon work, from the main thread.
+/// candle's CPU compute threads of a run (sim device): `[threads] compute`, else every core
+/// available to the process.
+pub fn compute_threads(cfg: &TrainConfig) -> usize {
+    cfg.threads.compute.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+}
+
+/// Sizes candle's CPU compute pool (sim device) from `[threads] compute` ([`compute_threads`]):
+/// candle's matmuls split into `RAYON_NUM_THREADS` tasks on the global rayon pool, so both are
+/// set. Call it before any candle or rayon work, from the main thread.
 ///
 /// # Errors
 /// When the global rayon pool was already built with another size.
 pub fn size_compute_threads(cfg: &TrainConfig) -> Result<(), rayon::ThreadPoolBuildError> {
-    let n = cfg.threads.compute.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let n = compute_threads(cfg);
     std::env::set_var("RAYON_NUM_THREADS", n.to_string());
     rayon::ThreadPoolBuilder::new().num_threads(n).thread_name(|i| format!("oogc-compute-{i}")).build_global()
 }

@@ -2,9 +2,16 @@
 //! step time of a model under budgets, from a [`HardwareProfile`] and the [simulator](crate::sim).
 //!
 //! Compute time per unit is estimated from FLOPs: forward `2 · params · tokens` (one multiply
-//! and one add per parameter and token; attention scores are not counted), backward with
-//! recompute `3 ×` forward (recompute 1× + VJP 2×, Chen et al. 2016 / Kaplan et al. 2020),
-//! divided by [`HardwareProfile::device_gflops`].
+//! and one add per parameter and token; the caller adds attention, see `oogc::plan::gpt_units`),
+//! backward with recompute [`HardwareProfile::backward_flops_ratio`] `×` forward (default 3:
+//! recompute 1× + VJP 2×, Chen et al. 2016 / Kaplan et al. 2020), divided by
+//! [`HardwareProfile::device_gflops`]. `oogc plan --probe-compute` measures both figures on
+//! the sim device for a model's shape.
+//!
+//! A unit marked [`ModelUnit::host_compute`] (an MoE expert computed on the CPU from its host
+//! copy) moves nothing over H2D/D2H; its compute is charged to the same compute stream at
+//! [`HardwareProfile::device_gflops`], which is exact for the sim device (its "GPU" is this
+//! CPU) and pessimistic on a GPU machine (there the CPU computes beside the GPU).
 
 use std::path::Path;
 
@@ -39,9 +46,16 @@ pub struct HardwareProfile {
     pub nvme_write_gbps: f64,
     /// CPU Adam(W) rate, parameters per second, all optimizer threads together. Default: 1e9.
     pub cpu_adam_params_per_s: f64,
-    /// Device compute rate for the step-time estimate, GFLOP/s (10⁹ FLOP/s) achieved, not peak.
-    /// Default: 50 (candle on the CPU of a 2-core machine, which is what the sim device computes with).
+    /// Device compute rate for the step-time estimate, GFLOP/s (10⁹ FLOP/s) achieved, not peak,
+    /// counted on the forward FLOPs of the model (see the module docs).
+    /// Default: 50 (candle on the CPU of a 2-core machine, which is what the sim device computes
+    /// with); `oogc plan --probe-compute` measures it.
     pub device_gflops: f64,
+    /// Time of a unit's backward (recompute + vector-Jacobian product) over the time of its
+    /// forward, dimensionless (> 0). Default: 3 (recompute 1× + VJP 2× the forward FLOPs);
+    /// `oogc plan --probe-compute` measures it (candle on the CPU is often above 3: its
+    /// backward runs more, smaller ops than the forward). Missing in a profile file: 3.
+    pub backward_flops_ratio: f64,
     /// Host memory bandwidth (STREAM triad), GB/s (10⁹ B/s). Informational: the CPU Adam
     /// roofline is this / 28 B per parameter. Default: 40.
     pub host_memory_gbps: f64,
@@ -58,6 +72,7 @@ impl Default for HardwareProfile {
             nvme_write_gbps: 3.0,
             cpu_adam_params_per_s: 1e9,
             device_gflops: 50.0,
+            backward_flops_ratio: 3.0,
             host_memory_gbps: 40.0,
             source: "defaults (sim device)".into(),
         }
@@ -112,6 +127,7 @@ impl HardwareProfile {
             ("nvme_write_gbps", self.nvme_write_gbps),
             ("cpu_adam_params_per_s", self.cpu_adam_params_per_s),
             ("device_gflops", self.device_gflops),
+            ("backward_flops_ratio", self.backward_flops_ratio),
             ("host_memory_gbps", self.host_memory_gbps),
         ] {
             if !(v.is_finite() && v > 0.0) {
@@ -143,6 +159,12 @@ pub struct ModelUnit {
     pub compute_bytes: u64,
     /// Forward FLOPs of one step (all tokens of the batch).
     pub forward_flops: f64,
+    /// Computed on the CPU from its host copy (an MoE expert the placement keeps cold): no H2D
+    /// copy, no D2H gradients (they go straight to the CPU optimizer), no device bytes; the
+    /// compute is charged to the compute stream as for any unit (see the module docs).
+    /// Default (missing in a serialized unit): false.
+    #[serde(default)]
+    pub host_compute: bool,
 }
 
 /// Where the optimizer state (fp32 master, m, v: 12 B per parameter) lives.
@@ -198,7 +220,8 @@ pub struct PlanReport {
     pub model_bytes: u64,
     /// The smallest GPU budget that can run the step ([`min_working_set`]), bytes.
     pub min_gpu_budget_bytes: u64,
-    /// The GPU budget that holds every unit at once (nothing moves but the post-update refresh), bytes.
+    /// The GPU budget that holds every unit at once (nothing moves but the post-update refresh;
+    /// units computed on the host excluded), bytes.
     pub full_gpu_budget_bytes: u64,
     /// Memory per tier.
     pub memory: TierNeeds,
@@ -230,8 +253,11 @@ pub fn plan(input: &PlanInput, hw: &HardwareProfile) -> Result<PlanReport> {
     if input.units.is_empty() {
         return Err(Error::Config { key: "units".into(), reason: "the model has no units".into() });
     }
+    // A unit computed on the host has no device copy: 0 bytes for the schedule and the links.
+    let device_bytes = |u: &ModelUnit| if u.host_compute { 0 } else { u.compute_bytes };
     let ids: Vec<(TensorId, u64)> =
-        input.units.iter().enumerate().map(|(i, u)| (TensorId(i as u64), u.compute_bytes)).collect();
+        input.units.iter().enumerate().map(|(i, u)| (TensorId(i as u64), device_bytes(u))).collect();
+    let host_compute_bytes: u64 = input.units.iter().filter(|u| u.host_compute).map(|u| u.compute_bytes).sum();
     let schedule = Schedule::training_step(&ids, true)?;
     let params: u64 = input.units.iter().map(|u| u.numel).sum();
     let model_bytes: u64 = input.units.iter().map(|u| u.compute_bytes).sum();
@@ -250,11 +276,11 @@ pub fn plan(input: &PlanInput, hw: &HardwareProfile) -> Result<PlanReport> {
         .zip(&ids)
         .map(|(u, (id, _))| SimUnit {
             id: *id,
-            num_bytes: u.compute_bytes,
+            num_bytes: device_bytes(u),
             numel: u.numel,
-            grad_bytes: u.compute_bytes,
+            grad_bytes: device_bytes(u),
             forward_s: u.forward_flops / flops_s,
-            backward_s: 3.0 * u.forward_flops / flops_s,
+            backward_s: hw.backward_flops_ratio * u.forward_flops / flops_s,
             optimizer_on_nvme: on_nvme,
         })
         .collect();
@@ -268,11 +294,12 @@ pub fn plan(input: &PlanInput, hw: &HardwareProfile) -> Result<PlanReport> {
         cfg.device_budget_bytes = input.gpu_budget_bytes;
     }
     let sim = simulate_kind(&schedule, &units, &cfg, PolicyKind::NextUse)?;
+    // The simulator counts the host copies of units with a device copy; add the others'.
+    let host_peak_bytes = sim.peak_bytes.host + host_compute_bytes;
     if let Some(b) = input.host_budget_bytes {
-        if sim.peak_bytes.host > b {
+        if host_peak_bytes > b {
             warnings.push(format!(
-                "host needs {} B at peak but the host budget is {b} B: raise the host budget{}",
-                sim.peak_bytes.host,
+                "host needs {host_peak_bytes} B at peak but the host budget is {b} B: raise the host budget{}",
                 if on_nvme { "" } else { " or put the optimizer state on NVMe" }
             ));
         }
@@ -294,10 +321,10 @@ pub fn plan(input: &PlanInput, hw: &HardwareProfile) -> Result<PlanReport> {
         params,
         model_bytes,
         min_gpu_budget_bytes: min_working_set(&schedule),
-        full_gpu_budget_bytes: model_bytes,
+        full_gpu_budget_bytes: model_bytes - host_compute_bytes,
         memory: TierNeeds {
             device_bytes: sim.peak_bytes.device,
-            host_bytes: sim.peak_bytes.host,
+            host_bytes: host_peak_bytes,
             nvme_bytes: sim.peak_bytes.nvme,
         },
         optimizer_state_on_nvme: on_nvme,
@@ -322,6 +349,7 @@ mod tests {
                 numel: 1 << 20,
                 compute_bytes: 2 << 20,
                 forward_flops: 2.0 * (1u64 << 20) as f64 * 2048.0,
+                host_compute: false,
             })
             .collect()
     }
@@ -338,6 +366,49 @@ mod tests {
         let p = HardwareProfile::from_toml_str("nvme_read_gbps = 7.5").unwrap();
         assert_eq!(p.nvme_read_gbps, 7.5);
         assert_eq!(p.h2d_gbps, 15.0);
+        // A profile written before `backward_flops_ratio` existed still parses, with 3.
+        assert_eq!(p.backward_flops_ratio, 3.0);
+        let e = HardwareProfile::from_toml_str("backward_flops_ratio = -1.0").unwrap_err();
+        assert!(e.to_string().contains("backward_flops_ratio"), "{e}");
+    }
+
+    fn input(units: Vec<ModelUnit>) -> PlanInput {
+        PlanInput {
+            units,
+            gpu_budget_bytes: 1 << 30,
+            host_budget_bytes: None,
+            optimizer_state: StatePlacement::Host,
+            prefetch: PrefetchConfig::default(),
+            steps: 3,
+            trace: false,
+        }
+    }
+
+    #[test]
+    fn backward_time_follows_the_ratio() {
+        let hw = HardwareProfile { device_gflops: 1.0, ..HardwareProfile::default() };
+        let fwd: f64 = units(4).iter().map(|u| u.forward_flops).sum::<f64>() / 1e9;
+        let r3 = plan(&input(units(4)), &hw).unwrap();
+        assert!((r3.compute_s - 4.0 * fwd).abs() < 1e-9 * r3.compute_s, "{}", r3.compute_s);
+        let hw5 = HardwareProfile { backward_flops_ratio: 5.0, ..hw };
+        let r5 = plan(&input(units(4)), &hw5).unwrap();
+        assert!((r5.compute_s - 6.0 * fwd).abs() < 1e-9 * r5.compute_s, "{}", r5.compute_s);
+    }
+
+    #[test]
+    fn host_compute_units_move_nothing_but_compute_and_update() {
+        let mut u = units(4);
+        u[1].host_compute = true;
+        u[2].host_compute = true;
+        let r = plan(&input(u.clone()), &HardwareProfile::default()).unwrap();
+        let device: u64 = u.iter().filter(|u| !u.host_compute).map(|u| u.compute_bytes).sum();
+        // Each device unit is fetched once and sends its gradients once (everything fits).
+        assert_eq!(r.sim.link_bytes.h2d, device);
+        assert_eq!(r.sim.link_bytes.d2h, device);
+        assert_eq!(r.full_gpu_budget_bytes, device);
+        let all = plan(&input(units(4)), &HardwareProfile::default()).unwrap();
+        assert!((r.compute_s - all.compute_s).abs() < 1e-12, "the same compute either way");
+        assert!(r.memory.host_bytes >= 12 * r.params + r.model_bytes, "host copies of host units counted");
     }
 
     #[test]

@@ -19,6 +19,8 @@
 //! Simplifications: one unit is pinned at a time (the current one); a write-back delays the
 //! fetch that needed the room; stale device copies are dropped when the schedule reaches the
 //! optimizer entry (the real runtime drops them when the optimizer starts, a little later).
+//! A unit of 0 bytes (computed on the host: an MoE expert kept on the CPU) moves nothing and
+//! never waits for a link; it still computes on the compute stream and updates on the CPU.
 
 use std::collections::HashMap;
 
@@ -266,7 +268,12 @@ impl Sim<'_> {
         }
     }
 
+    /// Queues `bytes` on `link` (FIFO) no earlier than `earliest`; returns (start, end). Nothing
+    /// to move (a unit computed on the host) takes no time and does not wait for the link.
     fn transfer(&mut self, link: usize, earliest: f64, bytes: u64, unit: TensorId) -> (f64, f64) {
+        if bytes == 0 {
+            return (earliest, earliest);
+        }
         let l = &mut self.links[link];
         let start = earliest.max(l.free_at);
         let end = start + bytes as f64 / l.bytes_per_s;

@@ -163,23 +163,37 @@ pub struct StepBenchReport {
     pub skipped: Vec<StepBenchSkip>,
 }
 
-/// Raw measurements of one variant.
-struct Measured {
-    step_s: f64,
-    busy_s: f64,
-    forward_busy_s: f64,
-    forward_h2d: u64,
-    forward_d2h: u64,
-    stall_transfer_s: f64,
-    stall_optimizer_s: f64,
-    h2d: u64,
-    d2h: u64,
-    nvme_r: u64,
-    nvme_w: u64,
-    nvme_busy_s: f64,
+/// Raw measurements of one variant: medians over the measured steps, or means per step for
+/// bytes.
+pub(crate) struct Measured {
+    /// Median step wall time, seconds.
+    pub(crate) step_s: f64,
+    /// Median `step_s − stall_s` (compute and everything else not waiting), seconds.
+    pub(crate) busy_s: f64,
+    /// Median forward-phase wall time minus its stalls (to [`crate::runtime::Runtime::end_forward`]), seconds.
+    pub(crate) forward_busy_s: f64,
+    /// Mean H2D bytes per step in the forward phase.
+    pub(crate) forward_h2d: u64,
+    /// Mean D2H bytes per step in the forward phase.
+    pub(crate) forward_d2h: u64,
+    /// Median time blocked on transfers, seconds.
+    pub(crate) stall_transfer_s: f64,
+    /// Median time blocked on the optimizer, seconds.
+    pub(crate) stall_optimizer_s: f64,
+    /// Mean H2D bytes per step.
+    pub(crate) h2d: u64,
+    /// Mean D2H bytes per step.
+    pub(crate) d2h: u64,
+    /// Mean NVMe bytes read per step.
+    pub(crate) nvme_r: u64,
+    /// Mean NVMe bytes written per step.
+    pub(crate) nvme_w: u64,
+    /// NVMe store busy time per step, seconds.
+    pub(crate) nvme_busy_s: f64,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+/// The median of `v` (the mean of the middle two for an even count; 0 when empty).
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     let n = v.len();
     if n == 0 {
@@ -221,18 +235,50 @@ pub(crate) fn remove_scratch(cfg: &TrainConfig) {
     }
 }
 
-fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> anyhow::Result<Measured> {
+
+/// Trains `warmup` then `steps` steps of `cfg` (a [`variant_config`]) and measures the latter;
+/// removes `cfg`'s NVMe directories afterwards.
+///
+/// # Errors
+/// The trainer's errors (bad config, data, NVMe).
+pub(crate) fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> anyhow::Result<Measured> {
+    measure_with(cfg, warmup, steps, |_| Ok(()))
+}
+
+/// When [`measure_with`] calls back: the trainer is alive (its memory allocated, its threads
+/// idle or finishing the last updates), no step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Moment {
+    /// After the warmup steps, before the measured ones.
+    Warm,
+    /// After the measured steps, before the trainer is dropped and its NVMe files removed.
+    Measured,
+}
+
+/// [`measure`], calling `at` at each [`Moment`] (to take other measurements in the steps'
+/// conditions).
+///
+/// # Errors
+/// The trainer's errors; `at`'s.
+pub(crate) fn measure_with(
+    cfg: &TrainConfig,
+    warmup: usize,
+    steps: usize,
+    mut at: impl FnMut(Moment) -> anyhow::Result<()>,
+) -> anyhow::Result<Measured> {
     let result = (|| -> anyhow::Result<Measured> {
         let mut t = Trainer::new(cfg.clone())?;
         for _ in 0..warmup {
             t.train_step()?;
         }
+        at(Moment::Warm)?;
         let before = t.runtime().traffic();
         let mut stats = Vec::with_capacity(steps);
         for _ in 0..steps {
             stats.push(t.train_step()?.stats);
         }
         let after = t.runtime().traffic();
+        at(Moment::Measured)?;
         let n = steps as u64;
         let sum = |f: fn(&crate::runtime::StepStats) -> u64| stats.iter().map(f).sum::<u64>() / n;
         Ok(Measured {
