@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use oogc::bench::{adam, all, evict, moe, nvme, step, swap};
+use oogc::bench::{adam, all, evict, moe, nvme, plan_check, step, swap};
 use oogc::config::TrainConfig;
 use oogc::optimizer::{FloatType, Isa};
 use oogc::plan as planner;
@@ -97,13 +97,40 @@ enum BenchCommand {
     Moe(MoeCmd),
     /// Real training steps of a config under ours, the on-demand baseline (no lookahead, no
     /// pipelined optimizer) and all-resident (when it fits): median step time beside its lower
-    /// bound max(compute, transfer, optimizer), the speedup over on-demand, and the planner's
-    /// prediction. With --json: one JSON object per variant (each with a `machine` record and
-    /// the variant's config), then `{"variant":..,"skipped":reason}` for a variant not run.
+    /// bound max(compute, transfer, optimizer), the schedule's bound (forward and backward
+    /// phases each bounded by their busiest resource), the speedup over on-demand, and the
+    /// planner's prediction. With --json: one JSON object per variant (each with a `machine`
+    /// record and the variant's config), then `{"variant":..,"skipped":reason}` for a variant
+    /// not run.
     Step(StepCmd),
-    /// The whole suite (nvme, swap, adam, evict, moe) with --quick or full sizes: one JSON file
-    /// per benchmark (`{ "benchmark", "args", "rows" }`) and PNG + SVG plots in --out DIR.
+    /// `oogc plan` checked against reality: per config, the plan (with this CPU's compute rate
+    /// probed around the steps) beside the median of real training steps, and whether it is
+    /// within 15%.
+    Plan(PlanBenchCmd),
+    /// The whole suite (nvme, swap, adam, evict, moe; with --config also step, the step timeline
+    /// and the plan check) with --quick or full sizes: one JSON file per benchmark
+    /// (`{ "benchmark", "args", "rows" }`) and PNG + SVG plots in --out DIR.
     All(AllCmd),
+}
+
+#[derive(Debug, Args)]
+struct PlanBenchCmd {
+    /// `oogc train` configs to check (repeat the flag; the configs run as they are, without
+    /// checkpoints or metrics; NVMe scratch goes to a subdirectory of their nvme_dirs).
+    #[arg(long = "config", value_name = "FILE", required = true)]
+    configs: Vec<PathBuf>,
+    /// Steps measured per config, after the warmup.
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    steps: u64,
+    /// Steps run first per config and not measured.
+    #[arg(long, value_name = "N", default_value_t = 2)]
+    warmup: u64,
+    /// Hardware profile the plan starts from (TOML; its compute figures are replaced by the probe's).
+    #[arg(long, value_name = "FILE")]
+    hardware: Option<PathBuf>,
+    /// JSON Lines on stdout instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -163,6 +190,10 @@ struct AllCmd {
     /// Throttle the --config run's sim link to this many GB/s (10⁹ B/s) each way.
     #[arg(long, value_name = "GBPS", requires = "config")]
     link_gbps: Option<f64>,
+    /// Check `oogc plan` against real steps of these configs (repeat the flag; plan.json);
+    /// default: the --config run, if any.
+    #[arg(long = "plan-config", value_name = "FILE")]
+    plan_configs: Vec<PathBuf>,
     /// No progress bar (it is also hidden when stderr is not a terminal).
     #[arg(long)]
     no_progress: bool,
@@ -723,6 +754,24 @@ fn bench_step(cmd: StepCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn bench_plan(cmd: PlanBenchCmd) -> anyhow::Result<()> {
+    // The probe times candle on the global pool: size it first, from the first config.
+    oogc::run::size_compute_threads(&TrainConfig::load(&cmd.configs[0])?)?;
+    let args = plan_check::PlanCheckArgs {
+        steps: cmd.steps as usize,
+        warmup: cmd.warmup as usize,
+        hardware: load_hardware(cmd.hardware.as_ref())?,
+        ..plan_check::PlanCheckArgs::new(cmd.configs)
+    };
+    let rows = plan_check::run_with(&args).context("oogc bench plan")?;
+    if cmd.json {
+        print_json_lines(&rows)
+    } else {
+        plan_check::print_table(&rows);
+        Ok(())
+    }
+}
+
 fn bench_evict(cmd: EvictCmd) -> anyhow::Result<()> {
     let mut hardware = load_hardware(cmd.hardware.as_ref())?;
     if let Some(g) = cmd.device_gflops {
@@ -822,6 +871,7 @@ fn bench_all(cmd: AllCmd) -> anyhow::Result<()> {
         moe_trace: cmd.moe_trace,
         step_config: cmd.config,
         link_gbps: cmd.link_gbps,
+        plan_configs: cmd.plan_configs,
         progress: !cmd.no_progress,
         tables: !cmd.summary_only,
     };
@@ -952,6 +1002,7 @@ fn main() -> ExitCode {
         Command::Bench(BenchCommand::Adam(cmd)) => bench_adam(cmd),
         Command::Bench(BenchCommand::Moe(cmd)) => bench_moe(cmd),
         Command::Bench(BenchCommand::Step(cmd)) => bench_step(cmd),
+        Command::Bench(BenchCommand::Plan(cmd)) => bench_plan(cmd),
         Command::Bench(BenchCommand::All(cmd)) => bench_all(cmd),
         Command::Plan(cmd) => plan(cmd),
     };

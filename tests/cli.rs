@@ -560,7 +560,7 @@ fn bench_all_writes_a_json_file_per_benchmark_and_the_plots() {
     ]);
     let stdout = text(&out.stdout);
     assert!(out.status.success(), "exit {:?}; stderr:\n{}\nstdout:\n{stdout}", out.status, text(&out.stderr));
-    for name in ["nvme", "swap", "adam", "evict", "moe", "step", "timeline"] {
+    for name in ["nvme", "swap", "adam", "evict", "moe", "step", "timeline", "plan"] {
         let path = out_dir.join(format!("{name}.json"));
         let doc: Value =
             serde_json::from_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path:?}: {e}")))
@@ -571,6 +571,13 @@ fn bench_all_writes_a_json_file_per_benchmark_and_the_plots() {
         let rows = doc["rows"].as_array().unwrap_or_else(|| panic!("no rows array in {path:?}"));
         assert!(!rows.is_empty(), "{path:?} has no rows");
     }
+    // Without --plan-config the plan is checked on the --config run, as throttled.
+    let plan: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("plan.json")).unwrap()).unwrap();
+    let row = &plan["rows"][0];
+    assert!(row["plan_step_s"].as_f64().is_some_and(|p| p > 0.0), "{row}");
+    assert!(row["measured_step_s"].as_f64().is_some_and(|p| p > 0.0), "{row}");
+    assert!(row["within_15pct"].is_boolean(), "{row}");
+    assert!(stdout.contains("measured s"), "the suite prints the plan beside the measured step:\n{stdout}");
     let step: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("step.json")).unwrap()).unwrap();
     assert_eq!(step["args"]["link_gbps"], 0.5, "--link-gbps reaches the step bench: {step}");
     let timeline: Value =
@@ -599,4 +606,21 @@ fn bench_step_refuses_a_link_that_is_not_positive() {
     assert!(!out.status.success(), "a zero link must be refused");
     let err = text(&out.stderr);
     assert!(err.contains("--link-gbps 0") && err.contains("positive"), "{err}");
+}
+
+#[test]
+fn bench_plan_prints_the_plan_beside_the_measured_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = tiny_step_config(dir.path());
+    let out = oogc(&["bench", "plan", "--config", cfg.to_str().unwrap(), "--steps", "2", "--warmup", "1", "--json"]);
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    let rows = json_rows(&out);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let row = &rows[0];
+    for key in ["plan_step_s", "measured_step_s", "device_gflops", "backward_flops_ratio"] {
+        positive(row, key);
+    }
+    let (plan, measured) = (row["plan_step_s"].as_f64().unwrap(), row["measured_step_s"].as_f64().unwrap());
+    assert!((row["error"].as_f64().unwrap() - (plan / measured - 1.0)).abs() < 1e-9, "{row}");
+    assert_eq!(row["within_15pct"].as_bool().unwrap(), (plan / measured - 1.0).abs() <= 0.15, "{row}");
 }

@@ -19,7 +19,9 @@
 //! (`--config F`, optionally `--link-gbps G` to throttle its sim link) the suite also runs
 //! `oogc bench step` on it (`step.json`: 3 measured steps after 1 warmup with `--quick`, else 10
 //! after 3) and records a step timeline from a real run's trace (`timeline.json`,
-//! `timeline.png`/`.svg`; see [`super::timeline`]).
+//! `timeline.png`/`.svg`; see [`super::timeline`]). With `--plan-config F` (repeatable; default:
+//! the `--config` run) the plan is checked against real steps of each config
+//! (`plan.json`, [`super::plan_check`]: 3 steps after 2 with `--quick`, else 5 after 2).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -31,7 +33,7 @@ use oogc_swapper::{EngineChoice, Error as SwapError};
 use serde::Serialize;
 use serde_json::{json, Value};
 
-use super::{adam, evict, moe, nvme, plots, step, swap, timeline};
+use super::{adam, evict, moe, nvme, plan_check, plots, step, swap, timeline};
 use crate::plan::GptShape;
 
 /// How large each benchmark runs.
@@ -63,6 +65,9 @@ pub struct AllBenchArgs {
     pub step_config: Option<PathBuf>,
     /// Throttle the step config's sim link to this many GB/s (10⁹ B/s) each way.
     pub link_gbps: Option<f64>,
+    /// Configs whose `oogc plan` is checked against real steps (`plan.json`); empty: the
+    /// step config (as throttled), if any.
+    pub plan_configs: Vec<PathBuf>,
     /// Show the progress bar (it is hidden anyway when stderr is not a terminal).
     pub progress: bool,
     /// Print each benchmark's table on stdout as it finishes.
@@ -202,6 +207,7 @@ pub fn run(args: &AllBenchArgs) -> anyhow::Result<(SuiteReport, SuiteRows)> {
         .into_iter()
         .chain(args.moe_trace.as_ref().map(|_| "moe-trace"))
         .chain(step_config.iter().flat_map(|_| ["step", "timeline"]))
+        .chain((step_config.is_some() || !args.plan_configs.is_empty()).then_some("plan"))
         .chain(["plots"])
         .collect();
     let bar = if args.progress {
@@ -341,6 +347,25 @@ pub fn run(args: &AllBenchArgs) -> anyhow::Result<(SuiteReport, SuiteRows)> {
                 }
                 plots_written.extend(plots::write_timeline(&args.out, &tl).context("bench all: the timeline plot")?);
                 let j = json!({ "config": path, "link_gbps": cfg.device.link_gbps, "trace": trace });
+                (write_json(&args.out, name, j, &r)?, r.len())
+            }
+            "plan" => {
+                let mut a = plan_check::PlanCheckArgs::new(args.plan_configs.clone());
+                if args.size != SuiteSize::Full {
+                    (a.steps, a.warmup) = (3, 2);
+                }
+                let r = if args.plan_configs.is_empty() {
+                    let (path, cfg) = step_config.as_ref().expect("a config to plan");
+                    vec![plan_check::check(cfg, &path.display().to_string(), &a)
+                        .with_context(|| format!("bench all: checking the plan of {}", path.display()))?]
+                } else {
+                    plan_check::run_with(&a).context("bench all: plan")?
+                };
+                if args.tables {
+                    bar.suspend(|| plan_check::print_table(&r));
+                }
+                let configs: Vec<PathBuf> = r.iter().map(|row| PathBuf::from(&row.config)).collect();
+                let j = json!({ "configs": configs, "steps": a.steps, "warmup": a.warmup });
                 (write_json(&args.out, name, j, &r)?, r.len())
             }
             _ => {

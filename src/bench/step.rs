@@ -235,7 +235,6 @@ pub(crate) fn remove_scratch(cfg: &TrainConfig) {
     }
 }
 
-
 /// Trains `warmup` then `steps` steps of `cfg` (a [`variant_config`]) and measures the latter;
 /// removes `cfg`'s NVMe directories afterwards.
 ///
