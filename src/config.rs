@@ -461,7 +461,8 @@ pub struct OutputConfig {
 }
 
 impl TrainConfig {
-    /// Reads, parses, resolves relative paths against the file's directory, and validates.
+    /// Reads, parses, resolves relative paths against the file's directory (made absolute), and
+    /// validates.
     ///
     /// # Errors
     /// [`ConfigError::Read`] when the file cannot be read, [`ConfigError::Parse`] for bad TOML or
@@ -474,7 +475,10 @@ impl TrainConfig {
             other => other,
         })?;
         let base = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-        cfg.resolve_paths(base);
+        // Absolute, so that the loaded config means the same files from any working directory
+        // (a benchmark writes a copy of it elsewhere and runs it there).
+        let base = std::path::absolute(base).unwrap_or_else(|_| base.to_path_buf());
+        cfg.resolve_paths(&base);
         Ok(cfg)
     }
 
@@ -701,5 +705,11 @@ gpu = "1.5MiB"
         assert_eq!(cfg.data.path, dir.path().join("text.txt"));
         let err = TrainConfig::load(&dir.path().join("missing.toml")).unwrap_err().to_string();
         assert!(err.contains("missing.toml"), "{err}");
+        // A config named by a relative path (tests run in the crate's root) still resolves to
+        // absolute paths: a copy written elsewhere means the same files.
+        let cfg = TrainConfig::load(Path::new("configs/tinyshakespeare.toml")).unwrap();
+        assert!(cfg.data.path.is_absolute(), "{:?}", cfg.data.path);
+        assert!(cfg.budgets.nvme_dirs.iter().all(|d| d.is_absolute()), "{:?}", cfg.budgets.nvme_dirs);
+        assert!(cfg.data.path.ends_with("configs/../../shared/data/tinyshakespeare.txt"), "{:?}", cfg.data.path);
     }
 }

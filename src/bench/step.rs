@@ -20,7 +20,7 @@
 //! | `lower_bound_s` | max(compute, transfer, optimizer) |
 //! | `schedule_bound_s` | the schedule's bound: `max(compute_f, H2D_f, D2H_f) + max(compute_b, H2D_b, D2H_b)` over the forward (`f`, up to the turn: [`crate::runtime::Runtime::end_forward`]) and backward (`b`) phases, at least NVMe busy time and the optimizer |
 //! | `speedup_ceiling` | on-demand's `step_s` / the variant's `schedule_bound_s` |
-//! | `plan_step_s` | `oogc plan --config` for the variant's config (the planner models the prefetch window and the pipelined optimizer, so `null` for `on-demand`) |
+//! | `plan_step_s` | `oogc plan --config --probe-compute` for the variant's config, compute probed once after ours' warmup (the planner models the prefetch window and the pipelined optimizer, so `null` for `on-demand`) |
 //!
 //! Why two bounds: every unit's new compute copy depends on the whole step's gradients (the
 //! global-norm clip and the skip of a non-finite step are decided after the last gradient), so
@@ -406,8 +406,22 @@ pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
     }
     let m = measure(&on_demand, args.warmup, args.steps).context("the on-demand variant")?;
     measured.push(("on-demand", on_demand, m));
-    let m = measure(&ours, args.warmup, args.steps).context("the ours variant")?;
+    // The plan's compute rate: this CPU's, probed in the steps' conditions (after ours' warmup,
+    // with its trainer alive), as `oogc bench plan` does.
+    let shape = crate::plan::ComputeShape::for_config(base);
+    let mut probe = None;
+    let m = measure_with(&ours, args.warmup, args.steps, |moment| {
+        if moment == Moment::Warm {
+            probe = Some(crate::plan::probe_compute_on_current_pool(&shape).context("probing compute")?);
+        }
+        Ok(())
+    })
+    .context("the ours variant")?;
     measured.push(("ours", ours, m));
+    let mut hardware = args.hardware.clone();
+    if let Some(p) = &probe {
+        p.apply(&mut hardware);
+    }
 
     let optimizer_s = optimizer_step_s(params, base.threads.optimizer)?;
     let resident_compute =
@@ -437,7 +451,7 @@ pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
         let plan = if variant == "on-demand" {
             None
         } else {
-            Some(plan_step_s(cfg, &args.hardware).with_context(|| format!("planning the {variant} variant"))?)
+            Some(plan_step_s(cfg, &hardware).with_context(|| format!("planning the {variant} variant"))?)
         };
         rows.push(StepBenchRow {
             variant: variant.into(),
