@@ -1,0 +1,76 @@
+#!/bin/bash
+# Builds `oogc --features cuda` (the swapper's CUDA backend + candle's CUDA backend) on a machine
+# WITHOUT a GPU, into dist/oogc-cuda/: the stripped binary (about 24 MB, small enough to carry to
+# the GPU machine) and run.sh, which finds the CUDA 13 user-space libraries the binary links
+# (cuBLAS, cuBLASLt, cuRAND, cudart) and starts it. The GPU machine needs no Rust toolchain.
+#
+#   scripts/build-cuda.sh [--bundle-libs] [CUDA_ROOT]    # default CUDA_ROOT: target/cuda13 (1.2 GB)
+#
+# The toolkit comes from PyPI wheels via ../shared/tools/setup-cuda-root.sh (nvcc, headers, the
+# libraries above, and a link-time stub of libcuda). CUDA_COMPUTE_CAP=90 (default) compiles
+# candle's kernels for Hopper (H100/H200). --bundle-libs also copies the libraries into
+# dist/oogc-cuda/lib (about 730 MB: for a GPU machine that has the driver but no CUDA 13 wheels).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUNDLE=0
+if [ "${1:-}" = "--bundle-libs" ]; then BUNDLE=1; shift; fi
+ROOT=${1:-$PWD/target/cuda13}
+SETUP=../shared/tools/setup-cuda-root.sh
+[ -f "$SETUP" ] || { echo "error: $SETUP not found (the shared tools beside the repository)" >&2; exit 1; }
+if [ ! -x "$ROOT/py/nvidia/cu13/bin/nvcc" ]; then
+  echo "assembling the CUDA 13.0 toolkit from PyPI wheels into $ROOT (needs pip and network)"
+  bash "$SETUP" "$ROOT" >/dev/null
+fi
+export CUDA_HOME=$ROOT/py/nvidia/cu13 CUDA_PATH=$ROOT/py/nvidia/cu13
+export PATH=$CUDA_HOME/bin:$PATH
+export CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP:-90}
+# Link against the stub libcuda (the real one comes with the driver) and the wheels' libraries;
+# at run time the binary looks in $ORIGIN/lib first, then where run.sh points LD_LIBRARY_PATH.
+export LIBRARY_PATH=$CUDA_HOME/lib/stubs:$CUDA_HOME/lib${LIBRARY_PATH:+:$LIBRARY_PATH}
+export RUSTFLAGS="${RUSTFLAGS:-} -C link-arg=-Wl,-rpath,\$ORIGIN/lib -L $CUDA_HOME/lib/stubs -L $CUDA_HOME/lib"
+# Its own target directory: other RUSTFLAGS would otherwise rebuild the CPU build's artifacts.
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
+cargo build --release --locked --features cuda --bin oogc
+# The swapper's tests, its GPU tests among them (round trip, budget, concurrency on the CUDA
+# device; they skip loudly without one, and OOGC_REQUIRE_GPU=1 makes a skip fail).
+TESTS=$(cargo test --release --locked -p oogc-swapper --features cuda-linked --lib --no-run --message-format=json \
+        | python3 -c 'import sys, json
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "oogc_swapper":
+        print(m["executable"])')
+DIST=dist/oogc-cuda
+rm -rf "$DIST" && mkdir -p "$DIST/lib"
+cp "$CARGO_TARGET_DIR/release/oogc" "$DIST/"
+cp "$TESTS" "$DIST/swapper-tests"
+strip "$DIST/oogc" "$DIST/swapper-tests"
+if [ "$BUNDLE" = 1 ]; then
+  # Every library that resolves into the toolkit (cuBLAS pulls in cuBLASLt), not the libcuda stub.
+  for l in $(LD_LIBRARY_PATH=$CUDA_HOME/lib:$CUDA_HOME/lib/stubs ldd "$DIST/oogc" | awk '/=> \// {print $3}' \
+             | grep "^$CUDA_HOME/" | grep -v /stubs/); do
+    cp -L "$l" "$DIST/lib/"
+  done
+fi
+cat > "$DIST/run.sh" <<'RUN'
+#!/bin/bash
+# Starts oogc (CUDA build), or with `--tests [FILTER]` the swapper's tests (GPU ones required to
+# run: OOGC_REQUIRE_GPU=1), e.g. `run.sh --tests device::cuda`. Libraries: dist's lib/ if bundled, else the CUDA 13 wheels of this
+# machine's Python (nvidia-cublas, nvidia-curand, nvidia-cuda-runtime: what torch cu130 installs),
+# else the system's; libcuda.so.1 comes from the NVIDIA driver.
+set -euo pipefail
+HERE=$(cd "$(dirname "$0")" && pwd)
+WHEELS=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null || true)/nvidia/cu13/lib
+if [ -d "$WHEELS" ]; then export LD_LIBRARY_PATH=$WHEELS${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}; fi
+BIN=$HERE/oogc
+if [ "${1:-}" = "--tests" ]; then shift; BIN=$HERE/swapper-tests; export OOGC_REQUIRE_GPU=${OOGC_REQUIRE_GPU:-1}; fi
+if ! LD_LIBRARY_PATH=$HERE/lib:${LD_LIBRARY_PATH:-} ldd "$BIN" | grep -q "not found"; then
+  exec "$BIN" "$@"
+fi
+echo "error: libraries missing for $HERE/oogc:" >&2
+LD_LIBRARY_PATH=$HERE/lib:${LD_LIBRARY_PATH:-} ldd "$HERE/oogc" | grep "not found" >&2
+echo "fix: install the NVIDIA driver (libcuda.so.1) and CUDA 13 cuBLAS/cuRAND/cudart (pip install nvidia-cublas nvidia-curand nvidia-cuda-runtime), or rebuild with --bundle-libs" >&2
+exit 1
+RUN
+chmod +x "$DIST/run.sh"
+echo "built $DIST/oogc ($(du -h "$DIST/oogc" | cut -f1)) and $DIST/swapper-tests; start them with $DIST/run.sh [--tests]"
+echo "needs: GLIBC up to $(objdump -T "$DIST/oogc" | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1), libcuda.so.1 (driver), CUDA 13 cuBLAS/cuRAND/cudart"
