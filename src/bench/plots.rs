@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 use anyhow::Context;
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
@@ -65,6 +66,21 @@ pub fn font_available() -> bool {
 
 fn err<E: std::fmt::Display>(e: E) -> anyhow::Error {
     anyhow::anyhow!("drawing: {e}")
+}
+
+/// Draws the series labels of `chart` at `position`: the house style of every legend here
+/// (white, 80 % opaque, black border).
+fn legend<'a, DB: DrawingBackend + 'a>(
+    chart: &mut ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
+    position: SeriesLabelPosition,
+) -> anyhow::Result<()> {
+    chart
+        .configure_series_labels()
+        .position(position)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(err)
 }
 
 /// A plotting function drawn on both backends.
@@ -176,13 +192,7 @@ pub fn draw_nvme<DB: DrawingBackend>(
         }
     }
     if text {
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     }
     Ok(())
 }
@@ -231,13 +241,7 @@ pub fn draw_adam<DB: DrawingBackend>(
         chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 4, color.filled()))).map_err(err)?;
     }
     if text {
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::LowerRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::LowerRight)?;
     }
     Ok(())
 }
@@ -297,13 +301,7 @@ pub fn draw_evict<DB: DrawingBackend>(
             chart.draw_series(pts.into_iter().map(|p| Circle::new(p, 3, color.filled()))).map_err(err)?;
         }
         if text {
-            chart
-                .configure_series_labels()
-                .position(SeriesLabelPosition::LowerLeft)
-                .background_style(WHITE.mix(0.8))
-                .border_style(BLACK)
-                .draw()
-                .map_err(err)?;
+            legend(&mut chart, SeriesLabelPosition::LowerLeft)?;
         }
     }
     Ok(())
@@ -355,13 +353,7 @@ pub fn draw_moe<DB: DrawingBackend>(
     if text {
         s.label("refresh of resident copies")
             .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], CYAN.filled()));
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(err)?;
+        legend(&mut chart, SeriesLabelPosition::UpperRight)?;
     }
     Ok(())
 }
