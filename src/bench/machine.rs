@@ -34,6 +34,15 @@ pub struct Machine {
     pub timestamp_unix_s: u64,
 }
 
+/// Records this machine for a training config's run: the file system is that of its first
+/// `[budgets] nvme_dirs` entry, or of its nearest existing ancestor when the directory does not
+/// exist yet (the current directory without one).
+pub fn record_for_config(cfg: &crate::config::TrainConfig) -> Machine {
+    let nvme_dir = cfg.budgets.nvme_dirs.first().map(PathBuf::as_path);
+    let fs_dir = nvme_dir.and_then(|d| d.ancestors().find(|a| a.exists())).unwrap_or(Path::new("."));
+    record(Some(fs_dir))
+}
+
 /// Records this machine; `dir` is the directory whose file system matters (NVMe scratch).
 pub fn record(dir: Option<&Path>) -> Machine {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();

@@ -22,7 +22,7 @@
 //! [`crate::run::size_compute_threads`] first, as the CLI does), else on a dedicated pool
 //! ([`crate::plan::with_compute_threads`]).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::Context;
 use oogc_prefetch::HardwareProfile;
@@ -160,19 +160,8 @@ pub fn check(cfg: &TrainConfig, name: &str, args: &PlanCheckArgs) -> anyhow::Res
     let shape = ComputeShape::for_config(cfg);
     let threads = shape.threads;
     let load_before = load_avg_1m();
-    let (probes, measured) = crate::plan::with_compute_threads(threads, || -> anyhow::Result<_> {
-        let run = variant_config(cfg, "plan-check", (args.warmup + args.steps) as u64);
-        let mut probes = Vec::new();
-        let measured = measure_with(&run, args.warmup, args.steps, |moment| {
-            probes.push(probe_compute_on_current_pool(&shape).context("probing compute")?);
-            if moment == Moment::Measured && spread(&probes[0], &probes[1]) > PROBE_DISAGREEMENT {
-                probes.push(probe_compute_on_current_pool(&shape).context("probing compute a third time")?);
-            }
-            Ok(())
-        })
-        .context("training the measured steps")?;
-        Ok((probes, measured))
-    })??;
+    let run = variant_config(cfg, "plan-check", (args.warmup + args.steps) as u64);
+    let (measured, probes) = measure_probed(&run, args.warmup, args.steps).context("training the measured steps")?;
     let load_after = load_avg_1m();
     let probe = closest_pair_mean(&probes);
     let mut hardware = args.hardware.clone();
@@ -180,8 +169,6 @@ pub fn check(cfg: &TrainConfig, name: &str, args: &PlanCheckArgs) -> anyhow::Res
     let plan_args = plan_args_for_config(cfg, &hardware, false);
     let plan = plan_gpt(&plan_args)?;
     let error = plan.step_s / measured.step_s.max(1e-12) - 1.0;
-    let nvme_dir = cfg.budgets.nvme_dirs.first().map(PathBuf::as_path);
-    let fs_dir = nvme_dir.and_then(|d| d.ancestors().find(|a| a.exists())).unwrap_or(Path::new("."));
     Ok(PlanCheckRow {
         config: name.to_string(),
         model: crate::plan::describe_model(&plan_args),
@@ -210,8 +197,35 @@ pub fn check(cfg: &TrainConfig, name: &str, args: &PlanCheckArgs) -> anyhow::Res
         warmup: args.warmup,
         load_avg_1m_before: load_before,
         load_avg_1m_after: load_after,
-        machine: machine::record(Some(fs_dir)),
+        machine: machine::record_for_config(cfg),
     })
+}
+
+/// [`crate::bench::step::measure`] of `run` (a [`variant_config`]) on its compute threads, with
+/// the compute probe of its block shape taken in the steps' conditions (module docs): after the
+/// warmup, after the measured steps, and a third time when those two differ by more than
+/// [`PROBE_DISAGREEMENT`]. Returns the measurement and the 2 or 3 probes (pick with
+/// [`closest_pair_mean`]).
+///
+/// # Errors
+/// The trainer's errors; the probe's (a shape candle refuses); a pool that cannot be built.
+pub(crate) fn measure_probed(
+    run: &TrainConfig,
+    warmup: usize,
+    steps: usize,
+) -> anyhow::Result<(crate::bench::step::Measured, Vec<ComputeProbe>)> {
+    let shape = ComputeShape::for_config(run);
+    crate::plan::with_compute_threads(shape.threads, || -> anyhow::Result<_> {
+        let mut probes = Vec::new();
+        let measured = measure_with(run, warmup, steps, |moment| {
+            probes.push(probe_compute_on_current_pool(&shape).context("probing compute")?);
+            if moment == Moment::Measured && spread(&probes[0], &probes[1]) > PROBE_DISAGREEMENT {
+                probes.push(probe_compute_on_current_pool(&shape).context("probing compute a third time")?);
+            }
+            Ok(())
+        })?;
+        Ok((measured, probes))
+    })?
 }
 
 /// The larger over the smaller block time (forward + backward) of two probes.
@@ -221,7 +235,7 @@ fn spread(a: &ComputeProbe, b: &ComputeProbe) -> f64 {
 }
 
 /// [`ComputeProbe::mean`] of the two probes of `probes` (2 or 3) with the closest block times.
-fn closest_pair_mean(probes: &[ComputeProbe]) -> ComputeProbe {
+pub(crate) fn closest_pair_mean(probes: &[ComputeProbe]) -> ComputeProbe {
     let mut best = (0, 1);
     for i in 0..probes.len() {
         for j in i + 1..probes.len() {
@@ -323,7 +337,8 @@ mod tests {
     #[test]
     fn zero_steps_are_refused() {
         let cfg =
-            TrainConfig::load(&Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tinyshakespeare.toml")).unwrap();
+            TrainConfig::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tinyshakespeare.toml"))
+                .unwrap();
         let args = PlanCheckArgs { steps: 0, ..PlanCheckArgs::new(Vec::new()) };
         let e = check(&cfg, "x", &args).unwrap_err();
         assert!(e.to_string().contains("steps"), "{e}");

@@ -20,7 +20,7 @@
 //! | `lower_bound_s` | max(compute, transfer, optimizer) |
 //! | `schedule_bound_s` | the schedule's bound: `max(compute_f, H2D_f, D2H_f) + max(compute_b, H2D_b, D2H_b)` over the forward (`f`, up to the turn: [`crate::runtime::Runtime::end_forward`]) and backward (`b`) phases, at least NVMe busy time and the optimizer |
 //! | `speedup_ceiling` | on-demand's `step_s` / the variant's `schedule_bound_s` |
-//! | `plan_step_s` | `oogc plan --config --probe-compute` for the variant's config, compute probed once after ours' warmup (the planner models the prefetch window and the pipelined optimizer, so `null` for `on-demand`) |
+//! | `plan_step_s` | `oogc plan --config --probe-compute` for the variant's config, compute probed around ours' steps as `oogc bench plan` does (the planner models the prefetch window and the pipelined optimizer, so `null` for `on-demand`) |
 //!
 //! Why two bounds: every unit's new compute copy depends on the whole step's gradients (the
 //! global-norm clip and the skip of a non-finite step are decided after the last gradient), so
@@ -33,7 +33,7 @@
 //! The compute of the sim device runs on the same CPU cores as the optimizer, so on a small
 //! machine compute and optimizer contend and the bound is optimistic.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Context;
@@ -372,10 +372,7 @@ pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
     let total = (args.warmup + args.steps) as u64;
     let gcfg = gpt_config(base);
     let params = gcfg.num_params();
-    let nvme_dir = base.budgets.nvme_dirs.first().map(PathBuf::as_path);
-    // The NVMe directory may not exist yet: record the file system of its nearest existing ancestor.
-    let fs_dir = nvme_dir.and_then(|d| d.ancestors().find(|a| a.exists())).unwrap_or(Path::new("."));
-    let machine = machine::record(Some(fs_dir));
+    let machine = machine::record_for_config(base);
 
     let ours = variant_config(base, "ours", total);
     let mut on_demand = variant_config(base, "on-demand", total);
@@ -406,22 +403,13 @@ pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
     }
     let m = measure(&on_demand, args.warmup, args.steps).context("the on-demand variant")?;
     measured.push(("on-demand", on_demand, m));
-    // The plan's compute rate: this CPU's, probed in the steps' conditions (after ours' warmup,
-    // with its trainer alive), as `oogc bench plan` does.
-    let shape = crate::plan::ComputeShape::for_config(base);
-    let mut probe = None;
-    let m = measure_with(&ours, args.warmup, args.steps, |moment| {
-        if moment == Moment::Warm {
-            probe = Some(crate::plan::probe_compute_on_current_pool(&shape).context("probing compute")?);
-        }
-        Ok(())
-    })
-    .context("the ours variant")?;
+    // The plan's compute rate: this CPU's, probed in ours' steps' conditions as `oogc bench plan`
+    // probes (after the warmup and after the measured steps, with the trainer alive).
+    let (m, probes) =
+        crate::bench::plan_check::measure_probed(&ours, args.warmup, args.steps).context("the ours variant")?;
     measured.push(("ours", ours, m));
     let mut hardware = args.hardware.clone();
-    if let Some(p) = &probe {
-        p.apply(&mut hardware);
-    }
+    crate::bench::plan_check::closest_pair_mean(&probes).apply(&mut hardware);
 
     let optimizer_s = optimizer_step_s(params, base.threads.optimizer)?;
     let resident_compute =
