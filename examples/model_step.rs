@@ -10,7 +10,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use oogc::model::{init_params, unit_tensor, Gpt, GptConfig};
+use oogc::models::{init_params, unit_tensor, Gpt, GptConfig};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse()).collect::<Result<_, _>>()?;

@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use oogc::model::{init_params, unit_tensor, Gpt, GptConfig, MoeConfig};
+use oogc::models::{init_params, unit_tensor, Gpt, GptConfig, MoeConfig};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);

@@ -199,8 +199,8 @@ fn default_aux() -> f64 {
 
 impl MoeModelConfig {
     /// The model's MoE config.
-    pub fn to_model(&self) -> crate::model::MoeConfig {
-        crate::model::MoeConfig {
+    pub fn to_model(&self) -> oogc_models::MoeConfig {
+        oogc_models::MoeConfig {
             experts: self.experts,
             top_k: self.top_k,
             aux_loss_coef: self.aux_loss_coef,

@@ -10,10 +10,11 @@
 //! | [`prefetch`] | traced schedule, next-use (Belady) eviction, lookahead prefetch, simulator, planner |
 //! | [`moe_placement`] | expert placement (later issue) |
 //! | [`runtime`] | `Runtime`: fetch → compute → release per unit, gradients D2H to the pipelined optimizer |
-//! | [`model`], [`train`], [`run`] | the byte-level GPT on candle, its trainer, the `oogc train` loop |
+//! | [`models`], [`train`], [`run`] | the byte-level GPT on candle, its trainer, the `oogc train` loop |
 //! | [`config`], [`data`], [`checkpoint`] | the TOML config, training text, safetensors checkpoints |
 #![deny(unsafe_code)]
 
+pub use oogc_models as models;
 pub use oogc_moe_placement as moe_placement;
 pub use oogc_optimizer as optimizer;
 pub use oogc_prefetch as prefetch;
@@ -23,7 +24,7 @@ pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
-pub mod model;
+
 pub mod plan;
 pub mod run;
 pub mod runtime;

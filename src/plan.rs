@@ -32,7 +32,7 @@ use oogc_swapper::{EngineChoice, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolCo
 use serde::Serialize;
 
 use crate::config::TrainConfig;
-use crate::model::{init_params, Gpt, GptConfig};
+use oogc_models::{init_params, Gpt, GptConfig};
 
 /// Byte-level vocabulary of the reference GPT.
 pub const VOCAB: u64 = 256;
@@ -889,7 +889,7 @@ mod tests {
                 d_model: 32,
                 n_head: 2,
                 max_seq_len: 16,
-                moe: moe.then(|| crate::model::MoeConfig { experts: 4, top_k: 2, ..Default::default() }),
+                moe: moe.then(|| oogc_models::MoeConfig { experts: 4, top_k: 2, ..Default::default() }),
                 ..GptConfig::default()
             },
             seq_len: 16,

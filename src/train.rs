@@ -1,4 +1,4 @@
-//! The reference trainer: the byte-level GPT of [`crate::model`] trained out of GPU core through
+//! The reference trainer: the byte-level GPT of [`oogc_models`] trained out of GPU core through
 //! a [`Runtime`], from a [`TrainConfig`]. `oogc train` drives it; tests drive it directly.
 //!
 //! One step (DESIGN.md, "One training step"): the forward fetches units 0..L in order and keeps
@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::config::{StateTier, TrainConfig};
 use crate::data::{validation_batches, Batch, Sampler, TextData};
-use crate::model::{init_params, Gpt, GptConfig, UnitSpec};
 use crate::runtime::{DeviceSpec, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
+use oogc_models::{init_params, Gpt, GptConfig, UnitSpec};
 
 /// Anything that stops a training run; every variant's message names the cause and the fix.
 #[derive(Debug, thiserror::Error)]
@@ -31,7 +31,7 @@ pub enum TrainError {
     Runtime(#[from] crate::runtime::RuntimeError),
     /// Model failure.
     #[error(transparent)]
-    Model(#[from] crate::model::Error),
+    Model(#[from] oogc_models::Error),
     /// candle failure.
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
@@ -276,7 +276,7 @@ impl Trainer {
         if let Some(m) = &gcfg.moe {
             // Experts are fetched as the router decides: outside the recorded schedule.
             for (k, spec) in units.iter().enumerate() {
-                if matches!(spec.kind, crate::model::UnitKind::Expert { .. }) {
+                if matches!(spec.kind, oogc_models::UnitKind::Expert { .. }) {
                     rt.set_unscheduled(ids[k]);
                 }
             }
@@ -486,7 +486,7 @@ impl Trainer {
     fn moe_placement(
         cfg: &TrainConfig,
         gcfg: &GptConfig,
-        m: &crate::model::MoeConfig,
+        m: &oogc_models::MoeConfig,
         units: &[UnitSpec],
         ids: &[UnitId],
         rt: &mut Runtime,
@@ -495,7 +495,7 @@ impl Trainer {
         Option<oogc_moe_placement::RoutingTraceWriter<std::io::BufWriter<std::fs::File>>>,
     )> {
         let expert_params =
-            units.iter().find(|u| matches!(u.kind, crate::model::UnitKind::Expert { .. })).map_or(0, |u| u.numel);
+            units.iter().find(|u| matches!(u.kind, oogc_models::UnitKind::Expert { .. })).map_or(0, |u| u.numel);
         let expert_bytes = expert_params as u64 * 4;
         // Forward 2, recompute 2, backward 4 FLOPs per parameter and token.
         let flops_per_token = 8.0 * expert_params as f64;
@@ -543,7 +543,7 @@ impl Trainer {
         let placer = oogc_moe_placement::Placer::new(gcfg.n_layer as u32, m.experts as u32, header.expert_shape(), pc)
             .map_err(moe_err("moe.expert_budget"))?;
         let experts = units.iter().zip(ids).filter_map(|(u, id)| match u.kind {
-            crate::model::UnitKind::Expert { block, expert } => Some((
+            oogc_models::UnitKind::Expert { block, expert } => Some((
                 oogc_swapper::TensorId(id.0 as u64),
                 oogc_moe_placement::ExpertId::new(block as u32, expert as u32),
             )),
@@ -611,7 +611,7 @@ impl Trainer {
         phase: Phase,
         held: &mut std::collections::HashMap<(usize, usize), UnitParams>,
         cpu_tokens: &mut usize,
-    ) -> Result<(Tensor, crate::model::Routing, Vec<Placement>)> {
+    ) -> Result<(Tensor, oogc_models::Routing, Vec<Placement>)> {
         let trunk = self.ids[self.moe.as_ref().expect("MoE").trunks[block]];
         let t = {
             let p = self.rt.fetch(trunk, phase)?;
