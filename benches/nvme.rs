@@ -1,18 +1,14 @@
 //! Criterion benches of the NVMe tier (small sizes, seconds): a 64 MiB write and read through the
-//! store, crc32c of 1 MiB, and an extent alloc/free pair.
-//!
-//! With `OOGC_NVME_BENCH_GIB=<GiB>` set it instead runs the full store-vs-fio comparison of
-//! `oogc::bench::nvme` (both engines, fio when on the PATH) in `OOGC_NVME_BENCH_DIR` (default: the
-//! temp dir) and prints the table and the JSON rows.
+//! store in `OOGC_NVME_BENCH_DIR` (default: the temp dir), crc32c of 1 MiB, and an extent
+//! alloc/free pair. The full store-vs-fio comparison is `oogc bench nvme --dir DIR --size-gib N`.
 #![allow(missing_docs)]
 
 use std::path::PathBuf;
 
 use criterion::{criterion_group, Criterion, Throughput};
-use oogc::bench::nvme::{print_table, run, NvmeBenchArgs};
 use oogc::swapper::nvme::alloc::ExtentAllocator;
 use oogc::swapper::nvme::block_checksum;
-use oogc::swapper::{EngineChoice, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
+use oogc::swapper::{NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
 
 const MIB64: usize = 64 << 20;
 
@@ -64,20 +60,4 @@ fn store_benches(c: &mut Criterion) {
 
 criterion_group!(benches, store_benches);
 
-fn main() {
-    if let Ok(gib) = std::env::var("OOGC_NVME_BENCH_GIB") {
-        let dir = std::env::var_os("OOGC_NVME_BENCH_DIR").map(PathBuf::from).unwrap_or_else(std::env::temp_dir);
-        let args = NvmeBenchArgs {
-            dirs: vec![dir],
-            size_gib: gib.parse().expect("OOGC_NVME_BENCH_GIB is a number of GiB"),
-            engines: vec![EngineChoice::Uring, EngineChoice::Psync],
-            ..NvmeBenchArgs::default()
-        };
-        let rows = run(&args).expect("nvme bench");
-        print_table(&rows);
-        println!("{}", serde_json::to_string_pretty(&rows).unwrap());
-        return;
-    }
-    benches();
-    Criterion::default().configure_from_args().final_summary();
-}
+criterion::criterion_main!(benches);

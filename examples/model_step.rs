@@ -20,7 +20,7 @@ fn main() -> anyhow::Result<()> {
     let gpt = Gpt::new(cfg.clone())?;
     let dev = Device::Cpu;
     let params: Vec<Tensor> =
-        init_params(&cfg, 0).iter().map(|f| unit_tensor(f, DType::F32, &dev)).collect::<Result<_, _>>()?;
+        init_params(&cfg.units(), 0).iter().map(|f| unit_tensor(f, DType::F32, &dev)).collect::<Result<_, _>>()?;
     let data: Vec<u32> = (0..b * (t + 1)).map(|i| (i * 31 % 251) as u32).collect();
     let seqs = Tensor::from_vec(data, (b, t + 1), &dev)?;
     let tokens = seqs.narrow(1, 0, t)?.contiguous()?;

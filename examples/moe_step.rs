@@ -51,7 +51,7 @@ fn main() -> anyhow::Result<()> {
     for cfg in [&dense_cfg, &moe_cfg] {
         let gpt = Gpt::new(cfg.clone())?;
         let params: Vec<Tensor> =
-            init_params(cfg, 0).iter().map(|f| unit_tensor(f, DType::F32, &dev)).collect::<Result<_, _>>()?;
+            init_params(&cfg.units(), 0).iter().map(|f| unit_tensor(f, DType::F32, &dev)).collect::<Result<_, _>>()?;
         let (fwd, _) = time(reps, || Ok(gpt.loss(&params, &tokens, &targets)?))?;
         let (step, (parts, _)) = time(reps, || Ok(gpt.loss_parts_and_grads(&params, &tokens, &targets)?))?;
         println!(

@@ -20,7 +20,6 @@ pub use oogc_optimizer as optimizer;
 pub use oogc_prefetch as prefetch;
 pub use oogc_swapper as swapper;
 
-pub mod bench;
 pub mod checkpoint;
 pub mod config;
 pub mod data;

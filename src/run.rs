@@ -1,11 +1,11 @@
-//! `oogc train`'s driver: the loop around [`Trainer`] with a progress bar, validation, metrics
-//! (JSON lines, one object per step), checkpoints, and the end-of-run summary.
+//! `oogc train`'s driver: the loop around [`Trainer`] with validation, metrics (JSON lines, one
+//! object per step), checkpoints, and the end-of-run summary. What a caller shows while it runs
+//! (the CLI's progress bar) comes through a [`RunObserver`].
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
 use crate::config::TrainConfig;
@@ -38,9 +38,35 @@ pub struct RunOptions {
     /// Stop after this step (overrides `train.steps` as the last step; the LR schedule still
     /// spans `train.steps`).
     pub steps: Option<u64>,
-    /// Draw a progress bar on stderr.
-    pub progress: bool,
 }
+
+/// What a caller of [`run`] sees while the run goes on (the CLI draws a progress bar from it).
+/// Every method has an empty default.
+pub trait RunObserver {
+    /// The run starts at step `first` (1-based) and stops after step `last`.
+    fn start(&mut self, first: u64, last: u64) {
+        let _ = (first, last);
+    }
+
+    /// A step finished: its metrics record and the run's totals so far.
+    fn step(&mut self, record: &StepRecord, totals: &RunSummary) {
+        let _ = (record, totals);
+    }
+
+    /// A line worth showing (a validation result, a skipped step).
+    fn line(&mut self, line: &str) {
+        let _ = line;
+    }
+
+    /// The loop is over (before the summary is returned).
+    fn finish(&mut self) {}
+}
+
+/// A [`RunObserver`] that shows nothing.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Quiet;
+
+impl RunObserver for Quiet {}
 
 /// One line of the metrics file.
 #[derive(Debug, Clone, Serialize)]
@@ -132,15 +158,16 @@ pub struct RunSummary {
     pub checkpoints: Vec<PathBuf>,
 }
 
-fn gb(bytes: u64) -> String {
+/// `bytes` as decimal gigabytes, `"1.23 GB"`.
+pub fn gb(bytes: u64) -> String {
     format!("{:.2} GB", bytes as f64 / 1e9)
 }
 
-/// Runs the training described by `cfg`.
+/// Runs the training described by `cfg`, telling `observer` of each step.
 ///
 /// # Errors
 /// Whatever [`Trainer`] returns; I/O errors of the metrics file (named).
-pub fn run(cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
+pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) -> Result<RunSummary> {
     let mut trainer = match &opts.resume {
         Some(dir) => Trainer::resume(cfg.clone(), dir)?,
         None => Trainer::new(cfg.clone())?,
@@ -179,17 +206,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         ratio = summary.model_to_gpu_ratio,
         "starting at step {first}"
     );
-    let bar = if opts.progress && last >= first {
-        let bar = ProgressBar::new(last - first + 1);
-        bar.set_style(
-            ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
-                .expect("valid template")
-                .progress_chars("=> "),
-        );
-        bar
-    } else {
-        ProgressBar::hidden()
-    };
+    observer.start(first, last);
     let mut tokens = 0usize;
     let run_start = Instant::now();
     while trainer.step() < last {
@@ -209,7 +226,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
         let val_loss = if eval_now { Some(trainer.evaluate()?) } else { None };
         if let Some(v) = val_loss {
             summary.final_val_loss = v;
-            bar.println(format!(
+            observer.line(&format!(
                 "step {step:>6}  train {:.4}  val {v:.4} nats/byte ({:.3} bits/byte)",
                 out.loss,
                 v / std::f64::consts::LN_2
@@ -236,7 +253,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
             cpu_tokens: (!out.routed_tokens.is_empty()).then_some(out.cpu_tokens),
         };
         if s.skipped {
-            bar.println(format!("step {step}: skipped, a gradient was not finite (norm {})", s.grad_norm));
+            observer.line(&format!("step {step}: skipped, a gradient was not finite (norm {})", s.grad_norm));
         }
         if let Some((w, path)) = &mut metrics {
             let line = serde_json::to_string(&record).expect("record serializes");
@@ -244,17 +261,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
                 TrainError::Checkpoint(crate::checkpoint::CheckpointError::Io { path: path.clone(), source })
             })?;
         }
-        bar.set_message(format!(
-            "loss {:.3} | {:.0} tok/s | stall {:.0}% | H2D {} D2H {} NVMe r {} w {}",
-            out.loss,
-            record.tokens_per_s,
-            100.0 * record.stall_s / s.step_s.max(1e-9),
-            gb(summary.h2d_bytes),
-            gb(summary.d2h_bytes),
-            gb(summary.nvme_read_bytes),
-            gb(summary.nvme_write_bytes),
-        ));
-        bar.inc(1);
+        observer.step(&record, &summary);
         let interval = cfg.checkpoint.interval;
         if step == last || (interval > 0 && step % interval == 0) {
             if let Some(p) = trainer.save_checkpoint()? {
@@ -262,7 +269,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions) -> Result<RunSummary> {
             }
         }
     }
-    bar.finish_and_clear();
+    observer.finish();
     summary.last_step = trainer.step();
     summary.tokens_per_s = tokens as f64 / summary.train_s.max(1e-9);
     summary.compute_s = (summary.train_s - summary.exposed_transfer_s - summary.exposed_optimizer_s).max(0.0);

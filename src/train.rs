@@ -259,7 +259,7 @@ impl Trainer {
                 })?;
             }
         }
-        let params = init_params(&gcfg, cfg.train.seed);
+        let params = init_params(&gcfg.units(), cfg.train.seed);
         let units = model.units().to_vec();
         let mut rt = Runtime::new(runtime_config(&cfg, gcfg.num_params())?)?;
         let mut ids = Vec::with_capacity(units.len());

@@ -5,7 +5,7 @@
 //! tensors of a block (`[B·T, 4d]` and `[B, H, T, T]`), GELU's backward with `tanh` and two
 //! `powf` per element; on the CPU they took about a third of a block's time. Here each
 //! direction is one pass, spread over the rayon pool. They are used for F32/F64 tensors on
-//! `Device::Cpu`; other devices and dtypes use the op compositions in [`super::gpt`] (same math).
+//! `Device::Cpu`; other devices and dtypes use the op compositions in [`crate::ops`] (same math).
 //!
 //! The GELU is the tanh form of GPT-2 (Hendrycks & Gimpel 2016), written
 //! `x · sigmoid(2u)`, `u = sqrt(2/π) (x + 0.044715 x³)` — equal to `0.5 x (1 + tanh u)` — so it
@@ -23,19 +23,19 @@ const GELU_A: f64 = 0.044_715;
 const CHUNK: usize = 1 << 14;
 
 /// Whether the fused kernels apply to a tensor of this dtype on this device.
-pub(super) fn fused_supported(t: &Tensor) -> bool {
+pub(crate) fn fused_supported(t: &Tensor) -> bool {
     t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
 }
 
 /// Tanh-form GELU of `x` (any shape, F32/F64 on the CPU), with a backward.
-pub(super) fn gelu(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn gelu(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(Gelu)
 }
 
 /// Softmax over the last dim of `x` `[.., T, T]` with the causal mask: row `i` of each
 /// `[T, T]` matrix is normalised over columns `0..=i`, columns after `i` are 0. F32/F64 on the
 /// CPU, with a backward.
-pub(super) fn causal_softmax(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn causal_softmax(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(CausalSoftmax)
 }
 
@@ -274,13 +274,13 @@ impl CustomOp2 for CausalSoftmaxGrad {
 /// `x + b` with `x` `[.., n]` and `b` `[n]` (a linear layer's bias), F32/F64 on the CPU, with a
 /// backward whose bias gradient is a fast row sum (candle's backward of `broadcast_add` reduces
 /// over the leading dims with a strided loop, ~13% of a block's time).
-pub(super) fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub(crate) fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&b.contiguous()?, BiasAdd)
 }
 
 /// `x * w + b` with `x` `[.., n]`, `w`, `b` `[n]` (LayerNorm's affine part), F32/F64 on the
 /// CPU, with a backward whose `w`/`b` gradients are fast row sums.
-pub(super) fn scale_shift(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
+pub(crate) fn scale_shift(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op3(&w.contiguous()?, &b.contiguous()?, ScaleShift)
 }
 

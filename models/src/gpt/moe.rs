@@ -22,10 +22,12 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 
-use super::config::{block_idx as bi, expert_idx as ei, MoeConfig, UnitKind, UnitSpec};
-use super::gpt::{gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim, vars, views, Gpt};
-use super::kernels;
-use super::{Result, UnitGrads};
+use super::config::{block_idx as bi, expert_idx as ei, MoeConfig};
+use super::{Gpt, UnitGrads};
+use crate::kernels;
+use crate::ops::{gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim, vars, views};
+use crate::unit::{UnitKind, UnitSpec};
+use crate::Result;
 
 /// The loss of the whole model in its two parts; the model minimizes [`LossParts::total`].
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -18,7 +18,7 @@
 //! | `transfer_s` | the busiest link: max(H2D bytes / link GB/s, D2H bytes / link GB/s, NVMe store busy time), per step; 0 for an unthrottled sim link |
 //! | `optimizer_s` | parameters / the params/s of one [`AdamKernel`] step over all parameters in this process (same threads, f32 copy out) |
 //! | `lower_bound_s` | max(compute, transfer, optimizer) |
-//! | `schedule_bound_s` | the schedule's bound: `max(compute_f, H2D_f, D2H_f) + max(compute_b, H2D_b, D2H_b)` over the forward (`f`, up to the turn: [`crate::runtime::Runtime::end_forward`]) and backward (`b`) phases, at least NVMe busy time and the optimizer |
+//! | `schedule_bound_s` | the schedule's bound: `max(compute_f, H2D_f, D2H_f) + max(compute_b, H2D_b, D2H_b)` over the forward (`f`, up to the turn: [`oogc::runtime::Runtime::end_forward`]) and backward (`b`) phases, at least NVMe busy time and the optimizer |
 //! | `speedup_ceiling` | on-demand's `step_s` / the variant's `schedule_bound_s` |
 //! | `plan_step_s` | `oogc plan --config --probe-compute` for the variant's config, compute probed around ours' steps as `oogc bench plan` does (the planner models the prefetch window and the pipelined optimizer, so `null` for `on-demand`) |
 //!
@@ -41,10 +41,10 @@ use oogc_optimizer::{AdamConfig, AdamKernel, CopyOut, FloatType, GradSlice, Isa,
 use oogc_prefetch::HardwareProfile;
 use serde::Serialize;
 
-use crate::bench::machine::{self, Machine};
-use crate::config::{StateTier, TrainConfig};
-use crate::plan::plan_gpt;
-use crate::train::{gpt_config, Trainer};
+use crate::machine::{self, Machine};
+use oogc::config::{StateTier, TrainConfig};
+use oogc::plan::plan_gpt;
+use oogc::train::{gpt_config, Trainer};
 
 /// Arguments of the step benchmark.
 #[derive(Debug, Clone)]
@@ -170,7 +170,7 @@ pub(crate) struct Measured {
     pub(crate) step_s: f64,
     /// Median `step_s − stall_s` (compute and everything else not waiting), seconds.
     pub(crate) busy_s: f64,
-    /// Median forward-phase wall time minus its stalls (to [`crate::runtime::Runtime::end_forward`]), seconds.
+    /// Median forward-phase wall time minus its stalls (to [`oogc::runtime::Runtime::end_forward`]), seconds.
     pub(crate) forward_busy_s: f64,
     /// Mean H2D bytes per step in the forward phase.
     pub(crate) forward_h2d: u64,
@@ -279,7 +279,7 @@ pub(crate) fn measure_with(
         let after = t.runtime().traffic();
         at(Moment::Measured)?;
         let n = steps as u64;
-        let sum = |f: fn(&crate::runtime::StepStats) -> u64| stats.iter().map(f).sum::<u64>() / n;
+        let sum = |f: fn(&oogc::runtime::StepStats) -> u64| stats.iter().map(f).sum::<u64>() / n;
         Ok(Measured {
             step_s: median(stats.iter().map(|s| s.step_s).collect()),
             busy_s: median(stats.iter().map(|s| (s.step_s - s.stall_s()).max(0.0)).collect()),
@@ -357,7 +357,7 @@ pub fn optimizer_step_s(params: usize, threads: usize) -> anyhow::Result<f64> {
 /// # Errors
 /// The planner's errors.
 pub fn plan_step_s(cfg: &TrainConfig, hardware: &HardwareProfile) -> anyhow::Result<f64> {
-    Ok(plan_gpt(&crate::plan::plan_args_for_config(cfg, hardware, false))?.step_s)
+    Ok(plan_gpt(&oogc::plan::plan_args_for_config(cfg, hardware, false))?.step_s)
 }
 
 /// Runs the three variants and computes their bounds.
@@ -405,11 +405,10 @@ pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
     measured.push(("on-demand", on_demand, m));
     // The plan's compute rate: this CPU's, probed in ours' steps' conditions as `oogc bench plan`
     // probes (after the warmup and after the measured steps, with the trainer alive).
-    let (m, probes) =
-        crate::bench::plan_check::measure_probed(&ours, args.warmup, args.steps).context("the ours variant")?;
+    let (m, probes) = crate::plan_check::measure_probed(&ours, args.warmup, args.steps).context("the ours variant")?;
     measured.push(("ours", ours, m));
     let mut hardware = args.hardware.clone();
-    crate::bench::plan_check::closest_pair_mean(&probes).apply(&mut hardware);
+    crate::plan_check::closest_pair_mean(&probes).apply(&mut hardware);
 
     let optimizer_s = optimizer_step_s(params, base.threads.optimizer)?;
     let resident_compute =

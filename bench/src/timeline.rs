@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::step::{remove_scratch, variant_config};
-use crate::config::TrainConfig;
+use oogc::config::TrainConfig;
 
 /// Training steps [`record`] runs by default: the schedule-recording first step, two full steps
 /// and the last (which has no end in the trace).

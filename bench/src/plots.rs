@@ -544,7 +544,7 @@ mod tests {
     use oogc_moe_placement::{synthetic_trace, SyntheticConfig};
 
     use super::*;
-    use crate::bench::timeline::TrackSpan;
+    use crate::timeline::TrackSpan;
 
     fn small_timeline() -> Timeline {
         let span = |track, start_s, end_s, name: &str| TrackSpan {
@@ -595,7 +595,7 @@ mod tests {
     #[test]
     fn every_plot_draws_without_text() {
         let evict_args = evict::EvictBenchArgs {
-            shape: crate::plan::GptShape { layers: 2, d_model: 32, seq_len: 8, batch: 1, dtype_bytes: 2 },
+            shape: oogc::plan::GptShape { layers: 2, d_model: 32, seq_len: 8, batch: 1, dtype_bytes: 2 },
             fractions: vec![0.5],
             ..evict::EvictBenchArgs::default()
         };

@@ -6,10 +6,12 @@ use candle_core::{DType, Device, Tensor, Var};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 
-use super::gpt::{cross_entropy, views};
 use super::moe::{aux_value, combine_math, gate_values};
 use super::tests::{ids, max_abs_diff, random_params, to_tensors, to_vec, FD_ATOL, FD_RTOL, FD_STEP};
 use super::*;
+use crate::ops::{cross_entropy, views};
+use crate::unit::{init_params, init_unit_from_seed, ParamInit, UnitKind};
+use crate::unit_tensor;
 
 /// The tiny MoE config of the gradient checks: d = 8, 2 heads, 2 layers, E = 4 experts of width
 /// 12, `aux_loss_coef` 0.5 (large, so the auxiliary gradient weighs in the check).
@@ -171,13 +173,13 @@ fn moe_init_is_deterministic_router_and_experts() {
         moe: Some(MoeConfig { experts: 8, ..MoeConfig::default() }),
         ..GptConfig::default()
     };
-    let a = init_params(&cfg, 7);
-    assert_eq!(a, init_params(&cfg, 7));
-    assert_ne!(a[cfg.expert_unit(0, 1)], init_params(&cfg, 8)[cfg.expert_unit(0, 1)]);
+    let a = init_params(&cfg.units(), 7);
+    assert_eq!(a, init_params(&cfg.units(), 7));
+    assert_ne!(a[cfg.expert_unit(0, 1)], init_params(&cfg.units(), 8)[cfg.expert_unit(0, 1)]);
     let units = cfg.units();
     // Each expert alone gives the same vector, and experts differ from each other.
     let u = &units[cfg.expert_unit(1, 3)];
-    assert_eq!(init_unit_from_seed(&cfg, u, 7), a[u.index]);
+    assert_eq!(init_unit_from_seed(u, 7), a[u.index]);
     assert_ne!(a[cfg.expert_unit(0, 0)], a[cfg.expert_unit(0, 1)]);
     let std = |v: &[f32]| (v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt();
     let trunk = &units[cfg.block_unit(0)];
@@ -677,7 +679,7 @@ fn expert_without_tokens_is_never_called_and_has_zero_gradient() {
 fn moe_is_deterministic() {
     let cfg = moe_tiny(2, Some(1.0), false);
     let params: Vec<Tensor> =
-        init_params(&cfg, 5).iter().map(|f| unit_tensor(f, DType::F32, &cpu()).unwrap()).collect();
+        init_params(&cfg.units(), 5).iter().map(|f| unit_tensor(f, DType::F32, &cpu()).unwrap()).collect();
     let mut rng = ChaCha8Rng::seed_from_u64(6);
     let tokens = ids(2, 6, 256, &mut rng);
     let targets = ids(2, 6, 256, &mut rng);
@@ -725,7 +727,7 @@ fn moe_bad_inputs_are_errors_naming_the_argument() {
     let cfg = moe_tiny(2, None, false);
     let gpt = Gpt::new(cfg.clone()).unwrap();
     let params: Vec<Tensor> =
-        init_params(&cfg, 1).iter().map(|f| unit_tensor(f, DType::F32, &cpu()).unwrap()).collect();
+        init_params(&cfg.units(), 1).iter().map(|f| unit_tensor(f, DType::F32, &cpu()).unwrap()).collect();
     let what = |r: std::result::Result<(), Error>| match r {
         Err(Error::Input { what, .. }) => what,
         other => panic!("expected an input error, got {other:?}"),

@@ -1,35 +1,101 @@
-//! Unit-wise forward and recompute-based backward of the GPT on candle.
+//! The byte-level GPT (GPT-2 architecture, Radford et al. 2019) on candle,
+//! cut into **units** whose parameters are each **one flat vector** — the way the runtime
+//! stores, moves and optimizes them (one swapper tensor per unit).
+//!
+//! | unit index | kind | name | parameters (flat, in this order) | input → output |
+//! |---|---|---|---|---|
+//! | 0 | [`UnitKind::Embedding`] | `embed` | `wte.weight` `[V, d]`, `wpe.weight` `[S, d]` | tokens `[B, T]` U32 → `[B, T, d]` |
+//! | 1..=L | [`UnitKind::Block`]`(i)` | `blocks.{i}` | `ln_1`, `attn.qkv`, `attn.proj`, `ln_2`, `mlp.fc`, `mlp.proj` (weights `[in, out]`, then bias) | `[B, T, d]` → `[B, T, d]` |
+//! | L+1 | [`UnitKind::Head`] | `head` | `ln_f.weight`, `ln_f.bias` `[d]`, `head.weight` `[d, V]` (untied only) | `[B, T, d]` → logits `[B, T, V]` |
+//!
+//! (`V` = `vocab_size`, `S` = `max_seq_len`, `d` = `d_model`, `L` = `n_layer`; exact shapes
+//! and offsets in [`GptConfig::units`].)
+//!
+//! # MoE-GPT
+//!
+//! With [`GptConfig::moe`] set ([`MoeConfig`]: Switch Transformer, Fedus et al. 2021, for
+//! top-1; GShard, Lepikhin et al. 2020, for top-2), every block's MLP becomes `E` experts
+//! behind a softmax router, and each expert is **its own unit** (resident or not on its own):
+//!
+//! | unit index | kind | name | parameters | input → output |
+//! |---|---|---|---|---|
+//! | 0 | [`UnitKind::Embedding`] | `embed` | as above | tokens → `[B, T, d]` |
+//! | `1 + i (1 + E)` | [`UnitKind::MoeTrunk`]`(i)` | `blocks.{i}` | `ln_1`, `attn.qkv`, `attn.proj`, `ln_2`, `router.weight` `[d, E]`, `router.bias` `[E]` | `[B, T, d]` → `x1` `[B, T, d]`, `h` `[N, d]`, probs `[N, E]`, [`Routing`] |
+//! | `2 + i (1 + E) + e` | [`UnitKind::Expert`]` { block: i, expert: e }` | `blocks.{i}.experts.{e}` | `fc.weight` `[d, f]`, `fc.bias` `[f]`, `proj.weight` `[f, d]`, `proj.bias` `[d]` | `h_e` `[n_e, d]` → `[n_e, d]` |
+//! | last | [`UnitKind::Head`] | `head` | as above | `[B, T, d]` → logits |
+//!
+//! (`N = B · T`, `f` = [`GptConfig::expert_dim`], `n_e` the tokens routed to expert `e`; the
+//! indices are [`GptConfig::block_unit`], [`GptConfig::expert_unit`], [`GptConfig::head_unit`].)
+//! The block is `y = x1 + Σ_e scatter(idx_e, gate_e · expert_e(h[idx_e]))` and the objective
+//! is `CE + Σ_blocks aux` ([`LossParts`]); gates, capacity and the auxiliary loss are defined
+//! in [`MoeConfig`]. The MoE unit calls (trunk forward, expert forward, combine, and their
+//! backward) are described in [`Gpt::loss_parts_and_grads`], which runs them as a trainer does.
+//!
+//! Blocks are pre-LN: `x + proj(attn(ln_1(x)))`, then `x + mlp(ln_2(x))` with causal
+//! multi-head self-attention and a GELU (tanh form) MLP. LayerNorm, softmax and the
+//! cross-entropy are composed of candle ops that all have a backward (the fused candle-nn ones
+//! have none, see DESIGN.md "Traps"). On `Device::Cpu` in F32/F64, four pieces run as fused
+//! kernels with their own backward (`kernels.rs`: causal softmax, GELU, bias add, LayerNorm's
+//! scale-and-shift; about 2.5× faster per step than the op compositions); every other device or
+//! dtype takes the op compositions. Both paths are checked against finite differences and
+//! against each other.
+//!
+//! # One step, unit by unit (activation checkpointing, Chen et al. 2016)
+//!
+//! ```text
+//! forward : x_0 = forward(0, p_0, tokens); x_u = forward(u, p_u, x_{u-1})   keep x_u (checkpoint)
+//! head    : (loss, g_head, g, g_tied) = head_loss_backward(p_{L+1}, x_L, tied, targets)
+//! backward: for u in L..=1: (g_u, g) = backward(u, p_u, x_{u-1}, g)      recompute u, VJP
+//!           g_0 = backward(0, p_0, tokens, g).grad_params (+ g_tied when the head is tied)
+//! ```
+//!
+//! [`Gpt::loss_and_grads`] is exactly this loop, in memory (for the MoE block's calls see
+//! [`Gpt::loss_parts_and_grads`]). Nothing is kept between calls but
+//! what the caller keeps; a unit's activations live only during its own call.
+//!
+//! # Tied head
+//!
+//! With `tied_head = true` the head has no weight of its own; it uses `wte` from the embedding
+//! unit. Its calls then take `tied_wte = Some(embedding flat vector)` (so the runtime must have
+//! the embedding unit resident for the head), and its backward returns
+//! [`UnitGrads::grad_tied_wte`], a gradient over the **embedding unit's** flat vector that the
+//! trainer adds to the embedding's own gradient before handing it to the optimizer.
+//!
+//! # Threads (CPU)
+//!
+//! candle's CPU matmul runs gemm with `Parallelism::Rayon(n)`, where `n` is
+//! `candle_core::utils::get_num_threads()`: the `RAYON_NUM_THREADS` environment variable read
+//! at every matmul, else the number of logical CPUs. gemm spreads those `n` tasks over the
+//! *current* rayon pool (the global one, sized by the same variable at first use, unless the
+//! call runs inside `ThreadPool::install`); this module's fused kernels also run on the current
+//! rayon pool. candle's own elementwise ops and reductions are single-threaded. A trainer that
+//! shares cores with a CPU optimizer must therefore set `RAYON_NUM_THREADS` (before the first
+//! candle or rayon call) and/or run the model inside a sized `ThreadPool::install`, with
+//! `RAYON_NUM_THREADS` equal to that pool's size so gemm does not split into more tasks than
+//! threads. Results do not depend on the thread count: gemm splits output blocks, not the
+//! reduction dimension, and the fused row sums add fixed blocks in a fixed order.
 
 use std::sync::Mutex;
 
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, Var};
 
-use super::config::{block_idx as bi, GptConfig, UnitKind, UnitSpec};
-use super::kernels;
-use super::moe::{LossParts, Routing};
-use super::{Error, Result};
+use crate::kernels;
+use crate::lm::{HeadLossGrads, UnitGrads};
+use crate::ops::{cross_entropy, gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim, vars, views};
+use crate::unit::{UnitKind, UnitSpec};
+use crate::{Error, Result};
 
-/// Gradients of one unit's backward.
-#[derive(Debug, Clone)]
-pub struct UnitGrads {
-    /// Gradient of the unit's flat parameters: 1-D, `unit.numel` elements, the params' dtype.
-    pub grad_params: Tensor,
-    /// Gradient of the unit's input `[B, T, d]`; `None` for the embedding (its input is token ids).
-    pub grad_input: Option<Tensor>,
-    /// Tied head only: gradient of the **embedding unit's** flat vector from the head's use of
-    /// `wte` (1-D, `units[0].numel` elements, zero over `wpe`). The embedding's full gradient is
-    /// its own [`UnitGrads::grad_params`] plus this. `None` for untied heads and other units.
-    pub grad_tied_wte: Option<Tensor>,
-}
+use config::block_idx as bi;
 
-/// Output of [`Gpt::head_loss_backward`].
-#[derive(Debug, Clone)]
-pub struct HeadLossGrads {
-    /// Mean cross-entropy over the `B * T` positions, in nats, computed in the params' dtype.
-    pub loss: f64,
-    /// Gradients of the head unit (see [`UnitGrads`]); `grad_input` is always `Some`.
-    pub grads: UnitGrads,
-}
+mod config;
+mod moe;
+#[cfg(test)]
+mod moe_tests;
+#[cfg(test)]
+mod tests;
+
+pub use config::{GptConfig, MoeConfig};
+pub use moe::{CombineGrads, ExpertGrads, LossParts, Routing, TrunkOut};
 
 /// A causal mask `[T, T]` (0 on and below the diagonal, -inf above) cached per
 /// `(T, dtype, device)`.
@@ -607,10 +673,6 @@ impl Gpt {
     }
 }
 
-pub(super) fn input_err(what: &'static str, expected: String, got: String) -> Error {
-    Error::Input { what, expected, got }
-}
-
 /// The error of [`Gpt::forward`]/[`Gpt::backward`] on an MoE unit.
 fn moe_unit_err(spec: &UnitSpec) -> Error {
     input_err(
@@ -620,80 +682,92 @@ fn moe_unit_err(spec: &UnitSpec) -> Error {
     )
 }
 
-/// `h W + b` with `h` `[N, in]`, `w` `[in, out]`, `b` `[out]` → `[N, out]`.
-pub(super) fn linear(h: &Tensor, w: &Tensor, b: &Tensor, fused: bool) -> Result<Tensor> {
-    let y = h.matmul(w)?;
-    Ok(if fused { kernels::bias_add(&y, b)? } else { y.broadcast_add(b)? })
-}
+impl crate::CausalLm for Gpt {
+    fn units(&self) -> &[UnitSpec] {
+        &self.units
+    }
 
-/// Views `[shape]` of each parameter into the flat vector (no copy).
-pub(super) fn views(spec: &UnitSpec, flat: &Tensor) -> Result<Vec<Tensor>> {
-    spec.params.iter().map(|p| Ok(flat.narrow(0, p.offset, p.numel())?.reshape(p.shape.as_slice())?)).collect()
-}
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
 
-/// One `Var` per parameter, copied out of the flat vector (one pass over the unit's bytes).
-///
-/// Separate leaves rather than one flat `Var` with narrowed views: candle's backward of `narrow`
-/// pads each parameter's gradient to the full flat length and adds it, which costs a pass over
-/// the whole unit per parameter; here the flat gradient is one `cat`.
-pub(super) fn vars(spec: &UnitSpec, flat: &Tensor) -> Result<Vec<Var>> {
-    views(spec, flat)?.iter().map(|v| Ok(Var::from_tensor(v)?)).collect()
-}
+    fn max_seq_len(&self) -> usize {
+        self.config.max_seq_len
+    }
 
-/// A scalar tensor's value widened to f64.
-pub(super) fn scalar(t: &Tensor) -> Result<f64> {
-    Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
-}
+    fn tied_head(&self) -> bool {
+        self.config.tied_head
+    }
 
-/// LayerNorm over the last dim composed of ops that all have a backward (candle-nn's fused
-/// `layer_norm`/`LayerNorm` have none). Statistics in F32 for half dtypes, as
-/// `candle_nn::ops::layer_norm_slow`.
-pub(super) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, fused: bool) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let xs = match dtype {
-        DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
-        _ => x.clone(),
-    };
-    let mean = xs.mean_keepdim(D::Minus1)?;
-    let xc = xs.broadcast_sub(&mean)?;
-    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    let inv_std = (var + eps)?.sqrt()?.recip()?;
-    let xn = xc.broadcast_mul(&inv_std)?.to_dtype(dtype)?;
-    if fused {
-        Ok(kernels::scale_shift(&xn, w, b)?)
-    } else {
-        Ok(xn.broadcast_mul(w)?.broadcast_add(b)?)
+    fn forward(&self, unit: usize, params: &Tensor, input: &Tensor, tied: Option<&Tensor>) -> Result<Tensor> {
+        Gpt::forward(self, unit, params, input, tied)
+    }
+
+    fn backward(
+        &self,
+        unit: usize,
+        params: &Tensor,
+        input: &Tensor,
+        grad_output: &Tensor,
+        tied: Option<&Tensor>,
+    ) -> Result<UnitGrads> {
+        Gpt::backward(self, unit, params, input, grad_output, tied)
+    }
+
+    fn head_loss(&self, params: &Tensor, input: &Tensor, tied: Option<&Tensor>, targets: &Tensor) -> Result<f64> {
+        Gpt::head_loss(self, params, input, tied, targets)
+    }
+
+    fn head_loss_backward(
+        &self,
+        params: &Tensor,
+        input: &Tensor,
+        tied: Option<&Tensor>,
+        targets: &Tensor,
+    ) -> Result<HeadLossGrads> {
+        Gpt::head_loss_backward(self, params, input, tied, targets)
+    }
+
+    fn moe(&self) -> Option<&dyn crate::MoeLm> {
+        self.config.moe.is_some().then_some(self as &dyn crate::MoeLm)
     }
 }
 
-/// Tanh-form GELU (GPT-2) composed of ops with a backward, written `x · sigmoid(2u)`,
-/// `u = sqrt(2/π) (x + 0.044715 x³)` (equal to `0.5 x (1 + tanh u)`), so its gradient is exact;
-/// candle's own `gelu` backward uses 6-digit constants.
-pub(super) fn gelu_composed(x: &Tensor) -> Result<Tensor> {
-    const C: f64 = 0.797_884_560_802_865_4; // sqrt(2/π)
-    const A: f64 = 0.044_715;
-    let two_u = (x * x.sqr()?.affine(2.0 * C * A, 2.0 * C)?)?;
-    Ok((x * candle_nn::ops::sigmoid(&two_u)?)?)
-}
+impl crate::MoeLm for Gpt {
+    fn trunk_forward(&self, block: usize, params: &Tensor, x: &Tensor) -> Result<TrunkOut> {
+        self.moe_trunk_forward(block, params, x)
+    }
 
-/// Softmax over the last dim. The row max is subtracted for range only and detached: softmax is
-/// invariant to a per-row constant, so the gradient is exact and the max's backward is skipped.
-pub(super) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&max)?.exp()?;
-    let s = e.sum_keepdim(D::Minus1)?;
-    Ok(e.broadcast_div(&s)?)
-}
+    fn expert_forward(&self, params: &Tensor, h_e: &Tensor) -> Result<Tensor> {
+        Gpt::expert_forward(self, params, h_e)
+    }
 
-/// Mean cross-entropy of `logits` `[B, T, V]` against `targets` `[B, T]` U32, as a scalar
-/// tensor: `mean(logsumexp(z) - z[target])`, the logsumexp's max detached (see
-/// [`softmax_last_dim`]).
-pub(super) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let v = logits.dim(D::Minus1)?;
-    let z = logits.reshape(((), v))?;
-    let n = z.dim(0)?;
-    let max = z.max_keepdim(D::Minus1)?.detach();
-    let lse = (z.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + max)?; // [N, 1]
-    let picked = z.gather(&targets.reshape((n, 1))?, D::Minus1)?; // [N, 1]
-    Ok(((lse - picked)?.sum_all()? * (1.0 / n as f64))?)
+    fn expert_backward(&self, params: &Tensor, h_e: &Tensor, grad_out_e: &Tensor) -> Result<ExpertGrads> {
+        Gpt::expert_backward(self, params, h_e, grad_out_e)
+    }
+
+    fn combine(&self, x1: &Tensor, routing: &Routing, expert_outputs: &[Option<Tensor>]) -> Result<Tensor> {
+        self.moe_combine(x1, routing, expert_outputs)
+    }
+
+    fn expert_grad_output(&self, routing: &Routing, e: usize, grad_y: &Tensor) -> Result<Option<Tensor>> {
+        self.moe_expert_grad_output(routing, e, grad_y)
+    }
+
+    fn expert_grad_gate(&self, routing: &Routing, e: usize, grad_y: &Tensor, out_e: &Tensor) -> Result<Option<Tensor>> {
+        self.moe_expert_grad_gate(routing, e, grad_y, out_e)
+    }
+
+    fn trunk_backward(
+        &self,
+        block: usize,
+        params: &Tensor,
+        x: &Tensor,
+        routing: &Routing,
+        grad_y: &Tensor,
+        grad_h: &Tensor,
+        grad_gates: &[Option<Tensor>],
+    ) -> Result<UnitGrads> {
+        self.moe_trunk_backward(block, params, x, routing, grad_y, grad_h, grad_gates)
+    }
 }

@@ -1,6 +1,7 @@
 //! The ZeRO-Infinity-like baseline (`[prefetch] overlap_optimizer = false`, depth 0) trains to
 //! bitwise the same losses and weights as the pipelined run: only the timing differs.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;

@@ -5,6 +5,7 @@
 //! The io_uring test prints `skipped: <why>` (to stderr, past the harness's capture) where the
 //! store reports io_uring unavailable; `OOGC_REQUIRE_URING=1` turns that skip into a failure.
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::io::Write;

@@ -6,8 +6,10 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
-use super::gpt::{cross_entropy, views};
 use super::*;
+use crate::ops::{cross_entropy, views};
+use crate::unit::{init_params, init_unit, init_unit_from_seed, ParamInit, UnitKind};
+use crate::unit_tensor;
 
 fn tiny(tied: bool) -> GptConfig {
     GptConfig {
@@ -83,14 +85,14 @@ fn layout_offsets_cover_flat_exactly() {
 #[test]
 fn init_is_deterministic_and_gpt2_shaped() {
     let cfg = GptConfig { d_model: 64, n_layer: 4, ..GptConfig::default() };
-    let a = init_params(&cfg, 7);
-    let b = init_params(&cfg, 7);
-    let c = init_params(&cfg, 8);
+    let a = init_params(&cfg.units(), 7);
+    let b = init_params(&cfg.units(), 7);
+    let c = init_params(&cfg.units(), 8);
     assert_eq!(a, b);
     assert_ne!(a[1], c[1]);
     let units = cfg.units();
     // Each unit alone, in any order, gives the same vector.
-    assert_eq!(init_unit_from_seed(&cfg, &units[3], 7), a[3]);
+    assert_eq!(init_unit_from_seed(&units[3], 7), a[3]);
     // Units differ from each other (separate streams).
     assert_ne!(a[1], a[2]);
     let std = |v: &[f32]| (v.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / v.len() as f64).sqrt();
@@ -112,7 +114,7 @@ fn init_is_deterministic_and_gpt2_shaped() {
     // init_unit with an explicit rng is what the seeded form uses.
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     rng.set_stream(2);
-    assert_eq!(init_unit(&cfg, &units[2], &mut rng), a[2]);
+    assert_eq!(init_unit(&units[2], &mut rng), a[2]);
 }
 
 #[test]
@@ -334,7 +336,7 @@ fn head_vjp_matches_loss_backward() {
         let tied_wte = tied.then(|| &params[0]);
         let full = gpt.head_loss_backward(&params[head], &x, tied_wte, &targets).unwrap();
         let logits = gpt.forward(head, &params[head], &x, tied_wte).unwrap();
-        let p = super::gpt::softmax_last_dim(&logits).unwrap();
+        let p = crate::ops::softmax_last_dim(&logits).unwrap();
         let onehot = Tensor::zeros((2, 4, 256), DType::F64, &Device::Cpu)
             .unwrap()
             .scatter_add(&targets.unsqueeze(2).unwrap(), &Tensor::ones((2, 4, 1), DType::F64, &Device::Cpu).unwrap(), 2)
@@ -367,7 +369,7 @@ fn causality(composed: bool) {
         gpt = gpt.composed_only();
     }
     let params: Vec<Tensor> =
-        init_params(&cfg, 1).iter().map(|f| unit_tensor(f, DType::F32, &Device::Cpu).unwrap()).collect();
+        init_params(&cfg.units(), 1).iter().map(|f| unit_tensor(f, DType::F32, &Device::Cpu).unwrap()).collect();
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let tokens = ids(2, 12, 256, &mut rng);
     let base = gpt.forward_all(&params, &tokens).unwrap();
@@ -397,7 +399,7 @@ fn init_loss_is_near_uniform() {
     let cfg = GptConfig { d_model: 32, n_head: 4, n_layer: 2, max_seq_len: 16, ..GptConfig::default() };
     let gpt = Gpt::new(cfg.clone()).unwrap();
     let params: Vec<Tensor> =
-        init_params(&cfg, 1).iter().map(|f| unit_tensor(f, DType::F32, &Device::Cpu).unwrap()).collect();
+        init_params(&cfg.units(), 1).iter().map(|f| unit_tensor(f, DType::F32, &Device::Cpu).unwrap()).collect();
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     let loss = gpt.loss(&params, &ids(4, 16, 256, &mut rng), &ids(4, 16, 256, &mut rng)).unwrap();
     assert!((loss - 256f64.ln()).abs() < 0.05, "{loss}");
@@ -408,7 +410,7 @@ fn bad_inputs_are_errors_naming_the_argument() {
     let cfg = tiny(true);
     let gpt = Gpt::new(cfg.clone()).unwrap();
     let params: Vec<Tensor> =
-        init_params(&cfg, 1).iter().map(|f| unit_tensor(f, DType::F32, &Device::Cpu).unwrap()).collect();
+        init_params(&cfg.units(), 1).iter().map(|f| unit_tensor(f, DType::F32, &Device::Cpu).unwrap()).collect();
     let dev = Device::Cpu;
     let what = |r: Result<Tensor>| match r {
         Err(Error::Input { what, .. }) => what,

@@ -34,7 +34,7 @@ use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::{adam, evict, moe, nvme, plan_check, plots, step, swap, timeline};
-use crate::plan::GptShape;
+use oogc::plan::GptShape;
 
 /// How large each benchmark runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -172,7 +172,7 @@ fn write_json<T: Serialize>(dir: &Path, name: &str, args: Value, rows: &[T]) -> 
     let doc = json!({
         "benchmark": name,
         "oogc_version": env!("CARGO_PKG_VERSION"),
-        "machine": crate::bench::machine::record(Some(dir)),
+        "machine": crate::machine::record(Some(dir)),
         "args": args,
         "rows": rows,
     });

@@ -1,13 +1,13 @@
 //! `oogc plan` checked against reality: for each config, the planner's predicted step beside
 //! the median of real training steps of the config as it is, on the sim device.
 //!
-//! Per config, on the config's compute threads ([`crate::run::compute_threads`]; where, below):
+//! Per config, on the config's compute threads ([`oogc::run::compute_threads`]; where, below):
 //!
 //! | step | how |
 //! |---|---|
-//! | probe | [`crate::plan::probe_compute`] for the config's block shape, in the steps' conditions (the trainer alive and idle): after the warmup steps, after the measured steps (the machine's load drifts), and a third time when those two differ by more than [`PROBE_DISAGREEMENT`] (a transient caught one of them); `device_gflops` and `backward_flops_ratio` from the mean forward and backward times of the two closest (about 1 s each) |
-//! | plan | [`crate::plan::plan_args_for_config`] with the probed figures over the base profile (default: the sim defaults; the link of a throttled sim device replaces H2D/D2H), MoE blocks with their coarse expert placement ([`crate::plan::moe_placement`]) |
-//! | measure | `warmup + steps` real steps of the config ([`crate::bench::step`]'s variant without checkpoints, metrics or traces; NVMe scratch in a subdirectory, removed after); the median of the last `steps` |
+//! | probe | [`crate::probe::probe_compute`] for the config's block shape, in the steps' conditions (the trainer alive and idle): after the warmup steps, after the measured steps (the machine's load drifts), and a third time when those two differ by more than [`PROBE_DISAGREEMENT`] (a transient caught one of them); `device_gflops` and `backward_flops_ratio` from the mean forward and backward times of the two closest (about 1 s each) |
+//! | plan | [`oogc::plan::plan_args_for_config`] with the probed figures over the base profile (default: the sim defaults; the link of a throttled sim device replaces H2D/D2H), MoE blocks with their coarse expert placement ([`oogc::plan::moe_placement`]) |
+//! | measure | `warmup + steps` real steps of the config ([`crate::step`]'s variant without checkpoints, metrics or traces; NVMe scratch in a subdirectory, removed after); the median of the last `steps` |
 //! | compare | `error = plan / measured − 1`, `within_15pct = |error| ≤ 0.15` |
 //!
 //! The machine's load moves both figures (a probe measures the rate of its moment; the probes
@@ -19,8 +19,8 @@
 //!
 //! The probes and the steps run where `oogc train` runs a step: on the calling thread over the
 //! global rayon pool when that has the config's compute threads (call
-//! [`crate::run::size_compute_threads`] first, as the CLI does), else on a dedicated pool
-//! ([`crate::plan::with_compute_threads`]).
+//! [`oogc::run::size_compute_threads`] first, as the CLI does), else on a dedicated pool
+//! ([`crate::probe::with_compute_threads`]).
 
 use std::path::PathBuf;
 
@@ -28,10 +28,11 @@ use anyhow::Context;
 use oogc_prefetch::HardwareProfile;
 use serde::Serialize;
 
-use crate::bench::machine::{self, Machine};
-use crate::bench::step::{measure_with, variant_config, Moment};
-use crate::config::TrainConfig;
-use crate::plan::{plan_args_for_config, plan_gpt, probe_compute_on_current_pool, ComputeProbe, ComputeShape};
+use crate::machine::{self, Machine};
+use crate::probe::{probe_compute_on_current_pool, ComputeProbe, ComputeShape};
+use crate::step::{measure_with, variant_config, Moment};
+use oogc::config::TrainConfig;
+use oogc::plan::{plan_args_for_config, plan_gpt};
 
 /// The largest `|plan / measured − 1|` that counts as a correct plan (issue 7: 15%).
 pub const TOLERANCE: f64 = 0.15;
@@ -66,7 +67,7 @@ impl PlanCheckArgs {
 pub struct PlanCheckRow {
     /// The config file as given.
     pub config: String,
-    /// The planned model ([`crate::plan::describe_model`]).
+    /// The planned model ([`oogc::plan::describe_model`]).
     pub model: String,
     /// Whether the model has MoE blocks (planned with the coarse expert placement).
     pub moe: bool,
@@ -171,7 +172,7 @@ pub fn check(cfg: &TrainConfig, name: &str, args: &PlanCheckArgs) -> anyhow::Res
     let error = plan.step_s / measured.step_s.max(1e-12) - 1.0;
     Ok(PlanCheckRow {
         config: name.to_string(),
-        model: crate::plan::describe_model(&plan_args),
+        model: oogc::plan::describe_model(&plan_args),
         moe: cfg.model.moe.is_some(),
         plan_step_s: plan.step_s,
         plan_compute_s: plan.compute_s,
@@ -201,7 +202,7 @@ pub fn check(cfg: &TrainConfig, name: &str, args: &PlanCheckArgs) -> anyhow::Res
     })
 }
 
-/// [`crate::bench::step::measure`] of `run` (a [`variant_config`]) on its compute threads, with
+/// [`crate::step::measure`] of `run` (a [`variant_config`]) on its compute threads, with
 /// the compute probe of its block shape taken in the steps' conditions (module docs): after the
 /// warmup, after the measured steps, and a third time when those two differ by more than
 /// [`PROBE_DISAGREEMENT`]. Returns the measurement and the 2 or 3 probes (pick with
@@ -213,9 +214,9 @@ pub(crate) fn measure_probed(
     run: &TrainConfig,
     warmup: usize,
     steps: usize,
-) -> anyhow::Result<(crate::bench::step::Measured, Vec<ComputeProbe>)> {
+) -> anyhow::Result<(crate::step::Measured, Vec<ComputeProbe>)> {
     let shape = ComputeShape::for_config(run);
-    crate::plan::with_compute_threads(shape.threads, || -> anyhow::Result<_> {
+    crate::probe::with_compute_threads(shape.threads, || -> anyhow::Result<_> {
         let mut probes = Vec::new();
         let measured = measure_with(run, warmup, steps, |moment| {
             probes.push(probe_compute_on_current_pool(&shape).context("probing compute")?);
@@ -336,9 +337,10 @@ mod tests {
 
     #[test]
     fn zero_steps_are_refused() {
-        let cfg =
-            TrainConfig::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/tinyshakespeare.toml"))
-                .unwrap();
+        let cfg = TrainConfig::load(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../configs/tinyshakespeare.toml"),
+        )
+        .unwrap();
         let args = PlanCheckArgs { steps: 0, ..PlanCheckArgs::new(Vec::new()) };
         let e = check(&cfg, "x", &args).unwrap_err();
         assert!(e.to_string().contains("steps"), "{e}");

@@ -37,7 +37,7 @@ pub struct Machine {
 /// Records this machine for a training config's run: the file system is that of its first
 /// `[budgets] nvme_dirs` entry, or of its nearest existing ancestor when the directory does not
 /// exist yet (the current directory without one).
-pub fn record_for_config(cfg: &crate::config::TrainConfig) -> Machine {
+pub fn record_for_config(cfg: &oogc::config::TrainConfig) -> Machine {
     let nvme_dir = cfg.budgets.nvme_dirs.first().map(PathBuf::as_path);
     let fs_dir = nvme_dir.and_then(|d| d.ancestors().find(|a| a.exists())).unwrap_or(Path::new("."));
     record(Some(fs_dir))

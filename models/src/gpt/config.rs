@@ -2,7 +2,8 @@
 
 use serde::Deserialize;
 
-use super::{Error, Result};
+use crate::unit::{LayoutBuilder, ParamInit, UnitKind, UnitSpec};
+use crate::{Error, Result};
 
 /// Hyper-parameters of the byte-level GPT.
 ///
@@ -120,84 +121,6 @@ impl MoeConfig {
     }
 }
 
-/// Which part of the model a unit is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum UnitKind {
-    /// Unit 0: token embedding `wte` and position embedding `wpe`.
-    Embedding,
-    /// Dense model only: transformer block `i` (0-based layer index, unit index `i + 1`).
-    Block(usize),
-    /// MoE model only: the trunk of block `i` (0-based layer index): `ln_1`, attention, `ln_2`
-    /// and the router; unit index [`GptConfig::block_unit`]`(i)`.
-    MoeTrunk(usize),
-    /// MoE model only: expert `expert` of block `block`, an MLP `[d] → [d_expert] → [d]`;
-    /// unit index [`GptConfig::expert_unit`]`(block, expert)`.
-    Expert {
-        /// 0-based layer index.
-        block: usize,
-        /// 0-based expert index within the block.
-        expert: usize,
-    },
-    /// Unit `n_layer + 1`: final LayerNorm and the LM head.
-    Head,
-}
-
-/// How [`super::init_unit`] fills a parameter.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum ParamInit {
-    /// Normal distribution with mean 0 and this standard deviation.
-    Normal {
-        /// Standard deviation.
-        std: f32,
-    },
-    /// All zeros (biases, LayerNorm bias).
-    Zeros,
-    /// All ones (LayerNorm weight).
-    Ones,
-}
-
-/// One parameter inside a unit's flat vector.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ParamSpec {
-    /// Full name, usable as a safetensors key, e.g. `blocks.3.attn.qkv.weight`.
-    pub name: String,
-    /// Shape, row-major. Linear weights are `[in, out]` (GPT-2's `Conv1D` layout: `y = x W + b`).
-    pub shape: Vec<usize>,
-    /// Offset of the first element in the unit's flat vector, in elements.
-    pub offset: usize,
-    /// Initialisation rule.
-    pub init: ParamInit,
-}
-
-impl ParamSpec {
-    /// Number of elements (product of `shape`).
-    pub fn numel(&self) -> usize {
-        self.shape.iter().product()
-    }
-}
-
-/// The flat layout of one unit: its parameters, back to back, in one vector of `numel` elements.
-#[derive(Debug, Clone, PartialEq)]
-pub struct UnitSpec {
-    /// Position of the unit in the forward order (`0..`[`GptConfig::num_units`]).
-    pub index: usize,
-    /// What the unit is.
-    pub kind: UnitKind,
-    /// Name prefix of the unit: `embed`, `blocks.{i}`, `blocks.{i}.experts.{e}`, `head`.
-    pub name: String,
-    /// Parameters in flat order; `params[k].offset == sum of numel of params[..k]`.
-    pub params: Vec<ParamSpec>,
-    /// Total elements of the flat vector.
-    pub numel: usize,
-}
-
-impl UnitSpec {
-    /// The parameter named `name` (full name), if the unit has it.
-    pub fn param(&self, name: &str) -> Option<&ParamSpec> {
-        self.params.iter().find(|p| p.name == name)
-    }
-}
-
 /// Index of each parameter inside a block unit's `params`.
 pub(super) mod block_idx {
     pub const LN1_W: usize = 0;
@@ -228,27 +151,6 @@ pub(super) mod expert_idx {
 
 /// Standard deviation of GPT-2's weight init.
 const INIT_STD: f32 = 0.02;
-
-struct LayoutBuilder {
-    params: Vec<ParamSpec>,
-    offset: usize,
-}
-
-impl LayoutBuilder {
-    fn new() -> Self {
-        Self { params: Vec::new(), offset: 0 }
-    }
-
-    fn push(&mut self, name: String, shape: Vec<usize>, init: ParamInit) {
-        let p = ParamSpec { name, shape, offset: self.offset, init };
-        self.offset += p.numel();
-        self.params.push(p);
-    }
-
-    fn finish(self, index: usize, kind: UnitKind, name: String) -> UnitSpec {
-        UnitSpec { index, kind, name, params: self.params, numel: self.offset }
-    }
-}
 
 impl GptConfig {
     /// Hidden width of the MLP: `d_ff`, or `4 * d_model` when unset.

@@ -12,13 +12,15 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use oogc::bench::{adam, all, evict, moe, nvme, plan_check, step, swap};
+use indicatif::{ProgressBar, ProgressStyle};
 use oogc::config::TrainConfig;
 use oogc::optimizer::{FloatType, Isa};
 use oogc::plan as planner;
 use oogc::prefetch::plan::StatePlacement;
 use oogc::prefetch::HardwareProfile;
 use oogc::swapper::{EngineChoice, Error as SwapError};
+use oogc_bench::probe;
+use oogc_bench::{adam, all, evict, moe, nvme, plan_check, step, swap};
 use serde::Serialize;
 use tracing_subscriber::EnvFilter;
 
@@ -355,10 +357,10 @@ struct PlanCmd {
     #[arg(long, value_name = "MIB", default_value_t = 64, value_parser = clap::value_parser!(u64).range(8..))]
     probe_mib: u64,
     /// With --hardware-probe: f64 elements per triad array (tests use small sizes).
-    #[arg(long, value_name = "N", hide = true, default_value_t = planner::ProbeArgs::default().triad_elems)]
+    #[arg(long, value_name = "N", hide = true, default_value_t = probe::ProbeArgs::default().triad_elems)]
     probe_triad_elems: usize,
     /// With --hardware-probe: parameters of the Adam loop (tests use small sizes).
-    #[arg(long, value_name = "N", hide = true, default_value_t = planner::ProbeArgs::default().adam_params)]
+    #[arg(long, value_name = "N", hide = true, default_value_t = probe::ProbeArgs::default().adam_params)]
     probe_adam_params: usize,
     /// Print the plan as one JSON object (fields: units, params, model_bytes, min_gpu_budget_bytes,
     /// memory, step_s, compute_s, exposed_transfer_s, exposed_optimizer_s, lower_bound_s, sim, warnings).
@@ -593,7 +595,7 @@ fn print_json_lines<T: Serialize>(rows: &[T]) -> anyhow::Result<()> {
 /// kernel, file system of `dir`, git revision) and the `command` line that produced it, so two
 /// runs can be compared row by row.
 fn print_bench_json<T: Serialize>(rows: &[T], dir: Option<&std::path::Path>) -> anyhow::Result<()> {
-    let machine = serde_json::to_value(oogc::bench::machine::record(dir)).context("serializing the machine")?;
+    let machine = serde_json::to_value(oogc_bench::machine::record(dir)).context("serializing the machine")?;
     let command: Vec<String> = std::env::args().collect();
     for r in rows {
         let mut v = serde_json::to_value(r).context("serializing a result row")?;
@@ -671,17 +673,17 @@ fn load_hardware(path: Option<&PathBuf>) -> anyhow::Result<HardwareProfile> {
 
 fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
     if cmd.hardware_probe {
-        let args = planner::ProbeArgs {
+        let args = probe::ProbeArgs {
             dir: cmd.probe_dir.unwrap_or_else(std::env::temp_dir),
             nvme_bytes: cmd.probe_mib << 20,
             triad_elems: cmd.probe_triad_elems.max(1),
             adam_params: cmd.probe_adam_params.max(1),
             compute: Some(match &cmd.config {
-                Some(path) => planner::ComputeShape::for_config(&TrainConfig::load(path)?),
-                None => planner::ComputeShape::representative(),
+                Some(path) => probe::ComputeShape::for_config(&TrainConfig::load(path)?),
+                None => probe::ComputeShape::representative(),
             }),
         };
-        let profile = planner::probe(&args).context("oogc plan --hardware-probe")?;
+        let profile = probe::probe(&args).context("oogc plan --hardware-probe")?;
         let toml = profile.to_toml_string();
         match &cmd.out {
             Some(path) => {
@@ -696,7 +698,7 @@ fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         let cfg = TrainConfig::load(path)?;
         let mut hardware = load_hardware(cmd.hardware.as_ref())?;
         if cmd.probe_compute {
-            let probe = planner::probe_compute(&planner::ComputeShape::for_config(&cfg)).context("--probe-compute")?;
+            let probe = probe::probe_compute(&probe::ComputeShape::for_config(&cfg)).context("--probe-compute")?;
             probe.apply(&mut hardware);
         }
         let args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some());
@@ -729,7 +731,7 @@ fn finish_plan(cmd: &PlanCmd, args: planner::PlanArgs) -> anyhow::Result<()> {
     if cmd.json {
         println!("{}", serde_json::to_string(&report).context("serializing the plan")?);
     } else {
-        planner::print_plan(&args, &report);
+        print!("{}", planner::render_plan(&args, &report));
     }
     Ok(())
 }
@@ -935,18 +937,65 @@ fn train(cmd: TrainCmd, cfg: TrainConfig) -> anyhow::Result<()> {
     if let Some(data) = cmd.data {
         cfg.data.path = data;
     }
-    let opts = oogc::run::RunOptions {
-        resume: cmd.resume,
-        steps: cmd.steps,
-        progress: !cmd.no_progress && std::io::IsTerminal::is_terminal(&std::io::stderr()),
-    };
-    let summary = oogc::run::run(cfg, &opts).context("oogc train")?;
+    let opts = oogc::run::RunOptions { resume: cmd.resume, steps: cmd.steps };
+    let progress = !cmd.no_progress && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let mut bar = ProgressObserver::new(progress);
+    let summary = oogc::run::run(cfg, &opts, &mut bar).context("oogc train")?;
     if cmd.json {
         println!("{}", serde_json::to_string(&summary)?);
     } else {
         print!("{}", summary.render());
     }
     Ok(())
+}
+
+/// `oogc train`'s progress bar on stderr (hidden with `--no-progress` or when stderr is not a
+/// terminal): elapsed time, steps, loss, tokens/s, stall and bytes per link so far.
+struct ProgressObserver {
+    bar: ProgressBar,
+    show: bool,
+}
+
+impl ProgressObserver {
+    fn new(show: bool) -> Self {
+        Self { bar: ProgressBar::hidden(), show }
+    }
+}
+
+impl oogc::run::RunObserver for ProgressObserver {
+    fn start(&mut self, first: u64, last: u64) {
+        if self.show && last >= first {
+            self.bar = ProgressBar::new(last - first + 1);
+            self.bar.set_style(
+                ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}")
+                    .expect("valid template")
+                    .progress_chars("=> "),
+            );
+        }
+    }
+
+    fn step(&mut self, r: &oogc::run::StepRecord, totals: &oogc::run::RunSummary) {
+        use oogc::run::gb;
+        self.bar.set_message(format!(
+            "loss {:.3} | {:.0} tok/s | stall {:.0}% | H2D {} D2H {} NVMe r {} w {}",
+            r.loss,
+            r.tokens_per_s,
+            100.0 * r.stall_s / r.step_s.max(1e-9),
+            gb(totals.h2d_bytes),
+            gb(totals.d2h_bytes),
+            gb(totals.nvme_read_bytes),
+            gb(totals.nvme_write_bytes),
+        ));
+        self.bar.inc(1);
+    }
+
+    fn line(&mut self, line: &str) {
+        self.bar.println(line);
+    }
+
+    fn finish(&mut self) {
+        self.bar.finish_and_clear();
+    }
 }
 
 fn inspect(cmd: InspectCmd) -> anyhow::Result<()> {

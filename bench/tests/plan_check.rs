@@ -1,13 +1,14 @@
-//! `oogc plan` checked against reality ([`oogc::bench::plan_check`]) end to end on tiny dense
+//! `oogc plan` checked against reality ([`oogc_bench::plan_check`]) end to end on tiny dense
 //! and MoE configs: the compute probe, the plan and the measured steps all produce figures, and
 //! the row's verdict follows its error. (Tiny models are dominated by per-op overheads the FLOP
 //! model does not see, so the 15% itself is checked on the example configs, not here.)
 
+#[path = "../../tests/common/mod.rs"]
 mod common;
 
 use std::path::Path;
 
-use oogc::bench::plan_check::{self, TOLERANCE};
+use oogc_bench::plan_check::{self, TOLERANCE};
 
 fn tiny(nvme: &Path, moe: bool) -> String {
     format!(

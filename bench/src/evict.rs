@@ -21,7 +21,7 @@ use oogc_prefetch::{
 use oogc_swapper::{TensorId, Tier};
 use serde::Serialize;
 
-use crate::plan::{gpt_units, GptShape};
+use oogc::plan::{gpt_units, GptShape};
 
 /// Arguments of the eviction benchmark.
 #[derive(Debug, Clone)]
