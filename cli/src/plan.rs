@@ -1,0 +1,187 @@
+//! `oogc plan`: memory per tier, the minimum GPU budget and the predicted step of a GPT under budgets, or of an `oogc train` config; `--hardware-probe` measures this machine.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use oogc::config::TrainConfig;
+use oogc::plan as planner;
+use oogc::prefetch::plan::StatePlacement;
+use oogc::prefetch::HardwareProfile;
+use oogc_bench::probe;
+
+use crate::args::parse_bytes;
+
+/// The GPT whose units are planned or swept (byte vocabulary of 256).
+#[derive(Debug, Args)]
+pub(crate) struct ModelArgs {
+    /// Transformer blocks.
+    #[arg(long, value_name = "N", default_value_t = 12, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) layers: u64,
+    /// Model width.
+    #[arg(long, value_name = "D", default_value_t = 768, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) d_model: u64,
+    /// Tokens per sequence.
+    #[arg(long, value_name = "T", default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) seq_len: u64,
+    /// Sequences per step.
+    #[arg(long, value_name = "B", default_value_t = 8, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) batch: u64,
+    /// Bytes per element of the compute copy (2: bf16, 4: f32).
+    #[arg(long, value_name = "BYTES", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=4))]
+    pub(crate) dtype_bytes: u64,
+}
+
+impl ModelArgs {
+    pub(crate) fn shape(&self) -> planner::GptShape {
+        planner::GptShape {
+            layers: self.layers,
+            d_model: self.d_model,
+            seq_len: self.seq_len,
+            batch: self.batch,
+            dtype_bytes: self.dtype_bytes,
+        }
+    }
+}
+
+/// Where the optimizer state lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum StateArg {
+    /// Host memory.
+    Host,
+    /// NVMe.
+    Nvme,
+    /// Host when --host-budget holds it, else NVMe.
+    Auto,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct PlanCmd {
+    /// Plan the run of an `oogc train` config: its model, batch, GPU and host budgets, optimizer
+    /// state tier and prefetch depth replace --layers/--d-model/--seq-len/--batch/--gpu-budget/
+    /// --host-budget/--optimizer-state/--max-depth (f32 compute copies, as on the sim device).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: Option<PathBuf>,
+    #[command(flatten)]
+    pub(crate) model: ModelArgs,
+    /// GPU bytes for the units' compute copies; suffixes KiB, MiB, GiB (or K, M, G).
+    #[arg(long, value_name = "BYTES", default_value = "1GiB", value_parser = parse_bytes)]
+    pub(crate) gpu_budget: usize,
+    /// Host bytes, if limited (decides --optimizer-state auto and warns when exceeded).
+    #[arg(long, value_name = "BYTES", value_parser = parse_bytes)]
+    pub(crate) host_budget: Option<usize>,
+    /// Where the optimizer state (12 B per parameter) lives.
+    #[arg(long, value_enum, default_value_t = StateArg::Auto)]
+    pub(crate) optimizer_state: StateArg,
+    /// Prefetch window, units ahead.
+    #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) max_depth: u64,
+    /// Hardware profile (TOML; see `--hardware-probe`); defaults: the sim device.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) hardware: Option<PathBuf>,
+    /// Write the simulated step's Chrome/Perfetto trace (JSON) here.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) trace: Option<PathBuf>,
+    /// Measure this machine (memory triad, NVMe through the store, CPU Adam, and the sim
+    /// device's compute: one block forward and backward, of --config's shape if given, else the
+    /// main example's) and print or write (--out) a hardware profile instead of planning.
+    #[arg(long)]
+    pub(crate) hardware_probe: bool,
+    /// With --config: before planning, time one block of the config's model forward and
+    /// backward with candle on this CPU (the sim device, the config's compute threads; about
+    /// 1 s) and plan with the measured GFLOP/s and backward/forward ratio instead of the
+    /// profile's.
+    #[arg(long, requires = "config", conflicts_with = "hardware_probe")]
+    pub(crate) probe_compute: bool,
+    /// With --hardware-probe: write the profile (TOML) to this file.
+    #[arg(long, value_name = "FILE", requires = "hardware_probe")]
+    pub(crate) out: Option<PathBuf>,
+    /// With --hardware-probe: directory for the NVMe store's temporary file (default: the temp dir).
+    #[arg(long, value_name = "DIR", requires = "hardware_probe")]
+    pub(crate) probe_dir: Option<PathBuf>,
+    /// With --hardware-probe: MiB written then read through the NVMe store.
+    #[arg(long, value_name = "MIB", default_value_t = 64, value_parser = clap::value_parser!(u64).range(8..))]
+    pub(crate) probe_mib: u64,
+    /// With --hardware-probe: f64 elements per triad array (tests use small sizes).
+    #[arg(long, value_name = "N", hide = true, default_value_t = probe::ProbeArgs::default().triad_elems)]
+    pub(crate) probe_triad_elems: usize,
+    /// With --hardware-probe: parameters of the Adam loop (tests use small sizes).
+    #[arg(long, value_name = "N", hide = true, default_value_t = probe::ProbeArgs::default().adam_params)]
+    pub(crate) probe_adam_params: usize,
+    /// Print the plan as one JSON object (fields: units, params, model_bytes, min_gpu_budget_bytes,
+    /// memory, step_s, compute_s, exposed_transfer_s, exposed_optimizer_s, lower_bound_s, sim, warnings).
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+pub(crate) fn load_hardware(path: Option<&PathBuf>) -> anyhow::Result<HardwareProfile> {
+    match path {
+        Some(p) => HardwareProfile::load(p).context("--hardware"),
+        None => Ok(HardwareProfile::default()),
+    }
+}
+
+pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
+    if cmd.hardware_probe {
+        let args = probe::ProbeArgs {
+            dir: cmd.probe_dir.unwrap_or_else(std::env::temp_dir),
+            nvme_bytes: cmd.probe_mib << 20,
+            triad_elems: cmd.probe_triad_elems.max(1),
+            adam_params: cmd.probe_adam_params.max(1),
+            compute: Some(match &cmd.config {
+                Some(path) => probe::ComputeShape::for_config(&TrainConfig::load(path)?),
+                None => probe::ComputeShape::representative(),
+            }),
+        };
+        let profile = probe::probe(&args).context("oogc plan --hardware-probe")?;
+        let toml = profile.to_toml_string();
+        match &cmd.out {
+            Some(path) => {
+                std::fs::write(path, &toml).with_context(|| format!("writing the profile to {}", path.display()))?;
+                eprintln!("wrote {}", path.display());
+            }
+            None => print!("{toml}"),
+        }
+        return Ok(());
+    }
+    if let Some(path) = &cmd.config {
+        let cfg = TrainConfig::load(path)?;
+        let mut hardware = load_hardware(cmd.hardware.as_ref())?;
+        if cmd.probe_compute {
+            let probe = probe::probe_compute(&probe::ComputeShape::for_config(&cfg)).context("--probe-compute")?;
+            probe.apply(&mut hardware);
+        }
+        let args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some());
+        return finish_plan(&cmd, args);
+    }
+    let args = planner::PlanArgs {
+        shape: cmd.model.shape(),
+        feed_forward: planner::FeedForward::default(),
+        gpu_budget_bytes: cmd.gpu_budget as u64,
+        host_budget_bytes: cmd.host_budget.map(|b| b as u64),
+        optimizer_state: match cmd.optimizer_state {
+            StateArg::Host => StatePlacement::Host,
+            StateArg::Nvme => StatePlacement::Nvme,
+            StateArg::Auto => StatePlacement::Auto,
+        },
+        max_depth: cmd.max_depth as usize,
+        hardware: load_hardware(cmd.hardware.as_ref())?,
+        trace: cmd.trace.is_some(),
+    };
+    finish_plan(&cmd, args)
+}
+
+pub(crate) fn finish_plan(cmd: &PlanCmd, args: planner::PlanArgs) -> anyhow::Result<()> {
+    let mut report = planner::plan_gpt(&args).context("oogc plan")?;
+    if let (Some(path), Some(trace)) = (&cmd.trace, report.sim.trace.take()) {
+        let json = serde_json::to_string(&trace).context("serializing the trace")?;
+        std::fs::write(path, json).with_context(|| format!("writing the trace to {}", path.display()))?;
+        eprintln!("wrote {} (open in https://ui.perfetto.dev)", path.display());
+    }
+    if cmd.json {
+        println!("{}", serde_json::to_string(&report).context("serializing the plan")?);
+    } else {
+        print!("{}", planner::render_plan(&args, &report));
+    }
+    Ok(())
+}
