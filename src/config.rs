@@ -27,6 +27,8 @@
 use std::path::{Path, PathBuf};
 
 use bytesize::ByteSize;
+use oogc_optimizer::AdamKind;
+use oogc_swapper::StatePlacement;
 use serde::{Deserialize, Serialize};
 
 /// A config that cannot be used: which key, why, and how to fix it.
@@ -82,7 +84,7 @@ pub struct TrainConfig {
     pub optimizer: OptimizerSection,
     /// Lookahead prefetch.
     #[serde(default)]
-    pub prefetch: PrefetchConfig,
+    pub prefetch: PrefetchSection,
     /// Thread counts (this machine has few cores: size every pool explicitly).
     #[serde(default)]
     pub threads: ThreadsConfig,
@@ -101,11 +103,9 @@ pub struct TrainConfig {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct MoePlacementConfig {
-    /// `"ours"` (popularity hot set + CPU compute of cold experts when cheaper), `"fetch"`
-    /// (every routed expert fetched on demand, twice per step), `"resident"` (none kept, none on
-    /// the CPU: the same as fetch, for in-memory baselines with a large GPU budget). Default: ours.
-    #[serde(default = "default_moe_policy")]
-    pub policy: String,
+    /// Where the experts go ([`MoePolicy`]). Default: ours.
+    #[serde(default)]
+    pub policy: MoePolicy,
     /// GPU bytes for hot experts, kept from their forward to their backward. Default: a quarter
     /// of `budgets.gpu`.
     #[serde(default)]
@@ -122,8 +122,19 @@ pub struct MoePlacementConfig {
     pub routing_trace: Option<PathBuf>,
 }
 
-fn default_moe_policy() -> String {
-    "ours".into()
+/// `[moe] policy`: how the experts of an MoE model are placed.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum MoePolicy {
+    /// `"ours"`: a popularity hot set kept on the device under `[moe] expert_budget`, cold
+    /// experts fetched or computed on the CPU, whichever the cost model says is faster.
+    #[default]
+    Ours,
+    /// `"fetch"`: every routed expert fetched on demand (twice per step: forward and backward).
+    Fetch,
+    /// `"resident"`: as fetch (none kept, none on the CPU), for in-memory baselines with a GPU
+    /// budget that holds every expert.
+    Resident,
 }
 fn default_decay() -> f64 {
     0.8
@@ -135,7 +146,7 @@ fn default_true() -> bool {
 impl Default for MoePlacementConfig {
     fn default() -> Self {
         Self {
-            policy: default_moe_policy(),
+            policy: MoePolicy::Ours,
             expert_budget: None,
             popularity_decay: default_decay(),
             cpu_compute: true,
@@ -260,10 +271,9 @@ fn default_eval_batches() -> usize {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceConfig {
-    /// `"sim"` (host memory with an enforced capacity and a throttled copy engine; compute on
-    /// the CPU) or `"cuda:N"` (needs a binary built with `--features cuda`). Default: `"sim"`.
-    #[serde(default = "default_device_kind")]
-    pub kind: String,
+    /// `"sim"` or `"cuda:N"` ([`DeviceKind`]). Default: `"sim"`.
+    #[serde(default)]
+    pub kind: DeviceKind,
     /// Sim device: H2D/D2H link bandwidth in GB/s (10^9 B/s); 0 = unthrottled. Default: 16.
     #[serde(default = "default_link_gbps")]
     pub link_gbps: f64,
@@ -272,8 +282,52 @@ pub struct DeviceConfig {
     pub latency_us: f64,
 }
 
-fn default_device_kind() -> String {
-    "sim".into()
+/// `[device] kind`: which device computes, parsed from `"sim"` or `"cuda:N"` at load time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum DeviceKind {
+    /// `"sim"`: host memory with an enforced capacity and throttled copy engines; compute on the
+    /// CPU.
+    #[default]
+    Sim,
+    /// `"cuda:N"`: CUDA device `N` (needs a binary built with `--features cuda`).
+    Cuda(usize),
+}
+
+impl DeviceKind {
+    /// Whether this is the sim device.
+    pub fn is_sim(self) -> bool {
+        self == DeviceKind::Sim
+    }
+}
+
+impl TryFrom<String> for DeviceKind {
+    type Error = String;
+
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        if s == "sim" {
+            return Ok(DeviceKind::Sim);
+        }
+        match s.strip_prefix("cuda:").map(str::parse::<usize>) {
+            Some(Ok(ordinal)) => Ok(DeviceKind::Cuda(ordinal)),
+            _ => Err(format!("device.kind `{s}`: use \"sim\" or \"cuda:N\" with N the device index (e.g. \"cuda:0\")")),
+        }
+    }
+}
+
+impl From<DeviceKind> for String {
+    fn from(k: DeviceKind) -> String {
+        match k {
+            DeviceKind::Sim => "sim".into(),
+            DeviceKind::Cuda(n) => format!("cuda:{n}"),
+        }
+    }
+}
+
+impl std::fmt::Display for DeviceKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&String::from(*self))
+    }
 }
 fn default_link_gbps() -> f64 {
     16.0
@@ -281,19 +335,8 @@ fn default_link_gbps() -> f64 {
 
 impl Default for DeviceConfig {
     fn default() -> Self {
-        Self { kind: default_device_kind(), link_gbps: default_link_gbps(), latency_us: 0.0 }
+        Self { kind: DeviceKind::Sim, link_gbps: default_link_gbps(), latency_us: 0.0 }
     }
-}
-
-/// Where a unit's fp32 master weights and Adam `m`, `v` live.
-#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum StateTier {
-    /// Host memory.
-    #[default]
-    Host,
-    /// NVMe files, streamed in chunks during the update.
-    Nvme,
 }
 
 /// `[budgets]`: bytes per tier.
@@ -307,7 +350,7 @@ pub struct BudgetsConfig {
     pub host: ByteSize,
     /// Where optimizer state (master weights, m, v) lives: `"host"` or `"nvme"`. Default: host.
     #[serde(default)]
-    pub optimizer_state: StateTier,
+    pub optimizer_state: StatePlacement,
     /// NVMe directories (files are striped over them). Needed when `optimizer_state = "nvme"`.
     #[serde(default)]
     pub nvme_dirs: Vec<PathBuf>,
@@ -325,8 +368,8 @@ fn default_host_budget() -> ByteSize {
 #[serde(deny_unknown_fields)]
 pub struct OptimizerSection {
     /// `"adamw"` (decoupled weight decay) or `"adam"` (L2 in the gradient). Default: adamw.
-    #[serde(default = "default_opt_kind")]
-    pub kind: String,
+    #[serde(default)]
+    pub kind: AdamKind,
     /// Peak learning rate. Default: 1e-3.
     #[serde(default = "default_lr")]
     pub lr: f32,
@@ -350,9 +393,6 @@ pub struct OptimizerSection {
     pub clip_norm: f32,
 }
 
-fn default_opt_kind() -> String {
-    "adamw".into()
-}
 fn default_lr() -> f32 {
     1e-3
 }
@@ -375,7 +415,7 @@ fn default_clip() -> f32 {
 impl Default for OptimizerSection {
     fn default() -> Self {
         Self {
-            kind: default_opt_kind(),
+            kind: AdamKind::AdamW,
             lr: default_lr(),
             min_lr: None,
             warmup_steps: default_warmup(),
@@ -390,7 +430,7 @@ impl Default for OptimizerSection {
 /// `[prefetch]`: the sliding window of fetches ahead of compute.
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct PrefetchConfig {
+pub struct PrefetchSection {
     /// Units fetched ahead of the one in use; 0 = fetch on demand. Default: 2.
     #[serde(default = "default_depth")]
     pub depth: usize,
@@ -405,7 +445,7 @@ fn default_depth() -> usize {
     2
 }
 
-impl Default for PrefetchConfig {
+impl Default for PrefetchSection {
     fn default() -> Self {
         Self { depth: default_depth(), overlap_optimizer: true }
     }
@@ -551,9 +591,6 @@ impl TrainConfig {
             return bad("data.val_fraction", format!("{} must be in (0, 1)", self.data.val_fraction));
         }
         let d = &self.device;
-        if d.kind != "sim" && !d.kind.starts_with("cuda") {
-            return bad("device.kind", format!("`{}`: use \"sim\" or \"cuda:N\"", d.kind));
-        }
         if !(d.link_gbps >= 0.0 && d.link_gbps.is_finite()) {
             return bad("device.link_gbps", "must be ≥ 0 (0 = unthrottled)".into());
         }
@@ -564,16 +601,13 @@ impl TrainConfig {
         if b.gpu.as_u64() == 0 {
             return bad("budgets.gpu", "must be > 0, e.g. \"64MiB\"".into());
         }
-        if b.optimizer_state == StateTier::Nvme && b.nvme_dirs.is_empty() {
+        if b.optimizer_state == StatePlacement::Nvme && b.nvme_dirs.is_empty() {
             return bad(
                 "budgets.nvme_dirs",
                 "optimizer_state = \"nvme\" needs at least one directory, e.g. nvme_dirs = [\"/tmp/oogc-nvme\"]".into(),
             );
         }
         let o = &self.optimizer;
-        if o.kind != "adamw" && o.kind != "adam" {
-            return bad("optimizer.kind", format!("`{}`: use \"adamw\" or \"adam\"", o.kind));
-        }
         if !(o.lr > 0.0 && o.lr.is_finite()) {
             return bad("optimizer.lr", "must be > 0".into());
         }
@@ -603,9 +637,6 @@ impl TrainConfig {
             return bad("threads.compute", "must be ≥ 1".into());
         }
         let moe = &self.moe;
-        if !["ours", "fetch", "resident"].contains(&moe.policy.as_str()) {
-            return bad("moe.policy", format!("`{}`: use \"ours\", \"fetch\" or \"resident\"", moe.policy));
-        }
         if !(0.0..1.0).contains(&moe.popularity_decay) {
             return bad("moe.popularity_decay", format!("{} must be in [0, 1)", moe.popularity_decay));
         }
@@ -671,7 +702,7 @@ gpu = "1.5MiB"
         assert_eq!(cfg.budgets.host.as_u64(), 4 << 30);
         assert_eq!(cfg.d_ff(), 128);
         assert_eq!(cfg.max_seq_len(), 16);
-        assert_eq!(cfg.device.kind, "sim");
+        assert_eq!(cfg.device.kind, DeviceKind::Sim);
         assert_eq!(cfg.prefetch.depth, 2);
         assert!((cfg.min_lr() - 1e-4).abs() < 1e-9);
     }
@@ -694,6 +725,35 @@ gpu = "1.5MiB"
             let err = TrainConfig::from_toml_str(&MINIMAL.replace(from, to)).unwrap_err();
             assert!(matches!(&err, ConfigError::Invalid { key: k, .. } if k == key), "{to}: {err}");
         }
+    }
+
+    #[test]
+    fn enums_are_parsed_at_load_time_and_bad_names_are_refused_by_name() {
+        let with = |table: &str, line: &str| {
+            let text = if MINIMAL.contains(&format!("[{table}]")) {
+                MINIMAL.replace(&format!("[{table}]"), &format!("[{table}]\n{line}"))
+            } else {
+                format!("{MINIMAL}[{table}]\n{line}\n")
+            };
+            TrainConfig::from_toml_str(&text)
+        };
+        assert_eq!(with("device", "kind = \"cuda:3\"").unwrap().device.kind, DeviceKind::Cuda(3));
+        assert_eq!(with("optimizer", "kind = \"adam\"").unwrap().optimizer.kind, AdamKind::Adam);
+        assert_eq!(with("moe", "policy = \"fetch\"").unwrap().moe.policy, MoePolicy::Fetch);
+        // "cudaX" used to pass validation and become device 0.
+        for (table, line, needle) in [
+            ("device", "kind = \"cudaX\"", "cudaX"),
+            ("device", "kind = \"cuda:\"", "cuda:N"),
+            ("device", "kind = \"gpu\"", "\"sim\" or \"cuda:N\""),
+            ("optimizer", "kind = \"sgd\"", "sgd"),
+            ("moe", "policy = \"lru\"", "lru"),
+        ] {
+            let err = with(table, line).unwrap_err().to_string();
+            assert!(err.contains(needle), "{line}: {err}");
+        }
+        // A kind written back reads the same.
+        let cfg = with("device", "kind = \"cuda:1\"").unwrap();
+        assert_eq!(TrainConfig::from_toml_str(&toml::to_string(&cfg).unwrap()).unwrap(), cfg);
     }
 
     #[test]

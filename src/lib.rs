@@ -23,6 +23,7 @@ pub use oogc_swapper as swapper;
 pub mod checkpoint;
 pub mod config;
 pub mod data;
+pub mod moe;
 
 pub mod plan;
 pub mod run;

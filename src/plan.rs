@@ -18,8 +18,9 @@
 use std::fmt::Write as _;
 
 use oogc_moe_placement::{ColdMode, CostModel, CostModelConfig, ExpertShape, Placement};
-use oogc_prefetch::plan::{plan, ModelUnit, PlanInput, PlanReport, StatePlacement};
+use oogc_prefetch::plan::{plan, ModelUnit, PlanInput, PlanReport};
 use oogc_prefetch::{HardwareProfile, PrefetchConfig};
+use oogc_swapper::StatePlacement;
 use serde::Serialize;
 
 use crate::config::TrainConfig;
@@ -210,8 +211,8 @@ pub struct PlanArgs {
     pub gpu_budget_bytes: u64,
     /// Host bytes, if limited.
     pub host_budget_bytes: Option<u64>,
-    /// Optimizer state placement.
-    pub optimizer_state: StatePlacement,
+    /// Optimizer state placement; `None`: host if the host budget holds it, else NVMe.
+    pub optimizer_state: Option<StatePlacement>,
     /// Prefetch depth, units.
     pub max_depth: usize,
     /// The machine.
@@ -226,7 +227,7 @@ pub struct PlanArgs {
 /// profile's H2D/D2H bandwidth, since that is the link the run will have.
 pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace: bool) -> PlanArgs {
     let mut hardware = hardware.clone();
-    if cfg.device.kind == "sim" && cfg.device.link_gbps > 0.0 {
+    if cfg.device.kind.is_sim() && cfg.device.link_gbps > 0.0 {
         hardware.h2d_gbps = cfg.device.link_gbps;
         hardware.d2h_gbps = cfg.device.link_gbps;
     }
@@ -250,10 +251,7 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
         feed_forward,
         gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
         host_budget_bytes: Some(cfg.budgets.host.as_u64()),
-        optimizer_state: match cfg.budgets.optimizer_state {
-            crate::config::StateTier::Host => oogc_prefetch::plan::StatePlacement::Host,
-            crate::config::StateTier::Nvme => oogc_prefetch::plan::StatePlacement::Nvme,
-        },
+        optimizer_state: Some(cfg.budgets.optimizer_state),
         max_depth: cfg.prefetch.depth.max(1),
         hardware,
         trace,
@@ -279,36 +277,30 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
 pub fn moe_placement(cfg: &TrainConfig, hardware: &HardwareProfile) -> Vec<Vec<Placement>> {
     let Some(m) = &cfg.model.moe else { return Vec::new() };
     let (layers, experts) = (cfg.model.n_layer, m.experts);
-    if cfg.moe.policy != "ours" {
+    if !crate::moe::places_experts(cfg) {
         return vec![vec![Placement::Fetch; experts]; layers];
     }
     let d = cfg.model.d_model as u64;
     let numel = expert_params(d, m.d_expert.unwrap_or_else(|| cfg.d_ff()) as u64);
     let bytes = numel * 4;
     let tokens = (cfg.train.batch_size * cfg.train.seq_len * m.top_k / experts.max(1)) as u64;
-    let sim = cfg.device.kind == "sim";
-    let link = if sim && cfg.device.link_gbps > 0.0 { cfg.device.link_gbps } else { 16.0 };
-    let defaults = CostModelConfig::default();
-    let rate = hardware.device_gflops;
+    // The sim device's GPU is this CPU, at the profile's rate; on a GPU the cost model's CPU rate.
+    let cpu_gflops =
+        if cfg.device.kind.is_sim() { hardware.device_gflops } else { CostModelConfig::default().cpu_gflops };
+    let pc = crate::moe::placer_config(cfg, cpu_gflops);
     let cost = CostModel::new(
         ExpertShape { param_bytes: bytes, grad_bytes: bytes, flops_per_token: 8.0 * numel as f64 },
-        CostModelConfig {
-            h2d_gbps: link,
-            d2h_gbps: link,
-            gpu_gflops: if sim { rate } else { defaults.gpu_gflops },
-            cpu_gflops: if sim { rate } else { defaults.cpu_gflops },
-            ..defaults
-        },
+        pc.cost,
     );
     let Ok(cost) = cost else {
         // A rate that is not a positive number: the planner refuses the profile anyway.
         return vec![vec![Placement::Fetch; experts]; layers];
     };
     let mode = if cfg.moe.cpu_compute { ColdMode::FetchOrCpu } else { ColdMode::FetchOnly };
-    let budget = cfg.moe.expert_budget.map_or(cfg.budgets.gpu.as_u64() / 4, |b| b.as_u64());
-    let capacity = ((budget / bytes.max(1)) as usize).min(layers * experts);
+    let capacity = ((pc.hot_set.budget_bytes / bytes.max(1)) as usize).min(layers * experts);
     let horizon = 1.0 / (1.0 - cfg.moe.popularity_decay).max(1e-6);
-    let worth_keeping = cost.hot_benefit_s(tokens as f64, 1.0, mode) * horizon > 1.5 * cost.h2d_s(bytes);
+    let worth_keeping =
+        cost.hot_benefit_s(tokens as f64, 1.0, mode) * horizon > (1.0 + pc.hot_set.margin) * cost.h2d_s(bytes);
     let hot = if worth_keeping { capacity } else { 0 };
     (0..layers)
         .map(|b| {
@@ -495,11 +487,11 @@ mod tests {
         assert_eq!(cpu, all.iter().filter(|&&q| q == Placement::Cpu).count());
         cfg.moe.cpu_compute = false;
         assert!(moe_placement(&cfg, &hw).iter().flatten().all(|&q| q != Placement::Cpu));
-        cfg.moe.policy = "fetch".into();
+        cfg.moe.policy = crate::config::MoePolicy::Fetch;
         assert!(moe_placement(&cfg, &hw).iter().flatten().all(|&q| q == Placement::Fetch));
         // A fast device beside a slow CPU keeps a hot set.
-        cfg.moe.policy = "ours".into();
-        cfg.device.kind = "cuda:0".into();
+        cfg.moe.policy = crate::config::MoePolicy::Ours;
+        cfg.device.kind = crate::config::DeviceKind::Cuda(0);
         let hot = moe_placement(&cfg, &hw).iter().flatten().filter(|&&q| q == Placement::Resident).count();
         assert!(hot > 0, "{hot}");
     }

@@ -9,7 +9,6 @@ use std::time::Instant;
 use serde::Serialize;
 
 use crate::config::TrainConfig;
-use crate::swapper::Tier;
 use crate::train::{Result, TrainError, Trainer};
 
 /// candle's CPU compute threads of a run (sim device): `[threads] compute`, else every core
@@ -273,10 +272,10 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
     summary.last_step = trainer.step();
     summary.tokens_per_s = tokens as f64 / summary.train_s.max(1e-9);
     summary.compute_s = (summary.train_s - summary.exposed_transfer_s - summary.exposed_optimizer_s).max(0.0);
-    let res = trainer.runtime().residency();
-    summary.peak_gpu_bytes = res.peak_bytes(Tier::Device);
-    summary.peak_host_bytes = res.peak_bytes(Tier::Host);
-    summary.nvme_bytes = trainer.runtime().optimizer_nvme_bytes();
+    let peak = trainer.runtime().peak_bytes();
+    summary.peak_gpu_bytes = peak.device;
+    summary.peak_host_bytes = peak.host;
+    summary.nvme_bytes = peak.nvme;
     tracing::debug!(wall_s = run_start.elapsed().as_secs_f64(), "run finished");
     Ok(summary)
 }

@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Context};
 use half::{bf16, f16};
-use oogc_optimizer::{AdamConfig, AdamKernel, CopyOut, FloatType, GradSlice, Isa, StateIo};
+use oogc_optimizer::{AdamConfig, AdamKernel, CopyOut, DType, GradSlice, Isa, StateIo};
 use oogc_swapper::host::{HostMemory, MmapMemory};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -34,9 +34,9 @@ pub struct AdamBenchArgs {
     /// Thread counts, one row each. Default: [1, 2].
     pub threads: Vec<usize>,
     /// Element type of the gradients. Default: f32.
-    pub grad_dtype: FloatType,
+    pub grad_dtype: DType,
     /// Element type of the compute copy written in the same pass; `None`: none. Default: `None`.
-    pub param_out: Option<FloatType>,
+    pub param_out: Option<DType>,
     /// Timed steps per row (the median is reported). Default: 5.
     pub steps: usize,
     /// Dispatch path; `None` detects. Default: `None`.
@@ -45,14 +45,7 @@ pub struct AdamBenchArgs {
 
 impl Default for AdamBenchArgs {
     fn default() -> Self {
-        Self {
-            params: 256 << 20,
-            threads: vec![1, 2],
-            grad_dtype: FloatType::F32,
-            param_out: None,
-            steps: 5,
-            isa: None,
-        }
+        Self { params: 256 << 20, threads: vec![1, 2], grad_dtype: DType::F32, param_out: None, steps: 5, isa: None }
     }
 }
 
@@ -197,21 +190,22 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<Vec<AdamBenchRow>> {
     let mut hg = Huge::new::<u8>(n * gsize)?;
     let g = hg.get::<u8>(n * gsize);
     let grads = match args.grad_dtype {
-        FloatType::F32 => {
+        DType::F32 => {
             let g: &mut [f32] = bytemuck::cast_slice_mut(g);
             g.iter_mut().enumerate().for_each(|(i, x)| *x = val(i, 4) * 1e-2);
             GradSlice::F32(g)
         }
-        FloatType::BF16 => {
+        DType::BF16 => {
             let g: &mut [bf16] = bytemuck::cast_slice_mut(g);
             g.iter_mut().enumerate().for_each(|(i, x)| *x = bf16::from_f32(val(i, 4) * 1e-2));
             GradSlice::BF16(g)
         }
-        FloatType::F16 => {
+        DType::F16 => {
             let g: &mut [f16] = bytemuck::cast_slice_mut(g);
             g.iter_mut().enumerate().for_each(|(i, x)| *x = f16::from_f32(val(i, 4) * 1e-2));
             GradSlice::F16(g)
         }
+        DType::U8 => bail!("--grad-dtype u8 is not a gradient type: use f32, bf16 or f16"),
     };
     let mut hc = args.param_out.map(|d| Huge::new::<u8>(n * d.size_in_bytes())).transpose()?;
     let copy_bytes = args.param_out.map_or(0, |d| d.size_in_bytes());
@@ -240,7 +234,7 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<Vec<AdamBenchRow>> {
         let triad = triad_gbps(&pool, triad_len, args.steps.max(3))?;
         let params_per_s = n as f64 / secs;
         let gbps = params_per_s * bytes_per_param as f64 * 1e-9;
-        let casts = 6 * usize::from(args.grad_dtype != FloatType::F32) + 6 * usize::from(copy_bytes > 0);
+        let casts = 6 * usize::from(args.grad_dtype != DType::F32) + 6 * usize::from(copy_bytes > 0);
         let torch = 1.0 / (1.0 / TORCH_FUSED_PARAMS_PER_S + casts as f64 / (triad * 1e9));
         rows.push(AdamBenchRow {
             variant: variant.clone(),

@@ -37,14 +37,15 @@ use std::path::Path;
 use std::time::Instant;
 
 use anyhow::Context;
-use oogc_optimizer::{AdamConfig, AdamKernel, CopyOut, FloatType, GradSlice, Isa, StateIo};
+use oogc_optimizer::{AdamConfig, AdamKernel, CopyOut, DType, GradSlice, Isa, StateIo};
 use oogc_prefetch::HardwareProfile;
 use serde::Serialize;
 
 use crate::machine::{self, Machine};
-use oogc::config::{StateTier, TrainConfig};
+use oogc::config::TrainConfig;
 use oogc::plan::plan_gpt;
 use oogc::train::{gpt_config, Trainer};
+use oogc_swapper::StatePlacement;
 
 /// Arguments of the step benchmark.
 #[derive(Debug, Clone)]
@@ -310,7 +311,7 @@ pub(crate) fn measure_with(
 pub fn load_config(path: &Path, link_gbps: Option<f64>) -> anyhow::Result<TrainConfig> {
     let mut cfg = TrainConfig::load(path)?;
     if let Some(l) = link_gbps {
-        if cfg.device.kind != "sim" || !(l > 0.0 && l.is_finite()) {
+        if !(cfg.device.kind.is_sim() && l > 0.0 && l.is_finite()) {
             anyhow::bail!(
                 "--link-gbps {l}: only a sim device's link can be throttled, to a positive rate \
                  ({} has device `{}`); drop the flag or use a sim config",
@@ -342,7 +343,7 @@ pub fn optimizer_step_s(params: usize, threads: usize) -> anyhow::Result<f64> {
             &s,
             StateIo::InPlace { p: &mut p, m: &mut m, v: &mut v },
             GradSlice::F32(&g),
-            CopyOut::from_bytes(FloatType::F32, &mut copy),
+            CopyOut::from_bytes(DType::F32, &mut copy),
         )?;
         if t > 1 {
             times.push(start.elapsed().as_secs_f64());
@@ -388,7 +389,7 @@ pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
         let mut r = variant_config(base, "resident", total);
         // Every unit's compute copy, twice over for gradient staging and slack.
         r.budgets.gpu = bytesize::ByteSize::b(2 * params as u64 * 4 + (1 << 20));
-        r.budgets.optimizer_state = StateTier::Host;
+        r.budgets.optimizer_state = StatePlacement::Host;
         Ok(r)
     };
 

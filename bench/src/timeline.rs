@@ -138,7 +138,7 @@ pub struct TimelineRow {
 /// e.g. `tinyshakespeare, sim link 0.05 GB/s`.
 pub fn run_title(config_path: &Path, config: &TrainConfig) -> String {
     let name = config_path.file_stem().map_or_else(|| "config".into(), |s| s.to_string_lossy().into_owned());
-    if config.device.kind == "sim" {
+    if config.device.kind.is_sim() {
         if config.device.link_gbps > 0.0 {
             format!("{name}, sim link {} GB/s", config.device.link_gbps)
         } else {

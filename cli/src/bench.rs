@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 use oogc::config::TrainConfig;
-use oogc::optimizer::{FloatType, Isa};
+use oogc::optimizer::{DType, Isa};
 use oogc::swapper::{EngineChoice, Error as SwapError};
 use oogc_bench::{adam, all, evict, moe, nvme, plan_check, step, swap};
 use serde::Serialize;
@@ -155,11 +155,11 @@ pub(crate) enum DTypeArg {
 }
 
 impl DTypeArg {
-    fn float(self) -> Option<FloatType> {
+    fn float(self) -> Option<DType> {
         match self {
-            DTypeArg::F32 => Some(FloatType::F32),
-            DTypeArg::Bf16 => Some(FloatType::BF16),
-            DTypeArg::F16 => Some(FloatType::F16),
+            DTypeArg::F32 => Some(DType::F32),
+            DTypeArg::Bf16 => Some(DType::BF16),
+            DTypeArg::F16 => Some(DType::F16),
             DTypeArg::None => None,
         }
     }

@@ -6,8 +6,8 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use oogc::config::TrainConfig;
 use oogc::plan as planner;
-use oogc::prefetch::plan::StatePlacement;
 use oogc::prefetch::HardwareProfile;
+use oogc::swapper::StatePlacement;
 use oogc_bench::probe;
 
 use crate::args::parse_bytes;
@@ -160,9 +160,9 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         gpu_budget_bytes: cmd.gpu_budget as u64,
         host_budget_bytes: cmd.host_budget.map(|b| b as u64),
         optimizer_state: match cmd.optimizer_state {
-            StateArg::Host => StatePlacement::Host,
-            StateArg::Nvme => StatePlacement::Nvme,
-            StateArg::Auto => StatePlacement::Auto,
+            StateArg::Host => Some(StatePlacement::Host),
+            StateArg::Nvme => Some(StatePlacement::Nvme),
+            StateArg::Auto => None,
         },
         max_depth: cmd.max_depth as usize,
         hardware: load_hardware(cmd.hardware.as_ref())?,

@@ -1,47 +1,11 @@
 //! Hyper-parameters and configuration: [`AdamConfig`], [`LrSchedule`], [`OptimizerConfig`].
 
+use oogc_swapper::DType;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::kernel::StepScalars;
 use crate::simd::Isa;
-
-/// A floating-point element type of gradients or of the compute copy.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum FloatType {
-    /// IEEE single precision, 4 bytes.
-    F32,
-    /// bfloat16, 2 bytes.
-    BF16,
-    /// IEEE half precision, 2 bytes.
-    F16,
-}
-
-impl FloatType {
-    /// Bytes per element.
-    pub fn size_in_bytes(self) -> usize {
-        match self {
-            FloatType::F32 => 4,
-            FloatType::BF16 | FloatType::F16 => 2,
-        }
-    }
-
-    /// Lowercase name (`f32`, `bf16`, `f16`).
-    pub fn name(self) -> &'static str {
-        match self {
-            FloatType::F32 => "f32",
-            FloatType::BF16 => "bf16",
-            FloatType::F16 => "f16",
-        }
-    }
-}
-
-impl std::fmt::Display for FloatType {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
 
 /// How weight decay enters the update.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -208,17 +172,6 @@ impl LrSchedule {
     }
 }
 
-/// Where a unit's optimizer state (master weights, `m`, `v`) lives between steps.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StatePlacement {
-    /// In host memory (three `Vec<f32>`).
-    #[default]
-    Host,
-    /// On the NVMe store, in chunks streamed through host memory at each update.
-    Nvme,
-}
-
 /// Configuration of a [`crate::PipelinedOptimizer`] (config key prefix `optimizer.`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -234,9 +187,10 @@ pub struct OptimizerConfig {
     /// disables clipping. Default: `None`. When set, > 0.
     #[serde(default)]
     pub clip_norm: Option<f32>,
-    /// Element type of the compute copy written by each update. Default: bf16.
+    /// Element type of the compute copy written by each update: a float type (`f32`, `bf16`,
+    /// `f16`). Default: bf16.
     #[serde(default = "OptimizerConfig::default_compute_dtype")]
-    pub compute_dtype: FloatType,
+    pub compute_dtype: DType,
     /// Bytes of optimizer state (master, `m`, `v` together: 12 B per parameter) per streamed
     /// NVMe chunk. Default: 12 MiB (1 Mi parameters). Rounded to whole blocks of
     /// [`crate::NORM_BLOCK`] parameters (192 KiB); at least one block.
@@ -276,8 +230,8 @@ impl OptimizerConfig {
     fn default_threads() -> usize {
         2
     }
-    fn default_compute_dtype() -> FloatType {
-        FloatType::BF16
+    fn default_compute_dtype() -> DType {
+        DType::BF16
     }
     fn default_stream_chunk_bytes() -> usize {
         12 << 20
@@ -303,6 +257,9 @@ impl OptimizerConfig {
             return bad("threads", format!("{} is not between 1 and 1024", self.threads));
         }
         self.adam.validate()?;
+        if !self.compute_dtype.is_float() {
+            return bad("compute_dtype", format!("{} is not a float type: use f32, bf16 or f16", self.compute_dtype));
+        }
         if let Some(c) = self.clip_norm {
             if !(c > 0.0 && c.is_finite()) {
                 return bad("clip_norm", format!("{c} is not a finite number > 0; leave it unset to disable clipping"));

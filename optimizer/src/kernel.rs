@@ -18,9 +18,10 @@ use std::sync::Arc;
 use half::{bf16, f16};
 use rayon::ThreadPool;
 
-use crate::config::{AdamConfig, AdamKind, FloatType};
+use crate::config::{AdamConfig, AdamKind};
 use crate::error::{Error, Result};
 use crate::simd::{self, Isa};
+use oogc_swapper::DType;
 
 /// Parameters per block of the gradient norm and of the thread cut: the global sum of squares
 /// is the sum, in order, of per-block sums (each in the 16-lane order of [`grad_sumsq`]).
@@ -124,11 +125,11 @@ impl<'a> GradSlice<'a> {
     }
 
     /// The element type.
-    pub fn dtype(&self) -> FloatType {
+    pub fn dtype(&self) -> DType {
         match self {
-            GradSlice::F32(_) => FloatType::F32,
-            GradSlice::BF16(_) => FloatType::BF16,
-            GradSlice::F16(_) => FloatType::F16,
+            GradSlice::F32(_) => DType::F32,
+            GradSlice::BF16(_) => DType::BF16,
+            GradSlice::F16(_) => DType::F16,
         }
     }
 
@@ -186,12 +187,14 @@ impl CopyOut<'_> {
     /// The same destination as a byte buffer of `dtype` (`bytes.len()` a multiple of its size).
     ///
     /// # Panics
-    /// If the bytes are not aligned to or a multiple of the element size.
-    pub fn from_bytes(dtype: FloatType, bytes: &mut [u8]) -> CopyOut<'_> {
+    /// If the bytes are not aligned to or a multiple of the element size, or `dtype` is not a
+    /// float type ([`DType::U8`]).
+    pub fn from_bytes(dtype: DType, bytes: &mut [u8]) -> CopyOut<'_> {
         match dtype {
-            FloatType::F32 => CopyOut::F32(bytemuck::cast_slice_mut(bytes)),
-            FloatType::BF16 => CopyOut::BF16(bytemuck::cast_slice_mut(bytes)),
-            FloatType::F16 => CopyOut::F16(bytemuck::cast_slice_mut(bytes)),
+            DType::F32 => CopyOut::F32(bytemuck::cast_slice_mut(bytes)),
+            DType::BF16 => CopyOut::BF16(bytemuck::cast_slice_mut(bytes)),
+            DType::F16 => CopyOut::F16(bytemuck::cast_slice_mut(bytes)),
+            DType::U8 => panic!("a compute copy is a float type, not u8"),
         }
     }
 

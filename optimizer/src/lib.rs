@@ -26,11 +26,12 @@ pub mod pipeline;
 mod simd;
 pub mod stream;
 
-pub use config::{AdamConfig, AdamKind, FloatType, LrSchedule, OptimizerConfig, StatePlacement};
+pub use config::{AdamConfig, AdamKind, LrSchedule, OptimizerConfig};
 pub use error::{Error, Result};
 pub use kernel::{
     adam_step, clip_scale, global_norm, grad_sumsq, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK,
 };
+pub use oogc_swapper::{DType, StatePlacement};
 pub use pipeline::{Grads, PipelinedOptimizer, StepReport, UnitState, UpdateHandle};
 pub use simd::Isa;
 pub use stream::{stream_update, NvmeState, StreamConfig, StreamStats};

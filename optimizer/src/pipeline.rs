@@ -52,11 +52,12 @@ use half::{bf16, f16};
 use oogc_swapper::{NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
 use parking_lot::{Condvar, Mutex, RwLock};
 
-use crate::config::{FloatType, OptimizerConfig, StatePlacement};
+use crate::config::OptimizerConfig;
 use crate::error::{Error, Result};
 use crate::kernel::{clip_scale, global_norm, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
 use crate::simd::Isa;
 use crate::stream::{stream_update, NvmeState, StreamConfig};
+use oogc_swapper::{DType, StatePlacement};
 
 /// A unit's gradients, owned (the optimizer keeps them until the step is final, then drops them).
 #[derive(Debug, Clone, PartialEq)]
@@ -81,7 +82,7 @@ impl Grads {
     }
 
     /// The element type.
-    pub fn dtype(&self) -> FloatType {
+    pub fn dtype(&self) -> DType {
         self.as_slice().dtype()
     }
 
@@ -334,20 +335,20 @@ impl std::fmt::Debug for PipelinedOptimizer {
     }
 }
 
-fn copy_words(n: usize, dtype: FloatType) -> usize {
+fn copy_words(n: usize, dtype: DType) -> usize {
     (n * dtype.size_in_bytes()).div_ceil(4)
 }
 
-fn copy_bytes(words: &[u32], n: usize, dtype: FloatType) -> &[u8] {
+fn copy_bytes(words: &[u32], n: usize, dtype: DType) -> &[u8] {
     &bytemuck::cast_slice(words)[..n * dtype.size_in_bytes()]
 }
 
-fn copy_out(words: &mut [u32], n: usize, dtype: FloatType) -> CopyOut<'_> {
+fn copy_out(words: &mut [u32], n: usize, dtype: DType) -> CopyOut<'_> {
     CopyOut::from_bytes(dtype, &mut bytemuck::cast_slice_mut(words)[..n * dtype.size_in_bytes()])
 }
 
 /// Converts master weights to the compute copy (outside a step: add and import).
-fn fill_copy(words: &mut [u32], master: &[f32], dtype: FloatType) {
+fn fill_copy(words: &mut [u32], master: &[f32], dtype: DType) {
     match copy_out(words, master.len(), dtype) {
         CopyOut::F32(o) => o.copy_from_slice(master),
         CopyOut::BF16(o) => o.convert_from_f32_slice(master),

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use half::bf16;
 use oogc_optimizer::{
-    adam_step, clip_scale, global_norm, grad_sumsq, AdamConfig, CopyOut, FloatType, GradSlice, Grads, Isa,
-    OptimizerConfig, PipelinedOptimizer, StateIo, StatePlacement, UnitState, NORM_BLOCK,
+    adam_step, clip_scale, global_norm, grad_sumsq, AdamConfig, CopyOut, DType, GradSlice, Grads, Isa, OptimizerConfig,
+    PipelinedOptimizer, StateIo, StatePlacement, UnitState, NORM_BLOCK,
 };
 use oogc_swapper::{NvmeConfig, NvmeStore, TensorId};
 
@@ -90,7 +90,7 @@ fn config(clip: Option<f32>, threads: usize) -> OptimizerConfig {
         threads,
         clip_norm: clip,
         adam: AdamConfig { weight_decay: 0.1, ..Default::default() },
-        compute_dtype: FloatType::BF16,
+        compute_dtype: DType::BF16,
         stream_chunk_bytes: 12 * 2 * NORM_BLOCK,
         stream_host_budget_bytes: 8 << 20,
         ..Default::default()

@@ -15,7 +15,7 @@
 
 use std::path::Path;
 
-use oogc_swapper::TensorId;
+use oogc_swapper::{StatePlacement, TensorId};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -167,18 +167,6 @@ pub struct ModelUnit {
     pub host_compute: bool,
 }
 
-/// Where the optimizer state (fp32 master, m, v: 12 B per parameter) lives.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum StatePlacement {
-    /// Host memory.
-    Host,
-    /// NVMe.
-    Nvme,
-    /// Host if the host budget holds everything, else NVMe.
-    Auto,
-}
-
 /// What to plan.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PlanInput {
@@ -186,10 +174,11 @@ pub struct PlanInput {
     pub units: Vec<ModelUnit>,
     /// Device bytes for unit copies.
     pub gpu_budget_bytes: u64,
-    /// Host bytes, if limited (decides [`StatePlacement::Auto`] and the warnings).
+    /// Host bytes, if limited (decides an automatic state placement and the warnings).
     pub host_budget_bytes: Option<u64>,
-    /// Optimizer state placement.
-    pub optimizer_state: StatePlacement,
+    /// Where the optimizer state (fp32 master, m, v: 12 B per parameter) lives; `None`: host
+    /// if the host budget holds everything, else NVMe.
+    pub optimizer_state: Option<StatePlacement>,
     /// The sliding window.
     pub prefetch: PrefetchConfig,
     /// Simulated steps (the last is reported). Default 3.
@@ -265,9 +254,9 @@ pub fn plan(input: &PlanInput, hw: &HardwareProfile) -> Result<PlanReport> {
     let grads_bytes = model_bytes;
     let mut warnings = Vec::new();
     let on_nvme = match input.optimizer_state {
-        StatePlacement::Host => false,
-        StatePlacement::Nvme => true,
-        StatePlacement::Auto => input.host_budget_bytes.is_some_and(|b| model_bytes + grads_bytes + state_bytes > b),
+        Some(StatePlacement::Host) => false,
+        Some(StatePlacement::Nvme) => true,
+        None => input.host_budget_bytes.is_some_and(|b| model_bytes + grads_bytes + state_bytes > b),
     };
     let flops_s = hw.device_gflops * 1e9;
     let units: Vec<SimUnit> = input
@@ -377,7 +366,7 @@ mod tests {
             units,
             gpu_budget_bytes: 1 << 30,
             host_budget_bytes: None,
-            optimizer_state: StatePlacement::Host,
+            optimizer_state: Some(StatePlacement::Host),
             prefetch: PrefetchConfig::default(),
             steps: 3,
             trace: false,
@@ -417,7 +406,7 @@ mod tests {
             units: units(12),
             gpu_budget_bytes: 8 << 20,
             host_budget_bytes: None,
-            optimizer_state: StatePlacement::Auto,
+            optimizer_state: None,
             prefetch: PrefetchConfig::default(),
             steps: 3,
             trace: false,

@@ -30,6 +30,8 @@ pub enum Phase {
     Backward,
     /// The CPU optimizer step of the unit (on the host copy).
     Optimizer,
+    /// An off-schedule use between steps (validation): never recorded, no prefetch.
+    Eval,
 }
 
 /// One acquire of a unit in the trace.
@@ -328,8 +330,13 @@ impl TraceRecorder {
     }
 
     /// Records an acquire of `unit` (`num_bytes` bytes) on `tier` in `phase`; `write` for an
-    /// acquire for write. The unit counts as held until [`TraceRecorder::release`].
+    /// acquire for write. The unit counts as held until [`TraceRecorder::release`]. An access in
+    /// [`Phase::Eval`] is not recorded.
     pub fn acquire(&mut self, unit: TensorId, num_bytes: u64, phase: Phase, tier: Tier, write: bool) {
+        if phase == Phase::Eval {
+            // Off-schedule by definition.
+            return;
+        }
         self.sizes.insert(unit, num_bytes);
         *self.held.entry((unit, tier)).or_default() += 1;
         let held_bytes = self

@@ -429,7 +429,7 @@ impl Sim<'_> {
         let dur = match entry.phase {
             Phase::Forward => unit.forward_s,
             Phase::Backward => unit.backward_s,
-            Phase::Optimizer => 0.0,
+            Phase::Optimizer | Phase::Eval => 0.0,
         };
         let end = start + dur;
         if self.recording {
@@ -439,6 +439,7 @@ impl Sim<'_> {
             Phase::Forward => "fwd",
             Phase::Backward => "bwd",
             Phase::Optimizer => "opt",
+            Phase::Eval => "eval",
         };
         self.event(TID_COMPUTE, format!("{phase} {}", u.0), start, end, json!({"unit": u.0, "wait_s": start - t}));
         if entry.phase == Phase::Backward {

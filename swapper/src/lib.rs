@@ -32,4 +32,4 @@ pub use metrics::{Link, LinkSnapshot, LinkStats, Metrics, MetricsSnapshot};
 pub use nvme::{EngineChoice, EngineKind, Extent, IoHandle, NvmeConfig, NvmeStore};
 pub use policy::{EvictionCandidate, EvictionPolicy, LruPolicy};
 pub use residency::{Access, PrefetchHandle, ResidencyConfig, ResidencyManager, Resident};
-pub use tier::{DType, TensorId, TensorMeta, Tier};
+pub use tier::{DType, StatePlacement, TensorId, TensorMeta, Tier};

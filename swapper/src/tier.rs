@@ -78,6 +78,51 @@ impl DType {
             DType::U8 => 1,
         }
     }
+
+    /// Whether it is a floating-point type (`f32`, `bf16`, `f16`): what gradients, compute
+    /// copies and optimizer state may be.
+    pub fn is_float(self) -> bool {
+        !matches!(self, DType::U8)
+    }
+
+    /// Lowercase name (`f32`, `bf16`, `f16`, `u8`), as in configs.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::U8 => "u8",
+        }
+    }
+}
+
+impl std::fmt::Display for DType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// Where a unit's state lives between its uses: its home tier below the device (ZeRO-Infinity's
+/// `offload_optimizer.device` / `offload_param.device`: `cpu` or `nvme`). Used for the optimizer
+/// state (fp32 master weights, Adam `m` and `v`) and for the planner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StatePlacement {
+    /// Host memory.
+    #[default]
+    Host,
+    /// The NVMe store, streamed in chunks through host memory when used.
+    Nvme,
+}
+
+impl StatePlacement {
+    /// The tier it names: [`Tier::Host`] or [`Tier::Nvme`].
+    pub fn tier(self) -> Tier {
+        match self {
+            StatePlacement::Host => Tier::Host,
+            StatePlacement::Nvme => Tier::Nvme,
+        }
+    }
 }
 
 /// What the swapper knows of a tensor: its id, name, shape, dtype and home tier.

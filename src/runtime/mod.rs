@@ -27,24 +27,30 @@
 //! # anyhow::Ok(())
 //! ```
 
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use crossbeam_channel::{Receiver, Sender};
-use oogc_optimizer::{Grads, OptimizerConfig, PipelinedOptimizer, StatePlacement, StepReport, UpdateHandle};
+use oogc_optimizer::{Grads, OptimizerConfig, PipelinedOptimizer, StepReport};
 use oogc_prefetch::{
-    check_budget, CursorHandle, NextUsePolicy, Phase as PrefetchPhase, PrefetchConfig, PrefetchDriver, Schedule,
-    TraceRecorder,
+    check_budget, CursorHandle, NextUsePolicy, PrefetchConfig, PrefetchDriver, Schedule, TraceRecorder,
 };
 use oogc_swapper::{
     Access, DType, Device, DeviceBuffer, NvmeConfig, NvmeStore, PinnedPool, ResidencyConfig, ResidencyManager,
-    Resident, SimDevice, SimDeviceConfig, TensorId, TensorMeta, Tier, Transfer,
+    SimDevice, SimDeviceConfig, StatePlacement, TensorId, TensorMeta, Tier,
 };
 use parking_lot::Mutex;
 
-use crate::config::StateTier;
+mod grads;
+mod stats;
+mod unit;
+
+pub use oogc_prefetch::Phase;
+pub use stats::{PeakBytes, PhaseStats, StepStats};
+pub use unit::UnitParams;
+
+use grads::{GradPipe, STAGING_BUFFERS};
+use unit::{Scheduling, Unit, Update};
 
 /// What can go wrong in the runtime.
 #[derive(Debug, thiserror::Error)]
@@ -85,27 +91,17 @@ pub type Result<T, E = RuntimeError> = std::result::Result<T, E>;
 pub struct UnitId(pub usize);
 
 impl UnitId {
+    /// The swapper tensor that holds the unit's compute copy (and the optimizer's unit id).
     fn tensor(self) -> TensorId {
         TensorId(self.0 as u64)
     }
-}
-
-/// Why a unit is fetched.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Phase {
-    /// Forward of the training step.
-    Forward,
-    /// Backward (recompute + VJP).
-    Backward,
-    /// Off-schedule use (validation): no prefetch, not recorded in the schedule.
-    Eval,
 }
 
 /// Which device computes.
 #[derive(Debug, Clone)]
 pub enum DeviceSpec {
     /// The sim device: capacity = the GPU budget, H2D/D2H throttled to `link_gbps` (0 = no
-    /// throttle) plus `latency_us` per copy.
+    /// throttle) plus `latency_us` per copy; compute is candle on the CPU.
     Sim {
         /// GB/s (10^9 B/s).
         link_gbps: f64,
@@ -129,8 +125,8 @@ pub struct RuntimeConfig {
     /// Pinned host bytes for the compute copies' home and staging.
     pub host_budget_bytes: u64,
     /// Where master weights and Adam state live.
-    pub state_tier: StateTier,
-    /// NVMe store for optimizer state (needed when `state_tier` is NVMe).
+    pub state_placement: StatePlacement,
+    /// NVMe store for optimizer state (needed when `state_placement` is NVMe).
     pub nvme: Option<NvmeConfig>,
     /// Units prefetched ahead; 0 = on demand.
     pub prefetch_depth: usize,
@@ -154,144 +150,27 @@ impl RuntimeConfig {
             device: DeviceSpec::Sim { link_gbps: 0.0, latency_us: 0.0 },
             gpu_budget_bytes,
             host_budget_bytes: 4 << 30,
-            state_tier: StateTier::Host,
+            state_placement: StatePlacement::Host,
             nvme: None,
             prefetch_depth: 2,
-            optimizer: OptimizerConfig { compute_dtype: oogc_optimizer::FloatType::F32, ..OptimizerConfig::default() },
+            optimizer: OptimizerConfig { compute_dtype: DType::F32, ..OptimizerConfig::default() },
             lock_host_memory: false,
             overlap_optimizer: true,
         }
     }
 }
 
-/// One registered unit.
-#[derive(Debug, Clone)]
-struct UnitInfo {
-    name: String,
-    numel: usize,
-}
-
-/// Time and traffic of one step, for logs, metrics and the end-of-run summary.
-#[derive(Debug, Clone, Default, serde::Serialize)]
-pub struct StepStats {
-    /// The optimizer step (1-based).
-    pub step: u64,
-    /// Wall time from [`Runtime::begin_step`] to the end of [`Runtime::finish_step`], seconds.
-    pub step_s: f64,
-    /// Time the caller was blocked in [`Runtime::fetch`] waiting for H2D copies (exposed
-    /// transfer), seconds.
-    pub stall_transfer_s: f64,
-    /// Time the caller was blocked waiting for optimizer updates (at fetch and at the end of the
-    /// step), seconds.
-    pub stall_optimizer_s: f64,
-    /// Bytes copied host→device.
-    pub h2d_bytes: u64,
-    /// Bytes copied device→host (gradients and write-backs).
-    pub d2h_bytes: u64,
-    /// Bytes read from NVMe (optimizer state, spilled compute copies).
-    pub nvme_read_bytes: u64,
-    /// Bytes written to NVMe.
-    pub nvme_write_bytes: u64,
-    /// Global gradient L2 norm before clipping.
-    pub grad_norm: f64,
-    /// Scale applied to the gradients (1 = not clipped).
-    pub clip_scale: f32,
-    /// The step was skipped: a gradient was not finite.
-    pub skipped: bool,
-    /// The forward phase (from [`Runtime::begin_step`] to [`Runtime::end_forward`]); all zero
-    /// when the caller did not mark the turn. The backward phase is the step minus this.
-    pub forward: PhaseStats,
-}
-
-/// Time and link traffic of one phase of a step (see [`StepStats::forward`]).
-#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
-pub struct PhaseStats {
-    /// Wall time of the phase, seconds.
-    pub wall_s: f64,
-    /// Time blocked on transfers and optimizer updates in the phase, seconds.
-    pub stall_s: f64,
-    /// Bytes copied host→device during the phase.
-    pub h2d_bytes: u64,
-    /// Bytes copied device→host during the phase.
-    pub d2h_bytes: u64,
-}
-
-impl StepStats {
-    /// Total stall (exposed transfer + exposed optimizer), seconds.
-    pub fn stall_s(&self) -> f64 {
-        self.stall_transfer_s + self.stall_optimizer_s
-    }
-}
-
-/// A unit pinned on the device for compute: its parameters as one flat candle tensor
-/// (`[numel]`, f32). Dropping it releases the unit (it may then be evicted).
-pub struct UnitParams {
-    tensor: candle_core::Tensor,
-    _pin: Resident,
-    unit: UnitId,
-    recorder: Option<Arc<Mutex<TraceRecorder>>>,
-}
-
-impl Drop for UnitParams {
-    fn drop(&mut self) {
-        if let Some(r) = &self.recorder {
-            r.lock().release(self.unit.tensor(), Tier::Device);
-        }
-    }
-}
-
-impl UnitParams {
-    /// The flat parameter tensor, `[numel]`.
-    pub fn tensor(&self) -> &candle_core::Tensor {
-        &self.tensor
-    }
-
-    /// The unit.
-    pub fn unit(&self) -> UnitId {
-        self.unit
-    }
-}
-
-struct GradJob {
-    unit: UnitId,
-    transfer: Transfer,
-}
-
-struct Shared {
-    optimizer: PipelinedOptimizer,
-    /// The latest update handle of each unit (by unit index).
-    handles: Mutex<HashMap<usize, UpdateHandle>>,
-    /// Free device buffers for gradient staging.
-    staging: Mutex<Vec<DeviceBuffer>>,
-    staging_returned: parking_lot::Condvar,
-    /// First error of the gradient drain thread.
-    drain_error: Mutex<Option<RuntimeError>>,
-    /// Gradient submissions in flight (sent to the drain thread, not yet submitted).
-    in_flight: Mutex<usize>,
-    in_flight_done: parking_lot::Condvar,
-    /// `overlap_optimizer = false`: gradients landed in host memory, held for `finish_step`.
-    hold_grads: bool,
-    held: Mutex<Vec<(UnitId, Vec<f32>)>>,
-}
-
 /// The out-of-GPU-core runtime for one model on one device. See the module docs.
 pub struct Runtime {
     config: RuntimeConfig,
+    /// candle's device for the units' tensors (the CPU for the sim device).
+    compute_device: candle_core::Device,
     residency: Arc<ResidencyManager>,
-    shared: Arc<Shared>,
-    grad_pool: PinnedPool,
-    grad_tx: Option<Sender<GradJob>>,
-    drain: Option<std::thread::JoinHandle<()>>,
-    units: Vec<UnitInfo>,
-    /// Units whose update was submitted and whose new compute copy is not yet published.
-    pending: Vec<bool>,
-    /// Units kept out of the schedule (MoE experts: used as routing decides).
-    unscheduled: Vec<bool>,
+    grads: GradPipe,
+    /// Per-unit state, indexed by [`UnitId`].
+    units: Vec<Unit>,
     /// Ranks unscheduled units for eviction once the next-use policy is installed.
     fallback: Option<Box<dyn oogc_swapper::EvictionPolicy>>,
-    /// Pending units whose step has finished ([`Runtime::finish_step`]): their update is final
-    /// once idle, and may be published. Before that the optimizer's copy is the previous step's.
-    finalized: Vec<bool>,
     step: u64,
     step_started: Option<Instant>,
     stats: StepStats,
@@ -312,10 +191,6 @@ pub struct Runtime {
     nvme: Option<Arc<NvmeStore>>,
 }
 
-/// Device buffers for gradients on their way D2H: one unit's gradients are copied while the
-/// next unit's backward computes.
-const STAGING_BUFFERS: usize = 1;
-
 impl Runtime {
     /// Builds the device, the residency manager, the optimizer (and its NVMe store when state
     /// lives on NVMe).
@@ -325,28 +200,33 @@ impl Runtime {
     /// NVMe directory (named, with the bytes needed) or budget; [`RuntimeError::Optimizer`] for a
     /// bad optimizer config.
     pub fn new(config: RuntimeConfig) -> Result<Self> {
-        if config.optimizer.compute_dtype != oogc_optimizer::FloatType::F32 {
+        if config.optimizer.compute_dtype != DType::F32 {
             return Err(RuntimeError::Usage(format!(
                 "compute copies are f32 on this device; set the optimizer's compute_dtype to f32 (got {})",
                 config.optimizer.compute_dtype
             )));
         }
-        let device = match &config.device {
-            DeviceSpec::Sim { link_gbps, latency_us } => Device::Sim(SimDevice::new(SimDeviceConfig {
-                capacity_bytes: config.gpu_budget_bytes,
-                link_gbps: (*link_gbps > 0.0).then_some(*link_gbps),
-                latency_us: *latency_us,
-            })?),
+        let (device, compute_device) = match &config.device {
+            DeviceSpec::Sim { link_gbps, latency_us } => {
+                let sim = SimDevice::new(SimDeviceConfig {
+                    capacity_bytes: config.gpu_budget_bytes,
+                    link_gbps: (*link_gbps > 0.0).then_some(*link_gbps),
+                    latency_us: *latency_us,
+                })?;
+                // The sim device's compute is candle on this CPU, by definition.
+                (Device::Sim(sim), candle_core::Device::Cpu)
+            }
             DeviceSpec::Cuda { ordinal } => {
-                Device::Cuda(oogc_swapper::CudaDevice::new(*ordinal, Some(config.gpu_budget_bytes))?)
+                let cuda = oogc_swapper::CudaDevice::new(*ordinal, Some(config.gpu_budget_bytes))?;
+                (Device::Cuda(cuda), candle_core::Device::new_cuda(*ordinal)?)
             }
         };
-        let nvme = match (config.state_tier, &config.nvme) {
-            (StateTier::Nvme, Some(nvme)) => Some(Arc::new(NvmeStore::open(nvme.clone())?)),
-            (StateTier::Nvme, None) => {
+        let nvme = match (config.state_placement, &config.nvme) {
+            (StatePlacement::Nvme, Some(nvme)) => Some(Arc::new(NvmeStore::open(nvme.clone())?)),
+            (StatePlacement::Nvme, None) => {
                 return Err(RuntimeError::Usage("optimizer state on NVMe needs an NVMe config".into()));
             }
-            (StateTier::Host, _) => None,
+            (StatePlacement::Host, _) => None,
         };
         let nvme_dirs = config.nvme.as_ref().map(|n| n.dirs.clone()).unwrap_or_default();
         let optimizer = PipelinedOptimizer::new(config.optimizer.clone(), nvme.clone())?;
@@ -367,37 +247,14 @@ impl Runtime {
             &oogc_swapper::PinnedPoolConfig { budget_bytes: config.host_budget_bytes, lock: config.lock_host_memory },
             host_allocator,
         );
-        let shared = Arc::new(Shared {
-            optimizer,
-            handles: Mutex::new(HashMap::new()),
-            staging: Mutex::new(Vec::new()),
-            staging_returned: parking_lot::Condvar::new(),
-            drain_error: Mutex::new(None),
-            in_flight: Mutex::new(0),
-            in_flight_done: parking_lot::Condvar::new(),
-            hold_grads: !config.overlap_optimizer,
-            held: Mutex::new(Vec::new()),
-        });
-        let (tx, rx) = crossbeam_channel::unbounded::<GradJob>();
-        let drain = {
-            let shared = Arc::clone(&shared);
-            std::thread::Builder::new()
-                .name("oogc-grad-drain".into())
-                .spawn(move || drain_loop(rx, shared))
-                .expect("spawn the gradient drain thread")
-        };
+        let grads = GradPipe::new(optimizer, grad_pool, !config.overlap_optimizer);
         Ok(Self {
             config,
+            compute_device,
             residency,
-            shared,
-            grad_pool,
-            grad_tx: Some(tx),
-            drain: Some(drain),
+            grads,
             units: Vec::new(),
-            pending: Vec::new(),
-            unscheduled: Vec::new(),
             fallback: None,
-            finalized: Vec::new(),
             step: 0,
             step_started: None,
             stats: StepStats::default(),
@@ -425,23 +282,10 @@ impl Runtime {
             return Err(RuntimeError::Usage(format!("add_unit({name}) after the first step began")));
         }
         let unit = UnitId(self.units.len());
-        let meta = TensorMeta {
-            id: unit.tensor(),
-            name: name.to_string(),
-            shape: vec![master.len()],
-            dtype: DType::F32,
-            home: Tier::Host,
-        };
+        let meta = TensorMeta::new(unit.tensor(), name, &[master.len()], DType::F32, Tier::Host);
         self.residency.register(meta, bytemuck::cast_slice(master))?;
-        let placement = match self.config.state_tier {
-            StateTier::Host => StatePlacement::Host,
-            StateTier::Nvme => StatePlacement::Nvme,
-        };
-        self.shared.optimizer.add_unit(unit.tensor(), master, placement)?;
-        self.units.push(UnitInfo { name: name.to_string(), numel: master.len() });
-        self.pending.push(false);
-        self.unscheduled.push(false);
-        self.finalized.push(false);
+        self.grads.optimizer().add_unit(unit.tensor(), master, self.config.state_placement)?;
+        self.units.push(Unit::new(name, master.len()));
         Ok(unit)
     }
 
@@ -456,13 +300,20 @@ impl Runtime {
     /// [`Runtime::set_fallback_policy`]). For units used as data decides, such as MoE experts
     /// (their next use is unknown until the router runs).
     pub fn set_unscheduled(&mut self, unit: UnitId) {
-        self.unscheduled[unit.0] = true;
+        self.units[unit.0].scheduling = Scheduling::Unscheduled;
     }
 
     /// The policy that ranks unscheduled units (default LRU) once the next-use policy is
     /// installed after the first step, e.g. MoE expert popularity from `oogc-moe-placement`.
+    /// It sees units as the swapper tensors of [`Runtime::unit_tensor`].
     pub fn set_fallback_policy(&mut self, policy: Box<dyn oogc_swapper::EvictionPolicy>) {
         self.fallback = Some(policy);
+    }
+
+    /// The swapper tensor that holds `unit`'s compute copy (what eviction policies and the
+    /// swapper's metrics and traces name).
+    pub fn unit_tensor(&self, unit: UnitId) -> TensorId {
+        unit.tensor()
     }
 
     /// Registered units in order.
@@ -476,14 +327,30 @@ impl Runtime {
         (&u.name, u.numel)
     }
 
-    /// The residency manager (tiers, budgets, metrics).
-    pub fn residency(&self) -> &ResidencyManager {
-        &self.residency
+    /// candle's device the units' tensors live on ([`UnitParams::tensor`]): the CPU for the
+    /// sim device, the GPU for CUDA. Build inputs (token ids) there.
+    pub fn compute_device(&self) -> &candle_core::Device {
+        &self.compute_device
+    }
+
+    /// Whether `unit` has a copy on the device now (a fetch would move no bytes).
+    pub fn is_on_device(&self, unit: UnitId) -> bool {
+        self.residency.residency(unit.tensor()).is_ok_and(|r| r.device)
+    }
+
+    /// Peak bytes held on the device and in pinned host memory since the runtime began, and the
+    /// NVMe bytes in use now.
+    pub fn peak_bytes(&self) -> PeakBytes {
+        PeakBytes {
+            device: self.residency.peak_bytes(Tier::Device),
+            host: self.residency.peak_bytes(Tier::Host),
+            nvme: self.optimizer_nvme_bytes(),
+        }
     }
 
     /// The pipelined optimizer.
     pub fn optimizer(&self) -> &PipelinedOptimizer {
-        &self.shared.optimizer
+        self.grads.optimizer()
     }
 
     /// The NVMe directories of the optimizer state (empty when it lives in host memory).
@@ -491,14 +358,10 @@ impl Runtime {
         &self.nvme_dirs
     }
 
-    fn unit_bytes(&self, unit: usize) -> u64 {
-        self.units[unit].numel as u64 * 4
-    }
-
     /// Bytes the device must hold at once: the `max_units_in_use` largest units plus gradient
     /// staging (one buffer of the largest unit's gradients).
     pub fn min_working_set_bytes(&self, max_units_in_use: usize) -> u64 {
-        let mut sizes: Vec<u64> = (0..self.units.len()).map(|u| self.unit_bytes(u)).collect();
+        let mut sizes: Vec<u64> = self.units.iter().map(Unit::bytes).collect();
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         let largest = sizes.first().copied().unwrap_or(0);
         sizes.iter().take(max_units_in_use.max(1)).sum::<u64>() + STAGING_BUFFERS as u64 * largest
@@ -512,7 +375,7 @@ impl Runtime {
     /// [`RuntimeError::BudgetBelowWorkingSet`] with the minimum in bytes; optimizer errors.
     pub fn begin_step(&mut self, step: u64, lr: f32) -> Result<()> {
         self.check_working_set()?;
-        self.shared.optimizer.begin_step(step, lr)?;
+        self.grads.optimizer().begin_step(step, lr)?;
         self.step = step;
         self.stats = StepStats { step, clip_scale: 1.0, ..StepStats::default() };
         self.metrics_at_begin = Some(self.traffic());
@@ -562,12 +425,10 @@ impl Runtime {
                 min_bytes: min,
             });
         }
-        let largest = (0..self.units.len()).map(|u| self.unit_bytes(u)).max().unwrap_or(0) as usize;
-        let mut staging = self.shared.staging.lock();
+        let largest = self.units.iter().map(Unit::bytes).max().unwrap_or(0) as usize;
         for _ in 0..STAGING_BUFFERS {
-            staging.push(self.residency.device().alloc(largest.max(1))?);
+            self.grads.add_staging(self.residency.device().alloc(largest.max(1))?);
         }
-        drop(staging);
         self.residency
             .set_device_budget_bytes(self.config.gpu_budget_bytes - STAGING_BUFFERS as u64 * largest as u64)?;
         self.checked_working_set = true;
@@ -577,10 +438,15 @@ impl Runtime {
     /// Pins `unit` on the device and returns its parameters as a tensor. Waits first for the
     /// unit's pending optimizer update (its new compute copy is published to the host copy, which
     /// drops the stale device copy). Then issues prefetches for the next units of the schedule.
+    /// [`Phase::Eval`] fetches (validation) are not recorded and prefetch nothing.
     ///
     /// # Errors
-    /// Swapper errors (out of device memory with everything pinned, I/O), optimizer errors.
+    /// [`RuntimeError::Usage`] for [`Phase::Optimizer`] (not a compute phase); swapper errors
+    /// (out of device memory with everything pinned, I/O), optimizer errors.
     pub fn fetch(&mut self, unit: UnitId, phase: Phase) -> Result<UnitParams> {
+        if phase == Phase::Optimizer {
+            return Err(RuntimeError::Usage("fetch(.., Phase::Optimizer): the optimizer does not fetch units".into()));
+        }
         let span = tracing::info_span!("runtime::fetch", unit = unit.0, ?phase);
         let _e = span.enter();
         self.publish(unit)?;
@@ -592,31 +458,36 @@ impl Runtime {
             device_tensor(&buf, self.units[unit.0].numel)?
         };
         let mut recorder = None;
-        if phase != Phase::Eval && !self.unscheduled[unit.0] {
-            let bytes = self.unit_bytes(unit.0);
-            let p = if phase == Phase::Forward { PrefetchPhase::Forward } else { PrefetchPhase::Backward };
-            self.recorder.lock().acquire(unit.tensor(), bytes, p, Tier::Device, false);
+        if phase != Phase::Eval && self.units[unit.0].scheduling == Scheduling::Scheduled {
+            let bytes = self.units[unit.0].bytes();
+            self.recorder.lock().acquire(unit.tensor(), bytes, phase, Tier::Device, false);
             recorder = Some(Arc::clone(&self.recorder));
             self.issue_prefetches()?;
         }
         Ok(UnitParams { tensor, _pin: pin, unit, recorder })
     }
 
+    /// Takes the handles of the updates the drain thread submitted into the units' states.
+    fn collect_handles(&mut self) {
+        for (unit, handle) in self.grads.submitted() {
+            self.units[unit.0].handle = Some(handle);
+        }
+    }
+
     /// Waits for `unit`'s pending update and copies its new compute copy into the host copy.
     fn publish(&mut self, unit: UnitId) -> Result<()> {
-        if !self.pending[unit.0] || !self.finalized[unit.0] {
-            // Not submitted, or submitted in the step still running: the copy in the tiers is
-            // the one this step must use.
+        if self.units[unit.0].update != Update::StepFinished {
+            // No update, or one pushed in the step still running: the copy in the tiers is the
+            // one this step must use.
             return Ok(());
         }
         let t = Instant::now();
-        self.wait_submitted()?;
-        self.shared.optimizer.wait_unit(unit.tensor())?;
+        self.grads.wait_submitted()?;
+        self.grads.optimizer().wait_unit(unit.tensor())?;
         let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Write)?;
-        self.shared.optimizer.read_compute_copy(unit.tensor(), |bytes| pin.host_bytes_mut().copy_from_slice(bytes))?;
+        self.grads.optimizer().read_compute_copy(unit.tensor(), |bytes| pin.host_bytes_mut().copy_from_slice(bytes))?;
         drop(pin);
-        self.pending[unit.0] = false;
-        self.finalized[unit.0] = false;
+        self.units[unit.0].update = Update::Current;
         self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
         Ok(())
     }
@@ -627,20 +498,29 @@ impl Runtime {
         if self.driver.is_none() {
             return Ok(());
         }
-        let ready: Vec<UnitId> = {
-            let handles = self.shared.handles.lock();
-            (0..self.pending.len())
-                .filter(|&u| self.finalized[u] && handles.get(&u).is_some_and(|h| h.is_ready()))
-                .map(UnitId)
-                .collect()
-        };
+        self.collect_handles();
+        let ready: Vec<UnitId> =
+            self.units.iter().enumerate().filter(|(_, u)| u.ready_to_publish()).map(|(k, _)| UnitId(k)).collect();
         for u in ready {
             self.publish(u)?;
         }
-        let pending = &self.pending;
-        let blocked = |id: TensorId| pending.get(id.0 as usize).copied().unwrap_or(false);
+        let units = &self.units;
+        let blocked = |id: TensorId| units.get(id.0 as usize).is_some_and(|u| u.update != Update::Current);
         let driver = self.driver.as_mut().expect("checked above");
         driver.after_acquire(&self.residency, &blocked)?;
+        Ok(())
+    }
+
+    fn check_grads_len(&self, unit: UnitId, grads: &[f32], call: &str) -> Result<()> {
+        let u = &self.units[unit.0];
+        if grads.len() != u.numel {
+            return Err(RuntimeError::Usage(format!(
+                "{call}({}): {} gradients for a unit of {} parameters",
+                u.name,
+                grads.len(),
+                u.numel
+            )));
+        }
         Ok(())
     }
 
@@ -651,49 +531,23 @@ impl Runtime {
     /// # Errors
     /// [`RuntimeError::Usage`] for a length mismatch; a failure of an earlier submission.
     pub fn push_grads(&mut self, unit: UnitId, grads: &[f32]) -> Result<()> {
-        let numel = self.units[unit.0].numel;
-        if grads.len() != numel {
-            return Err(RuntimeError::Usage(format!(
-                "push_grads({}): {} gradients for a unit of {numel} parameters",
-                self.units[unit.0].name,
-                grads.len()
-            )));
-        }
-        self.check_drain()?;
-        let bytes: &[u8] = bytemuck::cast_slice(grads);
-        let mut dev = {
-            let t = Instant::now();
-            let mut staging = self.shared.staging.lock();
-            while staging.is_empty() {
-                self.shared.staging_returned.wait(&mut staging);
-            }
-            let buf = staging.pop().expect("a staging buffer");
-            self.stats.stall_transfer_s += t.elapsed().as_secs_f64();
-            buf
-        };
-        match &mut dev {
-            DeviceBuffer::Sim(b) => b.as_mut_slice()[..bytes.len()].copy_from_slice(bytes),
-            #[allow(unreachable_patterns)]
-            _ => return Err(RuntimeError::Usage("gradient staging from a CUDA tensor is not wired yet".into())),
-        }
-        let mut host = self.grad_pool.alloc(bytes.len())?;
-        host.set_len(bytes.len());
-        let transfer = self.residency.device().dtoh(dev, host)?;
-        *self.shared.in_flight.lock() += 1;
-        self.pending[unit.0] = true;
+        self.check_grads_len(unit, grads, "push_grads")?;
+        self.grads.check()?;
+        let stall_s = self.grads.push(unit, bytemuck::cast_slice(grads), self.residency.device())?;
+        self.stats.stall_transfer_s += stall_s;
+        self.units[unit.0].update = Update::Pushed;
         self.record_optimizer_write(unit);
-        self.grad_tx.as_ref().expect("drain running").send(GradJob { unit, transfer }).expect("drain thread alive");
         Ok(())
     }
 
     /// The optimizer will rewrite the unit's compute copy: its device copy is dead from here.
     fn record_optimizer_write(&self, unit: UnitId) {
-        if self.unscheduled[unit.0] {
+        let u = &self.units[unit.0];
+        if u.scheduling == Scheduling::Unscheduled {
             return;
         }
-        let unit_bytes = self.unit_bytes(unit.0);
         let mut recorder = self.recorder.lock();
-        recorder.acquire(unit.tensor(), unit_bytes, PrefetchPhase::Optimizer, Tier::Host, true);
+        recorder.acquire(unit.tensor(), u.bytes(), Phase::Optimizer, Tier::Host, true);
         recorder.release(unit.tensor(), Tier::Host);
     }
 
@@ -707,8 +561,10 @@ impl Runtime {
         let _e = tracing::info_span!("runtime::fetch_host", unit = unit.0).entered();
         self.publish(unit)?;
         let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Read)?;
-        let values: Vec<f32> = bytemuck::pod_collect_to_vec(&pin.host_bytes()[..self.units[unit.0].numel * 4]);
-        let tensor = candle_core::Tensor::from_vec(values, self.units[unit.0].numel, &candle_core::Device::Cpu)?;
+        let numel = self.units[unit.0].numel;
+        let values: Vec<f32> = bytemuck::pod_collect_to_vec(&pin.host_bytes()[..numel * 4]);
+        // A host copy computed on the CPU: CPU by nature.
+        let tensor = candle_core::Tensor::from_vec(values, numel, &candle_core::Device::Cpu)?;
         Ok(UnitParams { tensor, _pin: pin, unit, recorder: None })
     }
 
@@ -718,36 +574,14 @@ impl Runtime {
     /// # Errors
     /// [`RuntimeError::Usage`] for a length mismatch; optimizer errors.
     pub fn push_grads_host(&mut self, unit: UnitId, grads: &[f32]) -> Result<()> {
-        let numel = self.units[unit.0].numel;
-        if grads.len() != numel {
-            return Err(RuntimeError::Usage(format!(
-                "push_grads_host({}): {} gradients for a unit of {numel} parameters",
-                self.units[unit.0].name,
-                grads.len()
-            )));
-        }
-        self.check_drain()?;
-        let handle = self.shared.optimizer.submit(unit.tensor(), Grads::F32(grads.to_vec()))?;
-        self.shared.handles.lock().insert(unit.0, handle);
-        self.pending[unit.0] = true;
+        self.check_grads_len(unit, grads, "push_grads_host")?;
+        self.grads.check()?;
+        let handle = self.grads.submit_host(unit, grads.to_vec())?;
+        let u = &mut self.units[unit.0];
+        u.handle = Some(handle);
+        u.update = Update::Pushed;
         self.record_optimizer_write(unit);
         Ok(())
-    }
-
-    fn wait_submitted(&self) -> Result<()> {
-        let mut n = self.shared.in_flight.lock();
-        while *n > 0 {
-            self.shared.in_flight_done.wait(&mut n);
-        }
-        drop(n);
-        self.check_drain()
-    }
-
-    fn check_drain(&self) -> Result<()> {
-        match self.shared.drain_error.lock().take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
     }
 
     /// Ends the step: waits until every gradient is submitted, then for the optimizer's verdict
@@ -760,15 +594,17 @@ impl Runtime {
     /// A failure of a gradient copy or of the optimizer.
     pub fn finish_step(&mut self) -> Result<StepStats> {
         let t = Instant::now();
-        self.wait_submitted()?;
-        let held = std::mem::take(&mut *self.shared.held.lock());
-        for (unit, grads) in held {
-            let handle = self.shared.optimizer.submit(unit.tensor(), Grads::F32(grads))?;
-            self.shared.handles.lock().insert(unit.0, handle);
+        self.grads.wait_submitted()?;
+        for (unit, grads) in self.grads.take_held() {
+            let handle = self.grads.optimizer().submit(unit.tensor(), Grads::F32(grads))?;
+            self.units[unit.0].handle = Some(handle);
         }
-        let report: StepReport = self.shared.optimizer.finish_step()?;
-        for u in 0..self.units.len() {
-            self.finalized[u] = self.pending[u];
+        self.collect_handles();
+        let report: StepReport = self.grads.optimizer().finish_step()?;
+        for u in &mut self.units {
+            if u.update == Update::Pushed {
+                u.update = Update::StepFinished;
+            }
         }
         self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
         if !self.config.overlap_optimizer {
@@ -852,7 +688,7 @@ impl Runtime {
     /// # Errors
     /// Optimizer failures (NVMe read).
     pub fn unit_state(&self, unit: UnitId) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-        let s = self.shared.optimizer.export_state(unit.tensor())?;
+        let s = self.grads.optimizer().export_state(unit.tensor())?;
         Ok((s.master, s.m, s.v))
     }
 
@@ -873,7 +709,7 @@ impl Runtime {
         let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Write)?;
         pin.host_bytes_mut().copy_from_slice(bytemuck::cast_slice(&master));
         drop(pin);
-        self.shared.optimizer.import_state(unit.tensor(), oogc_optimizer::UnitState { master, m, v })?;
+        self.grads.optimizer().import_state(unit.tensor(), oogc_optimizer::UnitState { master, m, v })?;
         Ok(())
     }
 
@@ -903,50 +739,6 @@ impl Drop for Runtime {
         if let Some(d) = self.driver.as_mut() {
             let _ = d.wait_all();
         }
-        self.grad_tx.take();
-        if let Some(t) = self.drain.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
-    for job in rx {
-        let (host, dev) = match job.transfer.wait() {
-            Ok(pair) => pair,
-            Err(e) => {
-                shared.drain_error.lock().get_or_insert(e.into());
-                finish_job(&shared);
-                continue;
-            }
-        };
-        shared.staging.lock().push(dev);
-        shared.staging_returned.notify_all();
-        let _span = tracing::info_span!("runtime::submit", unit = job.unit.0).entered();
-        let grads: Vec<f32> = bytemuck::pod_collect_to_vec(host.as_slice());
-        drop(host);
-        if shared.hold_grads {
-            shared.held.lock().push((job.unit, grads));
-            finish_job(&shared);
-            continue;
-        }
-        match shared.optimizer.submit(job.unit.tensor(), Grads::F32(grads)) {
-            Ok(handle) => {
-                shared.handles.lock().insert(job.unit.0, handle);
-            }
-            Err(e) => {
-                shared.drain_error.lock().get_or_insert(e.into());
-            }
-        }
-        finish_job(&shared);
-    }
-}
-
-fn finish_job(shared: &Shared) {
-    let mut n = shared.in_flight.lock();
-    *n -= 1;
-    if *n == 0 {
-        shared.in_flight_done.notify_all();
     }
 }
 
@@ -957,6 +749,7 @@ fn device_tensor(buf: &DeviceBuffer, numel: usize) -> Result<candle_core::Tensor
         DeviceBuffer::Sim(b) => {
             let bytes = &b.as_slice()[..numel * 4];
             let values: Vec<f32> = bytemuck::pod_collect_to_vec(bytes);
+            // The sim device's memory is host memory and its compute the CPU.
             Ok(candle_core::Tensor::from_vec(values, numel, &candle_core::Device::Cpu)?)
         }
         #[allow(unreachable_patterns)]

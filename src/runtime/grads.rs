@@ -1,0 +1,211 @@
+//! The gradients' way to the CPU optimizer ([`GradPipe`]): a unit's gradients go into a device
+//! staging buffer, D2H on the copy engine into pinned host memory, and a drain thread submits
+//! them to the [`PipelinedOptimizer`] as each copy lands, so the update overlaps the rest of the
+//! backward. With `hold` (the ZeRO-Infinity-like baseline) the landed gradients are kept and
+//! submitted at the end of the step instead.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use crossbeam_channel::{Receiver, Sender};
+use oogc_optimizer::{Grads, PipelinedOptimizer, UpdateHandle};
+use oogc_swapper::{Device, DeviceBuffer, PinnedPool, Transfer};
+use parking_lot::{Condvar, Mutex};
+
+use super::{Result, RuntimeError, UnitId};
+
+/// Device buffers for gradients on their way D2H: one unit's gradients are copied while the
+/// next unit's backward computes.
+pub(super) const STAGING_BUFFERS: usize = 1;
+
+struct GradJob {
+    unit: UnitId,
+    transfer: Transfer,
+}
+
+/// What the caller and the drain thread share.
+struct Shared {
+    optimizer: PipelinedOptimizer,
+    /// Free device buffers for gradient staging.
+    staging: Mutex<Vec<DeviceBuffer>>,
+    staging_returned: Condvar,
+    /// First error of the drain thread.
+    drain_error: Mutex<Option<RuntimeError>>,
+    /// Gradient copies in flight (sent to the drain thread, not yet submitted or held).
+    in_flight: Mutex<usize>,
+    in_flight_done: Condvar,
+    /// Hold landed gradients for [`GradPipe::take_held`] instead of submitting them.
+    hold: bool,
+    held: Mutex<Vec<(UnitId, Vec<f32>)>>,
+    /// The handles of updates the drain thread submitted, for the caller's unit states.
+    handles: Sender<(UnitId, UpdateHandle)>,
+}
+
+/// Gradient staging, the D2H copies and the drain thread that feeds the optimizer.
+pub(super) struct GradPipe {
+    shared: Arc<Shared>,
+    /// Pinned host buffers the gradients land in.
+    pool: PinnedPool,
+    jobs: Option<Sender<GradJob>>,
+    handles: Receiver<(UnitId, UpdateHandle)>,
+    drain: Option<std::thread::JoinHandle<()>>,
+}
+
+impl GradPipe {
+    /// Starts the drain thread.
+    pub(super) fn new(optimizer: PipelinedOptimizer, pool: PinnedPool, hold: bool) -> Self {
+        let (handles_tx, handles) = crossbeam_channel::unbounded();
+        let shared = Arc::new(Shared {
+            optimizer,
+            staging: Mutex::new(Vec::new()),
+            staging_returned: Condvar::new(),
+            drain_error: Mutex::new(None),
+            in_flight: Mutex::new(0),
+            in_flight_done: Condvar::new(),
+            hold,
+            held: Mutex::new(Vec::new()),
+            handles: handles_tx,
+        });
+        let (tx, rx) = crossbeam_channel::unbounded::<GradJob>();
+        let drain = {
+            let shared = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name("oogc-grad-drain".into())
+                .spawn(move || drain_loop(rx, shared))
+                .expect("spawn the gradient drain thread")
+        };
+        Self { shared, pool, jobs: Some(tx), handles, drain: Some(drain) }
+    }
+
+    /// The optimizer.
+    pub(super) fn optimizer(&self) -> &PipelinedOptimizer {
+        &self.shared.optimizer
+    }
+
+    /// Adds a device staging buffer.
+    pub(super) fn add_staging(&self, buf: DeviceBuffer) {
+        self.shared.staging.lock().push(buf);
+    }
+
+    /// Copies `bytes` (a unit's gradients) into a staging buffer, waiting for one to be free,
+    /// and queues its D2H copy; the drain thread submits it. Returns the seconds spent waiting
+    /// for a staging buffer.
+    ///
+    /// # Errors
+    /// A pinned host allocation or the copy's submission failed.
+    pub(super) fn push(&self, unit: UnitId, bytes: &[u8], device: &Device) -> Result<f64> {
+        let t = Instant::now();
+        let mut dev = {
+            let mut staging = self.shared.staging.lock();
+            while staging.is_empty() {
+                self.shared.staging_returned.wait(&mut staging);
+            }
+            staging.pop().expect("a staging buffer")
+        };
+        let stall_s = t.elapsed().as_secs_f64();
+        match &mut dev {
+            DeviceBuffer::Sim(b) => b.as_mut_slice()[..bytes.len()].copy_from_slice(bytes),
+            #[allow(unreachable_patterns)]
+            _ => return Err(RuntimeError::Usage("gradient staging from a CUDA tensor is not wired yet".into())),
+        }
+        let mut host = self.pool.alloc(bytes.len())?;
+        host.set_len(bytes.len());
+        let transfer = device.dtoh(dev, host)?;
+        *self.shared.in_flight.lock() += 1;
+        self.jobs.as_ref().expect("drain running").send(GradJob { unit, transfer }).expect("drain thread alive");
+        Ok(stall_s)
+    }
+
+    /// Submits gradients computed on the CPU straight to the optimizer (no staging, no D2H).
+    ///
+    /// # Errors
+    /// The optimizer refused them.
+    pub(super) fn submit_host(&self, unit: UnitId, grads: Vec<f32>) -> Result<UpdateHandle> {
+        Ok(self.shared.optimizer.submit(unit.tensor(), Grads::F32(grads))?)
+    }
+
+    /// Blocks until every queued copy has been submitted (or held), then reports the drain
+    /// thread's first error.
+    ///
+    /// # Errors
+    /// A gradient copy or a submission failed.
+    pub(super) fn wait_submitted(&self) -> Result<()> {
+        let mut n = self.shared.in_flight.lock();
+        while *n > 0 {
+            self.shared.in_flight_done.wait(&mut n);
+        }
+        drop(n);
+        self.check()
+    }
+
+    /// The drain thread's first error, if any (reported once).
+    ///
+    /// # Errors
+    /// That error.
+    pub(super) fn check(&self) -> Result<()> {
+        match self.shared.drain_error.lock().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// The gradients held so far (hold mode), in arrival order.
+    pub(super) fn take_held(&self) -> Vec<(UnitId, Vec<f32>)> {
+        std::mem::take(&mut *self.shared.held.lock())
+    }
+
+    /// The handles of the updates the drain thread submitted since the last call.
+    pub(super) fn submitted(&self) -> impl Iterator<Item = (UnitId, UpdateHandle)> + '_ {
+        self.handles.try_iter()
+    }
+}
+
+impl Drop for GradPipe {
+    fn drop(&mut self) {
+        self.jobs.take();
+        if let Some(t) = self.drain.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
+    for job in rx {
+        let (host, dev) = match job.transfer.wait() {
+            Ok(pair) => pair,
+            Err(e) => {
+                shared.drain_error.lock().get_or_insert(e.into());
+                finish_job(&shared);
+                continue;
+            }
+        };
+        shared.staging.lock().push(dev);
+        shared.staging_returned.notify_all();
+        let _span = tracing::info_span!("runtime::submit", unit = job.unit.0).entered();
+        let grads: Vec<f32> = bytemuck::pod_collect_to_vec(host.as_slice());
+        drop(host);
+        if shared.hold {
+            shared.held.lock().push((job.unit, grads));
+            finish_job(&shared);
+            continue;
+        }
+        match shared.optimizer.submit(job.unit.tensor(), Grads::F32(grads)) {
+            Ok(handle) => {
+                // The receiver lives as long as the pipe, which joins this thread first.
+                let _ = shared.handles.send((job.unit, handle));
+            }
+            Err(e) => {
+                shared.drain_error.lock().get_or_insert(e.into());
+            }
+        }
+        finish_job(&shared);
+    }
+}
+
+fn finish_job(shared: &Shared) {
+    let mut n = shared.in_flight.lock();
+    *n -= 1;
+    if *n == 0 {
+        shared.in_flight_done.notify_all();
+    }
+}

@@ -1,0 +1,67 @@
+//! What one step cost: [`StepStats`] (time, stall, bytes per link, the optimizer's verdict) and
+//! [`PhaseStats`] for the forward phase.
+
+/// Time and traffic of one step, for logs, metrics and the end-of-run summary.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct StepStats {
+    /// The optimizer step (1-based).
+    pub step: u64,
+    /// Wall time from [`super::Runtime::begin_step`] to the end of
+    /// [`super::Runtime::finish_step`], seconds.
+    pub step_s: f64,
+    /// Time the caller was blocked in [`super::Runtime::fetch`] waiting for H2D copies (exposed
+    /// transfer), seconds.
+    pub stall_transfer_s: f64,
+    /// Time the caller was blocked waiting for optimizer updates (at fetch and at the end of the
+    /// step), seconds.
+    pub stall_optimizer_s: f64,
+    /// Bytes copied host→device.
+    pub h2d_bytes: u64,
+    /// Bytes copied device→host (gradients and write-backs).
+    pub d2h_bytes: u64,
+    /// Bytes read from NVMe (optimizer state, spilled compute copies).
+    pub nvme_read_bytes: u64,
+    /// Bytes written to NVMe.
+    pub nvme_write_bytes: u64,
+    /// Global gradient L2 norm before clipping.
+    pub grad_norm: f64,
+    /// Scale applied to the gradients (1 = not clipped).
+    pub clip_scale: f32,
+    /// The step was skipped: a gradient was not finite.
+    pub skipped: bool,
+    /// The forward phase (from [`super::Runtime::begin_step`] to
+    /// [`super::Runtime::end_forward`]); all zero when the caller did not mark the turn. The
+    /// backward phase is the step minus this.
+    pub forward: PhaseStats,
+}
+
+/// Time and link traffic of one phase of a step (see [`StepStats::forward`]).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct PhaseStats {
+    /// Wall time of the phase, seconds.
+    pub wall_s: f64,
+    /// Time blocked on transfers and optimizer updates in the phase, seconds.
+    pub stall_s: f64,
+    /// Bytes copied host→device during the phase.
+    pub h2d_bytes: u64,
+    /// Bytes copied device→host during the phase.
+    pub d2h_bytes: u64,
+}
+
+impl StepStats {
+    /// Total stall (exposed transfer + exposed optimizer), seconds.
+    pub fn stall_s(&self) -> f64 {
+        self.stall_transfer_s + self.stall_optimizer_s
+    }
+}
+
+/// Peak bytes held per tier since the runtime began (the residency manager's accounting).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct PeakBytes {
+    /// Compute copies on the device (gradient staging, carved out of the budget, excluded).
+    pub device: u64,
+    /// Compute copies' home and staging in pinned host memory.
+    pub host: u64,
+    /// Optimizer state (and spilled copies) on NVMe, now.
+    pub nvme: u64,
+}

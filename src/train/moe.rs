@@ -1,0 +1,299 @@
+//! The trainer's MoE blocks: where each routed expert runs ([`ExpertPlacement`] or the
+//! `oogc-moe-placement` [`Placer`]), the block's forward and backward through the [`Runtime`],
+//! and the bookkeeping between steps (popularity, the hot set's replan, the routing trace).
+//!
+//! Per block and step each expert is **resident** (hot: pinned from its forward to its
+//! backward), **fetched** (H2D, computed on the device), computed on the **CPU** from its host
+//! copy (gradients straight to the CPU optimizer, no D2H), or **skipped** (no tokens: no
+//! transfer, no compute, no gradient).
+
+use std::collections::{HashMap, HashSet};
+use std::io::BufWriter;
+use std::time::Instant;
+
+use candle_core::Tensor;
+use oogc_models::{CausalLm, MoeLm, Routing, UnitKind};
+use oogc_moe_placement::{ExpertId, Placement, Placer, RoutingTraceWriter, TraceHeader};
+
+use super::{Result, TrainError};
+use crate::checkpoint::CheckpointError;
+use crate::config::TrainConfig;
+use crate::runtime::{Phase, Runtime, UnitId, UnitParams};
+
+/// Where the experts of an MoE model run in a step, fixed by the caller (tests, baselines)
+/// instead of the placer (DESIGN.md: hot experts stay on the GPU, a cold expert is fetched or
+/// computed on the CPU, whichever is cheaper).
+#[derive(Debug, Clone, Default)]
+pub struct ExpertPlacement {
+    /// (block, expert) pairs kept on the device from their forward to their backward in a step.
+    pub hot: HashSet<(usize, usize)>,
+    /// A cold expert with at most this many routed tokens runs on the CPU from its host copy
+    /// (no H2D, gradients straight to the CPU optimizer); 0: cold experts are always fetched.
+    pub cpu_max_tokens: usize,
+}
+
+impl ExpertPlacement {
+    fn place(&self, block: usize, expert: usize, tokens: usize) -> Placement {
+        if tokens == 0 {
+            Placement::Skip
+        } else if self.hot.contains(&(block, expert)) {
+            Placement::Resident
+        } else if tokens <= self.cpu_max_tokens {
+            Placement::Cpu
+        } else {
+            Placement::Fetch
+        }
+    }
+}
+
+/// A placement-crate error as a config error naming `key`.
+fn moe_err(key: &'static str) -> impl Fn(oogc_moe_placement::Error) -> TrainError {
+    move |e| TrainError::Config(crate::config::ConfigError::Invalid { key: key.into(), reason: e.to_string() })
+}
+
+/// The MoE side of a run.
+pub(super) struct MoeState {
+    /// A fixed placement ([`super::Trainer::set_expert_placement`]); `None`: the placer decides.
+    pub(super) placement: Option<ExpertPlacement>,
+    /// Popularity statistics, hot set and cost model (`[moe] policy = "ours"`).
+    pub(super) placer: Option<Placer>,
+    /// The routing trace being written (`[moe] routing_trace`).
+    routing_trace: Option<RoutingTraceWriter<BufWriter<std::fs::File>>>,
+    /// Bytes of one expert's f32 compute copy.
+    expert_bytes: u64,
+}
+
+/// The arguments of [`MoeState::block_backward`] that say which block.
+pub(super) struct BlockBackward<'a> {
+    /// 0-based block index.
+    pub(super) block: usize,
+    pub(super) trunk: UnitId,
+    pub(super) experts: &'a [UnitId],
+    /// The block's checkpointed input `[B, T, d]`.
+    pub(super) x_in: &'a Tensor,
+    /// The gradient of the block's output `[B, T, d]`.
+    pub(super) grad_y: &'a Tensor,
+}
+
+impl MoeState {
+    /// The placer (popularity, hot set under `[moe] expert_budget`, the cost model calibrated
+    /// from the link and a measured CPU GEMM rate: [`crate::moe::placer_config`]) and the
+    /// routing trace writer of an MoE run; the placer's popularity ranks expert copies for
+    /// eviction (the runtime's fallback policy).
+    ///
+    /// # Errors
+    /// An unwritable routing trace; an expert budget below one expert.
+    pub(super) fn new(cfg: &TrainConfig, model: &dyn CausalLm, rt: &mut Runtime) -> Result<Self> {
+        let units = model.units();
+        let experts: Vec<(UnitId, usize, usize)> = units
+            .iter()
+            .enumerate()
+            .filter_map(|(k, u)| match u.kind {
+                UnitKind::Expert { block, expert } => Some((UnitId(k), block, expert)),
+                _ => None,
+            })
+            .collect();
+        let expert_params = experts.first().map_or(0, |&(u, ..)| units[u.0].numel);
+        let blocks = experts.iter().map(|&(_, b, _)| b + 1).max().unwrap_or(0);
+        let per_block = experts.iter().map(|&(_, _, e)| e + 1).max().unwrap_or(0);
+        let top_k = cfg.model.moe.as_ref().map_or(1, |m| m.top_k);
+        let expert_bytes = expert_params as u64 * 4;
+        // Forward 2, recompute 2, backward 4 FLOPs per parameter and token.
+        let flops_per_token = 8.0 * expert_params as f64;
+        let tokens_per_step = (cfg.train.batch_size * cfg.train.seq_len) as u64;
+        let header = TraceHeader::new(
+            blocks as u32,
+            per_block as u32,
+            top_k as u32,
+            expert_params as u64,
+            expert_bytes,
+            flops_per_token,
+            tokens_per_step,
+        );
+        let routing_trace = match &cfg.moe.routing_trace {
+            Some(path) => {
+                if let Some(dir) = path.parent() {
+                    std::fs::create_dir_all(dir).map_err(|source| {
+                        TrainError::Checkpoint(CheckpointError::Io { path: dir.to_path_buf(), source })
+                    })?;
+                }
+                Some(RoutingTraceWriter::create(path, header.clone()).map_err(moe_err("moe.routing_trace"))?)
+            }
+            None => None,
+        };
+        let placer = if crate::moe::places_experts(cfg) {
+            // On the sim device the "GPU" is this CPU: both rates are the measured CPU GEMM rate.
+            let cpu = oogc_moe_placement::calibrate_cpu_gemm() * cfg.threads.compute.unwrap_or(1).max(1) as f64;
+            let pc = crate::moe::placer_config(cfg, cpu);
+            let placer = Placer::new(blocks as u32, per_block as u32, header.expert_shape(), pc)
+                .map_err(moe_err("moe.expert_budget"))?;
+            let ids = experts.iter().map(|&(u, b, e)| (rt.unit_tensor(u), ExpertId::new(b as u32, e as u32)));
+            rt.set_fallback_policy(Box::new(placer.fallback(ids)));
+            Some(placer)
+        } else {
+            None
+        };
+        Ok(Self { placement: None, placer, routing_trace, expert_bytes })
+    }
+
+    /// Where each expert of `block` runs for the routed `tokens`.
+    fn place_block(&self, block: usize, tokens: &[usize]) -> Result<Vec<Placement>> {
+        if let Some(p) = &self.placement {
+            return Ok(tokens.iter().enumerate().map(|(e, &n)| p.place(block, e, n)).collect());
+        }
+        match &self.placer {
+            Some(placer) => {
+                let t: Vec<u64> = tokens.iter().map(|&n| n as u64).collect();
+                placer.place_block(block as u32, &t).map_err(moe_err("moe"))
+            }
+            // `fetch` / `resident`: every routed expert fetched on demand.
+            None => Ok(tokens.iter().map(|&n| if n == 0 { Placement::Skip } else { Placement::Fetch }).collect()),
+        }
+    }
+
+    /// Pins an expert where `placement` says: on the device, or its host copy for CPU compute.
+    fn fetch_expert(rt: &mut Runtime, unit: UnitId, placement: Placement, phase: Phase) -> Result<UnitParams> {
+        match placement {
+            Placement::Cpu => Ok(rt.fetch_host(unit)?),
+            _ => Ok(rt.fetch(unit, phase)?),
+        }
+    }
+
+    /// [`MoeState::fetch_expert`], feeding the time of a real H2D copy (the expert had no device
+    /// copy) to the cost model's bandwidth estimate.
+    fn timed_fetch_expert(
+        &mut self,
+        rt: &mut Runtime,
+        unit: UnitId,
+        placement: Placement,
+        phase: Phase,
+    ) -> Result<UnitParams> {
+        let cold = placement != Placement::Cpu && self.placer.is_some() && !rt.is_on_device(unit);
+        let started = Instant::now();
+        let p = Self::fetch_expert(rt, unit, placement, phase)?;
+        if cold {
+            if let Some(placer) = &mut self.placer {
+                placer.cost_model_mut().observe_fetch(self.expert_bytes, started.elapsed().as_secs_f64());
+            }
+        }
+        Ok(p)
+    }
+
+    /// One MoE block forward: the trunk, the routed experts where placed (resident ones stay
+    /// pinned in `held` until the backward when training), the combine. Returns the block's
+    /// output, its routing and the placements.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn block_forward(
+        &mut self,
+        rt: &mut Runtime,
+        model: &dyn CausalLm,
+        block: usize,
+        trunk: UnitId,
+        experts: &[UnitId],
+        x: &Tensor,
+        phase: Phase,
+        held: &mut HashMap<UnitId, UnitParams>,
+        cpu_tokens: &mut usize,
+    ) -> Result<(Tensor, Routing, Vec<Placement>)> {
+        let moe = model.moe().expect("an MoE model");
+        let t = {
+            let p = rt.fetch(trunk, phase)?;
+            let _span = tracing::info_span!("compute::forward", unit = trunk.0).entered();
+            moe.trunk_forward(block, p.tensor(), x)?
+        };
+        let counts = t.routing.counts();
+        let placements = self.place_block(block, &counts)?;
+        let mut outs: Vec<Option<Tensor>> = vec![None; t.routing.num_experts()];
+        for (e, out) in outs.iter_mut().enumerate() {
+            let Some(h_e) = t.routing.expert_input(e, &t.h)? else { continue };
+            let tokens = counts[e];
+            let on_cpu = placements[e] == Placement::Cpu;
+            let p = self.timed_fetch_expert(rt, experts[e], placements[e], phase)?;
+            if on_cpu {
+                *cpu_tokens += tokens;
+            }
+            let _span = tracing::info_span!("compute::expert_forward", block, expert = e, tokens, on_cpu).entered();
+            *out = Some(moe.expert_forward(p.tensor(), &h_e)?);
+            if placements[e] == Placement::Resident && phase != Phase::Eval {
+                held.insert(experts[e], p);
+            }
+        }
+        let y = moe.combine(&t.x1, &t.routing, &outs)?;
+        Ok((y, t.routing, placements))
+    }
+
+    /// One MoE block backward: recompute the trunk, each routed expert's backward where it ran
+    /// (its gradients pushed D2H, or straight to the CPU optimizer when it ran on the CPU), the
+    /// trunk's backward. Returns the gradient of the block's input.
+    pub(super) fn block_backward(
+        &mut self,
+        rt: &mut Runtime,
+        model: &dyn CausalLm,
+        args: BlockBackward<'_>,
+        routing: &Routing,
+        placements: &[Placement],
+        held: &mut HashMap<UnitId, UnitParams>,
+    ) -> Result<Tensor> {
+        let moe: &dyn MoeLm = model.moe().expect("an MoE model");
+        let BlockBackward { block, trunk, experts, x_in, grad_y } = args;
+        let p = rt.fetch(trunk, Phase::Backward)?;
+        let t = moe.trunk_forward(block, p.tensor(), x_in)?;
+        let n = routing.num_experts();
+        let mut grad_inputs: Vec<Option<Tensor>> = vec![None; n];
+        let mut grad_gates: Vec<Option<Tensor>> = vec![None; n];
+        for e in 0..n {
+            let Some(h_e) = routing.expert_input(e, &t.h)? else { continue };
+            let grad_out = moe.expert_grad_output(routing, e, grad_y)?.expect("active expert");
+            let tokens = routing.tokens(e).len();
+            let on_cpu = placements[e] == Placement::Cpu;
+            let pe = match held.remove(&experts[e]) {
+                Some(pe) => pe,
+                None => Self::fetch_expert(rt, experts[e], placements[e], Phase::Backward)?,
+            };
+            let g = {
+                let _span =
+                    tracing::info_span!("compute::expert_backward", block, expert = e, tokens, on_cpu).entered();
+                moe.expert_backward(pe.tensor(), &h_e, &grad_out)?
+            };
+            drop(pe);
+            let flat = g.grad_params.to_vec1::<f32>()?;
+            if on_cpu {
+                rt.push_grads_host(experts[e], &flat)?;
+            } else {
+                rt.push_grads(experts[e], &flat)?;
+            }
+            grad_gates[e] = moe.expert_grad_gate(routing, e, grad_y, &g.output)?;
+            grad_inputs[e] = Some(g.grad_input);
+        }
+        let grad_h = routing.scatter_input_grads(&grad_inputs)?;
+        let g = {
+            let _span = tracing::info_span!("compute::backward", unit = trunk.0).entered();
+            moe.trunk_backward(block, p.tensor(), x_in, routing, grad_y, &grad_h, &grad_gates)?
+        };
+        drop(p);
+        rt.push_grads(trunk, &g.grad_params.to_vec1::<f32>()?)?;
+        Ok(g.grad_input.expect("the trunk returns its input's gradient"))
+    }
+
+    /// Between steps: the step's routing (`routed[block][expert]` tokens) feeds the popularity
+    /// statistics and the routing trace, and the hot set is re-placed (with hysteresis).
+    ///
+    /// # Errors
+    /// A routing the statistics refuse; the trace cannot be written.
+    pub(super) fn after_step(&mut self, step: u64, routed: &[Vec<usize>]) -> Result<()> {
+        for (i, counts) in routed.iter().enumerate() {
+            let t: Vec<u64> = counts.iter().map(|&n| n as u64).collect();
+            if let Some(placer) = &self.placer {
+                placer.observe_routing(step, i as u32, &t).map_err(moe_err("moe"))?;
+            }
+            if let Some(w) = &mut self.routing_trace {
+                w.record(step, i as u32, &t).map_err(moe_err("moe.routing_trace"))?;
+            }
+        }
+        if let Some(placer) = &mut self.placer {
+            let change = placer.replan();
+            tracing::debug!(?change, "moe: hot set");
+        }
+        Ok(())
+    }
+}
