@@ -1,7 +1,10 @@
-//! End-to-end training: offloaded equals in-memory (DESIGN.md invariant 3), a killed run resumes
-//! exactly (invariant 4), and bad input is a clear error that loses nothing (invariant 5).
+//! End-to-end training through the library: offloaded training equals an independent in-memory
+//! reference (DESIGN.md invariant 3: `reference`, a plain loop with neither `Runtime` nor the
+//! swapper), dense and MoE, and a GPU budget below the working set is refused. (The CLI's runs:
+//! `cli/tests/train.rs`.)
 
 mod common;
+mod reference;
 
 use oogc::config::TrainConfig;
 use oogc::train::Trainer;
@@ -25,25 +28,30 @@ fn run_steps(cfg: TrainConfig, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>, Trainer)
 #[test]
 fn offloaded_training_equals_in_memory_training_bitwise() {
     let dir = tempfile::tempdir().unwrap();
-    let resident = TrainConfig::from_toml_str(&tiny("64MiB", "host", dir.path(), 0)).unwrap();
-    let (losses_a, params_a, _) = run_steps(resident, 20);
-
     let mut offloaded = TrainConfig::from_toml_str(&tiny("64MiB", "nvme", dir.path(), 2)).unwrap();
     let t = Trainer::new(offloaded.clone()).unwrap();
     let param_bytes = t.num_params() as u64 * 4;
     drop(t);
-    // GPU budget: 1/8 of the parameters' bytes.
+    // GPU budget: 1/8 of the parameters' bytes; optimizer state on NVMe; prefetch depth 2.
     offloaded.budgets.gpu = bytesize::ByteSize::b(param_bytes / 8);
-    let (losses_b, params_b, t) = run_steps(offloaded, 20);
+    let (losses, params, t) = run_steps(offloaded.clone(), 20);
 
-    // Same kernels in the same order on the same data: bitwise equal (f32).
-    assert_eq!(losses_a, losses_b);
-    assert_eq!(params_a, params_b);
-    assert!(losses_a[19] < losses_a[0], "loss should fall: {losses_a:?}");
+    // The same model, data and AdamW in a plain in-memory loop: bitwise equal (f32).
+    let reference = reference::train(&offloaded, 20);
+    assert_eq!(losses, reference.losses);
+    assert_eq!(params, reference.params);
+    assert!(losses[19] < losses[0], "loss should fall: {losses:?}");
     // The offloaded run really moved bytes: evictions and re-fetches, and NVMe state traffic.
     let traffic = t.runtime().traffic();
     assert!(traffic.htod.bytes > 2 * param_bytes, "h2d {} vs params {param_bytes}", traffic.htod.bytes);
     assert!(traffic.nvme_read.bytes > 0 && traffic.nvme_write.bytes > 0);
+
+    // All-resident through the runtime (GPU budget of everything, state in host memory, no
+    // prefetch) is the same run too.
+    let resident = TrainConfig::from_toml_str(&tiny("64MiB", "host", dir.path(), 0)).unwrap();
+    let (losses_r, params_r, _) = run_steps(resident, 20);
+    assert_eq!(losses_r, losses);
+    assert_eq!(params_r, params);
 }
 
 #[test]
@@ -71,7 +79,11 @@ fn moe_training_with_hot_and_cpu_experts_equals_in_memory_moe_training() {
         (out, t.master_weights().unwrap())
     };
     let resident = TrainConfig::from_toml_str(&tiny_moe("64MiB", "host", dir.path())).unwrap();
-    let (a, params_a) = run(resident, Some(ExpertPlacement::default()));
+    let (a, params_a) = run(resident.clone(), Some(ExpertPlacement::default()));
+    // The plain in-memory reference (no Runtime, no swapper).
+    let reference = reference::train(&resident, 20);
+    assert_eq!(a.iter().map(|x| x.0).collect::<Vec<_>>(), reference.losses);
+    assert_eq!(params_a, reference.params);
     let offloaded = TrainConfig::from_toml_str(&tiny_moe("96KiB", "nvme", dir.path())).unwrap();
     let placement = ExpertPlacement { hot: [(0, 0), (1, 1), (2, 2)].into(), cpu_max_tokens: 12 };
     let (b, params_b) = run(offloaded.clone(), Some(placement));

@@ -8,7 +8,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{tiny, tiny_moe};
 
@@ -50,9 +50,7 @@ fn a_run_killed_mid_step_resumes_with_the_same_losses() {
     let metrics = dir.path().join("killed/metrics.jsonl");
     let mut child =
         oogc().args(["train", "--no-progress", "--config"]).arg(&killed).stdout(Stdio::null()).spawn().unwrap();
-    let start = Instant::now();
     while metrics_losses(&metrics).len() < 7 {
-        assert!(start.elapsed() < Duration::from_secs(120), "the run did not reach step 7");
         if let Some(st) = child.try_wait().unwrap() {
             panic!("the run ended ({st}) before it was killed");
         }
