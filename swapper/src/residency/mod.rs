@@ -24,7 +24,8 @@
 //! everything evictable fails with [`Error::OutOfMemory`]; one that only waits for other
 //! threads' pins or in-flight transfers blocks, up to [`ResidencyConfig::wait_timeout`].
 
-use std::collections::HashMap;
+mod state;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::{JoinHandle, ThreadId};
@@ -32,8 +33,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 use parking_lot::{
-    Condvar, MappedRwLockReadGuard, MappedRwLockWriteGuard, Mutex, MutexGuard, RwLock, RwLockReadGuard,
-    RwLockWriteGuard,
+    Condvar, MappedRwLockReadGuard, MappedRwLockWriteGuard, Mutex, MutexGuard, RwLockReadGuard, RwLockWriteGuard,
 };
 
 use crate::device::{Device, DeviceBuffer};
@@ -43,6 +43,8 @@ use crate::metrics::{Link, Metrics, MetricsSnapshot};
 use crate::nvme::{Extent, NvmeStore};
 use crate::policy::{eviction_order, EvictionCandidate, EvictionPolicy};
 use crate::tier::{TensorId, TensorMeta, Tier};
+
+use state::{Cell, CopyState, Entry, Replica, State};
 
 /// How an acquired copy will be used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -77,136 +79,6 @@ impl Default for ResidencyConfig {
             prefetch_threads: 2,
             wait_timeout: Duration::from_secs(60),
         }
-    }
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum CopyState {
-    /// No bytes on this tier.
-    Absent,
-    /// Bytes reserved, arriving.
-    Loading,
-    /// The buffer is in the cell.
-    Ready,
-    /// The buffer is out on a transfer (read from or written to); it comes back.
-    Lent,
-}
-
-type Cell<B> = Arc<RwLock<Option<B>>>;
-
-struct Replica<B> {
-    state: CopyState,
-    cell: Cell<B>,
-    /// Threads holding a pin (one entry per pin).
-    pinners: Vec<ThreadId>,
-    dirty: bool,
-    last_use: u64,
-    /// Bytes counted against the tier's budget (0 when absent).
-    reserved: u64,
-}
-
-impl<B> Replica<B> {
-    fn absent() -> Self {
-        Self {
-            state: CopyState::Absent,
-            cell: Arc::new(RwLock::new(None)),
-            pinners: Vec::new(),
-            dirty: false,
-            last_use: 0,
-            reserved: 0,
-        }
-    }
-    fn take(&mut self) -> B {
-        debug_assert_eq!(self.state, CopyState::Ready);
-        self.state = CopyState::Lent;
-        self.cell.write().take().expect("ready copy holds its buffer")
-    }
-    fn put(&mut self, b: B) {
-        *self.cell.write() = Some(b);
-        self.state = CopyState::Ready;
-    }
-    /// Drops the buffer now (not when the last guard's handle on the cell goes) and resets to
-    /// absent, so the tier's allocator sees the bytes free as soon as the budget does. Returns the
-    /// bytes of the released reservation, for the caller to take off the tier's `used`.
-    fn clear(&mut self) -> u64 {
-        let reserved = self.reserved;
-        drop(self.cell.write().take());
-        *self = Self::absent();
-        reserved
-    }
-    fn lendable(&self) -> bool {
-        self.state == CopyState::Ready && self.pinners.is_empty()
-    }
-    /// Pins for the calling thread; a write access makes the copy dirty.
-    fn pin_for(&mut self, access: Access) {
-        self.pinners.push(std::thread::current().id());
-        if access == Access::Write {
-            self.dirty = true;
-        }
-    }
-    fn unpin(&mut self, thread: ThreadId) {
-        if let Some(i) = self.pinners.iter().position(|t| *t == thread) {
-            self.pinners.swap_remove(i);
-        }
-    }
-    fn pinned_by_others(&self, me: ThreadId) -> bool {
-        self.pinners.iter().any(|t| *t != me)
-    }
-    fn in_flight(&self) -> bool {
-        matches!(self.state, CopyState::Loading | CopyState::Lent)
-    }
-}
-
-struct Entry {
-    meta: TensorMeta,
-    device: Replica<DeviceBuffer>,
-    host: Replica<HostBuffer>,
-    /// The NVMe copy; valid unless the host copy is dirty. Taken out while a read uses it.
-    nvme: Option<Extent>,
-}
-
-impl Entry {
-    fn num_bytes(&self) -> usize {
-        self.meta.num_bytes()
-    }
-}
-
-#[derive(Default, Clone, Copy)]
-struct LinkBusy {
-    in_flight: u32,
-    since: Option<Instant>,
-}
-
-struct State {
-    entries: HashMap<TensorId, Entry>,
-    /// Reserved bytes: [device, host].
-    used: [u64; 2],
-    /// Highest `used` since creation or the last [`ResidencyManager::reset_peak_bytes`].
-    peak: [u64; 2],
-    links: [LinkBusy; 4],
-    clock: u64,
-    policy: Box<dyn EvictionPolicy>,
-}
-
-impl State {
-    fn entry(&mut self, id: TensorId) -> Result<&mut Entry> {
-        self.entries.get_mut(&id).ok_or(Error::UnknownTensor(id))
-    }
-
-    fn begin(&mut self, link: Link) {
-        let l = &mut self.links[link as usize];
-        if l.in_flight == 0 {
-            l.since = Some(Instant::now());
-        }
-        l.in_flight += 1;
-    }
-
-    fn end(&mut self, link: Link, bytes: u64, metrics: &Metrics) {
-        let l = &mut self.links[link as usize];
-        l.in_flight -= 1;
-        let busy =
-            if l.in_flight == 0 { l.since.take().map(|s| s.elapsed()).unwrap_or_default() } else { Duration::ZERO };
-        metrics.link(link).record(bytes, busy);
     }
 }
 
@@ -334,14 +206,7 @@ impl ResidencyManager {
             device.host_allocator(config.lock_host_memory),
         );
         let inner = Arc::new(Inner {
-            state: Mutex::new(State {
-                entries: HashMap::new(),
-                used: [0, 0],
-                peak: [0, 0],
-                links: [LinkBusy::default(); 4],
-                clock: 0,
-                policy,
-            }),
+            state: Mutex::new(State::new(policy)),
             cond: Condvar::new(),
             device,
             pool,
@@ -401,10 +266,13 @@ impl ResidencyManager {
     pub fn set_device_budget_bytes(&self, bytes: u64) -> Result<()> {
         let st = self.inner.state.lock();
         let capacity = self.inner.device.capacity_bytes();
-        if bytes == 0 || bytes > capacity || bytes < st.used[0] {
+        if bytes == 0 || bytes > capacity || bytes < st.used_bytes(Tier::Device) {
             return Err(Error::Config {
                 key: "device_budget_bytes".into(),
-                reason: format!("{bytes} must be in {}..={capacity} (bytes held now ..= capacity)", st.used[0].max(1)),
+                reason: format!(
+                    "{bytes} must be in {}..={capacity} (bytes held now ..= capacity)",
+                    st.used_bytes(Tier::Device).max(1)
+                ),
             });
         }
         self.inner.budgets[0].store(bytes, Ordering::Relaxed);
@@ -429,7 +297,7 @@ impl ResidencyManager {
     /// Bytes reserved on `tier` now (NVMe: the store's allocated bytes).
     pub fn used_bytes(&self, tier: Tier) -> u64 {
         match tier {
-            Tier::Device | Tier::Host => self.inner.state.lock().used[tier.index()],
+            Tier::Device | Tier::Host => self.inner.state.lock().used_bytes(tier),
             Tier::Nvme => self.inner.nvme.as_ref().map_or(0, |s| s.used_bytes()),
         }
     }
@@ -476,8 +344,8 @@ impl ResidencyManager {
             return Err(Error::InvalidRequest(format!("tensor {id} is pinned or in flight; release it first")));
         }
         let e = st.entries.remove(&id).expect("present");
-        st.used[0] -= e.device.reserved;
-        st.used[1] -= e.host.reserved;
+        st.release(Tier::Device, e.device.reserved);
+        st.release(Tier::Host, e.host.reserved);
         if let (Some(x), Some(store)) = (e.nvme, inner.nvme.as_ref()) {
             store.free(x);
         }
@@ -586,13 +454,17 @@ impl ResidencyManager {
         }
         for t in [Tier::Device, Tier::Host] {
             let i = t.index();
-            if sum[i] != st.used[i] {
-                return Err(Error::InvalidRequest(format!("{t}: used {} != sum of copies {}", st.used[i], sum[i])));
+            if sum[i] != st.used_bytes(t) {
+                return Err(Error::InvalidRequest(format!(
+                    "{t}: used {} != sum of copies {}",
+                    st.used_bytes(t),
+                    sum[i]
+                )));
             }
-            if st.used[i] > self.inner.budgets[i].load(Ordering::Relaxed) {
+            if st.used_bytes(t) > self.inner.budgets[i].load(Ordering::Relaxed) {
                 return Err(Error::InvalidRequest(format!(
                     "{t}: used {} > budget {}",
-                    st.used[i],
+                    st.used_bytes(t),
                     self.inner.budgets[i].load(Ordering::Relaxed)
                 )));
             }
@@ -685,7 +557,7 @@ impl Inner {
         let buf = match filled {
             Ok(b) => b,
             Err(err) => {
-                st.used[1] -= class;
+                st.release(Tier::Host, class);
                 st.entries.remove(&id);
                 self.cond.notify_all();
                 return Err(err);
@@ -700,7 +572,7 @@ impl Inner {
             let host = e.host.take();
             if let Err(err) = self.run(&mut st, Action::WriteNvme { id, host, evict: false }) {
                 let e = st.entries.remove(&id).expect("present");
-                st.used[1] -= e.host.reserved;
+                st.release(Tier::Host, e.host.reserved);
                 self.cond.notify_all();
                 return Err(err);
             }
@@ -766,7 +638,7 @@ impl Inner {
                             requested_bytes,
                             available_bytes: self.budgets[tier.index()]
                                 .load(Ordering::Relaxed)
-                                .saturating_sub(st.used[tier.index()]),
+                                .saturating_sub(st.used_bytes(tier)),
                         });
                     }
                 }
@@ -812,7 +684,7 @@ impl Inner {
                             return Ok(Step::Wait);
                         }
                         let freed = e.device.clear();
-                        st.used[0] -= freed;
+                        st.release(Tier::Device, freed);
                         self.cond.notify_all();
                     }
                     let e = st.entry(id)?;
@@ -836,7 +708,7 @@ impl Inner {
                         Some(extent) => Ok(Step::Act(Action::ReadNvme { id, extent })),
                         None => {
                             let freed = e.host.clear();
-                            st.used[1] -= freed;
+                            st.release(Tier::Host, freed);
                             self.cond.notify_all();
                             Err(Error::InvalidRequest(format!(
                                 "tensor {id} has neither a host copy nor an NVMe extent"
@@ -900,7 +772,7 @@ impl Inner {
                 unpin(st);
                 let e = st.entry(id)?;
                 e.device.reserved = 0;
-                st.used[0] -= bytes;
+                st.release(Tier::Device, bytes);
                 return Err(Error::InvalidRequest(format!(
                     "tensor {id}: its host copy stayed pinned by another thread while its device copy was \
                      fetched; do not hold a host guard of a tensor while acquiring its device copy"
@@ -1004,7 +876,7 @@ impl Inner {
                 }
                 Tier::Device => {
                     let freed = e.device.clear();
-                    st.used[0] -= freed;
+                    st.release(Tier::Device, freed);
                 }
                 _ if e.device.state != CopyState::Absent && e.device.dirty => {
                     let dev = e.device.take();
@@ -1017,8 +889,8 @@ impl Inner {
                 }
                 _ => {
                     let (dr, hr) = (e.device.clear(), e.host.clear());
-                    st.used[0] -= dr;
-                    st.used[1] -= hr;
+                    st.release(Tier::Device, dr);
+                    st.release(Tier::Host, hr);
                 }
             }
             self.cond.notify_all();
@@ -1051,7 +923,7 @@ impl Inner {
                     }
                     Err(err) => {
                         let freed = e.host.clear();
-                        st.used[1] -= freed;
+                        st.release(Tier::Host, freed);
                         Err(err)
                     }
                 }
@@ -1085,12 +957,12 @@ impl Inner {
                             Some(h) => e.host.put(h),
                             None => {
                                 let r = e.host.clear();
-                                st.used[1] -= r;
+                                st.release(Tier::Host, r);
                             }
                         }
                         let e = st.entry(id)?;
                         let r = e.device.clear();
-                        st.used[0] -= r;
+                        st.release(Tier::Device, r);
                         Err(err)
                     }
                 }
@@ -1112,7 +984,7 @@ impl Inner {
                         if evict {
                             drop(dev);
                             let r = e.device.clear();
-                            st.used[0] -= r;
+                            st.release(Tier::Device, r);
                         } else {
                             e.device.put(dev);
                             e.device.dirty = false;
@@ -1123,8 +995,8 @@ impl Inner {
                         // The engine dropped both buffers: the newest bytes are gone with the
                         // device buffer. Report it; the tensor falls back to its host copy.
                         let (hr, dr) = (e.host.clear(), e.device.clear());
-                        st.used[0] -= dr;
-                        st.used[1] -= hr;
+                        st.release(Tier::Device, dr);
+                        st.release(Tier::Host, hr);
                         Err(err)
                     }
                 }
@@ -1147,8 +1019,8 @@ impl Inner {
                         if evict {
                             drop(host);
                             let (hr, dr) = (e.host.clear(), e.device.clear());
-                            st.used[0] -= dr;
-                            st.used[1] -= hr;
+                            st.release(Tier::Device, dr);
+                            st.release(Tier::Host, hr);
                         } else {
                             e.host.put(host);
                             e.host.dirty = false;
