@@ -25,6 +25,7 @@
 //! threads' pins or in-flight transfers blocks, up to [`ResidencyConfig::wait_timeout`].
 
 mod state;
+mod transfer;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -39,12 +40,13 @@ use parking_lot::{
 use crate::device::{Device, DeviceBuffer};
 use crate::error::{Error, Result};
 use crate::host::{size_class, HostBuffer, PinnedPool, PinnedPoolConfig};
-use crate::metrics::{Link, Metrics, MetricsSnapshot};
-use crate::nvme::{Extent, NvmeStore};
+use crate::metrics::{Metrics, MetricsSnapshot};
+use crate::nvme::NvmeStore;
 use crate::policy::{eviction_order, EvictionCandidate, EvictionPolicy};
 use crate::tier::{TensorId, TensorMeta, Tier};
 
 use state::{Cell, CopyState, Entry, Replica, State};
+use transfer::{Action, WriteBack};
 
 /// How an acquired copy will be used.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -80,20 +82,6 @@ impl Default for ResidencyConfig {
             wait_timeout: Duration::from_secs(60),
         }
     }
-}
-
-/// A long data movement, run with the lock released.
-enum Action {
-    /// NVMe → host: read `extent` into a new host buffer.
-    ReadNvme { id: TensorId, extent: Extent },
-    /// Host → device: copy the lent host buffer into a new device buffer.
-    Htod { id: TensorId, host: HostBuffer },
-    /// Device → host: write the lent dirty device copy back into the lent host copy; drop the
-    /// device copy afterwards when `evict`.
-    Dtoh { id: TensorId, dev: DeviceBuffer, host: HostBuffer, evict: bool },
-    /// Host → NVMe: write the lent host copy to a new extent and free the old one; then drop the
-    /// host copy (and a clean device copy above it) when `evict`, else keep it as a clean cache.
-    WriteNvme { id: TensorId, host: HostBuffer, evict: bool },
 }
 
 enum Step {
@@ -570,7 +558,7 @@ impl Inner {
         if home == Tier::Nvme {
             // Write the home copy now; the host copy stays as a clean cache.
             let host = e.host.take();
-            if let Err(err) = self.run(&mut st, Action::WriteNvme { id, host, evict: false }) {
+            if let Err(err) = self.run(&mut st, Action::WriteNvme { id, host, then: WriteBack::Keep }) {
                 let e = st.entries.remove(&id).expect("present");
                 st.release(Tier::Host, e.host.reserved);
                 self.cond.notify_all();
@@ -674,7 +662,7 @@ impl Inner {
                 }
                 let dev = e.device.take();
                 let host = e.host.take();
-                return Ok(Step::Act(Action::Dtoh { id, dev, host, evict: false }));
+                return Ok(Step::Act(Action::Dtoh { id, dev, host, then: WriteBack::Keep }));
             }
             match e.host.state {
                 CopyState::Ready => {
@@ -872,7 +860,7 @@ impl Inner {
                 Tier::Device if e.device.dirty => {
                     let dev = e.device.take();
                     let host = e.host.take();
-                    self.run(st, Action::Dtoh { id: victim.id, dev, host, evict: true })?;
+                    self.run(st, Action::Dtoh { id: victim.id, dev, host, then: WriteBack::Evict })?;
                 }
                 Tier::Device => {
                     let freed = e.device.clear();
@@ -881,11 +869,11 @@ impl Inner {
                 _ if e.device.state != CopyState::Absent && e.device.dirty => {
                     let dev = e.device.take();
                     let host = e.host.take();
-                    self.run(st, Action::Dtoh { id: victim.id, dev, host, evict: true })?;
+                    self.run(st, Action::Dtoh { id: victim.id, dev, host, then: WriteBack::Evict })?;
                 }
                 _ if e.host.dirty => {
                     let host = e.host.take();
-                    self.run(st, Action::WriteNvme { id: victim.id, host, evict: true })?;
+                    self.run(st, Action::WriteNvme { id: victim.id, host, then: WriteBack::Evict })?;
                 }
                 _ => {
                     let (dr, hr) = (e.device.clear(), e.host.clear());
@@ -895,148 +883,6 @@ impl Inner {
             }
             self.cond.notify_all();
         }
-    }
-
-    /// Runs `action` with the lock released and applies its outcome.
-    fn run(&self, st: &mut MutexGuard<'_, State>, action: Action) -> Result<()> {
-        let r = match action {
-            Action::ReadNvme { id, extent } => {
-                st.begin(Link::NvmeRead);
-                let bytes = extent.num_bytes();
-                let (res, extent) = MutexGuard::unlocked(st, || {
-                    let r = self.pool.alloc(bytes as usize).and_then(|buf| {
-                        let (r, buf) = self.store()?.read(&extent, buf).wait();
-                        r.map(|()| buf)
-                    });
-                    (r, extent)
-                });
-                st.end(Link::NvmeRead, bytes, &self.metrics);
-                let clock = st.clock;
-                let e = st.entry(id)?;
-                e.nvme = Some(extent);
-                match res {
-                    Ok(buf) => {
-                        e.host.put(buf);
-                        e.host.dirty = false;
-                        e.host.last_use = clock;
-                        Ok(())
-                    }
-                    Err(err) => {
-                        let freed = e.host.clear();
-                        st.release(Tier::Host, freed);
-                        Err(err)
-                    }
-                }
-            }
-            Action::Htod { id, host } => {
-                let bytes = host.len();
-                st.begin(Link::Htod);
-                let res = MutexGuard::unlocked(st, || {
-                    let span = tracing::trace_span!("swapper::htod", tensor = id.0, bytes);
-                    let _e = span.enter();
-                    match self.device.alloc(bytes) {
-                        Ok(dev) => self.device.htod(host, dev).and_then(|t| t.wait()).map_err(|e| (e, None)),
-                        Err(e) => Err((e, Some(host))),
-                    }
-                });
-                st.end(Link::Htod, bytes as u64, &self.metrics);
-                let clock = st.clock;
-                let e = st.entry(id)?;
-                match res {
-                    Ok((host, dev)) => {
-                        e.host.put(host);
-                        e.device.put(dev);
-                        e.device.dirty = false;
-                        e.device.last_use = clock;
-                        Ok(())
-                    }
-                    Err((err, host)) => {
-                        // A failed copy loses the host buffer only if the engine lost it; the host
-                        // copy is then refetched from NVMe or, for host-homed tensors, reported.
-                        match host {
-                            Some(h) => e.host.put(h),
-                            None => {
-                                let r = e.host.clear();
-                                st.release(Tier::Host, r);
-                            }
-                        }
-                        let e = st.entry(id)?;
-                        let r = e.device.clear();
-                        st.release(Tier::Device, r);
-                        Err(err)
-                    }
-                }
-            }
-            Action::Dtoh { id, dev, host, evict } => {
-                let bytes = host.len();
-                st.begin(Link::Dtoh);
-                let res = MutexGuard::unlocked(st, || {
-                    let span = tracing::trace_span!("swapper::dtoh", tensor = id.0, bytes);
-                    let _e = span.enter();
-                    self.device.dtoh(dev, host).and_then(|t| t.wait())
-                });
-                st.end(Link::Dtoh, bytes as u64, &self.metrics);
-                let e = st.entry(id)?;
-                match res {
-                    Ok((host, dev)) => {
-                        e.host.put(host);
-                        e.host.dirty = true;
-                        if evict {
-                            drop(dev);
-                            let r = e.device.clear();
-                            st.release(Tier::Device, r);
-                        } else {
-                            e.device.put(dev);
-                            e.device.dirty = false;
-                        }
-                        Ok(())
-                    }
-                    Err(err) => {
-                        // The engine dropped both buffers: the newest bytes are gone with the
-                        // device buffer. Report it; the tensor falls back to its host copy.
-                        let (hr, dr) = (e.host.clear(), e.device.clear());
-                        st.release(Tier::Device, dr);
-                        st.release(Tier::Host, hr);
-                        Err(err)
-                    }
-                }
-            }
-            Action::WriteNvme { id, host, evict } => {
-                let bytes = host.len() as u64;
-                st.begin(Link::NvmeWrite);
-                let (res, host) = MutexGuard::unlocked(st, || match self.store() {
-                    Ok(s) => s.write(id, host).wait(),
-                    Err(e) => (Err(e), host),
-                });
-                st.end(Link::NvmeWrite, bytes, &self.metrics);
-                let e = st.entry(id)?;
-                match res {
-                    Ok(extent) => {
-                        if let Some(old) = e.nvme.replace(extent) {
-                            self.store()?.free(old);
-                        }
-                        let e = st.entry(id)?;
-                        if evict {
-                            drop(host);
-                            let (hr, dr) = (e.host.clear(), e.device.clear());
-                            st.release(Tier::Device, dr);
-                            st.release(Tier::Host, hr);
-                        } else {
-                            e.host.put(host);
-                            e.host.dirty = false;
-                        }
-                        Ok(())
-                    }
-                    Err(err) => {
-                        // Nothing is lost: the dirty host copy stays, the old extent too.
-                        e.host.put(host);
-                        Err(err)
-                    }
-                }
-            }
-        };
-        self.cond.notify_all();
-        r
     }
 }
 

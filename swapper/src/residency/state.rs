@@ -8,15 +8,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::thread::ThreadId;
-use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
 
+use super::transfer::LinksInFlight;
 use super::Access;
 use crate::device::DeviceBuffer;
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
-use crate::metrics::{Link, Metrics};
 use crate::nvme::Extent;
 use crate::policy::EvictionPolicy;
 use crate::tier::{TensorId, TensorMeta, Tier};
@@ -112,12 +111,6 @@ impl Entry {
     }
 }
 
-#[derive(Default, Clone, Copy)]
-pub(super) struct LinkBusy {
-    in_flight: u32,
-    since: Option<Instant>,
-}
-
 pub(super) struct State {
     pub(super) entries: HashMap<TensorId, Entry>,
     /// Reserved bytes: [device, host].
@@ -126,7 +119,7 @@ pub(super) struct State {
     ///
     /// [`ResidencyManager::reset_peak_bytes`]: super::ResidencyManager::reset_peak_bytes
     pub(super) peak: [u64; 2],
-    pub(super) links: [LinkBusy; 4],
+    pub(super) links: LinksInFlight,
     pub(super) clock: u64,
     pub(super) policy: Box<dyn EvictionPolicy>,
 }
@@ -134,7 +127,7 @@ pub(super) struct State {
 impl State {
     /// No tensors, nothing reserved, evicting by `policy`.
     pub(super) fn new(policy: Box<dyn EvictionPolicy>) -> Self {
-        Self { entries: HashMap::new(), used: [0, 0], peak: [0, 0], links: [LinkBusy::default(); 4], clock: 0, policy }
+        Self { entries: HashMap::new(), used: [0, 0], peak: [0, 0], links: LinksInFlight::default(), clock: 0, policy }
     }
 
     pub(super) fn entry(&mut self, id: TensorId) -> Result<&mut Entry> {
@@ -150,22 +143,6 @@ impl State {
     /// `used`.
     pub(super) fn release(&mut self, tier: Tier, bytes: u64) {
         self.used[tier.index()] -= bytes;
-    }
-
-    pub(super) fn begin(&mut self, link: Link) {
-        let l = &mut self.links[link as usize];
-        if l.in_flight == 0 {
-            l.since = Some(Instant::now());
-        }
-        l.in_flight += 1;
-    }
-
-    pub(super) fn end(&mut self, link: Link, bytes: u64, metrics: &Metrics) {
-        let l = &mut self.links[link as usize];
-        l.in_flight -= 1;
-        let busy =
-            if l.in_flight == 0 { l.since.take().map(|s| s.elapsed()).unwrap_or_default() } else { Duration::ZERO };
-        metrics.link(link).record(bytes, busy);
     }
 }
 
