@@ -24,6 +24,7 @@
 //! everything evictable fails with [`Error::OutOfMemory`]; one that only waits for other
 //! threads' pins or in-flight transfers blocks, up to [`ResidencyConfig::wait_timeout`].
 
+mod reserve;
 mod state;
 mod transfer;
 
@@ -42,9 +43,10 @@ use crate::error::{Error, Result};
 use crate::host::{size_class, HostBuffer, PinnedPool, PinnedPoolConfig};
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::nvme::NvmeStore;
-use crate::policy::{eviction_order, EvictionCandidate, EvictionPolicy};
+use crate::policy::EvictionPolicy;
 use crate::tier::{TensorId, TensorMeta, Tier};
 
+use reserve::Reservation;
 use state::{Cell, CopyState, Entry, Replica, State};
 use transfer::{Action, WriteBack};
 
@@ -240,7 +242,7 @@ impl ResidencyManager {
     /// The byte budget of `tier` (`Nvme`: the store's capacity, 0 without a store).
     pub fn budget_bytes(&self, tier: Tier) -> u64 {
         match tier {
-            Tier::Device | Tier::Host => self.inner.budgets[tier.index()].load(Ordering::Relaxed),
+            Tier::Device | Tier::Host => self.inner.budget_bytes(tier),
             Tier::Nvme => self.inner.nvme.as_ref().map_or(0, |s| s.capacity_bytes()),
         }
     }
@@ -263,7 +265,7 @@ impl ResidencyManager {
                 ),
             });
         }
-        self.inner.budgets[0].store(bytes, Ordering::Relaxed);
+        self.inner.budgets[Tier::Device.index()].store(bytes, Ordering::Relaxed);
         Ok(())
     }
 
@@ -449,18 +451,18 @@ impl ResidencyManager {
                     sum[i]
                 )));
             }
-            if st.used_bytes(t) > self.inner.budgets[i].load(Ordering::Relaxed) {
+            if st.used_bytes(t) > self.inner.budget_bytes(t) {
                 return Err(Error::InvalidRequest(format!(
                     "{t}: used {} > budget {}",
                     st.used_bytes(t),
-                    self.inner.budgets[i].load(Ordering::Relaxed)
+                    self.inner.budget_bytes(t)
                 )));
             }
         }
         if self.inner.device.allocated_bytes() > self.inner.device.capacity_bytes() {
             return Err(Error::InvalidRequest("device allocated bytes over budget".into()));
         }
-        if self.inner.pool.live_bytes() > self.inner.budgets[1].load(Ordering::Relaxed) {
+        if self.inner.pool.live_bytes() > self.inner.budget_bytes(Tier::Host) {
             return Err(Error::InvalidRequest("host pool live bytes over budget".into()));
         }
         Ok(())
@@ -491,6 +493,11 @@ enum PinnedCell {
 }
 
 impl Inner {
+    /// The byte budget of `tier`, `Device` or `Host`.
+    fn budget_bytes(&self, tier: Tier) -> u64 {
+        self.budgets[tier.index()].load(Ordering::Relaxed)
+    }
+
     fn store(&self) -> Result<&NvmeStore> {
         self.nvme.as_ref().ok_or_else(|| Error::InvalidRequest("no NVMe store is configured".into()))
     }
@@ -515,11 +522,11 @@ impl Inner {
             Tier::Host => {}
         }
         let class = size_class(bytes) as u64;
-        if class > self.budgets[1].load(Ordering::Relaxed) {
+        if class > self.budget_bytes(Tier::Host) {
             return Err(Error::OutOfMemory {
                 tier: Tier::Host,
                 requested_bytes: class,
-                available_bytes: self.budgets[1].load(Ordering::Relaxed),
+                available_bytes: self.budget_bytes(Tier::Host),
             });
         }
         let mut st = self.state.lock();
@@ -531,7 +538,7 @@ impl Inner {
         e.host.state = CopyState::Loading;
         st.entries.insert(id, e);
         let deadline = Instant::now() + self.config.wait_timeout;
-        if let Err(err) = self.reserve(&mut st, Tier::Host, class, id, deadline) {
+        if let Err(err) = self.reserve(&mut st, Reservation { tier: Tier::Host, bytes: class, for_id: id }, deadline) {
             st.entries.remove(&id);
             return Err(err);
         }
@@ -624,9 +631,7 @@ impl Inner {
                         break Err(Error::OutOfMemory {
                             tier,
                             requested_bytes,
-                            available_bytes: self.budgets[tier.index()]
-                                .load(Ordering::Relaxed)
-                                .saturating_sub(st.used_bytes(tier)),
+                            available_bytes: self.budget_bytes(tier).saturating_sub(st.used_bytes(tier)),
                         });
                     }
                 }
@@ -685,7 +690,9 @@ impl Inner {
                 CopyState::Absent => {
                     let class = size_class(bytes as usize) as u64;
                     e.host.state = CopyState::Loading;
-                    if let Err(err) = self.reserve(st, Tier::Host, class, id, deadline) {
+                    if let Err(err) =
+                        self.reserve(st, Reservation { tier: Tier::Host, bytes: class, for_id: id }, deadline)
+                    {
                         st.entry(id)?.host.state = CopyState::Absent;
                         self.cond.notify_all();
                         return Err(err);
@@ -715,11 +722,11 @@ impl Inner {
                 }
                 CopyState::Loading | CopyState::Lent => Ok(Step::Wait),
                 CopyState::Absent => {
-                    if bytes > self.budgets[0].load(Ordering::Relaxed) {
+                    if bytes > self.budget_bytes(Tier::Device) {
                         return Err(Error::OutOfMemory {
                             tier: Tier::Device,
                             requested_bytes: bytes,
-                            available_bytes: self.budgets[0].load(Ordering::Relaxed),
+                            available_bytes: self.budget_bytes(Tier::Device),
                         });
                     }
                     // Claim the load: others wait for it instead of starting their own.
@@ -749,7 +756,7 @@ impl Inner {
                 e.host.unpin(me);
             }
         };
-        if let Err(err) = self.reserve(st, Tier::Device, bytes, id, deadline) {
+        if let Err(err) = self.reserve(st, Reservation { tier: Tier::Device, bytes, for_id: id }, deadline) {
             unpin(st);
             return Err(err);
         }
@@ -771,118 +778,6 @@ impl Inner {
         e.host.unpin(me);
         let host = e.host.take();
         self.run(st, Action::Htod { id, host })
-    }
-
-    /// Reserves `need` bytes on `tier` for `for_id`, evicting by policy; may release the lock to
-    /// write back dirty victims or to wait for other threads' pins and transfers.
-    fn reserve(
-        &self,
-        st: &mut MutexGuard<'_, State>,
-        tier: Tier,
-        need: u64,
-        for_id: TensorId,
-        deadline: Instant,
-    ) -> Result<()> {
-        let t = tier.index();
-        let budget = self.budgets[t].load(Ordering::Relaxed);
-        let me = std::thread::current().id();
-        loop {
-            if st.used[t] + need <= budget {
-                st.used[t] += need;
-                st.peak[t] = st.peak[t].max(st.used[t]);
-                return Ok(());
-            }
-            let mut candidates = Vec::new();
-            // Whether another thread's pin or an in-flight transfer may free room later.
-            let mut blocked_by_others = false;
-            // Bytes that neither eviction nor waiting can free (host homes, our own pins).
-            let mut fixed = 0u64;
-            for e in st.entries.values() {
-                if e.meta.id == for_id {
-                    continue;
-                }
-                let copy = match tier {
-                    Tier::Device => {
-                        (e.device.state, &e.device.pinners, e.device.dirty, e.device.reserved, e.device.last_use)
-                    }
-                    _ => (e.host.state, &e.host.pinners, e.host.dirty, e.host.reserved, e.host.last_use),
-                };
-                let (state, pinners, dirty, reserved, last_use) = copy;
-                if state == CopyState::Absent {
-                    continue;
-                }
-                if matches!(state, CopyState::Loading | CopyState::Lent) {
-                    blocked_by_others = true;
-                    continue;
-                }
-                let evictable = pinners.is_empty()
-                    && match tier {
-                        Tier::Device => !dirty || e.host.lendable(),
-                        // A device copy above goes first (written back when dirty): inclusion.
-                        _ => e.meta.home == Tier::Nvme && (e.device.state == CopyState::Absent || e.device.lendable()),
-                    };
-                if evictable {
-                    candidates.push(EvictionCandidate { id: e.meta.id, tier, num_bytes: reserved, last_use, dirty });
-                } else if (tier == Tier::Host && e.meta.home == Tier::Host)
-                    || !(e.device.pinned_by_others(me)
-                        || e.host.pinned_by_others(me)
-                        || e.device.in_flight()
-                        || e.host.in_flight())
-                {
-                    fixed += reserved;
-                } else {
-                    blocked_by_others = true;
-                }
-            }
-            if candidates.is_empty() {
-                let out_of_memory = Error::OutOfMemory {
-                    tier,
-                    requested_bytes: need,
-                    available_bytes: budget.saturating_sub(st.used[t]),
-                };
-                if need > budget.saturating_sub(fixed) || !blocked_by_others {
-                    return Err(out_of_memory);
-                }
-                if self.cond.wait_until(st, deadline).timed_out() {
-                    return Err(out_of_memory);
-                }
-                continue;
-            }
-            let clock = st.clock;
-            eviction_order(st.policy.as_ref(), &mut candidates, clock);
-            let victim = candidates[0];
-            st.policy.on_evict(victim.id, tier, clock);
-            let _span =
-                tracing::trace_span!("swapper::evict", tensor = victim.id.0, %tier, bytes = victim.num_bytes).entered();
-            self.metrics.add_eviction();
-            let e = st.entry(victim.id)?;
-            match tier {
-                Tier::Device if e.device.dirty => {
-                    let dev = e.device.take();
-                    let host = e.host.take();
-                    self.run(st, Action::Dtoh { id: victim.id, dev, host, then: WriteBack::Evict })?;
-                }
-                Tier::Device => {
-                    let freed = e.device.clear();
-                    st.release(Tier::Device, freed);
-                }
-                _ if e.device.state != CopyState::Absent && e.device.dirty => {
-                    let dev = e.device.take();
-                    let host = e.host.take();
-                    self.run(st, Action::Dtoh { id: victim.id, dev, host, then: WriteBack::Evict })?;
-                }
-                _ if e.host.dirty => {
-                    let host = e.host.take();
-                    self.run(st, Action::WriteNvme { id: victim.id, host, then: WriteBack::Evict })?;
-                }
-                _ => {
-                    let (dr, hr) = (e.device.clear(), e.host.clear());
-                    st.release(Tier::Device, dr);
-                    st.release(Tier::Host, hr);
-                }
-            }
-            self.cond.notify_all();
-        }
     }
 }
 

@@ -139,6 +139,14 @@ impl State {
         self.used[tier.index()]
     }
 
+    /// Counts `bytes` more as reserved on `tier` and raises its peak; the caller checked the
+    /// budget.
+    pub(super) fn claim(&mut self, tier: Tier, bytes: u64) {
+        let t = tier.index();
+        self.used[t] += bytes;
+        self.peak[t] = self.peak[t].max(self.used[t]);
+    }
+
     /// Takes `bytes` of a released reservation (a [`Replica::clear`]'s return) off `tier`'s
     /// `used`.
     pub(super) fn release(&mut self, tier: Tier, bytes: u64) {
