@@ -24,6 +24,7 @@
 //! everything evictable fails with [`Error::OutOfMemory`]; one that only waits for other
 //! threads' pins or in-flight transfers blocks, up to [`ResidencyConfig::wait_timeout`].
 
+mod fetch;
 mod reserve;
 mod state;
 mod transfer;
@@ -46,6 +47,7 @@ use crate::nvme::NvmeStore;
 use crate::policy::EvictionPolicy;
 use crate::tier::{TensorId, TensorMeta, Tier};
 
+use fetch::{Caller, Pin};
 use reserve::Reservation;
 use state::{Cell, CopyState, Entry, Replica, State};
 use transfer::{Action, WriteBack};
@@ -84,13 +86,6 @@ impl Default for ResidencyConfig {
             wait_timeout: Duration::from_secs(60),
         }
     }
-}
-
-enum Step {
-    Done,
-    Wait,
-    Retry,
-    Act(Action),
 }
 
 struct Inner {
@@ -214,7 +209,7 @@ impl ResidencyManager {
                     .name(format!("oogc-prefetch-{i}"))
                     .spawn(move || {
                         for job in rx {
-                            let r = inner.ensure(job.id, job.tier, None, true, false).map(|_| ());
+                            let r = inner.ensure(job.id, job.tier, Pin::No, Caller::Prefetch).map(|_| ());
                             let _ = job.reply.send(r);
                         }
                     })
@@ -379,7 +374,8 @@ impl ResidencyManager {
     pub fn acquire(&self, id: TensorId, tier: Tier, access: Access) -> Result<Resident> {
         let span = tracing::trace_span!("swapper::acquire", tensor = id.0, %tier);
         let _e = span.enter();
-        let cell = self.inner.ensure(id, tier, Some(access), false, false)?.expect("pinned acquire returns its cell");
+        let cell =
+            self.inner.ensure(id, tier, Pin::Yes(access), Caller::Acquire)?.expect("pinned acquire returns its cell");
         let num_bytes = self.inner.state.lock().entry(id)?.num_bytes();
         Ok(Resident {
             inner: self.inner.clone(),
@@ -574,210 +570,6 @@ impl Inner {
         }
         self.cond.notify_all();
         Ok(())
-    }
-
-    /// Brings `id` to `tier`; with `pin`, pins it and returns its cell. `prefetch` calls count no
-    /// stall; `nested` calls (a device fetch bringing its host copy) do not notify the policy.
-    fn ensure(
-        &self,
-        id: TensorId,
-        tier: Tier,
-        pin: Option<Access>,
-        prefetch: bool,
-        nested: bool,
-    ) -> Result<Option<PinnedCell>> {
-        if tier == Tier::Nvme {
-            return Err(Error::InvalidRequest("acquire targets the device or host tier; NVMe is a home".into()));
-        }
-        let start = Instant::now();
-        let deadline = start + self.config.wait_timeout;
-        let mut st = self.state.lock();
-        st.entry(id)?;
-        if !nested {
-            st.clock += 1;
-            let clock = st.clock;
-            st.policy.on_acquire(id, tier, clock, prefetch);
-        }
-        let mut first = true;
-        let result = loop {
-            let step = match self.step(&mut st, id, tier, pin, deadline) {
-                Ok(s) => s,
-                Err(e) => break Err(e),
-            };
-            let was_first = std::mem::replace(&mut first, false);
-            match step {
-                Step::Done => {
-                    if was_first && !prefetch {
-                        self.metrics.add_prefetch_hit();
-                    }
-                    let clock = st.clock;
-                    let e = st.entry(id)?;
-                    let cell = match (pin, tier) {
-                        (None, _) => None,
-                        (Some(_), Tier::Host) => Some(PinnedCell::Host(e.host.cell.clone())),
-                        (Some(_), _) => Some(PinnedCell::Device(e.device.cell.clone())),
-                    };
-                    match tier {
-                        Tier::Host => e.host.last_use = clock,
-                        _ => e.device.last_use = clock,
-                    }
-                    break Ok(cell);
-                }
-                Step::Retry => {}
-                Step::Wait => {
-                    if self.cond.wait_until(&mut st, deadline).timed_out() {
-                        tracing::warn!(tensor = id.0, %tier, waited_s = start.elapsed().as_secs_f64(), "gave up waiting");
-                        let requested_bytes = st.entries.get(&id).map_or(0, |e| e.num_bytes() as u64);
-                        break Err(Error::OutOfMemory {
-                            tier,
-                            requested_bytes,
-                            available_bytes: self.budget_bytes(tier).saturating_sub(st.used_bytes(tier)),
-                        });
-                    }
-                }
-                Step::Act(action) => {
-                    if let Err(e) = self.run(&mut st, action) {
-                        break Err(e);
-                    }
-                }
-            }
-        };
-        if !prefetch && !first {
-            self.metrics.add_stall(start.elapsed());
-        }
-        result
-    }
-
-    /// One decision for `ensure`, under the lock.
-    fn step(
-        &self,
-        st: &mut MutexGuard<'_, State>,
-        id: TensorId,
-        tier: Tier,
-        pin: Option<Access>,
-        deadline: Instant,
-    ) -> Result<Step> {
-        let e = st.entry(id)?;
-        let bytes = e.num_bytes() as u64;
-        if tier == Tier::Host {
-            // Coherence first: a dirty device copy is newer than the host copy.
-            if e.device.dirty {
-                if !(e.device.lendable() && e.host.lendable()) {
-                    return Ok(Step::Wait);
-                }
-                let dev = e.device.take();
-                let host = e.host.take();
-                return Ok(Step::Act(Action::Dtoh { id, dev, host, then: WriteBack::Keep }));
-            }
-            match e.host.state {
-                CopyState::Ready => {
-                    if pin == Some(Access::Write) && e.device.state != CopyState::Absent {
-                        // The device copy would go stale: drop it (it is clean here).
-                        if !e.device.lendable() {
-                            return Ok(Step::Wait);
-                        }
-                        let freed = e.device.clear();
-                        st.release(Tier::Device, freed);
-                        self.cond.notify_all();
-                    }
-                    let e = st.entry(id)?;
-                    if let Some(access) = pin {
-                        e.host.pin_for(access);
-                    }
-                    Ok(Step::Done)
-                }
-                CopyState::Loading | CopyState::Lent => Ok(Step::Wait),
-                CopyState::Absent => {
-                    let class = size_class(bytes as usize) as u64;
-                    e.host.state = CopyState::Loading;
-                    if let Err(err) =
-                        self.reserve(st, Reservation { tier: Tier::Host, bytes: class, for_id: id }, deadline)
-                    {
-                        st.entry(id)?.host.state = CopyState::Absent;
-                        self.cond.notify_all();
-                        return Err(err);
-                    }
-                    let e = st.entry(id)?;
-                    e.host.reserved = class;
-                    match e.nvme.take() {
-                        Some(extent) => Ok(Step::Act(Action::ReadNvme { id, extent })),
-                        None => {
-                            let freed = e.host.clear();
-                            st.release(Tier::Host, freed);
-                            self.cond.notify_all();
-                            Err(Error::InvalidRequest(format!(
-                                "tensor {id} has neither a host copy nor an NVMe extent"
-                            )))
-                        }
-                    }
-                }
-            }
-        } else {
-            match e.device.state {
-                CopyState::Ready => {
-                    if let Some(access) = pin {
-                        e.device.pin_for(access);
-                    }
-                    Ok(Step::Done)
-                }
-                CopyState::Loading | CopyState::Lent => Ok(Step::Wait),
-                CopyState::Absent => {
-                    if bytes > self.budget_bytes(Tier::Device) {
-                        return Err(Error::OutOfMemory {
-                            tier: Tier::Device,
-                            requested_bytes: bytes,
-                            available_bytes: self.budget_bytes(Tier::Device),
-                        });
-                    }
-                    // Claim the load: others wait for it instead of starting their own.
-                    e.device.state = CopyState::Loading;
-                    let r = self.load_device(st, id, bytes, deadline);
-                    if r.is_err() {
-                        let e = st.entry(id)?;
-                        if e.device.state == CopyState::Loading {
-                            e.device.state = CopyState::Absent;
-                        }
-                    }
-                    self.cond.notify_all();
-                    r.map(|()| Step::Retry)
-                }
-            }
-        }
-    }
-
-    /// Fetches `id` to the device after `step` claimed the load (device copy `Loading`): brings
-    /// the host copy and pins it, reserves device room, waits until no one else reads the host
-    /// copy, then lends it to the H2D copy.
-    fn load_device(&self, st: &mut MutexGuard<'_, State>, id: TensorId, bytes: u64, deadline: Instant) -> Result<()> {
-        let me = std::thread::current().id();
-        MutexGuard::unlocked(st, || self.ensure(id, Tier::Host, Some(Access::Read), true, true))?;
-        let unpin = |st: &mut MutexGuard<'_, State>| {
-            if let Some(e) = st.entries.get_mut(&id) {
-                e.host.unpin(me);
-            }
-        };
-        if let Err(err) = self.reserve(st, Reservation { tier: Tier::Device, bytes, for_id: id }, deadline) {
-            unpin(st);
-            return Err(err);
-        }
-        st.entry(id)?.device.reserved = bytes;
-        // Readers of the host copy are short-lived; the copy needs the buffer to itself.
-        while st.entry(id)?.host.pinners.len() > 1 {
-            if self.cond.wait_until(st, deadline).timed_out() {
-                unpin(st);
-                let e = st.entry(id)?;
-                e.device.reserved = 0;
-                st.release(Tier::Device, bytes);
-                return Err(Error::InvalidRequest(format!(
-                    "tensor {id}: its host copy stayed pinned by another thread while its device copy was \
-                     fetched; do not hold a host guard of a tensor while acquiring its device copy"
-                )));
-            }
-        }
-        let e = st.entry(id)?;
-        e.host.unpin(me);
-        let host = e.host.take();
-        self.run(st, Action::Htod { id, host })
     }
 }
 
