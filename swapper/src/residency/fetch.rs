@@ -9,10 +9,11 @@ use std::time::Instant;
 
 use parking_lot::MutexGuard;
 
+use super::guard::PinnedCell;
 use super::reserve::Reservation;
 use super::state::{CopyState, State};
 use super::transfer::{Action, WriteBack};
-use super::{Access, Inner, PinnedCell};
+use super::{Access, Inner};
 use crate::error::{Error, Result};
 use crate::host::size_class;
 use crate::tier::{TensorId, Tier};

@@ -25,23 +25,24 @@
 //! threads' pins or in-flight transfers blocks, up to [`ResidencyConfig::wait_timeout`].
 
 mod fetch;
+mod guard;
 mod reserve;
 mod state;
 mod transfer;
 
+pub use guard::Resident;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::{JoinHandle, ThreadId};
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
-use parking_lot::{
-    Condvar, MappedRwLockReadGuard, MappedRwLockWriteGuard, Mutex, MutexGuard, RwLockReadGuard, RwLockWriteGuard,
-};
+use parking_lot::{Condvar, Mutex, MutexGuard};
 
-use crate::device::{Device, DeviceBuffer};
+use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::host::{size_class, HostBuffer, PinnedPool, PinnedPoolConfig};
+use crate::host::{size_class, PinnedPool, PinnedPoolConfig};
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::nvme::NvmeStore;
 use crate::policy::EvictionPolicy;
@@ -49,7 +50,7 @@ use crate::tier::{TensorId, TensorMeta, Tier};
 
 use fetch::{Caller, Pin};
 use reserve::Reservation;
-use state::{Cell, CopyState, Entry, Replica, State};
+use state::{CopyState, Entry, Replica, State};
 use transfer::{Action, WriteBack};
 
 /// How an acquired copy will be used.
@@ -374,18 +375,7 @@ impl ResidencyManager {
     pub fn acquire(&self, id: TensorId, tier: Tier, access: Access) -> Result<Resident> {
         let span = tracing::trace_span!("swapper::acquire", tensor = id.0, %tier);
         let _e = span.enter();
-        let cell =
-            self.inner.ensure(id, tier, Pin::Yes(access), Caller::Acquire)?.expect("pinned acquire returns its cell");
-        let num_bytes = self.inner.state.lock().entry(id)?.num_bytes();
-        Ok(Resident {
-            inner: self.inner.clone(),
-            id,
-            tier,
-            access,
-            num_bytes,
-            cell,
-            thread: std::thread::current().id(),
-        })
+        Resident::acquire(&self.inner, id, tier, access)
     }
 
     /// Starts fetching `id` to `tier` on a background thread, without pinning it. An acquire that
@@ -483,11 +473,6 @@ impl std::fmt::Debug for ResidencyManager {
     }
 }
 
-enum PinnedCell {
-    Host(Cell<HostBuffer>),
-    Device(Cell<DeviceBuffer>),
-}
-
 impl Inner {
     /// The byte budget of `tier`, `Device` or `Host`.
     fn budget_bytes(&self, tier: Tier) -> u64 {
@@ -570,95 +555,5 @@ impl Inner {
         }
         self.cond.notify_all();
         Ok(())
-    }
-}
-
-/// A pinned copy of a tensor on one tier. While it lives the copy is not evicted; dropping it
-/// unpins. Byte access goes through short-lived lock guards.
-pub struct Resident {
-    inner: Arc<Inner>,
-    id: TensorId,
-    tier: Tier,
-    access: Access,
-    num_bytes: usize,
-    cell: PinnedCell,
-    thread: ThreadId,
-}
-
-impl Resident {
-    /// The tensor.
-    pub fn id(&self) -> TensorId {
-        self.id
-    }
-
-    /// The tier it is pinned on.
-    pub fn tier(&self) -> Tier {
-        self.tier
-    }
-
-    /// Size in bytes.
-    pub fn num_bytes(&self) -> usize {
-        self.num_bytes
-    }
-
-    /// The host bytes.
-    ///
-    /// # Panics
-    /// If the guard is not for the host tier.
-    pub fn host_bytes(&self) -> MappedRwLockReadGuard<'_, [u8]> {
-        let PinnedCell::Host(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
-        RwLockReadGuard::map(cell.read(), |b| b.as_ref().expect("pinned copy present").as_slice())
-    }
-
-    /// The host bytes, mutably.
-    ///
-    /// # Panics
-    /// If the guard is not for the host tier or was acquired for [`Access::Read`].
-    pub fn host_bytes_mut(&self) -> MappedRwLockWriteGuard<'_, [u8]> {
-        assert_eq!(self.access, Access::Write, "acquired for read");
-        let PinnedCell::Host(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
-        RwLockWriteGuard::map(cell.write(), |b| b.as_mut().expect("pinned copy present").as_mut_slice())
-    }
-
-    /// The device buffer.
-    ///
-    /// # Panics
-    /// If the guard is not for the device tier.
-    pub fn device_buffer(&self) -> MappedRwLockReadGuard<'_, DeviceBuffer> {
-        let PinnedCell::Device(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
-        RwLockReadGuard::map(cell.read(), |b| b.as_ref().expect("pinned copy present"))
-    }
-
-    /// The device buffer, mutably.
-    ///
-    /// # Panics
-    /// If the guard is not for the device tier or was acquired for [`Access::Read`].
-    pub fn device_buffer_mut(&self) -> MappedRwLockWriteGuard<'_, DeviceBuffer> {
-        assert_eq!(self.access, Access::Write, "acquired for read");
-        let PinnedCell::Device(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
-        RwLockWriteGuard::map(cell.write(), |b| b.as_mut().expect("pinned copy present"))
-    }
-}
-
-impl Drop for Resident {
-    fn drop(&mut self) {
-        let mut st = self.inner.state.lock();
-        if let Some(e) = st.entries.get_mut(&self.id) {
-            match self.tier {
-                Tier::Host => e.host.unpin(self.thread),
-                _ => e.device.unpin(self.thread),
-            }
-        }
-        self.inner.cond.notify_all();
-    }
-}
-
-impl std::fmt::Debug for Resident {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Resident")
-            .field("id", &self.id)
-            .field("tier", &self.tier)
-            .field("access", &self.access)
-            .finish()
     }
 }
