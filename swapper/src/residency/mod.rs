@@ -26,18 +26,18 @@
 
 mod fetch;
 mod guard;
+mod prefetch_pool;
 mod reserve;
 mod state;
 mod transfer;
 
 pub use guard::Resident;
+pub use prefetch_pool::PrefetchHandle;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{bounded, unbounded, Receiver, Sender};
 use parking_lot::{Condvar, Mutex, MutexGuard};
 
 use crate::device::Device;
@@ -48,7 +48,7 @@ use crate::nvme::NvmeStore;
 use crate::policy::EvictionPolicy;
 use crate::tier::{TensorId, TensorMeta, Tier};
 
-use fetch::{Caller, Pin};
+use prefetch_pool::PrefetchPool;
 use reserve::Reservation;
 use state::{CopyState, Entry, Replica, State};
 use transfer::{Action, WriteBack};
@@ -107,36 +107,10 @@ struct Inner {
 /// `Send + Sync`; share it by reference or `Arc` between threads. Guards ([`Resident`]) are
 /// `'static` and may outlive the borrow they came from.
 pub struct ResidencyManager {
+    /// Declared first, so it is dropped first: its threads are joined (and their handles on
+    /// `inner` gone) before the manager's own handle goes.
+    prefetch_pool: PrefetchPool,
     inner: Arc<Inner>,
-    jobs: Option<Sender<Job>>,
-    threads: Vec<JoinHandle<()>>,
-}
-
-struct Job {
-    id: TensorId,
-    tier: Tier,
-    reply: Sender<Result<()>>,
-}
-
-/// A background fetch started by [`ResidencyManager::prefetch`].
-#[derive(Debug)]
-pub struct PrefetchHandle {
-    rx: Receiver<Result<()>>,
-}
-
-impl PrefetchHandle {
-    /// Blocks until the fetch finished.
-    ///
-    /// # Errors
-    /// The fetch's error (out of memory, I/O, corrupt data).
-    pub fn wait(self) -> Result<()> {
-        self.rx.recv().unwrap_or_else(|_| Err(Error::Device("prefetch thread stopped".into())))
-    }
-
-    /// Whether the fetch finished (non-blocking).
-    pub fn is_ready(&self) -> bool {
-        !self.rx.is_empty()
-    }
 }
 
 /// Which copies of a tensor exist, for inspection and tests.
@@ -201,23 +175,8 @@ impl ResidencyManager {
             config,
             metrics: Metrics::default(),
         });
-        let (tx, rx) = unbounded::<Job>();
-        let threads = (0..inner.config.prefetch_threads)
-            .map(|i| {
-                let inner = inner.clone();
-                let rx = rx.clone();
-                std::thread::Builder::new()
-                    .name(format!("oogc-prefetch-{i}"))
-                    .spawn(move || {
-                        for job in rx {
-                            let r = inner.ensure(job.id, job.tier, Pin::No, Caller::Prefetch).map(|_| ());
-                            let _ = job.reply.send(r);
-                        }
-                    })
-                    .expect("spawn prefetch thread")
-            })
-            .collect();
-        Ok(Self { inner, jobs: Some(tx), threads })
+        let prefetch_pool = PrefetchPool::start(&inner, inner.config.prefetch_threads);
+        Ok(Self { prefetch_pool, inner })
     }
 
     /// The device.
@@ -388,13 +347,7 @@ impl ResidencyManager {
         if tier == Tier::Nvme {
             return Err(Error::InvalidRequest("prefetch targets the device or host tier".into()));
         }
-        let (reply, rx) = bounded(1);
-        self.jobs
-            .as_ref()
-            .expect("running")
-            .send(Job { id, tier, reply })
-            .map_err(|_| Error::Device("prefetch threads stopped".into()))?;
-        Ok(PrefetchHandle { rx })
+        self.prefetch_pool.submit(id, tier)
     }
 
     /// Copies the current bytes of `id` out (from the freshest copy), for tests and checkpoints.
@@ -452,15 +405,6 @@ impl ResidencyManager {
             return Err(Error::InvalidRequest("host pool live bytes over budget".into()));
         }
         Ok(())
-    }
-}
-
-impl Drop for ResidencyManager {
-    fn drop(&mut self) {
-        drop(self.jobs.take());
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
     }
 }
 
