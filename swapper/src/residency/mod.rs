@@ -89,19 +89,6 @@ impl Default for ResidencyConfig {
     }
 }
 
-struct Inner {
-    state: Mutex<State>,
-    cond: Condvar,
-    device: Device,
-    pool: PinnedPool,
-    nvme: Option<NvmeStore>,
-    /// [device, host] budgets; the device budget may be lowered by
-    /// [`ResidencyManager::set_device_budget_bytes`].
-    budgets: [AtomicU64; 2],
-    config: ResidencyConfig,
-    metrics: Metrics,
-}
-
 /// Moves tensors between device, host and NVMe: see the [module docs](self).
 ///
 /// `Send + Sync`; share it by reference or `Arc` between threads. Guards ([`Resident`]) are
@@ -273,7 +260,78 @@ impl ResidencyManager {
     /// [`Error::OutOfMemory`] when the tensor is larger than the host budget or the store;
     /// NVMe I/O errors.
     pub fn register(&self, meta: TensorMeta, data: &[u8]) -> Result<()> {
-        self.inner.register(meta, data)
+        let inner = &self.inner;
+        let id = meta.id;
+        let bytes = meta.num_bytes();
+        if data.len() != bytes {
+            return Err(Error::InvalidRequest(format!(
+                "tensor {id} ({}) is {bytes} bytes by its shape, {} given",
+                meta.name,
+                data.len()
+            )));
+        }
+        match meta.home {
+            Tier::Device => {
+                return Err(Error::InvalidRequest(format!("tensor {id}: the device cannot be a home tier")));
+            }
+            Tier::Nvme => {
+                inner.store()?;
+            }
+            Tier::Host => {}
+        }
+        let class = size_class(bytes) as u64;
+        if class > inner.budget_bytes(Tier::Host) {
+            return Err(Error::OutOfMemory {
+                tier: Tier::Host,
+                requested_bytes: class,
+                available_bytes: inner.budget_bytes(Tier::Host),
+            });
+        }
+        let mut st = inner.state.lock();
+        if st.entries.contains_key(&id) {
+            return Err(Error::DuplicateTensor(id));
+        }
+        let home = meta.home;
+        let mut e = Entry { meta, device: Replica::absent(), host: Replica::absent(), nvme: None };
+        e.host.state = CopyState::Loading;
+        st.entries.insert(id, e);
+        let deadline = Instant::now() + inner.config.wait_timeout;
+        if let Err(err) = inner.reserve(&mut st, Reservation { tier: Tier::Host, bytes: class, for_id: id }, deadline) {
+            st.entries.remove(&id);
+            return Err(err);
+        }
+        st.entry(id)?.host.reserved = class;
+        let filled = MutexGuard::unlocked(&mut st, || {
+            inner.pool.alloc(bytes).map(|mut buf| {
+                buf.as_mut_slice().copy_from_slice(data);
+                buf
+            })
+        });
+        let buf = match filled {
+            Ok(b) => b,
+            Err(err) => {
+                st.release(Tier::Host, class);
+                st.entries.remove(&id);
+                inner.cond.notify_all();
+                return Err(err);
+            }
+        };
+        let clock = st.clock;
+        let e = st.entry(id)?;
+        e.host.put(buf);
+        e.host.last_use = clock;
+        if home == Tier::Nvme {
+            // Write the home copy now; the host copy stays as a clean cache.
+            let host = e.host.take();
+            if let Err(err) = inner.run(&mut st, Action::WriteNvme { id, host, then: WriteBack::Keep }) {
+                let e = st.entries.remove(&id).expect("present");
+                st.release(Tier::Host, e.host.reserved);
+                inner.cond.notify_all();
+                return Err(err);
+            }
+        }
+        inner.cond.notify_all();
+        Ok(())
     }
 
     /// Unregisters a tensor and frees its copies.
@@ -417,87 +475,33 @@ impl std::fmt::Debug for ResidencyManager {
     }
 }
 
+/// The manager's shared core: the records under one mutex, the condvar its waiters sleep on, and
+/// the tiers' resources. The manager, its guards and its prefetch threads hold it; its methods
+/// live by concern in `fetch`, `reserve` and `transfer`.
+struct Inner {
+    state: Mutex<State>,
+    cond: Condvar,
+    device: Device,
+    pool: PinnedPool,
+    nvme: Option<NvmeStore>,
+    /// [device, host] budgets; the device budget may be lowered by
+    /// [`ResidencyManager::set_device_budget_bytes`].
+    budgets: [AtomicU64; 2],
+    config: ResidencyConfig,
+    metrics: Metrics,
+}
+
 impl Inner {
     /// The byte budget of `tier`, `Device` or `Host`.
     fn budget_bytes(&self, tier: Tier) -> u64 {
         self.budgets[tier.index()].load(Ordering::Relaxed)
     }
 
+    /// The NVMe store.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] when none is configured.
     fn store(&self) -> Result<&NvmeStore> {
         self.nvme.as_ref().ok_or_else(|| Error::InvalidRequest("no NVMe store is configured".into()))
-    }
-
-    fn register(&self, meta: TensorMeta, data: &[u8]) -> Result<()> {
-        let id = meta.id;
-        let bytes = meta.num_bytes();
-        if data.len() != bytes {
-            return Err(Error::InvalidRequest(format!(
-                "tensor {id} ({}) is {bytes} bytes by its shape, {} given",
-                meta.name,
-                data.len()
-            )));
-        }
-        match meta.home {
-            Tier::Device => {
-                return Err(Error::InvalidRequest(format!("tensor {id}: the device cannot be a home tier")));
-            }
-            Tier::Nvme => {
-                self.store()?;
-            }
-            Tier::Host => {}
-        }
-        let class = size_class(bytes) as u64;
-        if class > self.budget_bytes(Tier::Host) {
-            return Err(Error::OutOfMemory {
-                tier: Tier::Host,
-                requested_bytes: class,
-                available_bytes: self.budget_bytes(Tier::Host),
-            });
-        }
-        let mut st = self.state.lock();
-        if st.entries.contains_key(&id) {
-            return Err(Error::DuplicateTensor(id));
-        }
-        let home = meta.home;
-        let mut e = Entry { meta, device: Replica::absent(), host: Replica::absent(), nvme: None };
-        e.host.state = CopyState::Loading;
-        st.entries.insert(id, e);
-        let deadline = Instant::now() + self.config.wait_timeout;
-        if let Err(err) = self.reserve(&mut st, Reservation { tier: Tier::Host, bytes: class, for_id: id }, deadline) {
-            st.entries.remove(&id);
-            return Err(err);
-        }
-        st.entry(id)?.host.reserved = class;
-        let filled = MutexGuard::unlocked(&mut st, || {
-            self.pool.alloc(bytes).map(|mut buf| {
-                buf.as_mut_slice().copy_from_slice(data);
-                buf
-            })
-        });
-        let buf = match filled {
-            Ok(b) => b,
-            Err(err) => {
-                st.release(Tier::Host, class);
-                st.entries.remove(&id);
-                self.cond.notify_all();
-                return Err(err);
-            }
-        };
-        let clock = st.clock;
-        let e = st.entry(id)?;
-        e.host.put(buf);
-        e.host.last_use = clock;
-        if home == Tier::Nvme {
-            // Write the home copy now; the host copy stays as a clean cache.
-            let host = e.host.take();
-            if let Err(err) = self.run(&mut st, Action::WriteNvme { id, host, then: WriteBack::Keep }) {
-                let e = st.entries.remove(&id).expect("present");
-                st.release(Tier::Host, e.host.reserved);
-                self.cond.notify_all();
-                return Err(err);
-            }
-        }
-        self.cond.notify_all();
-        Ok(())
     }
 }

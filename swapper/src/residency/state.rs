@@ -20,6 +20,7 @@ use crate::nvme::Extent;
 use crate::policy::EvictionPolicy;
 use crate::tier::{TensorId, TensorMeta, Tier};
 
+/// Where a copy's bytes are.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum CopyState {
     /// No bytes on this tier.
@@ -32,14 +33,19 @@ pub(super) enum CopyState {
     Lent,
 }
 
+/// A buffer shared between a copy and the guards pinning it.
 pub(super) type Cell<B> = Arc<RwLock<Option<B>>>;
 
+/// A tensor's copy on one tier.
 pub(super) struct Replica<B> {
     pub(super) state: CopyState,
+    /// The buffer while the copy is ready; guards read and write the bytes through it.
     pub(super) cell: Cell<B>,
     /// Threads holding a pin (one entry per pin).
     pub(super) pinners: Vec<ThreadId>,
+    /// Newer than the copy on the tier below: written back before it goes.
     pub(super) dirty: bool,
+    /// The clock at the copy's last acquire or arrival.
     pub(super) last_use: u64,
     /// Bytes counted against the tier's budget (0 when absent).
     pub(super) reserved: u64,
@@ -97,6 +103,7 @@ impl<B> Replica<B> {
     }
 }
 
+/// A registered tensor: its metadata and its copies.
 pub(super) struct Entry {
     pub(super) meta: TensorMeta,
     pub(super) device: Replica<DeviceBuffer>,
@@ -111,7 +118,9 @@ impl Entry {
     }
 }
 
+/// What the manager's lock guards.
 pub(super) struct State {
+    /// Every registered tensor.
     pub(super) entries: HashMap<TensorId, Entry>,
     /// Reserved bytes: [device, host].
     pub(super) used: [u64; 2],
@@ -119,8 +128,11 @@ pub(super) struct State {
     ///
     /// [`ResidencyManager::reset_peak_bytes`]: super::ResidencyManager::reset_peak_bytes
     pub(super) peak: [u64; 2],
+    /// Transfers in flight per link, for the links' busy time.
     pub(super) links: LinksInFlight,
+    /// The logical clock: one tick per acquire or prefetch the policy hears of.
     pub(super) clock: u64,
+    /// Ranks eviction candidates; told of acquires, prefetches and victims.
     pub(super) policy: Box<dyn EvictionPolicy>,
 }
 
