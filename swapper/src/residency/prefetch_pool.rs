@@ -75,6 +75,8 @@ impl Drop for PrefetchPool {
 }
 
 /// A background fetch started by [`ResidencyManager::prefetch`].
+///
+/// [`ResidencyManager::prefetch`]: super::ResidencyManager::prefetch
 #[derive(Debug)]
 pub struct PrefetchHandle {
     rx: Receiver<Result<()>>,
