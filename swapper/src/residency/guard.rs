@@ -1,0 +1,120 @@
+//! [`Resident`]: a pin on one copy of a tensor — taken through `ensure` for the calling thread,
+//! given back when the guard drops — and byte access to the pinned copy through its cell
+//! ([`PinnedCell`]), under short-lived lock guards.
+
+use std::sync::Arc;
+use std::thread::ThreadId;
+
+use parking_lot::{MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard};
+
+use super::fetch::{Caller, Pin};
+use super::state::Cell;
+use super::{Access, Inner};
+use crate::device::DeviceBuffer;
+use crate::error::Result;
+use crate::host::HostBuffer;
+use crate::tier::{TensorId, Tier};
+
+/// The cell of a pinned copy, which a guard reads and writes the bytes through.
+pub(super) enum PinnedCell {
+    Host(Cell<HostBuffer>),
+    Device(Cell<DeviceBuffer>),
+}
+
+/// A pinned copy of a tensor on one tier. While it lives the copy is not evicted; dropping it
+/// unpins. Byte access goes through short-lived lock guards.
+pub struct Resident {
+    inner: Arc<Inner>,
+    id: TensorId,
+    tier: Tier,
+    access: Access,
+    num_bytes: usize,
+    cell: PinnedCell,
+    thread: ThreadId,
+}
+
+impl Resident {
+    /// Makes `id` ready on `tier` and pins it for the calling thread: the work of
+    /// [`ResidencyManager::acquire`](super::ResidencyManager::acquire).
+    pub(super) fn acquire(inner: &Arc<Inner>, id: TensorId, tier: Tier, access: Access) -> Result<Self> {
+        let cell = inner.ensure(id, tier, Pin::Yes(access), Caller::Acquire)?.expect("pinned acquire returns its cell");
+        let num_bytes = inner.state.lock().entry(id)?.num_bytes();
+        Ok(Resident { inner: inner.clone(), id, tier, access, num_bytes, cell, thread: std::thread::current().id() })
+    }
+
+    /// The tensor.
+    pub fn id(&self) -> TensorId {
+        self.id
+    }
+
+    /// The tier it is pinned on.
+    pub fn tier(&self) -> Tier {
+        self.tier
+    }
+
+    /// Size in bytes.
+    pub fn num_bytes(&self) -> usize {
+        self.num_bytes
+    }
+
+    /// The host bytes.
+    ///
+    /// # Panics
+    /// If the guard is not for the host tier.
+    pub fn host_bytes(&self) -> MappedRwLockReadGuard<'_, [u8]> {
+        let PinnedCell::Host(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
+        RwLockReadGuard::map(cell.read(), |b| b.as_ref().expect("pinned copy present").as_slice())
+    }
+
+    /// The host bytes, mutably.
+    ///
+    /// # Panics
+    /// If the guard is not for the host tier or was acquired for [`Access::Read`].
+    pub fn host_bytes_mut(&self) -> MappedRwLockWriteGuard<'_, [u8]> {
+        assert_eq!(self.access, Access::Write, "acquired for read");
+        let PinnedCell::Host(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
+        RwLockWriteGuard::map(cell.write(), |b| b.as_mut().expect("pinned copy present").as_mut_slice())
+    }
+
+    /// The device buffer.
+    ///
+    /// # Panics
+    /// If the guard is not for the device tier.
+    pub fn device_buffer(&self) -> MappedRwLockReadGuard<'_, DeviceBuffer> {
+        let PinnedCell::Device(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
+        RwLockReadGuard::map(cell.read(), |b| b.as_ref().expect("pinned copy present"))
+    }
+
+    /// The device buffer, mutably.
+    ///
+    /// # Panics
+    /// If the guard is not for the device tier or was acquired for [`Access::Read`].
+    pub fn device_buffer_mut(&self) -> MappedRwLockWriteGuard<'_, DeviceBuffer> {
+        assert_eq!(self.access, Access::Write, "acquired for read");
+        let PinnedCell::Device(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
+        RwLockWriteGuard::map(cell.write(), |b| b.as_mut().expect("pinned copy present"))
+    }
+}
+
+impl Drop for Resident {
+    fn drop(&mut self) {
+        let mut st = self.inner.state.lock();
+        if let Some(e) = st.entries.get_mut(&self.id) {
+            match self.tier {
+                Tier::Host => e.host.unpin(self.thread),
+                _ => e.device.unpin(self.thread),
+            }
+        }
+        self.inner.cond.notify_all();
+    }
+}
+
+impl std::fmt::Debug for Resident {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Resident")
+            .field("id", &self.id)
+            .field("tier", &self.tier)
+            .field("access", &self.access)
+            .finish()
+    }
+}

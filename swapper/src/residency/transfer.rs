@@ -1,0 +1,253 @@
+//! The moves between tiers — NVMe → host reads, H2D and D2H copies, host → NVMe writes — as
+//! [`Action`]s: each runs with the manager's lock released, on buffers lent out of their copies
+//! (which stay `Loading` or `Lent` meanwhile), and its outcome is applied to the copies under the
+//! lock again. Also the per-link busy-time accounting ([`LinksInFlight`]).
+//!
+//! A failed NVMe write loses nothing: the new extent is never installed, the old extent and the
+//! dirty host copy stay.
+
+use std::time::{Duration, Instant};
+
+use parking_lot::MutexGuard;
+
+use super::state::State;
+use super::Inner;
+use crate::device::DeviceBuffer;
+use crate::error::Result;
+use crate::host::HostBuffer;
+use crate::metrics::{Link, Metrics};
+use crate::nvme::Extent;
+use crate::tier::{TensorId, Tier};
+
+/// What a write-back does with the copy it wrote from, once its bytes are safe on the tier below.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum WriteBack {
+    /// Keep the copy, now clean: a host acquire over a dirty device copy, an NVMe home written at
+    /// registration.
+    Keep,
+    /// Drop the copy (and, for an NVMe write, a clean device copy above it): an eviction.
+    Evict,
+}
+
+/// A long data movement, run with the lock released.
+pub(super) enum Action {
+    /// NVMe → host: read `extent` into a new host buffer.
+    ReadNvme { id: TensorId, extent: Extent },
+    /// Host → device: copy the lent host buffer into a new device buffer.
+    Htod { id: TensorId, host: HostBuffer },
+    /// Device → host: write the lent dirty device copy back into the lent host copy; drop the
+    /// device copy afterwards when `then` is [`WriteBack::Evict`].
+    Dtoh { id: TensorId, dev: DeviceBuffer, host: HostBuffer, then: WriteBack },
+    /// Host → NVMe: write the lent host copy to a new extent and free the old one; then drop the
+    /// host copy (and a clean device copy above it) when `then` is [`WriteBack::Evict`], else keep
+    /// it as a clean cache.
+    WriteNvme { id: TensorId, host: HostBuffer, then: WriteBack },
+}
+
+#[derive(Default, Clone, Copy)]
+struct LinkBusy {
+    in_flight: u32,
+    since: Option<Instant>,
+}
+
+/// Per [`Link`], the transfers in flight and since when it has been busy: a link's busy time is
+/// the union of its in-flight intervals, recorded when the last transfer of a run ends.
+#[derive(Default)]
+pub(super) struct LinksInFlight([LinkBusy; 4]);
+
+impl LinksInFlight {
+    fn begin(&mut self, link: Link) {
+        let l = &mut self.0[link as usize];
+        if l.in_flight == 0 {
+            l.since = Some(Instant::now());
+        }
+        l.in_flight += 1;
+    }
+
+    fn end(&mut self, link: Link, bytes: u64, metrics: &Metrics) {
+        let l = &mut self.0[link as usize];
+        l.in_flight -= 1;
+        let busy =
+            if l.in_flight == 0 { l.since.take().map(|s| s.elapsed()).unwrap_or_default() } else { Duration::ZERO };
+        metrics.link(link).record(bytes, busy);
+    }
+}
+
+impl Inner {
+    /// Runs `action` with the lock released and applies its outcome.
+    pub(super) fn run(&self, st: &mut MutexGuard<'_, State>, action: Action) -> Result<()> {
+        let r = match action {
+            Action::ReadNvme { id, extent } => self.read_nvme(st, id, extent),
+            Action::Htod { id, host } => self.htod(st, id, host),
+            Action::Dtoh { id, dev, host, then } => self.dtoh(st, id, dev, host, then),
+            Action::WriteNvme { id, host, then } => self.write_nvme(st, id, host, then),
+        };
+        self.cond.notify_all();
+        r
+    }
+
+    /// [`Action::ReadNvme`]: the extent goes back to the entry whatever happens; the host copy
+    /// (reserved and `Loading`) becomes ready and clean, or is cleared on an error.
+    fn read_nvme(&self, st: &mut MutexGuard<'_, State>, id: TensorId, extent: Extent) -> Result<()> {
+        st.links.begin(Link::NvmeRead);
+        let bytes = extent.num_bytes();
+        let (res, extent) = MutexGuard::unlocked(st, || {
+            let r = self.pool.alloc(bytes as usize).and_then(|buf| {
+                let (r, buf) = self.store()?.read(&extent, buf).wait();
+                r.map(|()| buf)
+            });
+            (r, extent)
+        });
+        st.links.end(Link::NvmeRead, bytes, &self.metrics);
+        let clock = st.clock;
+        let e = st.entry(id)?;
+        e.nvme = Some(extent);
+        match res {
+            Ok(buf) => {
+                e.host.put(buf);
+                e.host.dirty = false;
+                e.host.last_use = clock;
+                Ok(())
+            }
+            Err(err) => {
+                let freed = e.host.clear();
+                st.release(Tier::Host, freed);
+                Err(err)
+            }
+        }
+    }
+
+    /// [`Action::Htod`]: the host buffer comes back to its copy and the device copy (reserved and
+    /// `Loading`) becomes ready and clean; on an error the device copy is cleared.
+    fn htod(&self, st: &mut MutexGuard<'_, State>, id: TensorId, host: HostBuffer) -> Result<()> {
+        let bytes = host.len();
+        st.links.begin(Link::Htod);
+        let res = MutexGuard::unlocked(st, || {
+            let span = tracing::trace_span!("swapper::htod", tensor = id.0, bytes);
+            let _e = span.enter();
+            match self.device.alloc(bytes) {
+                Ok(dev) => self.device.htod(host, dev).and_then(|t| t.wait()).map_err(|e| (e, None)),
+                Err(e) => Err((e, Some(host))),
+            }
+        });
+        st.links.end(Link::Htod, bytes as u64, &self.metrics);
+        let clock = st.clock;
+        let e = st.entry(id)?;
+        match res {
+            Ok((host, dev)) => {
+                e.host.put(host);
+                e.device.put(dev);
+                e.device.dirty = false;
+                e.device.last_use = clock;
+                Ok(())
+            }
+            Err((err, host)) => {
+                // A failed copy loses the host buffer only if the engine lost it; the host
+                // copy is then refetched from NVMe or, for host-homed tensors, reported.
+                match host {
+                    Some(h) => e.host.put(h),
+                    None => {
+                        let r = e.host.clear();
+                        st.release(Tier::Host, r);
+                    }
+                }
+                let e = st.entry(id)?;
+                let r = e.device.clear();
+                st.release(Tier::Device, r);
+                Err(err)
+            }
+        }
+    }
+
+    /// [`Action::Dtoh`]: the host copy comes back dirty (it now holds the newest bytes); the
+    /// device copy comes back clean or is dropped, as `then` says.
+    fn dtoh(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        id: TensorId,
+        dev: DeviceBuffer,
+        host: HostBuffer,
+        then: WriteBack,
+    ) -> Result<()> {
+        let bytes = host.len();
+        st.links.begin(Link::Dtoh);
+        let res = MutexGuard::unlocked(st, || {
+            let span = tracing::trace_span!("swapper::dtoh", tensor = id.0, bytes);
+            let _e = span.enter();
+            self.device.dtoh(dev, host).and_then(|t| t.wait())
+        });
+        st.links.end(Link::Dtoh, bytes as u64, &self.metrics);
+        let e = st.entry(id)?;
+        match res {
+            Ok((host, dev)) => {
+                e.host.put(host);
+                e.host.dirty = true;
+                match then {
+                    WriteBack::Evict => {
+                        drop(dev);
+                        let r = e.device.clear();
+                        st.release(Tier::Device, r);
+                    }
+                    WriteBack::Keep => {
+                        e.device.put(dev);
+                        e.device.dirty = false;
+                    }
+                }
+                Ok(())
+            }
+            Err(err) => {
+                // The engine dropped both buffers: the newest bytes are gone with the
+                // device buffer. Report it; the tensor falls back to its host copy.
+                let (hr, dr) = (e.host.clear(), e.device.clear());
+                st.release(Tier::Device, dr);
+                st.release(Tier::Host, hr);
+                Err(err)
+            }
+        }
+    }
+
+    /// [`Action::WriteNvme`]: copy-on-write — the new extent replaces the old one only once it is
+    /// written; the host copy comes back clean or is dropped, as `then` says.
+    fn write_nvme(
+        &self,
+        st: &mut MutexGuard<'_, State>,
+        id: TensorId,
+        host: HostBuffer,
+        then: WriteBack,
+    ) -> Result<()> {
+        let bytes = host.len() as u64;
+        st.links.begin(Link::NvmeWrite);
+        let (res, host) = MutexGuard::unlocked(st, || match self.store() {
+            Ok(s) => s.write(id, host).wait(),
+            Err(e) => (Err(e), host),
+        });
+        st.links.end(Link::NvmeWrite, bytes, &self.metrics);
+        let e = st.entry(id)?;
+        match res {
+            Ok(extent) => {
+                if let Some(old) = e.nvme.replace(extent) {
+                    self.store()?.free(old);
+                }
+                let e = st.entry(id)?;
+                match then {
+                    WriteBack::Evict => {
+                        drop(host);
+                        let (hr, dr) = (e.host.clear(), e.device.clear());
+                        st.release(Tier::Device, dr);
+                        st.release(Tier::Host, hr);
+                    }
+                    WriteBack::Keep => {
+                        e.host.put(host);
+                        e.host.dirty = false;
+                    }
+                }
+                Ok(())
+            }
+            Err(err) => {
+                // Nothing is lost: the dirty host copy stays, the old extent too.
+                e.host.put(host);
+                Err(err)
+            }
+        }
+    }
+}
