@@ -76,6 +76,17 @@ impl TokenData {
         cache_dir: &Path,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self, DataError> {
+        Self::load_in_blocks(source, tokenizer, cache_dir, progress, (BLOCK_BYTES, PIECE_BYTES))
+    }
+
+    /// [`TokenData::load`] with other block and piece sizes (tests).
+    fn load_in_blocks(
+        source: &DataSource,
+        tokenizer: TextTokenizer,
+        cache_dir: &Path,
+        progress: &mut dyn FnMut(u64, u64),
+        (block_bytes, piece_bytes): (usize, usize),
+    ) -> Result<Self, DataError> {
         let path = &source.path;
         let format = source.format.resolve(path);
         let data_sha256 = sha256_file(path)?;
@@ -104,7 +115,15 @@ impl TokenData {
                         DataError::Tokenizer { path: tokenizer.path().to_path_buf(), reason: e.to_string() }
                     })?),
                 };
-                let mut b = Builder { tokenizer: &tokenizer, path, pool: pool.as_ref(), progress, header };
+                let mut b = Builder {
+                    tokenizer: &tokenizer,
+                    path,
+                    pool: pool.as_ref(),
+                    progress,
+                    header,
+                    block_bytes,
+                    piece_bytes,
+                };
                 (b.build(&cache_path, format)?, true)
             }
         };
@@ -246,6 +265,8 @@ struct Builder<'a, 'p> {
     pool: Option<&'a rayon::ThreadPool>,
     progress: &'p mut dyn FnMut(u64, u64),
     header: Header,
+    block_bytes: usize,
+    piece_bytes: usize,
 }
 
 /// The first cut of a run changed the ids: start over without cutting.
@@ -289,7 +310,7 @@ impl Builder<'_, '_> {
                     let mut docs = Vec::new();
                     let mut block_bytes = 0usize;
                     let mut eof = false;
-                    while block_bytes < BLOCK_BYTES {
+                    while block_bytes < self.block_bytes {
                         line.clear();
                         let n = reader.read_until(b'\n', &mut line).map_err(read_err)?;
                         if n == 0 {
@@ -322,12 +343,13 @@ impl Builder<'_, '_> {
                 out.document();
                 let mut buf: Vec<u8> = Vec::new();
                 let mut offset = 0u64;
-                let mut want = if cut { BLOCK_BYTES } else { usize::MAX };
+                let mut want = if cut { self.block_bytes } else { usize::MAX };
                 loop {
                     let mut eof = false;
                     while buf.len() < want {
                         let before = buf.len();
-                        if (&mut reader).take(1 << 20).read_to_end(&mut buf).map_err(read_err)? == 0 {
+                        let chunk = (want - buf.len()).min(1 << 20) as u64;
+                        if (&mut reader).take(chunk).read_to_end(&mut buf).map_err(read_err)? == 0 {
                             eof = true;
                             break;
                         }
@@ -338,11 +360,11 @@ impl Builder<'_, '_> {
                         (false, Some(p)) => p,
                         (false, None) => {
                             // No cut in the block (one long line): read on.
-                            want += BLOCK_BYTES;
+                            want += self.block_bytes;
                             continue;
                         }
                     };
-                    want = if cut { BLOCK_BYTES } else { usize::MAX };
+                    want = if cut { self.block_bytes } else { usize::MAX };
                     let text = std::str::from_utf8(&buf[..end]).map_err(|e| DataError::NotUtf8 {
                         path: self.path.to_path_buf(),
                         offset: offset + e.valid_up_to() as u64,
@@ -393,7 +415,7 @@ impl Builder<'_, '_> {
         let mut pieces = Vec::new();
         for (doc, text) in docs.iter().enumerate() {
             let mut start = 0;
-            let ends = if cut { cut_points(text.as_bytes(), PIECE_BYTES) } else { vec![text.len()] };
+            let ends = if cut { cut_points(text.as_bytes(), self.piece_bytes) } else { vec![text.len()] };
             for end in ends {
                 pieces.push(Piece { doc, range: start..end, starts_doc: start == 0 });
                 start = end;
@@ -750,5 +772,42 @@ mod tests {
         assert_eq!(data.all().covered_bytes(0..4), 9);
         assert_eq!(data.all().covered_bytes(59_999..60_000), 5);
         assert_eq!(data.text_bytes(), text.len() as u64);
+    }
+
+    #[test]
+    fn small_blocks_long_lines_and_many_documents_give_the_same_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let shakespeare = std::fs::read_to_string(shared("data/tinyshakespeare.txt")).unwrap();
+        // A line of 300 KB with no cut in it spans several 64 KiB blocks.
+        let long_line = "word ".repeat(60_000);
+        let text = format!("{}{long_line}\n{}", &shakespeare[..150_000], &shakespeare[150_000..400_000]);
+        let path = dir.path().join("t.txt");
+        std::fs::write(&path, &text).unwrap();
+        let tok = || TextTokenizer::load(&tokenizer_path()).unwrap();
+        let mut calls = 0;
+        let src = DataSource::tokenized(&path, tokenizer_path(), dir.path().join("a"), 0.1, 8);
+        let data =
+            TokenData::load_in_blocks(&src, tok(), &dir.path().join("a"), &mut |_, _| calls += 1, (64 << 10, 4096))
+                .unwrap();
+        assert!(calls > 5, "{calls} progress calls");
+        assert_eq!(ids(&data.all()), tok().encode(&text).unwrap());
+        assert_eq!(data.text_bytes(), text.len() as u64);
+        // JSON Lines over many blocks.
+        let docs: Vec<&str> = shakespeare[..300_000].split("\n\n").collect();
+        let jsonl: String = docs.iter().map(|d| serde_json::json!({ "text": d }).to_string() + "\n").collect();
+        let path = dir.path().join("d.jsonl");
+        std::fs::write(&path, jsonl).unwrap();
+        let src = DataSource::tokenized(&path, tokenizer_path(), dir.path().join("b"), 0.1, 8);
+        let data =
+            TokenData::load_in_blocks(&src, tok(), &dir.path().join("b"), &mut |_, _| {}, (16 << 10, 1024)).unwrap();
+        let t = tok();
+        let want: Vec<u32> = docs
+            .iter()
+            .filter(|d| !d.is_empty())
+            .enumerate()
+            .flat_map(|(i, d)| (i > 0).then_some(0).into_iter().chain(t.encode(d).unwrap()))
+            .collect();
+        assert_eq!(ids(&data.all()), want);
+        assert_eq!(data.documents(), docs.iter().filter(|d| !d.is_empty()).count() as u64);
     }
 }
