@@ -256,7 +256,7 @@ pub(crate) fn last_cut(text: &[u8], lo: usize, hi: usize) -> Option<usize> {
 }
 
 /// The first cut ([`is_cut`]) at or after `from`.
-fn next_cut(text: &[u8], from: usize) -> Option<usize> {
+pub(crate) fn next_cut(text: &[u8], from: usize) -> Option<usize> {
     (from..text.len()).find(|&p| is_cut(text, p))
 }
 

@@ -15,10 +15,11 @@
 //! lone newline followed by a non-space its own pre-token (or the tail of a punctuation one) and
 //! starts the next pre-token at `y`, with or without the cut; a cut after `\n\n`, or before a
 //! space, would not be safe (`\s+(?!\S)` matches differently at the end of a piece). BPE works
-//! within pre-tokens, so equal pre-tokens give equal ids. As a run-time guard, the first two
-//! pieces of a run are also tokenized as one and compared; on a difference, or for any other
-//! tokenizer (a normalizer that prepends `▁`, no regex pre-tokenizer), the text is tokenized
-//! whole, on one thread, holding it in memory.
+//! within pre-tokens, so equal pre-tokens give equal ids. As a run-time guard, the text around
+//! the first cut of a run (4 KiB on each side) is also tokenized across the cut and compared; on
+//! a difference, or for any other tokenizer (a normalizer that prepends `▁`, no regex
+//! pre-tokenizer), a plain text is tokenized whole, on one thread, holding it in memory (JSON
+//! Lines documents are then tokenized whole each, still in parallel).
 //!
 //! # Bytes per token
 //!
@@ -41,13 +42,15 @@ use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
 use super::cache::{self, cache_err, Header, TokenFile, TokenWriter};
-use super::tokenizer::{cut_points, last_cut, Encoded, TextTokenizer};
+use super::tokenizer::{cut_points, last_cut, next_cut, Encoded, TextTokenizer};
 use super::{DataError, DataSource, Split, TextFormat};
 
 /// Bytes of input read and tokenized between two progress reports.
 pub const BLOCK_BYTES: usize = 4 << 20;
 /// Bytes of text per piece tokenized on one thread.
 pub const PIECE_BYTES: usize = 64 << 10;
+/// Bytes of text on each side of the first cut that the run-time guard tokenizes.
+const GUARD_BYTES: usize = 4 << 10;
 
 /// A tokenized text with a train/validation split (the tail `val_fraction` of the tokens).
 #[derive(Debug)]
@@ -429,12 +432,19 @@ impl Builder<'_, '_> {
         };
         if !*checked {
             if let Some(k) = (1..pieces.len()).find(|&k| pieces[k].doc == pieces[k - 1].doc) {
-                let (a, b) = (&pieces[k - 1], &pieces[k]);
-                let whole = tokenizer.encode(&docs[a.doc][a.range.start..b.range.end])?;
-                if let (Ok(ea), Ok(eb)) = (&encoded[k - 1], &encoded[k]) {
-                    if whole.iter().ne(ea.ids.iter().chain(&eb.ids)) {
-                        return Ok(Err(Uncuttable));
-                    }
+                // The first cut, with a few KiB of text on each side (from and to neighbouring
+                // cuts): tokenized across it and on each side of it.
+                let (text, cut) = (docs[pieces[k].doc], pieces[k].range.start);
+                let bytes = text.as_bytes();
+                let from = last_cut(bytes, pieces[k - 1].range.start, cut.saturating_sub(GUARD_BYTES))
+                    .unwrap_or(pieces[k - 1].range.start);
+                let to = next_cut(bytes, cut + GUARD_BYTES)
+                    .filter(|&t| t < pieces[k].range.end)
+                    .unwrap_or(pieces[k].range.end);
+                let across = tokenizer.encode(&text[from..to])?;
+                let (left, right) = (tokenizer.encode(&text[from..cut])?, tokenizer.encode(&text[cut..to])?);
+                if across.iter().ne(left.iter().chain(&right)) {
+                    return Ok(Err(Uncuttable));
                 }
                 *checked = true;
             }
