@@ -177,11 +177,12 @@ impl TextData {
     /// [`DataError::TooShort`].
     pub fn from_bytes(path: &Path, bytes: Vec<u8>, val_fraction: f64, seq_len: usize) -> Result<Self, DataError> {
         let len = bytes.len();
-        let split = ((len as f64) * (1.0 - val_fraction)).round() as usize;
-        if split < seq_len + 1 || len - split.min(len) < seq_len + 1 {
-            let needed = ((seq_len + 1) as f64 / val_fraction.min(1.0 - val_fraction)).ceil() as usize;
-            return Err(DataError::TooShort { path: path.to_path_buf(), len, needed, val_fraction });
-        }
+        let split = split_point(len, val_fraction, seq_len).map_err(|needed| DataError::TooShort {
+            path: path.to_path_buf(),
+            len,
+            needed,
+            val_fraction,
+        })?;
         Ok(Self { path: path.to_path_buf(), bytes, split })
     }
 
@@ -208,6 +209,16 @@ impl TextData {
         let n = self.train().len() as f64;
         counts.iter().filter(|&&c| c > 0).map(|&c| c as f64 / n).map(|p| -p * p.ln()).sum()
     }
+}
+
+/// Where `len` tokens split for `val_fraction` (the tail) held out, or the tokens needed when
+/// either side is shorter than `seq_len + 1`.
+fn split_point(len: usize, val_fraction: f64, seq_len: usize) -> Result<usize, usize> {
+    let split = ((len as f64) * (1.0 - val_fraction)).round() as usize;
+    if split < seq_len + 1 || len - split.min(len) < seq_len + 1 {
+        return Err(((seq_len + 1) as f64 / val_fraction.min(1.0 - val_fraction)).ceil() as usize);
+    }
+    Ok(split)
 }
 
 /// A batch: `inputs` and `targets` are `[batch, seq_len]` row-major token ids; `targets` is
@@ -581,6 +592,15 @@ impl Corpus {
         match self {
             Corpus::Bytes(d) => d.path(),
             Corpus::Tokens(d) => d.path(),
+        }
+    }
+
+    /// For a checkpoint to record: `None` for bytes, else [`TokenData::key`] (which text and
+    /// tokenizer.json made the ids).
+    pub fn key(&self) -> Option<String> {
+        match self {
+            Corpus::Bytes(_) => None,
+            Corpus::Tokens(d) => Some(d.key()),
         }
     }
 

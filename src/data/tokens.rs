@@ -143,11 +143,12 @@ impl TokenData {
         seq_len: usize,
     ) -> Result<Self, DataError> {
         let n = file.header.n_tokens as usize;
-        let split = ((n as f64) * (1.0 - val_fraction)).round() as usize;
-        if split < seq_len + 1 || n - split.min(n) < seq_len + 1 {
-            let needed = ((seq_len + 1) as f64 / val_fraction.min(1.0 - val_fraction)).ceil() as usize;
-            return Err(DataError::TooFewTokens { path: path.to_path_buf(), tokens: n, needed, val_fraction });
-        }
+        let split = super::split_point(n, val_fraction, seq_len).map_err(|needed| DataError::TooFewTokens {
+            path: path.to_path_buf(),
+            tokens: n,
+            needed,
+            val_fraction,
+        })?;
         let mut data = Self { path: path.to_path_buf(), tokenizer, file, cache_path, split, val_text_bytes: 0, built };
         data.val_text_bytes = data.val().text_bytes();
         Ok(data)
@@ -161,6 +162,13 @@ impl TokenData {
     /// The token file in the cache directory.
     pub fn cache_path(&self) -> &Path {
         &self.cache_path
+    }
+
+    /// What the ids were made from: 64 bits of the text's SHA-256 and of the recipe's
+    /// (tokenizer.json, format), in hex, `<text>.<recipe>`. For a checkpoint to record, so a resume
+    /// with another text or tokenizer can be refused.
+    pub fn key(&self) -> String {
+        format!("{}.{}", hex(&self.file.header.data_sha256[..8]), hex(&self.file.header.recipe_sha256[..8]))
     }
 
     /// Whether this load tokenized the text (false: the cache was reused).
@@ -560,6 +568,8 @@ mod tests {
         assert!(!second.built(), "same text and tokenizer: reused");
         assert_eq!(reused_progress, 0);
         assert_eq!(second.cache_path(), first.cache_path());
+        assert_eq!(second.key(), first.key());
+        assert!(first.cache_path().to_string_lossy().ends_with(&format!("t.txt.{}.tokens", first.key())));
         assert_eq!(ids(&second.all()), want);
         // A torn file (cut short), then a corrupt one (a flipped bit), are rebuilt in place.
         let cache_file = first.cache_path().to_path_buf();
@@ -590,6 +600,8 @@ mod tests {
         let retok = load(&src).unwrap();
         assert!(retok.built());
         assert_ne!(retok.cache_path(), longer.cache_path());
+        assert_eq!(retok.key()[..16], longer.key()[..16], "same text");
+        assert_ne!(retok.key()[17..], longer.key()[17..], "another tokenizer.json");
         assert_eq!(ids(&retok.all()), ids(&longer.all()));
         assert_eq!(std::fs::read_dir(&cache).unwrap().count(), 3, "one file per (text, tokenizer), no temporaries");
     }
