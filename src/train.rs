@@ -38,6 +38,9 @@ pub enum TrainError {
     /// Checkpoint failure.
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
+    /// A run directory is held by another run, or cannot be locked.
+    #[error(transparent)]
+    Lock(#[from] crate::lock::LockError),
     /// The checkpoint does not belong to this config.
     #[error("checkpoint {path}: {reason}")]
     Mismatch {
@@ -180,6 +183,8 @@ pub struct Trainer {
     expert_compute_s: std::collections::HashMap<(usize, usize), f64>,
     /// MoE: the routing trace being written (`[moe] routing_trace`).
     routing_trace: Option<oogc_moe_placement::RoutingTraceWriter<std::io::BufWriter<std::fs::File>>>,
+    /// The run's exclusive hold on its checkpoint and NVMe directories (released on drop).
+    _lock: crate::lock::RunLock,
 }
 
 /// Unit indices of an MoE model's blocks.
@@ -228,6 +233,8 @@ impl Trainer {
 
     fn build(cfg: TrainConfig, resuming: bool) -> Result<Self> {
         cfg.validate()?;
+        // Before anything is written: one run at a time owns its directories.
+        let lock = crate::lock::RunLock::for_config(&cfg)?;
         if let Some(dir) = cfg.checkpoint.dir.as_deref().filter(|_| !resuming) {
             // A fresh run must not mix its checkpoints with another run's (nor rotate them away).
             if let Some((step, path)) = checkpoint::list(dir).ok().and_then(|l| l.last().cloned()) {
@@ -312,6 +319,7 @@ impl Trainer {
             placer,
             expert_compute_s: std::collections::HashMap::new(),
             routing_trace,
+            _lock: lock,
         })
     }
 
