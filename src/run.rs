@@ -482,3 +482,50 @@ impl RunSummary {
         s
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(step: u64) -> String {
+        let r = StepRecord {
+            step,
+            loss: 1.5 + step as f64,
+            val_loss: None,
+            lr: 1e-3,
+            tokens_per_s: 1.0,
+            step_s: 1.0,
+            stall_s: 0.0,
+            stall_transfer_s: 0.0,
+            stall_optimizer_s: 0.0,
+            h2d_bytes: 0,
+            d2h_bytes: 0,
+            nvme_read_bytes: 0,
+            nvme_write_bytes: 0,
+            grad_norm: 0.5,
+            clip_scale: 1.0,
+            skipped: false,
+            aux_loss: None,
+            cpu_tokens: None,
+        };
+        serde_json::to_string(&r).unwrap() + "\n"
+    }
+
+    #[test]
+    fn a_torn_metrics_line_is_reported_and_a_resume_cuts_it_and_the_steps_after_its_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.jsonl");
+        let whole = [record(1), record(2), record(3)].concat();
+        let torn = &record(4)[..20];
+        std::fs::write(&path, format!("{whole}{torn}")).unwrap();
+        let m = read_metrics(&path).unwrap();
+        assert_eq!(m.records.iter().map(|r| r.step).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!(m.torn, Some(TornLine { offset: whole.len() as u64, len: 20 }));
+        trim_metrics_for_resume(&path, 2).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), [record(1), record(2)].concat());
+        // A complete line that is not a record is an error naming the line.
+        std::fs::write(&path, format!("{}oops\n", record(1))).unwrap();
+        let e = read_metrics(&path).unwrap_err().to_string();
+        assert!(e.contains("line 2") && e.contains("m.jsonl"), "{e}");
+    }
+}
