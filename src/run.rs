@@ -349,6 +349,19 @@ pub struct TornLine {
     pub len: u64,
 }
 
+impl TornLine {
+    /// Logs a warning naming the file, the offset and what is done with the line (`action`).
+    fn warn(&self, path: &Path, action: &str) {
+        tracing::warn!(
+            "metrics file {}: torn last line at byte offset {} ({} bytes, no newline: a run was killed while writing \
+             it); {action}",
+            path.display(),
+            self.offset,
+            self.len
+        );
+    }
+}
+
 /// The records of a metrics file (`[output] metrics`) and its torn last line, if any.
 #[derive(Debug, Clone, PartialEq)]
 pub struct MetricsFile {
@@ -369,12 +382,7 @@ pub fn read_metrics(path: &Path) -> Result<MetricsFile> {
     let bytes = std::fs::read(path).map_err(io)?;
     let (complete, torn) = split_torn(&bytes);
     if let Some(t) = &torn {
-        tracing::warn!(
-            "metrics file {}: torn last line at byte offset {} ({} bytes, no newline: a run was killed while writing              it); ignored",
-            path.display(),
-            t.offset,
-            t.len
-        );
+        t.warn(path, "ignored");
     }
     let mut records = Vec::new();
     for (i, line) in complete.split(|&b| b == b'\n').enumerate() {
@@ -408,12 +416,7 @@ fn trim_metrics_for_resume(path: &Path, resumed_step: u64) -> std::io::Result<()
     };
     let (complete, torn) = split_torn(&bytes);
     if let Some(t) = &torn {
-        tracing::warn!(
-            "metrics file {}: torn last line at byte offset {} ({} bytes, no newline: the run was killed while              writing it); cut before appending",
-            path.display(),
-            t.offset,
-            t.len
-        );
+        t.warn(path, "cut before appending");
     }
     let mut cut = complete.len();
     let mut offset = 0;

@@ -17,34 +17,11 @@ fn oogc() -> Command {
     c
 }
 
-/// (step, loss) of each line of a metrics file.
-fn losses(path: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
-        .collect()
-}
+use common::metrics_losses as losses;
 
-/// A 4-block tiny model with its state on NVMe, checkpoints every `interval` steps (keep 3)
-/// and metrics, all under `dir/name`.
+/// [`common::small_run`] keeping 3 checkpoints.
 fn config(dir: &Path, name: &str, steps: u64, interval: u64) -> PathBuf {
-    let nvme = dir.join(name).join("nvme");
-    let text = common::tiny("64KiB", "nvme", &nvme, 2)
-        .replace("n_layer = 24", "n_layer = 4")
-        .replace("steps = 20", &format!("steps = {steps}"))
-        .replace(
-            "[threads]",
-            &format!(
-                "[checkpoint]\ndir = \"{name}/ckpt\"\ninterval = {interval}\nkeep = 3\n[output]\nmetrics = \"{name}/metrics.jsonl\"\n[threads]\ncompute = 1"
-            ),
-        )
-        .replace("optimizer = 2", "optimizer = 1");
-    std::fs::create_dir_all(&nvme).unwrap();
-    let path = dir.join(format!("{name}.toml"));
-    std::fs::write(&path, text).unwrap();
-    path
+    common::small_run(dir, name, steps, interval, 3)
 }
 
 fn train(cfg: &Path, extra: &[&str]) -> Output {

@@ -50,23 +50,9 @@ impl Rng {
     }
 }
 
-/// A 4-block tiny model, state on NVMe, a checkpoint every step (keep 2), metrics.
+/// [`common::small_run`] with a checkpoint every step, keeping 2.
 fn config(dir: &Path, name: &str, steps: u64) -> PathBuf {
-    let nvme = dir.join(name).join("nvme");
-    let text = common::tiny("64KiB", "nvme", &nvme, 2)
-        .replace("n_layer = 24", "n_layer = 4")
-        .replace("steps = 20", &format!("steps = {steps}"))
-        .replace(
-            "[threads]",
-            &format!(
-                "[checkpoint]\ndir = \"{name}/ckpt\"\ninterval = 1\nkeep = 2\n[output]\nmetrics = \"{name}/metrics.jsonl\"\n[threads]\ncompute = 1"
-            ),
-        )
-        .replace("optimizer = 2", "optimizer = 1");
-    std::fs::create_dir_all(&nvme).unwrap();
-    let path = dir.join(format!("{name}.toml"));
-    std::fs::write(&path, text).unwrap();
-    path
+    common::small_run(dir, name, steps, 1, 2)
 }
 
 /// The metrics lines' (step, loss, grad_norm, clip_scale, lr, val_loss) as exact bits.
