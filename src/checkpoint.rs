@@ -5,6 +5,11 @@
 //! A checkpoint holds f32 tensors by name (the trainer stores each parameter's master weights
 //! and Adam `exp_avg` / `exp_avg_sq`) and string metadata (step, RNG and data position, the
 //! config). Files are named `ckpt-{step:08}.safetensors`; [`latest`] picks the highest step.
+//!
+//! Every checkpoint carries a crc32c per tensor and one for the file in its metadata
+//! ([`crate::checksum`]); [`load`] verifies them and names the tensor and the previous
+//! checkpoint on a mismatch; [`newest_verified`] is `--resume --fallback`'s choice. A checkpoint
+//! written before checksums existed loads with a warning that it cannot be verified.
 
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
@@ -30,6 +35,22 @@ pub enum CheckpointError {
         path: PathBuf,
         /// What is wrong.
         reason: String,
+    },
+    /// A checksum mismatch: one byte of the file changed since it was written.
+    #[error(
+        "corrupt checkpoint {path}: {source}\n  fix: {}",
+        previous.as_ref().map_or_else(
+            || "no older checkpoint is left beside it: start over (remove the directory) or restore it from a backup".to_string(),
+            |p| format!("resume from the previous checkpoint (--resume {}), or add --fallback to resume from the newest checkpoint that verifies", p.display())
+        )
+    )]
+    Checksum {
+        /// The file.
+        path: PathBuf,
+        /// Which checksum failed (names the tensor).
+        source: crate::checksum::ChecksumError,
+        /// The newest older checkpoint in the same directory, if any.
+        previous: Option<PathBuf>,
     },
     /// No checkpoint in the directory.
     #[error("no checkpoint (ckpt-*.safetensors) in {dir}\n  fix: pass the [checkpoint] dir of a run that saved one")]
@@ -105,13 +126,19 @@ pub fn save(dir: &Path, ckpt: &Checkpoint, keep: usize) -> Result<PathBuf> {
             Ok((t.name.clone(), view))
         })
         .collect::<Result<Vec<_>>>()?;
+    crate::checksum::add_checksums(&mut info, &views);
     let bytes = safetensors::serialize(views, Some(info))
         .map_err(|e| CheckpointError::Corrupt { path: dir.into(), reason: e.to_string() })?;
     let path = path_for(dir, ckpt.step);
     let tmp = path.with_extension("safetensors.tmp");
     let write = || -> std::io::Result<()> {
         let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(&bytes)?;
+        // Test hooks (crate::hooks): the soak kills a run half-way through this write.
+        let half = bytes.len() / 2;
+        f.write_all(&bytes[..half])?;
+        crate::hooks::pause_point("checkpoint");
+        crate::hooks::crash_point("checkpoint");
+        f.write_all(&bytes[half..])?;
         f.sync_all()
     };
     if let Err(e) = write() {
@@ -125,7 +152,28 @@ pub fn save(dir: &Path, ckpt: &Checkpoint, keep: usize) -> Result<PathBuf> {
         let (_, old) = all.remove(0);
         std::fs::remove_file(&old).map_err(io(&old))?;
     }
+    remove_stale_temp_files(dir);
     Ok(path)
+}
+
+/// Removes `ckpt-*.safetensors.tmp` files that a killed run left half-written (the run holds
+/// the directory's lock, so no other writer is using them). Failures are only logged.
+fn remove_stale_temp_files(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name.starts_with("ckpt-") && name.ends_with(".safetensors.tmp") {
+            match std::fs::remove_file(entry.path()) {
+                Ok(()) => {
+                    tracing::info!(path = %entry.path().display(), "removed a half-written checkpoint of a killed run")
+                }
+                Err(e) => {
+                    tracing::warn!(path = %entry.path().display(), error = %e, "cannot remove a half-written checkpoint")
+                }
+            }
+        }
+    }
 }
 
 /// Checkpoints in `dir`, oldest first, as (step, path). Temp files are ignored.
@@ -156,18 +204,103 @@ pub fn latest(dir: &Path) -> Result<PathBuf> {
     list(dir)?.pop().map(|(_, p)| p).ok_or_else(|| CheckpointError::NotFound { dir: dir.to_path_buf() })
 }
 
-/// Reads a checkpoint file (or, given a directory, its newest checkpoint).
+/// The newest checkpoint older than `path` in its directory, if any.
+pub fn previous(path: &Path) -> Option<PathBuf> {
+    let dir = path.parent()?;
+    let all = list(dir).ok()?;
+    let pos = all.iter().position(|(_, p)| p == path)?;
+    pos.checked_sub(1).map(|i| all[i].1.clone())
+}
+
+/// Reads and checks a checkpoint file: parses it and verifies its checksums.
+fn read_verified(path: &Path) -> Result<(Vec<u8>, crate::checksum::Verification)> {
+    let bytes = std::fs::read(path).map_err(io(path))?;
+    let corrupt = |reason: String| CheckpointError::Corrupt { path: path.to_path_buf(), reason };
+    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(e.to_string()))?;
+    let st = SafeTensors::deserialize(&bytes).map_err(|e| corrupt(e.to_string()))?;
+    let verification = crate::checksum::verify(&st, &meta.metadata().clone().unwrap_or_default())
+        .map_err(|source| CheckpointError::Checksum { path: path.to_path_buf(), source, previous: previous(path) })?;
+    Ok((bytes, verification))
+}
+
+/// Verifies a checkpoint file's checksums without keeping its tensors (`oogc inspect --verify`).
 ///
 /// # Errors
-/// [`CheckpointError::Io`], [`CheckpointError::NotFound`], or [`CheckpointError::Corrupt`] when
-/// the file is truncated, not safetensors, holds a non-f32 tensor or lacks the `step` key.
+/// [`CheckpointError::Io`]; [`CheckpointError::Corrupt`] when it is not a valid safetensors
+/// file; [`CheckpointError::Checksum`] naming the tensor that fails and the previous checkpoint.
+pub fn verify(path: &Path) -> Result<crate::checksum::Verification> {
+    read_verified(path).map(|(_, v)| v)
+}
+
+/// A checkpoint that `--fallback` passed over.
+#[derive(Debug)]
+pub struct Skipped {
+    /// The checkpoint.
+    pub path: PathBuf,
+    /// Why (the verification error).
+    pub error: CheckpointError,
+}
+
+/// The newest checkpoint at or before `path` that verifies (`oogc train --resume DIR
+/// --fallback`): `path` is a checkpoint directory, or a file (then it and the older checkpoints
+/// beside it are candidates). Returns it and the newer ones passed over, newest first.
+///
+/// # Errors
+/// [`CheckpointError::NotFound`] when there is no checkpoint; the last candidate's error when
+/// none verifies.
+pub fn newest_verified(path: &Path) -> Result<(PathBuf, Vec<Skipped>)> {
+    let (dir, upto) = if path.is_dir() {
+        (path.to_path_buf(), None)
+    } else {
+        (path.parent().map_or_else(|| PathBuf::from("."), Path::to_path_buf), Some(path.to_path_buf()))
+    };
+    let mut candidates = list(&dir)?;
+    if let Some(file) = &upto {
+        match candidates.iter().position(|(_, p)| p == file) {
+            Some(i) => candidates.truncate(i + 1),
+            None => candidates = vec![(0, file.clone())],
+        }
+    }
+    let mut skipped = Vec::new();
+    while let Some((_, candidate)) = candidates.pop() {
+        match verify(&candidate) {
+            Ok(_) => return Ok((candidate, skipped)),
+            Err(e @ (CheckpointError::Corrupt { .. } | CheckpointError::Checksum { .. })) if !candidates.is_empty() => {
+                skipped.push(Skipped { path: candidate, error: e })
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Err(CheckpointError::NotFound { dir })
+}
+
+/// Reads a checkpoint file (or, given a directory, its newest checkpoint) and verifies its
+/// checksums; a checkpoint without checksums (written before they existed) loads with a
+/// warning that it cannot be verified.
+///
+/// # Errors
+/// [`CheckpointError::Io`], [`CheckpointError::NotFound`], [`CheckpointError::Checksum`] naming
+/// the tensor that fails and the previous checkpoint, or [`CheckpointError::Corrupt`] when the
+/// file is truncated, not safetensors, holds a non-f32 tensor or lacks the `step` key.
 pub fn load(path: &Path) -> Result<Checkpoint> {
     let path = if path.is_dir() { latest(path)? } else { path.to_path_buf() };
-    let bytes = std::fs::read(&path).map_err(io(&path))?;
+    let (bytes, verification) = read_verified(&path)?;
+    if verification == crate::checksum::Verification::Unverified {
+        tracing::warn!(
+            path = %path.display(),
+            "checkpoint has no checksums (written before oogc checked them): it cannot be verified"
+        );
+    }
     let corrupt = |reason: String| CheckpointError::Corrupt { path: path.clone(), reason };
     let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(e.to_string()))?;
     let st = SafeTensors::deserialize(&bytes).map_err(|e| corrupt(e.to_string()))?;
-    let mut metadata: BTreeMap<String, String> = meta.metadata().clone().unwrap_or_default().into_iter().collect();
+    let mut metadata: BTreeMap<String, String> = meta
+        .metadata()
+        .clone()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|(k, _)| !crate::checksum::is_checksum_key(k))
+        .collect();
     let step = metadata
         .remove("step")
         .ok_or_else(|| corrupt("no `step` in the metadata".into()))?
@@ -227,5 +360,70 @@ mod tests {
         assert!(err.to_string().contains("ckpt-00000005"), "{err}");
         let empty = tempfile::tempdir().unwrap();
         assert!(matches!(load(empty.path()).unwrap_err(), CheckpointError::NotFound { .. }));
+    }
+
+    /// Flips one byte in the middle of the data of the file's largest tensor.
+    fn flip_mid_data(path: &Path) {
+        let mut bytes = std::fs::read(path).unwrap();
+        let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        let mid = header + (bytes.len() - header) / 2;
+        bytes[mid] ^= 0x10;
+        std::fs::write(path, bytes).unwrap();
+    }
+
+    fn big(step: u64) -> Checkpoint {
+        let mut c = sample(step);
+        c.tensors.push(NamedTensor {
+            name: "big.w".into(),
+            shape: vec![64],
+            data: (0..64).map(|i| i as f32).collect(),
+        });
+        c.tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        c
+    }
+
+    #[test]
+    fn a_flipped_byte_is_an_error_naming_the_file_the_tensor_and_the_previous_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let older = save(dir.path(), &big(1), 3).unwrap();
+        let newest = save(dir.path(), &big(2), 3).unwrap();
+        assert_eq!(verify(&newest).unwrap(), crate::checksum::Verification::Verified { tensors: 3, bytes: 4 * 71 });
+        flip_mid_data(&newest);
+        let err = load(dir.path()).unwrap_err();
+        let text = err.to_string();
+        assert!(matches!(err, CheckpointError::Checksum { .. }), "{text}");
+        for needle in ["ckpt-00000002", "tensor big.w", "ckpt-00000001", "--fallback"] {
+            assert!(text.contains(needle), "`{needle}` not in: {text}");
+        }
+        assert!(verify(&newest).is_err());
+        // --fallback: the newest that verifies, naming the one passed over.
+        let (chosen, skipped) = newest_verified(dir.path()).unwrap();
+        assert_eq!(chosen, older);
+        assert_eq!(skipped.len(), 1);
+        assert_eq!(skipped[0].path, newest);
+        assert_eq!(load(&chosen).unwrap(), big(1));
+        // Nothing verifies: the error of the oldest, which has no previous one.
+        flip_mid_data(&older);
+        let err = newest_verified(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("ckpt-00000001") && err.contains("no older checkpoint"), "{err}");
+    }
+
+    #[test]
+    fn a_checkpoint_without_checksums_still_loads() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = sample(4);
+        let views: Vec<_> = c
+            .tensors
+            .iter()
+            .map(|t| {
+                (t.name.clone(), TensorView::new(Dtype::F32, t.shape.clone(), bytemuck::cast_slice(&t.data)).unwrap())
+            })
+            .collect();
+        let mut info: HashMap<String, String> = c.metadata.clone().into_iter().collect();
+        info.insert("step".into(), "4".into());
+        let path = path_for(dir.path(), 4);
+        std::fs::write(&path, safetensors::serialize(views, Some(info)).unwrap()).unwrap();
+        assert_eq!(verify(&path).unwrap(), crate::checksum::Verification::Unverified);
+        assert_eq!(load(&path).unwrap(), c);
     }
 }

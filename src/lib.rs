@@ -12,6 +12,7 @@
 //! | [`runtime`] | `Runtime`: fetch → compute → release per unit, gradients D2H to the pipelined optimizer |
 //! | [`models`], [`train`], [`run`] | the byte-level GPT on candle, its trainer, the `oogc train` loop |
 //! | [`config`], [`data`], [`checkpoint`] | the TOML config, training text, safetensors checkpoints |
+//! | [`checksum`], [`lock`], [`hooks`] | crc32c in safetensors metadata, exclusive run directories, test hooks of the fault-injection soak |
 #![deny(unsafe_code)]
 
 pub use oogc_models as models;
@@ -21,10 +22,12 @@ pub use oogc_prefetch as prefetch;
 pub use oogc_swapper as swapper;
 
 pub mod checkpoint;
+pub mod checksum;
 pub mod config;
 pub mod data;
+pub mod hooks;
+pub mod lock;
 pub mod moe;
-
 pub mod plan;
 pub mod run;
 pub mod runtime;

@@ -3,10 +3,12 @@
 //! (the CLI's progress bar) comes through a [`RunObserver`].
 
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
 use crate::train::{Result, TrainError, Trainer};
@@ -37,6 +39,14 @@ pub struct RunOptions {
     /// Stop after this step (overrides `train.steps` as the last step; the LR schedule still
     /// spans `train.steps`).
     pub steps: Option<u64>,
+    /// With `resume`: when the newest checkpoint fails its checksums, resume from the newest one
+    /// that verifies (each one passed over is logged with why). Without it such a checkpoint is
+    /// an error.
+    pub fallback: bool,
+    /// A graceful stop: once set (the CLI sets it on SIGINT/SIGTERM), the run finishes the step
+    /// in flight, writes a checkpoint (when the config has a checkpoint directory) and returns
+    /// with [`RunSummary::stopped`]. The library installs no signal handler itself.
+    pub stop: Option<Arc<AtomicBool>>,
 }
 
 /// What a caller of [`run`] sees while the run goes on (the CLI draws a progress bar from it).
@@ -68,7 +78,7 @@ pub struct Quiet;
 impl RunObserver for Quiet {}
 
 /// One line of the metrics file.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StepRecord {
     /// Step (1-based).
     pub step: u64,
@@ -155,6 +165,12 @@ pub struct RunSummary {
     pub model_to_gpu_ratio: f64,
     /// Checkpoints written.
     pub checkpoints: Vec<PathBuf>,
+    /// The run was stopped early by [`RunOptions::stop`] (after `last_step`, checkpointed when
+    /// `checkpoint` is set).
+    pub stopped: bool,
+    /// The checkpoint a later `--resume` continues from (the newest written or resumed from);
+    /// `None` without a checkpoint directory.
+    pub checkpoint: Option<PathBuf>,
 }
 
 /// `bytes` as decimal gigabytes, `"1.23 GB"`.
@@ -167,8 +183,33 @@ pub fn gb(bytes: u64) -> String {
 /// # Errors
 /// Whatever [`Trainer`] returns; I/O errors of the metrics file (named).
 pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) -> Result<RunSummary> {
+    let stop_requested = || opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
+    let mut resumed_from = None;
     let mut trainer = match &opts.resume {
-        Some(dir) => Trainer::resume(cfg.clone(), dir)?,
+        Some(dir) => {
+            let from = if opts.fallback {
+                let (chosen, skipped) = crate::checkpoint::newest_verified(dir)?;
+                for s in &skipped {
+                    let why = match &s.error {
+                        crate::checkpoint::CheckpointError::Checksum { source, .. } => source.to_string(),
+                        crate::checkpoint::CheckpointError::Corrupt { reason, .. } => reason.clone(),
+                        e => e.to_string(),
+                    };
+                    let line = format!("--fallback: skipping {}: {why}", s.path.display());
+                    tracing::warn!("{line}");
+                    observer.line(&line);
+                }
+                if !skipped.is_empty() {
+                    tracing::warn!("--fallback: resuming from {}", chosen.display());
+                }
+                chosen
+            } else {
+                dir.clone()
+            };
+            let t = Trainer::resume(cfg.clone(), &from)?;
+            resumed_from = Some(if from.is_dir() { crate::checkpoint::latest(&from)? } else { from });
+            t
+        }
         None => Trainer::new(cfg.clone())?,
     };
     let last = opts.steps.unwrap_or(cfg.train.steps);
@@ -179,6 +220,9 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
                 |source| TrainError::Checkpoint(crate::checkpoint::CheckpointError::Io { path: path.clone(), source });
             if let Some(dir) = path.parent() {
                 std::fs::create_dir_all(dir).map_err(io)?;
+            }
+            if opts.resume.is_some() {
+                trim_metrics_for_resume(path, trainer.step()).map_err(io)?;
             }
             // A resumed run appends: the file then holds the whole run.
             let f = std::fs::OpenOptions::new()
@@ -208,7 +252,13 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
     observer.start(first, last);
     let mut tokens = 0usize;
     let run_start = Instant::now();
+    let mut saved_step = resumed_from.as_ref().map(|_| trainer.step());
+    summary.checkpoint = resumed_from;
     while trainer.step() < last {
+        if stop_requested() {
+            summary.stopped = true;
+            break;
+        }
         let out = trainer.train_step()?;
         let s = &out.stats;
         tokens += out.tokens;
@@ -264,8 +314,17 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
         let interval = cfg.checkpoint.interval;
         if step == last || (interval > 0 && step % interval == 0) {
             if let Some(p) = trainer.save_checkpoint()? {
-                summary.checkpoints.push(p);
+                summary.checkpoints.push(p.clone());
+                summary.checkpoint = Some(p);
+                saved_step = Some(step);
             }
+        }
+    }
+    if summary.stopped && saved_step != Some(trainer.step()) {
+        tracing::warn!(step = trainer.step(), "stop requested: writing a checkpoint of the steps done");
+        if let Some(p) = trainer.save_checkpoint()? {
+            summary.checkpoints.push(p.clone());
+            summary.checkpoint = Some(p);
         }
     }
     observer.finish();
@@ -278,6 +337,106 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
     summary.nvme_bytes = peak.nvme;
     tracing::debug!(wall_s = run_start.elapsed().as_secs_f64(), "run finished");
     Ok(summary)
+}
+
+/// A line of a JSON-lines file cut short by a crash (the last line, without its newline).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TornLine {
+    /// Byte offset of the line's start in the file.
+    pub offset: u64,
+    /// Bytes of the torn line.
+    pub len: u64,
+}
+
+impl TornLine {
+    /// Logs a warning naming the file, the offset and what is done with the line (`action`).
+    fn warn(&self, path: &Path, action: &str) {
+        tracing::warn!(
+            "metrics file {}: torn last line at byte offset {} ({} bytes, no newline: a run was killed while writing \
+             it); {action}",
+            path.display(),
+            self.offset,
+            self.len
+        );
+    }
+}
+
+/// The records of a metrics file (`[output] metrics`) and its torn last line, if any.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MetricsFile {
+    /// One record per complete line, in file order.
+    pub records: Vec<StepRecord>,
+    /// The last line, when a crash cut it (tolerated: reported, not parsed).
+    pub torn: Option<TornLine>,
+}
+
+/// Reads a metrics file. A torn last line (no newline: the run was killed while writing it) is
+/// left out and reported in [`MetricsFile::torn`] and as a warning naming the file and offset.
+///
+/// # Errors
+/// [`TrainError::Checkpoint`] with the I/O error naming the file; [`TrainError::Mismatch`]
+/// naming the file and line for a complete line that is not a step record.
+pub fn read_metrics(path: &Path) -> Result<MetricsFile> {
+    let io = |source| TrainError::Checkpoint(crate::checkpoint::CheckpointError::Io { path: path.into(), source });
+    let bytes = std::fs::read(path).map_err(io)?;
+    let (complete, torn) = split_torn(&bytes);
+    if let Some(t) = &torn {
+        t.warn(path, "ignored");
+    }
+    let mut records = Vec::new();
+    for (i, line) in complete.split(|&b| b == b'\n').enumerate() {
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let r = serde_json::from_slice(line).map_err(|e| TrainError::Mismatch {
+            path: path.into(),
+            reason: format!("line {} is not a step record: {e}", i + 1),
+        })?;
+        records.push(r);
+    }
+    Ok(MetricsFile { records, torn })
+}
+
+/// `bytes` up to and including its last newline, and the torn rest (if not empty).
+fn split_torn(bytes: &[u8]) -> (&[u8], Option<TornLine>) {
+    let end = bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1);
+    let torn = (end < bytes.len()).then(|| TornLine { offset: end as u64, len: (bytes.len() - end) as u64 });
+    (&bytes[..end], torn)
+}
+
+/// Before a resumed run appends to its metrics file: cuts a torn last line (warning with the
+/// byte offset) and the lines of steps after `resumed_step` (the killed run logged them after
+/// its last checkpoint; they are run again), so the file holds each step once.
+fn trim_metrics_for_resume(path: &Path, resumed_step: u64) -> std::io::Result<()> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let (complete, torn) = split_torn(&bytes);
+    if let Some(t) = &torn {
+        t.warn(path, "cut before appending");
+    }
+    let mut cut = complete.len();
+    let mut offset = 0;
+    for line in complete.split_inclusive(|&b| b == b'\n') {
+        let step = serde_json::from_slice::<serde_json::Value>(line).ok().and_then(|v| v["step"].as_u64());
+        if step.is_some_and(|s| s > resumed_step) {
+            cut = offset;
+            break;
+        }
+        offset += line.len();
+    }
+    if cut < complete.len() {
+        tracing::info!(
+            "metrics file {}: dropping the lines after step {resumed_step} (logged after the last checkpoint; run again)",
+            path.display()
+        );
+    }
+    if cut < bytes.len() {
+        std::fs::OpenOptions::new().write(true).open(path)?.set_len(cut as u64)?;
+    }
+    Ok(())
 }
 
 impl RunSummary {
@@ -319,6 +478,56 @@ impl RunSummary {
         if let Some(last) = self.checkpoints.last() {
             s += &format!("checkpoints: {} written, the last {}\n", self.checkpoints.len(), last.display());
         }
+        if self.stopped {
+            s += &format!("stopped early (signal) after step {}\n", self.last_step);
+        }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(step: u64) -> String {
+        let r = StepRecord {
+            step,
+            loss: 1.5 + step as f64,
+            val_loss: None,
+            lr: 1e-3,
+            tokens_per_s: 1.0,
+            step_s: 1.0,
+            stall_s: 0.0,
+            stall_transfer_s: 0.0,
+            stall_optimizer_s: 0.0,
+            h2d_bytes: 0,
+            d2h_bytes: 0,
+            nvme_read_bytes: 0,
+            nvme_write_bytes: 0,
+            grad_norm: 0.5,
+            clip_scale: 1.0,
+            skipped: false,
+            aux_loss: None,
+            cpu_tokens: None,
+        };
+        serde_json::to_string(&r).unwrap() + "\n"
+    }
+
+    #[test]
+    fn a_torn_metrics_line_is_reported_and_a_resume_cuts_it_and_the_steps_after_its_checkpoint() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("m.jsonl");
+        let whole = [record(1), record(2), record(3)].concat();
+        let torn = &record(4)[..20];
+        std::fs::write(&path, format!("{whole}{torn}")).unwrap();
+        let m = read_metrics(&path).unwrap();
+        assert_eq!(m.records.iter().map(|r| r.step).collect::<Vec<_>>(), [1, 2, 3]);
+        assert_eq!(m.torn, Some(TornLine { offset: whole.len() as u64, len: 20 }));
+        trim_metrics_for_resume(&path, 2).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), [record(1), record(2)].concat());
+        // A complete line that is not a record is an error naming the line.
+        std::fs::write(&path, format!("{}oops\n", record(1))).unwrap();
+        let e = read_metrics(&path).unwrap_err().to_string();
+        assert!(e.contains("line 2") && e.contains("m.jsonl"), "{e}");
     }
 }

@@ -4,7 +4,9 @@
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`); results go to stdout, as a table
 //! or, with `--json`, as JSON Lines (one object per row per line). Errors print the whole cause
-//! chain on stderr and exit with status 1; bad arguments exit with status 2 (clap).
+//! chain on stderr and exit with status 1; bad arguments exit with status 2 (clap). `oogc train`
+//! stopped by SIGINT/SIGTERM exits with status 3 after writing its checkpoint (a second signal:
+//! 128 + the signal number, at once).
 #![deny(unsafe_code)]
 
 mod args;
@@ -122,13 +124,19 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(cmd) => train::train(cmd, train_cfg.expect("loaded above")),
         Command::Inspect(cmd) => inspect::inspect(cmd),
-        Command::Bench(cmd) => bench::run(cmd),
-        Command::Plan(cmd) => plan::plan(cmd),
+        Command::Bench(cmd) => bench::run(cmd).map(|()| ExitCode::SUCCESS),
+        Command::Plan(cmd) => plan::plan(cmd).map(|()| ExitCode::SUCCESS),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("error: {}", error_line(&e));
+            if e.chain().any(|c| matches!(c.downcast_ref::<SwapError>(), Some(SwapError::Io { .. }))) {
+                eprintln!(
+                    "hint: an NVMe read or write failed and the run stopped; its checkpoints are intact. Check the disk \
+                     (dmesg, free space), then continue with `oogc train --config FILE --resume CKPT_DIR`"
+                );
+            }
             if e.chain().any(|c| matches!(c.downcast_ref::<SwapError>(), Some(SwapError::NvmeDir { .. }))) {
                 eprintln!("hint: store directories are given with --dir (nvme.dirs in a config file)");
             }

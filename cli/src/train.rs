@@ -1,6 +1,14 @@
 //! `oogc train`: a run from a TOML config, with a progress bar on stderr and the summary on stdout.
+//!
+//! The first SIGINT or SIGTERM asks for a graceful stop: the step in flight finishes, a
+//! checkpoint is written (when the config has a checkpoint directory), a line says how to resume,
+//! and the process exits with [`EXIT_STOPPED`]. A second signal exits at once with 128 + the
+//! signal number (the last checkpoint stays valid: checkpoints are written atomically).
 
 use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use anyhow::Context;
 use clap::Args;
@@ -15,6 +23,10 @@ pub(crate) struct TrainCmd {
     /// Continue from the newest checkpoint in DIR (or from a checkpoint file).
     #[arg(long, value_name = "DIR")]
     pub(crate) resume: Option<PathBuf>,
+    /// With --resume: if the newest checkpoint fails its checksums, resume from the newest one
+    /// that verifies (each one skipped is named, with why).
+    #[arg(long, requires = "resume")]
+    pub(crate) fallback: bool,
     /// Stop after this step (default: train.steps of the config).
     #[arg(long, value_name = "N")]
     pub(crate) steps: Option<u64>,
@@ -29,22 +41,78 @@ pub(crate) struct TrainCmd {
     pub(crate) json: bool,
 }
 
-pub(crate) fn train(cmd: TrainCmd, cfg: TrainConfig) -> anyhow::Result<()> {
+/// Exit status of a run stopped by SIGINT/SIGTERM after writing its checkpoint (not 0: the run
+/// did not reach its last step; not 1: nothing failed).
+pub(crate) const EXIT_STOPPED: u8 = 3;
+
+/// Sets `stop` on the first SIGINT/SIGTERM (saying so on stderr); exits at once with 128 + the
+/// signal number on the second.
+fn install_stop_handlers(stop: &Arc<AtomicBool>) -> anyhow::Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    for sig in [SIGINT, SIGTERM] {
+        // Runs in the handler: exits only when a first signal has already set the flag.
+        signal_hook::flag::register_conditional_shutdown(sig, 128 + sig, stop.clone())?;
+    }
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
+    let stop = stop.clone();
+    std::thread::Builder::new().name("oogc-signals".into()).spawn(move || {
+        for sig in signals.forever() {
+            if !stop.swap(true, Ordering::SeqCst) {
+                let name = if sig == SIGINT { "SIGINT" } else { "SIGTERM" };
+                eprintln!(
+                    "{name}: finishing the step in flight, then writing a checkpoint and stopping \
+                     (send it again to exit at once; the last checkpoint stays valid)"
+                );
+            }
+        }
+    })?;
+    Ok(())
+}
+
+pub(crate) fn train(cmd: TrainCmd, cfg: TrainConfig) -> anyhow::Result<ExitCode> {
     let mut cfg = cfg;
     oogc::run::size_compute_threads(&cfg)?;
-    if let Some(data) = cmd.data {
-        cfg.data.path = data;
+    if let Some(data) = &cmd.data {
+        cfg.data.path = data.clone();
     }
-    let opts = oogc::run::RunOptions { resume: cmd.resume, steps: cmd.steps };
+    let stop = Arc::new(AtomicBool::new(false));
+    install_stop_handlers(&stop)?;
+    let opts = oogc::run::RunOptions {
+        resume: cmd.resume.clone(),
+        steps: cmd.steps,
+        fallback: cmd.fallback,
+        stop: Some(stop),
+    };
     let progress = !cmd.no_progress && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut bar = ProgressObserver::new(progress);
+    let ckpt_dir = cfg.checkpoint.dir.clone();
     let summary = oogc::run::run(cfg, &opts, &mut bar).context("oogc train")?;
     if cmd.json {
         println!("{}", serde_json::to_string(&summary)?);
     } else {
         print!("{}", summary.render());
     }
-    Ok(())
+    if !summary.stopped {
+        return Ok(ExitCode::SUCCESS);
+    }
+    match (&summary.checkpoint, &ckpt_dir) {
+        (Some(ckpt), Some(dir)) => {
+            let mut line = format!("oogc train --config {} --resume {}", cmd.config.display(), dir.display());
+            if let Some(n) = cmd.steps {
+                line += &format!(" --steps {n}");
+            }
+            if let Some(d) = &cmd.data {
+                line += &format!(" --data {}", d.display());
+            }
+            eprintln!("stopped after step {}; checkpoint {}", summary.last_step, ckpt.display());
+            eprintln!("resume with: {line}");
+        }
+        _ => eprintln!(
+            "stopped after step {} without a checkpoint: the config sets no [checkpoint] dir, so these steps are lost",
+            summary.last_step
+        ),
+    }
+    Ok(ExitCode::from(EXIT_STOPPED))
 }
 
 /// `oogc train`'s progress bar on stderr (hidden with `--no-progress` or when stderr is not a

@@ -10,19 +10,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{tiny, tiny_moe};
+use common::{metrics_losses, tiny, tiny_moe};
 
 fn oogc() -> Command {
     Command::new(env!("CARGO_BIN_EXE_oogc"))
-}
-
-fn metrics_losses(path: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
-        .collect()
 }
 
 fn cli_config(dir: &Path, name: &str) -> PathBuf {

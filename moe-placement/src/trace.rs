@@ -241,59 +241,90 @@ impl RoutingTrace {
     }
 }
 
-/// Reads a trace in the `oogc-routing-1` format. Blank lines are skipped.
+/// Reads a trace in the `oogc-routing-1` format. Blank lines are skipped. A last line without
+/// its newline that is not a record (the writer was killed mid-line) is tolerated: left out,
+/// with a warning giving its byte offset.
 ///
 /// # Errors
 /// [`Error::TraceFormat`] naming the line for a missing or bad header, a line that is not a
 /// record, a block or expert out of range, a step that goes backwards, a repeated (step, block,
 /// expert) or 0 tokens; [`Error::Io`].
 pub fn read_trace<R: BufRead>(input: R) -> Result<RoutingTrace> {
+    read_trace_named(input, None)
+}
+
+fn read_trace_named<R: BufRead>(mut input: R, name: Option<&Path>) -> Result<RoutingTrace> {
     let mut trace: Option<RoutingTrace> = None;
-    for (i, line) in input.lines().enumerate() {
-        let n = i + 1;
-        let line = line.map_err(io)?;
-        if line.trim().is_empty() {
-            continue;
+    let mut buf = Vec::new();
+    let (mut n, mut offset) = (0usize, 0u64);
+    loop {
+        buf.clear();
+        let read = input.read_until(b'\n', &mut buf).map_err(io)?;
+        if read == 0 {
+            break;
         }
-        let bad = |reason: String| Error::TraceFormat { line: n, reason };
-        let Some(t) = trace.as_mut() else {
-            let h: TraceHeader = serde_json::from_str(&line).map_err(|e| bad(format!("not a header: {e}")))?;
-            h.validate(n)?;
-            trace = Some(RoutingTrace::new(h));
-            continue;
-        };
-        let r: RoutingRecord = serde_json::from_str(&line).map_err(|e| bad(format!("not a record: {e}")))?;
-        let (blocks, experts) = (t.header.blocks, t.header.experts);
-        if r.block >= blocks || r.expert >= experts {
-            return Err(bad(format!(
-                "block {} expert {} outside {blocks} blocks of {experts} experts",
-                r.block, r.expert
-            )));
+        n += 1;
+        let line_offset = offset;
+        offset += read as u64;
+        let torn = buf.last() != Some(&b'\n');
+        match parse_line(&mut trace, &buf, n) {
+            Ok(()) => {}
+            Err(e @ Error::TraceFormat { .. }) if torn && trace.is_some() => {
+                let file =
+                    name.map_or_else(|| "routing trace".to_string(), |p| format!("routing trace {}", p.display()));
+                tracing::warn!(
+                    "{file}: torn last line {n} at byte offset {line_offset} ({read} bytes, no newline: the run was \
+                     killed while writing it) ignored: {e}"
+                );
+                break;
+            }
+            Err(e) => return Err(e),
         }
-        if r.tokens == 0 {
-            return Err(bad("a record with 0 tokens (leave such experts out)".into()));
-        }
-        match t.steps.last() {
-            Some(&(s, _)) if r.step < s => return Err(bad(format!("step {} after step {s}", r.step))),
-            Some(&(s, _)) if r.step == s => {}
-            _ => t.steps.push((r.step, vec![0; blocks as usize * experts as usize])),
-        }
-        let slot = &mut t.steps.last_mut().expect("pushed above").1[(r.block * experts + r.expert) as usize];
-        if *slot != 0 {
-            return Err(bad(format!("step {} block {} expert {} appears twice", r.step, r.block, r.expert)));
-        }
-        *slot = r.tokens;
     }
     trace.ok_or(Error::TraceFormat { line: 1, reason: "empty trace: no header".into() })
 }
 
-/// [`read_trace`] from a file.
+/// One line of a trace: the header (when `trace` is still `None`) or a record.
+fn parse_line(trace: &mut Option<RoutingTrace>, bytes: &[u8], n: usize) -> Result<()> {
+    let bad = |reason: String| Error::TraceFormat { line: n, reason };
+    let line = std::str::from_utf8(bytes).map_err(|e| bad(format!("not UTF-8: {e}")))?;
+    if line.trim().is_empty() {
+        return Ok(());
+    }
+    let Some(t) = trace.as_mut() else {
+        let h: TraceHeader = serde_json::from_str(line).map_err(|e| bad(format!("not a header: {e}")))?;
+        h.validate(n)?;
+        *trace = Some(RoutingTrace::new(h));
+        return Ok(());
+    };
+    let r: RoutingRecord = serde_json::from_str(line).map_err(|e| bad(format!("not a record: {e}")))?;
+    let (blocks, experts) = (t.header.blocks, t.header.experts);
+    if r.block >= blocks || r.expert >= experts {
+        return Err(bad(format!("block {} expert {} outside {blocks} blocks of {experts} experts", r.block, r.expert)));
+    }
+    if r.tokens == 0 {
+        return Err(bad("a record with 0 tokens (leave such experts out)".into()));
+    }
+    match t.steps.last() {
+        Some(&(s, _)) if r.step < s => return Err(bad(format!("step {} after step {s}", r.step))),
+        Some(&(s, _)) if r.step == s => {}
+        _ => t.steps.push((r.step, vec![0; blocks as usize * experts as usize])),
+    }
+    let slot = &mut t.steps.last_mut().expect("pushed above").1[(r.block * experts + r.expert) as usize];
+    if *slot != 0 {
+        return Err(bad(format!("step {} block {} expert {} appears twice", r.step, r.block, r.expert)));
+    }
+    *slot = r.tokens;
+    Ok(())
+}
+
+/// [`read_trace`] from a file (a torn last line's warning names the file).
 ///
 /// # Errors
 /// As [`read_trace`]; [`Error::Io`] naming the path.
 pub fn read_trace_file(path: &Path) -> Result<RoutingTrace> {
     let file = std::fs::File::open(path).map_err(|e| Error::Io { path: Some(path.into()), source: e })?;
-    read_trace(BufReader::new(file)).map_err(|e| match e {
+    read_trace_named(BufReader::new(file), Some(path)).map_err(|e| match e {
         Error::Io { path: None, source } => Error::Io { path: Some(path.into()), source },
         e => e,
     })
@@ -344,7 +375,8 @@ mod tests {
             (format!("{h}\n{{\"step\":0,\"block\":0,\"expert\":0,\"tokens\":0}}"), 2, "0 tokens"),
             (format!("{h}\nnot json"), 2, "not a record"),
         ] {
-            match read_trace(body.as_bytes()) {
+            // Complete lines (a torn last line, without its newline, is tolerated).
+            match read_trace(format!("{body}\n").as_bytes()) {
                 Err(Error::TraceFormat { line: l, reason }) => {
                     assert_eq!(l, line, "{body}: {reason}");
                     assert!(reason.contains(what), "{reason} lacks {what}");
@@ -357,5 +389,20 @@ mod tests {
         assert!(w.record(0, 0, &[1]).is_err());
         w.record(2, 0, &[1, 1, 1]).unwrap();
         assert!(w.record(1, 0, &[1, 1, 1]).is_err());
+    }
+
+    #[test]
+    fn a_torn_last_line_is_tolerated_but_a_bad_complete_line_is_not() {
+        let h = serde_json::to_string(&header()).unwrap();
+        let whole = format!("{h}\n{{\"step\":0,\"block\":0,\"expert\":0,\"tokens\":5}}\n");
+        let torn = format!("{whole}{{\"step\":1,\"block\":0,\"exp");
+        let t = read_trace(torn.as_bytes()).unwrap();
+        assert_eq!(t, read_trace(whole.as_bytes()).unwrap());
+        assert_eq!(t.steps.len(), 1);
+        // The same text with its newline is a complete line: an error naming it.
+        let bad = format!("{torn}\n");
+        assert!(matches!(read_trace(bad.as_bytes()), Err(Error::TraceFormat { line: 3, .. })));
+        // A torn header is not a trace.
+        assert!(read_trace(&h.as_bytes()[..10]).is_err());
     }
 }

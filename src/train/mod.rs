@@ -49,6 +49,9 @@ pub enum TrainError {
     /// Checkpoint failure.
     #[error(transparent)]
     Checkpoint(#[from] checkpoint::CheckpointError),
+    /// A run directory is held by another run, or cannot be locked.
+    #[error(transparent)]
+    Lock(#[from] crate::lock::LockError),
     /// The checkpoint does not belong to this config.
     #[error("checkpoint {path}: {reason}")]
     Mismatch {
@@ -220,6 +223,9 @@ pub struct Trainer {
     updates: u64,
     /// MoE: placement, popularity and the routing trace; `None` for a dense model.
     moe: Option<moe::MoeState>,
+    /// The run's exclusive hold on its checkpoint and NVMe directories (released on drop, after
+    /// the runtime has removed its store files).
+    _lock: crate::lock::RunLock,
 }
 
 impl Trainer {
@@ -234,6 +240,8 @@ impl Trainer {
 
     fn build(cfg: TrainConfig, resuming: bool) -> Result<Self> {
         cfg.validate()?;
+        // Before anything is written: one run at a time owns its directories.
+        let lock = crate::lock::RunLock::for_config(&cfg)?;
         if let Some(dir) = cfg.checkpoint.dir.as_deref().filter(|_| !resuming) {
             // A fresh run must not mix its checkpoints with another run's (nor rotate them away).
             if let Some((step, path)) = checkpoint::list(dir).ok().and_then(|l| l.last().cloned()) {
@@ -289,7 +297,7 @@ impl Trainer {
         rt.check_working_set()?;
         let val = validation_batches(&data, cfg.train.eval_batches, cfg.train.batch_size, cfg.train.seq_len);
         let sampler = Sampler::new(cfg.train.seed);
-        Ok(Self { cfg, model, layout, rt, data, sampler, val, step: 0, updates: 0, moe })
+        Ok(Self { cfg, model, layout, rt, data, sampler, val, step: 0, updates: 0, moe, _lock: lock })
     }
 
     /// Resumes from the newest checkpoint in `dir` (or a checkpoint file): parameters, optimizer

@@ -29,6 +29,7 @@ pub use device::{
 pub use error::{Error, Result};
 pub use host::{HostAllocator, HostBuffer, HostMemory, MmapAllocator, PinnedPool, PinnedPoolConfig};
 pub use metrics::{Link, LinkSnapshot, LinkStats, Metrics, MetricsSnapshot};
+pub use nvme::fault::{FaultAction, FaultPlan, FaultTrigger};
 pub use nvme::{EngineChoice, EngineKind, Extent, IoHandle, NvmeConfig, NvmeStore};
 pub use policy::{EvictionCandidate, EvictionPolicy, LruPolicy};
 pub use residency::{Access, PrefetchHandle, ResidencyConfig, ResidencyManager, Resident};

@@ -156,3 +156,49 @@ fn prefetch_from_nvme_reaches_the_device() {
     assert!(m.metrics().prefetch_hits >= 3);
     m.check_invariants().unwrap();
 }
+
+/// A failing disk (an injected EIO on one write, `FaultPlan`) loses nothing: the write-back of a
+/// dirty host copy fails with an error naming the store file and offset, the old extent and the
+/// dirty host copy stay, and once the disk works again the bytes go through.
+#[test]
+fn a_failed_nvme_write_names_the_file_and_offset_and_loses_nothing() {
+    use oogc_swapper::FaultPlan;
+    let dir = tempfile::tempdir().unwrap();
+    let size = 64 * 1024;
+    // Registering writes tensors 0..3 (writes 1..3); the 4th write is the write-back below.
+    let store =
+        NvmeStore::open_with_faults(NvmeConfig::new(vec![dir.path().to_path_buf()], 8 << 20), FaultPlan::fail_write(4))
+            .unwrap();
+    let file = store.file_paths().next().unwrap().to_path_buf();
+    let dev = SimDevice::new(SimDeviceConfig { capacity_bytes: 1 << 20, ..Default::default() }).unwrap();
+    let config = ResidencyConfig {
+        host_budget_bytes: size as u64,
+        lock_host_memory: false,
+        wait_timeout: Duration::from_secs(20),
+        ..Default::default()
+    };
+    let m = ResidencyManager::new(Device::Sim(dev), Some(store), config, Box::new(LruPolicy)).unwrap();
+    for id in 0..3 {
+        m.register(nvme_meta(id, size), &pattern(id, 0, size)).unwrap();
+    }
+    let new = pattern(0, 9, size);
+    m.acquire(TensorId(0), Tier::Host, Access::Write).unwrap().host_bytes_mut().copy_from_slice(&new);
+    // Bringing tensor 1 to the host evicts dirty tensor 0: its write-back is the failing write.
+    match m.acquire(TensorId(1), Tier::Host, Access::Read) {
+        Err(Error::Io { path, offset, source, .. }) => {
+            assert_eq!(path, file, "names the store file");
+            assert!(source.to_string().contains("injected"), "{source}");
+            println!("write-back failed as injected: {} at offset {offset}", path.display());
+        }
+        other => panic!("expected Error::Io, got {other:?}"),
+    }
+    let info = m.residency(TensorId(0)).unwrap();
+    assert!(info.host && info.host_dirty, "the dirty host copy stays: {info:?}");
+    assert_eq!(m.read_to_vec(TensorId(0)).unwrap(), new);
+    m.check_invariants().unwrap();
+    // The next write works: the write-back goes through and every byte is there.
+    assert_eq!(m.read_to_vec(TensorId(1)).unwrap(), pattern(1, 0, size));
+    assert!(!m.residency(TensorId(0)).unwrap().host);
+    assert_eq!(m.read_to_vec(TensorId(0)).unwrap(), new);
+    assert_eq!(m.read_to_vec(TensorId(2)).unwrap(), pattern(2, 0, size));
+}

@@ -60,3 +60,34 @@ pub fn tiny_moe(gpu: &str, state: &str, nvme: &Path) -> String {
         .replace("n_layer = 24", "n_layer = 3")
         .replace("[data]", "[model.moe]\nexperts = 4\ntop_k = 2\ncapacity_factor = 1.25\n[data]")
 }
+
+/// (step, loss) of each complete line of a metrics file (`[output] metrics`); none when missing.
+pub fn metrics_losses(path: &Path) -> Vec<(u64, f64)> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
+        .collect()
+}
+
+/// A 4-block [`tiny`] run written to `dir/{name}.toml`: state on NVMe in `dir/name/nvme`,
+/// `steps` steps, a checkpoint every `interval` (keep `keep`) in `name/ckpt`, metrics in
+/// `name/metrics.jsonl`, one compute and one optimizer thread (the fault tests and the soak).
+pub fn small_run(dir: &Path, name: &str, steps: u64, interval: u64, keep: usize) -> PathBuf {
+    let nvme = dir.join(name).join("nvme");
+    let text = tiny("64KiB", "nvme", &nvme, 2)
+        .replace("n_layer = 24", "n_layer = 4")
+        .replace("steps = 20", &format!("steps = {steps}"))
+        .replace(
+            "[threads]",
+            &format!(
+                "[checkpoint]\ndir = \"{name}/ckpt\"\ninterval = {interval}\nkeep = {keep}\n[output]\nmetrics = \"{name}/metrics.jsonl\"\n[threads]\ncompute = 1"
+            ),
+        )
+        .replace("optimizer = 2", "optimizer = 1");
+    std::fs::create_dir_all(&nvme).unwrap();
+    let path = dir.join(format!("{name}.toml"));
+    std::fs::write(&path, text).unwrap();
+    path
+}

@@ -30,6 +30,7 @@
 
 pub mod alloc;
 mod engine;
+pub mod fault;
 mod uring;
 
 use std::fs::OpenOptions;
@@ -496,6 +497,35 @@ fn create_file(dir: &Path, name: &str, bytes: u64, direct: bool) -> Result<Store
     Ok(sf)
 }
 
+/// The prefix of the store files [`NvmeStore::open`] creates for process `pid` in a directory:
+/// `oogc-nvme-<pid>-`.
+pub fn store_file_prefix(pid: u32) -> String {
+    format!("oogc-nvme-{pid}-")
+}
+
+/// Removes the store files a process `pid` left in `dir` (it was killed: a store removes its
+/// files when dropped). Call it only for a process known to be gone (a run directory's stale
+/// lock). Returns the files removed and their bytes.
+///
+/// # Errors
+/// The I/O error of reading the directory or removing a file.
+pub fn remove_stale_store_files(dir: &Path, pid: u32) -> io::Result<(usize, u64)> {
+    let prefix = store_file_prefix(pid);
+    let (mut files, mut bytes) = (0, 0);
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if name.starts_with(&prefix) && name.ends_with(".swap") {
+            let len = entry.metadata().map_or(0, |m| m.len());
+            std::fs::remove_file(entry.path())?;
+            files += 1;
+            bytes += len;
+        }
+    }
+    Ok((files, bytes))
+}
+
 /// Decides the engine; `disabled` is why io_uring must not be used, if it must not.
 fn choose_engine(choice: EngineChoice, disabled: Option<String>) -> Result<EngineKind> {
     let uring = || disabled.clone().map_or_else(uring::probe, Err);
@@ -521,13 +551,37 @@ impl NvmeStore {
     /// missing, not a directory, read-only, short of free space, or where preallocation fails;
     /// [`Error::UringUnavailable`] when [`EngineChoice::Uring`] is refused. Nothing is left on
     /// disk after an error.
+    ///
+    /// The test hook `OOGC_FAULT_NVME` ([`fault::FAULT_ENV`]) makes chosen requests fail (see
+    /// [`NvmeStore::open_with_faults`]); a malformed value is [`Error::Config`].
     pub fn open(config: NvmeConfig) -> Result<Self> {
         let disabled =
             std::env::var_os(DISABLE_URING_ENV).filter(|v| v == "1").map(|_| format!("{DISABLE_URING_ENV}=1 is set"));
-        Self::open_with(config, disabled)
+        Self::open_inner(config, disabled, fault::FaultPlan::from_env()?)
     }
 
+    /// [`NvmeStore::open`] with fault injection (a test hook): requests chosen by `plan` fail with
+    /// an injected `io::Error` naming the store file and offset (as a failing disk's would), or
+    /// abort the process half-way (module [`fault`]).
+    ///
+    /// # Errors
+    /// As [`NvmeStore::open`].
+    pub fn open_with_faults(config: NvmeConfig, plan: fault::FaultPlan) -> Result<Self> {
+        let disabled =
+            std::env::var_os(DISABLE_URING_ENV).filter(|v| v == "1").map(|_| format!("{DISABLE_URING_ENV}=1 is set"));
+        Self::open_inner(config, disabled, Some(plan))
+    }
+
+    #[cfg(test)]
     fn open_with(config: NvmeConfig, uring_disabled: Option<String>) -> Result<Self> {
+        Self::open_inner(config, uring_disabled, None)
+    }
+
+    fn open_inner(
+        config: NvmeConfig,
+        uring_disabled: Option<String>,
+        faults: Option<fault::FaultPlan>,
+    ) -> Result<Self> {
         config.validate()?;
         let per_dir = config.bytes_per_dir();
         for dir in &config.dirs {
@@ -540,7 +594,9 @@ impl NvmeStore {
             .dirs
             .iter()
             .enumerate()
-            .map(|(i, d)| create_file(d, &format!("oogc-nvme-{pid}-{id}-{i}.swap"), per_dir, config.direct_io))
+            .map(|(i, d)| {
+                create_file(d, &format!("{}{id}-{i}.swap", store_file_prefix(pid)), per_dir, config.direct_io)
+            })
             .collect::<Result<_>>()?;
         let files: Arc<[StoreFile]> = files.into();
         let psync = |files: Arc<[StoreFile]>| -> Result<Box<dyn IoEngine>> {
@@ -561,6 +617,10 @@ impl NvmeStore {
             },
         };
         debug_assert_eq!(engine.kind(), kind);
+        let engine: Box<dyn IoEngine> = match faults {
+            Some(plan) => Box::new(fault::FaultyEngine::new(engine, files.clone(), plan)),
+            None => engine,
+        };
         let inner = Arc::new(Inner {
             id,
             alloc: Mutex::new(files.iter().map(|_| ExtentAllocator::new(per_dir)).collect()),
