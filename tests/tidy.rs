@@ -275,14 +275,8 @@ fn unsafe_lint_violations(root_path: &str, root_text: &str, manifest: &str, work
     if code.contains("#![deny(unsafe_code)]") || code.contains("#![forbid(unsafe_code)]") {
         return Vec::new();
     }
-    let workspace: toml::Table = workspace_manifest.parse().unwrap_or_default();
-    let level = workspace
-        .get("workspace")
-        .and_then(|w| w.get("lints"))
-        .and_then(|l| l.get("rust"))
-        .and_then(|r| r.get("unsafe_code"))
-        .and_then(|v| v.as_str().or_else(|| v.get("level").and_then(|l| l.as_str())));
-    if matches!(level, Some("deny" | "forbid")) && lints_workspace(manifest) {
+    let level = workspace_lint_level(workspace_manifest, "unsafe_code");
+    if matches!(level.as_deref(), Some("deny" | "forbid")) && lints_workspace(manifest) {
         return Vec::new();
     }
     vec![format!(
@@ -291,6 +285,15 @@ fn unsafe_lint_violations(root_path: &str, root_text: &str, manifest: &str, work
     )]
 }
 
+/// The level of rustc lint `lint` in the root manifest's `[workspace.lints.rust]`
+/// (`lint = "deny"` or `lint = { level = "deny", .. }`).
+fn workspace_lint_level(workspace_manifest: &str, lint: &str) -> Option<String> {
+    let workspace: toml::Table = workspace_manifest.parse().ok()?;
+    let v = workspace.get("workspace")?.get("lints")?.get("rust")?.get(lint)?;
+    v.as_str().or_else(|| v.get("level")?.as_str()).map(str::to_string)
+}
+
+/// Whether a member's `manifest` takes the workspace lints (`[lints] workspace = true`).
 fn lints_workspace(manifest: &str) -> bool {
     let m: toml::Table = manifest.parse().unwrap_or_default();
     m.get("lints").and_then(|l| l.get("workspace")).and_then(|w| w.as_bool()) == Some(true)
@@ -518,14 +521,8 @@ fn ignore_violations(path: &str, text: &str) -> Vec<String> {
 /// not take the workspace lints.
 fn docs_lint_violations(workspace_manifest: &str, members: &[(String, String)]) -> Vec<String> {
     let mut out = Vec::new();
-    let workspace: toml::Table = workspace_manifest.parse().unwrap_or_default();
-    let level = workspace
-        .get("workspace")
-        .and_then(|w| w.get("lints"))
-        .and_then(|l| l.get("rust"))
-        .and_then(|r| r.get("missing_docs"))
-        .and_then(|v| v.as_str().or_else(|| v.get("level").and_then(|l| l.as_str())));
-    if !matches!(level, Some("warn" | "deny" | "forbid")) {
+    let level = workspace_lint_level(workspace_manifest, "missing_docs");
+    if !matches!(level.as_deref(), Some("warn" | "deny" | "forbid")) {
         out.push(
             "Cargo.toml: `[workspace.lints.rust]` lacks `missing_docs = \"warn\"` (CI's clippy -D warnings makes it \
              an error)"
