@@ -5,6 +5,8 @@
 # (cuBLAS, cuBLASLt, cuRAND, cudart) and starts it. The GPU machine needs no Rust toolchain.
 #
 #   scripts/build-cuda.sh [--bundle-libs] [CUDA_ROOT]    # default CUDA_ROOT: target/cuda13 (1.2 GB)
+#   scripts/build-cuda.sh --clippy [CUDA_ROOT]           # lint instead: clippy -D warnings on every
+#                                                        # target (tests too) of the workspace with `cuda`
 #
 # The toolkit comes from PyPI wheels via ../shared/tools/setup-cuda-root.sh (nvcc, headers, the
 # libraries above, and a link-time stub of libcuda). CUDA_COMPUTE_CAP=90 (default) compiles
@@ -12,12 +14,15 @@
 # dist/oogc-cuda/lib (about 730 MB: for a GPU machine that has the driver but no CUDA 13 wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BUNDLE=0
-if [ "${1:-}" = "--bundle-libs" ]; then BUNDLE=1; shift; fi
+BUNDLE=0 CLIPPY=0
+case "${1:-}" in
+  --bundle-libs) BUNDLE=1; shift ;;
+  --clippy) CLIPPY=1; shift ;;
+esac
 ROOT=${1:-$PWD/target/cuda13}
 SETUP=../shared/tools/setup-cuda-root.sh
-[ -f "$SETUP" ] || { echo "error: $SETUP not found (the shared tools beside the repository)" >&2; exit 1; }
 if [ ! -x "$ROOT/py/nvidia/cu13/bin/nvcc" ]; then
+  [ -f "$SETUP" ] || { echo "error: $SETUP not found (the shared tools beside the repository)" >&2; exit 1; }
   echo "assembling the CUDA 13.0 toolkit from PyPI wheels into $ROOT (needs pip and network)"
   bash "$SETUP" "$ROOT" >/dev/null
 fi
@@ -30,6 +35,11 @@ export LIBRARY_PATH=$CUDA_HOME/lib/stubs:$CUDA_HOME/lib${LIBRARY_PATH:+:$LIBRARY
 export RUSTFLAGS="${RUSTFLAGS:-} -C link-arg=-Wl,-rpath,\$ORIGIN/lib -L $CUDA_HOME/lib/stubs -L $CUDA_HOME/lib"
 # Its own target directory: other RUSTFLAGS would otherwise rebuild the CPU build's artifacts.
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
+if [ "$CLIPPY" = 1 ]; then
+  # Every crate with a `cuda` feature, all targets (the CUDA backend's tests among them); candle's
+  # kernels are compiled with nvcc by candle-kernels' build script, as for the binary.
+  exec cargo clippy --workspace --features cuda --all-targets --locked -- -D warnings
+fi
 cargo build --release --locked --features cuda --bin oogc
 # The swapper's tests, its GPU tests among them (round trip, budget, concurrency on the CUDA
 # device; they skip loudly without one, and OOGC_REQUIRE_GPU=1 makes a skip fail).

@@ -16,12 +16,13 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Context};
 use half::{bf16, f16};
 use oogc_optimizer::{AdamConfig, AdamKernel, CopyOut, DType, GradSlice, Isa, StateIo};
 use oogc_swapper::host::{HostMemory, MmapMemory};
 use rayon::prelude::*;
 use serde::Serialize;
+
+use crate::error::{Context, Error, Result};
 
 /// torch's `AdamW(fused=True)` on this kind of machine, 2 threads (`../shared/peers/README.md`).
 pub const TORCH_FUSED_PARAMS_PER_S: f64 = 2.32e9;
@@ -84,9 +85,9 @@ pub struct AdamBenchRow {
 struct Huge(MmapMemory);
 
 impl Huge {
-    fn new<T: bytemuck::Pod>(n: usize) -> anyhow::Result<Self> {
+    fn new<T: bytemuck::Pod>(n: usize) -> Result<Self> {
         let bytes = n * std::mem::size_of::<T>();
-        let (mem, _) = MmapMemory::new(bytes, false).with_context(|| format!("mapping {bytes} bytes"))?;
+        let (mem, _) = MmapMemory::new(bytes, false).map_err(|source| Error::Mmap { bytes, source })?;
         Ok(Self(mem))
     }
 
@@ -137,7 +138,7 @@ fn median(mut xs: Vec<f64>) -> f64 {
 ///
 /// # Errors
 /// The arrays cannot be mapped.
-pub fn triad_gbps(pool: &rayon::ThreadPool, len: usize, passes: usize) -> anyhow::Result<f64> {
+pub fn triad_gbps(pool: &rayon::ThreadPool, len: usize, passes: usize) -> Result<f64> {
     let chunk = len.div_ceil(pool.current_num_threads()).next_multiple_of(1024);
     let (mut ha, mut hb, mut hc) = (Huge::new::<f32>(len)?, Huge::new::<f32>(len)?, Huge::new::<f32>(len)?);
     let (a, b, c) = (ha.get::<f32>(len), hb.get::<f32>(len), hc.get::<f32>(len));
@@ -176,9 +177,9 @@ pub fn triad_gbps(pool: &rayon::ThreadPool, len: usize, passes: usize) -> anyhow
 /// # Errors
 /// Bad arguments (no thread counts, 0 parameters or steps, a forced ISA this CPU lacks), or a
 /// thread pool that cannot be built.
-pub fn run(args: &AdamBenchArgs) -> anyhow::Result<Vec<AdamBenchRow>> {
+pub fn run(args: &AdamBenchArgs) -> Result<Vec<AdamBenchRow>> {
     if args.params == 0 || args.steps == 0 || args.threads.is_empty() || args.threads.contains(&0) {
-        bail!("--params, --steps and every --threads value must be at least 1");
+        return Err(Error::invalid("--params, --steps and every --threads value", "must be at least 1"));
     }
     let isa = args.isa.unwrap_or_else(Isa::detect);
     let n = args.params;
@@ -205,7 +206,7 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<Vec<AdamBenchRow>> {
             g.iter_mut().enumerate().for_each(|(i, x)| *x = f16::from_f32(val(i, 4) * 1e-2));
             GradSlice::F16(g)
         }
-        DType::U8 => bail!("--grad-dtype u8 is not a gradient type: use f32, bf16 or f16"),
+        DType::U8 => return Err(Error::invalid("--grad-dtype u8", "is not a gradient type: use f32, bf16 or f16")),
     };
     let mut hc = args.param_out.map(|d| Huge::new::<u8>(n * d.size_in_bytes())).transpose()?;
     let copy_bytes = args.param_out.map_or(0, |d| d.size_in_bytes());
@@ -216,8 +217,11 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<Vec<AdamBenchRow>> {
     let mut t = 0u64;
     for &threads in &args.threads {
         let kernel = AdamKernel::new(isa, threads).with_context(|| format!("optimizer kernel on {isa}"))?;
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().context("triad thread pool")?;
-        let mut step = || -> anyhow::Result<f64> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .map_err(|source| Error::ThreadPool { what: "triad thread pool", source })?;
+        let mut step = || -> Result<f64> {
             t += 1;
             let s = adam.scalars(t, 1e-3, 1.0)?;
             let start = Instant::now();
@@ -229,7 +233,7 @@ pub fn run(args: &AdamBenchArgs) -> anyhow::Result<Vec<AdamBenchRow>> {
             Ok(start.elapsed().as_secs_f64())
         };
         step()?; // warm-up: page faults, caches
-        let times = (0..args.steps).map(|_| step()).collect::<anyhow::Result<Vec<f64>>>()?;
+        let times = (0..args.steps).map(|_| step()).collect::<Result<Vec<f64>>>()?;
         let secs = median(times);
         let triad = triad_gbps(&pool, triad_len, args.steps.max(3))?;
         let params_per_s = n as f64 / secs;

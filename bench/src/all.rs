@@ -26,14 +26,14 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
 use oogc_moe_placement::{read_trace_file, synthetic_trace, RoutingTrace, SyntheticConfig};
-use oogc_swapper::{EngineChoice, Error as SwapError};
+use oogc_swapper::EngineChoice;
 use serde::Serialize;
 use serde_json::{json, Value};
 
 use super::{adam, evict, moe, nvme, plan_check, plots, step, swap, timeline};
+use crate::error::{Context, Error, Result};
 use oogc::plan::GptShape;
 
 /// How large each benchmark runs.
@@ -162,12 +162,8 @@ fn moe_steps(size: SuiteSize) -> u64 {
     }
 }
 
-fn is_uring_unavailable(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| matches!(c.downcast_ref::<SwapError>(), Some(SwapError::UringUnavailable { .. })))
-}
-
 /// Writes `{ "benchmark": name, "args": args, "rows": rows }` to `DIR/<name>.json`.
-fn write_json<T: Serialize>(dir: &Path, name: &str, args: Value, rows: &[T]) -> anyhow::Result<PathBuf> {
+fn write_json<T: Serialize>(dir: &Path, name: &str, args: Value, rows: &[T]) -> Result<PathBuf> {
     let path = dir.join(format!("{name}.json"));
     let doc = json!({
         "benchmark": name,
@@ -176,8 +172,9 @@ fn write_json<T: Serialize>(dir: &Path, name: &str, args: Value, rows: &[T]) -> 
         "args": args,
         "rows": rows,
     });
-    let text = serde_json::to_string_pretty(&doc).with_context(|| format!("serializing the {name} rows"))?;
-    std::fs::write(&path, text).with_context(|| format!("writing {} (is --out writable?)", path.display()))?;
+    let text = serde_json::to_string_pretty(&doc)
+        .map_err(|source| Error::Json { what: format!("serializing the {name} rows"), source })?;
+    std::fs::write(&path, text).map_err(Error::io("writing", &path, Some("is --out writable?")))?;
     Ok(path)
 }
 
@@ -195,10 +192,13 @@ fn trace_json(trace: &RoutingTrace) -> Value {
 /// `args.out` cannot be created or written, or a benchmark failed (its error names it and the
 /// cause: a bad `--nvme-dir`, no space, an unreadable `--moe-trace`). io_uring refused by the
 /// kernel is not an error: the NVMe benchmark then measures the psync engine only.
-pub fn run(args: &AllBenchArgs) -> anyhow::Result<(SuiteReport, SuiteRows)> {
+pub fn run(args: &AllBenchArgs) -> Result<(SuiteReport, SuiteRows)> {
     let start = Instant::now();
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating the output directory {} (check --out)", args.out.display()))?;
+    std::fs::create_dir_all(&args.out).map_err(Error::io(
+        "creating the output directory",
+        &args.out,
+        Some("check --out"),
+    ))?;
     let step_config = match &args.step_config {
         Some(path) => Some((path, step::load_config(path, args.link_gbps)?)),
         None => None,
@@ -231,8 +231,8 @@ pub fn run(args: &AllBenchArgs) -> anyhow::Result<(SuiteReport, SuiteRows)> {
             "nvme" => {
                 let mut a = nvme_args(args);
                 let r = match nvme::run(&a) {
-                    Err(e) if is_uring_unavailable(&e) => {
-                        tracing::warn!("{e:#}; measuring psync only");
+                    Err(e) if e.is_uring_unavailable() => {
+                        tracing::warn!("{}; measuring psync only", e.report());
                         a.engines = vec![EngineChoice::Psync];
                         nvme::run(&a)
                     }

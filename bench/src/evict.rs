@@ -12,7 +12,6 @@
 //! backward, which makes its device copy stale) and `forward` (forward passes only, as in
 //! evaluation: a cyclic scan). Bytes are those of the last of 3 simulated steps.
 
-use anyhow::Context;
 use oogc_prefetch::plan::ModelUnit;
 use oogc_prefetch::{
     min_working_set, simulate_kind, HardwareProfile, Phase, PolicyKind, PrefetchConfig, Schedule, ScheduleEntry,
@@ -22,6 +21,8 @@ use oogc_swapper::{TensorId, Tier};
 use serde::Serialize;
 
 use oogc::plan::{gpt_units, GptShape};
+
+use crate::error::{Context, Result};
 
 /// Arguments of the eviction benchmark.
 #[derive(Debug, Clone)]
@@ -90,7 +91,7 @@ pub struct EvictBenchRow {
     pub prefetches: u64,
 }
 
-fn schedule(units: &[ModelUnit], workload: Workload) -> anyhow::Result<(Schedule, Vec<(TensorId, u64)>)> {
+fn schedule(units: &[ModelUnit], workload: Workload) -> Result<(Schedule, Vec<(TensorId, u64)>)> {
     let ids: Vec<(TensorId, u64)> =
         units.iter().enumerate().map(|(i, u)| (TensorId(i as u64), u.compute_bytes)).collect();
     let s = match workload {
@@ -107,7 +108,7 @@ fn schedule(units: &[ModelUnit], workload: Workload) -> anyhow::Result<(Schedule
 ///
 /// # Errors
 /// A bad hardware profile, or the simulator's errors.
-pub fn run(args: &EvictBenchArgs) -> anyhow::Result<Vec<EvictBenchRow>> {
+pub fn run(args: &EvictBenchArgs) -> Result<Vec<EvictBenchRow>> {
     args.hardware.validate().context("the hardware profile")?;
     let units = gpt_units(&args.shape);
     let flops_s = args.hardware.device_gflops * 1e9;

@@ -11,8 +11,12 @@
 //! | `oogc bench swap` | [`swap`] | host↔sim-device copies and the residency manager, beside memcpy or the link throttle |
 //! | `oogc bench all` | [`all`], [`plots`] | every benchmark above (quick or full sizes): one JSON file each and PNG + SVG plots in one directory |
 //! | (in `oogc bench all`) | [`timeline`] | a step timeline (compute, H2D, D2H, NVMe, optimizer lanes) from a real run's trace, and how much of the transfers and optimizer overlapped compute |
+//!
+//! Every benchmark returns this crate's one [`Error`] ([`error`]): the errors of the crates it
+//! drives pass through unchanged, with a layer naming the stage, variant or policy that failed.
 pub mod adam;
 pub mod all;
+pub mod error;
 pub mod evict;
 pub mod machine;
 pub mod moe;
@@ -23,3 +27,5 @@ pub mod probe;
 pub mod step;
 pub mod swap;
 pub mod timeline;
+
+pub use error::{Error, Result};

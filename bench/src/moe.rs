@@ -29,11 +29,12 @@
 
 use std::collections::{BTreeSet, HashMap};
 
-use anyhow::Context;
 use oogc_moe_placement::{
     ColdMode, CostModel, CostModelConfig, ExpertId, HotSet, HotSetConfig, Placement, Placer, PlacerConfig, RoutingTrace,
 };
 use serde::Serialize;
+
+use crate::error::{Context, Error, Result};
 
 /// Arguments of the MoE placement benchmark.
 #[derive(Debug, Clone)]
@@ -141,7 +142,7 @@ struct Totals {
     step_s_sum: f64,
 }
 
-fn replay(trace: &RoutingTrace, args: &MoeBenchArgs, budget_bytes: u64, kind: Kind) -> anyhow::Result<Totals> {
+fn replay(trace: &RoutingTrace, args: &MoeBenchArgs, budget_bytes: u64, kind: Kind) -> Result<Totals> {
     let h = &trace.header;
     let shape = h.expert_shape();
     let cost = CostModel::new(shape, args.cost).context("the cost model")?;
@@ -256,13 +257,13 @@ fn replay(trace: &RoutingTrace, args: &MoeBenchArgs, budget_bytes: u64, kind: Ki
 ///
 /// # Errors
 /// A budget below one expert, bad rates, or a trace whose shape the placer refuses.
-pub fn run(trace: &RoutingTrace, args: &MoeBenchArgs) -> anyhow::Result<Vec<MoeBenchRow>> {
-    anyhow::ensure!(
-        args.budget_fraction > 0.0 && args.budget_fraction <= 1.0,
-        "--budget-fraction {} must be in (0, 1]",
-        args.budget_fraction
-    );
-    anyhow::ensure!(!trace.steps.is_empty(), "the routing trace has no steps");
+pub fn run(trace: &RoutingTrace, args: &MoeBenchArgs) -> Result<Vec<MoeBenchRow>> {
+    if !(args.budget_fraction > 0.0 && args.budget_fraction <= 1.0) {
+        return Err(Error::invalid(format!("--budget-fraction {}", args.budget_fraction), "must be in (0, 1]"));
+    }
+    if trace.steps.is_empty() {
+        return Err(Error::invalid("the routing trace", "has no steps"));
+    }
     let h = &trace.header;
     let all = h.blocks as u64 * h.experts as u64 * h.expert_bytes;
     let budget_bytes = (all as f64 * args.budget_fraction) as u64;
@@ -362,6 +363,6 @@ mod tests {
         let trace = synthetic_trace(&SyntheticConfig { steps: 2, ..SyntheticConfig::default() }).unwrap();
         let args = MoeBenchArgs { budget_fraction: 0.001, ..MoeBenchArgs::default() };
         let e = run(&trace, &args).unwrap_err();
-        assert!(format!("{e:#}").contains("raise the expert budget"), "{e:#}");
+        assert!(e.report().contains("raise the expert budget"), "{}", e.report());
     }
 }

@@ -14,9 +14,10 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
-use anyhow::{bail, Context};
 use oogc_swapper::{EngineChoice, Extent, HostBuffer, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
 use serde::Serialize;
+
+use crate::error::{Context, Error, Result};
 
 /// Arguments of the NVMe benchmark.
 #[derive(Debug, Clone)]
@@ -86,11 +87,7 @@ fn in_flight(args: &NvmeBenchArgs) -> usize {
 ///
 /// # Panics
 /// If `bufs` is empty.
-pub fn write_then_read(
-    store: &NvmeStore,
-    bufs: &mut Vec<HostBuffer>,
-    n: usize,
-) -> anyhow::Result<(Vec<Extent>, f64, f64)> {
+pub fn write_then_read(store: &NvmeStore, bufs: &mut Vec<HostBuffer>, n: usize) -> Result<(Vec<Extent>, f64, f64)> {
     assert!(!bufs.is_empty(), "write_then_read needs at least one buffer");
     let mut extents = Vec::with_capacity(n);
     let mut pending = VecDeque::new();
@@ -134,7 +131,7 @@ pub fn write_then_read(
     Ok((extents, write_s, t.elapsed().as_secs_f64()))
 }
 
-fn store_row(args: &NvmeBenchArgs, engine: EngineChoice) -> anyhow::Result<NvmeBenchRow> {
+fn store_row(args: &NvmeBenchArgs, engine: EngineChoice) -> Result<NvmeBenchRow> {
     let total = (args.size_gib * (1u64 << 30) as f64) as u64;
     let n = (total / args.tensor_bytes as u64).max(1) as usize;
     let bytes = n as u64 * args.tensor_bytes as u64;
@@ -181,7 +178,7 @@ fn store_row(args: &NvmeBenchArgs, engine: EngineChoice) -> anyhow::Result<NvmeB
 }
 
 /// Runs fio once for `rw` (`write` or `read`); returns bytes per second.
-fn fio_once(file: &Path, rw: &str, bytes: u64, args: &NvmeBenchArgs, iomem: Option<&str>) -> anyhow::Result<f64> {
+fn fio_once(file: &Path, rw: &str, bytes: u64, args: &NvmeBenchArgs, iomem: Option<&str>) -> Result<f64> {
     let mut cmd = Command::new("fio");
     cmd.arg("--name=oogc")
         .arg(format!("--filename={}", file.display()))
@@ -193,16 +190,17 @@ fn fio_once(file: &Path, rw: &str, bytes: u64, args: &NvmeBenchArgs, iomem: Opti
     if let Some(m) = iomem {
         cmd.arg(format!("--iomem={m}"));
     }
-    let out = cmd.output().context("running fio")?;
+    let out = cmd.output().map_err(Error::FioStart)?;
     if !out.status.success() {
-        bail!("fio {rw} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        let reason = format!("fio {rw} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        return Err(Error::Fio { reason });
     }
     let text = String::from_utf8_lossy(&out.stdout);
     // fio may print notes before the JSON object.
-    let json = &text[text.find('{').context("no JSON in fio's output")?..];
-    let v: serde_json::Value = serde_json::from_str(json).context("parsing fio's JSON")?;
-    let bw = v["jobs"][0][rw]["bw_bytes"].as_f64().context("no bw_bytes in fio's JSON")?;
-    Ok(bw)
+    let start = text.find('{').ok_or_else(|| Error::Fio { reason: "no JSON in fio's output".into() })?;
+    let v: serde_json::Value = serde_json::from_str(&text[start..])
+        .map_err(|source| Error::Json { what: "parsing fio's JSON".into(), source })?;
+    v["jobs"][0][rw]["bw_bytes"].as_f64().ok_or_else(|| Error::Fio { reason: "no bw_bytes in fio's JSON".into() })
 }
 
 fn fio_rows(args: &NvmeBenchArgs, bytes: u64) -> Vec<NvmeBenchRow> {
@@ -231,7 +229,7 @@ fn fio_rows(args: &NvmeBenchArgs, bytes: u64) -> Vec<NvmeBenchRow> {
         let r = w.as_ref().ok().map(|_| fio_once(&file, "read", bytes, args, iomem));
         let note = match (&w, &r) {
             (Ok(_), Some(Ok(_))) => "fio io_uring direct=1".to_string(),
-            (Err(e), _) | (_, Some(Err(e))) => format!("fio failed: {e:#}"),
+            (Err(e), _) | (_, Some(Err(e))) => format!("fio failed: {}", e.report()),
             _ => String::new(),
         };
         let gbps = |x: f64| x * 1e-9;
@@ -246,9 +244,9 @@ fn fio_rows(args: &NvmeBenchArgs, bytes: u64) -> Vec<NvmeBenchRow> {
 /// # Errors
 /// The store could not be opened (bad directory, no space, io_uring refused for `Uring`), a
 /// buffer could not be allocated, or an I/O failed.
-pub fn run(args: &NvmeBenchArgs) -> anyhow::Result<Vec<NvmeBenchRow>> {
+pub fn run(args: &NvmeBenchArgs) -> Result<Vec<NvmeBenchRow>> {
     if args.tensor_bytes == 0 || args.size_gib <= 0.0 {
-        bail!("tensor_bytes and size_gib must be positive");
+        return Err(Error::invalid("tensor_bytes and size_gib", "must be positive"));
     }
     let mut rows = Vec::new();
     for &engine in &args.engines {

@@ -24,10 +24,10 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use oogc_prefetch::HardwareProfile;
 use serde::Serialize;
 
+use crate::error::{Context, Error, Result};
 use crate::machine::{self, Machine};
 use crate::probe::{probe_compute_on_current_pool, ComputeProbe, ComputeShape};
 use crate::step::{measure_with, variant_config, Moment};
@@ -129,7 +129,7 @@ pub struct PlanCheckRow {
 ///
 /// # Errors
 /// As [`run_with`].
-pub fn run(configs: &[PathBuf], steps: usize, warmup: usize) -> anyhow::Result<Vec<PlanCheckRow>> {
+pub fn run(configs: &[PathBuf], steps: usize, warmup: usize) -> Result<Vec<PlanCheckRow>> {
     run_with(&PlanCheckArgs { steps, warmup, ..PlanCheckArgs::new(configs.to_vec()) })
 }
 
@@ -138,7 +138,7 @@ pub fn run(configs: &[PathBuf], steps: usize, warmup: usize) -> anyhow::Result<V
 /// # Errors
 /// `steps` 0; a config that cannot be read or trained (named); a plan the planner refuses; a
 /// probe failure.
-pub fn run_with(args: &PlanCheckArgs) -> anyhow::Result<Vec<PlanCheckRow>> {
+pub fn run_with(args: &PlanCheckArgs) -> Result<Vec<PlanCheckRow>> {
     args.configs
         .iter()
         .map(|path| {
@@ -154,9 +154,9 @@ pub fn run_with(args: &PlanCheckArgs) -> anyhow::Result<Vec<PlanCheckRow>> {
 ///
 /// # Errors
 /// As [`run_with`].
-pub fn check(cfg: &TrainConfig, name: &str, args: &PlanCheckArgs) -> anyhow::Result<PlanCheckRow> {
+pub fn check(cfg: &TrainConfig, name: &str, args: &PlanCheckArgs) -> Result<PlanCheckRow> {
     if args.steps == 0 {
-        anyhow::bail!("steps must be at least 1 (the steps measured after the warmup)");
+        return Err(Error::invalid("steps", "must be at least 1 (the steps measured after the warmup)"));
     }
     let shape = ComputeShape::for_config(cfg);
     let threads = shape.threads;
@@ -214,9 +214,9 @@ pub(crate) fn measure_probed(
     run: &TrainConfig,
     warmup: usize,
     steps: usize,
-) -> anyhow::Result<(crate::step::Measured, Vec<ComputeProbe>)> {
+) -> Result<(crate::step::Measured, Vec<ComputeProbe>)> {
     let shape = ComputeShape::for_config(run);
-    crate::probe::with_compute_threads(shape.threads, || -> anyhow::Result<_> {
+    crate::probe::with_compute_threads(shape.threads, || -> Result<_> {
         let mut probes = Vec::new();
         let measured = measure_with(run, warmup, steps, |moment| {
             probes.push(probe_compute_on_current_pool(&shape).context("probing compute")?);
@@ -349,6 +349,6 @@ mod tests {
     #[test]
     fn a_missing_config_is_named() {
         let e = run(&[PathBuf::from("/nonexistent/run.toml")], 1, 0).unwrap_err();
-        assert!(format!("{e:#}").contains("/nonexistent/run.toml"), "{e:#}");
+        assert!(e.report().contains("/nonexistent/run.toml"), "{}", e.report());
     }
 }

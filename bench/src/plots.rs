@@ -16,7 +16,6 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
-use anyhow::Context;
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
@@ -25,6 +24,7 @@ use plotters::style::{register_font, FontStyle};
 use super::all::SuiteRows;
 use super::timeline::{Timeline, Track};
 use super::{adam, evict, moe, nvme};
+use crate::error::{Context, Error, Result};
 
 /// Width of each plot, pixels.
 pub const WIDTH_PX: u32 = 800;
@@ -64,8 +64,8 @@ pub fn font_available() -> bool {
     })
 }
 
-fn err<E: std::fmt::Display>(e: E) -> anyhow::Error {
-    anyhow::anyhow!("drawing: {e}")
+fn err<E: std::fmt::Display>(e: E) -> Error {
+    Error::Draw { reason: e.to_string() }
 }
 
 /// Draws the series labels of `chart` at `position`: the house style of every legend here
@@ -73,7 +73,7 @@ fn err<E: std::fmt::Display>(e: E) -> anyhow::Error {
 fn legend<'a, DB: DrawingBackend + 'a>(
     chart: &mut ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>,
     position: SeriesLabelPosition,
-) -> anyhow::Result<()> {
+) -> Result<()> {
     chart
         .configure_series_labels()
         .position(position)
@@ -84,33 +84,29 @@ fn legend<'a, DB: DrawingBackend + 'a>(
 }
 
 /// A plotting function drawn on both backends.
-type Draw<'a> = dyn Fn(&DrawingArea<SVGBackend, Shift>, bool) -> anyhow::Result<()> + 'a;
-type DrawPng<'a> = dyn Fn(&DrawingArea<BitMapBackend, Shift>, bool) -> anyhow::Result<()> + 'a;
+type Draw<'a> = dyn Fn(&DrawingArea<SVGBackend, Shift>, bool) -> Result<()> + 'a;
+type DrawPng<'a> = dyn Fn(&DrawingArea<BitMapBackend, Shift>, bool) -> Result<()> + 'a;
 
 /// Writes `DIR/name.png` and `DIR/name.svg` with the same drawing; returns both paths.
-fn both(dir: &Path, name: &str, svg: &Draw, png: &DrawPng) -> anyhow::Result<Vec<PathBuf>> {
+fn both(dir: &Path, name: &str, svg: &Draw, png: &DrawPng) -> Result<Vec<PathBuf>> {
     both_sized(dir, name, (WIDTH_PX, HEIGHT_PX), svg, png)
 }
 
 /// [`both`] at `size` (width, height) pixels.
-fn both_sized(dir: &Path, name: &str, size: (u32, u32), svg: &Draw, png: &DrawPng) -> anyhow::Result<Vec<PathBuf>> {
+fn both_sized(dir: &Path, name: &str, size: (u32, u32), svg: &Draw, png: &DrawPng) -> Result<Vec<PathBuf>> {
     let text = font_available();
     let (p_png, p_svg) = (dir.join(format!("{name}.png")), dir.join(format!("{name}.svg")));
     {
         let root = BitMapBackend::new(&p_png, size).into_drawing_area();
         root.fill(&WHITE).map_err(err)?;
         png(&root, text).with_context(|| format!("plot {name}.png"))?;
-        root.present()
-            .map_err(err)
-            .with_context(|| format!("writing {} (is the directory writable?)", p_png.display()))?;
+        root.present().map_err(|e| Error::Plot { path: p_png.clone(), reason: e.to_string() })?;
     }
     {
         let root = SVGBackend::new(&p_svg, size).into_drawing_area();
         root.fill(&WHITE).map_err(err)?;
         svg(&root, text).with_context(|| format!("plot {name}.svg"))?;
-        root.present()
-            .map_err(err)
-            .with_context(|| format!("writing {} (is the directory writable?)", p_svg.display()))?;
+        root.present().map_err(|e| Error::Plot { path: p_svg.clone(), reason: e.to_string() })?;
     }
     Ok(vec![p_png, p_svg])
 }
@@ -134,7 +130,7 @@ pub fn draw_nvme<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     rows: &[nvme::NvmeBenchRow],
     text: bool,
-) -> anyhow::Result<()> {
+) -> Result<()> {
     let store: Vec<&nvme::NvmeBenchRow> = rows.iter().filter(|r| r.engine.starts_with("store-")).collect();
     // fio with huge-page buffers is the local limit; with malloc'd buffers when hugetlb pages are
     // missing (`sysctl vm.nr_hugepages=64`).
@@ -202,7 +198,7 @@ pub fn draw_adam<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     rows: &[adam::AdamBenchRow],
     text: bool,
-) -> anyhow::Result<()> {
+) -> Result<()> {
     let g = 1e-9;
     // The triad is counted at 12 B per element but moves 16 (write-allocate): the roofline uses the
     // bytes that really move, as the step's bytes per parameter do.
@@ -259,7 +255,7 @@ pub fn draw_evict<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     rows: &[evict::EvictBenchRow],
     text: bool,
-) -> anyhow::Result<()> {
+) -> Result<()> {
     let workloads: Vec<evict::Workload> = [evict::Workload::Train, evict::Workload::Forward]
         .into_iter()
         .filter(|w| rows.iter().any(|r| r.workload == *w))
@@ -312,7 +308,7 @@ pub fn draw_moe<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
     rows: &[moe::MoeBenchRow],
     text: bool,
-) -> anyhow::Result<()> {
+) -> Result<()> {
     let names: Vec<String> = rows.iter().map(|r| r.policy.clone()).collect();
     let n = rows.len().max(1);
     let top = 1.35 * max_or(rows.iter().map(|r| (r.expert_h2d_bytes + r.refresh_h2d_bytes) as f64 * 1e-9), 1e-6);
@@ -400,11 +396,7 @@ const LEGEND_PX: u32 = 30;
 ///
 /// # Errors
 /// Plotters failed to draw.
-pub fn draw_timeline<DB: DrawingBackend>(
-    root: &DrawingArea<DB, Shift>,
-    tl: &Timeline,
-    text: bool,
-) -> anyhow::Result<()> {
+pub fn draw_timeline<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, tl: &Timeline, text: bool) -> Result<()> {
     let lanes = Track::ALL.len();
     let lane_y = |t: Track| (lanes - 1 - Track::ALL.iter().position(|x| *x == t).unwrap_or(0)) as f64;
     let lane_names: Vec<String> = Track::ALL.iter().rev().map(|t| t.name().to_string()).collect();
@@ -484,7 +476,7 @@ pub fn draw_timeline<DB: DrawingBackend>(
 }
 
 /// The timeline's legend, one line of colour boxes and words (only the kinds of span present).
-fn draw_timeline_legend<DB: DrawingBackend>(strip: &DrawingArea<DB, Shift>, tl: &Timeline) -> anyhow::Result<()> {
+fn draw_timeline_legend<DB: DrawingBackend>(strip: &DrawingArea<DB, Shift>, tl: &Timeline) -> Result<()> {
     let style = ("sans-serif", 14).into_text_style(strip);
     let mut x = 90i32;
     let y = (LEGEND_PX / 2) as i32;
@@ -505,7 +497,7 @@ fn draw_timeline_legend<DB: DrawingBackend>(strip: &DrawingArea<DB, Shift>, tl: 
 ///
 /// # Errors
 /// A file cannot be written (the directory is missing or read-only), or plotters failed to draw.
-pub fn write_timeline(dir: &Path, tl: &Timeline) -> anyhow::Result<Vec<PathBuf>> {
+pub fn write_timeline(dir: &Path, tl: &Timeline) -> Result<Vec<PathBuf>> {
     let size = (TIMELINE_WIDTH_PX, HEIGHT_PX);
     both_sized(dir, "timeline", size, &|a, t| draw_timeline(a, tl, t), &|a, t| draw_timeline(a, tl, t))
 }
@@ -514,7 +506,7 @@ pub fn write_timeline(dir: &Path, tl: &Timeline) -> anyhow::Result<Vec<PathBuf>>
 ///
 /// # Errors
 /// A file cannot be written (the directory is missing or read-only), or plotters failed to draw.
-pub fn write_all(dir: &Path, rows: &SuiteRows) -> anyhow::Result<Vec<PathBuf>> {
+pub fn write_all(dir: &Path, rows: &SuiteRows) -> Result<Vec<PathBuf>> {
     let mut out = Vec::new();
     if !rows.nvme.is_empty() {
         let r = &rows.nvme;

@@ -11,7 +11,6 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use anyhow::Context;
 use candle_core::{Device, Tensor};
 use oogc::config::TrainConfig;
 use oogc::models::{init_params, Gpt, GptConfig};
@@ -19,6 +18,8 @@ use oogc::plan::{attention_forward_flops, dense_block_params, expert_params, moe
 use oogc_prefetch::HardwareProfile;
 use oogc_swapper::{EngineChoice, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig};
 use serde::Serialize;
+
+use crate::error::{Context, Error, Result};
 
 /// The shape the compute probe times: one block of `model` (its `n_layer` is ignored) over a
 /// batch of `batch` sequences of `seq_len` tokens, on `threads` CPU threads.
@@ -156,7 +157,7 @@ impl ComputeProbe {
 ///
 /// # Errors
 /// When the dedicated pool cannot be built.
-pub fn with_compute_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> anyhow::Result<R> {
+pub fn with_compute_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Send) -> Result<R> {
     if rayon::current_num_threads() == threads.max(1) {
         return Ok(f());
     }
@@ -164,7 +165,7 @@ pub fn with_compute_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Sen
         .num_threads(threads.max(1))
         .thread_name(|i| format!("oogc-compute-{i}"))
         .build()
-        .context("building the compute thread pool")?;
+        .map_err(|source| Error::ThreadPool { what: "building the compute thread pool", source })?;
     Ok(pool.install(f))
 }
 
@@ -179,12 +180,12 @@ pub fn with_compute_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Sen
 /// # Errors
 /// A shape the model refuses (heads not dividing the width, ...); candle failures; a pool that
 /// cannot be built.
-pub fn probe_compute(shape: &ComputeShape) -> anyhow::Result<ComputeProbe> {
+pub fn probe_compute(shape: &ComputeShape) -> Result<ComputeProbe> {
     with_compute_threads(shape.threads, || probe_compute_on_current_pool(shape))?
 }
 
 /// [`probe_compute`] on the current rayon pool (the caller sized it).
-pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> anyhow::Result<ComputeProbe> {
+pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> Result<ComputeProbe> {
     let started = Instant::now();
     let gcfg = GptConfig {
         n_layer: 1,
@@ -205,7 +206,7 @@ pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> anyhow::Res
     let p_block = tensor(&params[block])?;
     let p_experts: Vec<Tensor> =
         (0..gcfg.num_experts()).map(|e| tensor(&params[gcfg.expert_unit(0, e)])).collect::<Result<_, _>>()?;
-    let forward = || -> anyhow::Result<()> {
+    let forward = || -> Result<()> {
         if gcfg.moe.is_none() {
             std::hint::black_box(gpt.forward(block, &p_block, &x, None)?);
             return Ok(());
@@ -220,7 +221,7 @@ pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> anyhow::Res
         std::hint::black_box(gpt.moe_combine(&tr.x1, &tr.routing, &outs)?);
         Ok(())
     };
-    let backward = || -> anyhow::Result<()> {
+    let backward = || -> Result<()> {
         if gcfg.moe.is_none() {
             let g = gpt.backward(block, &p_block, &x, &grad_y, None)?;
             std::hint::black_box(g.grad_params.to_vec1::<f32>()?);
@@ -232,7 +233,8 @@ pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> anyhow::Res
         let mut grad_gates: Vec<Option<Tensor>> = vec![None; p_experts.len()];
         for (e, p) in p_experts.iter().enumerate() {
             let Some(h_e) = routing.expert_input(e, &tr.h)? else { continue };
-            let grad_out = gpt.moe_expert_grad_output(routing, e, &grad_y)?.context("an active expert")?;
+            let grad_out =
+                gpt.moe_expert_grad_output(routing, e, &grad_y)?.ok_or(Error::Internal { what: "an active expert" })?;
             let g = gpt.expert_backward(p, &h_e, &grad_out)?;
             std::hint::black_box(g.grad_params.to_vec1::<f32>()?);
             grad_gates[e] = gpt.moe_expert_grad_gate(routing, e, &grad_y, &g.output)?;
@@ -354,12 +356,12 @@ pub fn adam_params_per_s(n: usize) -> f64 {
 ///
 /// # Errors
 /// The store's errors (a missing or full directory names the fix).
-pub fn nvme_gbps(dir: &std::path::Path, bytes: u64) -> anyhow::Result<(f64, f64, String)> {
+pub fn nvme_gbps(dir: &std::path::Path, bytes: u64) -> Result<(f64, f64, String)> {
     let tensor = 8usize << 20;
     let n = (bytes as usize / tensor).max(1);
     let sub = dir.join(format!("oogc-probe-{}", std::process::id()));
-    std::fs::create_dir_all(&sub).with_context(|| format!("creating {} (check --probe-dir)", sub.display()))?;
-    let result = (|| -> anyhow::Result<(f64, f64, String)> {
+    std::fs::create_dir_all(&sub).map_err(Error::io("creating", &sub, Some("check --probe-dir")))?;
+    let result = (|| -> Result<(f64, f64, String)> {
         let store = NvmeStore::open(NvmeConfig {
             engine: EngineChoice::Auto,
             ..NvmeConfig::new(vec![sub.clone()], (n * tensor) as u64 + (4 << 20))
@@ -391,7 +393,7 @@ pub fn nvme_gbps(dir: &std::path::Path, bytes: u64) -> anyhow::Result<(f64, f64,
 ///
 /// # Errors
 /// NVMe store errors (directory missing, no room); compute probe errors.
-pub fn probe(args: &ProbeArgs) -> anyhow::Result<HardwareProfile> {
+pub fn probe(args: &ProbeArgs) -> Result<HardwareProfile> {
     let mem = triad_gbps(args.triad_elems);
     let (w, r, note) = nvme_gbps(&args.dir, args.nvme_bytes).context("probing NVMe through the store")?;
     let adam = adam_params_per_s(args.adam_params);

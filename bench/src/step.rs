@@ -36,11 +36,11 @@
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::Context;
 use oogc_optimizer::{AdamConfig, AdamKernel, CopyOut, DType, GradSlice, Isa, StateIo};
 use oogc_prefetch::HardwareProfile;
 use serde::Serialize;
 
+use crate::error::{Context, Error, Result};
 use crate::machine::{self, Machine};
 use oogc::config::TrainConfig;
 use oogc::plan::plan_gpt;
@@ -241,7 +241,7 @@ pub(crate) fn remove_scratch(cfg: &TrainConfig) {
 ///
 /// # Errors
 /// The trainer's errors (bad config, data, NVMe).
-pub(crate) fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> anyhow::Result<Measured> {
+pub(crate) fn measure(cfg: &TrainConfig, warmup: usize, steps: usize) -> Result<Measured> {
     measure_with(cfg, warmup, steps, |_| Ok(()))
 }
 
@@ -264,9 +264,9 @@ pub(crate) fn measure_with(
     cfg: &TrainConfig,
     warmup: usize,
     steps: usize,
-    mut at: impl FnMut(Moment) -> anyhow::Result<()>,
-) -> anyhow::Result<Measured> {
-    let result = (|| -> anyhow::Result<Measured> {
+    mut at: impl FnMut(Moment) -> Result<()>,
+) -> Result<Measured> {
+    let result = (|| -> Result<Measured> {
         let mut t = Trainer::new(cfg.clone())?;
         for _ in 0..warmup {
             t.train_step()?;
@@ -308,16 +308,15 @@ pub(crate) fn measure_with(
 /// # Errors
 /// The config's load errors (named by key or path); `link_gbps` not positive and finite, or given
 /// for a config whose device is not the sim device.
-pub fn load_config(path: &Path, link_gbps: Option<f64>) -> anyhow::Result<TrainConfig> {
+pub fn load_config(path: &Path, link_gbps: Option<f64>) -> Result<TrainConfig> {
     let mut cfg = TrainConfig::load(path)?;
     if let Some(l) = link_gbps {
         if !(cfg.device.kind.is_sim() && l > 0.0 && l.is_finite()) {
-            anyhow::bail!(
-                "--link-gbps {l}: only a sim device's link can be throttled, to a positive rate \
-                 ({} has device `{}`); drop the flag or use a sim config",
-                path.display(),
-                cfg.device.kind
-            );
+            return Err(Error::LinkThrottle {
+                link_gbps: l,
+                config: path.to_path_buf(),
+                device: cfg.device.kind.to_string(),
+            });
         }
         cfg.device.link_gbps = l;
     }
@@ -329,7 +328,7 @@ pub fn load_config(path: &Path, link_gbps: Option<f64>) -> anyhow::Result<TrainC
 ///
 /// # Errors
 /// The kernel's errors (no SIMD path, zero threads).
-pub fn optimizer_step_s(params: usize, threads: usize) -> anyhow::Result<f64> {
+pub fn optimizer_step_s(params: usize, threads: usize) -> Result<f64> {
     let kernel = AdamKernel::new(Isa::detect(), threads).context("the optimizer kernel")?;
     let adam = AdamConfig::default();
     let (mut p, mut m, mut v) = (vec![0.5f32; params], vec![0f32; params], vec![0f32; params]);
@@ -357,7 +356,7 @@ pub fn optimizer_step_s(params: usize, threads: usize) -> anyhow::Result<f64> {
 ///
 /// # Errors
 /// The planner's errors.
-pub fn plan_step_s(cfg: &TrainConfig, hardware: &HardwareProfile) -> anyhow::Result<f64> {
+pub fn plan_step_s(cfg: &TrainConfig, hardware: &HardwareProfile) -> Result<f64> {
     Ok(plan_gpt(&oogc::plan::plan_args_for_config(cfg, hardware, false))?.step_s)
 }
 
@@ -365,9 +364,9 @@ pub fn plan_step_s(cfg: &TrainConfig, hardware: &HardwareProfile) -> anyhow::Res
 ///
 /// # Errors
 /// `--steps 0`; a config that cannot train (named by the trainer); NVMe or optimizer failures.
-pub fn run(args: &StepBenchArgs) -> anyhow::Result<StepBenchReport> {
+pub fn run(args: &StepBenchArgs) -> Result<StepBenchReport> {
     if args.steps == 0 {
-        anyhow::bail!("--steps must be at least 1 (the steps measured after --warmup)");
+        return Err(Error::invalid("--steps", "must be at least 1 (the steps measured after --warmup)"));
     }
     let base = &args.config;
     let total = (args.warmup + args.steps) as u64;

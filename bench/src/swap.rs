@@ -13,13 +13,14 @@
 
 use std::time::Instant;
 
-use anyhow::{bail, Context};
 use oogc_swapper::host::size_class;
 use oogc_swapper::{
     Access, DType, Device, HostBuffer, LruPolicy, PinnedPool, PinnedPoolConfig, ResidencyConfig, ResidencyManager,
     SimDevice, SimDeviceConfig, TensorId, TensorMeta, Tier,
 };
 use serde::Serialize;
+
+use crate::error::{Context, Error, Result};
 
 /// Arguments of the swap benchmark.
 #[derive(Debug, Clone)]
@@ -78,7 +79,7 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
     bytes as f64 / secs.max(1e-9) * 1e-9
 }
 
-fn sim_device(capacity_bytes: u64, link_gbps: Option<f64>) -> anyhow::Result<Device> {
+fn sim_device(capacity_bytes: u64, link_gbps: Option<f64>) -> Result<Device> {
     let dev = SimDevice::new(SimDeviceConfig { capacity_bytes, link_gbps, latency_us: 0.0 })
         .context("starting the sim device (check --link-gbps)")?;
     Ok(Device::Sim(dev))
@@ -96,7 +97,7 @@ fn lock_note(buf: &HostBuffer) -> &'static str {
 /// buffer and plain heap memory (what sim device memory is), either way, over `repeats` copies
 /// per direction after a warm-up. The best single copy, not the mean, so that noise does not
 /// push the limit below the rows measured against it.
-fn memcpy_gbps(pool: &PinnedPool, args: &SwapBenchArgs) -> anyhow::Result<f64> {
+fn memcpy_gbps(pool: &PinnedPool, args: &SwapBenchArgs) -> Result<f64> {
     let n = args.size_bytes;
     let mut host = pool.alloc(n).context("allocating the memcpy buffer")?;
     let mut heap = vec![0u8; n];
@@ -116,7 +117,7 @@ fn memcpy_gbps(pool: &PinnedPool, args: &SwapBenchArgs) -> anyhow::Result<f64> {
 }
 
 /// The `sim-htod` and `sim-dtoh` rows on a device throttled to `link_gbps` (or not).
-fn raw_rows(pool: &PinnedPool, args: &SwapBenchArgs, link_gbps: Option<f64>) -> anyhow::Result<[SwapBenchRow; 2]> {
+fn raw_rows(pool: &PinnedPool, args: &SwapBenchArgs, link_gbps: Option<f64>) -> Result<[SwapBenchRow; 2]> {
     let n = args.size_bytes;
     let dev = sim_device(n as u64, link_gbps)?;
     let mut host = pool.alloc(n).context("allocating the pinned host buffer")?;
@@ -157,7 +158,7 @@ fn raw_rows(pool: &PinnedPool, args: &SwapBenchArgs, link_gbps: Option<f64>) -> 
 }
 
 /// The residency row: `args.tensors` host-homed tensors cycled through a device budget of half.
-fn residency_row(args: &SwapBenchArgs, link_gbps: Option<f64>) -> anyhow::Result<SwapBenchRow> {
+fn residency_row(args: &SwapBenchArgs, link_gbps: Option<f64>) -> Result<SwapBenchRow> {
     let k = args.tensors;
     let t_bytes = args.size_bytes / k;
     let on_device = (k / 2).max(1);
@@ -176,7 +177,7 @@ fn residency_row(args: &SwapBenchArgs, link_gbps: Option<f64>) -> anyhow::Result
         let meta = TensorMeta::new(TensorId(i as u64), format!("bench.{i}"), &[t_bytes], DType::U8, Tier::Host);
         mgr.register(meta, &data).with_context(|| format!("registering tensor {i} of {t_bytes} bytes"))?;
     }
-    let pass = |mgr: &ResidencyManager| -> anyhow::Result<()> {
+    let pass = |mgr: &ResidencyManager| -> Result<()> {
         for i in 0..k {
             let g = mgr.acquire(TensorId(i as u64), Tier::Device, Access::Read);
             drop(g.with_context(|| format!("acquiring tensor {i} on the device"))?);
@@ -229,12 +230,13 @@ fn with_limit(mut row: SwapBenchRow, measured: (f64, &str), link_gbps: Option<f6
 /// `size_bytes`, `repeats` or `tensors` is zero, or `size_bytes / tensors` is zero; `link_gbps`
 /// is not a positive number (the sim device's config error names the key); host memory could
 /// not be allocated; a copy or an acquire failed.
-pub fn run(args: &SwapBenchArgs) -> anyhow::Result<Vec<SwapBenchRow>> {
+pub fn run(args: &SwapBenchArgs) -> Result<Vec<SwapBenchRow>> {
     if args.size_bytes == 0 || args.repeats == 0 || args.tensors == 0 {
-        bail!("size_bytes, repeats and tensors must be positive");
+        return Err(Error::invalid("size_bytes, repeats and tensors", "must be positive"));
     }
     if args.size_bytes / args.tensors == 0 {
-        bail!("size_bytes ({}) must be at least tensors ({}) bytes", args.size_bytes, args.tensors);
+        let what = format!("size_bytes ({})", args.size_bytes);
+        return Err(Error::invalid(what, format!("must be at least tensors ({}) bytes", args.tensors)));
     }
     // One buffer for memcpy, one for the copies (a freed buffer is reused by size class).
     let pool = PinnedPool::with_mmap(&PinnedPoolConfig {

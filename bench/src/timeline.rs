@@ -24,11 +24,11 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use super::step::{remove_scratch, variant_config};
+use crate::error::{Context, Error, Result};
 use oogc::config::TrainConfig;
 
 /// Training steps [`record`] runs by default: the schedule-recording first step, two full steps
@@ -154,8 +154,8 @@ pub fn run_title(config_path: &Path, config: &TrainConfig) -> String {
 ///
 /// # Errors
 /// As [`record_with`], and when the path of this executable is unknown.
-pub fn record(config: &TrainConfig, steps: usize, dir: &Path) -> anyhow::Result<PathBuf> {
-    let bin = std::env::current_exe().context("the path of this executable (to run `oogc train` for the trace)")?;
+pub fn record(config: &TrainConfig, steps: usize, dir: &Path) -> Result<PathBuf> {
+    let bin = std::env::current_exe().map_err(Error::CurrentExe)?;
     record_with(&bin, config, steps, dir)
 }
 
@@ -173,9 +173,9 @@ pub fn record(config: &TrainConfig, steps: usize, dir: &Path) -> anyhow::Result<
 /// `dir` cannot be created or written, the config copy does not read back as `config`, `bin`
 /// cannot be started, the run exits with an error (the message holds the end of its stderr), or
 /// it wrote no trace.
-pub fn record_with(bin: &Path, config: &TrainConfig, steps: usize, dir: &Path) -> anyhow::Result<PathBuf> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating the output directory {}", dir.display()))?;
-    let dir = std::path::absolute(dir).with_context(|| format!("the absolute path of {}", dir.display()))?;
+pub fn record_with(bin: &Path, config: &TrainConfig, steps: usize, dir: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).map_err(Error::io("creating the output directory", dir, None))?;
+    let dir = std::path::absolute(dir).map_err(Error::io("the absolute path of", dir, None))?;
     let trace = dir.join(TRACE_FILE);
     let copy = dir.join(CONFIG_FILE);
     let mut cfg = variant_config(config, "timeline", steps as u64);
@@ -183,7 +183,7 @@ pub fn record_with(bin: &Path, config: &TrainConfig, steps: usize, dir: &Path) -
     cfg.train.eval_interval = 0;
     cfg.train.eval_batches = 1;
     let text = exact_toml(&cfg)?;
-    std::fs::write(&copy, text).with_context(|| format!("writing the config copy {}", copy.display()))?;
+    std::fs::write(&copy, text).map_err(Error::io("writing the config copy", &copy, None))?;
     // A stale trace must not pass for this run's.
     let _ = std::fs::remove_file(&trace);
 
@@ -197,23 +197,16 @@ pub fn record_with(bin: &Path, config: &TrainConfig, steps: usize, dir: &Path) -
         .stdin(Stdio::null())
         .output();
     remove_scratch(&cfg);
-    let output = output.with_context(|| format!("starting {} (the oogc binary) for the step trace", bin.display()))?;
+    let output = output.map_err(|source| Error::StartChild { bin: bin.to_path_buf(), source })?;
     if !output.status.success() {
-        anyhow::bail!(
-            "`{} train --config {} --steps {steps}` failed ({}); the end of its stderr:\n{}",
-            bin.display(),
-            copy.display(),
-            output.status,
-            tail(&String::from_utf8_lossy(&output.stderr), 20)
-        );
+        return Err(Error::ChildFailed {
+            command: format!("{} train --config {} --steps {steps}", bin.display(), copy.display()),
+            status: output.status,
+            stderr_tail: tail(&String::from_utf8_lossy(&output.stderr), 20),
+        });
     }
     if !trace.exists() {
-        anyhow::bail!(
-            "`{} train --config {}` succeeded but wrote no trace at {} (is it an oogc binary of this version?)",
-            bin.display(),
-            copy.display(),
-            trace.display()
-        );
+        return Err(Error::NoTrace { command: format!("{} train --config {}", bin.display(), copy.display()), trace });
     }
     Ok(trace)
 }
@@ -226,8 +219,9 @@ fn tail(text: &str, lines: usize) -> String {
 
 /// `cfg` as TOML with sizes as exact byte counts (`ByteSize` writes a rounded `"7.3 MiB"`),
 /// checked to read back as `cfg`.
-fn exact_toml(cfg: &TrainConfig) -> anyhow::Result<String> {
-    let mut v = toml::Value::try_from(cfg).context("serializing the config copy")?;
+fn exact_toml(cfg: &TrainConfig) -> Result<String> {
+    let mut v =
+        toml::Value::try_from(cfg).map_err(|source| Error::Toml { what: "serializing the config copy", source })?;
     let bytes = |b: bytesize::ByteSize| toml::Value::Integer(b.as_u64() as i64);
     if let Some(t) = v.get_mut("budgets").and_then(|t| t.as_table_mut()) {
         t.insert("gpu".into(), bytes(cfg.budgets.gpu));
@@ -239,12 +233,11 @@ fn exact_toml(cfg: &TrainConfig) -> anyhow::Result<String> {
     if let (Some(t), Some(b)) = (v.get_mut("moe").and_then(|t| t.as_table_mut()), cfg.moe.expert_budget) {
         t.insert("expert_budget".into(), bytes(b));
     }
-    let text = toml::to_string(&v).context("serializing the config copy")?;
+    let text = toml::to_string(&v).map_err(|source| Error::Toml { what: "serializing the config copy", source })?;
     let back = TrainConfig::from_toml_str(&text).context("reading back the config copy")?;
-    anyhow::ensure!(
-        back == *cfg,
-        "the config copy does not read back as the config (a field does not round-trip):\n{text}"
-    );
+    if back != *cfg {
+        return Err(Error::ConfigRoundTrip { text });
+    }
     Ok(text)
 }
 
@@ -278,8 +271,8 @@ struct RawSpan {
 /// # Errors
 /// The file cannot be read, is not a Chrome trace JSON array (a missing closing `]`, left by a
 /// process that died, is tolerated), or holds no full step.
-pub fn parse(trace: &Path, keep: usize) -> anyhow::Result<Timeline> {
-    let text = std::fs::read_to_string(trace).with_context(|| format!("reading the trace {}", trace.display()))?;
+pub fn parse(trace: &Path, keep: usize) -> Result<Timeline> {
+    let text = std::fs::read_to_string(trace).map_err(Error::io("reading the trace", trace, None))?;
     let mut tl = parse_str(&text, keep).with_context(|| format!("the trace {}", trace.display()))?;
     tl.title = trace.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
     Ok(tl)
@@ -289,7 +282,7 @@ pub fn parse(trace: &Path, keep: usize) -> anyhow::Result<Timeline> {
 ///
 /// # Errors
 /// As [`parse`], without the read error.
-pub fn parse_str(text: &str, keep: usize) -> anyhow::Result<Timeline> {
+pub fn parse_str(text: &str, keep: usize) -> Result<Timeline> {
     let events = read_events(text)?;
     let spans = pair(&events);
     let (names, sim_copy_engine) = thread_names(&events);
@@ -299,13 +292,7 @@ pub fn parse_str(text: &str, keep: usize) -> anyhow::Result<Timeline> {
 
     let starts = step_starts(&classified);
     if starts.len() < 2 {
-        anyhow::bail!(
-            "{} step start(s) found (a compute::forward after a backward): a full step needs two; record at least {} \
-             steps (the first records the schedule, the last has no end), and trace with the `oogc=trace` filter of \
-             `oogc train`",
-            starts.len(),
-            keep.max(1) + 2
-        );
+        return Err(Error::TooFewSteps { starts: starts.len(), min_steps: keep.max(1) + 2 });
     }
     let full = starts.len() - 1;
     let first = full - keep.clamp(1, full);
@@ -329,7 +316,7 @@ pub fn parse_str(text: &str, keep: usize) -> anyhow::Result<Timeline> {
 
 /// The JSON array of events; a trace cut short (no closing `]`, perhaps half a last line) is
 /// closed after its last whole event.
-fn read_events(text: &str) -> anyhow::Result<Vec<Event>> {
+fn read_events(text: &str) -> Result<Vec<Event>> {
     let first_err = match serde_json::from_str::<Vec<Event>>(text) {
         Ok(ev) => return Ok(ev),
         Err(e) => e,
@@ -347,10 +334,7 @@ fn read_events(text: &str) -> anyhow::Result<Vec<Event>> {
             }
         }
     }
-    Err(anyhow::anyhow!(
-        "not a Chrome trace JSON array of events ({first_err}); write one with `[output] trace = \"FILE\"` in the \
-         config of `oogc train`"
-    ))
+    Err(Error::NotATrace { reason: first_err.to_string() })
 }
 
 /// A thread id as a string (tracing-chrome writes numbers; others may write strings).
@@ -762,7 +746,7 @@ nvme_dirs = ["/tmp/nvme"]
         assert!(!copy.budgets.nvme_dirs[0].exists(), "the scratch directory is removed");
 
         std::fs::write(out.join("fail"), "").unwrap();
-        let e = format!("{:#}", record_with(&bin, &cfg, 4, &out).unwrap_err());
+        let e = record_with(&bin, &cfg, 4, &out).unwrap_err().report();
         assert!(e.contains("the real reason") && e.contains("--steps 4") && e.contains("failed"), "{e}");
     }
 }

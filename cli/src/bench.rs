@@ -6,7 +6,7 @@ use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 use oogc::config::TrainConfig;
 use oogc::optimizer::{DType, Isa};
-use oogc::swapper::{EngineChoice, Error as SwapError};
+use oogc::swapper::EngineChoice;
 use oogc_bench::{adam, all, evict, moe, nvme, plan_check, step, swap};
 use serde::Serialize;
 
@@ -363,10 +363,6 @@ pub(crate) fn print_bench_json<T: Serialize>(rows: &[T], dir: Option<&std::path:
     Ok(())
 }
 
-pub(crate) fn is_uring_unavailable(e: &anyhow::Error) -> bool {
-    e.chain().any(|c| matches!(c.downcast_ref::<SwapError>(), Some(SwapError::UringUnavailable { .. })))
-}
-
 pub(crate) fn bench_nvme(cmd: NvmeCmd) -> anyhow::Result<()> {
     let engines = match cmd.engine {
         EngineArg::Uring => vec![EngineChoice::Uring],
@@ -385,8 +381,8 @@ pub(crate) fn bench_nvme(cmd: NvmeCmd) -> anyhow::Result<()> {
         fio: !cmd.no_fio,
     };
     let rows = match nvme::run(&args) {
-        Err(e) if cmd.engine == EngineArg::All && is_uring_unavailable(&e) => {
-            tracing::warn!("{e:#}; measuring psync only");
+        Err(e) if cmd.engine == EngineArg::All && e.is_uring_unavailable() => {
+            tracing::warn!("{}; measuring psync only", e.report());
             args.engines = vec![EngineChoice::Psync];
             nvme::run(&args)
         }

@@ -72,6 +72,12 @@ pub(crate) fn error_line(e: &anyhow::Error) -> String {
     out
 }
 
+/// The first cause of type `E` in `e`'s chain, looking inside the errors that `oogc-bench`
+/// wraps transparently (which `source()` skips).
+pub(crate) fn cause<E: std::error::Error + 'static>(e: &anyhow::Error) -> Option<&E> {
+    e.chain().find_map(|c| c.downcast_ref::<E>().or_else(|| c.downcast_ref::<oogc_bench::Error>()?.find::<E>()))
+}
+
 /// Logs to stderr by `RUST_LOG`; with `trace`, also a Chrome trace of the runtime's spans (one
 /// track per thread: compute, copy engines, optimizer workers). The guard flushes the trace.
 pub(crate) fn init_tracing(trace: Option<&std::path::Path>) -> Option<tracing_chrome::FlushGuard> {
@@ -131,21 +137,16 @@ fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {}", error_line(&e));
-            if e.chain().any(|c| matches!(c.downcast_ref::<SwapError>(), Some(SwapError::Io { .. }))) {
+            if matches!(cause::<SwapError>(&e), Some(SwapError::Io { .. })) {
                 eprintln!(
                     "hint: an NVMe read or write failed and the run stopped; its checkpoints are intact. Check the disk \
                      (dmesg, free space), then continue with `oogc train --config FILE --resume CKPT_DIR`"
                 );
             }
-            if e.chain().any(|c| matches!(c.downcast_ref::<SwapError>(), Some(SwapError::NvmeDir { .. }))) {
+            if matches!(cause::<SwapError>(&e), Some(SwapError::NvmeDir { .. })) {
                 eprintln!("hint: store directories are given with --dir (nvme.dirs in a config file)");
             }
-            if e.chain().any(|c| {
-                matches!(
-                    c.downcast_ref::<oogc::prefetch::Error>(),
-                    Some(oogc::prefetch::Error::BudgetBelowWorkingSet { .. })
-                )
-            }) {
+            if matches!(cause::<oogc::prefetch::Error>(&e), Some(oogc::prefetch::Error::BudgetBelowWorkingSet { .. })) {
                 eprintln!("hint: the GPU budget is given with --gpu-budget (e.g. --gpu-budget 2GiB)");
             }
             ExitCode::FAILURE

@@ -1,0 +1,867 @@
+//! Tidy: the repository's house rules, checked by `cargo test` (after rust-analyzer's
+//! `xtask/src/tidy.rs`). [`tidy`] walks the workspace from `CARGO_MANIFEST_DIR` (skipping
+//! `target/`, `dist/` and hidden directories) and reports every violation at once, each naming
+//! the file (and line) and the fix. Each rule is a function over file text or paths, tested below
+//! on synthetic input: it fails when the rule is broken and passes on good input.
+//!
+//! | rule | what it checks |
+//! |---|---|
+//! | [`unsafe_violations`], [`unsafe_lint_violations`] | `unsafe` only in [`UNSAFE_FILES`] (STYLE.md §5); there every `unsafe {}` and `unsafe impl` has a `// SAFETY:` comment on the lines just above, every `unsafe fn` a `# Safety` doc section; every crate root denies `unsafe_code` itself or takes the workspace's `unsafe_code = "deny"` |
+//! | [`anyhow_dependency_violations`], [`anyhow_source_violations`] | no `anyhow` in the `[dependencies]` or `src/` of [`LIBRARY_CRATES`] (STYLE.md §8) |
+//! | [`cpu_device_violations`] | candle's `Device::Cpu` only in [`CPU_DEVICE_FILES`], tests, benches, examples, or (for now) [`CPU_DEVICE_TEMPORARY`] |
+//! | [`architecture_path_violations`] | every repository path ARCHITECTURE.md names in backticks exists |
+//! | [`ignore_violations`] | no `#[ignore]` (STYLE.md §9: hardware-dependent tests skip loudly instead) |
+//! | [`docs_lint_violations`], [`crate_doc_violations`] | `missing_docs = "warn"` in `[workspace.lints.rust]`, `[lints] workspace = true` in every member, a `//!` doc at the top of every crate root |
+//!
+//! Comments, doc comments and string literals are not code ([`code_only`]): a word in a comment
+//! or a doc example (`# anyhow::Ok(())` in a doc test, which builds with the dev-dependencies)
+//! breaks no rule. Test code is not library code ([`non_test_code`]): a file named `tests.rs` or
+//! `*_tests.rs`, or a trailing `#[cfg(test)] mod name { .. }`, may use `anyhow` and `Device::Cpu`.
+
+use std::path::{Path, PathBuf};
+
+/// The files that may hold `unsafe` (STYLE.md §5), each with why. Add a file here, with its
+/// reason, only with a `#![allow(unsafe_code)]` at its top and a `// SAFETY:` on every block.
+const UNSAFE_FILES: &[(&str, &str)] = &[
+    ("swapper/src/device/cuda.rs", "CUDA driver calls through cudarc, driver-pinned host memory"),
+    ("swapper/src/nvme/uring.rs", "io_uring submission entries that point at owned buffers"),
+    ("optimizer/src/simd.rs", "std::arch loads and stores, calls into #[target_feature] functions after detection"),
+];
+
+/// Crates that are libraries (relative directories; `.` is the `oogc` crate): `anyhow` only in
+/// the binary (`cli/`), tests, benches and examples (STYLE.md §8).
+const LIBRARY_CRATES: &[&str] = &[".", "swapper", "optimizer", "prefetch", "moe-placement", "models", "bench"];
+
+/// Non-test files that may build candle tensors on `Device::Cpu` because their compute is the
+/// CPU's by nature, each with why. Test code, `tests/`, `benches/` and `examples/` need no entry.
+/// (The models' fused CPU kernels dispatch on `Tensor::device().is_cpu()` and name no device.)
+const CPU_DEVICE_FILES: &[(&str, &str)] = &[
+    (
+        "src/runtime.rs",
+        "the sim device's compute copies are CPU tensors (`device_tensor`), and `fetch_host` computes a cold \
+         MoE expert on the CPU from its host copy (the CPU-compute path of experts)",
+    ),
+    ("bench/src/probe.rs", "the compute probe times candle's CPU, the sim device's compute, for the planner"),
+];
+
+/// `Device::Cpu` where the compute device belongs: device-generic work, issue 16. Each entry
+/// leaves this list when that use takes the compute device (the check fails on a stale entry).
+const CPU_DEVICE_TEMPORARY: &[(&str, &str)] = &[(
+    "src/train.rs",
+    "device-generic work, issue 16: `Trainer::tokens` builds the batch's token ids on the CPU whatever the \
+     compute device",
+)];
+
+/// Directories never walked: build outputs and hidden directories (`.git`, `.ci` holds no Rust).
+const SKIP_DIRS: &[&str] = &["target", "dist"];
+
+/// File extensions that make a backticked word in ARCHITECTURE.md a path.
+const PATH_EXTENSIONS: &[&str] = &["rs", "toml", "md", "sh", "json", "py"];
+
+// ---------------------------------------------------------------------------------------------
+// Reading Rust text.
+
+fn is_ident(c: char) -> bool {
+    c.is_alphanumeric() || c == '_'
+}
+
+/// `text` with comments, string literals and char literals blanked out (newlines kept, so line
+/// numbers hold): what the compiler reads as code. Lifetimes stay; raw strings (`r#".."#`, `br".."`)
+/// and nested block comments are understood.
+fn code_only(text: &str) -> String {
+    let c: Vec<char> = text.chars().collect();
+    let mut out = String::with_capacity(text.len());
+    let blank = |ch: char| if ch == '\n' { '\n' } else { ' ' };
+    let mut i = 0;
+    while i < c.len() {
+        let (ch, next) = (c[i], c.get(i + 1).copied());
+        if ch == '/' && next == Some('/') {
+            while i < c.len() && c[i] != '\n' {
+                out.push(' ');
+                i += 1;
+            }
+        } else if ch == '/' && next == Some('*') {
+            let mut depth = 0;
+            while i < c.len() {
+                if c[i] == '/' && c.get(i + 1) == Some(&'*') {
+                    depth += 1;
+                    out.push_str("  ");
+                    i += 2;
+                } else if c[i] == '*' && c.get(i + 1) == Some(&'/') {
+                    depth -= 1;
+                    out.push_str("  ");
+                    i += 2;
+                    if depth == 0 {
+                        break;
+                    }
+                } else {
+                    out.push(blank(c[i]));
+                    i += 1;
+                }
+            }
+        } else if ch == '"' {
+            out.push(' ');
+            i += 1;
+            while i < c.len() {
+                let x = c[i];
+                out.push(blank(x));
+                i += 1;
+                if x == '\\' && i < c.len() {
+                    out.push(blank(c[i]));
+                    i += 1;
+                } else if x == '"' {
+                    break;
+                }
+            }
+        } else if ch == 'r'
+            && matches!(next, Some('"' | '#'))
+            && (i == 0 || !is_ident(c[i - 1]) || (c[i - 1] == 'b' && (i < 2 || !is_ident(c[i - 2]))))
+        {
+            let mut j = i + 1;
+            while c.get(j) == Some(&'#') {
+                j += 1;
+            }
+            let hashes = j - i - 1;
+            if c.get(j) != Some(&'"') {
+                out.push(ch); // a raw identifier, `r#type`
+                i += 1;
+                continue;
+            }
+            // Blank up to the closing quote followed by as many `#`.
+            let mut k = j + 1;
+            while k < c.len() && !(c[k] == '"' && (1..=hashes).all(|h| c.get(k + h) == Some(&'#'))) {
+                k += 1;
+            }
+            let end = (k + 1 + hashes).min(c.len());
+            out.extend(c[i..end].iter().map(|&x| blank(x)));
+            i = end;
+        } else if ch == '\'' && next == Some('\\') {
+            // An escaped char literal: '\n', '\'', '\u{..}'.
+            let mut k = i + 3;
+            while k < c.len() && c[k] != '\'' {
+                k += 1;
+            }
+            let end = (k + 1).min(c.len());
+            out.extend(c[i..end].iter().map(|&x| blank(x)));
+            i = end;
+        } else if ch == '\'' && c.get(i + 2) == Some(&'\'') {
+            out.push_str("   "); // 'x'
+            i += 3;
+        } else {
+            out.push(ch); // code, or a lifetime's quote
+            i += 1;
+        }
+    }
+    out
+}
+
+/// `code` (from [`code_only`]) without a trailing `#[cfg(test)] mod name { .. }` (blanked, lines
+/// kept); all of it blank for a test file (`tests.rs`, `*_tests.rs`).
+fn non_test_code(path: &str, code: &str) -> String {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    if name == "tests.rs" || name.ends_with("_tests.rs") {
+        return code.chars().map(|ch| if ch == '\n' { '\n' } else { ' ' }).collect();
+    }
+    let mut out = String::with_capacity(code.len());
+    let mut rest = code;
+    while let Some(at) = rest.find("#[cfg(test)]") {
+        let after = rest[at + "#[cfg(test)]".len()..].trim_start();
+        let is_inline_mod = after.strip_prefix("pub ").unwrap_or(after).starts_with("mod ")
+            && after.find(['{', ';']).is_some_and(|k| after.as_bytes()[k] == b'{');
+        if !is_inline_mod {
+            out.push_str(&rest[..at + 1]);
+            rest = &rest[at + 1..];
+            continue;
+        }
+        out.push_str(&rest[..at]);
+        // Blank to the brace that closes the module.
+        let open = at + rest[at..].find('{').expect("checked above");
+        let mut depth = 0usize;
+        let mut end = rest.len();
+        for (k, b) in rest.bytes().enumerate().skip(open) {
+            match b {
+                b'{' => depth += 1,
+                b'}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        end = k + 1;
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+        out.extend(rest[at..end].chars().map(|ch| if ch == '\n' { '\n' } else { ' ' }));
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Where `word` occurs in `code` as a whole word: (1-based line, byte offset just after it).
+fn find_word(code: &str, word: &str) -> Vec<(usize, usize)> {
+    code.match_indices(word)
+        .filter(|&(at, _)| {
+            let before = code[..at].chars().next_back();
+            let after = code[at + word.len()..].chars().next();
+            !before.is_some_and(is_ident) && !after.is_some_and(is_ident)
+        })
+        .map(|(at, _)| (code[..at].matches('\n').count() + 1, at + word.len()))
+        .collect()
+}
+
+/// The comment and attribute lines just above 1-based line `line` of `text`, nearest first.
+fn lines_above(text: &str, line: usize) -> Vec<&str> {
+    let lines: Vec<&str> = text.lines().collect();
+    lines[..line - 1]
+        .iter()
+        .rev()
+        .map(|l| l.trim())
+        .take_while(|l| l.starts_with("//") || l.starts_with("#["))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rule 1: `unsafe` is fenced.
+
+/// `unsafe` outside [`UNSAFE_FILES`]; inside them, an `unsafe` block or impl without a
+/// `// SAFETY:` comment on the lines just above (attributes may stand between), or an
+/// `unsafe fn` without a `# Safety` doc section.
+fn unsafe_violations(path: &str, text: &str) -> Vec<String> {
+    let code = code_only(text);
+    let fenced = UNSAFE_FILES.iter().any(|(f, _)| *f == path);
+    let mut out = Vec::new();
+    if !fenced {
+        if let Some((line, _)) = find_word(&code, "unsafe").first() {
+            out.push(format!(
+                "{path}:{line}: `unsafe` outside the fenced files ({}); use a safe API, or fence the file in \
+                 UNSAFE_FILES (tests/tidy.rs) with its reason",
+                UNSAFE_FILES.iter().map(|(f, _)| *f).collect::<Vec<_>>().join(", ")
+            ));
+        }
+        if let Some((line, _)) = find_word(&code, "unsafe_code").iter().find(|&&(_, end)| {
+            let head = &code[..end - "unsafe_code".len()];
+            head.trim_end().trim_end_matches('(').trim_end().ends_with("allow")
+        }) {
+            out.push(format!("{path}:{line}: `allow(unsafe_code)` outside the fenced files"));
+        }
+        return out;
+    }
+    for (line, end) in find_word(&code, "unsafe") {
+        let next = code[end..].trim_start();
+        let word: String = next.chars().take_while(|&ch| is_ident(ch)).collect();
+        let above = lines_above(text, line);
+        if next.starts_with('{') || word == "impl" {
+            if !above.iter().any(|l| l.starts_with("// SAFETY:")) {
+                let what = if word == "impl" { "`unsafe impl`" } else { "`unsafe` block" };
+                out.push(format!(
+                    "{path}:{line}: {what} without a `// SAFETY:` comment on the line(s) just above: say why it is sound"
+                ));
+            }
+        } else if word == "fn" && !above.iter().any(|l| l.starts_with("///") && l.contains("# Safety")) {
+            out.push(format!(
+                "{path}:{line}: `unsafe fn` without a `# Safety` section in its docs: state what the caller must uphold"
+            ));
+        }
+    }
+    out
+}
+
+/// A crate root that does not deny `unsafe_code`: neither `#![deny(unsafe_code)]` (or `forbid`)
+/// in `root_text`, nor the workspace's `unsafe_code = "deny"` reaching it through
+/// `[lints] workspace = true` in its `manifest`.
+fn unsafe_lint_violations(root_path: &str, root_text: &str, manifest: &str, workspace_manifest: &str) -> Vec<String> {
+    let code: String = code_only(root_text).split_whitespace().collect();
+    if code.contains("#![deny(unsafe_code)]") || code.contains("#![forbid(unsafe_code)]") {
+        return Vec::new();
+    }
+    let level = workspace_lint_level(workspace_manifest, "unsafe_code");
+    if matches!(level.as_deref(), Some("deny" | "forbid")) && lints_workspace(manifest) {
+        return Vec::new();
+    }
+    vec![format!(
+        "{root_path}: `unsafe_code` is not denied: add `#![deny(unsafe_code)]`, or `[lints] workspace = true` to the \
+         crate's Cargo.toml with `unsafe_code = \"deny\"` in the root's `[workspace.lints.rust]`"
+    )]
+}
+
+/// The level of rustc lint `lint` in the root manifest's `[workspace.lints.rust]`
+/// (`lint = "deny"` or `lint = { level = "deny", .. }`).
+fn workspace_lint_level(workspace_manifest: &str, lint: &str) -> Option<String> {
+    let workspace: toml::Table = workspace_manifest.parse().ok()?;
+    let v = workspace.get("workspace")?.get("lints")?.get("rust")?.get(lint)?;
+    v.as_str().or_else(|| v.get("level")?.as_str()).map(str::to_string)
+}
+
+/// Whether a member's `manifest` takes the workspace lints (`[lints] workspace = true`).
+fn lints_workspace(manifest: &str) -> bool {
+    let m: toml::Table = manifest.parse().unwrap_or_default();
+    m.get("lints").and_then(|l| l.get("workspace")).and_then(|w| w.as_bool()) == Some(true)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rule 2: no anyhow in library crates.
+
+/// `anyhow` among the `[dependencies]` (or `[target.*.dependencies]`) of a library crate's
+/// `manifest`; dev-dependencies may have it.
+fn anyhow_dependency_violations(manifest_path: &str, manifest: &str) -> Vec<String> {
+    let m: toml::Table = match manifest.parse() {
+        Ok(m) => m,
+        Err(e) => return vec![format!("{manifest_path}: not TOML: {e}")],
+    };
+    let mut tables: Vec<&toml::Value> = m.get("dependencies").into_iter().collect();
+    if let Some(targets) = m.get("target").and_then(|t| t.as_table()) {
+        tables.extend(targets.values().filter_map(|t| t.get("dependencies")));
+    }
+    if tables.iter().any(|t| t.get("anyhow").is_some()) {
+        vec![format!(
+            "{manifest_path}: `anyhow` in [dependencies] of a library crate: return the crate's one `thiserror` enum \
+             (STYLE.md §8); anyhow belongs in [dev-dependencies] and the binary"
+        )]
+    } else {
+        Vec::new()
+    }
+}
+
+/// `anyhow` in the non-test code of a library crate's source file (comments and doc examples
+/// aside).
+fn anyhow_source_violations(path: &str, text: &str) -> Vec<String> {
+    let code = non_test_code(path, &code_only(text));
+    find_word(&code, "anyhow")
+        .first()
+        .map(|(line, _)| {
+            format!("{path}:{line}: `anyhow` in a library crate: return the crate's `Error` (STYLE.md §8)")
+        })
+        .into_iter()
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rule 3: `Device::Cpu` only where CPU-only code belongs.
+
+fn is_test_path(path: &str) -> bool {
+    let name = path.rsplit('/').next().unwrap_or(path);
+    ["tests/", "benches/", "examples/"].iter().any(|d| path.starts_with(d) || path.contains(&format!("/{d}")))
+        || name == "tests.rs"
+        || name.ends_with("_tests.rs")
+}
+
+/// Lines of the non-test code of `text` that name `Device::Cpu`.
+fn cpu_device_lines(path: &str, text: &str) -> Vec<usize> {
+    let code = non_test_code(path, &code_only(text));
+    code.match_indices("Device::Cpu")
+        .filter(|&(at, _)| {
+            !code[..at].chars().next_back().is_some_and(is_ident)
+                && !code[at + "Device::Cpu".len()..].chars().next().is_some_and(is_ident)
+        })
+        .map(|(at, _)| code[..at].matches('\n').count() + 1)
+        .collect()
+}
+
+/// `Device::Cpu` outside test code, [`CPU_DEVICE_FILES`] and [`CPU_DEVICE_TEMPORARY`].
+fn cpu_device_violations(path: &str, text: &str) -> Vec<String> {
+    let listed = CPU_DEVICE_FILES.iter().chain(CPU_DEVICE_TEMPORARY).any(|(f, _)| *f == path);
+    if listed || is_test_path(path) {
+        return Vec::new();
+    }
+    cpu_device_lines(path, text)
+        .first()
+        .map(|line| {
+            format!(
+                "{path}:{line}: `Device::Cpu` in code that should run on the compute device: take the device from \
+                 the caller (the runtime's compute device), or, if this code is CPU-only by nature, add the file to \
+                 CPU_DEVICE_FILES (tests/tidy.rs) with why"
+            )
+        })
+        .into_iter()
+        .collect()
+}
+
+/// Entries of the `Device::Cpu` lists whose file no longer names it (or is gone): `uses(path)`
+/// says whether the file's non-test code does.
+fn stale_cpu_device_entries(uses: &dyn Fn(&str) -> bool) -> Vec<String> {
+    CPU_DEVICE_FILES
+        .iter()
+        .chain(CPU_DEVICE_TEMPORARY)
+        .filter(|(f, _)| !uses(f))
+        .map(|(f, _)| format!("{f}: listed for `Device::Cpu` in tests/tidy.rs but names none: remove the entry"))
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rule 4: ARCHITECTURE.md names paths that exist.
+
+/// A backticked word of ARCHITECTURE.md that looks like a repository path: (line, path, the
+/// code map's crate source directory it may be relative to).
+#[derive(Debug, PartialEq)]
+struct NamedPath {
+    line: usize,
+    path: String,
+    base: Option<String>,
+}
+
+/// The repository paths that `md` names in backticks (outside fenced code blocks). A word is a
+/// path when it holds only path characters and ends with `/`, has an extension of
+/// [`PATH_EXTENSIONS`], or starts with an existing top-level entry (`is_top(first component)`);
+/// under a `### \`crate/\`` heading of the code map a bare Rust file name (`tier.rs`) is one
+/// too, relative to that crate's `src/` (elsewhere a bare name is relative to something the
+/// sentence names, and not checked). Words under `../` (outside the repository), `target/` and
+/// `dist/` (build outputs) are not checked.
+fn architecture_paths(md: &str, is_top: &dyn Fn(&str) -> bool) -> Vec<NamedPath> {
+    let mut out = Vec::new();
+    let (mut in_fence, mut in_code_map, mut base) = (false, false, None::<String>);
+    let mut span: Option<(usize, String)> = None;
+    for (n, line) in md.lines().enumerate() {
+        let n = n + 1;
+        if line.trim_start().starts_with("```") {
+            in_fence = !in_fence;
+            continue;
+        }
+        if in_fence {
+            continue;
+        }
+        if span.is_none() {
+            if let Some(h) = line.strip_prefix("## ") {
+                in_code_map = h.trim() == "Code map";
+                base = None;
+            } else if let Some(h) = line.strip_prefix("### ") {
+                base = None;
+                if in_code_map {
+                    let first = h.split('`').nth(1).unwrap_or("");
+                    if let Some(dir) = first.strip_suffix('/') {
+                        base = Some(if dir == "src" { "src/".into() } else { format!("{dir}/src/") });
+                    }
+                }
+            }
+        }
+        // Inline code spans may run over a line break.
+        for (k, piece) in line.split('`').enumerate() {
+            if k > 0 {
+                span = match span.take() {
+                    None => Some((n, String::new())),
+                    Some((at, word)) => {
+                        if let Some(p) = as_repo_path(&word, base.is_some(), is_top) {
+                            out.push(NamedPath { line: at, path: p, base: base.clone() });
+                        }
+                        None
+                    }
+                };
+            }
+            if let Some((_, word)) = span.as_mut() {
+                word.push_str(piece);
+            }
+        }
+        if let Some((_, word)) = span.as_mut() {
+            word.push(' ');
+        }
+    }
+    out
+}
+
+fn as_repo_path(word: &str, in_crate_section: bool, is_top: &dyn Fn(&str) -> bool) -> Option<String> {
+    let w = word.trim();
+    if w.is_empty() || !w.chars().all(|c| c.is_ascii_alphanumeric() || "_-./".contains(c)) {
+        return None;
+    }
+    if ["../", "target/", "dist/", "./"].iter().any(|p| w.starts_with(p)) || !w.chars().any(|c| c.is_alphanumeric()) {
+        return None;
+    }
+    let last = w.trim_end_matches('/').rsplit('/').next().unwrap_or(w);
+    let has_ext = last.rsplit_once('.').is_some_and(|(stem, ext)| !stem.is_empty() && PATH_EXTENSIONS.contains(&ext));
+    let first = w.split('/').next().unwrap_or(w);
+    let looks = if w.contains('/') {
+        w.ends_with('/') || has_ext || is_top(first)
+    } else {
+        in_crate_section && last.ends_with(".rs")
+    };
+    looks.then(|| w.to_string())
+}
+
+/// Each path of [`architecture_paths`] that does not exist (`exists(relative path)`), tried from
+/// the repository root and, in the code map, from the crate's `src/`.
+fn architecture_path_violations(md: &str, exists: &dyn Fn(&str) -> bool) -> Vec<String> {
+    architecture_paths(md, &|first| exists(first))
+        .into_iter()
+        .filter(|p| !exists(&p.path) && !p.base.as_ref().is_some_and(|b| exists(&format!("{b}{}", p.path))))
+        .map(|p| {
+            let also = p.base.as_ref().map_or(String::new(), |b| format!(" (nor does {b}{})", p.path));
+            format!(
+                "ARCHITECTURE.md:{}: names `{}`, which does not exist{also}: fix the path or the page",
+                p.line, p.path
+            )
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rule 5: no #[ignore].
+
+/// An `#[ignore]` (or `cfg_attr(.., ignore)`) attribute in `text`.
+fn ignore_violations(path: &str, text: &str) -> Vec<String> {
+    let code = code_only(text);
+    let mut out = Vec::new();
+    for (n, line) in code.lines().enumerate() {
+        let squeezed: String = line.split_whitespace().collect();
+        let cfg_attr_ignore = squeezed.contains("#[cfg_attr(") && !find_word(&squeezed, "ignore").is_empty();
+        if squeezed.contains("#[ignore") || cfg_attr_ignore {
+            out.push(format!(
+                "{path}:{}: `#[ignore]`: a test that cannot run here skips loudly (prints `skipped: <why>`) instead \
+                 (STYLE.md §9)",
+                n + 1
+            ));
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rule 6: docs on public items.
+
+/// The workspace's `missing_docs` lint is not `warn` (or stricter), or a member's `manifest` does
+/// not take the workspace lints.
+fn docs_lint_violations(workspace_manifest: &str, members: &[(String, String)]) -> Vec<String> {
+    let mut out = Vec::new();
+    let level = workspace_lint_level(workspace_manifest, "missing_docs");
+    if !matches!(level.as_deref(), Some("warn" | "deny" | "forbid")) {
+        out.push(
+            "Cargo.toml: `[workspace.lints.rust]` lacks `missing_docs = \"warn\"` (CI's clippy -D warnings makes it \
+             an error)"
+                .to_string(),
+        );
+    }
+    for (path, manifest) in members {
+        if !lints_workspace(manifest) {
+            out.push(format!("{path}: lacks `[lints] workspace = true` (missing_docs, unsafe_code, clippy lints)"));
+        }
+    }
+    out
+}
+
+/// A crate root whose first non-blank line is not a `//!` doc.
+fn crate_doc_violations(path: &str, text: &str) -> Vec<String> {
+    match text.lines().find(|l| !l.trim().is_empty()) {
+        Some(l) if l.starts_with("//!") => Vec::new(),
+        _ => vec![format!("{path}: a crate root starts with a `//!` doc: what the crate owns (STYLE.md §14)")],
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The workspace.
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(root().join(rel)).unwrap_or_else(|e| panic!("reading {rel}: {e}"))
+}
+
+/// Every `.rs` file under `dir`, as paths relative to the root with `/` separators.
+fn rust_files(dir: &Path, rel: &str, out: &mut Vec<String>) {
+    let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap()).collect();
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let rel = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
+        let ty = e.file_type().unwrap();
+        if ty.is_dir() && !name.starts_with('.') && !SKIP_DIRS.contains(&name.as_str()) {
+            rust_files(&e.path(), &rel, out);
+        } else if ty.is_file() && name.ends_with(".rs") {
+            out.push(rel);
+        }
+    }
+}
+
+/// The workspace members' directories (`.` for the root package).
+fn members(workspace_manifest: &str) -> Vec<String> {
+    let m: toml::Table = workspace_manifest.parse().expect("the root Cargo.toml is TOML");
+    let members = m["workspace"]["members"].as_array().expect("workspace.members");
+    members.iter().map(|v| v.as_str().expect("a member path").trim_end_matches('/').to_string()).collect()
+}
+
+fn in_dir(dir: &str, rel: &str) -> String {
+    if dir == "." {
+        rel.to_string()
+    } else {
+        format!("{dir}/{rel}")
+    }
+}
+
+/// A member's crate roots: its library and binaries (Cargo's defaults or `[lib]`/`[[bin]] path`).
+fn crate_roots(dir: &str, manifest: &str) -> Vec<String> {
+    let m: toml::Table = manifest.parse().expect("a member's Cargo.toml is TOML");
+    let mut roots = Vec::new();
+    let lib = m.get("lib").and_then(|l| l.get("path")).and_then(|p| p.as_str()).unwrap_or("src/lib.rs");
+    roots.push(in_dir(dir, lib));
+    for bin in m.get("bin").and_then(|b| b.as_array()).into_iter().flatten() {
+        roots.push(in_dir(dir, bin.get("path").and_then(|p| p.as_str()).unwrap_or("src/main.rs")));
+    }
+    roots.push(in_dir(dir, "src/main.rs"));
+    roots.sort();
+    roots.dedup();
+    roots.into_iter().filter(|r| root().join(r).is_file()).collect()
+}
+
+#[test]
+fn tidy() {
+    let started = std::time::Instant::now();
+    let workspace_manifest = read("Cargo.toml");
+    let member_dirs = members(&workspace_manifest);
+    let manifests: Vec<(String, String)> = member_dirs
+        .iter()
+        .map(|d| {
+            let p = in_dir(d, "Cargo.toml");
+            let text = read(&p);
+            (p, text)
+        })
+        .collect();
+    let mut files = Vec::new();
+    rust_files(&root(), "", &mut files);
+    let texts: Vec<(String, String)> = files
+        .into_iter()
+        .map(|f| {
+            let text = read(&f);
+            (f, text)
+        })
+        .collect();
+    let mut v = Vec::new();
+
+    // 1. unsafe
+    for (path, text) in &texts {
+        v.extend(unsafe_violations(path, text));
+    }
+    for (f, _) in UNSAFE_FILES {
+        if !texts.iter().any(|(p, _)| p == f) {
+            v.push(format!("{f}: listed in UNSAFE_FILES (tests/tidy.rs) but missing: remove the entry"));
+        }
+    }
+    for (dir, (manifest_path, manifest)) in member_dirs.iter().zip(&manifests) {
+        let roots = crate_roots(dir, manifest);
+        if roots.is_empty() {
+            v.push(format!("{manifest_path}: no crate root found"));
+        }
+        for r in roots {
+            let text = read(&r);
+            v.extend(unsafe_lint_violations(&r, &text, manifest, &workspace_manifest));
+            v.extend(crate_doc_violations(&r, &text));
+        }
+    }
+
+    // 2. anyhow
+    for dir in LIBRARY_CRATES {
+        assert!(member_dirs.iter().any(|m| m == dir), "LIBRARY_CRATES names {dir}, not a workspace member");
+        let manifest_path = in_dir(dir, "Cargo.toml");
+        v.extend(anyhow_dependency_violations(&manifest_path, &read(&manifest_path)));
+        let src = in_dir(dir, "src/");
+        for (path, text) in texts.iter().filter(|(p, _)| p.starts_with(&src)) {
+            v.extend(anyhow_source_violations(path, text));
+        }
+    }
+
+    // 3. Device::Cpu
+    for (path, text) in &texts {
+        v.extend(cpu_device_violations(path, text));
+    }
+    v.extend(stale_cpu_device_entries(&|f| texts.iter().any(|(p, t)| p == f && !cpu_device_lines(p, t).is_empty())));
+
+    // 4. ARCHITECTURE.md
+    v.extend(architecture_path_violations(&read("ARCHITECTURE.md"), &|p| root().join(p).exists()));
+
+    // 5. #[ignore]
+    for (path, text) in &texts {
+        v.extend(ignore_violations(path, text));
+    }
+
+    // 6. docs
+    v.extend(docs_lint_violations(&workspace_manifest, &manifests));
+
+    assert!(v.is_empty(), "tidy: {} problem(s):\n{}\n", v.len(), v.join("\n"));
+    // Checked on the workspace, not timed on a loaded machine: a hint, not a failure.
+    let secs = started.elapsed().as_secs_f64();
+    if secs > 1.0 {
+        eprintln!("tidy took {secs:.2} s over {} files: keep it under 1 s", texts.len());
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Each rule on synthetic input: it fails when broken, passes when kept.
+
+#[test]
+fn code_only_blanks_comments_strings_and_chars_but_keeps_lines_and_lifetimes() {
+    let src = "let a = \"unsafe { }\"; // unsafe\n/* unsafe /* nested */ unsafe */ fn f<'a>(x: &'a str) {}\n\
+               let c = '{'; let d = '\\''; let r = r#\"unsafe \"quoted\" \"#; let b = br\"unsafe\";\nunsafe {}";
+    let code = code_only(src);
+    assert_eq!(code.lines().count(), src.lines().count());
+    assert_eq!(find_word(&code, "unsafe"), vec![(4, code.len() - 3)]);
+    assert!(code.contains("fn f<'a>(x: &'a str)"), "{code}");
+    assert_eq!(code.matches('{').count(), 2, "{code}");
+    // A raw identifier is code.
+    assert!(code_only("let r#type = 1;").contains("r#type"));
+}
+
+#[test]
+fn non_test_code_drops_a_trailing_test_module_and_test_files() {
+    let src = "fn lib() {}\n#[cfg(test)]\nmod tests {\n    use anyhow::Result;\n    fn t() { {} }\n}\nfn after() {}\n";
+    let code = non_test_code("src/x.rs", &code_only(src));
+    assert_eq!(code.lines().count(), src.lines().count());
+    assert!(code.contains("fn lib()") && code.contains("fn after()") && !code.contains("anyhow"), "{code}");
+    // `#[cfg(test)] mod tests;` (a file) and a `#[cfg(test)] fn` stay.
+    let src = "#[cfg(test)]\nmod tests;\n#[cfg(test)]\nfn helper() { anyhow() }\n";
+    assert!(non_test_code("src/x.rs", &code_only(src)).contains("anyhow"));
+    assert!(!non_test_code("src/gpt/moe_tests.rs", "anyhow").contains("anyhow"));
+}
+
+#[test]
+fn unsafe_outside_the_fence_fails() {
+    let fenced = UNSAFE_FILES[0].0;
+    let v = unsafe_violations("src/runtime.rs", "fn f() {\n    // SAFETY: fine.\n    unsafe { g() }\n}\n");
+    assert!(v.len() == 1 && v[0].contains("src/runtime.rs:3") && v[0].contains("outside"), "{v:?}");
+    let v = unsafe_violations("models/src/mmap.rs", "#![allow(unsafe_code)]\n");
+    assert!(v.len() == 1 && v[0].contains("allow(unsafe_code)"), "{v:?}");
+    // Words in comments and strings, and the deny lint, are not `unsafe` code.
+    let ok = "#![deny(unsafe_code)]\n//! No `unsafe` here.\nconst S: &str = \"unsafe {\";\n";
+    assert_eq!(unsafe_violations("src/lib.rs", ok), Vec::<String>::new());
+    assert_eq!(unsafe_violations(fenced, ok), Vec::<String>::new());
+}
+
+#[test]
+fn unsafe_without_its_safety_comment_fails() {
+    let f = UNSAFE_FILES[0].0;
+    let good = "#![allow(unsafe_code)]\n\
+                fn f() {\n\
+                    // SAFETY: the pointer is valid for `n` bytes,\n\
+                    // and nothing else holds it.\n\
+                    #[cfg(not(feature = \"x\"))]\n\
+                    let p = unsafe { g() };\n\
+                }\n\
+                // SAFETY: owned alone.\n\
+                unsafe impl Send for X {}\n\
+                /// Adds.\n\
+                ///\n\
+                /// # Safety\n\
+                /// AVX2 present.\n\
+                #[target_feature(enable = \"avx2\")]\n\
+                pub(super) unsafe fn add() {}\n";
+    assert_eq!(unsafe_violations(f, good), Vec::<String>::new());
+    let v = unsafe_violations(f, "fn f() {\n    // the pointer is valid\n    let p = unsafe { g() };\n}\n");
+    assert!(v.len() == 1 && v[0].contains(":3:") && v[0].contains("SAFETY"), "{v:?}");
+    // A SAFETY comment above a blank line or code does not count.
+    let v = unsafe_violations(f, "// SAFETY: fine.\nlet x = 1;\nlet p = unsafe { g() };\n");
+    assert_eq!(v.len(), 1, "{v:?}");
+    let v = unsafe_violations(f, "unsafe impl Sync for X {}\n");
+    assert!(v.len() == 1 && v[0].contains("unsafe impl"), "{v:?}");
+    let v = unsafe_violations(f, "/// Adds.\n#[inline]\npub unsafe fn add() {}\n");
+    assert!(v.len() == 1 && v[0].contains("# Safety"), "{v:?}");
+}
+
+#[test]
+fn a_crate_root_without_the_unsafe_lint_fails() {
+    let ws = "[workspace.lints.rust]\nunsafe_code = \"deny\"\n";
+    let member = "[package]\nname = \"x\"\n[lints]\nworkspace = true\n";
+    let bare = "[package]\nname = \"x\"\n";
+    assert!(unsafe_lint_violations("x/src/lib.rs", "//! X.\n", member, ws).is_empty());
+    assert!(unsafe_lint_violations("x/src/lib.rs", "//! X.\n#![forbid(unsafe_code)]\n", bare, "").is_empty());
+    assert_eq!(unsafe_lint_violations("x/src/lib.rs", "//! X.\n", bare, ws).len(), 1);
+    assert_eq!(unsafe_lint_violations("x/src/lib.rs", "//! X.\n", member, "[workspace]\n").len(), 1);
+    // A commented-out attribute is no lint.
+    assert_eq!(unsafe_lint_violations("x/src/lib.rs", "// #![deny(unsafe_code)]\n", bare, ws).len(), 1);
+}
+
+#[test]
+fn anyhow_in_a_library_fails() {
+    let v = anyhow_dependency_violations("x/Cargo.toml", "[dependencies]\nanyhow = { workspace = true }\n");
+    assert_eq!(v.len(), 1, "{v:?}");
+    let v = anyhow_dependency_violations("x/Cargo.toml", "[target.'cfg(unix)'.dependencies]\nanyhow = \"1\"\n");
+    assert_eq!(v.len(), 1, "{v:?}");
+    let ok = "[dependencies]\nthiserror = \"2\"\n[dev-dependencies]\nanyhow = \"1\"\n";
+    assert!(anyhow_dependency_violations("x/Cargo.toml", ok).is_empty());
+
+    let v = anyhow_source_violations("x/src/a.rs", "pub fn f() -> anyhow::Result<()> { Ok(()) }\n");
+    assert!(v.len() == 1 && v[0].contains("x/src/a.rs:1"), "{v:?}");
+    // A doc example's hidden `# anyhow::Ok(())` line, a comment, a test module: fine.
+    let ok = "//! ```\n//! # anyhow::Ok(())\n//! ```\n/// as `anyhow` would\npub fn f() {}\n\
+              #[cfg(test)]\nmod tests {\n    fn t() -> anyhow::Result<()> { Ok(()) }\n}\n";
+    assert!(anyhow_source_violations("x/src/a.rs", ok).is_empty());
+}
+
+#[test]
+fn device_cpu_outside_its_lists_fails() {
+    let text = "fn tokens() -> Tensor { Tensor::new(ids, &candle_core::Device::Cpu) }\n";
+    let v = cpu_device_violations("src/data.rs", text);
+    assert!(v.len() == 1 && v[0].contains("src/data.rs:1"), "{v:?}");
+    let v = cpu_device_violations("models/src/gpt/mod.rs", "use candle_core::Device;\nlet d = Device::Cpu;\n");
+    assert!(v.len() == 1 && v[0].contains(":2"), "{v:?}");
+    // Listed files, test code, comments, and other names are fine.
+    assert!(cpu_device_violations(CPU_DEVICE_FILES[0].0, text).is_empty());
+    assert!(cpu_device_violations(CPU_DEVICE_TEMPORARY[0].0, text).is_empty());
+    for p in ["tests/runtime.rs", "models/src/gpt/tests.rs", "benches/adam.rs", "examples/e.rs", "swapper/tests/x.rs"] {
+        assert!(cpu_device_violations(p, text).is_empty(), "{p}");
+    }
+    let ok = "//! On `Device::Cpu` the fused kernels run.\nlet d = Device::Cuda0;\nlet e = MyDevice::Cpus; let f = MyDevice::Cpu;\n\
+              #[cfg(test)]\nmod tests {\n    const D: Device = Device::Cpu;\n}\n";
+    assert!(cpu_device_violations("models/src/kernels.rs", ok).is_empty());
+    // An entry whose file no longer names it is stale.
+    let stale = stale_cpu_device_entries(&|f| f != CPU_DEVICE_TEMPORARY[0].0);
+    assert!(stale.len() == 1 && stale[0].contains(CPU_DEVICE_TEMPORARY[0].0), "{stale:?}");
+    assert!(stale_cpu_device_entries(&|_| true).is_empty());
+}
+
+#[test]
+fn architecture_md_naming_a_missing_path_fails() {
+    let repo = [
+        "src",
+        "src/plan.rs",
+        "swapper",
+        "swapper/src",
+        "swapper/src/tier.rs",
+        "swapper/src/device/mod.rs",
+        ".ci",
+        ".ci/run",
+        "swapper/tests",
+        "swapper/tests/nvme.rs",
+        "README.md",
+    ];
+    let exists = |p: &str| repo.contains(&p.trim_end_matches('/'));
+    let md = "# A\n\n## Entry points\n\n- `src/plan.rs`: plans. `.ci/run`: CI. `../shared/DESIGN.md`, `dist/x/`, \
+              `oogc=trace`, `h2d`/`d2h`, `Arc<Mutex<..>>`, `README.md`.\n- `swapper/tests/nvme.rs`, `nvme.rs`.\n\
+              \n## Code map\n\n### `swapper/` (`oogc-swapper`)\n\n- `tier.rs`: tiers. `device/mod.rs`: the \
+              trait, `OutOfMemory { tier,\n  requested_bytes }`.\n\n```\nfetch(u) `src/nope.rs`\n```\n";
+    assert_eq!(architecture_path_violations(md, &exists), Vec::<String>::new());
+    let names: Vec<String> = architecture_paths(md, &|f| exists(f)).into_iter().map(|p| p.path).collect();
+    assert_eq!(names, ["src/plan.rs", ".ci/run", "swapper/tests/nvme.rs", "swapper/", "tier.rs", "device/mod.rs"]);
+
+    let bad = "## Entry points\n\n- `src/main.rs`: the CLI; `src/bench/`.\n\n## Code map\n\n### `src/` (`oogc`)\n\n\
+               | `model/` | the GPT |\n| `plan.rs`, `bench/step.rs` | |\n";
+    let v = architecture_path_violations(bad, &exists);
+    assert_eq!(v.len(), 4, "{v:?}");
+    assert!(v[0].starts_with("ARCHITECTURE.md:3: names `src/main.rs`"), "{v:?}");
+    assert!(v[1].contains("`src/bench/`"), "{v:?}");
+    assert!(v[2].starts_with("ARCHITECTURE.md:9: names `model/`") && v[2].contains("src/model/"), "{v:?}");
+    assert!(v[3].contains("`bench/step.rs`"), "{v:?}");
+}
+
+#[test]
+fn ignore_attributes_fail() {
+    let v = ignore_violations("tests/x.rs", "#[test]\n#[ignore]\nfn slow() {}\n");
+    assert!(v.len() == 1 && v[0].contains("tests/x.rs:2"), "{v:?}");
+    assert_eq!(ignore_violations("tests/x.rs", "#[test]\n#[ignore = \"needs a GPU\"]\nfn g() {}\n").len(), 1);
+    assert_eq!(ignore_violations("tests/x.rs", "#[cfg_attr(not(feature = \"cuda\"), ignore)]\nfn g() {}\n").len(), 1);
+    let ok = "// #[ignore] is not used here\nconst S: &str = \"#[ignore]\";\n#[test]\nfn ignored_paths() {}\n";
+    assert!(ignore_violations("tests/x.rs", ok).is_empty());
+}
+
+#[test]
+fn missing_docs_lints_and_crate_docs_fail_when_missing() {
+    let ws = "[workspace.lints.rust]\nmissing_docs = \"warn\"\n";
+    let member = ("x/Cargo.toml".to_string(), "[package]\nname = \"x\"\n[lints]\nworkspace = true\n".to_string());
+    let bare = ("y/Cargo.toml".to_string(), "[package]\nname = \"y\"\n".to_string());
+    assert!(docs_lint_violations(ws, std::slice::from_ref(&member)).is_empty());
+    let v = docs_lint_violations(ws, &[member.clone(), bare]);
+    assert!(v.len() == 1 && v[0].starts_with("y/Cargo.toml"), "{v:?}");
+    let v = docs_lint_violations("[workspace.lints.rust]\nmissing_docs = \"allow\"\n", &[member]);
+    assert!(v.len() == 1 && v[0].contains("missing_docs"), "{v:?}");
+
+    assert!(crate_doc_violations("x/src/lib.rs", "\n//! The x crate.\npub mod a;\n").is_empty());
+    assert_eq!(crate_doc_violations("x/src/lib.rs", "/// Not a crate doc.\npub mod a;\n").len(), 1);
+    assert_eq!(crate_doc_violations("x/src/main.rs", "#![deny(unsafe_code)]\n//! Late.\n").len(), 1);
+}
