@@ -8,7 +8,7 @@
 //! |---|---|
 //! | [`unsafe_violations`], [`unsafe_lint_violations`] | `unsafe` only in [`UNSAFE_FILES`] (STYLE.md §5); there every `unsafe {}` and `unsafe impl` has a `// SAFETY:` comment on the lines just above, every `unsafe fn` a `# Safety` doc section; every crate root denies `unsafe_code` itself or takes the workspace's `unsafe_code = "deny"` |
 //! | [`anyhow_dependency_violations`], [`anyhow_source_violations`] | no `anyhow` in the `[dependencies]` or `src/` of [`LIBRARY_CRATES`] (STYLE.md §8) |
-//! | [`cpu_device_violations`] | candle's `Device::Cpu` only in [`CPU_DEVICE_FILES`], tests, benches, examples, or (for now) [`CPU_DEVICE_TEMPORARY`] |
+//! | [`cpu_device_violations`] | candle's `Device::Cpu` only in [`CPU_DEVICE_FILES`], tests, benches, examples |
 //! | [`architecture_path_violations`] | every repository path ARCHITECTURE.md names in backticks exists |
 //! | [`ignore_violations`] | no `#[ignore]` (STYLE.md §9: hardware-dependent tests skip loudly instead) |
 //! | [`docs_lint_violations`], [`crate_doc_violations`] | `missing_docs = "warn"` in `[workspace.lints.rust]`, `[lints] workspace = true` in every member, a `//!` doc at the top of every crate root |
@@ -26,6 +26,7 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
     ("swapper/src/device/cuda.rs", "CUDA driver calls through cudarc, driver-pinned host memory"),
     ("swapper/src/nvme/uring.rs", "io_uring submission entries that point at owned buffers"),
     ("optimizer/src/simd.rs", "std::arch loads and stores, calls into #[target_feature] functions after detection"),
+    ("src/data/cache.rs", "memory-maps the token cache read-only (memmap2::Mmap::map: the file must not shrink while mapped)"),
 ];
 
 /// Crates that are libraries (relative directories; `.` is the `oogc` crate): `anyhow` only in
@@ -37,20 +38,12 @@ const LIBRARY_CRATES: &[&str] = &[".", "swapper", "optimizer", "prefetch", "moe-
 /// (The models' fused CPU kernels dispatch on `Tensor::device().is_cpu()` and name no device.)
 const CPU_DEVICE_FILES: &[(&str, &str)] = &[
     (
-        "src/runtime.rs",
+        "src/runtime/mod.rs",
         "the sim device's compute copies are CPU tensors (`device_tensor`), and `fetch_host` computes a cold \
          MoE expert on the CPU from its host copy (the CPU-compute path of experts)",
     ),
     ("bench/src/probe.rs", "the compute probe times candle's CPU, the sim device's compute, for the planner"),
 ];
-
-/// `Device::Cpu` where the compute device belongs: device-generic work, issue 16. Each entry
-/// leaves this list when that use takes the compute device (the check fails on a stale entry).
-const CPU_DEVICE_TEMPORARY: &[(&str, &str)] = &[(
-    "src/train.rs",
-    "device-generic work, issue 16: `Trainer::tokens` builds the batch's token ids on the CPU whatever the \
-     compute device",
-)];
 
 /// Directories never walked: build outputs and hidden directories (`.git`, `.ci` holds no Rust).
 const SKIP_DIRS: &[&str] = &["target", "dist"];
@@ -358,9 +351,9 @@ fn cpu_device_lines(path: &str, text: &str) -> Vec<usize> {
         .collect()
 }
 
-/// `Device::Cpu` outside test code, [`CPU_DEVICE_FILES`] and [`CPU_DEVICE_TEMPORARY`].
+/// `Device::Cpu` outside test code and [`CPU_DEVICE_FILES`].
 fn cpu_device_violations(path: &str, text: &str) -> Vec<String> {
-    let listed = CPU_DEVICE_FILES.iter().chain(CPU_DEVICE_TEMPORARY).any(|(f, _)| *f == path);
+    let listed = CPU_DEVICE_FILES.iter().any(|(f, _)| *f == path);
     if listed || is_test_path(path) {
         return Vec::new();
     }
@@ -382,7 +375,6 @@ fn cpu_device_violations(path: &str, text: &str) -> Vec<String> {
 fn stale_cpu_device_entries(uses: &dyn Fn(&str) -> bool) -> Vec<String> {
     CPU_DEVICE_FILES
         .iter()
-        .chain(CPU_DEVICE_TEMPORARY)
         .filter(|(f, _)| !uses(f))
         .map(|(f, _)| format!("{f}: listed for `Device::Cpu` in tests/tidy.rs but names none: remove the entry"))
         .collect()
@@ -793,7 +785,6 @@ fn device_cpu_outside_its_lists_fails() {
     assert!(v.len() == 1 && v[0].contains(":2"), "{v:?}");
     // Listed files, test code, comments, and other names are fine.
     assert!(cpu_device_violations(CPU_DEVICE_FILES[0].0, text).is_empty());
-    assert!(cpu_device_violations(CPU_DEVICE_TEMPORARY[0].0, text).is_empty());
     for p in ["tests/runtime.rs", "models/src/gpt/tests.rs", "benches/adam.rs", "examples/e.rs", "swapper/tests/x.rs"] {
         assert!(cpu_device_violations(p, text).is_empty(), "{p}");
     }
@@ -801,8 +792,8 @@ fn device_cpu_outside_its_lists_fails() {
               #[cfg(test)]\nmod tests {\n    const D: Device = Device::Cpu;\n}\n";
     assert!(cpu_device_violations("models/src/kernels.rs", ok).is_empty());
     // An entry whose file no longer names it is stale.
-    let stale = stale_cpu_device_entries(&|f| f != CPU_DEVICE_TEMPORARY[0].0);
-    assert!(stale.len() == 1 && stale[0].contains(CPU_DEVICE_TEMPORARY[0].0), "{stale:?}");
+    let stale = stale_cpu_device_entries(&|f| f != CPU_DEVICE_FILES[0].0);
+    assert!(stale.len() == 1 && stale[0].contains(CPU_DEVICE_FILES[0].0), "{stale:?}");
     assert!(stale_cpu_device_entries(&|_| true).is_empty());
 }
 
