@@ -26,7 +26,10 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
     ("swapper/src/device/cuda.rs", "CUDA driver calls through cudarc, driver-pinned host memory"),
     ("swapper/src/nvme/uring.rs", "io_uring submission entries that point at owned buffers"),
     ("optimizer/src/simd.rs", "std::arch loads and stores, calls into #[target_feature] functions after detection"),
-    ("src/data/cache.rs", "memory-maps the token cache read-only (memmap2::Mmap::map: the file must not shrink while mapped)"),
+    (
+        "src/data/cache.rs",
+        "memory-maps the token cache read-only (memmap2::Mmap::map: the file must not shrink while mapped)",
+    ),
 ];
 
 /// Crates that are libraries (relative directories; `.` is the `oogc` crate): `anyhow` only in
