@@ -31,6 +31,8 @@ use oogc_optimizer::AdamKind;
 use oogc_swapper::StatePlacement;
 use serde::{Deserialize, Serialize};
 
+use crate::data::{DataSource, TextFormat};
+
 /// A config that cannot be used: which key, why, and how to fix it.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -225,11 +227,50 @@ impl MoeModelConfig {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// A text file; bytes are tokens. Relative to the config file's directory.
+    /// A text file (plain text, or JSON Lines with a `text` field). Relative to the config file's
+    /// directory.
     pub path: PathBuf,
-    /// Fraction of the file (its end) held out for validation. Default: 0.1.
+    /// Fraction of the tokens (the text's end) held out for validation. Default: 0.1.
     #[serde(default = "default_val_fraction")]
     pub val_fraction: f64,
+    /// A Hugging Face `tokenizer.json`; none: bytes are tokens (vocabulary 256). Default: none.
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
+    /// `"auto"` (JSON Lines for `.jsonl`/`.ndjson`, else text), `"text"` or `"jsonl"`. Default: auto.
+    #[serde(default)]
+    pub format: TextFormat,
+    /// Where tokenized text is cached (a memory-mapped token file keyed by the text's and the
+    /// tokenizer's hashes). Default: `$XDG_CACHE_HOME/oogc/tokens`, else `~/.cache/oogc/tokens`,
+    /// else the temp directory's `oogc-tokens`.
+    #[serde(default)]
+    pub cache_dir: Option<PathBuf>,
+}
+
+impl DataConfig {
+    /// The token cache directory: `cache_dir`, else the default (see the field).
+    pub fn cache_dir(&self) -> PathBuf {
+        if let Some(d) = &self.cache_dir {
+            return d.clone();
+        }
+        match (std::env::var_os("XDG_CACHE_HOME"), std::env::var_os("HOME")) {
+            (Some(x), _) if !x.is_empty() => PathBuf::from(x).join("oogc/tokens"),
+            (_, Some(h)) if !h.is_empty() => PathBuf::from(h).join(".cache/oogc/tokens"),
+            _ => std::env::temp_dir().join("oogc-tokens"),
+        }
+    }
+
+    /// The data's description for the loader with `seq_len` tokens per sequence.
+    pub fn source(&self, seq_len: usize) -> DataSource {
+        DataSource {
+            path: self.path.clone(),
+            format: self.format,
+            tokenizer: self.tokenizer.clone(),
+            cache_dir: self.tokenizer.is_some().then(|| self.cache_dir()),
+            val_fraction: self.val_fraction,
+            seq_len,
+            threads: 0,
+        }
+    }
 }
 
 fn default_val_fraction() -> f64 {
@@ -541,6 +582,12 @@ impl TrainConfig {
             }
         };
         fix(&mut self.data.path);
+        if let Some(p) = &mut self.data.tokenizer {
+            fix(p);
+        }
+        if let Some(p) = &mut self.data.cache_dir {
+            fix(p);
+        }
         self.budgets.nvme_dirs.iter_mut().for_each(fix);
         if let Some(d) = &mut self.checkpoint.dir {
             fix(d);

@@ -463,7 +463,7 @@ mod tests {
             let args = plan_args_for_config(&cfg, &HardwareProfile::default(), false);
             let units = model_units(&args.shape, &args.feed_forward).unwrap();
             let params: u64 = units.iter().map(|u| u.numel).sum();
-            let gcfg = crate::train::gpt_config(&cfg);
+            let gcfg = crate::train::gpt_config(&cfg, 256);
             assert_eq!(params, gcfg.num_params() as u64, "{name}");
             let r = plan_gpt(&args).unwrap();
             assert!(r.step_s > 0.0 && r.compute_s > 0.0, "{name}: {r:?}");

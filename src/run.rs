@@ -67,6 +67,12 @@ pub trait RunObserver {
         let _ = line;
     }
 
+    /// The training text is being tokenized: `done` of `total` bytes (only when the token cache
+    /// is built, not when it is reused).
+    fn tokenize(&mut self, done: u64, total: u64) {
+        let _ = (done, total);
+    }
+
     /// The loop is over (before the summary is returned).
     fn finish(&mut self) {}
 }
@@ -82,11 +88,14 @@ impl RunObserver for Quiet {}
 pub struct StepRecord {
     /// Step (1-based).
     pub step: u64,
-    /// Training loss of the step's batch, nats per byte.
+    /// Training loss of the step's batch, nats per token (per byte for byte-level data).
     pub loss: f64,
-    /// Validation loss when evaluated at this step, nats per byte.
+    /// Validation loss when evaluated at this step, nats per token.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
+    /// The same validation loss over the bytes of text the targets cover, bits per byte.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_bits_per_byte: Option<f64>,
     /// Learning rate.
     pub lr: f32,
     /// Tokens per second of the step.
@@ -130,12 +139,16 @@ pub struct RunSummary {
     pub last_step: u64,
     /// Parameters of the model.
     pub params: usize,
-    /// Unigram entropy of the training text, nats per byte (the loss to beat).
+    /// Unigram entropy of the training tokens, nats per token (the loss to beat).
     pub unigram_entropy_nats: f64,
-    /// Last training loss, nats per byte.
+    /// Bytes of text per training token (1 for byte-level data).
+    pub bytes_per_token: f64,
+    /// Last training loss, nats per token.
     pub final_loss: f64,
-    /// Last validation loss, nats per byte.
+    /// Last validation loss, nats per token.
     pub final_val_loss: f64,
+    /// Last validation loss over the bytes of text it covers, bits per byte.
+    pub final_val_bits_per_byte: f64,
     /// Tokens per second over the run (steps only, validation excluded).
     pub tokens_per_s: f64,
     /// Seconds in steps.
@@ -206,11 +219,11 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
             } else {
                 dir.clone()
             };
-            let t = Trainer::resume(cfg.clone(), &from)?;
+            let t = Trainer::open(cfg.clone(), Some(&from), &mut |done, total| observer.tokenize(done, total))?;
             resumed_from = Some(if from.is_dir() { crate::checkpoint::latest(&from)? } else { from });
             t
         }
-        None => Trainer::new(cfg.clone())?,
+        None => Trainer::open(cfg.clone(), None, &mut |done, total| observer.tokenize(done, total))?,
     };
     let last = opts.steps.unwrap_or(cfg.train.steps);
     let first = trainer.step() + 1;
@@ -240,6 +253,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
         first_step: first,
         params: trainer.num_params(),
         unigram_entropy_nats: trainer.data().unigram_entropy_nats(),
+        bytes_per_token: trainer.data().bytes_per_token(),
         model_to_gpu_ratio: trainer.num_params() as f64 * 16.0 / cfg.budgets.gpu.as_u64() as f64,
         ..RunSummary::default()
     };
@@ -272,19 +286,20 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
         summary.final_loss = out.loss;
         let step = trainer.step();
         let eval_now = step == last || (cfg.train.eval_interval > 0 && step % cfg.train.eval_interval == 0);
-        let val_loss = if eval_now { Some(trainer.evaluate()?) } else { None };
-        if let Some(v) = val_loss {
-            summary.final_val_loss = v;
+        let val = if eval_now { Some(trainer.evaluate()?) } else { None };
+        if let Some(v) = val {
+            summary.final_val_loss = v.nats_per_token;
+            summary.final_val_bits_per_byte = v.bits_per_byte;
             observer.line(&format!(
-                "step {step:>6}  train {:.4}  val {v:.4} nats/byte ({:.3} bits/byte)",
-                out.loss,
-                v / std::f64::consts::LN_2
+                "step {step:>6}  train {:.4}  val {:.4} nats/token ({:.3} bits/byte)",
+                out.loss, v.nats_per_token, v.bits_per_byte
             ));
         }
         let record = StepRecord {
             step,
             loss: out.loss,
-            val_loss,
+            val_loss: val.map(|v| v.nats_per_token),
+            val_bits_per_byte: val.map(|v| v.bits_per_byte),
             lr: out.lr,
             tokens_per_s: out.tokens as f64 / s.step_s.max(1e-9),
             step_s: s.step_s,
@@ -446,12 +461,13 @@ impl RunSummary {
         let mut s = String::new();
         s += &format!("steps {}..={}, {} parameters\n", self.first_step, self.last_step, self.params);
         s += &format!(
-            "loss: train {:.4}, val {:.4} nats/byte ({:.3} bits/byte); unigram entropy of the text {:.4} nats/byte ({:.3} bits/byte)\n",
+            "loss: train {:.4}, val {:.4} nats/token = {:.3} bits/byte; unigram entropy of the text {:.4} nats/token ({:.3} bits/byte at {:.3} bytes/token)\n",
             self.final_loss,
             self.final_val_loss,
-            self.final_val_loss / std::f64::consts::LN_2,
+            self.final_val_bits_per_byte,
             self.unigram_entropy_nats,
-            self.unigram_entropy_nats / std::f64::consts::LN_2
+            self.unigram_entropy_nats / std::f64::consts::LN_2 / self.bytes_per_token.max(1e-9),
+            self.bytes_per_token
         );
         s += &format!(
             "throughput: {:.0} tokens/s; time {:.1} s = compute {:.1} s ({:.0}%) + exposed transfer {:.1} s ({:.0}%) + exposed optimizer {:.1} s ({:.0}%)\n",
@@ -491,6 +507,7 @@ mod tests {
 
     fn record(step: u64) -> String {
         let r = StepRecord {
+            val_bits_per_byte: None,
             step,
             loss: 1.5 + step as f64,
             val_loss: None,

@@ -158,7 +158,7 @@ pub fn check(cfg: &TrainConfig, name: &str, args: &PlanCheckArgs) -> Result<Plan
     if args.steps == 0 {
         return Err(Error::invalid("steps", "must be at least 1 (the steps measured after the warmup)"));
     }
-    let shape = ComputeShape::for_config(cfg);
+    let shape = ComputeShape::for_config(cfg)?;
     let threads = shape.threads;
     let load_before = load_avg_1m();
     let run = variant_config(cfg, "plan-check", (args.warmup + args.steps) as u64);
@@ -215,7 +215,7 @@ pub(crate) fn measure_probed(
     warmup: usize,
     steps: usize,
 ) -> Result<(crate::step::Measured, Vec<ComputeProbe>)> {
-    let shape = ComputeShape::for_config(run);
+    let shape = ComputeShape::for_config(run)?;
     crate::probe::with_compute_threads(shape.threads, || -> Result<_> {
         let mut probes = Vec::new();
         let measured = measure_with(run, warmup, steps, |moment| {

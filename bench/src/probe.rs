@@ -38,13 +38,16 @@ pub struct ComputeShape {
 impl ComputeShape {
     /// The shape of an `oogc train` config: its model, `train.seq_len`, `train.batch_size`,
     /// `[threads] compute`.
-    pub fn for_config(cfg: &TrainConfig) -> Self {
-        Self {
-            model: oogc::train::gpt_config(cfg),
+    ///
+    /// # Errors
+    /// The config's tokenizer.json cannot be read.
+    pub fn for_config(cfg: &TrainConfig) -> Result<Self> {
+        Ok(Self {
+            model: oogc::train::gpt_config(cfg, oogc::train::vocab_size(cfg)?),
             seq_len: cfg.train.seq_len,
             batch: cfg.train.batch_size,
             threads: oogc::run::compute_threads(cfg),
-        }
+        })
     }
 
     /// The main example job's block (`configs/tinyshakespeare.toml`): dense, `d_model` 192, 6

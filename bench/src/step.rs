@@ -370,7 +370,7 @@ pub fn run(args: &StepBenchArgs) -> Result<StepBenchReport> {
     }
     let base = &args.config;
     let total = (args.warmup + args.steps) as u64;
-    let gcfg = gpt_config(base);
+    let gcfg = gpt_config(base, oogc::train::vocab_size(base)?);
     let params = gcfg.num_params();
     let machine = machine::record_for_config(base);
 

@@ -129,7 +129,7 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
             triad_elems: cmd.probe_triad_elems.max(1),
             adam_params: cmd.probe_adam_params.max(1),
             compute: Some(match &cmd.config {
-                Some(path) => probe::ComputeShape::for_config(&TrainConfig::load(path)?),
+                Some(path) => probe::ComputeShape::for_config(&TrainConfig::load(path)?)?,
                 None => probe::ComputeShape::representative(),
             }),
         };
@@ -148,7 +148,7 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         let cfg = TrainConfig::load(path)?;
         let mut hardware = load_hardware(cmd.hardware.as_ref())?;
         if cmd.probe_compute {
-            let probe = probe::probe_compute(&probe::ComputeShape::for_config(&cfg)).context("--probe-compute")?;
+            let probe = probe::probe_compute(&probe::ComputeShape::for_config(&cfg)?).context("--probe-compute")?;
             probe.apply(&mut hardware);
         }
         let args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some());

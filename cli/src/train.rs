@@ -129,6 +129,25 @@ impl ProgressObserver {
 }
 
 impl oogc::run::RunObserver for ProgressObserver {
+    fn tokenize(&mut self, done: u64, total: u64) {
+        if !self.show {
+            return;
+        }
+        if self.bar.is_hidden() {
+            self.bar = ProgressBar::new(total);
+            self.bar.set_style(
+                ProgressStyle::with_template("tokenizing {bytes}/{total_bytes} [{bar:30}] {bytes_per_sec}, eta {eta}")
+                    .expect("valid template")
+                    .progress_chars("=> "),
+            );
+        }
+        self.bar.set_position(done);
+        if done >= total {
+            self.bar.finish_and_clear();
+            self.bar = ProgressBar::hidden();
+        }
+    }
+
     fn start(&mut self, first: u64, last: u64) {
         if self.show && last >= first {
             self.bar = ProgressBar::new(last - first + 1);

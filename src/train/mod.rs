@@ -21,7 +21,7 @@ use oogc_swapper::StatePlacement;
 
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::config::{DeviceKind, TrainConfig};
-use crate::data::{validation_batches, Batch, Sampler, TextData};
+use crate::data::{Batch, Corpus, Sampler};
 use crate::runtime::{DeviceSpec, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
 
 mod moe;
@@ -85,10 +85,11 @@ pub struct StepOutcome {
     pub cpu_tokens: usize,
 }
 
-/// The model's config from the run's `[model]` table and `train.seq_len`.
-pub fn gpt_config(cfg: &TrainConfig) -> GptConfig {
+/// The GPT's config from the run's `[model]` table, `train.seq_len` and the data's vocabulary
+/// (256 for bytes, else the tokenizer's).
+pub fn gpt_config(cfg: &TrainConfig, vocab_size: usize) -> GptConfig {
     GptConfig {
-        vocab_size: 256,
+        vocab_size,
         d_model: cfg.model.d_model,
         n_layer: cfg.model.n_layer,
         n_head: cfg.model.n_head,
@@ -156,12 +157,34 @@ pub fn optimizer_config(cfg: &TrainConfig) -> oogc_optimizer::OptimizerConfig {
     }
 }
 
-/// The model of a run's config.
+/// The vocabulary of a run's data: 256 for bytes, else its tokenizer's (the tokenizer.json is
+/// read; the text is not).
+///
+/// # Errors
+/// [`TrainError::Data`] when the tokenizer.json cannot be read or parsed.
+pub fn vocab_size(cfg: &TrainConfig) -> Result<usize> {
+    Ok(match &cfg.data.tokenizer {
+        Some(path) => crate::data::TextTokenizer::load(path)?.vocab_size(),
+        None => 256,
+    })
+}
+
+/// The model of a run's config, with the data's vocabulary of `vocab_size` tokens.
 ///
 /// # Errors
 /// [`TrainError::Model`] for dimensions the model refuses.
-pub fn build_model(cfg: &TrainConfig) -> Result<Arc<dyn CausalLm>> {
-    Ok(Arc::new(Gpt::new(gpt_config(cfg))?))
+pub fn build_model(cfg: &TrainConfig, vocab_size: usize) -> Result<Arc<dyn CausalLm>> {
+    Ok(Arc::new(Gpt::new(gpt_config(cfg, vocab_size))?))
+}
+
+/// A validation result: the mean loss per token and the same total over the bytes of text the
+/// targets cover, so runs with different tokenizers compare.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub struct Evaluation {
+    /// Mean cross-entropy over the validation targets, nats per token.
+    pub nats_per_token: f64,
+    /// Total cross-entropy / bytes of text the targets cover / ln 2, bits per byte.
+    pub bits_per_byte: f64,
 }
 
 /// The units of a block: one dense unit, or an MoE trunk and its experts.
@@ -213,7 +236,7 @@ pub struct Trainer {
     model: Arc<dyn CausalLm>,
     layout: Layout,
     rt: Runtime,
-    data: TextData,
+    data: Corpus,
     sampler: Sampler,
     val: Vec<Batch>,
     /// Steps completed.
@@ -235,10 +258,23 @@ impl Trainer {
     /// Bad config, missing or short data, a budget below the minimum working set, a bad NVMe
     /// directory — each naming the key or path.
     pub fn new(cfg: TrainConfig) -> Result<Self> {
-        Self::build(cfg, false)
+        Self::open(cfg, None, &mut |_, _| {})
     }
 
-    fn build(cfg: TrainConfig, resuming: bool) -> Result<Self> {
+    /// A fresh run (`resume` `None`), or one resumed from the newest checkpoint of a directory
+    /// (or a checkpoint file) as [`Trainer::resume`]; `progress(done_bytes, total_bytes)` is
+    /// called while the training text is tokenized (not when the token cache is reused).
+    ///
+    /// # Errors
+    /// As [`Trainer::new`] and [`Trainer::resume`].
+    pub fn open(cfg: TrainConfig, resume: Option<&Path>, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
+        match resume {
+            Some(dir) => Self::resume_with(cfg, dir, progress),
+            None => Self::build(cfg, false, progress),
+        }
+    }
+
+    fn build(cfg: TrainConfig, resuming: bool, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
         cfg.validate()?;
         // Before anything is written: one run at a time owns its directories.
         let lock = crate::lock::RunLock::for_config(&cfg)?;
@@ -257,9 +293,9 @@ impl Trainer {
                 });
             }
         }
-        let model = build_model(&cfg)?;
+        let data = Corpus::load(&cfg.data.source(cfg.train.seq_len), progress)?;
+        let model = build_model(&cfg, data.vocab_size())?;
         let num_params: usize = model.units().iter().map(|u| u.numel).sum();
-        let data = TextData::load(&cfg.data.path, cfg.data.val_fraction, cfg.train.seq_len)?;
         if cfg.budgets.optimizer_state == StatePlacement::Nvme {
             for dir in &cfg.budgets.nvme_dirs {
                 std::fs::create_dir_all(dir).map_err(|e| {
@@ -295,7 +331,7 @@ impl Trainer {
         // A trunk stays pinned while its experts run (MoE); a tied head uses the embedding.
         rt.set_max_units_in_use(if model.tied_head() || moe.is_some() { 2 } else { 1 });
         rt.check_working_set()?;
-        let val = validation_batches(&data, cfg.train.eval_batches, cfg.train.batch_size, cfg.train.seq_len);
+        let val = data.validation_batches(cfg.train.eval_batches, cfg.train.batch_size, cfg.train.seq_len);
         let sampler = Sampler::new(cfg.train.seed);
         Ok(Self { cfg, model, layout, rt, data, sampler, val, step: 0, updates: 0, moe, _lock: lock })
     }
@@ -307,6 +343,10 @@ impl Trainer {
     /// As [`Trainer::new`]; [`TrainError::Checkpoint`] when there is no readable checkpoint;
     /// [`TrainError::Mismatch`] when its model differs from the config's.
     pub fn resume(cfg: TrainConfig, dir: &Path) -> Result<Self> {
+        Self::resume_with(cfg, dir, &mut |_, _| {})
+    }
+
+    fn resume_with(cfg: TrainConfig, dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
         let ckpt = checkpoint::load(dir)?;
         let path = if dir.is_dir() { checkpoint::latest(dir)? } else { dir.to_path_buf() };
         let mismatch = |reason: String| TrainError::Mismatch {
@@ -318,7 +358,14 @@ impl Trainer {
         if *saved_model != ours {
             return Err(mismatch(format!("checkpoint model {saved_model} != config model {ours}")));
         }
-        let mut t = Self::build(cfg, true)?;
+        let mut t = Self::build(cfg, true, progress)?;
+        if let (Some(saved), Some(ours)) = (ckpt.metadata.get("data_key"), t.data.key()) {
+            if *saved != ours {
+                return Err(mismatch(format!(
+                    "its tokens came from another text or tokenizer.json (data key {saved}, now {ours})"
+                )));
+            }
+        }
         for (k, spec) in t.model.units().to_vec().iter().enumerate() {
             let mut state = [vec![0f32; spec.numel], vec![0f32; spec.numel], vec![0f32; spec.numel]];
             for p in &spec.params {
@@ -359,7 +406,7 @@ impl Trainer {
     }
 
     /// The training text.
-    pub fn data(&self) -> &TextData {
+    pub fn data(&self) -> &Corpus {
         &self.data
     }
 
@@ -440,7 +487,7 @@ impl Trainer {
     pub fn train_step(&mut self) -> Result<StepOutcome> {
         let step = self.step + 1;
         let lr = lr_schedule(&self.cfg).lr(step);
-        let batch = self.sampler.next_batch(self.data.train(), self.cfg.train.batch_size, self.cfg.train.seq_len);
+        let batch = self.data.next_batch(&mut self.sampler, self.cfg.train.batch_size, self.cfg.train.seq_len);
         let inputs = self.tokens(&batch.inputs)?;
         let targets = self.tokens(&batch.targets)?;
         let model = Arc::clone(&self.model);
@@ -520,26 +567,32 @@ impl Trainer {
         })
     }
 
-    /// Mean validation loss (nats per byte) over the fixed validation batches, with the latest
-    /// parameters (pending updates are awaited).
+    /// The validation loss over the fixed validation batches, with the latest parameters
+    /// (pending updates are awaited): nats per token and bits per byte.
     ///
     /// # Errors
     /// Runtime, model or candle failures.
-    pub fn evaluate(&mut self) -> Result<f64> {
+    pub fn evaluate(&mut self) -> Result<Evaluation> {
         let model = Arc::clone(&self.model);
         let (embed, head) = (self.layout.embed, self.layout.head);
-        let mut total = 0.0;
+        let (mut nats, mut targets, mut bytes) = (0.0, 0u64, 0u64);
         for b in self.val.clone() {
             let inputs = self.tokens(&b.inputs)?;
-            let targets = self.tokens(&b.targets)?;
+            let target_ids = self.tokens(&b.targets)?;
             let (mut held, mut cpu) = (HashMap::new(), 0);
             let (x, _) = self.forward_trunk(&inputs, Phase::Eval, &mut held, &mut cpu)?;
             drop(held);
             let emb = if model.tied_head() { Some(self.rt.fetch(embed, Phase::Eval)?) } else { None };
             let p = self.rt.fetch(head, Phase::Eval)?;
-            total += model.head_loss(p.tensor(), &x, emb.as_ref().map(|e| e.tensor()), &targets)?;
+            let mean = model.head_loss(p.tensor(), &x, emb.as_ref().map(|e| e.tensor()), &target_ids)?;
+            nats += mean * b.targets.len() as f64;
+            targets += b.targets.len() as u64;
+            bytes += b.target_bytes;
         }
-        Ok(total / self.val.len() as f64)
+        Ok(Evaluation {
+            nats_per_token: nats / targets.max(1) as f64,
+            bits_per_byte: nats / bytes.max(1) as f64 / std::f64::consts::LN_2,
+        })
     }
 
     /// Per-unit flat parameter vectors (fp32 master weights), after waiting for pending updates.
@@ -580,6 +633,9 @@ impl Trainer {
         metadata.insert("sampler".into(), serde_json::to_string(&self.sampler).expect("sampler serializes"));
         metadata.insert("config".into(), toml::to_string(&self.cfg).unwrap_or_default());
         metadata.insert("data".into(), self.data.path().display().to_string());
+        if let Some(key) = self.data.key() {
+            metadata.insert("data_key".into(), key);
+        }
         let ckpt = Checkpoint { step: self.step, metadata, tensors };
         let keep = self.cfg.checkpoint.keep.unwrap_or(2);
         Ok(Some(checkpoint::save(&dir, &ckpt, keep)?))

@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 
 use candle_core::{Device, Tensor};
 use oogc::config::TrainConfig;
-use oogc::data::{Sampler, TextData};
+use oogc::data::{Corpus, Sampler};
 use oogc::models::{init_params, CausalLm, UnitKind};
 use oogc::optimizer::{adam_step, clip_scale, global_norm, grad_sumsq, CopyOut, GradSlice, Isa, StateIo};
 use oogc::train::{build_model, lr_schedule, optimizer_config};
@@ -107,18 +107,18 @@ fn loss_and_grads(
 /// order) and AdamW with the global step `t` (a skipped step does not advance it); a unit
 /// without gradient is not updated.
 pub fn train(cfg: &TrainConfig, steps: u64) -> Reference {
-    let model = build_model(cfg).unwrap();
+    let data = Corpus::load(&cfg.data.source(cfg.train.seq_len), &mut |_, _| {}).unwrap();
+    let model = build_model(cfg, data.vocab_size()).unwrap();
     let mut master = init_params(model.units(), cfg.train.seed);
     let mut m: Vec<Vec<f32>> = master.iter().map(|p| vec![0.0; p.len()]).collect();
     let mut v = m.clone();
-    let data = TextData::load(&cfg.data.path, cfg.data.val_fraction, cfg.train.seq_len).unwrap();
     let mut sampler = Sampler::new(cfg.train.seed);
     let (opt, schedule, isa) = (optimizer_config(cfg), lr_schedule(cfg), Isa::detect());
     let (b, t) = (cfg.train.batch_size, cfg.train.seq_len);
     let (mut losses, mut updates) = (Vec::new(), 0u64);
     for step in 1..=steps {
         let lr = schedule.lr(step);
-        let batch = sampler.next_batch(data.train(), b, t);
+        let batch = data.next_batch(&mut sampler, b, t);
         let tokens = Tensor::from_slice(&batch.inputs, (b, t), &Device::Cpu).unwrap();
         let targets = Tensor::from_slice(&batch.targets, (b, t), &Device::Cpu).unwrap();
         let params: Vec<Tensor> =
