@@ -309,7 +309,7 @@ fn row_sum<T: Kernel>(x: &[T], n: usize) -> Vec<T> {
 }
 
 /// `[n]` sum over the rows of a contiguous `[.., n]` tensor (no backward).
-fn row_sum_tensor(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn row_sum_tensor(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1_no_bwd(&RowSum)
 }
 

@@ -81,7 +81,10 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::kernels;
 use crate::lm::{HeadLossGrads, UnitGrads};
-use crate::ops::{cross_entropy, gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim, vars, views};
+use crate::ops::{
+    check_target_ids, cross_entropy, gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim, vars,
+    views,
+};
 use crate::unit::{UnitKind, UnitSpec};
 use crate::{Error, Result};
 
@@ -304,11 +307,11 @@ impl Gpt {
             None => p[2].clone(),
         };
         let logits = self.head_math(&p, &w_out, x.as_tensor())?;
-        self.check_targets(targets, &logits)?;
+        let tokens = self.check_targets(targets, &logits)?;
         let loss = cross_entropy(&logits, targets)?;
         let grads = loss.backward()?;
         let grads = self.collect(spec, &vars, Some(&x), wte.as_ref(), &grads)?;
-        Ok(HeadLossGrads { loss: scalar(&loss)?, grads })
+        Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads })
     }
 
     /// Logits `[B, T, vocab_size]` of the whole model: the unit forwards in order.
@@ -498,8 +501,9 @@ impl Gpt {
         self.check_ids(tokens, what)
     }
 
-    fn check_targets(&self, targets: &Tensor, logits: &Tensor) -> Result<()> {
-        self.check_ids(targets, "targets")?;
+    /// Targets are `[B, T]` U32 like the logits' first dims, each `< vocab_size` or
+    /// [`crate::lm::IGNORE_INDEX`]; returns the number of counted positions.
+    fn check_targets(&self, targets: &Tensor, logits: &Tensor) -> Result<usize> {
         if targets.dims() != &logits.dims()[..2] {
             return Err(input_err(
                 "targets shape",
@@ -507,7 +511,7 @@ impl Gpt {
                 format!("{:?}", targets.dims()),
             ));
         }
-        Ok(())
+        Ok(check_target_ids(targets, self.config.vocab_size)?.1)
     }
 
     /// `[d, V]` output weight of the head for forward (a view, no copy).
