@@ -100,8 +100,9 @@ pub fn passthrough_keys(map: &Map<String, Value>) -> Map<String, Value> {
 }
 
 /// The `config.json` of `config` in transformers 4's layout (`rope_theta` and `rope_scaling` at
-/// the top level, which transformers 5 reads as well), with `torch_dtype` = `torch_dtype`
-/// (`"float32"` or `"bfloat16"`: the dtype of the weights written beside it), and each key of
+/// the top level, which transformers 5 reads as well), with `dtype` = `torch_dtype`
+/// (`"float32"` or `"bfloat16"`: the dtype of the weights written beside it; the key older
+/// transformers called `torch_dtype`), and each key of
 /// `extra` that is not a model key ([`passthrough_keys`]) added.
 pub fn config_json(config: &LlamaConfig, torch_dtype: &str, extra: &Map<String, Value>) -> Value {
     let c = config.resolved();
@@ -153,7 +154,8 @@ pub fn config_json(config: &LlamaConfig, torch_dtype: &str, extra: &Map<String, 
             put("max_window_layers", c.num_hidden_layers.into());
         }
     }
-    put("torch_dtype", torch_dtype.into());
+    // transformers ≥ 4.56 and 5 name it `dtype` (and warn on the older `torch_dtype`).
+    put("dtype", torch_dtype.into());
     for (k, v) in passthrough_keys(extra) {
         m.entry(k).or_insert(v);
     }
