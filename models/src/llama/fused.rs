@@ -200,6 +200,14 @@ impl CustomOp2 for RmsNorm {
     }
 }
 
+/// The backward of [`rms_norm`] without a graph: `(g_x, g_w)` for the output gradient `g`.
+pub(crate) fn rms_norm_backward(x: &Tensor, w: &Tensor, g: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let (x, w, g) = (x.contiguous()?, w.contiguous()?, g.contiguous()?);
+    let gx = x.apply_op3_no_bwd(&w, &g, &RmsNormGradX { eps })?;
+    let gw = crate::kernels::row_sum_tensor(&x.apply_op2_no_bwd(&g, &RmsNormGXhat { eps })?)?;
+    Ok((gx, gw))
+}
+
 struct RmsNormGradX {
     eps: f64,
 }
@@ -355,6 +363,11 @@ impl CustomOp3 for Rope {
     }
 }
 
+/// The backward of [`rope`] without a graph: `g` `[B, nh, T, hd]` → `[B, T, nh, hd]`.
+pub(crate) fn rope_backward(g: &Tensor, cos: &Tensor, sin: &Tensor, scale: f64) -> Result<Tensor> {
+    g.contiguous()?.apply_op3_no_bwd(&cos.contiguous()?, &sin.contiguous()?, &RopeGrad { scale })
+}
+
 /// The backward of [`Rope`]: `[B, nh, T, hd]` → `[B, T, nh, hd]`, rotated by −θ and scaled.
 struct RopeGrad {
     scale: f64,
@@ -457,6 +470,11 @@ impl CustomOp1 for SwiGlu {
     fn bwd(&self, gu: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         Ok(Some(gu.apply_op2_no_bwd(&grad.contiguous()?, &SwiGluGrad)?))
     }
+}
+
+/// The backward of [`swiglu`] without a graph: `(gu, g)` → the gradient of `gu` `[.., 2I]`.
+pub(crate) fn swiglu_backward(gu: &Tensor, g: &Tensor) -> Result<Tensor> {
+    gu.contiguous()?.apply_op2_no_bwd(&g.contiguous()?, &SwiGluGrad)
 }
 
 struct SwiGluGrad;

@@ -62,6 +62,7 @@ use crate::Result;
 
 mod config;
 mod fused;
+mod layer;
 mod rope;
 #[cfg(test)]
 mod tests;
@@ -236,6 +237,19 @@ impl Llama {
         let dtype = params.dtype();
         if grad_output.dtype() != dtype {
             return Err(input_err("grad_output dtype", format!("{dtype:?}"), format!("{:?}", grad_output.dtype())));
+        }
+        if matches!(spec.kind, UnitKind::Block(_)) && self.fused(input) {
+            // The fused CPU path: a hand-written backward (layer.rs).
+            self.check_hidden(input, dtype, "block input")?;
+            if grad_output.dims() != input.dims() {
+                return Err(input_err(
+                    "grad_output shape",
+                    format!("{:?}", input.dims()),
+                    format!("{:?}", grad_output.dims()),
+                ));
+            }
+            let (grad_params, gx) = self.block_backward_fused(&self.views(unit, params)?, input, grad_output)?;
+            return Ok(UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte: None });
         }
         let vars = self.vars(unit, params)?;
         let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
@@ -450,6 +464,11 @@ impl Llama {
     /// Decoder layer (transformers' `LlamaDecoderLayer`): pre-norm attention and MLP, each with
     /// a residual add.
     fn block_math(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
+        // Outside a graph (no Var among the inputs) the fused CPU path runs the layer.rs forward,
+        // the one its hand-written backward recomputes.
+        if self.fused(x) && !x.track_op() && p.iter().all(|t| !t.track_op()) {
+            return self.block_math_fused(p, x);
+        }
         let g = &self.block;
         let h = self.rms_norm(x, &p[g.ln1])?;
         let x = (x + self.attention(&AttnParams::of_block(p, g), &h)?)?;
