@@ -590,6 +590,12 @@ impl CustomOp2 for CrossEntropyRows {
     }
 }
 
+/// The backward of [`cross_entropy_rows`] without a graph: `g_rows` `[N]` → the gradient of
+/// the logits `[N, V]`.
+pub(crate) fn cross_entropy_backward(logits: &Tensor, targets: &Tensor, g_rows: &Tensor) -> Result<Tensor> {
+    logits.contiguous()?.apply_op3_no_bwd(&targets.contiguous()?, &g_rows.contiguous()?, &CrossEntropyGrad)
+}
+
 struct CrossEntropyGrad;
 
 impl CustomOp3 for CrossEntropyGrad {

@@ -258,6 +258,40 @@ impl Llama {
     }
 }
 
+impl Llama {
+    /// The head's loss and its hand-written backward on the fused CPU path:
+    /// `n = rms_norm(x, norm_w)`, `z = n w_outᵀ` `[N, V]`, `loss = Σ_counted ce(z) / count`;
+    /// returns `(loss, g_x [B, T, d], g_norm_w [d], g_w_out [V, d])`. `targets` `[B, T]` U32
+    /// (checked by the caller, `count` of them not ignored).
+    pub(super) fn head_loss_backward_fused(
+        &self,
+        norm_w: &Tensor,
+        w_out: &Tensor,
+        x: &Tensor,
+        targets: &Tensor,
+        count: usize,
+    ) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let (b, t, d) = x.dims3()?;
+        let n = b * t;
+        let eps = self.config.rms_norm_eps;
+        let x2 = x.reshape((n, d))?;
+        let h = lk::rms_norm(&x2, norm_w, eps)?;
+        let z = h.matmul(&w_out.t()?)?;
+        let targets = targets.flatten_all()?;
+        let rows = lk::cross_entropy_rows(&z, &targets)?;
+        let inv = 1.0 / count.max(1) as f64;
+        let loss = (rows.sum_all()? * inv)?;
+        let g_rows = Tensor::full(inv, n, x.device())?.to_dtype(x.dtype())?;
+        let gz = lk::cross_entropy_backward(&z, &targets, &g_rows)?;
+        drop(z);
+        let gh = gz.matmul(w_out)?;
+        let gw_out = gz.t()?.matmul(&h)?;
+        drop((gz, h));
+        let (gx, g_norm) = lk::rms_norm_backward(&x2, norm_w, &gh, eps)?;
+        Ok((loss, gx.reshape((b, t, d))?, g_norm, gw_out))
+    }
+}
+
 /// What a decoder layer's backward needs from its forward.
 pub(crate) struct BlockCache {
     /// The residual stream after the attention `[B, T, d]`.

@@ -320,6 +320,24 @@ impl Llama {
         self.check_params(spec, params)?;
         let dtype = params.dtype();
         self.check_hidden(input, dtype, "head input")?;
+        if self.fused(input) {
+            // The fused CPU path: a hand-written backward (layer.rs).
+            let p = self.views(unit, params)?;
+            let w_out = self.head_out_weight(&p, tied, dtype)?;
+            let (b, t, _) = input.dims3()?;
+            if targets.dims() != [b, t] {
+                return Err(input_err("targets shape", format!("{:?}", [b, t]), format!("{:?}", targets.dims())));
+            }
+            let tokens = check_target_ids(targets, self.config.vocab_size)?.1;
+            let (loss, gx, g_norm, g_out) = self.head_loss_backward_fused(&p[0], &w_out, input, targets, tokens)?;
+            let (grad_params, grad_tied_wte) = if self.config.tie_word_embeddings {
+                (g_norm, Some(g_out.flatten_all()?))
+            } else {
+                (Tensor::cat(&[&g_norm, &g_out.flatten_all()?], 0)?, None)
+            };
+            let grads = UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte };
+            return Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads });
+        }
         let vars = self.vars(unit, params)?;
         let x = Var::from_tensor(input)?;
         let tied_var = self.tied_var(tied, dtype)?;
