@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use oogc_models::{init_params, Llama, LlamaConfig};
+use oogc_models::{init_params, CausalLm, Llama, LlamaConfig};
 
 fn median_ms(mut f: impl FnMut()) -> f64 {
     f();

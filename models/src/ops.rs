@@ -6,12 +6,120 @@
 use candle_core::{DType, Tensor, Var, D};
 
 use crate::kernels;
-use crate::lm::IGNORE_INDEX;
+use crate::lm::{UnitGrads, IGNORE_INDEX};
 use crate::unit::UnitSpec;
 use crate::{Error, Result};
 
 pub(crate) fn input_err(what: &'static str, expected: String, got: String) -> Error {
     Error::Input { what, expected, got }
+}
+
+/// `units[unit]`, or [`Error::Input`] (`what = "unit index"`).
+pub(crate) fn unit_spec(units: &[UnitSpec], unit: usize) -> Result<&UnitSpec> {
+    units.get(unit).ok_or_else(|| input_err("unit index", format!("< {}", units.len()), unit.to_string()))
+}
+
+/// A unit's flat parameters are 1-D of `spec.numel` elements and a float dtype.
+pub(crate) fn check_params(spec: &UnitSpec, params: &Tensor) -> Result<()> {
+    if params.dims() != [spec.numel] {
+        return Err(input_err(
+            "unit parameters shape",
+            format!("[{}] (unit {})", spec.numel, spec.name),
+            format!("{:?}", params.dims()),
+        ));
+    }
+    if !params.dtype().is_float() {
+        return Err(input_err("unit parameters dtype", "a float dtype".into(), format!("{:?}", params.dtype())));
+    }
+    Ok(())
+}
+
+/// Hidden states are `[B, 1 <= T <= max_t, d]` of the params' `dtype`.
+pub(crate) fn check_hidden(x: &Tensor, dtype: DType, d: usize, max_t: usize, what: &'static str) -> Result<()> {
+    let ok = matches!(x.dims(), &[_, t, dd] if dd == d && t >= 1 && t <= max_t);
+    if !ok {
+        return Err(input_err(what, format!("[B, T <= {max_t}, {d}]"), format!("{:?}", x.dims())));
+    }
+    if x.dtype() != dtype {
+        return Err(input_err(what, format!("dtype {dtype:?} (the params')"), format!("{:?}", x.dtype())));
+    }
+    Ok(())
+}
+
+/// Token ids are U32 `[B >= 1, 1 <= T <= max_t]`, each `< vocab`.
+pub(crate) fn check_ids(ids: &Tensor, vocab: usize, max_t: usize, what: &'static str) -> Result<()> {
+    let ok = matches!(ids.dims(), &[b, t] if b >= 1 && t >= 1 && t <= max_t);
+    if !ok || ids.dtype() != DType::U32 {
+        return Err(input_err(what, format!("U32 [B, T <= {max_t}]"), format!("{:?} {:?}", ids.dtype(), ids.dims())));
+    }
+    let max = ids.max_all()?.to_scalar::<u32>()? as usize;
+    if max >= vocab {
+        return Err(input_err(what, format!("ids < vocab_size = {vocab}"), format!("id {max}")));
+    }
+    Ok(())
+}
+
+/// Targets are `[B, T]` (`bt`) U32, each `< vocab` or [`IGNORE_INDEX`]; returns the number of
+/// counted positions.
+pub(crate) fn check_targets(targets: &Tensor, bt: &[usize], vocab: usize) -> Result<usize> {
+    if targets.dims() != bt {
+        return Err(input_err("targets shape", format!("{bt:?}"), format!("{:?}", targets.dims())));
+    }
+    Ok(check_target_ids(targets, vocab)?.1)
+}
+
+/// The embedding unit's flat vector a tied head takes: present (`what` names the argument and
+/// `key` the config key that ties), of the embedding's shape and the head params' `dtype`.
+pub(crate) fn tied_flat<'a>(
+    tied: Option<&'a Tensor>,
+    embedding: &UnitSpec,
+    dtype: DType,
+    what: &'static str,
+    key: &str,
+) -> Result<&'a Tensor> {
+    let flat =
+        tied.ok_or_else(|| input_err(what, format!("the embedding unit's flat params ({key})"), "None".into()))?;
+    check_params(embedding, flat)?;
+    if flat.dtype() != dtype {
+        return Err(input_err(what, format!("dtype {dtype:?} (the head params')"), format!("{:?}", flat.dtype())));
+    }
+    Ok(flat)
+}
+
+/// Flattens the gradients of `vars` into one vector in layout order (zeros for a parameter the
+/// output does not depend on), plus the input's and, for a tied head, the embedding's (its
+/// `[V, d]` gradient first in a vector of `embedding_numel` elements, zeros after).
+pub(crate) fn collect_grads(
+    vars: &[Var],
+    x: Option<&Var>,
+    tied: Option<&Var>,
+    grads: &candle_core::backprop::GradStore,
+    embedding_numel: usize,
+) -> Result<UnitGrads> {
+    let flat_grad = |v: &Var| -> Result<Tensor> {
+        Ok(match grads.get(v.as_tensor()) {
+            Some(g) => g.flatten_all()?,
+            None => v.as_tensor().zeros_like()?.flatten_all()?,
+        })
+    };
+    let parts = vars.iter().map(flat_grad).collect::<Result<Vec<_>>>()?;
+    let grad_params = Tensor::cat(&parts, 0)?;
+    let grad_input = match x {
+        Some(x) => Some(match grads.get(x.as_tensor()) {
+            Some(g) => g.clone(),
+            None => x.as_tensor().zeros_like()?,
+        }),
+        None => None,
+    };
+    let grad_tied_wte = match tied {
+        Some(w) => {
+            let g = flat_grad(w)?;
+            let rest = embedding_numel - g.elem_count();
+            Some(if rest == 0 { g } else { Tensor::cat(&[&g, &Tensor::zeros(rest, g.dtype(), g.device())?], 0)? })
+        }
+        None => None,
+    };
+    Ok(UnitGrads { grad_params, grad_input, grad_tied_wte })
 }
 
 /// `h W + b` with `h` `[N, in]`, `w` `[in, out]`, `b` `[out]` → `[N, out]`.

@@ -52,10 +52,9 @@ use std::sync::Mutex;
 use candle_core::{DType, Device, Tensor, Var};
 
 use crate::kernels;
-use crate::lm::{HeadLossGrads, UnitGrads};
+use crate::lm::{CausalLm, HeadLossGrads, UnitGrads};
 use crate::ops::{
-    check_target_ids, cross_entropy, input_err, rms_norm_composed, rope_composed, scalar, softmax_last_dim,
-    swiglu_composed,
+    self, cross_entropy, input_err, rms_norm_composed, rope_composed, scalar, softmax_last_dim, swiglu_composed,
 };
 use crate::unit::{UnitKind, UnitSpec};
 use crate::Result;
@@ -119,7 +118,8 @@ impl<'a> AttnParams<'a> {
     }
 }
 
-/// A Llama-family decoder ([`LlamaConfig`]), computed one unit at a time.
+/// A Llama-family decoder ([`LlamaConfig`]), computed one unit at a time through its
+/// [`CausalLm`] calls.
 ///
 /// Holds the configuration, the unit layouts and a small cache of RoPE tables; no parameters and
 /// no activations. Every call takes a unit's flat parameters (a 1-D [`Tensor`] of
@@ -179,178 +179,6 @@ impl Llama {
     /// The units in forward order (`num_hidden_layers + 2`), as [`LlamaConfig::units`].
     pub fn units(&self) -> &[UnitSpec] {
         &self.units
-    }
-
-    /// Forward of unit `unit`:
-    ///
-    /// - embedding: token ids `[B, T]` U32 (`T <= max_position_embeddings`) → `[B, T, d]`;
-    /// - decoder layer: `[B, T, d]` → `[B, T, d]`;
-    /// - head: `[B, T, d]` → logits `[B, T, vocab_size]`.
-    ///
-    /// `tied` is the embedding unit's flat vector, required by the head when
-    /// `tie_word_embeddings` (ignored otherwise).
-    ///
-    /// # Errors
-    /// [`crate::Error::Input`] on a wrong unit index, shape, dtype, sequence length, token id or
-    /// a missing `tied`; [`crate::Error::Candle`] from the ops.
-    pub fn forward(&self, unit: usize, params: &Tensor, input: &Tensor, tied: Option<&Tensor>) -> Result<Tensor> {
-        let spec = self.unit_spec(unit)?;
-        self.check_params(spec, params)?;
-        let p = self.views(unit, params)?;
-        match spec.kind {
-            UnitKind::Embedding => {
-                self.check_tokens(input)?;
-                self.embed_math(&p[0], input)
-            }
-            UnitKind::Block(_) => {
-                self.check_hidden(input, params.dtype(), "block input")?;
-                self.block_math(&p, input)
-            }
-            UnitKind::Head => {
-                self.check_hidden(input, params.dtype(), "head input")?;
-                let w_out = self.head_out_weight(&p, tied, params.dtype())?;
-                self.head_math(&p[0], &w_out, input)
-            }
-            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => {
-                Err(input_err("unit kind", "a dense Llama unit".into(), format!("{:?}", spec.kind)))
-            }
-        }
-    }
-
-    /// Backward of unit `unit` by recomputation from its checkpointed `input`: the
-    /// vector-Jacobian product with `grad_output` (the forward output's shape and dtype; for the
-    /// head, the gradient of the logits). For the training loss use
-    /// [`Llama::head_loss_backward`].
-    ///
-    /// # Errors
-    /// As [`Llama::forward`], and [`crate::Error::Input`] when `grad_output` does not match.
-    pub fn backward(
-        &self,
-        unit: usize,
-        params: &Tensor,
-        input: &Tensor,
-        grad_output: &Tensor,
-        tied: Option<&Tensor>,
-    ) -> Result<UnitGrads> {
-        let spec = self.unit_spec(unit)?;
-        self.check_params(spec, params)?;
-        let dtype = params.dtype();
-        if grad_output.dtype() != dtype {
-            return Err(input_err("grad_output dtype", format!("{dtype:?}"), format!("{:?}", grad_output.dtype())));
-        }
-        if matches!(spec.kind, UnitKind::Block(_)) && self.fused(input) {
-            // The fused CPU path: a hand-written backward (layer.rs).
-            self.check_hidden(input, dtype, "block input")?;
-            if grad_output.dims() != input.dims() {
-                return Err(input_err(
-                    "grad_output shape",
-                    format!("{:?}", input.dims()),
-                    format!("{:?}", grad_output.dims()),
-                ));
-            }
-            let (grad_params, gx) = self.block_backward_fused(&self.views(unit, params)?, input, grad_output)?;
-            return Ok(UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte: None });
-        }
-        let vars = self.vars(unit, params)?;
-        let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let (out, x_var, tied_var) = match spec.kind {
-            UnitKind::Embedding => {
-                self.check_tokens(input)?;
-                (self.embed_math(&p[0], input)?, None, None)
-            }
-            UnitKind::Block(_) => {
-                self.check_hidden(input, dtype, "block input")?;
-                let x = Var::from_tensor(input)?;
-                (self.block_math(&p, x.as_tensor())?, Some(x), None)
-            }
-            UnitKind::Head => {
-                self.check_hidden(input, dtype, "head input")?;
-                let x = Var::from_tensor(input)?;
-                let tied_var = self.tied_var(tied, dtype)?;
-                let w_out = match &tied_var {
-                    Some(w) => w.as_tensor().clone(),
-                    None => p[1].clone(),
-                };
-                (self.head_math(&p[0], &w_out, x.as_tensor())?, Some(x), tied_var)
-            }
-            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => {
-                return Err(input_err("unit kind", "a dense Llama unit".into(), format!("{:?}", spec.kind)))
-            }
-        };
-        if out.dims() != grad_output.dims() {
-            return Err(input_err(
-                "grad_output shape",
-                format!("{:?}", out.dims()),
-                format!("{:?}", grad_output.dims()),
-            ));
-        }
-        let grads = (out * grad_output)?.sum_all()?.backward()?;
-        collect(&vars, x_var.as_ref(), tied_var.as_ref(), &grads)
-    }
-
-    /// Validation loss: mean cross-entropy (nats) of the head on its input `[B, T, d]` against
-    /// `targets` `[B, T]` U32 over the positions whose target is not
-    /// [`crate::lm::IGNORE_INDEX`] (0 when none is counted), widened to f64.
-    ///
-    /// # Errors
-    /// As [`Llama::forward`]; [`crate::Error::Input`] for targets of the wrong shape or dtype or
-    /// an id `>= vocab_size` other than the ignore index.
-    pub fn head_loss(&self, params: &Tensor, input: &Tensor, tied: Option<&Tensor>, targets: &Tensor) -> Result<f64> {
-        let logits = self.forward(self.units.len() - 1, params, input, tied)?;
-        let count = self.check_targets(targets, &logits)?;
-        scalar(&self.loss_math(&logits, targets, count)?)
-    }
-
-    /// The head's training backward: recomputes the head from `input` (`[B, T, d]`), returns the
-    /// mean cross-entropy against `targets` (as [`Llama::head_loss`]), the number of counted
-    /// positions, and the gradients of that mean: the head's flat params, its input, and when
-    /// tied the embedding unit's flat vector ([`UnitGrads::grad_tied_wte`]).
-    ///
-    /// # Errors
-    /// As [`Llama::head_loss`].
-    pub fn head_loss_backward(
-        &self,
-        params: &Tensor,
-        input: &Tensor,
-        tied: Option<&Tensor>,
-        targets: &Tensor,
-    ) -> Result<HeadLossGrads> {
-        let unit = self.units.len() - 1;
-        let spec = &self.units[unit];
-        self.check_params(spec, params)?;
-        let dtype = params.dtype();
-        self.check_hidden(input, dtype, "head input")?;
-        if self.fused(input) {
-            // The fused CPU path: a hand-written backward (layer.rs).
-            let p = self.views(unit, params)?;
-            let w_out = self.head_out_weight(&p, tied, dtype)?;
-            let (b, t, _) = input.dims3()?;
-            if targets.dims() != [b, t] {
-                return Err(input_err("targets shape", format!("{:?}", [b, t]), format!("{:?}", targets.dims())));
-            }
-            let tokens = check_target_ids(targets, self.config.vocab_size)?.1;
-            let (loss, gx, g_norm, g_out) = self.head_loss_backward_fused(&p[0], &w_out, input, targets, tokens)?;
-            let (grad_params, grad_tied_wte) = if self.config.tie_word_embeddings {
-                (g_norm, Some(g_out.flatten_all()?))
-            } else {
-                (Tensor::cat(&[&g_norm, &g_out.flatten_all()?], 0)?, None)
-            };
-            let grads = UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte };
-            return Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads });
-        }
-        let vars = self.vars(unit, params)?;
-        let x = Var::from_tensor(input)?;
-        let tied_var = self.tied_var(tied, dtype)?;
-        let w_out = match &tied_var {
-            Some(w) => w.as_tensor().clone(),
-            None => vars[1].as_tensor().clone(),
-        };
-        let logits = self.head_math(vars[0].as_tensor(), &w_out, x.as_tensor())?;
-        let tokens = self.check_targets(targets, &logits)?;
-        let loss = self.loss_math(&logits, targets, tokens)?;
-        let grads = loss.backward()?;
-        let grads = collect(&vars, Some(&x), tied_var.as_ref(), &grads)?;
-        Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads })
     }
 
     /// Logits `[B, T, vocab_size]` of the whole model (the unit forwards in order); `params[u]`
@@ -583,66 +411,24 @@ impl Llama {
     }
 
     fn unit_spec(&self, unit: usize) -> Result<&UnitSpec> {
-        self.units.get(unit).ok_or_else(|| input_err("unit index", format!("< {}", self.units.len()), unit.to_string()))
+        ops::unit_spec(&self.units, unit)
     }
 
     fn check_params(&self, spec: &UnitSpec, params: &Tensor) -> Result<()> {
-        if params.dims() != [spec.numel] {
-            return Err(input_err(
-                "unit parameters shape",
-                format!("[{}] (unit {})", spec.numel, spec.name),
-                format!("{:?}", params.dims()),
-            ));
-        }
-        if !params.dtype().is_float() {
-            return Err(input_err("unit parameters dtype", "a float dtype".into(), format!("{:?}", params.dtype())));
-        }
-        Ok(())
+        ops::check_params(spec, params)
     }
 
     fn check_hidden(&self, x: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
-        let (d, s) = (self.config.hidden_size, self.config.max_position_embeddings);
-        let ok = matches!(x.dims(), &[b, t, dd] if dd == d && b >= 1 && t >= 1 && t <= s);
-        if !ok {
-            return Err(input_err(what, format!("[B, T <= {s}, {d}]"), format!("{:?}", x.dims())));
-        }
-        if x.dtype() != dtype {
-            return Err(input_err(what, format!("dtype {dtype:?} (the params')"), format!("{:?}", x.dtype())));
-        }
-        Ok(())
+        ops::check_hidden(x, dtype, self.config.hidden_size, self.config.max_position_embeddings, what)
     }
 
     fn check_tokens(&self, tokens: &Tensor) -> Result<()> {
-        let s = self.config.max_position_embeddings;
-        let ok = matches!(tokens.dims(), &[b, t] if b >= 1 && t >= 1 && t <= s);
-        if !ok || tokens.dtype() != DType::U32 {
-            return Err(input_err(
-                "embedding input",
-                format!("U32 [B, T <= {s}]"),
-                format!("{:?} {:?}", tokens.dtype(), tokens.dims()),
-            ));
-        }
-        let max = tokens.max_all()?.to_scalar::<u32>()? as usize;
-        if max >= self.config.vocab_size {
-            return Err(input_err(
-                "embedding input",
-                format!("ids < vocab_size = {}", self.config.vocab_size),
-                format!("id {max}"),
-            ));
-        }
-        Ok(())
+        ops::check_ids(tokens, self.config.vocab_size, self.config.max_position_embeddings, "embedding input")
     }
 
     /// Targets `[B, T]` like the logits' first dims; returns the number of counted positions.
     fn check_targets(&self, targets: &Tensor, logits: &Tensor) -> Result<usize> {
-        if targets.dims() != &logits.dims()[..2] {
-            return Err(input_err(
-                "targets shape",
-                format!("{:?}", &logits.dims()[..2]),
-                format!("{:?}", targets.dims()),
-            ));
-        }
-        Ok(check_target_ids(targets, self.config.vocab_size)?.1)
+        ops::check_targets(targets, &logits.dims()[..2], self.config.vocab_size)
     }
 
     /// `lm_head` `[V, d]`: the head's own weight, or the embedding's when tied (a view).
@@ -658,17 +444,7 @@ impl Llama {
         if !self.config.tie_word_embeddings {
             return Ok(None);
         }
-        let flat = tied.ok_or_else(|| {
-            input_err("tied", "the embedding unit's flat params (tie_word_embeddings = true)".into(), "None".into())
-        })?;
-        self.check_params(&self.units[0], flat)?;
-        if flat.dtype() != dtype {
-            return Err(input_err(
-                "tied dtype",
-                format!("{dtype:?} (the head params')"),
-                format!("{:?}", flat.dtype()),
-            ));
-        }
+        let flat = ops::tied_flat(tied, &self.units[0], dtype, "tied", "tie_word_embeddings = true")?;
         Ok(Some(flat.reshape((self.config.vocab_size, self.config.hidden_size))?))
     }
 
@@ -685,35 +461,8 @@ fn group_view(flat: &Tensor, off: usize, shape: &[usize]) -> candle_core::Result
     flat.narrow(0, off, shape.iter().product())?.reshape(shape)
 }
 
-/// Flattens the gradients of `vars` into one vector in flat order (zeros for a group the output
-/// does not depend on), plus the input's and the tied embedding's (`[V·d]`, the embedding unit's
-/// whole flat vector).
-fn collect(
-    vars: &[Var],
-    x: Option<&Var>,
-    tied: Option<&Var>,
-    grads: &candle_core::backprop::GradStore,
-) -> Result<UnitGrads> {
-    let flat_grad = |v: &Var| -> Result<Tensor> {
-        Ok(match grads.get(v.as_tensor()) {
-            Some(g) => g.flatten_all()?,
-            None => v.as_tensor().zeros_like()?.flatten_all()?,
-        })
-    };
-    let parts = vars.iter().map(flat_grad).collect::<Result<Vec<_>>>()?;
-    let grad_params = Tensor::cat(&parts, 0)?;
-    let grad_input = match x {
-        Some(x) => Some(match grads.get(x.as_tensor()) {
-            Some(g) => g.clone(),
-            None => x.as_tensor().zeros_like()?,
-        }),
-        None => None,
-    };
-    let grad_tied_wte = tied.map(flat_grad).transpose()?;
-    Ok(UnitGrads { grad_params, grad_input, grad_tied_wte })
-}
-
-impl crate::CausalLm for Llama {
+/// The unit calls (the model's API; see [`crate::lm`] for the step they make up).
+impl CausalLm for Llama {
     fn units(&self) -> &[UnitSpec] {
         &self.units
     }
@@ -730,10 +479,49 @@ impl crate::CausalLm for Llama {
         self.config.tie_word_embeddings
     }
 
+    /// Forward of unit `unit`:
+    ///
+    /// - embedding: token ids `[B, T]` U32 (`T <= max_position_embeddings`) → `[B, T, d]`;
+    /// - decoder layer: `[B, T, d]` → `[B, T, d]`;
+    /// - head: `[B, T, d]` → logits `[B, T, vocab_size]`.
+    ///
+    /// `tied` is the embedding unit's flat vector, required by the head when
+    /// `tie_word_embeddings` (ignored otherwise).
+    ///
+    /// # Errors
+    /// [`crate::Error::Input`] on a wrong unit index, shape, dtype, sequence length, token id or
+    /// a missing `tied`; [`crate::Error::Candle`] from the ops.
     fn forward(&self, unit: usize, params: &Tensor, input: &Tensor, tied: Option<&Tensor>) -> Result<Tensor> {
-        Llama::forward(self, unit, params, input, tied)
+        let spec = self.unit_spec(unit)?;
+        self.check_params(spec, params)?;
+        let p = self.views(unit, params)?;
+        match spec.kind {
+            UnitKind::Embedding => {
+                self.check_tokens(input)?;
+                self.embed_math(&p[0], input)
+            }
+            UnitKind::Block(_) => {
+                self.check_hidden(input, params.dtype(), "block input")?;
+                self.block_math(&p, input)
+            }
+            UnitKind::Head => {
+                self.check_hidden(input, params.dtype(), "head input")?;
+                let w_out = self.head_out_weight(&p, tied, params.dtype())?;
+                self.head_math(&p[0], &w_out, input)
+            }
+            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => {
+                Err(input_err("unit kind", "a dense Llama unit".into(), format!("{:?}", spec.kind)))
+            }
+        }
     }
 
+    /// Backward of unit `unit` by recomputation from its checkpointed `input`: the
+    /// vector-Jacobian product with `grad_output` (the forward output's shape and dtype; for the
+    /// head, the gradient of the logits). For the training loss use
+    /// [`CausalLm::head_loss_backward`].
+    ///
+    /// # Errors
+    /// As [`CausalLm::forward`], and [`crate::Error::Input`] when `grad_output` does not match.
     fn backward(
         &self,
         unit: usize,
@@ -742,13 +530,82 @@ impl crate::CausalLm for Llama {
         grad_output: &Tensor,
         tied: Option<&Tensor>,
     ) -> Result<UnitGrads> {
-        Llama::backward(self, unit, params, input, grad_output, tied)
+        let spec = self.unit_spec(unit)?;
+        self.check_params(spec, params)?;
+        let dtype = params.dtype();
+        if grad_output.dtype() != dtype {
+            return Err(input_err("grad_output dtype", format!("{dtype:?}"), format!("{:?}", grad_output.dtype())));
+        }
+        if matches!(spec.kind, UnitKind::Block(_)) && self.fused(input) {
+            // The fused CPU path: a hand-written backward (layer.rs).
+            self.check_hidden(input, dtype, "block input")?;
+            if grad_output.dims() != input.dims() {
+                return Err(input_err(
+                    "grad_output shape",
+                    format!("{:?}", input.dims()),
+                    format!("{:?}", grad_output.dims()),
+                ));
+            }
+            let (grad_params, gx) = self.block_backward_fused(&self.views(unit, params)?, input, grad_output)?;
+            return Ok(UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte: None });
+        }
+        let vars = self.vars(unit, params)?;
+        let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let (out, x_var, tied_var) = match spec.kind {
+            UnitKind::Embedding => {
+                self.check_tokens(input)?;
+                (self.embed_math(&p[0], input)?, None, None)
+            }
+            UnitKind::Block(_) => {
+                self.check_hidden(input, dtype, "block input")?;
+                let x = Var::from_tensor(input)?;
+                (self.block_math(&p, x.as_tensor())?, Some(x), None)
+            }
+            UnitKind::Head => {
+                self.check_hidden(input, dtype, "head input")?;
+                let x = Var::from_tensor(input)?;
+                let tied_var = self.tied_var(tied, dtype)?;
+                let w_out = match &tied_var {
+                    Some(w) => w.as_tensor().clone(),
+                    None => p[1].clone(),
+                };
+                (self.head_math(&p[0], &w_out, x.as_tensor())?, Some(x), tied_var)
+            }
+            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => {
+                return Err(input_err("unit kind", "a dense Llama unit".into(), format!("{:?}", spec.kind)))
+            }
+        };
+        if out.dims() != grad_output.dims() {
+            return Err(input_err(
+                "grad_output shape",
+                format!("{:?}", out.dims()),
+                format!("{:?}", grad_output.dims()),
+            ));
+        }
+        let grads = (out * grad_output)?.sum_all()?.backward()?;
+        ops::collect_grads(&vars, x_var.as_ref(), tied_var.as_ref(), &grads, self.units[0].numel)
     }
 
+    /// Validation loss: mean cross-entropy (nats) of the head on its input `[B, T, d]` against
+    /// `targets` `[B, T]` U32 over the positions whose target is not
+    /// [`crate::lm::IGNORE_INDEX`] (0 when none is counted), widened to f64.
+    ///
+    /// # Errors
+    /// As [`CausalLm::forward`]; [`crate::Error::Input`] for targets of the wrong shape or dtype or
+    /// an id `>= vocab_size` other than the ignore index.
     fn head_loss(&self, params: &Tensor, input: &Tensor, tied: Option<&Tensor>, targets: &Tensor) -> Result<f64> {
-        Llama::head_loss(self, params, input, tied, targets)
+        let logits = self.forward(self.units.len() - 1, params, input, tied)?;
+        let count = self.check_targets(targets, &logits)?;
+        scalar(&self.loss_math(&logits, targets, count)?)
     }
 
+    /// The head's training backward: recomputes the head from `input` (`[B, T, d]`), returns the
+    /// mean cross-entropy against `targets` (as [`CausalLm::head_loss`]), the number of counted
+    /// positions, and the gradients of that mean: the head's flat params, its input, and when
+    /// tied the embedding unit's flat vector ([`UnitGrads::grad_tied_wte`]).
+    ///
+    /// # Errors
+    /// As [`CausalLm::head_loss`].
     fn head_loss_backward(
         &self,
         params: &Tensor,
@@ -756,6 +613,38 @@ impl crate::CausalLm for Llama {
         tied: Option<&Tensor>,
         targets: &Tensor,
     ) -> Result<HeadLossGrads> {
-        Llama::head_loss_backward(self, params, input, tied, targets)
+        let unit = self.units.len() - 1;
+        let spec = &self.units[unit];
+        self.check_params(spec, params)?;
+        let dtype = params.dtype();
+        self.check_hidden(input, dtype, "head input")?;
+        if self.fused(input) {
+            // The fused CPU path: a hand-written backward (layer.rs).
+            let p = self.views(unit, params)?;
+            let w_out = self.head_out_weight(&p, tied, dtype)?;
+            let (b, t, _) = input.dims3()?;
+            let tokens = ops::check_targets(targets, &[b, t], self.config.vocab_size)?;
+            let (loss, gx, g_norm, g_out) = self.head_loss_backward_fused(&p[0], &w_out, input, targets, tokens)?;
+            let (grad_params, grad_tied_wte) = if self.config.tie_word_embeddings {
+                (g_norm, Some(g_out.flatten_all()?))
+            } else {
+                (Tensor::cat(&[&g_norm, &g_out.flatten_all()?], 0)?, None)
+            };
+            let grads = UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte };
+            return Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads });
+        }
+        let vars = self.vars(unit, params)?;
+        let x = Var::from_tensor(input)?;
+        let tied_var = self.tied_var(tied, dtype)?;
+        let w_out = match &tied_var {
+            Some(w) => w.as_tensor().clone(),
+            None => vars[1].as_tensor().clone(),
+        };
+        let logits = self.head_math(vars[0].as_tensor(), &w_out, x.as_tensor())?;
+        let tokens = self.check_targets(targets, &logits)?;
+        let loss = self.loss_math(&logits, targets, tokens)?;
+        let grads = loss.backward()?;
+        let grads = ops::collect_grads(&vars, Some(&x), tied_var.as_ref(), &grads, self.units[0].numel)?;
+        Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads })
     }
 }
