@@ -258,7 +258,8 @@ impl Gpt {
     }
 
     /// Validation loss of the head: mean cross-entropy in nats of `softmax(logits)` against
-    /// `targets` (`[B, T]` U32), no gradient kept. `input` is the head's input `[B, T, d]`.
+    /// `targets` (`[B, T]` U32; positions whose target is [`crate::lm::IGNORE_INDEX`] are left
+    /// out of the mean), no gradient kept. `input` is the head's input `[B, T, d]`.
     ///
     /// The loss is returned as f64 (the mean is computed in the params' dtype, then widened) so
     /// that finite-difference checks in F64 keep their precision.
