@@ -39,6 +39,12 @@ pub(crate) fn causal_softmax(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1(CausalSoftmax)
 }
 
+/// The backward of [`causal_softmax`] without a graph: `y` its output, `g` the gradient of the
+/// output (both `[.., T, T]`, F32/F64 on the CPU) → `y ⊙ (g − rowsum(g ⊙ y))` on the causal part.
+pub(crate) fn causal_softmax_backward(y: &Tensor, g: &Tensor) -> Result<Tensor> {
+    y.contiguous()?.apply_op2_no_bwd(&g.contiguous()?, &CausalSoftmaxGrad)
+}
+
 fn contiguous<'a, T>(s: &'a [T], l: &Layout, op: &'static str) -> Result<&'a [T]> {
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&s[a..b]),
@@ -309,7 +315,7 @@ fn row_sum<T: Kernel>(x: &[T], n: usize) -> Vec<T> {
 }
 
 /// `[n]` sum over the rows of a contiguous `[.., n]` tensor (no backward).
-fn row_sum_tensor(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn row_sum_tensor(x: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op1_no_bwd(&RowSum)
 }
 

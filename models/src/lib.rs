@@ -7,6 +7,8 @@
 //! | [`unit`] | the unit of residency: [`UnitKind`], [`UnitSpec`] (a unit's parameters back to back in one flat vector), [`ParamSpec`], deterministic init |
 //! | [`lm`] | [`CausalLm`]: what a trainer drives — units, per-unit forward and recompute-based backward from a checkpointed input, the head's loss — and [`MoeLm`] for models with expert units |
 //! | [`gpt`] | the byte-level GPT (GPT-2 architecture) and MoE-GPT (Switch / GShard routing) |
+//! | [`llama`] | the Llama family (Llama 2/3, Mistral, Qwen2): [`Llama`], [`LlamaConfig`], with Hugging Face tensor names |
+//! | [`hf`] | Hugging Face checkpoints: `config.json` ↔ [`LlamaConfig`], safetensors read unit by unit ([`hf::HfCheckpoint`]) and written in shards ([`hf::write_checkpoint`]) |
 //! | `ops`, `kernels` | differentiable compositions shared by the families, and fused CPU kernels with their own backward |
 //!
 //! Every call takes a unit's flat parameters as a 1-D [`Tensor`] on any candle device and
@@ -16,15 +18,20 @@
 #![deny(unsafe_code)]
 
 pub mod gpt;
+pub mod hf;
 mod kernels;
+pub mod llama;
 pub mod lm;
 mod ops;
 pub mod unit;
 
+use std::path::PathBuf;
+
 use candle_core::{DType, Device, Tensor};
 
 pub use gpt::{CombineGrads, ExpertGrads, Gpt, GptConfig, LossParts, MoeConfig, Routing, TrunkOut};
-pub use lm::{CausalLm, HeadLossGrads, MoeLm, UnitGrads};
+pub use llama::{Llama, LlamaConfig, LlamaFamily, RopeScaling};
+pub use lm::{loss_and_grads, CausalLm, HeadLossGrads, MoeLm, TokenLoss, UnitGrads, IGNORE_INDEX};
 pub use unit::{init_params, init_unit, init_unit_from_seed, ParamInit, ParamSpec, UnitKind, UnitSpec};
 
 /// Errors of the model.
@@ -51,6 +58,48 @@ pub enum Error {
     /// An error from a candle op (device, allocation, unsupported dtype for an op).
     #[error("candle: {0}")]
     Candle(#[from] candle_core::Error),
+    /// A key of a Hugging Face `config.json` that is missing, malformed, or names an option this
+    /// crate does not implement ([`hf::parse_config`]).
+    #[error("{}: `{key}` {reason}", path.display())]
+    HfConfig {
+        /// The `config.json`.
+        path: PathBuf,
+        /// The key, dotted for nested ones (`rope_scaling.rope_type`); `<json>` for a file that
+        /// does not parse.
+        key: String,
+        /// What is wrong and the fix.
+        reason: String,
+    },
+    /// A checkpoint tensor that is missing, unexpected, of the wrong shape or an unsupported
+    /// dtype ([`hf::HfCheckpoint`]).
+    #[error("{}: tensor `{tensor}`: {reason}", path.display())]
+    HfTensor {
+        /// The file that holds (or, for a missing tensor, should hold) it; the checkpoint
+        /// directory when no file names it.
+        path: PathBuf,
+        /// The tensor name, e.g. `model.layers.3.self_attn.q_proj.weight`.
+        tensor: String,
+        /// What is wrong and the fix.
+        reason: String,
+    },
+    /// A checkpoint file that is missing or malformed (no weights, a bad index, a safetensors
+    /// header that does not parse).
+    #[error("{}: {reason}", path.display())]
+    HfFile {
+        /// The file (or directory).
+        path: PathBuf,
+        /// What is wrong and the fix.
+        reason: String,
+    },
+    /// I/O on a checkpoint file.
+    #[error("{}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Result type of the model module.

@@ -12,12 +12,48 @@
 //!
 //! With MoE blocks ([`CausalLm::moe`]) each block is a trunk unit and one unit per expert; the
 //! trunk routes the tokens and the trainer calls each routed expert where its placement says
-//! (see [`MoeLm`]).
+//! (see [`MoeLm`]). [`loss_and_grads`] is the dense loop above, in memory, for any [`CausalLm`].
+//!
+//! # Targets and the ignore index
+//!
+//! Targets are `[B, T]` U32, already shifted (`targets[b, t]` is the token after
+//! `tokens[b, t]`). A position whose target is [`IGNORE_INDEX`] (`u32::MAX`, transformers'
+//! `-100`) is left out of the loss: the cross-entropy is the mean over the counted positions
+//! only ([`TokenLoss`] gives the sum and the count, so losses of several batches can be pooled
+//! per token).
 
 use candle_core::Tensor;
 
 use crate::unit::UnitSpec;
 use crate::{Result, Routing, TrunkOut};
+
+/// The target id of a position left out of the loss (`u32::MAX`; transformers' `-100`, the
+/// `ignore_index` of `torch.nn.functional.cross_entropy`): padding, or the tokens of a prompt
+/// that should not be learned. Every [`CausalLm`] head honours it: the loss is the mean over the
+/// other positions, and an ignored position contributes no gradient.
+pub const IGNORE_INDEX: u32 = u32::MAX;
+
+/// A cross-entropy as a sum over the counted positions and their number, so that the losses of
+/// several batches can be pooled per token (`Σ sum_nats / Σ tokens`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TokenLoss {
+    /// Sum of the per-position cross-entropies (nats) over the positions whose target is not
+    /// [`IGNORE_INDEX`].
+    pub sum_nats: f64,
+    /// Number of those positions.
+    pub tokens: usize,
+}
+
+impl TokenLoss {
+    /// The mean in nats per counted token; 0 when no position is counted.
+    pub fn mean(&self) -> f64 {
+        if self.tokens == 0 {
+            0.0
+        } else {
+            self.sum_nats / self.tokens as f64
+        }
+    }
+}
 
 /// Gradients of one unit's backward.
 #[derive(Debug, Clone)]
@@ -36,8 +72,11 @@ pub struct UnitGrads {
 /// Output of [`CausalLm::head_loss_backward`].
 #[derive(Debug, Clone)]
 pub struct HeadLossGrads {
-    /// Mean cross-entropy over the `B * T` positions, in nats, computed in the params' dtype.
+    /// Mean cross-entropy in nats over the positions whose target is not [`IGNORE_INDEX`],
+    /// computed in the params' dtype (0, with zero gradients, when every target is ignored).
     pub loss: f64,
+    /// Number of positions counted in [`HeadLossGrads::loss`] (targets not [`IGNORE_INDEX`]).
+    pub tokens: usize,
     /// Gradients of the head unit (see [`UnitGrads`]); `grad_input` is always `Some`.
     pub grads: UnitGrads,
 }
@@ -88,15 +127,36 @@ pub trait CausalLm: Send + Sync + std::fmt::Debug {
     ) -> Result<UnitGrads>;
 
     /// Mean cross-entropy (nats) of the head on its input `[B, T, d]` against `targets`
-    /// (`[B, T]` U32), without gradients (validation).
+    /// (`[B, T]` U32; positions with [`IGNORE_INDEX`] are left out of the mean, which is 0 when
+    /// every target is ignored), without gradients (validation).
     ///
     /// # Errors
-    /// As [`CausalLm::forward`]; bad targets.
+    /// As [`CausalLm::forward`]; bad targets (shape, dtype, an id `>= vocab_size` other than
+    /// [`IGNORE_INDEX`]).
     fn head_loss(&self, params: &Tensor, input: &Tensor, tied: Option<&Tensor>, targets: &Tensor) -> Result<f64>;
 
+    /// As [`CausalLm::head_loss`], as a sum over the counted positions and their number
+    /// ([`TokenLoss`]), to pool validation batches per token. The default multiplies the mean by
+    /// the count of targets that are not [`IGNORE_INDEX`].
+    ///
+    /// # Errors
+    /// As [`CausalLm::head_loss`].
+    fn head_loss_sum(
+        &self,
+        params: &Tensor,
+        input: &Tensor,
+        tied: Option<&Tensor>,
+        targets: &Tensor,
+    ) -> Result<TokenLoss> {
+        let mean = self.head_loss(params, input, tied, targets)?;
+        let tokens = count_targets(targets)?;
+        Ok(TokenLoss { sum_nats: mean * tokens as f64, tokens })
+    }
+
     /// The head's training backward (the forward→backward turn): recomputes the head from its
-    /// input, returns the mean cross-entropy against `targets` and the gradients of the head's
-    /// parameters, of its input, and (tied) of the embedding's flat vector.
+    /// input, returns the mean cross-entropy against `targets` (over the positions that are not
+    /// [`IGNORE_INDEX`], their number in [`HeadLossGrads::tokens`]) and the gradients of that
+    /// mean: of the head's parameters, of its input, and (tied) of the embedding's flat vector.
     ///
     /// # Errors
     /// As [`CausalLm::head_loss`].
@@ -113,6 +173,79 @@ pub trait CausalLm: Send + Sync + std::fmt::Debug {
     fn moe(&self) -> Option<&dyn MoeLm> {
         None
     }
+}
+
+/// The number of targets that are not [`IGNORE_INDEX`] in `targets` (any shape, U32).
+///
+/// # Errors
+/// [`crate::Error::Input`] when `targets` is not U32; [`crate::Error::Candle`] when it cannot be
+/// read back to the host.
+pub fn count_targets(targets: &Tensor) -> Result<usize> {
+    Ok(crate::ops::host_targets(targets)?.iter().filter(|&&t| t != IGNORE_INDEX).count())
+}
+
+/// Loss and gradients of a dense [`CausalLm`] over one batch, composed of the unit calls exactly
+/// as the out-of-core trainer runs them (the in-memory reference of the module docs): forward
+/// unit by unit keeping each unit's input, then [`CausalLm::head_loss_backward`] and
+/// [`CausalLm::backward`] in reverse, each recomputing its unit; a tied head's
+/// [`UnitGrads::grad_tied_wte`] is added to the embedding's gradient.
+///
+/// `params[u]` is unit `u`'s flat vector (1-D, [`UnitSpec::numel`] elements, one float dtype for
+/// all), `tokens` and `targets` `[B, T]` U32 (targets may hold [`IGNORE_INDEX`]). Returns the
+/// head's [`HeadLossGrads::loss`] (mean cross-entropy in nats over the counted positions) and one
+/// gradient per unit, flat, in unit order and the params' dtype.
+///
+/// # Errors
+/// [`crate::Error::Input`] for an MoE model (its blocks take the [`MoeLm`] calls), a wrong number
+/// of parameter vectors, or any error of the unit calls.
+pub fn loss_and_grads(
+    model: &dyn CausalLm,
+    params: &[Tensor],
+    tokens: &Tensor,
+    targets: &Tensor,
+) -> Result<(f64, Vec<Tensor>)> {
+    let units = model.units();
+    let n = units.len();
+    if model.moe().is_some() {
+        return Err(crate::ops::input_err(
+            "model",
+            "a dense model".into(),
+            "an MoE model (use its MoeLm calls)".into(),
+        ));
+    }
+    if params.len() != n || n < 2 {
+        return Err(crate::ops::input_err("number of unit parameter vectors", n.to_string(), params.len().to_string()));
+    }
+    let tied = model.tied_head().then(|| &params[0]);
+    // checkpoints[u] = output of unit u = input of unit u + 1, u in 0..n-1.
+    let mut checkpoints: Vec<Tensor> = Vec::with_capacity(n - 1);
+    let mut x = model.forward(0, &params[0], tokens, None)?;
+    for (u, p) in params.iter().enumerate().take(n - 1).skip(1) {
+        let y = model.forward(u, p, &x, None)?;
+        checkpoints.push(std::mem::replace(&mut x, y));
+    }
+    checkpoints.push(x);
+
+    let mut grads: Vec<Option<Tensor>> = vec![None; n];
+    let head = model.head_loss_backward(&params[n - 1], &checkpoints[n - 2], tied, targets)?;
+    let mut g = head
+        .grads
+        .grad_input
+        .ok_or_else(|| crate::ops::input_err("head gradients", "an input gradient".into(), "None".into()))?;
+    grads[n - 1] = Some(head.grads.grad_params);
+    for u in (1..n - 1).rev() {
+        let ug = model.backward(u, &params[u], &checkpoints[u - 1], &g, None)?;
+        grads[u] = Some(ug.grad_params);
+        g = ug
+            .grad_input
+            .ok_or_else(|| crate::ops::input_err("block gradients", "an input gradient".into(), "None".into()))?;
+    }
+    let mut g0 = model.backward(0, &params[0], tokens, &g, None)?.grad_params;
+    if let Some(gt) = head.grads.grad_tied_wte {
+        g0 = (g0 + gt)?;
+    }
+    grads[0] = Some(g0);
+    Ok((head.loss, grads.into_iter().map(|g| g.expect("every unit's gradient is set")).collect()))
 }
 
 /// The calls of an MoE block, as a trainer runs them (see [`crate::Gpt::loss_parts_and_grads`]

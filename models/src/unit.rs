@@ -9,9 +9,11 @@ use rand_distr::{Distribution, Normal};
 /// Which part of the model a unit is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum UnitKind {
-    /// Unit 0: token embedding `wte` and position embedding `wpe`.
+    /// Unit 0: the token embedding (GPT: `wte` and the position embedding `wpe`; Llama:
+    /// `model.embed_tokens`).
     Embedding,
-    /// Dense model only: transformer block `i` (0-based layer index, unit index `i + 1`).
+    /// Dense model only: transformer block / decoder layer `i` (0-based layer index, unit index
+    /// `i + 1`).
     Block(usize),
     /// MoE model only: the trunk of block `i` (0-based layer index): `ln_1`, attention, `ln_2`
     /// and the router; unit index [`GptConfig::block_unit`]`(i)`.
@@ -24,7 +26,7 @@ pub enum UnitKind {
         /// 0-based expert index within the block.
         expert: usize,
     },
-    /// Unit `n_layer + 1`: final LayerNorm and the LM head.
+    /// The last unit (`n_layer + 1` when dense): the final norm and the LM head.
     Head,
 }
 
@@ -47,7 +49,9 @@ pub enum ParamInit {
 pub struct ParamSpec {
     /// Full name, usable as a safetensors key, e.g. `blocks.3.attn.qkv.weight`.
     pub name: String,
-    /// Shape, row-major. Linear weights are `[in, out]` (GPT-2's `Conv1D` layout: `y = x W + b`).
+    /// Shape, row-major. Linear weights are `[in, out]` in the GPT (GPT-2's `Conv1D` layout:
+    /// `y = x W + b`) and `[out, in]` in the Llama family (`torch.nn.Linear`'s, as Hugging Face
+    /// checkpoints store them: `y = x Wᵀ + b`).
     pub shape: Vec<usize>,
     /// Offset of the first element in the unit's flat vector, in elements.
     pub offset: usize,
@@ -65,11 +69,12 @@ impl ParamSpec {
 /// The flat layout of one unit: its parameters, back to back, in one vector of `numel` elements.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UnitSpec {
-    /// Position of the unit in the forward order (`0..`[`GptConfig::num_units`]).
+    /// Position of the unit in the forward order (`0..` the model's number of units).
     pub index: usize,
     /// What the unit is.
     pub kind: UnitKind,
-    /// Name prefix of the unit: `embed`, `blocks.{i}`, `blocks.{i}.experts.{e}`, `head`.
+    /// Name prefix of the unit: GPT `embed`, `blocks.{i}`, `blocks.{i}.experts.{e}`, `head`;
+    /// Llama `model.embed_tokens`, `model.layers.{i}`, `head`.
     pub name: String,
     /// Parameters in flat order; `params[k].offset == sum of numel of params[..k]`.
     pub params: Vec<ParamSpec>,
@@ -110,7 +115,8 @@ impl LayoutBuilder {
 /// Fills one unit's flat vector (`unit.numel` f32 elements, layout of [`UnitSpec::params`]) by
 /// each parameter's [`ParamSpec::init`] rule: `Normal { std }` draws N(0, std), `Zeros` and
 /// `Ones` fill. Parameters are drawn in layout order, element by element, so the result depends
-/// only on `rng`'s state. (The GPT's rules are GPT-2's: [`crate::gpt::GptConfig::units`].)
+/// only on `rng`'s state. (The GPT's rules are GPT-2's: [`crate::gpt::GptConfig::units`]; the
+/// Llama family's are transformers' `_init_weights`: [`crate::LlamaConfig::units`].)
 pub fn init_unit<R: Rng + ?Sized>(unit: &UnitSpec, rng: &mut R) -> Vec<f32> {
     let mut flat = vec![0f32; unit.numel];
     for p in &unit.params {

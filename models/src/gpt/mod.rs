@@ -81,7 +81,9 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::kernels;
 use crate::lm::{HeadLossGrads, UnitGrads};
-use crate::ops::{cross_entropy, gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim, vars, views};
+use crate::ops::{
+    self, cross_entropy, gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim, vars, views,
+};
 use crate::unit::{UnitKind, UnitSpec};
 use crate::{Error, Result};
 
@@ -256,7 +258,8 @@ impl Gpt {
     }
 
     /// Validation loss of the head: mean cross-entropy in nats of `softmax(logits)` against
-    /// `targets` (`[B, T]` U32), no gradient kept. `input` is the head's input `[B, T, d]`.
+    /// `targets` (`[B, T]` U32; positions whose target is [`crate::lm::IGNORE_INDEX`] are left
+    /// out of the mean), no gradient kept. `input` is the head's input `[B, T, d]`.
     ///
     /// The loss is returned as f64 (the mean is computed in the params' dtype, then widened) so
     /// that finite-difference checks in F64 keep their precision.
@@ -304,11 +307,11 @@ impl Gpt {
             None => p[2].clone(),
         };
         let logits = self.head_math(&p, &w_out, x.as_tensor())?;
-        self.check_targets(targets, &logits)?;
+        let tokens = self.check_targets(targets, &logits)?;
         let loss = cross_entropy(&logits, targets)?;
         let grads = loss.backward()?;
         let grads = self.collect(spec, &vars, Some(&x), wte.as_ref(), &grads)?;
-        Ok(HeadLossGrads { loss: scalar(&loss)?, grads })
+        Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads })
     }
 
     /// Logits `[B, T, vocab_size]` of the whole model: the unit forwards in order.
@@ -385,33 +388,9 @@ impl Gpt {
             return self.moe_loss_parts_and_grads(params, tokens, targets);
         }
         self.check_num_units(params)?;
-        let n = self.units.len();
-        let tied = self.tied(params);
-        // checkpoints[u] = input of unit u + 1 (output of unit u), u in 0..n-1.
-        let mut checkpoints = Vec::with_capacity(n - 1);
-        let mut x = self.forward(0, &params[0], tokens, None)?;
-        for (u, p) in params.iter().enumerate().take(n - 1).skip(1) {
-            let y = self.forward(u, p, &x, None)?;
-            checkpoints.push(std::mem::replace(&mut x, y));
-        }
-        checkpoints.push(x);
-
-        let mut grads: Vec<Option<Tensor>> = vec![None; n];
-        let head = self.head_loss_backward(&params[n - 1], &checkpoints[n - 2], tied, targets)?;
-        let mut g = head.grads.grad_input.expect("head has an input gradient");
-        grads[n - 1] = Some(head.grads.grad_params);
-        for u in (1..n - 1).rev() {
-            let ug = self.backward(u, &params[u], &checkpoints[u - 1], &g, None)?;
-            grads[u] = Some(ug.grad_params);
-            g = ug.grad_input.expect("a block has an input gradient");
-        }
-        let mut g0 = self.backward(0, &params[0], tokens, &g, None)?.grad_params;
-        if let Some(gt) = head.grads.grad_tied_wte {
-            g0 = (g0 + gt)?;
-        }
-        grads[0] = Some(g0);
-        let parts = LossParts { ce: head.loss, aux: 0.0 };
-        Ok((parts, grads.into_iter().map(|g| g.expect("set")).collect()))
+        // The dense loop is the trait's (forward keeping each unit's input, head, reverse).
+        let (ce, grads) = crate::lm::loss_and_grads(self, params, tokens, targets)?;
+        Ok((LossParts { ce, aux: 0.0 }, grads))
     }
 
     // ---- internals -----------------------------------------------------------------------
@@ -446,68 +425,25 @@ impl Gpt {
     }
 
     pub(super) fn unit_spec(&self, unit: usize) -> Result<&UnitSpec> {
-        self.units.get(unit).ok_or_else(|| input_err("unit index", format!("< {}", self.units.len()), unit.to_string()))
+        ops::unit_spec(&self.units, unit)
     }
 
     pub(super) fn check_params(&self, spec: &UnitSpec, params: &Tensor) -> Result<()> {
-        if params.dims() != [spec.numel] {
-            return Err(input_err(
-                "unit parameters shape",
-                format!("[{}] (unit {})", spec.numel, spec.name),
-                format!("{:?}", params.dims()),
-            ));
-        }
-        if !params.dtype().is_float() {
-            return Err(input_err("unit parameters dtype", "a float dtype".into(), format!("{:?}", params.dtype())));
-        }
-        Ok(())
+        ops::check_params(spec, params)
     }
 
     pub(super) fn check_hidden(&self, x: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
-        let ok = matches!(x.dims(), &[_, t, d] if d == self.config.d_model && t >= 1 && t <= self.config.max_seq_len);
-        if !ok {
-            return Err(input_err(
-                what,
-                format!("[B, T <= {}, {}]", self.config.max_seq_len, self.config.d_model),
-                format!("{:?}", x.dims()),
-            ));
-        }
-        if x.dtype() != dtype {
-            return Err(input_err(what, format!("dtype {dtype:?} (the params')"), format!("{:?}", x.dtype())));
-        }
-        Ok(())
-    }
-
-    fn check_ids(&self, ids: &Tensor, what: &'static str) -> Result<()> {
-        let ok = matches!(ids.dims(), &[b, t] if b >= 1 && t >= 1 && t <= self.config.max_seq_len);
-        if !ok || ids.dtype() != DType::U32 {
-            return Err(input_err(
-                what,
-                format!("U32 [B, T <= {}]", self.config.max_seq_len),
-                format!("{:?} {:?}", ids.dtype(), ids.dims()),
-            ));
-        }
-        let max = ids.max_all()?.to_scalar::<u32>()? as usize;
-        if max >= self.config.vocab_size {
-            return Err(input_err(what, format!("ids < vocab_size = {}", self.config.vocab_size), format!("id {max}")));
-        }
-        Ok(())
+        ops::check_hidden(x, dtype, self.config.d_model, self.config.max_seq_len, what)
     }
 
     fn check_tokens(&self, tokens: &Tensor, what: &'static str) -> Result<()> {
-        self.check_ids(tokens, what)
+        ops::check_ids(tokens, self.config.vocab_size, self.config.max_seq_len, what)
     }
 
-    fn check_targets(&self, targets: &Tensor, logits: &Tensor) -> Result<()> {
-        self.check_ids(targets, "targets")?;
-        if targets.dims() != &logits.dims()[..2] {
-            return Err(input_err(
-                "targets shape",
-                format!("{:?}", &logits.dims()[..2]),
-                format!("{:?}", targets.dims()),
-            ));
-        }
-        Ok(())
+    /// Targets are `[B, T]` U32 like the logits' first dims, each `< vocab_size` or
+    /// [`crate::lm::IGNORE_INDEX`]; returns the number of counted positions.
+    fn check_targets(&self, targets: &Tensor, logits: &Tensor) -> Result<usize> {
+        ops::check_targets(targets, &logits.dims()[..2], self.config.vocab_size)
     }
 
     /// `[d, V]` output weight of the head for forward (a view, no copy).
@@ -523,17 +459,7 @@ impl Gpt {
         if !self.config.tied_head {
             return Ok(None);
         }
-        let flat = tied_wte.ok_or_else(|| {
-            input_err("tied_wte", "the embedding unit's flat params (model.tied_head = true)".into(), "None".into())
-        })?;
-        self.check_params(&self.units[0], flat)?;
-        if flat.dtype() != dtype {
-            return Err(input_err(
-                "tied_wte dtype",
-                format!("{dtype:?} (the head params')"),
-                format!("{:?}", flat.dtype()),
-            ));
-        }
+        let flat = ops::tied_flat(tied_wte, &self.units[0], dtype, "tied_wte", "model.tied_head = true")?;
         let (v, d) = (self.config.vocab_size, self.config.d_model);
         Ok(Some(flat.narrow(0, 0, v * d)?.reshape((v, d))?))
     }
@@ -555,37 +481,9 @@ impl Gpt {
         wte: Option<&Var>,
         grads: &candle_core::backprop::GradStore,
     ) -> Result<UnitGrads> {
-        let mut flat = Vec::with_capacity(vars.len());
-        for v in vars {
-            let g = match grads.get(v.as_tensor()) {
-                Some(g) => g.flatten_all()?,
-                // A parameter the output does not depend on (none today) has a zero gradient.
-                None => v.as_tensor().zeros_like()?.flatten_all()?,
-            };
-            flat.push(g);
-        }
-        let grad_params = Tensor::cat(&flat, 0)?;
-        debug_assert_eq!(grad_params.dims(), [spec.numel]);
-        let grad_input = match x {
-            Some(x) => Some(match grads.get(x.as_tensor()) {
-                Some(g) => g.clone(),
-                None => x.as_tensor().zeros_like()?,
-            }),
-            None => None,
-        };
-        let grad_tied_wte = match wte {
-            Some(w) => {
-                let g = match grads.get(w.as_tensor()) {
-                    Some(g) => g.flatten_all()?,
-                    None => w.as_tensor().zeros_like()?.flatten_all()?,
-                };
-                let rest = self.units[0].numel - g.elem_count();
-                let pad = Tensor::zeros(rest, g.dtype(), g.device())?;
-                Some(Tensor::cat(&[&g, &pad], 0)?)
-            }
-            None => None,
-        };
-        Ok(UnitGrads { grad_params, grad_input, grad_tied_wte })
+        let g = ops::collect_grads(vars, x, wte, grads, self.units[0].numel)?;
+        debug_assert_eq!(g.grad_params.dims(), [spec.numel]);
+        Ok(g)
     }
 
     /// The causal mask `[T, T]`: 0 where key position ≤ query position, -inf after.

@@ -1,0 +1,576 @@
+//! Oracles from transformers (`shared/fixtures/llama`, see its README.md): logits, loss and
+//! every gradient of two checkpoints loaded through [`HfCheckpoint`] and computed unit by unit;
+//! export bitwise; `config.json` round trips, transformers 4 and 5 layouts, refusals by key;
+//! checkpoint errors naming the tensor and file.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use serde_json::{json, Value};
+
+use super::*;
+use crate::lm::{loss_and_grads, IGNORE_INDEX};
+use crate::{Error, Llama, LlamaConfig, LlamaFamily, RopeScaling};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/llama")
+}
+
+fn reference(dir: &Path) -> BTreeMap<String, NamedTensor> {
+    read_tensors(&dir.join("reference.safetensors")).unwrap().into_iter().map(|t| (t.name.clone(), t)).collect()
+}
+
+/// `max |a − r| / (atol + rtol |r|)`: ≤ 1 within the tolerance.
+fn tolerance_ratio(a: &[f32], r: &[f32], rtol: f64, atol: f64) -> (f64, f64) {
+    assert_eq!(a.len(), r.len());
+    let (mut worst, mut max_abs) = (0f64, 0f64);
+    for (&a, &r) in a.iter().zip(r) {
+        let err = (a as f64 - r as f64).abs();
+        worst = worst.max(err / (atol + rtol * (r as f64).abs()));
+        max_abs = max_abs.max(err);
+    }
+    (worst, max_abs)
+}
+
+fn ids_tensor(t: &NamedTensor, ignore: bool) -> Tensor {
+    let v: Vec<u32> = t
+        .as_i64()
+        .unwrap()
+        .iter()
+        .map(|&x| {
+            if x == -100 {
+                assert!(ignore);
+                IGNORE_INDEX
+            } else {
+                u32::try_from(x).unwrap()
+            }
+        })
+        .collect();
+    Tensor::from_vec(v, (t.shape[0], t.shape[1]), &Device::Cpu).unwrap()
+}
+
+fn load(dir: &Path) -> (HfCheckpoint, LlamaConfig, Vec<Vec<f32>>) {
+    let ckpt = HfCheckpoint::open(dir).unwrap();
+    let cfg = ckpt.llama_config().unwrap();
+    let units = cfg.units();
+    ckpt.check_units(&units).unwrap();
+    let flats = units.iter().map(|u| ckpt.read_unit(u).unwrap()).collect();
+    (ckpt, cfg, flats)
+}
+
+/// The model loaded through the reader reproduces transformers' logits, loss and every
+/// parameter's gradient, computed unit by unit (forward keeping each unit's input, the head's
+/// loss backward, then each unit's backward by recomputation in reverse).
+fn check_oracle(case: &str, composed: bool) {
+    let dir = fixtures().join(case);
+    let (_, cfg, flats) = load(&dir);
+    let mut model = Llama::new(cfg.clone()).unwrap();
+    if composed {
+        model = model.composed_only();
+    }
+    let r = reference(&dir);
+    let tokens = ids_tensor(&r["input_ids"], false);
+    let targets = ids_tensor(&r["labels"], true);
+    assert!(targets.flatten_all().unwrap().to_vec1::<u32>().unwrap().contains(&IGNORE_INDEX));
+    let params: Vec<Tensor> = flats.iter().map(|f| Tensor::from_slice(f, f.len(), &Device::Cpu).unwrap()).collect();
+
+    let logits = model.forward_all(&params, &tokens).unwrap();
+    assert_eq!(logits.dims(), r["logits"].shape.as_slice());
+    let got = logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (ratio, abs) = tolerance_ratio(&got, r["logits"].as_f32().unwrap(), 1e-4, 1e-5);
+    eprintln!("{case} composed={composed}: logits max |err| {abs:.2e}, {ratio:.3} of the tolerance");
+    assert!(ratio <= 1.0, "{case}: logits off by {ratio} x the tolerance");
+
+    let (loss, grads) = loss_and_grads(&model, &params, &tokens, &targets).unwrap();
+    let want = r["loss"].as_f32().unwrap()[0] as f64;
+    let loss_err = (loss - want).abs();
+    eprintln!("{case} composed={composed}: loss {loss} vs {want}, |err| {loss_err:.2e}");
+    assert!(loss_err <= 1e-5 + 1e-4 * want.abs(), "{case}: loss {loss} vs {want}");
+
+    let (mut worst, mut worst_name, mut worst_abs, mut checked) = (0f64, String::new(), 0f64, 0);
+    for (unit, g) in model.units().iter().zip(&grads) {
+        let g = g.to_vec1::<f32>().unwrap();
+        for p in &unit.params {
+            let want = &r[&format!("grad.{}", p.name)];
+            assert_eq!(want.shape, p.shape, "{}", p.name);
+            let (ratio, abs) = tolerance_ratio(&g[p.offset..p.offset + p.numel()], want.as_f32().unwrap(), 1e-3, 1e-6);
+            assert!(ratio <= 1.0, "{case}: gradient of {} off by {ratio} x the tolerance", p.name);
+            if ratio > worst {
+                (worst, worst_name) = (ratio, p.name.clone());
+            }
+            worst_abs = worst_abs.max(abs);
+            checked += 1;
+        }
+    }
+    let n_grads = r.keys().filter(|k| k.starts_with("grad.")).count();
+    assert_eq!(checked, n_grads, "every reference gradient is a parameter of the model");
+    eprintln!(
+        "{case} composed={composed}: {checked} gradients, max |err| {worst_abs:.2e}, worst {worst:.3} of the tolerance \
+         ({worst_name})"
+    );
+}
+
+#[test]
+fn llama_gqa_matches_transformers() {
+    check_oracle("llama_gqa", false);
+    check_oracle("llama_gqa", true);
+}
+
+#[test]
+fn qwen2_tied_matches_transformers() {
+    check_oracle("qwen2_tied", false);
+    check_oracle("qwen2_tied", true);
+}
+
+#[test]
+fn fixture_configs_parse_as_described() {
+    let (ckpt, cfg, _) = load(&fixtures().join("llama_gqa"));
+    assert_eq!(ckpt.files().len(), 12);
+    assert_eq!(cfg.family, LlamaFamily::Llama);
+    assert_eq!((cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.kv_heads()), (64, 2, 4, 2));
+    assert_eq!((cfg.head_dim(), cfg.intermediate_size, cfg.vocab_size), (16, 176, 1024));
+    assert_eq!((cfg.rms_norm_eps, cfg.rope_theta, cfg.tie_word_embeddings), (1e-5, 1e4, false));
+    assert_eq!(cfg.num_params(), 223_552);
+    let (ckpt, cfg, _) = load(&fixtures().join("qwen2_tied"));
+    assert_eq!(ckpt.files().len(), 1);
+    assert_eq!(cfg.family, LlamaFamily::Qwen2);
+    assert!(cfg.qkv_bias() && !cfg.o_bias() && cfg.tie_word_embeddings);
+    assert_eq!((cfg.rms_norm_eps, cfg.rope_theta), (1e-6, 1e6));
+    assert_eq!(cfg.num_params(), 148_160);
+    // The AdamW oracle reads with the same helper: one tensor per parameter, same shapes.
+    for case in ["llama_gqa", "qwen2_tied"] {
+        let dir = fixtures().join(case);
+        let cfg = HfCheckpoint::open(&dir).unwrap().llama_config().unwrap();
+        let step: BTreeMap<String, NamedTensor> =
+            read_tensors(&dir.join("step.safetensors")).unwrap().into_iter().map(|t| (t.name.clone(), t)).collect();
+        let params: Vec<_> = cfg.units().into_iter().flat_map(|u| u.params).collect();
+        assert_eq!(step.len(), params.len());
+        for p in params {
+            assert_eq!(step[&p.name].shape, p.shape);
+        }
+    }
+}
+
+// ---- export ----------------------------------------------------------------------------------
+
+/// Every tensor of every safetensors file of a checkpoint: name → (shape, dtype name, raw bytes).
+fn raw_tensors(dir: &Path) -> BTreeMap<String, (Vec<usize>, String, Vec<u8>)> {
+    let ckpt = HfCheckpoint::open(dir).unwrap();
+    let mut out = BTreeMap::new();
+    for f in ckpt.files() {
+        let bytes = std::fs::read(f).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        for (name, view) in st.tensors() {
+            out.insert(name, (view.shape().to_vec(), format!("{:?}", view.dtype()), view.data().to_vec()));
+        }
+    }
+    out
+}
+
+#[test]
+fn export_of_a_loaded_checkpoint_is_bitwise_the_input() {
+    for case in ["llama_gqa", "qwen2_tied"] {
+        let src = fixtures().join(case);
+        let (ckpt, cfg, flats) = load(&src);
+        let units = cfg.units();
+        for max_shard_bytes in [5_000_000_000, 100_000] {
+            let tmp = tempfile::tempdir().unwrap();
+            let opts = WriteOptions { max_shard_bytes, ..WriteOptions::default() };
+            let mut calls = 0;
+            let written = write_checkpoint(tmp.path(), &cfg, ckpt.config_json(), &units, &opts, |u| {
+                assert_eq!(u.index, calls, "units are produced in order, once");
+                calls += 1;
+                Ok(flats[u.index].clone())
+            })
+            .unwrap();
+            assert_eq!(calls, units.len());
+            assert_eq!(raw_tensors(tmp.path()), raw_tensors(&src), "{case} shard {max_shard_bytes}");
+            // The layout transformers expects.
+            let n = written.files.len();
+            if max_shard_bytes == 100_000 {
+                assert!(n > 1);
+                let index: Value =
+                    serde_json::from_str(&std::fs::read_to_string(tmp.path().join(INDEX_FILE)).unwrap()).unwrap();
+                assert_eq!(index["metadata"]["total_size"], json!(cfg.num_params() * 4));
+                assert_eq!(index["metadata"]["total_parameters"], json!(cfg.num_params()));
+                let wm = index["weight_map"].as_object().unwrap();
+                assert_eq!(wm.len(), units.iter().map(|u| u.params.len()).sum::<usize>());
+                for (k, f) in written.files.iter().enumerate() {
+                    let name = f.file_name().unwrap().to_str().unwrap();
+                    assert_eq!(name, format!("model-{:05}-of-{n:05}.safetensors", k + 1));
+                    // At most the shard size of data, unless a single larger tensor.
+                    let in_shard: Vec<_> = wm.iter().filter(|(_, v)| v.as_str() == Some(name)).collect();
+                    let data: usize = units
+                        .iter()
+                        .flat_map(|u| &u.params)
+                        .filter(|p| in_shard.iter().any(|(k, _)| **k == p.name))
+                        .map(|p| p.numel() * 4)
+                        .sum();
+                    assert!(data <= 100_000 || in_shard.len() == 1, "{name}: {data} bytes in {}", in_shard.len());
+                }
+                assert!(wm.values().all(|f| written.files.iter().any(|p| p.ends_with(f.as_str().unwrap()))));
+            } else {
+                assert_eq!(n, 1);
+                assert!(written.index.is_none());
+                assert!(!tmp.path().join(INDEX_FILE).exists());
+            }
+            // Headers: 8-byte aligned data, `format: pt`.
+            for f in &written.files {
+                let bytes = std::fs::read(f).unwrap();
+                let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+                assert_eq!((8 + n) % 8, 0);
+                let header: Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+                assert_eq!(header["__metadata__"]["format"], "pt");
+            }
+            // Read back: the same config, the same units.
+            let (back, cfg2, flats2) = load(tmp.path());
+            assert_eq!(cfg2, cfg);
+            assert_eq!(flats2, flats);
+            // Keys that are not the model's are carried (token ids, use_cache).
+            assert_eq!(back.config_json().get("use_cache"), Some(&json!(true)));
+            assert!(!back.config_json().contains_key("transformers_version"));
+        }
+    }
+}
+
+#[test]
+fn exporting_again_with_fewer_shards_removes_the_old_ones() {
+    let (_, cfg, flats) = load(&fixtures().join("llama_gqa"));
+    let units = cfg.units();
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(tmp.path().join("README.md"), "kept").unwrap();
+    let small = WriteOptions { max_shard_bytes: 50_000, ..WriteOptions::default() };
+    write_checkpoint(tmp.path(), &cfg, &Default::default(), &units, &small, |u| Ok(flats[u.index].clone())).unwrap();
+    let w = write_checkpoint(tmp.path(), &cfg, &Default::default(), &units, &WriteOptions::default(), |u| {
+        Ok(flats[u.index].clone())
+    })
+    .unwrap();
+    let mut names: Vec<String> =
+        std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    assert_eq!(names, ["README.md", "config.json", "model.safetensors"]);
+    assert_eq!(w.files.len(), 1);
+    // A failing callback leaves no partial file behind and the old export intact.
+    let err = write_checkpoint(tmp.path(), &cfg, &Default::default(), &units, &small, |u| {
+        if u.index == 2 {
+            Err(crate::ops::input_err("test", "x".into(), "y".into()))
+        } else {
+            Ok(flats[u.index].clone())
+        }
+    });
+    assert!(err.is_err());
+    let mut after: Vec<String> =
+        std::fs::read_dir(tmp.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    after.sort();
+    assert_eq!(after, names);
+}
+
+#[test]
+fn bf16_export_rounds_to_nearest_even() {
+    let (_, cfg, flats) = load(&fixtures().join("qwen2_tied"));
+    let units = cfg.units();
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = WriteOptions { dtype: HfDtype::BF16, ..WriteOptions::default() };
+    write_checkpoint(tmp.path(), &cfg, &Default::default(), &units, &opts, |u| Ok(flats[u.index].clone())).unwrap();
+    let back = HfCheckpoint::open(tmp.path()).unwrap();
+    assert_eq!(back.config_json()["dtype"], "bfloat16");
+    assert!(back.tensors().values().all(|t| t.dtype == HfDtype::BF16));
+    for (u, f) in units.iter().zip(&flats) {
+        let want: Vec<f32> = f.iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect();
+        assert_eq!(back.read_unit(u).unwrap(), want);
+    }
+}
+
+// ---- config.json -----------------------------------------------------------------------------
+
+fn fixture_config(case: &str) -> serde_json::Map<String, Value> {
+    let text = std::fs::read_to_string(fixtures().join(case).join("config.json")).unwrap();
+    serde_json::from_str::<Value>(&text).unwrap().as_object().unwrap().clone()
+}
+
+fn parse(map: &serde_json::Map<String, Value>) -> crate::Result<LlamaConfig> {
+    parse_config(&Value::Object(map.clone()).to_string(), Path::new("config.json"))
+}
+
+/// transformers 5's `rope_parameters` rewritten as transformers 4 writes it.
+fn to_v4(map: &serde_json::Map<String, Value>) -> serde_json::Map<String, Value> {
+    let mut m = map.clone();
+    let mut params = m.remove("rope_parameters").unwrap().as_object().unwrap().clone();
+    m.insert("rope_theta".into(), params.remove("rope_theta").unwrap());
+    let scaling = if params.get("rope_type") == Some(&json!("default")) { Value::Null } else { Value::Object(params) };
+    m.insert("rope_scaling".into(), scaling);
+    m
+}
+
+#[test]
+fn transformers_4_and_5_configs_parse_to_the_same_config() {
+    for case in ["llama_gqa", "qwen2_tied"] {
+        let v5 = fixture_config(case);
+        let v4 = to_v4(&v5);
+        assert!(v4.contains_key("rope_theta") && !v4.contains_key("rope_parameters"));
+        assert_eq!(parse(&v4).unwrap(), parse(&v5).unwrap(), "{case}");
+    }
+    // Llama 3.1-style scaling, both layouts; and the old `type` key of transformers 4.
+    let mut v5 = fixture_config("llama_gqa");
+    v5.insert(
+        "rope_parameters".into(),
+        json!({"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    );
+    let v4 = to_v4(&v5);
+    let c = parse(&v5).unwrap();
+    assert_eq!(parse(&v4).unwrap(), c);
+    assert_eq!(c.rope_theta, 500000.0);
+    assert_eq!(
+        c.rope_scaling,
+        RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192
+        }
+    );
+    let mut old = to_v4(&fixture_config("llama_gqa"));
+    old.insert("rope_scaling".into(), json!({"type": "linear", "factor": 2.0}));
+    assert_eq!(parse(&old).unwrap().rope_scaling, RopeScaling::Linear { factor: 2.0 });
+}
+
+#[test]
+fn config_json_written_then_read_is_the_same_config() {
+    let mut configs: Vec<LlamaConfig> =
+        ["llama_gqa", "qwen2_tied"].iter().map(|c| parse(&fixture_config(c)).unwrap()).collect();
+    configs.push(LlamaConfig {
+        rope_scaling: RopeScaling::Llama3 {
+            factor: 32.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_position_embeddings: 8192,
+        },
+        rope_theta: 500000.0,
+        num_key_value_heads: Some(2),
+        tie_word_embeddings: true,
+        attention_bias: Some(true),
+        mlp_bias: true,
+        ..LlamaConfig::new(1024, 256, 688, 4, 8)
+    });
+    configs.push(LlamaConfig {
+        family: LlamaFamily::Mistral,
+        rope_scaling: RopeScaling::Linear { factor: 4.0 },
+        ..LlamaConfig::new(1024, 128, 300, 2, 4)
+    });
+    for c in configs {
+        let v = config_json(&c, "float32", &Default::default());
+        let back = parse(v.as_object().unwrap()).unwrap();
+        assert_eq!(back, c.resolved());
+        // And through a file.
+        let tmp = tempfile::tempdir().unwrap();
+        let path = write_config(tmp.path(), &c, HfDtype::F32, &Default::default()).unwrap();
+        assert_eq!(read_config(&path).unwrap(), c.resolved());
+    }
+}
+
+/// Parses `map` with `edit` applied and expects an [`Error::HfConfig`] naming `key`.
+fn refused(case: &str, edit: impl FnOnce(&mut serde_json::Map<String, Value>), key: &str) -> String {
+    let mut m = fixture_config(case);
+    edit(&mut m);
+    match parse(&m) {
+        Err(e @ Error::HfConfig { .. }) => {
+            let Error::HfConfig { key: k, .. } = &e else { unreachable!() };
+            assert_eq!(k, key, "{e}");
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("`{key}`")) && msg.contains("config.json"), "{msg}");
+            msg
+        }
+        other => panic!("expected a config error on {key}, got {other:?}"),
+    }
+}
+
+#[test]
+fn unsupported_options_are_refused_by_name() {
+    let msg = refused(
+        "llama_gqa",
+        |m| {
+            m.insert("model_type".into(), json!("mistral"));
+            m.insert("architectures".into(), json!(["MistralForCausalLM"]));
+            m.insert("sliding_window".into(), json!(4096));
+        },
+        "sliding_window",
+    );
+    assert!(msg.contains("null"), "{msg}");
+    // Absent means transformers' default of 4096 for Mistral.
+    refused(
+        "llama_gqa",
+        |m| {
+            m.insert("model_type".into(), json!("mistral"));
+            m.insert("architectures".into(), json!(["MistralForCausalLM"]));
+        },
+        "sliding_window",
+    );
+    refused("qwen2_tied", |m| drop(m.insert("use_sliding_window".into(), json!(true))), "use_sliding_window");
+    refused(
+        "qwen2_tied",
+        |m| drop(m.insert("layer_types".into(), json!(["full_attention", "sliding_attention"]))),
+        "layer_types",
+    );
+    let msg = refused(
+        "llama_gqa",
+        |m| {
+            *m = to_v4(m);
+            m.insert("rope_scaling".into(), json!({"rope_type": "yarn", "factor": 4.0}));
+        },
+        "rope_scaling.rope_type",
+    );
+    assert!(msg.contains("yarn"), "{msg}");
+    refused(
+        "llama_gqa",
+        |m| drop(m.insert("rope_parameters".into(), json!({"rope_theta": 1e4, "rope_type": "dynamic", "factor": 2.0}))),
+        "rope_parameters.rope_type",
+    );
+    refused(
+        "llama_gqa",
+        |m| drop(m.insert("rope_parameters".into(), json!({"rope_theta": 1e4, "rope_type": "llama3", "factor": 8.0}))),
+        "rope_parameters.low_freq_factor",
+    );
+    refused(
+        "llama_gqa",
+        |m| drop(m.insert("rope_scaling".into(), json!({"rope_type": "linear", "factor": 2.0}))),
+        "rope_scaling",
+    );
+    refused("llama_gqa", |m| drop(m.insert("rope_theta".into(), json!(5e5))), "rope_theta");
+    let msg = refused("mixtral_moe", |_| {}, "model_type");
+    assert!(msg.contains("mixtral") && msg.contains("supported"), "{msg}");
+    refused("llama_gqa", |m| drop(m.insert("model_type".into(), json!("gemma"))), "model_type");
+    refused(
+        "llama_gqa",
+        |m| drop(m.insert("architectures".into(), json!(["LlamaForSequenceClassification"]))),
+        "architectures",
+    );
+    refused("llama_gqa", |m| drop(m.insert("hidden_act".into(), json!("gelu"))), "hidden_act");
+    refused("llama_gqa", |m| drop(m.insert("attention_dropout".into(), json!(0.1))), "attention_dropout");
+    refused("llama_gqa", |m| drop(m.insert("partial_rotary_factor".into(), json!(0.5))), "partial_rotary_factor");
+    refused(
+        "llama_gqa",
+        |m| drop(m.insert("quantization_config".into(), json!({"quant_method": "gptq"}))),
+        "quantization_config",
+    );
+    refused("llama_gqa", |m| drop(m.remove("hidden_size")), "hidden_size");
+    refused("llama_gqa", |m| drop(m.insert("hidden_size".into(), json!("64"))), "hidden_size");
+    refused("llama_gqa", |m| drop(m.insert("num_key_value_heads".into(), json!(3))), "num_key_value_heads");
+    // Harmless unknown keys are ignored; model_type alone (no architectures) is enough.
+    let mut m = fixture_config("llama_gqa");
+    m.insert("some_future_key".into(), json!({"a": 1}));
+    m.remove("architectures");
+    assert_eq!(parse(&m).unwrap(), parse(&fixture_config("llama_gqa")).unwrap());
+    match parse_config("{not json", Path::new("x/config.json")) {
+        Err(Error::HfConfig { key, .. }) => assert_eq!(key, "<json>"),
+        other => panic!("{other:?}"),
+    }
+}
+
+// ---- checkpoint errors -------------------------------------------------------------------------
+
+fn tensor_error(r: crate::Result<()>) -> (PathBuf, String, String) {
+    match r {
+        Err(Error::HfTensor { path, tensor, reason }) => (path, tensor, reason),
+        other => panic!("expected a tensor error, got {other:?}"),
+    }
+}
+
+#[test]
+fn missing_extra_and_misshapen_tensors_name_the_tensor_and_file() {
+    let gqa = HfCheckpoint::open(&fixtures().join("llama_gqa")).unwrap();
+    let cfg = gqa.llama_config().unwrap();
+    // Tied config on an untied checkpoint: lm_head.weight is unexpected.
+    let tied = LlamaConfig { tie_word_embeddings: true, ..cfg.clone() };
+    let (path, tensor, reason) = tensor_error(gqa.check_units(&tied.units()));
+    assert_eq!(tensor, "lm_head.weight");
+    assert!(path.ends_with("model-00011-of-00012.safetensors"), "{path:?}");
+    assert!(reason.contains("tie_word_embeddings"), "{reason}");
+    // Untied config on a tied checkpoint: lm_head.weight is missing.
+    let qwen = HfCheckpoint::open(&fixtures().join("qwen2_tied")).unwrap();
+    let untied = LlamaConfig { tie_word_embeddings: false, ..qwen.llama_config().unwrap() };
+    let (_, tensor, reason) = tensor_error(qwen.check_units(&untied.units()));
+    assert_eq!(tensor, "lm_head.weight");
+    assert!(reason.contains("missing"), "{reason}");
+    // Another intermediate size: the first MLP tensor of layer 0, in its shard.
+    let wider = LlamaConfig { intermediate_size: 177, ..cfg.clone() };
+    let (path, tensor, reason) = tensor_error(gqa.check_units(&wider.units()));
+    assert_eq!(tensor, "model.layers.0.mlp.gate_proj.weight");
+    assert!(path.ends_with("model-00003-of-00012.safetensors"), "{path:?}");
+    assert!(reason.contains("[176, 64]") && reason.contains("[177, 64]"), "{reason}");
+    let err = gqa.read_unit(&wider.units()[1]).unwrap_err();
+    assert!(err.to_string().contains("model.layers.0.mlp.gate_proj.weight"), "{err}");
+    // One layer fewer: layer 1's tensors are unexpected.
+    let shallow = LlamaConfig { num_hidden_layers: 1, ..cfg.clone() };
+    let (_, tensor, _) = tensor_error(gqa.check_units(&shallow.units()));
+    assert!(tensor.starts_with("model.layers.1."), "{tensor}");
+}
+
+#[test]
+fn broken_checkpoint_files_are_errors_naming_the_file() {
+    let src = fixtures().join("llama_gqa");
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), tmp.path().join(e.file_name())).unwrap();
+    }
+    // A shard the index names is gone.
+    let shard = tmp.path().join("model-00007-of-00012.safetensors");
+    let bytes = std::fs::read(&shard).unwrap();
+    std::fs::remove_file(&shard).unwrap();
+    match HfCheckpoint::open(tmp.path()) {
+        Err(Error::Io { path, .. }) => assert_eq!(path, shard),
+        other => panic!("{other:?}"),
+    }
+    // A truncated shard.
+    std::fs::write(&shard, &bytes[..bytes.len() - 4]).unwrap();
+    match HfCheckpoint::open(tmp.path()) {
+        Err(Error::HfFile { path, reason }) => {
+            assert_eq!(path, shard);
+            assert!(reason.contains("safetensors"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+    std::fs::write(&shard, &bytes).unwrap();
+    // The index maps a tensor to a shard that does not hold it.
+    let index_path = tmp.path().join(INDEX_FILE);
+    let mut index: Value = serde_json::from_str(&std::fs::read_to_string(&index_path).unwrap()).unwrap();
+    index["weight_map"]["model.norm.weight"] = json!("model-00001-of-00012.safetensors");
+    std::fs::write(&index_path, index.to_string()).unwrap();
+    let err = HfCheckpoint::open(tmp.path()).unwrap_err();
+    assert!(err.to_string().contains("model.norm.weight"), "{err}");
+    // No weights at all.
+    let empty = tempfile::tempdir().unwrap();
+    std::fs::copy(src.join("config.json"), empty.path().join("config.json")).unwrap();
+    match HfCheckpoint::open(empty.path()) {
+        Err(Error::HfFile { reason, .. }) => assert!(reason.contains("model.safetensors"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn read_tensors_converts_each_dtype() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("t.safetensors");
+    let f32s: Vec<u8> = [1.5f32, -2.0].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let bf16s: Vec<u8> = [0.25f32, 3.0].iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect();
+    let f16s: Vec<u8> = [0.5f32].iter().flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()).collect();
+    let i64s: Vec<u8> = [-100i64, 7].iter().flat_map(|v| v.to_le_bytes()).collect();
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+    let views = vec![
+        ("a", TensorView::new(Dtype::F32, vec![2], &f32s).unwrap()),
+        ("b", TensorView::new(Dtype::BF16, vec![1, 2], &bf16s).unwrap()),
+        ("c", TensorView::new(Dtype::F16, vec![], &f16s).unwrap()),
+        ("d", TensorView::new(Dtype::I64, vec![2], &i64s).unwrap()),
+    ];
+    safetensors::serialize_to_file(views, None, &path).unwrap();
+    let t: BTreeMap<String, NamedTensor> =
+        read_tensors(&path).unwrap().into_iter().map(|t| (t.name.clone(), t)).collect();
+    assert_eq!(t["a"].as_f32().unwrap(), [1.5, -2.0]);
+    assert_eq!((t["b"].shape.as_slice(), t["b"].as_f32().unwrap()), ([1, 2].as_slice(), [0.25, 3.0].as_slice()));
+    assert_eq!((t["c"].shape.len(), t["c"].as_f32().unwrap()), (0, [0.5].as_slice()));
+    assert_eq!(t["d"].as_i64().unwrap(), [-100, 7]);
+    assert!(t["d"].as_f32().is_none());
+}

@@ -1,0 +1,497 @@
+//! [`LlamaConfig`]: the hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral without
+//! sliding window, Qwen2), named as in Hugging Face's `config.json`, and the flat layout of each
+//! unit ([`LlamaConfig::units`]) with the checkpoint's tensor names.
+
+use serde::{Deserialize, Serialize};
+
+use crate::unit::{LayoutBuilder, ParamInit, UnitKind, UnitSpec};
+use crate::{Error, Result};
+
+/// Which Hugging Face model class the config describes (`model_type` of `config.json`). The
+/// three compute the same decoder; they differ in which projections have a bias and in the
+/// keys of their `config.json`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LlamaFamily {
+    /// `LlamaForCausalLM` (Llama 2, Llama 3.x, and most "llama-architecture" models):
+    /// `attention_bias` puts a bias on q/k/v **and** o, `mlp_bias` on gate/up/down.
+    Llama,
+    /// `MistralForCausalLM` without sliding-window attention: no biases.
+    Mistral,
+    /// `Qwen2ForCausalLM`: q/k/v always have a bias, o and the MLP never.
+    Qwen2,
+}
+
+impl LlamaFamily {
+    /// `model_type` in `config.json`: `llama`, `mistral`, `qwen2`.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            LlamaFamily::Llama => "llama",
+            LlamaFamily::Mistral => "mistral",
+            LlamaFamily::Qwen2 => "qwen2",
+        }
+    }
+
+    /// The `architectures` entry: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            LlamaFamily::Llama => "LlamaForCausalLM",
+            LlamaFamily::Mistral => "MistralForCausalLM",
+            LlamaFamily::Qwen2 => "Qwen2ForCausalLM",
+        }
+    }
+}
+
+/// How the rotary frequencies are derived from `rope_theta` (transformers'
+/// `modeling_rope_utils.py`, `ROPE_INIT_FUNCTIONS`). The TOML/JSON form is tagged by
+/// `rope_type`, as transformers writes it: `{ rope_type = "llama3", factor = 8.0, ... }`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "rope_type", rename_all = "lowercase", deny_unknown_fields)]
+pub enum RopeScaling {
+    /// `inv_freq[i] = 1 / theta^(2i / head_dim)`, `i < head_dim / 2` (RoFormer, Su et al. 2021).
+    Default,
+    /// Position interpolation (Chen et al. 2023): the default frequencies divided by `factor`.
+    Linear {
+        /// Divisor of every frequency (> 0).
+        factor: f64,
+    },
+    /// Llama 3.1's frequency-dependent scaling (`_compute_llama3_parameters`): with
+    /// `L = original_max_position_embeddings` and wavelength `w = 2π / f`, frequencies with
+    /// `w > L / low_freq_factor` are divided by `factor`, those with `w < L / high_freq_factor`
+    /// are kept, and in between `f' = (1 - s) f / factor + s f` with
+    /// `s = (L / w - low_freq_factor) / (high_freq_factor - low_freq_factor)`.
+    Llama3 {
+        /// Divisor of the low frequencies (> 0), e.g. 8 (Llama 3.1) or 32 (Llama 3.2).
+        factor: f64,
+        /// e.g. 1.
+        low_freq_factor: f64,
+        /// e.g. 4; must exceed `low_freq_factor`.
+        high_freq_factor: f64,
+        /// The context length of pre-training, e.g. 8192.
+        original_max_position_embeddings: usize,
+    },
+}
+
+impl RopeScaling {
+    /// transformers' `rope_type` name: `default`, `linear`, `llama3`.
+    pub fn rope_type(&self) -> &'static str {
+        match self {
+            RopeScaling::Default => "default",
+            RopeScaling::Linear { .. } => "linear",
+            RopeScaling::Llama3 { .. } => "llama3",
+        }
+    }
+}
+
+/// Hyper-parameters of a Llama-family decoder, with the names and meaning of Hugging Face's
+/// `config.json` (transformers' `LlamaConfig`, `MistralConfig`, `Qwen2Config`).
+///
+/// Read one from a checkpoint with [`crate::hf::parse_config`] /
+/// [`crate::hf::HfCheckpoint::llama_config`], build one for training from scratch with
+/// [`LlamaConfig::new`] (or deserialize the TOML form: the same keys, unknown keys refused, every
+/// key but the five sizes of [`LlamaConfig::new`] optional), and write it back as `config.json`
+/// with [`crate::hf::config_json`]. Call [`LlamaConfig::validate`] (or
+/// [`super::Llama::new`], which does) before use.
+///
+/// ```toml
+/// [model]
+/// family = "llama"          # or "mistral", "qwen2"
+/// vocab_size = 1024
+/// hidden_size = 256
+/// intermediate_size = 688
+/// num_hidden_layers = 4
+/// num_attention_heads = 4
+/// num_key_value_heads = 2   # GQA; default: num_attention_heads
+/// max_position_embeddings = 256
+/// tie_word_embeddings = true
+/// ```
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LlamaConfig {
+    /// The model class (`model_type`). Default: `llama`.
+    #[serde(default = "default_family")]
+    pub family: LlamaFamily,
+    /// Token ids are `0..vocab_size`.
+    pub vocab_size: usize,
+    /// Width `d` of the residual stream.
+    pub hidden_size: usize,
+    /// Width of the SwiGLU MLP's hidden layer (`gate_proj`/`up_proj` outputs).
+    pub intermediate_size: usize,
+    /// Number of decoder layers (≥ 1).
+    pub num_hidden_layers: usize,
+    /// Query heads `H`.
+    pub num_attention_heads: usize,
+    /// Key/value heads (grouped-query attention, Ainslie et al. 2023); must divide
+    /// `num_attention_heads`. Default (`None`): `num_attention_heads` (multi-head attention).
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Width of one head; even (RoPE rotates pairs). Default (`None`): `hidden_size /
+    /// num_attention_heads`.
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// Epsilon added to the mean square in every RMSNorm. Default: `1e-6` (transformers').
+    #[serde(default = "default_rms_norm_eps")]
+    pub rms_norm_eps: f64,
+    /// Longest sequence the model takes. Default: 2048.
+    #[serde(default = "default_max_position_embeddings")]
+    pub max_position_embeddings: usize,
+    /// Base of the rotary frequencies. Default: 10000.
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    /// Frequency scaling of RoPE. Default: [`RopeScaling::Default`] (none).
+    #[serde(default = "default_rope_scaling")]
+    pub rope_scaling: RopeScaling,
+    /// Whether `lm_head` is the token embedding (no `lm_head.weight` of its own). Default: false.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Bias on the q/k/v projections (`attention_bias` of Llama; always true for Qwen2).
+    /// Default: false (Llama, Mistral), true (Qwen2) — see [`LlamaConfig::qkv_bias`].
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+    /// Bias on `gate_proj`, `up_proj`, `down_proj` (Llama's `mlp_bias`). Default: false.
+    #[serde(default)]
+    pub mlp_bias: bool,
+    /// Standard deviation of the normal init of weights and embeddings (transformers'
+    /// `_init_weights`). Default: 0.02.
+    #[serde(default = "default_initializer_range")]
+    pub initializer_range: f64,
+}
+
+fn default_family() -> LlamaFamily {
+    LlamaFamily::Llama
+}
+fn default_rms_norm_eps() -> f64 {
+    1e-6
+}
+fn default_max_position_embeddings() -> usize {
+    2048
+}
+fn default_rope_theta() -> f64 {
+    10000.0
+}
+fn default_rope_scaling() -> RopeScaling {
+    RopeScaling::Default
+}
+fn default_initializer_range() -> f64 {
+    0.02
+}
+
+/// Where each computation group sits in a decoder layer's group list (see
+/// [`LlamaConfig::block_groups`]): the q/k/v/o projections, the two norms and the MLP, biases
+/// where the config has them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct BlockGroups {
+    pub ln1: usize,
+    pub q_w: usize,
+    pub q_b: Option<usize>,
+    pub k_w: usize,
+    pub k_b: Option<usize>,
+    pub v_w: usize,
+    pub v_b: Option<usize>,
+    pub o_w: usize,
+    pub o_b: Option<usize>,
+    pub ln2: usize,
+    /// `gate_proj.weight` and `up_proj.weight` back to back: one `[2I, d]` matrix.
+    pub gate_up_w: usize,
+    /// `gate_proj.bias` and `up_proj.bias` back to back: `[2I]`.
+    pub gate_up_b: Option<usize>,
+    pub down_w: usize,
+    pub down_b: Option<usize>,
+}
+
+impl LlamaConfig {
+    /// A config for training from scratch with transformers' defaults for everything but the
+    /// sizes: family `llama`, multi-head attention (`num_key_value_heads = None`), `head_dim =
+    /// hidden_size / num_attention_heads`, RMSNorm eps 1e-6, RoPE theta 1e4 without scaling,
+    /// `max_position_embeddings` 2048, untied head, no biases, `initializer_range` 0.02. Set the
+    /// public fields to change the rest (e.g. `num_key_value_heads: Some(2)` for GQA).
+    pub fn new(
+        vocab_size: usize,
+        hidden_size: usize,
+        intermediate_size: usize,
+        num_hidden_layers: usize,
+        num_attention_heads: usize,
+    ) -> Self {
+        Self {
+            family: LlamaFamily::Llama,
+            vocab_size,
+            hidden_size,
+            intermediate_size,
+            num_hidden_layers,
+            num_attention_heads,
+            num_key_value_heads: None,
+            head_dim: None,
+            rms_norm_eps: default_rms_norm_eps(),
+            max_position_embeddings: default_max_position_embeddings(),
+            rope_theta: default_rope_theta(),
+            rope_scaling: RopeScaling::Default,
+            tie_word_embeddings: false,
+            attention_bias: None,
+            mlp_bias: false,
+            initializer_range: default_initializer_range(),
+        }
+    }
+
+    /// Key/value heads: `num_key_value_heads`, else `num_attention_heads`.
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+
+    /// Width of one head: `head_dim`, else `hidden_size / num_attention_heads`.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// Whether q/k/v have a bias: `attention_bias`, else true for Qwen2 and false otherwise.
+    pub fn qkv_bias(&self) -> bool {
+        self.attention_bias.unwrap_or(self.family == LlamaFamily::Qwen2)
+    }
+
+    /// Whether `o_proj` has a bias: Llama's `attention_bias` (which covers q/k/v/o); never for
+    /// Mistral and Qwen2.
+    pub fn o_bias(&self) -> bool {
+        self.family == LlamaFamily::Llama && self.qkv_bias()
+    }
+
+    /// The same config with every `None` default written out (`num_key_value_heads`,
+    /// `head_dim`, `attention_bias`), as [`crate::hf::parse_config`] returns it.
+    pub fn resolved(&self) -> Self {
+        Self {
+            num_key_value_heads: Some(self.kv_heads()),
+            head_dim: Some(self.head_dim()),
+            attention_bias: Some(self.qkv_bias()),
+            ..self.clone()
+        }
+    }
+
+    /// Number of units: `num_hidden_layers + 2` (embedding, layers, head).
+    pub fn num_units(&self) -> usize {
+        self.num_hidden_layers + 2
+    }
+
+    /// Checks every constraint in one place.
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming the first offending key (`model.<key>`) and the fix.
+    pub fn validate(&self) -> Result<()> {
+        let cfg = |field: &'static str, reason: String| Err(Error::Config { field, reason });
+        let positive = [
+            ("model.vocab_size", self.vocab_size),
+            ("model.hidden_size", self.hidden_size),
+            ("model.intermediate_size", self.intermediate_size),
+            ("model.num_hidden_layers", self.num_hidden_layers),
+            ("model.num_attention_heads", self.num_attention_heads),
+            ("model.num_key_value_heads", self.kv_heads()),
+            ("model.head_dim", self.head_dim()),
+            ("model.max_position_embeddings", self.max_position_embeddings),
+        ];
+        for (field, v) in positive {
+            if v == 0 {
+                return cfg(field, "must be at least 1".into());
+            }
+        }
+        if self.vocab_size >= u32::MAX as usize {
+            return cfg("model.vocab_size", format!("{} does not fit token ids of type u32", self.vocab_size));
+        }
+        if self.head_dim.is_none() && self.hidden_size % self.num_attention_heads != 0 {
+            return cfg(
+                "model.num_attention_heads",
+                format!(
+                    "must divide model.hidden_size = {} (got {}), or set model.head_dim",
+                    self.hidden_size, self.num_attention_heads
+                ),
+            );
+        }
+        if self.num_attention_heads % self.kv_heads() != 0 {
+            return cfg(
+                "model.num_key_value_heads",
+                format!(
+                    "must divide model.num_attention_heads = {} (got {})",
+                    self.num_attention_heads,
+                    self.kv_heads()
+                ),
+            );
+        }
+        if self.head_dim() % 2 != 0 {
+            return cfg("model.head_dim", format!("must be even (RoPE rotates pairs), got {}", self.head_dim()));
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps > 0.0) {
+            return cfg("model.rms_norm_eps", format!("must be a positive finite number, got {}", self.rms_norm_eps));
+        }
+        if !(self.rope_theta.is_finite() && self.rope_theta > 1.0) {
+            return cfg("model.rope_theta", format!("must be a finite number > 1, got {}", self.rope_theta));
+        }
+        if !(self.initializer_range.is_finite() && self.initializer_range > 0.0) {
+            return cfg(
+                "model.initializer_range",
+                format!("must be a positive finite number, got {}", self.initializer_range),
+            );
+        }
+        match self.rope_scaling {
+            RopeScaling::Default => {}
+            RopeScaling::Linear { factor } => {
+                if !(factor.is_finite() && factor > 0.0) {
+                    return cfg("model.rope_scaling.factor", format!("must be a positive number, got {factor}"));
+                }
+            }
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                if !(factor.is_finite() && factor > 0.0) {
+                    return cfg("model.rope_scaling.factor", format!("must be a positive number, got {factor}"));
+                }
+                if !(low_freq_factor.is_finite() && low_freq_factor > 0.0 && high_freq_factor.is_finite())
+                    || high_freq_factor <= low_freq_factor
+                {
+                    return cfg(
+                        "model.rope_scaling.high_freq_factor",
+                        format!("must exceed low_freq_factor > 0 (got low {low_freq_factor}, high {high_freq_factor})"),
+                    );
+                }
+                if original_max_position_embeddings == 0 {
+                    return cfg("model.rope_scaling.original_max_position_embeddings", "must be at least 1".into());
+                }
+            }
+        }
+        match self.family {
+            LlamaFamily::Llama => {}
+            LlamaFamily::Mistral => {
+                if self.qkv_bias() || self.mlp_bias {
+                    return cfg(
+                        "model.attention_bias",
+                        "Mistral has no biases: leave attention_bias and mlp_bias unset (or use family = \"llama\")"
+                            .into(),
+                    );
+                }
+            }
+            LlamaFamily::Qwen2 => {
+                if !self.qkv_bias() || self.mlp_bias {
+                    return cfg(
+                        "model.attention_bias",
+                        "Qwen2 always has q/k/v biases and no MLP bias: leave attention_bias and mlp_bias unset \
+                         (or use family = \"llama\")"
+                            .into(),
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The units in forward order with their flat layouts. Parameter names are the Hugging Face
+    /// tensor names and shapes their layout (Linear weights `[out, in]`, `y = x Wᵀ + b`), so a
+    /// unit's flat vector is the checkpoint's tensors back to back:
+    ///
+    /// | unit | kind | name | parameters (shape), in flat order |
+    /// |---|---|---|---|
+    /// | 0 | [`UnitKind::Embedding`] | `model.embed_tokens` | `model.embed_tokens.weight` `[V, d]` |
+    /// | `1 + i` | [`UnitKind::Block`]`(i)` | `model.layers.{i}` | `input_layernorm.weight` `[d]`, `self_attn.q_proj.weight` `[H·hd, d]` (+ `.bias` `[H·hd]`), `self_attn.k_proj.weight` `[KV·hd, d]` (+ bias), `self_attn.v_proj.weight` `[KV·hd, d]` (+ bias), `self_attn.o_proj.weight` `[d, H·hd]` (+ bias `[d]`), `post_attention_layernorm.weight` `[d]`, `mlp.gate_proj.weight` `[I, d]`, `mlp.up_proj.weight` `[I, d]` (+ `gate_proj.bias`, `up_proj.bias` `[I]`), `mlp.down_proj.weight` `[d, I]` (+ bias `[d]`) — each prefixed `model.layers.{i}.` |
+    /// | `L + 1` | [`UnitKind::Head`] | `head` | `model.norm.weight` `[d]`, and unless tied `lm_head.weight` `[V, d]` |
+    ///
+    /// (`V` vocab, `d` hidden, `H`/`KV` query/key-value heads, `hd` head width, `I`
+    /// intermediate, `L` layers.) `gate_proj` and `up_proj` (weights, and biases) are adjacent so
+    /// that the model can run them as one `[2I, d]` matmul. Init (transformers'
+    /// `_init_weights`): weights and the embedding N(0, `initializer_range`), norms 1, biases 0.
+    pub fn units(&self) -> Vec<UnitSpec> {
+        let (v, d, i_sz) = (self.vocab_size, self.hidden_size, self.intermediate_size);
+        let normal = ParamInit::Normal { std: self.initializer_range as f32 };
+        let mut units = Vec::with_capacity(self.num_units());
+
+        let mut b = LayoutBuilder::new();
+        b.push("model.embed_tokens.weight".into(), vec![v, d], normal);
+        units.push(b.finish(0, UnitKind::Embedding, "model.embed_tokens".into()));
+
+        for layer in 0..self.num_hidden_layers {
+            let prefix = format!("model.layers.{layer}");
+            let mut b = LayoutBuilder::new();
+            b.push(format!("{prefix}.input_layernorm.weight"), vec![d], ParamInit::Ones);
+            self.push_attention(&mut b, &format!("{prefix}.self_attn"));
+            b.push(format!("{prefix}.post_attention_layernorm.weight"), vec![d], ParamInit::Ones);
+            self.push_mlp(&mut b, &format!("{prefix}.mlp"), i_sz);
+            units.push(b.finish(units.len(), UnitKind::Block(layer), prefix));
+        }
+
+        let mut b = LayoutBuilder::new();
+        b.push("model.norm.weight".into(), vec![d], ParamInit::Ones);
+        if !self.tie_word_embeddings {
+            b.push("lm_head.weight".into(), vec![v, d], normal);
+        }
+        units.push(b.finish(units.len(), UnitKind::Head, "head".into()));
+        units
+    }
+
+    /// The attention's parameters under `prefix` (`model.layers.{i}.self_attn`): q, k, v, o
+    /// weights `[out, in]`, each followed by its bias when the config has one. Shared with an
+    /// MoE layer, whose attention is the same.
+    pub(crate) fn push_attention(&self, b: &mut LayoutBuilder, prefix: &str) {
+        let (d, hd) = (self.hidden_size, self.head_dim());
+        let (q, kv) = (self.num_attention_heads * hd, self.kv_heads() * hd);
+        let normal = ParamInit::Normal { std: self.initializer_range as f32 };
+        for (name, out) in [("q_proj", q), ("k_proj", kv), ("v_proj", kv)] {
+            b.push(format!("{prefix}.{name}.weight"), vec![out, d], normal);
+            if self.qkv_bias() {
+                b.push(format!("{prefix}.{name}.bias"), vec![out], ParamInit::Zeros);
+            }
+        }
+        b.push(format!("{prefix}.o_proj.weight"), vec![d, q], normal);
+        if self.o_bias() {
+            b.push(format!("{prefix}.o_proj.bias"), vec![d], ParamInit::Zeros);
+        }
+    }
+
+    /// A SwiGLU MLP's parameters under `prefix` (`model.layers.{i}.mlp`) with hidden width
+    /// `inter`: `gate_proj.weight`, `up_proj.weight` `[inter, d]` (then their biases when
+    /// `mlp_bias`), `down_proj.weight` `[d, inter]` (then its bias). Shared with MoE experts.
+    pub(crate) fn push_mlp(&self, b: &mut LayoutBuilder, prefix: &str, inter: usize) {
+        let d = self.hidden_size;
+        let normal = ParamInit::Normal { std: self.initializer_range as f32 };
+        b.push(format!("{prefix}.gate_proj.weight"), vec![inter, d], normal);
+        b.push(format!("{prefix}.up_proj.weight"), vec![inter, d], normal);
+        if self.mlp_bias {
+            b.push(format!("{prefix}.gate_proj.bias"), vec![inter], ParamInit::Zeros);
+            b.push(format!("{prefix}.up_proj.bias"), vec![inter], ParamInit::Zeros);
+        }
+        b.push(format!("{prefix}.down_proj.weight"), vec![d, inter], normal);
+        if self.mlp_bias {
+            b.push(format!("{prefix}.down_proj.bias"), vec![d], ParamInit::Zeros);
+        }
+    }
+
+    /// The computation groups of a decoder layer's flat vector, as `(offset, shape)` in flat
+    /// order (they cover it exactly), and where each piece is among them. Every parameter is
+    /// its own group but `gate_proj`/`up_proj`, merged into one `[2I, d]` weight (and `[2I]`
+    /// bias).
+    pub(crate) fn block_groups(&self) -> (Vec<(usize, Vec<usize>)>, BlockGroups) {
+        let (d, hd, inter) = (self.hidden_size, self.head_dim(), self.intermediate_size);
+        let (q, kv) = (self.num_attention_heads * hd, self.kv_heads() * hd);
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        let mut offset = 0;
+        let mut push = |shape: Vec<usize>| {
+            let n: usize = shape.iter().product();
+            groups.push((offset, shape));
+            offset += n;
+            groups.len() - 1
+        };
+        let qkv_bias = self.qkv_bias();
+        let ln1 = push(vec![d]);
+        let q_w = push(vec![q, d]);
+        let q_b = qkv_bias.then(|| push(vec![q]));
+        let k_w = push(vec![kv, d]);
+        let k_b = qkv_bias.then(|| push(vec![kv]));
+        let v_w = push(vec![kv, d]);
+        let v_b = qkv_bias.then(|| push(vec![kv]));
+        let o_w = push(vec![d, q]);
+        let o_b = self.o_bias().then(|| push(vec![d]));
+        let ln2 = push(vec![d]);
+        let gate_up_w = push(vec![2 * inter, d]);
+        let gate_up_b = self.mlp_bias.then(|| push(vec![2 * inter]));
+        let down_w = push(vec![d, inter]);
+        let down_b = self.mlp_bias.then(|| push(vec![d]));
+        let idx =
+            BlockGroups { ln1, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b };
+        (groups, idx)
+    }
+
+    /// Total number of parameters over all units (a tied embedding counted once).
+    pub fn num_params(&self) -> usize {
+        self.units().iter().map(|u| u.numel).sum()
+    }
+}

@@ -1,0 +1,650 @@
+//! The Llama family of decoders — Llama 2/3 (Touvron et al. 2023; Grattafiori et al. 2024),
+//! Mistral without sliding window (Jiang et al. 2023), Qwen2 (Yang et al. 2024) — on candle, cut
+//! into **units** whose parameters are each one flat vector, with the Hugging Face tensor names
+//! and layouts so that a checkpoint's tensors *are* the units' flat vectors ([`crate::hf`]).
+//!
+//! | unit index | kind | name | parameters | input → output |
+//! |---|---|---|---|---|
+//! | 0 | [`UnitKind::Embedding`] | `model.embed_tokens` | `model.embed_tokens.weight` `[V, d]` | tokens `[B, T]` U32 → `[B, T, d]` |
+//! | `1 + i` | [`UnitKind::Block`]`(i)` | `model.layers.{i}` | `input_layernorm`, `self_attn.{q,k,v,o}_proj` (+ biases), `post_attention_layernorm`, `mlp.{gate,up,down}_proj` | `[B, T, d]` → `[B, T, d]` |
+//! | `L + 1` | [`UnitKind::Head`] | `head` | `model.norm.weight` `[d]`, `lm_head.weight` `[V, d]` (untied only) | `[B, T, d]` → logits `[B, T, V]` |
+//!
+//! (exact layouts in [`LlamaConfig::units`].) The math is transformers' `modeling_llama.py`
+//! (and `modeling_qwen2.py`, `modeling_mistral.py`), in its float32 form:
+//!
+//! ```text
+//! embed : x = embed_tokens[tokens]
+//! layer : h = x + o_proj(attn(rope(q_proj(n1)), rope(k_proj(n1)), v_proj(n1))),  n1 = rms_norm(x, input_layernorm)
+//!         y = h + down_proj(silu(gate_proj(n2)) ⊙ up_proj(n2)),                  n2 = rms_norm(h, post_attention_layernorm)
+//! head  : logits = rms_norm(x, model.norm) lm_headᵀ        (lm_head = embed_tokens when tied)
+//! loss  : mean over targets ≠ IGNORE_INDEX of logsumexp(logits) − logits[target]
+//! ```
+//!
+//! - Linear layers keep the checkpoint's `[out, in]` weights: `y = x Wᵀ + b`.
+//! - RMSNorm `w ⊙ (x / sqrt(mean(x²) + eps))` (Zhang & Sennrich 2019), statistics in F32.
+//! - RoPE (Su et al. 2021) on q and k with transformers' `rotate_half` pairing (`i` with
+//!   `i + hd/2`), positions `0..T`, frequencies per [`RopeScaling`] (default, linear, llama3).
+//! - Grouped-query attention (Ainslie et al. 2023): query head `h` reads key/value head
+//!   `h / (H / KV)` (transformers' `repeat_kv`), computed without repeating k and v: the queries
+//!   of a group are stacked along the sequence axis (`[B, KV, (H/KV)·T, hd]`) and multiply their
+//!   group's keys once. Scores scaled by `1/sqrt(hd)`, causal softmax.
+//! - SwiGLU MLP (Shazeer 2020); `gate_proj` and `up_proj` run as one `[2I, d]` matmul (their
+//!   tensors are adjacent in the flat vector).
+//!
+//! On `Device::Cpu` in F32/F64 RMSNorm, RoPE (with the head transpose and the score scale),
+//! SwiGLU, the causal softmax and the cross-entropy run as fused kernels with their own backward
+//! (`fused.rs`, and the GPT's causal softmax in `kernels.rs`); other devices and dtypes take op compositions
+//! that all have a backward (candle-nn's fused `rms_norm`, `softmax_last_dim` and `rope` have
+//! none, DESIGN.md "Traps"). Both paths are checked against finite differences and against each
+//! other, and against transformers' logits, loss and gradients (`shared/fixtures/llama`).
+//!
+//! One training step runs unit by unit exactly as for the GPT ([`crate::lm`], activation
+//! checkpointing): [`crate::lm::loss_and_grads`] is that loop in memory. A tied head takes the
+//! embedding unit's flat vector (`tied`) and returns its gradient as
+//! [`UnitGrads::grad_tied_wte`]. Threads: as the GPT (`RAYON_NUM_THREADS`, see [`crate::gpt`]).
+//!
+//! The attention ([`Llama::attention`]) and the SwiGLU MLP are separate pieces over views of
+//! the layer's groups so that an MoE layer (Mixtral: the same attention, experts as units)
+//! can reuse them.
+
+use std::sync::Mutex;
+
+use candle_core::{DType, Device, Tensor, Var};
+
+use crate::kernels;
+use crate::lm::{CausalLm, HeadLossGrads, UnitGrads};
+use crate::ops::{
+    self, cross_entropy, input_err, rms_norm_composed, rope_composed, scalar, softmax_last_dim, swiglu_composed,
+};
+use crate::unit::{UnitKind, UnitSpec};
+use crate::Result;
+
+mod config;
+mod fused;
+mod layer;
+mod rope;
+#[cfg(test)]
+mod tests;
+
+pub use config::{LlamaConfig, LlamaFamily, RopeScaling};
+
+use config::BlockGroups;
+use fused as lk;
+
+/// A computation group of a unit's flat vector: `(offset, shape)`.
+type Group = (usize, Vec<usize>);
+
+/// The RoPE tables (and, for the composed path, the causal mask) of one `(T, dtype, device,
+/// path)`.
+#[derive(Clone)]
+struct Tables {
+    seq_len: usize,
+    dtype: DType,
+    device: Device,
+    fused: bool,
+    /// Fused: `[T, hd/2]`; composed: `[T, hd]` (the half repeated, as transformers' `emb`).
+    cos: Tensor,
+    sin: Tensor,
+    /// Composed only: `[T, T]`, 0 on and below the diagonal, -inf above.
+    mask: Option<Tensor>,
+}
+
+/// The projections of one attention (views of a layer's groups): `[out, in]` weights and
+/// optional biases.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttnParams<'a> {
+    pub q_w: &'a Tensor,
+    pub q_b: Option<&'a Tensor>,
+    pub k_w: &'a Tensor,
+    pub k_b: Option<&'a Tensor>,
+    pub v_w: &'a Tensor,
+    pub v_b: Option<&'a Tensor>,
+    pub o_w: &'a Tensor,
+    pub o_b: Option<&'a Tensor>,
+}
+
+impl<'a> AttnParams<'a> {
+    fn of_block(p: &'a [Tensor], g: &BlockGroups) -> Self {
+        Self {
+            q_w: &p[g.q_w],
+            q_b: g.q_b.map(|i| &p[i]),
+            k_w: &p[g.k_w],
+            k_b: g.k_b.map(|i| &p[i]),
+            v_w: &p[g.v_w],
+            v_b: g.v_b.map(|i| &p[i]),
+            o_w: &p[g.o_w],
+            o_b: g.o_b.map(|i| &p[i]),
+        }
+    }
+}
+
+/// A Llama-family decoder ([`LlamaConfig`]), computed one unit at a time through its
+/// [`CausalLm`] calls.
+///
+/// Holds the configuration, the unit layouts and a small cache of RoPE tables; no parameters and
+/// no activations. Every call takes a unit's flat parameters (a 1-D [`Tensor`] of
+/// [`UnitSpec::numel`] elements on any candle device, dtype F32, F64, or BF16/F16 where the
+/// device has matmuls for it) and computes in that dtype (RMSNorm statistics and the loss in F32
+/// for half dtypes, as transformers). `Llama` is `Send + Sync`; calls may run concurrently.
+pub struct Llama {
+    config: LlamaConfig,
+    units: Vec<UnitSpec>,
+    /// Computation groups of each unit's flat vector (every parameter, but gate/up merged).
+    groups: Vec<Vec<Group>>,
+    block: BlockGroups,
+    tables: Mutex<Vec<Tables>>,
+    /// Use the fused CPU kernels where they apply; `false` forces the op compositions.
+    fused_cpu_kernels: bool,
+}
+
+impl std::fmt::Debug for Llama {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Llama").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl Llama {
+    /// Validates `config` and computes the unit layouts. The model keeps
+    /// [`LlamaConfig::resolved`]`(config)`.
+    ///
+    /// # Errors
+    /// [`crate::Error::Config`] from [`LlamaConfig::validate`].
+    pub fn new(config: LlamaConfig) -> Result<Self> {
+        config.validate()?;
+        let config = config.resolved();
+        let units = config.units();
+        let (block_groups, block) = config.block_groups();
+        let groups = units
+            .iter()
+            .map(|u| match u.kind {
+                UnitKind::Block(_) => block_groups.clone(),
+                _ => u.params.iter().map(|p| (p.offset, p.shape.clone())).collect(),
+            })
+            .collect();
+        Ok(Self { config, units, groups, block, tables: Mutex::new(Vec::new()), fused_cpu_kernels: true })
+    }
+
+    /// The same model computed with candle op compositions only (no fused CPU kernels): the
+    /// path every non-CPU device takes, so CPU tests and benchmarks can check it.
+    pub fn composed_only(mut self) -> Self {
+        self.fused_cpu_kernels = false;
+        self
+    }
+
+    /// The configuration (with its defaults resolved).
+    pub fn config(&self) -> &LlamaConfig {
+        &self.config
+    }
+
+    /// The units in forward order (`num_hidden_layers + 2`), as [`LlamaConfig::units`].
+    pub fn units(&self) -> &[UnitSpec] {
+        &self.units
+    }
+
+    /// Logits `[B, T, vocab_size]` of the whole model (the unit forwards in order); `params[u]`
+    /// is unit `u`'s flat vector, `tokens` `[B, T]` U32.
+    ///
+    /// # Errors
+    /// As [`Llama::forward`]; [`crate::Error::Input`] when `params` has the wrong length.
+    pub fn forward_all(&self, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
+        let x = self.forward_hidden(params, tokens)?;
+        let last = self.units.len() - 1;
+        self.forward(last, &params[last], &x, self.tied(params))
+    }
+
+    /// The mean cross-entropy of the whole model (see [`Llama::head_loss`]).
+    ///
+    /// # Errors
+    /// As [`Llama::forward_all`] and [`Llama::head_loss`].
+    pub fn loss(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<f64> {
+        let x = self.forward_hidden(params, tokens)?;
+        let last = self.units.len() - 1;
+        self.head_loss(&params[last], &x, self.tied(params), targets)
+    }
+
+    /// Loss and gradients, unit by unit as the trainer runs them: [`crate::lm::loss_and_grads`].
+    ///
+    /// # Errors
+    /// As [`crate::lm::loss_and_grads`].
+    pub fn loss_and_grads(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<(f64, Vec<Tensor>)> {
+        crate::lm::loss_and_grads(self, params, tokens, targets)
+    }
+
+    // ---- pieces (shared with an MoE layer) ----------------------------------------------------
+
+    /// Whether the fused CPU kernels apply to computations on `x`.
+    pub(crate) fn fused(&self, x: &Tensor) -> bool {
+        self.fused_cpu_kernels && kernels::fused_supported(x)
+    }
+
+    /// RMSNorm of `x` `[.., d]` with weight `w` `[d]` and the config's eps.
+    pub(crate) fn rms_norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let eps = self.config.rms_norm_eps;
+        if self.fused(x) {
+            Ok(lk::rms_norm(x, w, eps)?)
+        } else {
+            rms_norm_composed(x, w, eps)
+        }
+    }
+
+    /// `x Wᵀ (+ b)`: `x` `[N, in]`, `w` `[out, in]`, `b` `[out]` → `[N, out]`.
+    fn linear(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, fused: bool) -> Result<Tensor> {
+        let y = x.matmul(&w.t()?)?;
+        Ok(match b {
+            None => y,
+            Some(b) if fused => kernels::bias_add(&y, b)?,
+            Some(b) => y.broadcast_add(b)?,
+        })
+    }
+
+    /// The self-attention of a layer on its normed input `h` `[B, T, d]` → `[B, T, d]` (before
+    /// the residual add): projections, RoPE on q and k, grouped-query causal attention scaled by
+    /// `1/sqrt(hd)`, `o_proj` (transformers' `LlamaAttention.forward` with the eager kernel).
+    pub(crate) fn attention(&self, p: &AttnParams<'_>, h: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = h.dims3()?;
+        let (nh, kv, hd) = (self.config.num_attention_heads, self.config.kv_heads(), self.config.head_dim());
+        let rep = nh / kv;
+        let n = b * t;
+        let fused = self.fused(h);
+        let h = h.reshape((n, d))?;
+        let q = self.linear(&h, p.q_w, p.q_b, fused)?.reshape((b, t, nh, hd))?;
+        let k = self.linear(&h, p.k_w, p.k_b, fused)?.reshape((b, t, kv, hd))?;
+        let v = self.linear(&h, p.v_w, p.v_b, fused)?.reshape((b, t, kv, hd))?;
+        let tab = self.tables(t, h.dtype(), h.device(), fused)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let (q, k) = if fused {
+            (lk::rope(&q, &tab.cos, &tab.sin, scale)?, lk::rope(&k, &tab.cos, &tab.sin, 1.0)?)
+        } else {
+            let q = rope_composed(&q.transpose(1, 2)?, &tab.cos, &tab.sin)?.affine(scale, 0.0)?;
+            let k = rope_composed(&k.transpose(1, 2)?, &tab.cos, &tab.sin)?.contiguous()?;
+            (q, k)
+        };
+        // [B, KV, T, hd]
+        let v = v.transpose(1, 2)?.contiguous()?;
+        // Query heads kv·rep .. kv·rep + rep share key/value head kv: stack them along T.
+        let q = q.reshape((b, kv, rep * t, hd))?;
+        let att = q.matmul(&k.t()?)?.reshape((b, nh, t, t))?;
+        let att = if fused {
+            kernels::causal_softmax(&att)?
+        } else {
+            let mask = tab.mask.as_ref().expect("composed tables carry the mask");
+            softmax_last_dim(&att.broadcast_add(mask)?)?
+        };
+        let y = att
+            .reshape((b, kv, rep * t, t))?
+            .matmul(&v)? // [B, KV, rep·T, hd] = [B, H, T, hd]
+            .reshape((b, nh, t, hd))?
+            .transpose(1, 2)?
+            .reshape((n, nh * hd))?;
+        Ok(self.linear(&y, p.o_w, p.o_b, fused)?.reshape((b, t, d))?)
+    }
+
+    /// The SwiGLU MLP on its normed input `h` `[B, T, d]` → `[B, T, d]` (before the residual
+    /// add): `down(silu(gate h) ⊙ up h)` with `gate_up_w` `[2I, d]` (gate rows, then up rows),
+    /// `down_w` `[d, I]` (transformers' `LlamaMLP`). Shared with MoE experts.
+    pub(crate) fn mlp(
+        &self,
+        gate_up_w: &Tensor,
+        gate_up_b: Option<&Tensor>,
+        down_w: &Tensor,
+        down_b: Option<&Tensor>,
+        h: &Tensor,
+    ) -> Result<Tensor> {
+        let dims = h.dims().to_vec();
+        let d = *dims.last().expect("rank >= 1");
+        let fused = self.fused(h);
+        let h = h.reshape(((), d))?;
+        let gu = self.linear(&h, gate_up_w, gate_up_b, fused)?;
+        let a = if fused { lk::swiglu(&gu)? } else { swiglu_composed(&gu)? };
+        Ok(self.linear(&a, down_w, down_b, fused)?.reshape(dims)?)
+    }
+
+    // ---- units ---------------------------------------------------------------------------------
+
+    /// Embedding: `embed_tokens[tokens]` → `[B, T, d]`.
+    fn embed_math(&self, w: &Tensor, tokens: &Tensor) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        Ok(w.index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, self.config.hidden_size))?)
+    }
+
+    /// Decoder layer (transformers' `LlamaDecoderLayer`): pre-norm attention and MLP, each with
+    /// a residual add.
+    fn block_math(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
+        // Outside a graph (no Var among the inputs) the fused CPU path runs the layer.rs forward,
+        // the one its hand-written backward recomputes.
+        if self.fused(x) && !x.track_op() && p.iter().all(|t| !t.track_op()) {
+            return self.block_math_fused(p, x);
+        }
+        let g = &self.block;
+        let h = self.rms_norm(x, &p[g.ln1])?;
+        let x = (x + self.attention(&AttnParams::of_block(p, g), &h)?)?;
+        let h = self.rms_norm(&x, &p[g.ln2])?;
+        let m = self.mlp(&p[g.gate_up_w], g.gate_up_b.map(|i| &p[i]), &p[g.down_w], g.down_b.map(|i| &p[i]), &h)?;
+        Ok((x + m)?)
+    }
+
+    /// Head: `rms_norm(x, norm_w) w_outᵀ` → logits `[B, T, V]`; `w_out` is `[V, d]`.
+    fn head_math(&self, norm_w: &Tensor, w_out: &Tensor, x: &Tensor) -> Result<Tensor> {
+        let (b, t, d) = x.dims3()?;
+        let h = self.rms_norm(x, norm_w)?.reshape((b * t, d))?;
+        Ok(h.matmul(&w_out.t()?)?.reshape((b, t, self.config.vocab_size))?)
+    }
+
+    /// The mean cross-entropy of `logits` `[B, T, V]` over the `count` targets that are not
+    /// ignored, as a scalar tensor (F32 for half dtypes, as transformers upcasts the logits).
+    fn loss_math(&self, logits: &Tensor, targets: &Tensor, count: usize) -> Result<Tensor> {
+        if self.fused(logits) {
+            let v = self.config.vocab_size;
+            let rows = lk::cross_entropy_rows(&logits.reshape(((), v))?, &targets.flatten_all()?)?;
+            return Ok((rows.sum_all()? * (1.0 / count.max(1) as f64))?);
+        }
+        let logits = match logits.dtype() {
+            DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
+            _ => logits.clone(),
+        };
+        cross_entropy(&logits, targets)
+    }
+
+    // ---- helpers -------------------------------------------------------------------------------
+
+    fn forward_hidden(&self, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
+        if params.len() != self.units.len() {
+            return Err(input_err(
+                "number of unit parameter vectors",
+                self.units.len().to_string(),
+                params.len().to_string(),
+            ));
+        }
+        let mut x = self.forward(0, &params[0], tokens, None)?;
+        for (u, p) in params.iter().enumerate().take(self.units.len() - 1).skip(1) {
+            x = self.forward(u, p, &x, None)?;
+        }
+        Ok(x)
+    }
+
+    fn tied<'a>(&self, params: &'a [Tensor]) -> Option<&'a Tensor> {
+        self.config.tie_word_embeddings.then(|| &params[0])
+    }
+
+    /// The RoPE tables (and causal mask) for `(t, dtype, device)`, cached (at most 8 entries).
+    fn tables(&self, t: usize, dtype: DType, device: &Device, fused: bool) -> Result<Tables> {
+        let mut cache = self.tables.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = cache
+            .iter()
+            .find(|e| e.seq_len == t && e.dtype == dtype && e.fused == fused && e.device.same_device(device))
+        {
+            return Ok(e.clone());
+        }
+        let precision = if dtype == DType::F64 { rope::Precision::F64 } else { rope::Precision::F32 };
+        let (cos, sin) = rope::tables(&self.config, t, precision);
+        let half = self.config.head_dim() / 2;
+        let table = |v: Vec<f64>| -> Result<Tensor> {
+            let v = Tensor::from_vec(v, (t, half), device)?;
+            let v = if fused { v } else { Tensor::cat(&[&v, &v], 1)? };
+            // Via F32 as transformers (`cos.to(x.dtype)` from its f32 tables), F64 directly.
+            let v = if dtype == DType::F64 { v } else { v.to_dtype(DType::F32)? };
+            Ok(v.to_dtype(dtype)?)
+        };
+        let (cos, sin) = (table(cos)?, table(sin)?);
+        let mask = if fused {
+            None
+        } else {
+            let data: Vec<f32> = (0..t * t).map(|k| if k % t > k / t { f32::NEG_INFINITY } else { 0.0 }).collect();
+            Some(Tensor::from_vec(data, (t, t), device)?.to_dtype(dtype)?)
+        };
+        let e = Tables { seq_len: t, dtype, device: device.clone(), fused, cos, sin, mask };
+        if cache.len() >= 8 {
+            cache.remove(0);
+        }
+        cache.push(e.clone());
+        Ok(e)
+    }
+
+    /// Views of unit `unit`'s groups into its flat vector (no copy).
+    fn views(&self, unit: usize, flat: &Tensor) -> Result<Vec<Tensor>> {
+        self.groups[unit].iter().map(|(off, shape)| Ok(group_view(flat, *off, shape)?)).collect()
+    }
+
+    /// One `Var` per group, copied out of the flat vector (see `ops::vars` for why).
+    fn vars(&self, unit: usize, flat: &Tensor) -> Result<Vec<Var>> {
+        self.views(unit, flat)?.iter().map(|v| Ok(Var::from_tensor(v)?)).collect()
+    }
+
+    fn unit_spec(&self, unit: usize) -> Result<&UnitSpec> {
+        ops::unit_spec(&self.units, unit)
+    }
+
+    fn check_params(&self, spec: &UnitSpec, params: &Tensor) -> Result<()> {
+        ops::check_params(spec, params)
+    }
+
+    fn check_hidden(&self, x: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
+        ops::check_hidden(x, dtype, self.config.hidden_size, self.config.max_position_embeddings, what)
+    }
+
+    fn check_tokens(&self, tokens: &Tensor) -> Result<()> {
+        ops::check_ids(tokens, self.config.vocab_size, self.config.max_position_embeddings, "embedding input")
+    }
+
+    /// Targets `[B, T]` like the logits' first dims; returns the number of counted positions.
+    fn check_targets(&self, targets: &Tensor, logits: &Tensor) -> Result<usize> {
+        ops::check_targets(targets, &logits.dims()[..2], self.config.vocab_size)
+    }
+
+    /// `lm_head` `[V, d]`: the head's own weight, or the embedding's when tied (a view).
+    fn head_out_weight(&self, p: &[Tensor], tied: Option<&Tensor>, dtype: DType) -> Result<Tensor> {
+        match self.tied_view(tied, dtype)? {
+            Some(w) => Ok(w),
+            None => Ok(p[1].clone()),
+        }
+    }
+
+    /// The embedding `[V, d]` as a view of the embedding unit's flat vector, when tied.
+    fn tied_view(&self, tied: Option<&Tensor>, dtype: DType) -> Result<Option<Tensor>> {
+        if !self.config.tie_word_embeddings {
+            return Ok(None);
+        }
+        let flat = ops::tied_flat(tied, &self.units[0], dtype, "tied", "tie_word_embeddings = true")?;
+        Ok(Some(flat.reshape((self.config.vocab_size, self.config.hidden_size))?))
+    }
+
+    fn tied_var(&self, tied: Option<&Tensor>, dtype: DType) -> Result<Option<Var>> {
+        Ok(match self.tied_view(tied, dtype)? {
+            Some(w) => Some(Var::from_tensor(&w)?),
+            None => None,
+        })
+    }
+}
+
+/// `flat[off .. off + numel(shape)]` viewed as `shape`.
+fn group_view(flat: &Tensor, off: usize, shape: &[usize]) -> candle_core::Result<Tensor> {
+    flat.narrow(0, off, shape.iter().product())?.reshape(shape)
+}
+
+/// The unit calls (the model's API; see [`crate::lm`] for the step they make up).
+impl CausalLm for Llama {
+    fn units(&self) -> &[UnitSpec] {
+        &self.units
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.config.vocab_size
+    }
+
+    fn max_seq_len(&self) -> usize {
+        self.config.max_position_embeddings
+    }
+
+    fn tied_head(&self) -> bool {
+        self.config.tie_word_embeddings
+    }
+
+    /// Forward of unit `unit`:
+    ///
+    /// - embedding: token ids `[B, T]` U32 (`T <= max_position_embeddings`) → `[B, T, d]`;
+    /// - decoder layer: `[B, T, d]` → `[B, T, d]`;
+    /// - head: `[B, T, d]` → logits `[B, T, vocab_size]`.
+    ///
+    /// `tied` is the embedding unit's flat vector, required by the head when
+    /// `tie_word_embeddings` (ignored otherwise).
+    ///
+    /// # Errors
+    /// [`crate::Error::Input`] on a wrong unit index, shape, dtype, sequence length, token id or
+    /// a missing `tied`; [`crate::Error::Candle`] from the ops.
+    fn forward(&self, unit: usize, params: &Tensor, input: &Tensor, tied: Option<&Tensor>) -> Result<Tensor> {
+        let spec = self.unit_spec(unit)?;
+        self.check_params(spec, params)?;
+        let p = self.views(unit, params)?;
+        match spec.kind {
+            UnitKind::Embedding => {
+                self.check_tokens(input)?;
+                self.embed_math(&p[0], input)
+            }
+            UnitKind::Block(_) => {
+                self.check_hidden(input, params.dtype(), "block input")?;
+                self.block_math(&p, input)
+            }
+            UnitKind::Head => {
+                self.check_hidden(input, params.dtype(), "head input")?;
+                let w_out = self.head_out_weight(&p, tied, params.dtype())?;
+                self.head_math(&p[0], &w_out, input)
+            }
+            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => {
+                Err(input_err("unit kind", "a dense Llama unit".into(), format!("{:?}", spec.kind)))
+            }
+        }
+    }
+
+    /// Backward of unit `unit` by recomputation from its checkpointed `input`: the
+    /// vector-Jacobian product with `grad_output` (the forward output's shape and dtype; for the
+    /// head, the gradient of the logits). For the training loss use
+    /// [`CausalLm::head_loss_backward`].
+    ///
+    /// # Errors
+    /// As [`CausalLm::forward`], and [`crate::Error::Input`] when `grad_output` does not match.
+    fn backward(
+        &self,
+        unit: usize,
+        params: &Tensor,
+        input: &Tensor,
+        grad_output: &Tensor,
+        tied: Option<&Tensor>,
+    ) -> Result<UnitGrads> {
+        let spec = self.unit_spec(unit)?;
+        self.check_params(spec, params)?;
+        let dtype = params.dtype();
+        if grad_output.dtype() != dtype {
+            return Err(input_err("grad_output dtype", format!("{dtype:?}"), format!("{:?}", grad_output.dtype())));
+        }
+        if matches!(spec.kind, UnitKind::Block(_)) && self.fused(input) {
+            // The fused CPU path: a hand-written backward (layer.rs).
+            self.check_hidden(input, dtype, "block input")?;
+            if grad_output.dims() != input.dims() {
+                return Err(input_err(
+                    "grad_output shape",
+                    format!("{:?}", input.dims()),
+                    format!("{:?}", grad_output.dims()),
+                ));
+            }
+            let (grad_params, gx) = self.block_backward_fused(&self.views(unit, params)?, input, grad_output)?;
+            return Ok(UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte: None });
+        }
+        let vars = self.vars(unit, params)?;
+        let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let (out, x_var, tied_var) = match spec.kind {
+            UnitKind::Embedding => {
+                self.check_tokens(input)?;
+                (self.embed_math(&p[0], input)?, None, None)
+            }
+            UnitKind::Block(_) => {
+                self.check_hidden(input, dtype, "block input")?;
+                let x = Var::from_tensor(input)?;
+                (self.block_math(&p, x.as_tensor())?, Some(x), None)
+            }
+            UnitKind::Head => {
+                self.check_hidden(input, dtype, "head input")?;
+                let x = Var::from_tensor(input)?;
+                let tied_var = self.tied_var(tied, dtype)?;
+                let w_out = match &tied_var {
+                    Some(w) => w.as_tensor().clone(),
+                    None => p[1].clone(),
+                };
+                (self.head_math(&p[0], &w_out, x.as_tensor())?, Some(x), tied_var)
+            }
+            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => {
+                return Err(input_err("unit kind", "a dense Llama unit".into(), format!("{:?}", spec.kind)))
+            }
+        };
+        if out.dims() != grad_output.dims() {
+            return Err(input_err(
+                "grad_output shape",
+                format!("{:?}", out.dims()),
+                format!("{:?}", grad_output.dims()),
+            ));
+        }
+        let grads = (out * grad_output)?.sum_all()?.backward()?;
+        ops::collect_grads(&vars, x_var.as_ref(), tied_var.as_ref(), &grads, self.units[0].numel)
+    }
+
+    /// Validation loss: mean cross-entropy (nats) of the head on its input `[B, T, d]` against
+    /// `targets` `[B, T]` U32 over the positions whose target is not
+    /// [`crate::lm::IGNORE_INDEX`] (0 when none is counted), widened to f64.
+    ///
+    /// # Errors
+    /// As [`CausalLm::forward`]; [`crate::Error::Input`] for targets of the wrong shape or dtype or
+    /// an id `>= vocab_size` other than the ignore index.
+    fn head_loss(&self, params: &Tensor, input: &Tensor, tied: Option<&Tensor>, targets: &Tensor) -> Result<f64> {
+        let logits = self.forward(self.units.len() - 1, params, input, tied)?;
+        let count = self.check_targets(targets, &logits)?;
+        scalar(&self.loss_math(&logits, targets, count)?)
+    }
+
+    /// The head's training backward: recomputes the head from `input` (`[B, T, d]`), returns the
+    /// mean cross-entropy against `targets` (as [`CausalLm::head_loss`]), the number of counted
+    /// positions, and the gradients of that mean: the head's flat params, its input, and when
+    /// tied the embedding unit's flat vector ([`UnitGrads::grad_tied_wte`]).
+    ///
+    /// # Errors
+    /// As [`CausalLm::head_loss`].
+    fn head_loss_backward(
+        &self,
+        params: &Tensor,
+        input: &Tensor,
+        tied: Option<&Tensor>,
+        targets: &Tensor,
+    ) -> Result<HeadLossGrads> {
+        let unit = self.units.len() - 1;
+        let spec = &self.units[unit];
+        self.check_params(spec, params)?;
+        let dtype = params.dtype();
+        self.check_hidden(input, dtype, "head input")?;
+        if self.fused(input) {
+            // The fused CPU path: a hand-written backward (layer.rs).
+            let p = self.views(unit, params)?;
+            let w_out = self.head_out_weight(&p, tied, dtype)?;
+            let (b, t, _) = input.dims3()?;
+            let tokens = ops::check_targets(targets, &[b, t], self.config.vocab_size)?;
+            let (loss, gx, g_norm, g_out) = self.head_loss_backward_fused(&p[0], &w_out, input, targets, tokens)?;
+            let (grad_params, grad_tied_wte) = if self.config.tie_word_embeddings {
+                (g_norm, Some(g_out.flatten_all()?))
+            } else {
+                (Tensor::cat(&[&g_norm, &g_out.flatten_all()?], 0)?, None)
+            };
+            let grads = UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte };
+            return Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads });
+        }
+        let vars = self.vars(unit, params)?;
+        let x = Var::from_tensor(input)?;
+        let tied_var = self.tied_var(tied, dtype)?;
+        let w_out = match &tied_var {
+            Some(w) => w.as_tensor().clone(),
+            None => vars[1].as_tensor().clone(),
+        };
+        let logits = self.head_math(vars[0].as_tensor(), &w_out, x.as_tensor())?;
+        let tokens = self.check_targets(targets, &logits)?;
+        let loss = self.loss_math(&logits, targets, tokens)?;
+        let grads = loss.backward()?;
+        let grads = ops::collect_grads(&vars, Some(&x), tied_var.as_ref(), &grads, self.units[0].numel)?;
+        Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads })
+    }
+}
