@@ -27,6 +27,10 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
     ("swapper/src/nvme/uring.rs", "io_uring submission entries that point at owned buffers"),
     ("optimizer/src/simd.rs", "std::arch loads and stores, calls into #[target_feature] functions after detection"),
     (
+        "models/src/hf/mmap.rs",
+        "memory-maps a Hugging Face checkpoint's safetensors shards read-only for one header parse or one unit's copy",
+    ),
+    (
         "src/data/cache.rs",
         "memory-maps the token cache read-only (memmap2::Mmap::map: the file must not shrink while mapped)",
     ),
