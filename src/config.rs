@@ -157,10 +157,132 @@ impl Default for MoePlacementConfig {
     }
 }
 
-/// `[model]`: a byte-level GPT (vocabulary 256).
+/// `[model]`: the model family (`family`, default `"gpt"`) and its shape, or a Hugging Face
+/// checkpoint to start from.
+///
+/// ```toml
+/// [model]                  # the byte-level GPT (the default family)
+/// d_model = 192
+/// n_layer = 8
+/// n_head = 6
+///
+/// [model]                  # a Llama-family decoder from scratch: config.json's keys
+/// family = "llama"         # or "mistral", "qwen2"
+/// hidden_size = 256
+/// intermediate_size = 688
+/// num_hidden_layers = 6
+/// num_attention_heads = 8
+/// num_key_value_heads = 4  # GQA
+///
+/// [model]                  # fine-tuning a Hugging Face checkpoint: its config.json is the shape
+/// family = "llama"
+/// init = "path/to/hf_dir"
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelConfig {
+    /// `family = "gpt"` (or none): the byte-level GPT / MoE-GPT of `oogc-models`.
+    Gpt(GptModelConfig),
+    /// `family = "llama" | "mistral" | "qwen2"`: a Llama-family decoder.
+    Llama(LlamaModelConfig),
+}
+
+/// `[model]` of the Llama family: from scratch (`config`) or from a Hugging Face checkpoint
+/// (`init`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum LlamaModelConfig {
+    /// The shape, with `config.json`'s keys (every key of [`oogc_models::llama::LlamaConfig`];
+    /// `vocab_size` 0 or absent: the tokenizer's).
+    Scratch(oogc_models::llama::LlamaConfig),
+    /// `init = "dir"`: a Hugging Face checkpoint directory (`config.json` + safetensors); its
+    /// config is the shape and its weights the initial parameters.
+    Init(PathBuf),
+}
+
+impl ModelConfig {
+    /// The GPT's section, `None` for another family.
+    pub fn gpt(&self) -> Option<&GptModelConfig> {
+        match self {
+            ModelConfig::Gpt(g) => Some(g),
+            ModelConfig::Llama(_) => None,
+        }
+    }
+
+    /// The family's name as in `[model] family`.
+    pub fn family(&self) -> &'static str {
+        match self {
+            ModelConfig::Gpt(_) => "gpt",
+            ModelConfig::Llama(LlamaModelConfig::Scratch(c)) => c.family.model_type(),
+            ModelConfig::Llama(LlamaModelConfig::Init(_)) => "llama",
+        }
+    }
+
+    /// MoE feed-forward blocks (`[model.moe]` of the GPT); `None` for dense models.
+    pub fn moe(&self) -> Option<&MoeModelConfig> {
+        self.gpt().and_then(|g| g.moe.as_ref())
+    }
+}
+
+impl<'de> Deserialize<'de> for ModelConfig {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let mut table = toml::Table::deserialize(d)?;
+        let family = match table.get("family") {
+            None => "gpt".to_string(),
+            Some(toml::Value::String(s)) => s.clone(),
+            Some(v) => return Err(D::Error::custom(format!("model.family must be a string, got {v}"))),
+        };
+        match family.as_str() {
+            "gpt" => {
+                table.remove("family");
+                GptModelConfig::deserialize(toml::Value::Table(table)).map(ModelConfig::Gpt).map_err(D::Error::custom)
+            }
+            "llama" | "mistral" | "qwen2" => match table.remove("init") {
+                Some(toml::Value::String(dir)) => {
+                    if let Some(key) = table.keys().find(|k| *k != "family") {
+                        return Err(D::Error::custom(format!(
+                            "model.{key}: with model.init the checkpoint's config.json gives the shape; remove \
+                             `{key}` (or `init` to train from scratch)"
+                        )));
+                    }
+                    Ok(ModelConfig::Llama(LlamaModelConfig::Init(PathBuf::from(dir))))
+                }
+                Some(v) => Err(D::Error::custom(format!("model.init must be a directory path, got {v}"))),
+                None => {
+                    table.entry("vocab_size").or_insert(toml::Value::Integer(0));
+                    oogc_models::llama::LlamaConfig::deserialize(toml::Value::Table(table))
+                        .map(|c| ModelConfig::Llama(LlamaModelConfig::Scratch(c)))
+                        .map_err(|e| D::Error::custom(format!("[model] ({family}): {e}")))
+                }
+            },
+            other => Err(D::Error::custom(format!(
+                "model.family `{other}`: use \"gpt\" (the byte-level GPT) or \"llama\", \"mistral\", \"qwen2\" \
+                 (the Llama family)"
+            ))),
+        }
+    }
+}
+
+impl Serialize for ModelConfig {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::Error as _;
+        let mut table = match self {
+            ModelConfig::Gpt(g) => toml::Table::try_from(g).map_err(S::Error::custom)?,
+            ModelConfig::Llama(LlamaModelConfig::Scratch(c)) => toml::Table::try_from(c).map_err(S::Error::custom)?,
+            ModelConfig::Llama(LlamaModelConfig::Init(dir)) => {
+                let mut t = toml::Table::new();
+                t.insert("init".into(), toml::Value::String(dir.display().to_string()));
+                t
+            }
+        };
+        table.insert("family".into(), toml::Value::String(self.family().into()));
+        table.serialize(s)
+    }
+}
+
+/// `[model]` of the byte-level GPT (vocabulary 256, or the tokenizer's).
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct ModelConfig {
+pub struct GptModelConfig {
     /// Width of the residual stream.
     pub d_model: usize,
     /// Number of transformer blocks.
@@ -208,6 +330,18 @@ fn default_top_k() -> usize {
 }
 fn default_aux() -> f64 {
     0.01
+}
+
+impl GptModelConfig {
+    /// The MLP width: `d_ff` or 4 × `d_model`.
+    pub fn d_ff(&self) -> usize {
+        self.d_ff.unwrap_or(4 * self.d_model)
+    }
+
+    /// The learned positions for sequences of `seq_len` tokens: `max_seq_len` or `seq_len`.
+    pub fn max_seq_len(&self, seq_len: usize) -> usize {
+        self.max_seq_len.unwrap_or(seq_len)
+    }
 }
 
 impl MoeModelConfig {
@@ -609,27 +743,57 @@ impl TrainConfig {
     /// [`ConfigError::Invalid`].
     pub fn validate(&self) -> Result<()> {
         let bad = |key: &str, reason: String| Err(ConfigError::Invalid { key: key.into(), reason });
-        let m = &self.model;
-        if m.d_model == 0 || m.n_layer == 0 || m.n_head == 0 {
-            return bad("model", "d_model, n_layer and n_head must be ≥ 1".into());
-        }
-        if m.d_model % m.n_head != 0 {
-            return bad("model.n_head", format!("n_head = {} must divide d_model = {}", m.n_head, m.d_model));
-        }
-        if m.d_ff == Some(0) {
-            return bad("model.d_ff", "must be ≥ 1 (or left out for 4 × d_model)".into());
-        }
         let t = &self.train;
+        match &self.model {
+            ModelConfig::Gpt(m) => {
+                if m.d_model == 0 || m.n_layer == 0 || m.n_head == 0 {
+                    return bad("model", "d_model, n_layer and n_head must be ≥ 1".into());
+                }
+                if m.d_model % m.n_head != 0 {
+                    return bad("model.n_head", format!("n_head = {} must divide d_model = {}", m.n_head, m.d_model));
+                }
+                if m.d_ff == Some(0) {
+                    return bad("model.d_ff", "must be ≥ 1 (or left out for 4 × d_model)".into());
+                }
+                if let Some(max) = m.max_seq_len {
+                    if max < t.seq_len {
+                        return bad("model.max_seq_len", format!("{max} is below train.seq_len = {}", t.seq_len));
+                    }
+                }
+            }
+            ModelConfig::Llama(LlamaModelConfig::Scratch(c)) => {
+                // The vocabulary comes from the tokenizer when it is 0: check the rest.
+                let c = oogc_models::llama::LlamaConfig { vocab_size: c.vocab_size.max(1), ..c.clone() };
+                if let Err(e) = c.validate() {
+                    return bad("model", e.to_string());
+                }
+                if c.max_position_embeddings < t.seq_len {
+                    return bad(
+                        "model.max_position_embeddings",
+                        format!("{} is below train.seq_len = {}", c.max_position_embeddings, t.seq_len),
+                    );
+                }
+                if self.data.tokenizer.is_none() {
+                    return bad(
+                        "data.tokenizer",
+                        "a Llama-family model needs a tokenizer.json (the GPT trains on bytes)".into(),
+                    );
+                }
+            }
+            ModelConfig::Llama(LlamaModelConfig::Init(_)) => {
+                if self.data.tokenizer.is_none() {
+                    return bad(
+                        "data.tokenizer",
+                        "a Llama-family model needs a tokenizer.json: usually the checkpoint's own".into(),
+                    );
+                }
+            }
+        }
         if t.batch_size == 0 {
             return bad("train.batch_size", "must be ≥ 1".into());
         }
         if t.seq_len == 0 {
             return bad("train.seq_len", "must be ≥ 1".into());
-        }
-        if let Some(max) = m.max_seq_len {
-            if max < t.seq_len {
-                return bad("model.max_seq_len", format!("{max} is below train.seq_len = {}", t.seq_len));
-            }
         }
         if t.eval_batches == 0 {
             return bad("train.eval_batches", "must be ≥ 1".into());
@@ -687,14 +851,14 @@ impl TrainConfig {
         if !(0.0..1.0).contains(&moe.popularity_decay) {
             return bad("moe.popularity_decay", format!("{} must be in [0, 1)", moe.popularity_decay));
         }
-        if let Some(m) = &self.model.moe {
+        if let Some(m) = self.model.moe() {
             if m.experts < 2 {
                 return bad("model.moe.experts", format!("{} must be ≥ 2", m.experts));
             }
             if !(1..=2).contains(&m.top_k) || m.top_k > m.experts {
                 return bad("model.moe.top_k", format!("{} must be 1 or 2 (and ≤ experts)", m.top_k));
             }
-            if self.model.tied_head {
+            if self.model.gpt().is_some_and(|g| g.tied_head) {
                 return bad(
                     "model.tied_head",
                     "a tied LM head with MoE blocks is not supported; set tied_head = false".into(),
@@ -705,16 +869,6 @@ impl TrainConfig {
             return bad("checkpoint.keep", "must be ≥ 1".into());
         }
         Ok(())
-    }
-
-    /// The MLP width: `d_ff` or 4 × `d_model`.
-    pub fn d_ff(&self) -> usize {
-        self.model.d_ff.unwrap_or(4 * self.model.d_model)
-    }
-
-    /// The learned positions: `max_seq_len` or `train.seq_len`.
-    pub fn max_seq_len(&self) -> usize {
-        self.model.max_seq_len.unwrap_or(self.train.seq_len)
     }
 
     /// The end-of-decay learning rate: `min_lr` or 0.1 × `lr`.
@@ -747,8 +901,8 @@ gpu = "1.5MiB"
         let cfg = TrainConfig::from_toml_str(MINIMAL).unwrap();
         assert_eq!(cfg.budgets.gpu.as_u64(), 3 << 19);
         assert_eq!(cfg.budgets.host.as_u64(), 4 << 30);
-        assert_eq!(cfg.d_ff(), 128);
-        assert_eq!(cfg.max_seq_len(), 16);
+        assert_eq!(cfg.model.gpt().unwrap().d_ff(), 128);
+        assert_eq!(cfg.model.gpt().unwrap().max_seq_len(cfg.train.seq_len), 16);
         assert_eq!(cfg.device.kind, DeviceKind::Sim);
         assert_eq!(cfg.prefetch.depth, 2);
         assert!((cfg.min_lr() - 1e-4).abs() < 1e-9);

@@ -151,12 +151,11 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
             let probe = probe::probe_compute(&probe::ComputeShape::for_config(&cfg)?).context("--probe-compute")?;
             probe.apply(&mut hardware);
         }
-        let args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some());
+        let args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some())?;
         return finish_plan(&cmd, args);
     }
     let args = planner::PlanArgs {
-        shape: cmd.model.shape(),
-        feed_forward: planner::FeedForward::default(),
+        model: planner::PlannedModel::gpt(&cmd.model.shape(), &planner::FeedForward::default())?,
         gpu_budget_bytes: cmd.gpu_budget as u64,
         host_budget_bytes: cmd.host_budget.map(|b| b as u64),
         optimizer_state: match cmd.optimizer_state {
@@ -172,7 +171,7 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
 }
 
 pub(crate) fn finish_plan(cmd: &PlanCmd, args: planner::PlanArgs) -> anyhow::Result<()> {
-    let mut report = planner::plan_gpt(&args).context("oogc plan")?;
+    let mut report = planner::plan_model(&args).context("oogc plan")?;
     if let (Some(path), Some(trace)) = (&cmd.trace, report.sim.trace.take()) {
         let json = serde_json::to_string(&trace).context("serializing the trace")?;
         std::fs::write(path, json).with_context(|| format!("writing the trace to {}", path.display()))?;

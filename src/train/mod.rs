@@ -15,12 +15,14 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::Tensor;
+use oogc_models::hf;
+use oogc_models::llama::{Llama, LlamaConfig};
 use oogc_models::{CausalLm, Gpt, GptConfig, UnitKind};
 use oogc_moe_placement::Placement;
 use oogc_swapper::StatePlacement;
 
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
-use crate::config::{DeviceKind, TrainConfig};
+use crate::config::{DeviceKind, GptModelConfig, LlamaModelConfig, ModelConfig, TrainConfig};
 use crate::data::{Batch, Corpus, Sampler};
 use crate::runtime::{DeviceSpec, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
 
@@ -85,20 +87,52 @@ pub struct StepOutcome {
     pub cpu_tokens: usize,
 }
 
-/// The GPT's config from the run's `[model]` table, `train.seq_len` and the data's vocabulary
-/// (256 for bytes, else the tokenizer's).
-pub fn gpt_config(cfg: &TrainConfig, vocab_size: usize) -> GptConfig {
+/// The GPT's config from the run's `[model]` table (a GPT's), `train.seq_len` and the data's
+/// vocabulary (256 for bytes, else the tokenizer's).
+pub fn gpt_config(g: &GptModelConfig, seq_len: usize, vocab_size: usize) -> GptConfig {
     GptConfig {
         vocab_size,
-        d_model: cfg.model.d_model,
-        n_layer: cfg.model.n_layer,
-        n_head: cfg.model.n_head,
-        d_ff: cfg.model.d_ff,
-        max_seq_len: cfg.max_seq_len(),
-        tied_head: cfg.model.tied_head,
-        moe: cfg.model.moe.as_ref().map(|m| m.to_model()),
+        d_model: g.d_model,
+        n_layer: g.n_layer,
+        n_head: g.n_head,
+        d_ff: g.d_ff,
+        max_seq_len: g.max_seq_len(seq_len),
+        tied_head: g.tied_head,
+        moe: g.moe.as_ref().map(|m| m.to_model()),
         ..GptConfig::default()
     }
+}
+
+/// The Llama-family config of a run: `[model]`'s keys with the data's vocabulary when it gives
+/// none, or the `config.json` of the checkpoint `init` names (whose vocabulary must hold the
+/// tokenizer's ids).
+///
+/// # Errors
+/// [`TrainError::Model`] for an unreadable or unsupported checkpoint; [`TrainError::Config`] for a
+/// vocabulary smaller than the tokenizer's.
+pub fn llama_config(l: &LlamaModelConfig, vocab_size: usize) -> Result<LlamaConfig> {
+    let (config, key) = match l {
+        LlamaModelConfig::Scratch(c) => {
+            let mut c = c.clone();
+            if c.vocab_size == 0 {
+                c.vocab_size = vocab_size;
+            }
+            (c, "model.vocab_size")
+        }
+        LlamaModelConfig::Init(dir) => (hf::HfCheckpoint::open(dir)?.llama_config()?, "model.init"),
+    };
+    if config.vocab_size < vocab_size {
+        return Err(crate::config::ConfigError::Invalid {
+            key: key.into(),
+            reason: format!(
+                "the model's vocabulary of {} tokens is smaller than the tokenizer's {vocab_size}: use the \
+                 model's own tokenizer.json (or a larger vocab_size)",
+                config.vocab_size
+            ),
+        }
+        .into());
+    }
+    Ok(config)
 }
 
 /// The learning-rate schedule of the run: linear warmup over `warmup_steps`, cosine decay to
@@ -174,7 +208,10 @@ pub fn vocab_size(cfg: &TrainConfig) -> Result<usize> {
 /// # Errors
 /// [`TrainError::Model`] for dimensions the model refuses.
 pub fn build_model(cfg: &TrainConfig, vocab_size: usize) -> Result<Arc<dyn CausalLm>> {
-    Ok(Arc::new(Gpt::new(gpt_config(cfg, vocab_size))?))
+    Ok(match &cfg.model {
+        ModelConfig::Gpt(g) => Arc::new(Gpt::new(gpt_config(g, cfg.train.seq_len, vocab_size))?),
+        ModelConfig::Llama(l) => Arc::new(Llama::new(llama_config(l, vocab_size)?)?),
+    })
 }
 
 /// A validation result: the mean loss per token and the same total over the bytes of text the
@@ -309,12 +346,24 @@ impl Trainer {
                 })?;
             }
         }
-        let params = oogc_models::init_params(model.units(), cfg.train.seed);
         let mut rt = Runtime::new(runtime_config(&cfg, num_params))?;
-        for (spec, flat) in model.units().iter().zip(&params) {
-            rt.add_unit(&spec.name, flat)?;
+        // One unit at a time, straight into the runtime (never the whole model in memory): from
+        // a Hugging Face checkpoint, or drawn from the run's seed.
+        let init = match &cfg.model {
+            ModelConfig::Llama(LlamaModelConfig::Init(dir)) => {
+                let ckpt = hf::HfCheckpoint::open(dir)?;
+                ckpt.check_units(model.units())?;
+                Some(ckpt)
+            }
+            _ => None,
+        };
+        for spec in model.units() {
+            let flat = match &init {
+                Some(ckpt) => ckpt.read_unit(spec)?,
+                None => oogc_models::init_unit_from_seed(spec, cfg.train.seed),
+            };
+            rt.add_unit(&spec.name, &flat)?;
         }
-        drop(params);
         let layout = Layout::of(&*model);
         let moe = match model.moe() {
             Some(_) => {
