@@ -15,7 +15,7 @@ fn manager(dir: &std::path::Path, engine: EngineChoice, device: u64, host: u64, 
     let dev = SimDevice::new(SimDeviceConfig { capacity_bytes: device, ..Default::default() }).unwrap();
     ResidencyManager::new(
         Device::Sim(dev),
-        Some(store),
+        Some(std::sync::Arc::new(store)),
         ResidencyConfig {
             host_budget_bytes: host,
             lock_host_memory: false,
