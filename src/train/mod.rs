@@ -17,12 +17,11 @@ use std::sync::Arc;
 use candle_core::Tensor;
 use oogc_models::{CausalLm, Gpt, GptConfig, UnitKind};
 use oogc_moe_placement::Placement;
-use oogc_swapper::StatePlacement;
 
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::config::{DeviceKind, TrainConfig};
 use crate::data::{validation_batches, Batch, Sampler, TextData};
-use crate::runtime::{DeviceSpec, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
+use crate::runtime::{DeviceSpec, HostPlan, NvmePlan, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
 
 mod moe;
 
@@ -108,26 +107,25 @@ pub fn lr_schedule(cfg: &TrainConfig) -> oogc_optimizer::LrSchedule {
     }
 }
 
-/// The runtime's config from the run's config: device, budgets, where the optimizer state lives
-/// (its NVMe store sized `[budgets] nvme_size`, else 3 × the state + 64 MiB), prefetch depth,
-/// the CPU optimizer.
-pub fn runtime_config(cfg: &TrainConfig, num_params: usize) -> RuntimeConfig {
+/// The runtime's config from the run's config and its model's units (parameters per unit):
+/// device, budgets, where the optimizer state and the parameters live (the NVMe store sized
+/// `[budgets] nvme_size`, else by [`NvmePlan`]), prefetch depths, the CPU optimizer.
+pub fn runtime_config(cfg: &TrainConfig, units: &[usize]) -> RuntimeConfig {
     let device = match cfg.device.kind {
         DeviceKind::Sim => DeviceSpec::Sim { link_gbps: cfg.device.link_gbps, latency_us: cfg.device.latency_us },
         DeviceKind::Cuda(ordinal) => DeviceSpec::Cuda { ordinal },
     };
-    let nvme = (cfg.budgets.optimizer_state == StatePlacement::Nvme).then(|| {
-        let state_bytes = num_params as u64 * 12;
-        let size = cfg.budgets.nvme_size.map_or(3 * state_bytes + (64 << 20), |s| s.as_u64());
-        oogc_swapper::NvmeConfig::new(cfg.budgets.nvme_dirs.clone(), size)
-    });
+    let nvme =
+        nvme_plan(cfg, units).map(|p| oogc_swapper::NvmeConfig::new(cfg.budgets.nvme_dirs.clone(), p.capacity_bytes));
     RuntimeConfig {
         device,
         gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
         host_budget_bytes: cfg.budgets.host.as_u64(),
         state_placement: cfg.budgets.optimizer_state,
+        params_placement: cfg.budgets.params,
         nvme,
         prefetch_depth: cfg.prefetch.depth,
+        host_prefetch_depth: cfg.prefetch.host_depth,
         optimizer: optimizer_config(cfg),
         lock_host_memory: true,
         overlap_optimizer: cfg.prefetch.overlap_optimizer,
@@ -149,8 +147,74 @@ pub fn optimizer_config(cfg: &TrainConfig) -> oogc_optimizer::OptimizerConfig {
         },
         clip_norm: (o.clip_norm > 0.0).then_some(o.clip_norm),
         compute_dtype: oogc_optimizer::DType::F32,
+        rollback_budget_bytes: o.rollback_budget.map(|b| b.as_u64()),
+        stream_host_budget_bytes: o
+            .stream_host_budget
+            .map_or(oogc_optimizer::OptimizerConfig::default().stream_host_budget_bytes, |b| b.as_u64()),
         ..oogc_optimizer::OptimizerConfig::default()
     }
+}
+
+/// The NVMe store of a run of `units` (parameters per unit): [`NvmePlan`] with the config's
+/// placements and `[budgets] nvme_size`; `None` when nothing lives on NVMe.
+pub fn nvme_plan(cfg: &TrainConfig, units: &[usize]) -> Option<NvmePlan> {
+    NvmePlan::new(
+        units,
+        cfg.budgets.optimizer_state,
+        cfg.budgets.params,
+        4,
+        &optimizer_config(cfg),
+        cfg.budgets.nvme_size.map(|s| s.as_u64()),
+    )
+}
+
+/// Units the trainer holds pinned at once: 2 when a tied head uses the embedding beside its own
+/// unit or an MoE trunk stays pinned while its experts run, else 1.
+pub fn max_units_in_use(cfg: &TrainConfig) -> usize {
+    if cfg.model.tied_head || cfg.model.moe.is_some() {
+        2
+    } else {
+        1
+    }
+}
+
+/// The split of `[budgets] host` of a run of `units` (parameters per unit): [`HostPlan`].
+pub fn host_plan(cfg: &TrainConfig, units: &[usize]) -> HostPlan {
+    let room = nvme_plan(cfg, units).map_or(0, |p| p.speculation_room_bytes());
+    HostPlan::new(&runtime_config(cfg, units), units, max_units_in_use(cfg), room)
+}
+
+/// The stated fixed overhead of a run of `cfg` besides the host ledger, bytes
+/// ([`crate::runtime::budget::fixed_overhead_bytes`]): the process, the training text of
+/// `data_bytes`, the sim device's memory (the GPU budget) and candle's buffers.
+pub fn host_overhead_bytes(cfg: &TrainConfig, data_bytes: u64) -> u64 {
+    use crate::runtime::budget::{activation_overhead_bytes, fixed_overhead_bytes};
+    let m = &cfg.model;
+    let (batch, seq) = (cfg.train.batch_size as u64, cfg.train.seq_len as u64);
+    let d_ff = m.moe.as_ref().and_then(|x| x.d_expert).unwrap_or_else(|| cfg.d_ff()) as u64;
+    let activations = activation_overhead_bytes(batch, seq, m.d_model as u64, d_ff, m.n_head as u64, m.n_layer as u64);
+    let sim_device = if cfg.device.kind.is_sim() { cfg.budgets.gpu.as_u64() } else { 0 };
+    fixed_overhead_bytes(data_bytes, sim_device, activations)
+}
+
+/// Checks the run's budgets before anything is written: the host budget against the run's
+/// minimum ([`HostPlan::check`]) and the NVMe store's size against its minimum and the free
+/// space of its directories (`free_bytes(dir)`, e.g. statvfs; [`NvmePlan::check`]).
+///
+/// # Errors
+/// [`crate::runtime::RuntimeError::HostBudgetBelowMinimum`] or
+/// [`crate::runtime::RuntimeError::NvmeTooSmall`], with the numbers and the fix.
+pub fn check_budgets(
+    cfg: &TrainConfig,
+    units: &[usize],
+    free_bytes: &dyn Fn(&Path) -> std::io::Result<u64>,
+) -> Result<HostPlan> {
+    let plan = host_plan(cfg, units);
+    plan.check()?;
+    if let Some(nvme) = nvme_plan(cfg, units) {
+        nvme.check(&cfg.budgets.nvme_dirs, free_bytes)?;
+    }
+    Ok(plan)
 }
 
 /// The model of a run's config.
@@ -251,8 +315,11 @@ impl Trainer {
         }
         let model = build_model(&cfg)?;
         let num_params: usize = model.units().iter().map(|u| u.numel).sum();
+        let units: Vec<usize> = model.units().iter().map(|u| u.numel).collect();
+        // Budgets too small are refused before anything is written.
+        check_budgets(&cfg, &units, &crate::runtime::budget::statvfs_free_bytes)?;
         let data = TextData::load(&cfg.data.path, cfg.data.val_fraction, cfg.train.seq_len)?;
-        if cfg.budgets.optimizer_state == StatePlacement::Nvme {
+        if cfg.uses_nvme() {
             for dir in &cfg.budgets.nvme_dirs {
                 std::fs::create_dir_all(dir).map_err(|e| {
                     crate::runtime::RuntimeError::Swapper(oogc_swapper::Error::NvmeDir {
@@ -266,7 +333,7 @@ impl Trainer {
             }
         }
         let params = oogc_models::init_params(model.units(), cfg.train.seed);
-        let mut rt = Runtime::new(runtime_config(&cfg, num_params))?;
+        let mut rt = Runtime::new(runtime_config(&cfg, &units))?;
         for (spec, flat) in model.units().iter().zip(&params) {
             rt.add_unit(&spec.name, flat)?;
         }
@@ -285,7 +352,7 @@ impl Trainer {
             None => None,
         };
         // A trunk stays pinned while its experts run (MoE); a tied head uses the embedding.
-        rt.set_max_units_in_use(if model.tied_head() || moe.is_some() { 2 } else { 1 });
+        rt.set_max_units_in_use(max_units_in_use(&cfg));
         rt.check_working_set()?;
         let val = validation_batches(&data, cfg.train.eval_batches, cfg.train.batch_size, cfg.train.seq_len);
         let sampler = Sampler::new(cfg.train.seed);
@@ -363,6 +430,12 @@ impl Trainer {
     /// The runtime (traffic, peaks, optimizer).
     pub fn runtime(&self) -> &Runtime {
         &self.rt
+    }
+
+    /// The stated fixed overhead of this run besides the host ledger ([`host_overhead_bytes`]).
+    pub fn host_overhead_bytes(&self) -> u64 {
+        let data = (self.data.train().len() + self.data.val().len()) as u64;
+        host_overhead_bytes(&self.cfg, data)
     }
 
     /// Parameters in the model.
