@@ -255,6 +255,15 @@ fn plan_prints_memory_and_a_step_breakdown_as_json() {
     for tier in ["device_bytes", "host_bytes"] {
         positive(&r["memory"], tier);
     }
+    // The host figure is the runtime's plan: every ledger category at its planned bytes.
+    let host = &r["host_plan"];
+    let parts: u64 = ["compute_copies_bytes", "optimizer_state_bytes", "speculation_bytes", "nvme_stream_bytes"]
+        .iter()
+        .chain(["gradients_bytes", "activations_bytes"].iter())
+        .map(|k| host[*k].as_u64().unwrap_or_else(|| panic!("{k}: {host}")))
+        .sum();
+    assert_eq!(r["memory"]["host_bytes"].as_u64(), Some(parts), "{r}");
+    assert!(host["min_bytes"].as_u64().unwrap() > 0, "{host}");
     let trace: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     let events = trace["traceEvents"].as_array().expect("traceEvents");
     assert!(events.iter().any(|e| e["ph"] == "X" && e["tid"] == 1), "no compute events");
