@@ -36,11 +36,13 @@ const PREFETCH_THREADS: u64 = 2;
 
 /// The process's own resident bytes besides what the ledger, the text, the sim device and
 /// candle's activations account for: binary, libraries, thread stacks (touched pages), the
-/// allocator's arenas, the tracing subscriber. Measured with `oogc train` on the sim device
-/// (VmRSS 7 MiB when the run starts; peak RSS less the ledger's peak, the text and the sim
-/// device 22–26 MiB on an 8-layer d_model-128 model of 4 × 16 tokens, where candle's buffers
-/// are small); stated with headroom.
-pub const BASE_OVERHEAD_BYTES: u64 = 32 << 20;
+/// allocator's arenas (memory freed by candle but kept by malloc), the tracing subscriber.
+/// Measured with `oogc train` on the sim device: VmRSS 7 MiB when the run starts; peak RSS
+/// less the ledger's peak, the text and the sim device 22–26 MiB on an 8-layer d_model-128
+/// model of 4 × 16 tokens (candle's buffers small); on the main job (20 steps) peak RSS
+/// 263 MB = ledger 62 MB + 201 MB, the formula's overhead there 230 MB; on the MoE example
+/// 170 MB = 34 MB + 137 MB, the formula's 150 MB. Stated with about 2× the small run's.
+pub const BASE_OVERHEAD_BYTES: u64 = 48 << 20;
 
 /// candle's host buffers during a step on the sim device (not in the ledger): the activation
 /// checkpoints (one `[batch, seq, d_model]` f32 tensor per block, kept from forward to
