@@ -304,6 +304,29 @@ impl PoolShared {
     }
 }
 
+impl PoolState {
+    /// Takes cached free buffers out (largest first) until the bytes held are at most `limit` or
+    /// none is cached; the caller drops them (their memory goes back to the OS).
+    fn take_cached_until(&mut self, limit: u64) -> Vec<Box<dyn HostMemory>> {
+        let mut out = Vec::new();
+        while self.held_bytes > limit && self.cached_bytes > 0 {
+            let (&cap, _) = self.free.iter().next_back().expect("cached bytes without buffers");
+            let list = self.free.get_mut(&cap).expect("class present");
+            let mem = list.pop().expect("non-empty class");
+            if list.is_empty() {
+                self.free.remove(&cap);
+            }
+            self.cached_bytes -= cap as u64;
+            self.held_bytes -= cap as u64;
+            if !mem.is_page_locked() {
+                self.unlocked_bytes -= cap as u64;
+            }
+            out.push(mem);
+        }
+        out
+    }
+}
+
 /// Host memory whose bytes are claimed from a [`HostLedger`] for as long as it lives.
 struct LedgerMemory {
     mem: Box<dyn HostMemory>,
@@ -386,24 +409,7 @@ impl PinnedPool {
     /// below the new budget (the residency manager evicts first).
     pub fn set_budget_bytes(&self, bytes: u64) {
         self.shared.budget_bytes.store(bytes, Ordering::Relaxed);
-        let mut freed = Vec::new();
-        {
-            let mut st = self.shared.state.lock();
-            while st.held_bytes > bytes && st.cached_bytes > 0 {
-                let (&cap, _) = st.free.iter().next_back().expect("cached bytes without buffers");
-                let list = st.free.get_mut(&cap).expect("class present");
-                let mem = list.pop().expect("non-empty class");
-                if list.is_empty() {
-                    st.free.remove(&cap);
-                }
-                st.cached_bytes -= cap as u64;
-                st.held_bytes -= cap as u64;
-                if !mem.is_page_locked() {
-                    st.unlocked_bytes -= cap as u64;
-                }
-                freed.push(mem);
-            }
-        }
+        let freed = self.shared.state.lock().take_cached_until(bytes);
         drop(freed);
     }
 
@@ -449,7 +455,6 @@ impl PinnedPool {
         let class = size_class(len);
         let sh = &self.shared;
         let budget_bytes = self.budget_bytes();
-        let mut to_release = Vec::new();
         let claim = {
             let mut st = sh.state.lock();
             if let Some(list) = st.free.get_mut(&class) {
@@ -464,20 +469,7 @@ impl PinnedPool {
                 }
             }
             // Release cached buffers (largest first) until the new class fits.
-            while st.held_bytes + class as u64 > budget_bytes && st.cached_bytes > 0 {
-                let (&cap, _) = st.free.iter().next_back().expect("cached bytes without buffers");
-                let list = st.free.get_mut(&cap).expect("class present");
-                let mem = list.pop().expect("non-empty class");
-                if list.is_empty() {
-                    st.free.remove(&cap);
-                }
-                st.cached_bytes -= cap as u64;
-                st.held_bytes -= cap as u64;
-                if !mem.is_page_locked() {
-                    st.unlocked_bytes -= cap as u64;
-                }
-                to_release.push(mem);
-            }
+            let to_release = st.take_cached_until(budget_bytes.saturating_sub(class as u64));
             if st.held_bytes + class as u64 > budget_bytes {
                 return Err(Error::OutOfMemory {
                     tier: Tier::Host,
@@ -487,7 +479,7 @@ impl PinnedPool {
             }
             // Freed (and their ledger claims given back) under the lock, before the new claim, so
             // that the ledger never counts both the old buffers and the new one.
-            drop(std::mem::take(&mut to_release));
+            drop(to_release);
             // Claimed from the ledger before the memory is made; given back when it is freed.
             let claim = match &sh.ledger {
                 Some((ledger, use_)) => Some(ledger.claim(*use_, class as u64)?),
@@ -529,22 +521,7 @@ impl PinnedPool {
 
     /// Frees every cached (unused) buffer back to the OS.
     pub fn trim(&self) {
-        let freed: Vec<_> = {
-            let mut st = self.shared.state.lock();
-            let free = std::mem::take(&mut st.free);
-            let mut out = Vec::new();
-            for (cap, list) in free {
-                for mem in list {
-                    st.held_bytes -= cap as u64;
-                    st.cached_bytes -= cap as u64;
-                    if !mem.is_page_locked() {
-                        st.unlocked_bytes -= cap as u64;
-                    }
-                    out.push(mem);
-                }
-            }
-            out
-        };
+        let freed = self.shared.state.lock().take_cached_until(0);
         drop(freed);
     }
 }
