@@ -520,16 +520,27 @@ impl Default for DeviceConfig {
 pub struct BudgetsConfig {
     /// GPU memory for parameters (compute copies) and gradient staging, e.g. `"2MiB"`.
     pub gpu: ByteSize,
-    /// Pinned host memory for the compute copies' home and transfer staging. Default: `"4GiB"`.
+    /// Host memory for everything the run holds there: compute copies (their home or NVMe
+    /// cache), optimizer state on the host, speculation's second buffers, NVMe stream buffers,
+    /// gradients. A budget below the run's minimum is refused before anything is written, with
+    /// the minimum. Default: `"4GiB"`.
     #[serde(default = "default_host_budget")]
     pub host: ByteSize,
     /// Where optimizer state (master weights, m, v) lives: `"host"` or `"nvme"`. Default: host.
     #[serde(default)]
     pub optimizer_state: StatePlacement,
-    /// NVMe directories (files are striped over them). Needed when `optimizer_state = "nvme"`.
+    /// Where the compute copies' home is: `"host"` (pinned host memory) or `"nvme"` (the NVMe
+    /// store, with the host budget's share as its cache; ZeRO-Infinity's `offload_param`).
+    /// Default: host.
+    #[serde(default)]
+    pub params: StatePlacement,
+    /// NVMe directories (files are striped over them). Needed when `optimizer_state` or
+    /// `params` is `"nvme"`.
     #[serde(default)]
     pub nvme_dirs: Vec<PathBuf>,
-    /// Bytes preallocated on NVMe in all. Default: 3 × the optimizer state.
+    /// Bytes preallocated on NVMe in all. Default: what the run holds there (optimizer state,
+    /// compute copies with `params = "nvme"`, copy-on-write slack) plus room for speculated
+    /// units' second extents; checked against the file systems' free space before the run.
     #[serde(default)]
     pub nvme_size: Option<ByteSize>,
 }
@@ -566,6 +577,17 @@ pub struct OptimizerSection {
     /// Global gradient-norm clip; 0 disables. Default: 1.0.
     #[serde(default = "default_clip")]
     pub clip_norm: f32,
+    /// Most host bytes for speculation's second buffers (a second compute copy per unit, and a
+    /// second p, m, v for host-placed state); units beyond it are updated after the step's
+    /// clip decision instead (same results, less overlap). Default: what the host budget has
+    /// left.
+    #[serde(default)]
+    pub rollback_budget: Option<ByteSize>,
+    /// Most host bytes for the NVMe stream buffers of optimizer state on NVMe (three chunk
+    /// buffers per stream). Default: 128 MiB (the run uses at most one stream per optimizer
+    /// thread).
+    #[serde(default)]
+    pub stream_host_budget: Option<ByteSize>,
 }
 
 fn default_lr() -> f32 {
@@ -598,6 +620,8 @@ impl Default for OptimizerSection {
             eps: default_eps(),
             weight_decay: default_wd(),
             clip_norm: default_clip(),
+            rollback_budget: None,
+            stream_host_budget: None,
         }
     }
 }
@@ -609,6 +633,10 @@ pub struct PrefetchSection {
     /// Units fetched ahead of the one in use; 0 = fetch on demand. Default: 2.
     #[serde(default = "default_depth")]
     pub depth: usize,
+    /// With `[budgets] params = "nvme"`: units read NVMe → host ahead (the host window, ahead
+    /// of the device window). Default: 4.
+    #[serde(default = "default_host_depth")]
+    pub host_depth: usize,
     /// Run the CPU optimizer on each unit as soon as its gradients land, overlapping compute
     /// (ours). false: hold the gradients and update every unit at the end of the step, waiting
     /// for it (the ZeRO-Infinity-like baseline; same results bit for bit). Default: true.
@@ -619,10 +647,13 @@ pub struct PrefetchSection {
 fn default_depth() -> usize {
     2
 }
+fn default_host_depth() -> usize {
+    4
+}
 
 impl Default for PrefetchSection {
     fn default() -> Self {
-        Self { depth: default_depth(), overlap_optimizer: true }
+        Self { depth: default_depth(), host_depth: default_host_depth(), overlap_optimizer: true }
     }
 }
 
@@ -812,11 +843,16 @@ impl TrainConfig {
         if b.gpu.as_u64() == 0 {
             return bad("budgets.gpu", "must be > 0, e.g. \"64MiB\"".into());
         }
-        if b.optimizer_state == StatePlacement::Nvme && b.nvme_dirs.is_empty() {
+        if (b.optimizer_state == StatePlacement::Nvme || b.params == StatePlacement::Nvme) && b.nvme_dirs.is_empty() {
             return bad(
                 "budgets.nvme_dirs",
-                "optimizer_state = \"nvme\" needs at least one directory, e.g. nvme_dirs = [\"/tmp/oogc-nvme\"]".into(),
+                "optimizer_state = \"nvme\" or params = \"nvme\" needs at least one directory, e.g. \
+                 nvme_dirs = [\"/tmp/oogc-nvme\"]"
+                    .into(),
             );
+        }
+        if b.host.as_u64() == 0 {
+            return bad("budgets.host", "must be > 0, e.g. \"1GiB\"".into());
         }
         let o = &self.optimizer;
         if !(o.lr > 0.0 && o.lr.is_finite()) {
@@ -871,6 +907,11 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// Whether anything (optimizer state or parameters) lives on NVMe.
+    pub fn uses_nvme(&self) -> bool {
+        self.budgets.optimizer_state == StatePlacement::Nvme || self.budgets.params == StatePlacement::Nvme
+    }
+
     /// The end-of-decay learning rate: `min_lr` or 0.1 × `lr`.
     pub fn min_lr(&self) -> f32 {
         self.optimizer.min_lr.unwrap_or(0.1 * self.optimizer.lr)
@@ -909,6 +950,29 @@ gpu = "1.5MiB"
     }
 
     #[test]
+    fn the_host_budget_keys_parse() {
+        let text = MINIMAL.replace(
+            "gpu = \"1.5MiB\"",
+            "gpu = \"1.5MiB\"\nhost = \"512MiB\"\nparams = \"nvme\"\nnvme_dirs = [\"n\"]\nnvme_size = \"1GiB\"",
+        )
+            + "[optimizer]\nrollback_budget = \"16MiB\"\nstream_host_budget = \"32MiB\"\n[prefetch]\nhost_depth = 3\n";
+        let cfg = TrainConfig::from_toml_str(&text).unwrap();
+        assert_eq!(cfg.budgets.params, StatePlacement::Nvme);
+        assert_eq!(cfg.budgets.host.as_u64(), 512 << 20);
+        assert_eq!(cfg.optimizer.rollback_budget.map(|b| b.as_u64()), Some(16 << 20));
+        assert_eq!(cfg.optimizer.stream_host_budget.map(|b| b.as_u64()), Some(32 << 20));
+        assert_eq!(cfg.prefetch.host_depth, 3);
+        assert!(cfg.uses_nvme());
+        let o = crate::train::optimizer_config(&cfg);
+        assert_eq!((o.rollback_budget_bytes, o.stream_host_budget_bytes), (Some(16 << 20), 32 << 20));
+        let d = TrainConfig::from_toml_str(MINIMAL).unwrap();
+        assert_eq!(
+            (d.budgets.params, d.prefetch.host_depth, d.optimizer.rollback_budget),
+            (StatePlacement::Host, 4, None)
+        );
+    }
+
+    #[test]
     fn unknown_key_is_refused_with_its_name() {
         let text = MINIMAL.replace("steps = 3", "steps = 3\nstesp = 4");
         let err = TrainConfig::from_toml_str(&text).unwrap_err().to_string();
@@ -921,6 +985,8 @@ gpu = "1.5MiB"
             ("n_head = 4", "n_head = 5", "model.n_head"),
             ("gpu = \"1.5MiB\"", "gpu = \"0B\"", "budgets.gpu"),
             ("gpu = \"1.5MiB\"", "gpu = \"1MiB\"\noptimizer_state = \"nvme\"", "budgets.nvme_dirs"),
+            ("gpu = \"1.5MiB\"", "gpu = \"1MiB\"\nparams = \"nvme\"", "budgets.nvme_dirs"),
+            ("gpu = \"1.5MiB\"", "gpu = \"1MiB\"\nhost = \"0B\"", "budgets.host"),
             ("seq_len = 16", "seq_len = 0", "train.seq_len"),
         ] {
             let err = TrainConfig::from_toml_str(&MINIMAL.replace(from, to)).unwrap_err();

@@ -19,12 +19,14 @@
 use std::fmt::Write as _;
 
 use oogc_moe_placement::{ColdMode, CostModel, CostModelConfig, ExpertShape, Placement};
+use oogc_optimizer::OptimizerConfig;
 use oogc_prefetch::plan::{plan, ModelUnit, PlanInput, PlanReport};
 use oogc_prefetch::{HardwareProfile, PrefetchConfig};
-use oogc_swapper::StatePlacement;
+use oogc_swapper::{DType, StatePlacement};
 use serde::Serialize;
 
 use crate::config::TrainConfig;
+use crate::runtime::{HostPlan, NvmePlan, RuntimeConfig};
 use oogc_models::{CausalLm, UnitKind};
 
 /// Why a plan cannot be made.
@@ -317,6 +319,13 @@ pub struct PlanArgs {
     pub host_budget_bytes: Option<u64>,
     /// Optimizer state placement; `None`: host if the host budget holds it, else NVMe.
     pub optimizer_state: Option<StatePlacement>,
+    /// Where the compute copies' home is (`[budgets] params`).
+    pub params: StatePlacement,
+    /// The CPU optimizer (threads, stream chunks and budget, roll-back budget): what the host
+    /// plan splits the budget by.
+    pub optimizer: OptimizerConfig,
+    /// Units the trainer pins at once (2 with a tied head or MoE blocks).
+    pub max_units_in_use: usize,
     /// Prefetch depth, units.
     pub max_depth: usize,
     /// The machine.
@@ -352,6 +361,9 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
         gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
         host_budget_bytes: Some(cfg.budgets.host.as_u64()),
         optimizer_state: Some(cfg.budgets.optimizer_state),
+        params: cfg.budgets.params,
+        optimizer: crate::train::optimizer_config(cfg),
+        max_units_in_use: crate::train::max_units_in_use(&*model),
         max_depth: cfg.prefetch.depth.max(1),
         hardware,
         trace,
@@ -416,8 +428,28 @@ pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &Hardwar
         .collect()
 }
 
+/// The split of the host budget for `args`' model ([`HostPlan`], what the runtime applies
+/// before its first step), and the NVMe store it needs ([`NvmePlan`]; `None` when nothing lives
+/// there). Without a host budget, an unlimited one.
+pub fn host_and_nvme_plan(args: &PlanArgs, report: &PlanReport) -> (HostPlan, Option<NvmePlan>) {
+    let units: Vec<usize> = args.model.units.iter().map(|u| u.numel as usize).collect();
+    let state = if report.optimizer_state_on_nvme { StatePlacement::Nvme } else { StatePlacement::Host };
+    let mut optimizer = args.optimizer.clone();
+    optimizer.compute_dtype =
+        if args.model.units.first().is_some_and(|u| u.compute_bytes < 4 * u.numel) { DType::BF16 } else { DType::F32 };
+    let nvme = NvmePlan::new(&units, state, args.params, optimizer.compute_dtype.size_in_bytes(), &optimizer, None);
+    let mut rc = RuntimeConfig::sim(args.gpu_budget_bytes);
+    rc.host_budget_bytes = args.host_budget_bytes.unwrap_or(u64::MAX);
+    rc.state_placement = state;
+    rc.params_placement = args.params;
+    rc.optimizer = optimizer;
+    let room = nvme.as_ref().map_or(0, |p| p.speculation_room_bytes());
+    (HostPlan::new(&rc, &units, args.max_units_in_use, room), nvme)
+}
+
 /// Plans a model: its units through [`oogc_prefetch::plan::plan`] (the step simulator with the
-/// prefetch and eviction policies the runtime uses).
+/// prefetch and eviction policies the runtime uses); the host and NVMe figures are the runtime's
+/// ([`host_and_nvme_plan`]: the host peak of every ledger category, the NVMe store's size).
 ///
 /// # Errors
 /// The planner's errors (a GPU budget below the minimum names the minimum in bytes).
@@ -431,7 +463,19 @@ pub fn plan_model(args: &PlanArgs) -> Result<PlanReport, PlanError> {
         steps: 3,
         trace: args.trace,
     };
-    Ok(plan(&input, &args.hardware)?)
+    let mut report = plan(&input, &args.hardware)?;
+    let (host, nvme) = host_and_nvme_plan(args, &report);
+    report.memory.host_bytes = host.peak_bytes();
+    report.memory.nvme_bytes = nvme.as_ref().map_or(0, |p| p.capacity_bytes);
+    report.warnings.retain(|w| !w.starts_with("host needs"));
+    if host.check().is_err() {
+        report.warnings.push(format!(
+            "the host budget of {} B is below the run's minimum of {} B: raise it, or put the optimizer state \
+             and/or the parameters on NVMe",
+            host.budget_bytes, host.min_bytes
+        ));
+    }
+    Ok(report)
 }
 
 fn gib(b: u64) -> String {
@@ -483,24 +527,29 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
         r.full_gpu_budget_bytes
     )
     .expect("writing to a String");
+    let host = Some(host_and_nvme_plan(args, r));
     writeln!(
         out,
-        "{:<10} {:>14} {:>16}  compute copies + {} + gradients in flight",
+        "{:<10} {:>14} {:>16}  every ledger category at its planned bytes{}",
         "host",
         r.memory.host_bytes,
         gib(r.memory.host_bytes),
-        if r.optimizer_state_on_nvme { "NVMe staging" } else { "optimizer state (12 B/param)" }
+        host.as_ref().map_or(String::new(), |(h, _)| format!(" (minimum {} B)", h.min_bytes))
     )
     .expect("writing to a String");
-    writeln!(
-        out,
-        "{:<10} {:>14} {:>16}  {}",
-        "nvme",
-        r.memory.nvme_bytes,
-        gib(r.memory.nvme_bytes),
-        if r.optimizer_state_on_nvme { "optimizer state (12 B/param)" } else { "-" }
-    )
-    .expect("writing to a String");
+    if let Some((h, _)) = &host {
+        for (name, bytes) in h.by_category() {
+            writeln!(out, "{:<10} {:>14} {:>16}  host: {name}", "", bytes, gib(bytes)).expect("writing to a String");
+        }
+    }
+    let on_nvme = match (r.optimizer_state_on_nvme, args.params) {
+        (true, StatePlacement::Nvme) => "optimizer state + compute copies + copy-on-write slack + speculation's room",
+        (true, StatePlacement::Host) => "optimizer state + copy-on-write slack + speculation's room",
+        (false, StatePlacement::Nvme) => "compute copies + copy-on-write slack",
+        (false, StatePlacement::Host) => "-",
+    };
+    writeln!(out, "{:<10} {:>14} {:>16}  {on_nvme}", "nvme", r.memory.nvme_bytes, gib(r.memory.nvme_bytes))
+        .expect("writing to a String");
     out.push('\n');
     let pct = |x: f64| 100.0 * x / r.step_s.max(1e-12);
     writeln!(

@@ -168,6 +168,9 @@ pub trait CausalLm: Send + Sync + std::fmt::Debug {
         targets: &Tensor,
     ) -> Result<HeadLossGrads>;
 
+    /// The model's widths, for memory estimates.
+    fn dims(&self) -> Dims;
+
     /// The MoE calls when the model's blocks are experts behind a router; `None` for a dense
     /// model.
     fn moe(&self) -> Option<&dyn MoeLm> {
@@ -186,6 +189,19 @@ pub trait CausalLm: Send + Sync + std::fmt::Debug {
             _ => 2.0 * self.units()[unit].numel as f64 * tokens as f64,
         }
     }
+}
+
+/// A model's widths ([`CausalLm::dims`]), for memory estimates of activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    /// Width of the residual stream (`d_model`, `hidden_size`).
+    pub hidden: usize,
+    /// Width of the MLP's (or an expert's) hidden layer.
+    pub intermediate: usize,
+    /// Attention (query) heads.
+    pub heads: usize,
+    /// Blocks (decoder layers).
+    pub layers: usize,
 }
 
 /// Forward FLOPs of causal attention's scores (`QKᵀ`) and weighted sum (`AV`) over `tokens`

@@ -630,6 +630,12 @@ impl crate::CausalLm for Gpt {
         self.config.moe.is_some().then_some(self as &dyn crate::MoeLm)
     }
 
+    fn dims(&self) -> crate::Dims {
+        let c = &self.config;
+        let intermediate = if c.moe.is_some() { c.expert_dim() } else { c.ff_dim() };
+        crate::Dims { hidden: c.d_model, intermediate, heads: c.n_head, layers: c.n_layer }
+    }
+
     /// As the trait's, with the GPT's attention (width `d_model`) on dense blocks and MoE
     /// trunks, and the head's output projection `2 · vocab · d · tokens` (its LayerNorm not
     /// counted), tied or not.

@@ -648,6 +648,16 @@ impl CausalLm for Llama {
         Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads })
     }
 
+    fn dims(&self) -> crate::Dims {
+        let c = &self.config;
+        crate::Dims {
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            heads: c.num_attention_heads,
+            layers: c.num_hidden_layers,
+        }
+    }
+
     /// As the trait's, with attention over `heads × head_dim` on every decoder layer and the
     /// head's output projection `2 · vocab · hidden · tokens`, tied or not.
     fn forward_flops(&self, unit: usize, tokens: usize, seq_len: usize) -> f64 {
