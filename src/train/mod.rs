@@ -390,6 +390,10 @@ impl Trainer {
 
     fn build(cfg: TrainConfig, resuming: bool, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
         cfg.validate()?;
+        // The model (its shape read, nothing allocated) and the budgets it needs: too small ones
+        // are refused before anything is written.
+        let model = build_model(&cfg, vocab_size(&cfg)?)?;
+        check_budgets(&cfg, &*model, &crate::runtime::budget::statvfs_free_bytes)?;
         // Before anything is written: one run at a time owns its directories.
         let lock = crate::lock::RunLock::for_config(&cfg)?;
         if let Some(dir) = cfg.checkpoint.dir.as_deref().filter(|_| !resuming) {
@@ -408,11 +412,8 @@ impl Trainer {
             }
         }
         let data = Corpus::load(&cfg.data.source(cfg.train.seq_len), progress)?;
-        let model = build_model(&cfg, data.vocab_size())?;
         let num_params: usize = model.units().iter().map(|u| u.numel).sum();
         let units = unit_sizes(&*model);
-        // Budgets too small are refused before anything is written.
-        check_budgets(&cfg, &*model, &crate::runtime::budget::statvfs_free_bytes)?;
         if cfg.uses_nvme() {
             for dir in &cfg.budgets.nvme_dirs {
                 std::fs::create_dir_all(dir).map_err(|e| {
