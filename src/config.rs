@@ -415,8 +415,18 @@ fn default_val_fraction() -> f64 {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TrainLoopConfig {
-    /// Sequences per step.
+    /// Sequences per micro-batch: a step trains on `batch_size × micro_batches` sequences
+    /// (the micro-batch size, which is the batch size when `micro_batches` is 1).
     pub batch_size: usize,
+    /// Micro-batches per step (gradient accumulation with a layer-major schedule): each unit is
+    /// fetched once per step and runs all micro-batches in the forward, and once in the backward;
+    /// their gradients are summed before the one D2H copy, so parameter traffic per token falls
+    /// by this factor. The objective is the mean cross-entropy over the counted tokens of all
+    /// `batch_size × micro_batches` sequences (each micro-batch's loss weighted by its share of
+    /// the counted tokens), the same as one batch of `batch_size × micro_batches` sequences
+    /// within f32 rounding. Dense models only (an MoE model needs 1). Default: 1; must be ≥ 1.
+    #[serde(default = "default_micro_batches")]
+    pub micro_batches: usize,
     /// Tokens per sequence.
     pub seq_len: usize,
     /// Optimizer steps of the run (`oogc train --steps` overrides).
@@ -433,6 +443,9 @@ pub struct TrainLoopConfig {
 }
 
 fn default_seed() -> u64 {
+    1
+}
+fn default_micro_batches() -> usize {
     1
 }
 fn default_eval_interval() -> u64 {
@@ -826,6 +839,19 @@ impl TrainConfig {
         if t.seq_len == 0 {
             return bad("train.seq_len", "must be ≥ 1".into());
         }
+        if t.micro_batches == 0 {
+            return bad("train.micro_batches", "must be ≥ 1 (1 = no gradient accumulation)".into());
+        }
+        if t.micro_batches > 1 && self.model.moe().is_some() {
+            return bad(
+                "train.micro_batches",
+                format!(
+                    "{} micro-batches with MoE blocks is not supported (the layer-major schedule is for dense \
+                     models); set micro_batches = 1 and raise train.batch_size instead",
+                    t.micro_batches
+                ),
+            );
+        }
         if t.eval_batches == 0 {
             return bad("train.eval_batches", "must be ≥ 1".into());
         }
@@ -988,10 +1014,22 @@ gpu = "1.5MiB"
             ("gpu = \"1.5MiB\"", "gpu = \"1MiB\"\nparams = \"nvme\"", "budgets.nvme_dirs"),
             ("gpu = \"1.5MiB\"", "gpu = \"1MiB\"\nhost = \"0B\"", "budgets.host"),
             ("seq_len = 16", "seq_len = 0", "train.seq_len"),
+            ("seq_len = 16", "seq_len = 16\nmicro_batches = 0", "train.micro_batches"),
         ] {
             let err = TrainConfig::from_toml_str(&MINIMAL.replace(from, to)).unwrap_err();
             assert!(matches!(&err, ConfigError::Invalid { key: k, .. } if k == key), "{to}: {err}");
         }
+    }
+
+    #[test]
+    fn micro_batches_default_to_one_and_moe_refuses_more_by_name() {
+        assert_eq!(TrainConfig::from_toml_str(MINIMAL).unwrap().train.micro_batches, 1);
+        let four = MINIMAL.replace("seq_len = 16", "seq_len = 16\nmicro_batches = 4");
+        assert_eq!(TrainConfig::from_toml_str(&four).unwrap().train.micro_batches, 4);
+        let moe = four.replace("[data]", "[model.moe]\nexperts = 4\ntop_k = 2\n[data]");
+        let err = TrainConfig::from_toml_str(&moe).unwrap_err();
+        assert!(matches!(&err, ConfigError::Invalid { key, .. } if key == "train.micro_batches"), "{err}");
+        assert!(err.to_string().contains("micro_batches = 1"), "{err}");
     }
 
     #[test]

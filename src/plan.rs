@@ -336,7 +336,9 @@ pub struct PlanArgs {
 
 /// The plan of an `oogc train` config: its model ([`PlannedModel::of_model`]: the model the
 /// trainer builds, f32 compute copies as on the sim device, MoE blocks with [`moe_placement`]),
-/// batch, GPU and host budgets, state tier and prefetch depth. On the sim device with a throttled
+/// batch (`batch_size × micro_batches` sequences per step: compute scales with the micro-batches,
+/// parameter transfers do not, since the layer-major schedule fetches each unit once per phase
+/// for all of them), GPU and host budgets, state tier and prefetch depth. On the sim device with a throttled
 /// link (`[device] link_gbps > 0`) the link replaces the profile's H2D/D2H bandwidth, since that
 /// is the link the run will have.
 ///
@@ -354,8 +356,9 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
     let model = crate::train::build_model(cfg, vocab).map_err(model_err)?;
     let placements = moe_placement(cfg, &*model, &hardware);
     let top_k = cfg.model.moe().map_or(1, |m| m.top_k);
-    let planned =
-        PlannedModel::of_model(&*model, cfg.model.family(), cfg.train.batch_size, cfg.train.seq_len, top_k, placements);
+    // A step computes all its micro-batches' sequences; each unit still moves once per phase.
+    let sequences = cfg.train.batch_size * cfg.train.micro_batches.max(1);
+    let planned = PlannedModel::of_model(&*model, cfg.model.family(), sequences, cfg.train.seq_len, top_k, placements);
     Ok(PlanArgs {
         model: planned,
         gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
@@ -618,6 +621,21 @@ mod tests {
             }),
         };
         model_units(&shape, &ff).unwrap()
+    }
+
+    #[test]
+    fn micro_batches_scale_a_configs_compute_and_not_its_units() {
+        let one = example("tinyshakespeare.toml");
+        let mut four = one.clone();
+        four.train.micro_batches = 4;
+        let hw = HardwareProfile::default();
+        let (a, b) =
+            (plan_args_for_config(&one, &hw, false).unwrap(), plan_args_for_config(&four, &hw, false).unwrap());
+        assert_eq!(a.model.units.len(), b.model.units.len());
+        for (a, b) in a.model.units.iter().zip(&b.model.units) {
+            assert_eq!((a.numel, a.compute_bytes), (b.numel, b.compute_bytes), "{}", a.name);
+            assert!((b.forward_flops - 4.0 * a.forward_flops).abs() <= 1e-9 * b.forward_flops.max(1.0), "{}", a.name);
+        }
     }
 
     #[test]

@@ -12,13 +12,14 @@
 //! | speculation | second buffers of the units that fit what is left, in unit order, within `[optimizer] rollback_budget` |
 //! | NVMe stream | state on NVMe: `threads` streams of three chunk buffers of the largest unit (within `stream_host_budget_bytes`) |
 //! | gradients | every unit's f32 gradients (held until the step is final), two more of the largest unit's (arriving while their unit's last update runs), two pinned landing buffers of the largest unit |
-//! | activations | 0: nothing keeps activations in host memory yet |
+//! | activations | 0: nothing keeps activations in host memory yet (on the sim device the checkpoints of every micro-batch are candle's buffers: the fixed overhead below) |
 //!
 //! **Fixed overhead** (not in the ledger, stated): the process itself — binary, libraries,
 //! thread stacks, the allocator — measured at [`BASE_OVERHEAD_BYTES`]; the training text
 //! (read whole); on the sim device its memory (the GPU budget: the sim device's memory is host
 //! memory); and candle's buffers (activations and the temporaries of one unit's forward and
-//! backward, which live in host memory on the sim device): [`activation_overhead_bytes`].
+//! backward, which live in host memory on the sim device; with `[train] micro_batches = k` the
+//! checkpoints of all `k` micro-batches): [`activation_overhead_bytes`].
 
 use std::path::{Path, PathBuf};
 
@@ -44,14 +45,19 @@ const PREFETCH_THREADS: u64 = 2;
 /// 170 MB = 34 MB + 137 MB, the formula's 150 MB. Stated with about 2× the small run's.
 pub const BASE_OVERHEAD_BYTES: u64 = 48 << 20;
 
-/// candle's host buffers during a step on the sim device (not in the ledger): the activation
-/// checkpoints (one `[batch, seq, d_model]` f32 tensor per block, kept from forward to
-/// backward) and the temporaries of one unit's forward and backward (attention scores
-/// `[batch, heads, seq, seq]`, MLP hidden `[batch, seq, d_ff]`, each a few times over:
-/// counted `8 ×`), plus the head's logits `[batch, seq, vocab]` and their gradient. Bytes; an
-/// estimate, stated.
+/// candle's host buffers during a step on the sim device (not in the ledger), with
+/// `micro_batches` micro-batches of `batch` sequences (`[train] micro_batches`, 1 without
+/// gradient accumulation): the activation checkpoints of every micro-batch (one
+/// `[batch, seq, d_model]` f32 tensor per block and micro-batch, kept from forward to
+/// backward) and, beyond the first micro-batch, each further one's output gradient
+/// `[batch, seq, d_model]` held between units in the backward; the temporaries of one unit's
+/// forward and backward on one micro-batch (attention scores `[batch, heads, seq, seq]`, MLP
+/// hidden `[batch, seq, d_ff]`, each a few times over: counted `8 ×`), plus the head's logits
+/// `[batch, seq, vocab]` and their gradient. Bytes; an estimate, stated.
+#[allow(clippy::too_many_arguments)]
 pub fn activation_overhead_bytes(
     batch: u64,
+    micro_batches: u64,
     seq: u64,
     d_model: u64,
     d_ff: u64,
@@ -59,11 +65,13 @@ pub fn activation_overhead_bytes(
     layers: u64,
     vocab: u64,
 ) -> u64 {
+    let k = micro_batches.max(1);
     let tokens = batch * seq;
-    let checkpoints = layers * tokens * d_model * 4;
+    let checkpoints = k * layers * tokens * d_model * 4;
+    let held_grads = (k - 1) * tokens * d_model * 4;
     let block = 8 * (batch * heads * seq * seq + tokens * d_ff + 4 * tokens * d_model) * 4;
     let head = 4 * tokens * vocab * 4;
-    checkpoints + block + head
+    checkpoints + held_grads + block + head
 }
 
 /// The split of `[budgets] host` between the ledger's categories, and the minimum a run needs

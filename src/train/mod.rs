@@ -9,6 +9,15 @@
 //! the unit's gradients D2H to the pipelined CPU optimizer while the next unit's backward runs.
 //! An MoE block is a trunk unit and one unit per expert; each routed expert runs where the
 //! placement says ([`moe`]).
+//!
+//! **Micro-batches** (`[train] micro_batches = k`, gradient accumulation; dense models): the
+//! schedule is layer-major (GreedySnake's "vertical" schedule): each unit is fetched once in the
+//! forward and runs all `k` micro-batches of `batch_size` sequences, keeping each one's input;
+//! the head takes each micro-batch's loss and backward in turn; in the backward each unit is
+//! fetched once, recomputes and back-propagates every micro-batch, and pushes the sum of their
+//! gradients once. Parameter traffic per step is that of one micro-batch, so per token it falls
+//! by `k`; the checkpoints held grow by `k`. The objective is the mean over the counted tokens
+//! of all `k × batch_size` sequences ([`Trainer::train_step`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -69,11 +78,12 @@ pub type Result<T, E = TrainError> = std::result::Result<T, E>;
 /// The outcome of one training step.
 #[derive(Debug, Clone)]
 pub struct StepOutcome {
-    /// Mean cross-entropy of the step's batch, nats per byte.
+    /// Mean cross-entropy of the step's batch (all its micro-batches' counted tokens), nats per
+    /// token.
     pub loss: f64,
     /// Learning rate used.
     pub lr: f32,
-    /// Tokens in the batch.
+    /// Tokens in the step's batch (all micro-batches: `micro_batches × batch_size × seq_len`).
     pub tokens: usize,
     /// Time and traffic.
     pub stats: StepStats,
@@ -230,13 +240,15 @@ pub fn unit_sizes(model: &dyn CausalLm) -> Vec<usize> {
 
 /// The stated fixed overhead of a run of `cfg` besides the host ledger, bytes
 /// ([`crate::runtime::budget::fixed_overhead_bytes`]): the process, the training text of
-/// `data_bytes`, the sim device's memory (the GPU budget) and candle's buffers.
+/// `data_bytes`, the sim device's memory (the GPU budget) and candle's buffers (the activation
+/// checkpoints of all `[train] micro_batches`).
 pub fn host_overhead_bytes(cfg: &TrainConfig, model: &dyn CausalLm, data_bytes: u64) -> u64 {
     use crate::runtime::budget::{activation_overhead_bytes, fixed_overhead_bytes};
     let d = model.dims();
     let (batch, seq) = (cfg.train.batch_size as u64, cfg.train.seq_len as u64);
     let activations = activation_overhead_bytes(
         batch,
+        cfg.train.micro_batches as u64,
         seq,
         d.hidden as u64,
         d.intermediate as u64,
@@ -338,8 +350,8 @@ impl Layout {
 
 /// What the forward keeps of a block for its backward.
 struct Checkpointed {
-    /// The block's input (the activation checkpoint).
-    input: Tensor,
+    /// The block's input of each micro-batch (the activation checkpoints), `[B, T, d]` each.
+    inputs: Vec<Tensor>,
     /// MoE: the routing and where each expert ran.
     moe: Option<(oogc_models::Routing, Vec<Placement>)>,
 }
@@ -583,107 +595,128 @@ impl Trainer {
         self.moe.as_ref().and_then(|m| m.placer.as_ref())
     }
 
-    /// The embedding and the blocks forward from `tokens`: the head's input, and per block what
-    /// its backward needs. Resident experts stay pinned in `held` (training only); `cpu_tokens`
-    /// counts expert tokens computed on the CPU.
+    /// The embedding and the blocks forward from `tokens` (one `[B, T]` tensor per micro-batch),
+    /// layer-major: each unit is fetched once and runs every micro-batch before the next unit.
+    /// Returns the head's inputs (one per micro-batch) and per block what its backward needs.
+    /// Resident experts stay pinned in `held` (training only); `cpu_tokens` counts expert tokens
+    /// computed on the CPU.
+    ///
+    /// # Panics
+    /// An MoE block with more than one micro-batch ([`TrainConfig::validate`] refuses it).
     fn forward_trunk(
         &mut self,
-        tokens: &Tensor,
+        tokens: &[Tensor],
         phase: Phase,
         held: &mut HashMap<UnitId, UnitParams>,
         cpu_tokens: &mut usize,
-    ) -> Result<(Tensor, Vec<Checkpointed>)> {
+    ) -> Result<(Vec<Tensor>, Vec<Checkpointed>)> {
         let model = Arc::clone(&self.model);
         let embed = self.layout.embed;
-        let mut x = {
+        let mut xs = {
             let p = self.rt.fetch(embed, phase)?;
             let _span = tracing::info_span!("compute::forward", unit = embed.0).entered();
-            model.forward(embed.0, p.tensor(), tokens, None)?
+            tokens.iter().map(|t| model.forward(embed.0, p.tensor(), t, None)).collect::<Result<Vec<_>, _>>()?
         };
         let mut saved = Vec::with_capacity(self.layout.blocks.len());
         for (i, block) in self.layout.blocks.clone().iter().enumerate() {
-            let (y, routed) = match block {
+            let (ys, routed) = match block {
                 Block::Dense(u) => {
                     let p = self.rt.fetch(*u, phase)?;
                     let _span = tracing::info_span!("compute::forward", unit = u.0).entered();
-                    (model.forward(u.0, p.tensor(), &x, None)?, None)
+                    let ys =
+                        xs.iter().map(|x| model.forward(u.0, p.tensor(), x, None)).collect::<Result<Vec<_>, _>>()?;
+                    (ys, None)
                 }
                 Block::Moe { trunk, experts } => {
+                    let [x] = xs.as_slice() else { panic!("an MoE model trains one micro-batch per step") };
                     let state = self.moe.as_mut().expect("an MoE model has MoE state");
                     let (y, routing, placements) =
-                        state.block_forward(&mut self.rt, &*model, i, *trunk, experts, &x, phase, held, cpu_tokens)?;
-                    (y, Some((routing, placements)))
+                        state.block_forward(&mut self.rt, &*model, i, *trunk, experts, x, phase, held, cpu_tokens)?;
+                    (vec![y], Some((routing, placements)))
                 }
             };
-            saved.push(Checkpointed { input: std::mem::replace(&mut x, y), moe: routed });
+            saved.push(Checkpointed { inputs: std::mem::replace(&mut xs, ys), moe: routed });
         }
-        Ok((x, saved))
+        Ok((xs, saved))
     }
 
-    /// Runs one optimizer step on the next training batch.
+    /// Runs one optimizer step on the next training batch: `train.micro_batches` micro-batches
+    /// of `train.batch_size` sequences, drawn as one batch of their product (so a run's batches
+    /// do not depend on how a step is split), trained layer-major (each unit fetched once in the
+    /// forward and once in the backward for all of them) with their gradients summed before the
+    /// unit's one [`Runtime::push_grads`]. The loss and its gradients are those of the mean
+    /// cross-entropy over every counted token of the step: micro-batch `j` with `n_j` counted
+    /// tokens of `N` in all contributes its mean's gradient scaled by `n_j / N`.
     ///
     /// # Errors
     /// Runtime, model or candle failures.
     pub fn train_step(&mut self) -> Result<StepOutcome> {
         let step = self.step + 1;
         let lr = lr_schedule(&self.cfg).lr(step);
-        let batch = self.data.next_batch(&mut self.sampler, self.cfg.train.batch_size, self.cfg.train.seq_len);
-        let inputs = self.tokens(&batch.inputs)?;
-        let targets = self.tokens(&batch.targets)?;
+        let (micro, k) = (self.cfg.train.batch_size, self.cfg.train.micro_batches.max(1));
+        let batch = self.data.next_batch(&mut self.sampler, micro * k, self.cfg.train.seq_len);
+        let per_micro = batch.inputs.len() / k;
+        let split = |ids: &[u32]| ids.chunks(per_micro).map(|c| self.tokens(c)).collect::<Result<Vec<_>>>();
+        let inputs = split(&batch.inputs)?;
+        let targets = split(&batch.targets)?;
         let model = Arc::clone(&self.model);
         let (embed, head) = (self.layout.embed, self.layout.head);
         self.rt.begin_step(self.updates + 1, lr)?;
 
-        // Forward: keep each block's input (the activation checkpoint).
+        // Forward: keep each block's inputs (the activation checkpoints of every micro-batch).
         let mut held = HashMap::new();
         let mut cpu_tokens = 0;
-        let (x, mut saved) = self.forward_trunk(&inputs, Phase::Forward, &mut held, &mut cpu_tokens)?;
+        let (xs, mut saved) = self.forward_trunk(&inputs, Phase::Forward, &mut held, &mut cpu_tokens)?;
         let routed: Vec<Vec<usize>> = saved.iter().filter_map(|c| c.moe.as_ref().map(|(r, _)| r.counts())).collect();
         let aux: f64 = saved.iter().filter_map(|c| c.moe.as_ref().map(|(r, _)| r.aux_loss())).sum();
 
-        // The turn: the head's forward, loss and backward at once.
+        // The turn: the head's forward, loss and backward at once, per micro-batch.
         self.rt.end_forward();
-        let (loss, mut grad_x, mut tied_grad) = {
+        let (loss, mut grad_xs, tied_grad) = {
             let emb = if model.tied_head() { Some(self.rt.fetch(embed, Phase::Backward)?) } else { None };
             let p = self.rt.fetch(head, Phase::Backward)?;
             let _span = tracing::info_span!("compute::backward", unit = head.0).entered();
-            let out = model.head_loss_backward(p.tensor(), &x, emb.as_ref().map(|e| e.tensor()), &targets)?;
+            let mut acc = HeadAccumulator::new(batch.targets.chunks(per_micro));
+            for (x, t) in xs.iter().zip(&targets) {
+                acc.add(model.head_loss_backward(p.tensor(), x, emb.as_ref().map(|e| e.tensor()), t)?)?;
+            }
             drop((p, emb));
-            self.rt.push_grads(head, &out.grads.grad_params.to_vec1::<f32>()?)?;
-            (out.loss, out.grads.grad_input.expect("the head returns its input's gradient"), out.grads.grad_tied_wte)
+            let grads = acc.grads.expect("at least one micro-batch");
+            self.rt.push_grads(head, &grads.to_vec1::<f32>()?)?;
+            (acc.loss, acc.grad_inputs, acc.tied)
         };
 
-        // Backward in reverse, recomputing each block from its checkpoint.
+        // Backward in reverse, recomputing each block from its checkpoints.
         for (i, block) in self.layout.blocks.clone().iter().enumerate().rev() {
             let c = saved.pop().expect("one checkpoint per block");
-            grad_x = match block {
+            grad_xs = match block {
                 Block::Dense(u) => {
                     let p = self.rt.fetch(*u, Phase::Backward)?;
-                    let g = {
+                    let (grads, grad_inputs) = {
                         let _span = tracing::info_span!("compute::backward", unit = u.0).entered();
-                        model.backward(u.0, p.tensor(), &c.input, &grad_x, None)?
+                        backward_micro_batches(&*model, u.0, p.tensor(), &c.inputs, &grad_xs)?
                     };
                     drop(p);
-                    self.rt.push_grads(*u, &g.grad_params.to_vec1::<f32>()?)?;
-                    g.grad_input.expect("a block returns its input's gradient")
+                    self.rt.push_grads(*u, &grads.to_vec1::<f32>()?)?;
+                    grad_inputs.into_iter().map(|g| g.expect("a block returns its input's gradient")).collect()
                 }
                 Block::Moe { trunk, experts } => {
                     let (routing, placements) = c.moe.expect("an MoE block keeps its routing");
                     let state = self.moe.as_mut().expect("an MoE model has MoE state");
-                    let args = moe::BlockBackward { block: i, trunk: *trunk, experts, x_in: &c.input, grad_y: &grad_x };
-                    state.block_backward(&mut self.rt, &*model, args, &routing, &placements, &mut held)?
+                    let (x_in, grad_y) = (&c.inputs[0], &grad_xs[0]);
+                    let args = moe::BlockBackward { block: i, trunk: *trunk, experts, x_in, grad_y };
+                    vec![state.block_backward(&mut self.rt, &*model, args, &routing, &placements, &mut held)?]
                 }
             };
         }
         {
             let p = self.rt.fetch(embed, Phase::Backward)?;
-            let g = {
+            let (mut grads, _) = {
                 let _span = tracing::info_span!("compute::backward", unit = embed.0).entered();
-                model.backward(embed.0, p.tensor(), &inputs, &grad_x, None)?
+                backward_micro_batches(&*model, embed.0, p.tensor(), &inputs, &grad_xs)?
             };
             drop(p);
-            let mut grads = g.grad_params;
-            if let Some(extra) = tied_grad.take() {
+            if let Some(extra) = tied_grad {
                 grads = (grads + extra)?;
             }
             self.rt.push_grads(embed, &grads.to_vec1::<f32>()?)?;
@@ -720,11 +753,12 @@ impl Trainer {
             let inputs = self.tokens(&b.inputs)?;
             let target_ids = self.tokens(&b.targets)?;
             let (mut held, mut cpu) = (HashMap::new(), 0);
-            let (x, _) = self.forward_trunk(&inputs, Phase::Eval, &mut held, &mut cpu)?;
+            let (xs, _) = self.forward_trunk(std::slice::from_ref(&inputs), Phase::Eval, &mut held, &mut cpu)?;
             drop(held);
+            let x = &xs[0];
             let emb = if model.tied_head() { Some(self.rt.fetch(embed, Phase::Eval)?) } else { None };
             let p = self.rt.fetch(head, Phase::Eval)?;
-            let mean = model.head_loss(p.tensor(), &x, emb.as_ref().map(|e| e.tensor()), &target_ids)?;
+            let mean = model.head_loss(p.tensor(), x, emb.as_ref().map(|e| e.tensor()), &target_ids)?;
             nats += mean * b.targets.len() as f64;
             targets += b.targets.len() as u64;
             bytes += b.target_bytes;
@@ -780,4 +814,84 @@ impl Trainer {
         let keep = self.cfg.checkpoint.keep.unwrap_or(2);
         Ok(Some(checkpoint::save(&dir, &ckpt, keep)?))
     }
+}
+
+/// Accumulates the head's outcome of a step's micro-batches as one batch of all of them: the
+/// loss is the mean over every counted token (`Σ n_j · loss_j / N`, micro-batch `j` counting
+/// `n_j` of the step's `N` targets that are not [`oogc_models::IGNORE_INDEX`]); the head's
+/// gradients and the tied embedding's are summed with micro-batch `j`'s scaled by `n_j / N`, and
+/// so is each micro-batch's input gradient. With one micro-batch nothing is scaled (bit for bit
+/// the batch's own outcome).
+struct HeadAccumulator {
+    /// `n_j / N` per micro-batch; empty for one micro-batch.
+    shares: Vec<f64>,
+    loss: f64,
+    grads: Option<Tensor>,
+    grad_inputs: Vec<Tensor>,
+    tied: Option<Tensor>,
+}
+
+impl HeadAccumulator {
+    /// For the micro-batches whose targets are `targets` (flat ids each).
+    fn new<'a>(targets: impl ExactSizeIterator<Item = &'a [u32]>) -> Self {
+        let shares = if targets.len() == 1 {
+            Vec::new()
+        } else {
+            let counted: Vec<usize> =
+                targets.map(|t| t.iter().filter(|&&id| id != oogc_models::IGNORE_INDEX).count()).collect();
+            let total = counted.iter().sum::<usize>().max(1) as f64;
+            counted.iter().map(|&n| n as f64 / total).collect()
+        };
+        Self { shares, loss: 0.0, grads: None, grad_inputs: Vec::new(), tied: None }
+    }
+
+    /// Adds the next micro-batch's outcome.
+    fn add(&mut self, out: oogc_models::HeadLossGrads) -> Result<()> {
+        let share = self.shares.get(self.grad_inputs.len()).copied();
+        let scale = |t: Tensor| -> Result<Tensor> {
+            Ok(match share {
+                Some(s) => t.affine(s, 0.0)?,
+                None => t,
+            })
+        };
+        self.loss = match share {
+            Some(s) => self.loss + out.loss * s,
+            None => out.loss,
+        };
+        sum_into(&mut self.grads, scale(out.grads.grad_params)?)?;
+        self.grad_inputs.push(scale(out.grads.grad_input.expect("the head returns its input's gradient"))?);
+        if let Some(t) = out.grads.grad_tied_wte {
+            sum_into(&mut self.tied, scale(t)?)?;
+        }
+        Ok(())
+    }
+}
+
+/// `acc += t` (`acc = t` when empty).
+fn sum_into(acc: &mut Option<Tensor>, t: Tensor) -> Result<()> {
+    *acc = Some(match acc.take() {
+        Some(a) => (a + t)?,
+        None => t,
+    });
+    Ok(())
+}
+
+/// The backward of unit `unit` for each micro-batch (its checkpointed `inputs` and output
+/// gradients `grad_ys`, in order) with one fetch of its parameters: the parameters' gradients
+/// summed over the micro-batches (in order) and each micro-batch's input gradient.
+fn backward_micro_batches(
+    model: &dyn CausalLm,
+    unit: usize,
+    params: &Tensor,
+    inputs: &[Tensor],
+    grad_ys: &[Tensor],
+) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+    let mut sum = None;
+    let mut grad_inputs = Vec::with_capacity(inputs.len());
+    for (x, g) in inputs.iter().zip(grad_ys) {
+        let ug = model.backward(unit, params, x, g, None)?;
+        sum_into(&mut sum, ug.grad_params)?;
+        grad_inputs.push(ug.grad_input);
+    }
+    Ok((sum.expect("at least one micro-batch"), grad_inputs))
 }
