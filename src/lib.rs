@@ -22,7 +22,7 @@ pub use oogc_prefetch as prefetch;
 pub use oogc_swapper as swapper;
 
 pub mod checkpoint;
-pub mod checksum;
+pub use oogc_models::checksum;
 pub mod config;
 pub mod data;
 pub mod export;

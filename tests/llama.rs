@@ -6,7 +6,8 @@
 //! gradient within 1e-3 relative + 1e-6 absolute, and one AdamW step from those gradients within
 //! 1e-5 relative + 1e-7 absolute of `step.safetensors` (torch's fused AdamW). Then the oogc path
 //! around them: a run initialised from a checkpoint and exported (`oogc::export`) is bitwise
-//! the input, and an unsupported `config.json` key is refused by name.
+//! the input tensors (its shards carrying verified crc32c checksums), and an unsupported
+//! `config.json` key is refused by name.
 
 mod common;
 
@@ -241,6 +242,19 @@ fn a_checkpoint_imported_then_exported_is_bitwise_the_input() {
             let (a, b): (Vec<u32>, Vec<u32>) =
                 (a.1.iter().map(|x| x.to_bits()).collect(), b.1.iter().map(|x| x.to_bits()).collect());
             assert!(a == b, "{case} {name}: not bitwise equal");
+        }
+        // Each exported shard carries its checksums (`oogc inspect --verify` reads them too).
+        for f in exported.files() {
+            let bytes = std::fs::read(f).unwrap();
+            let n = bytes.len();
+            let tensors_in_file = exported.tensors().values().filter(|t| t.path == f).count();
+            match oogc::checksum::verify_bytes(&bytes).unwrap() {
+                oogc::checksum::Verification::Verified { tensors, .. } => {
+                    assert_eq!(tensors, tensors_in_file, "{case} {f:?}")
+                }
+                v => panic!("{case} {f:?} ({n} bytes): {v:?}"),
+            }
+            assert!(matches!(oogc::checkpoint::verify(f), Ok(oogc::checksum::Verification::Verified { .. })));
         }
         assert_eq!(
             std::fs::read(out.join("tokenizer.json")).unwrap(),

@@ -9,6 +9,7 @@
 //! | [`gpt`] | the byte-level GPT (GPT-2 architecture) and MoE-GPT (Switch / GShard routing) |
 //! | [`llama`] | the Llama family (Llama 2/3, Mistral, Qwen2): [`Llama`], [`LlamaConfig`], with Hugging Face tensor names |
 //! | [`hf`] | Hugging Face checkpoints: `config.json` ↔ [`LlamaConfig`], safetensors read unit by unit ([`hf::HfCheckpoint`]) and written in shards ([`hf::write_checkpoint`]) |
+//! | [`checksum`] | crc32c per tensor and for the file in safetensors `__metadata__` (oogc checkpoints and Hugging Face exports), verified on read |
 //! | `ops`, `kernels` | differentiable compositions shared by the families, and fused CPU kernels with their own backward |
 //!
 //! Every call takes a unit's flat parameters as a 1-D [`Tensor`] on any candle device and
@@ -17,6 +18,7 @@
 //! in the backward).
 #![deny(unsafe_code)]
 
+pub mod checksum;
 pub mod gpt;
 pub mod hf;
 mod kernels;

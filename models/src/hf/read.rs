@@ -1,6 +1,6 @@
 //! Reading Hugging Face safetensors checkpoints tensor by tensor, unit by unit.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
 use std::path::{Path, PathBuf};
 
@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 
 use super::mmap::map_read_only;
 use super::{HfDtype, INDEX_FILE, SINGLE_FILE};
+use crate::checksum;
 use crate::llama::LlamaConfig;
 use crate::unit::UnitSpec;
 use crate::{Error, Result};
@@ -28,6 +29,9 @@ pub struct TensorInfo {
     pub shape: Vec<usize>,
     /// Index of the file in the checkpoint's file list (internal).
     file: usize,
+    /// Its stored crc32c, when the file carries [`crate::checksum`] entries (an oogc export);
+    /// checked whenever its data is read.
+    crc32c: Option<u32>,
     /// Byte range of its data from the start of the file.
     start: usize,
     end: usize,
@@ -54,6 +58,11 @@ struct ShardFile {
 /// each shard it needs (`memmap2`, read-only), copies the unit's tensors into one flat f32 vector
 /// (converting BF16/F16; F32 bits are kept) and unmaps, so at most one unit's data is resident
 /// at a time (plus the page cache, which the OS may drop) — never the whole model.
+///
+/// A file with [`crate::checksum`] entries (an oogc export, [`super::write_safetensors`]) is
+/// verified: its manifest (metadata, names, dtypes, shapes, the stored checksums) at open, and
+/// each tensor's crc32c whenever its data is read. A file without them (a Hub checkpoint) loads
+/// unverified, as before.
 ///
 /// ```no_run
 /// # fn main() -> oogc_models::Result<()> {
@@ -93,12 +102,52 @@ fn is_ignored_buffer(name: &str) -> bool {
     name.ends_with(".rotary_emb.inv_freq")
 }
 
-/// The header of one safetensors file: `(offset of the data, tensors)`.
-fn read_header(path: &Path, bytes: &[u8]) -> Result<(usize, Vec<(String, safetensors::tensor::TensorInfo)>)> {
+/// The header of one safetensors file: `(offset of the data, tensors, __metadata__)`.
+type Header = (usize, Vec<(String, safetensors::tensor::TensorInfo)>, HashMap<String, String>);
+
+fn read_header(path: &Path, bytes: &[u8]) -> Result<Header> {
     let (n, meta) =
         SafeTensors::read_metadata(bytes).map_err(|e| file_err(path, format!("not a valid safetensors file: {e}")))?;
     let tensors = meta.tensors().into_iter().map(|(name, info)| (name, info.clone())).collect();
-    Ok((8 + n, tensors))
+    Ok((8 + n, tensors, meta.metadata().clone().unwrap_or_default()))
+}
+
+/// What to do about a corrupt checkpoint, appended to every checksum error.
+const CORRUPT_FIX: &str = "the checkpoint is corrupt (re-export or re-download it)";
+
+/// Checks a file's checksum manifest, if it has checksum entries (header only, no data read),
+/// and returns each tensor's stored crc32c (empty for a file without checksums).
+fn verify_header(
+    path: &Path,
+    tensors: &[(String, safetensors::tensor::TensorInfo)],
+    metadata: &HashMap<String, String>,
+) -> Result<HashMap<String, u32>> {
+    let corrupt = |e: checksum::ChecksumError| file_err(path, format!("{e}: {CORRUPT_FIX}"));
+    let manifest = tensors.iter().map(|(n, i)| (n.as_str(), format!("{:?}", i.dtype), i.shape.as_slice()));
+    if !checksum::verify_manifest(metadata, manifest).map_err(corrupt)? {
+        return Ok(HashMap::new());
+    }
+    let mut crcs = HashMap::with_capacity(tensors.len());
+    for (name, _) in tensors {
+        let crc = checksum::stored_tensor_checksum(metadata, name).map_err(corrupt)?;
+        crcs.insert(name.clone(), crc.expect("the manifest has checksums"));
+    }
+    Ok(crcs)
+}
+
+/// Checks `bytes`, the data of tensor `name` of `info`, against its stored crc32c, if any.
+fn verify_data(info: &TensorInfo, name: &str, bytes: &[u8]) -> Result<()> {
+    match info.crc32c {
+        Some(expected) => checksum::verify_tensor(name, expected, bytes).map_err(|e| match e {
+            checksum::ChecksumError::Tensor { expected, actual, .. } => tensor_err(
+                &info.path,
+                name,
+                format!("fails its crc32c (stored {expected:08x}, computed {actual:08x}): {CORRUPT_FIX}"),
+            ),
+            other => tensor_err(&info.path, name, format!("{other}: {CORRUPT_FIX}")),
+        }),
+        None => Ok(()),
+    }
 }
 
 impl HfCheckpoint {
@@ -110,7 +159,9 @@ impl HfCheckpoint {
     /// [`Error::HfFile`] when there is neither `model.safetensors` nor
     /// `model.safetensors.index.json`, the index or a header is malformed, or the index names a
     /// file outside `dir`; [`Error::HfTensor`] for a tensor the index maps to a file that lacks
-    /// it, a tensor of a shard that the index does not map there, or one in two files.
+    /// it, a tensor of a shard that the index does not map there, or one in two files;
+    /// [`Error::HfFile`] naming the file for a header that fails its checksum manifest (the
+    /// checkpoint is corrupt).
     pub fn open(dir: &Path) -> Result<Self> {
         let config_path = dir.join("config.json");
         let text = std::fs::read_to_string(&config_path).map_err(io_err(&config_path))?;
@@ -168,8 +219,9 @@ impl HfCheckpoint {
             let path = dir.join(fname);
             let file = File::open(&path).map_err(io_err(&path))?;
             let map = map_read_only(&file, &path)?;
-            let (data_start, infos) = read_header(&path, &map)?;
+            let (data_start, infos, metadata) = read_header(&path, &map)?;
             drop(map);
+            let crcs = verify_header(&path, &infos, &metadata)?;
             for (name, info) in infos {
                 if let Some(wm) = &weight_map {
                     match wm.get(&name) {
@@ -209,6 +261,7 @@ impl HfCheckpoint {
                     dtype,
                     shape: info.shape,
                     file: fi,
+                    crc32c: crcs.get(&name).copied(),
                     start: data_start + s,
                     end: data_start + e,
                 };
@@ -307,11 +360,12 @@ impl HfCheckpoint {
     /// # Errors
     /// [`Error::HfTensor`] for a parameter the checkpoint lacks or has with another shape;
     /// [`Error::Io`] when a shard cannot be mapped; [`Error::HfFile`] when a shard changed size
-    /// since it was opened.
+    /// since it was opened; [`Error::HfTensor`] naming the tensor and file when its data fails
+    /// its stored crc32c (the checkpoint is corrupt).
     pub fn read_unit(&self, unit: &UnitSpec) -> Result<Vec<f32>> {
         let mut flat = vec![0f32; unit.numel];
         // Parameters grouped by file, so that each shard is mapped once per unit.
-        let mut by_file: BTreeMap<usize, Vec<(&TensorInfo, usize)>> = BTreeMap::new();
+        let mut by_file: BTreeMap<usize, Vec<(&TensorInfo, &str, usize)>> = BTreeMap::new();
         for p in &unit.params {
             let info = self
                 .tensors
@@ -324,15 +378,16 @@ impl HfCheckpoint {
                     format!("has shape {:?}, the unit needs {:?}", info.shape, p.shape),
                 ));
             }
-            by_file.entry(info.file).or_default().push((info, p.offset));
+            by_file.entry(info.file).or_default().push((info, &p.name, p.offset));
         }
         for (fi, params) in by_file {
             let shard = &self.files[fi];
             let map = map_read_only(&shard.file, &shard.path)?;
-            for (info, offset) in params {
+            for (info, name, offset) in params {
                 let bytes = map.get(info.start..info.end).ok_or_else(|| {
                     file_err(&shard.path, "is shorter than its header says (was it changed while open?)")
                 })?;
+                verify_data(info, name, bytes)?;
                 convert_to_f32(info.dtype, bytes, &mut flat[offset..offset + info.numel()]);
             }
         }
@@ -351,6 +406,7 @@ impl HfCheckpoint {
         let bytes = map
             .get(info.start..info.end)
             .ok_or_else(|| file_err(&shard.path, "is shorter than its header says (was it changed while open?)"))?;
+        verify_data(info, name, bytes)?;
         let mut out = vec![0f32; info.numel()];
         convert_to_f32(info.dtype, bytes, &mut out);
         Ok((info.shape.clone(), out))
@@ -428,7 +484,7 @@ impl NamedTensor {
 pub fn read_tensors(path: &Path) -> Result<Vec<NamedTensor>> {
     let file = File::open(path).map_err(io_err(path))?;
     let map = map_read_only(&file, path)?;
-    let (data_start, mut infos) = read_header(path, &map)?;
+    let (data_start, mut infos, _) = read_header(path, &map)?;
     infos.sort_by_key(|(_, i)| i.data_offsets.0);
     let mut out = Vec::with_capacity(infos.len());
     for (name, info) in infos {

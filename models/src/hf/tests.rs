@@ -282,6 +282,118 @@ fn bf16_export_rounds_to_nearest_even() {
     }
 }
 
+// ---- checksums ---------------------------------------------------------------------------------
+
+/// `llama_gqa` exported in `dir` with shards of at most `max_shard_bytes`.
+fn export_gqa(dir: &Path, max_shard_bytes: u64) -> (LlamaConfig, Vec<Vec<f32>>, WrittenCheckpoint) {
+    let (ckpt, cfg, flats) = load(&fixtures().join("llama_gqa"));
+    let opts = WriteOptions { max_shard_bytes, ..WriteOptions::default() };
+    let w =
+        write_checkpoint(dir, &cfg, ckpt.config_json(), &cfg.units(), &opts, |u| Ok(flats[u.index].clone())).unwrap();
+    (cfg, flats, w)
+}
+
+/// A safetensors file's header: (data start, header JSON).
+fn header(bytes: &[u8]) -> (usize, Value) {
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    (8 + n, serde_json::from_slice(&bytes[8..8 + n]).unwrap())
+}
+
+#[test]
+fn an_export_verifies_and_a_hub_checkpoint_loads_unverified() {
+    use crate::checksum::{verify_bytes, Verification};
+    for dtype in [HfDtype::F32, HfDtype::BF16] {
+        let tmp = tempfile::tempdir().unwrap();
+        let (ckpt, cfg, flats) = load(&fixtures().join("llama_gqa"));
+        let opts = WriteOptions { max_shard_bytes: 100_000, dtype };
+        let w =
+            write_checkpoint(tmp.path(), &cfg, ckpt.config_json(), &cfg.units(), &opts, |u| Ok(flats[u.index].clone()))
+                .unwrap();
+        assert!(w.files.len() > 1);
+        let mut tensors = 0;
+        for f in &w.files {
+            let bytes = std::fs::read(f).unwrap();
+            let (_, h) = header(&bytes);
+            let n = h.as_object().unwrap().len() - 1;
+            assert_eq!(h["__metadata__"]["format"], "pt");
+            match verify_bytes(&bytes).unwrap() {
+                Verification::Verified { tensors: t, .. } => assert_eq!(t, n, "{f:?}"),
+                Verification::Unverified => panic!("{f:?} has no checksums"),
+            }
+            tensors += n;
+        }
+        assert_eq!(tensors, cfg.units().iter().map(|u| u.params.len()).sum::<usize>());
+        // And it reads back through the verifying reader.
+        let (_, _, back) = load(tmp.path());
+        assert_eq!(back.len(), flats.len());
+    }
+    // The fixtures (written by transformers) carry no checksums: they load, unverified.
+    let hub = HfCheckpoint::open(&fixtures().join("llama_gqa")).unwrap();
+    for f in hub.files() {
+        assert_eq!(verify_bytes(&std::fs::read(f).unwrap()).unwrap(), Verification::Unverified);
+    }
+}
+
+#[test]
+fn a_flipped_data_byte_fails_the_read_naming_the_tensor() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (cfg, flats, w) = export_gqa(tmp.path(), 5_000_000_000);
+    let path = &w.files[0];
+    let mut bytes = std::fs::read(path).unwrap();
+    let (data_start, h) = header(&bytes);
+    let victim = "model.layers.1.mlp.up_proj.weight";
+    let [s, e] = [0, 1].map(|i| h[victim]["data_offsets"][i].as_u64().unwrap() as usize);
+    bytes[data_start + (s + e) / 2] ^= 0x04;
+    std::fs::write(path, &bytes).unwrap();
+    // The header is intact: it opens.
+    let ckpt = HfCheckpoint::open(tmp.path()).unwrap();
+    for (u, flat) in cfg.units().iter().zip(&flats) {
+        let holds = u.params.iter().any(|p| p.name == victim);
+        match ckpt.read_unit(u) {
+            Ok(got) => {
+                assert!(!holds, "unit {} read despite the corrupt tensor", u.name);
+                assert_eq!(&got, flat);
+            }
+            Err(Error::HfTensor { path: p, tensor, reason }) => {
+                assert!(holds, "unit {}: {reason}", u.name);
+                assert_eq!((&p, tensor.as_str()), (path, victim));
+                assert!(reason.contains("crc32c") && reason.contains("corrupt"), "{reason}");
+            }
+            Err(other) => panic!("{other}"),
+        }
+    }
+    let err = ckpt.read_tensor(victim).unwrap_err().to_string();
+    assert!(err.contains(victim) && err.contains("re-export or re-download"), "{err}");
+    assert!(ckpt.read_tensor("model.norm.weight").is_ok());
+}
+
+#[test]
+fn a_flipped_checksum_in_the_header_fails_at_open() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (_, _, w) = export_gqa(tmp.path(), 100_000);
+    let path = &w.files[1];
+    let good = std::fs::read(path).unwrap();
+    let (data_start, h) = header(&good);
+    let name = h.as_object().unwrap().keys().find(|k| *k != "__metadata__").unwrap().clone();
+    for key in [format!("oogc.crc32c:{name}"), "oogc.crc32c".to_string()] {
+        // One hex digit of the stored value changed to another (the JSON stays valid).
+        let needle = format!("\"{key}\":\"");
+        let at = good[..data_start].windows(needle.len()).position(|w| w == needle.as_bytes()).unwrap() + needle.len();
+        let mut bad = good.clone();
+        bad[at] = if bad[at] == b'0' { b'1' } else { b'0' };
+        std::fs::write(path, &bad).unwrap();
+        match HfCheckpoint::open(tmp.path()) {
+            Err(Error::HfFile { path: p, reason }) => {
+                assert_eq!(&p, path);
+                assert!(reason.contains("crc32c") && reason.contains("corrupt"), "{key}: {reason}");
+            }
+            other => panic!("{key}: {other:?}"),
+        }
+    }
+    std::fs::write(path, &good).unwrap();
+    assert!(HfCheckpoint::open(tmp.path()).is_ok());
+}
+
 // ---- config.json -----------------------------------------------------------------------------
 
 fn fixture_config(case: &str) -> serde_json::Map<String, Value> {

@@ -144,17 +144,140 @@ fn manifest_checksum<'a>(
 /// let data = [0u8; 8];
 /// let tensors = vec![("w".to_string(), TensorView::new(Dtype::F32, vec![2], &data).unwrap())];
 /// let mut metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-/// oogc::checksum::add_checksums(&mut metadata, &tensors);
+/// oogc_models::checksum::add_checksums(&mut metadata, &tensors);
 /// let bytes = safetensors::serialize(tensors, Some(metadata)).unwrap();
-/// assert!(matches!(oogc::checksum::verify_bytes(&bytes), Ok(oogc::checksum::Verification::Verified { tensors: 1, .. })));
+/// assert!(matches!(oogc_models::checksum::verify_bytes(&bytes), Ok(oogc_models::checksum::Verification::Verified { tensors: 1, .. })));
 /// ```
 pub fn add_checksums<S: AsRef<str>, V: View>(metadata: &mut HashMap<String, String>, tensors: &[(S, V)]) {
-    for (name, view) in tensors {
-        metadata.insert(format!("{TENSOR_KEY_PREFIX}{}", name.as_ref()), hex(tensor_checksum(&view.data())));
+    let entries: Vec<TensorChecksum<'_>> = tensors
+        .iter()
+        .map(|(name, view)| TensorChecksum {
+            name: name.as_ref(),
+            dtype: format!("{:?}", view.dtype()),
+            shape: view.shape(),
+            crc32c: tensor_checksum(&view.data()),
+        })
+        .collect();
+    checksum_entries(metadata, &entries);
+}
+
+/// One tensor of a file as the checksum entries see it (for writers that stream the data and
+/// compute each crc32c as they go: [`checksum_entries`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorChecksum<'a> {
+    /// The tensor's name in the file.
+    pub name: &'a str,
+    /// Its dtype as safetensors names it (`format!("{:?}", safetensors::Dtype)`: `F32`, `BF16`,
+    /// `F16`).
+    pub dtype: String,
+    /// Its shape.
+    pub shape: &'a [usize],
+    /// crc32c of its data bytes ([`tensor_checksum`], or `crc32c::crc32c_append` over the bytes
+    /// as they are written).
+    pub crc32c: u32,
+}
+
+/// Inserts the checksum entries of `tensors` into `metadata`: `oogc.crc32c:<name>` per tensor,
+/// then [`FILE_KEY`] over the manifest — what [`add_checksums`] adds, for a writer that has the
+/// checksums but not the views (a streaming writer). Call it last, as [`add_checksums`].
+///
+/// The values are fixed-width (8 hex digits), so a writer can serialize a header with
+/// placeholder checksums (e.g. all `0`) first and overwrite it in place with the real ones once
+/// the data is written: the header's length does not change.
+///
+/// ```
+/// use std::collections::HashMap;
+/// use oogc_models::checksum::{checksum_entries, tensor_checksum, TensorChecksum};
+/// let data = [1u8; 8];
+/// let mut metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
+/// let t = TensorChecksum { name: "w", dtype: "F32".into(), shape: &[2], crc32c: tensor_checksum(&data) };
+/// checksum_entries(&mut metadata, &[t]);
+/// assert_eq!(metadata["oogc.crc32c:w"], format!("{:08x}", tensor_checksum(&data)));
+/// assert_eq!(metadata["oogc.crc32c"].len(), 8);
+/// ```
+pub fn checksum_entries(metadata: &mut HashMap<String, String>, tensors: &[TensorChecksum<'_>]) {
+    for t in tensors {
+        metadata.insert(format!("{TENSOR_KEY_PREFIX}{}", t.name), hex(t.crc32c));
     }
-    let file =
-        manifest_checksum(metadata, tensors.iter().map(|(n, v)| (n.as_ref(), format!("{:?}", v.dtype()), v.shape())));
+    let file = manifest_checksum(metadata, tensors.iter().map(|t| (t.name, t.dtype.clone(), t.shape)));
     metadata.insert(FILE_KEY.to_string(), hex(file));
+}
+
+/// The stored crc32c of tensor `name` in `metadata`, if the file has checksums: `Ok(None)` for
+/// a file without any checksum entry ([`Verification::Unverified`]).
+///
+/// # Errors
+/// [`ChecksumError::Missing`] when the file has checksums but none for `name`;
+/// [`ChecksumError::Malformed`] for an entry that is not 8 lowercase hex digits.
+pub fn stored_tensor_checksum(metadata: &HashMap<String, String>, name: &str) -> Result<Option<u32>, ChecksumError> {
+    if !has_checksums(metadata) {
+        return Ok(None);
+    }
+    let key = format!("{TENSOR_KEY_PREFIX}{name}");
+    let stored = metadata.get(&key).ok_or_else(|| ChecksumError::Missing { key: key.clone() })?;
+    parse_hex(&key, stored).map(Some)
+}
+
+/// Checks one tensor's data bytes against its stored crc32c (see [`stored_tensor_checksum`]).
+///
+/// # Errors
+/// [`ChecksumError::Tensor`] naming the tensor on a mismatch.
+pub fn verify_tensor(name: &str, expected: u32, bytes: &[u8]) -> Result<(), ChecksumError> {
+    let actual = tensor_checksum(bytes);
+    if expected != actual {
+        return Err(ChecksumError::Tensor { name: name.to_string(), expected, actual });
+    }
+    Ok(())
+}
+
+/// Checks the manifest only (metadata, names, dtypes, shapes and the stored per-tensor
+/// checksums; no data byte is read): the cheap check a reader does at open, before it checks
+/// each tensor's data as it reads it ([`stored_tensor_checksum`], [`verify_tensor`]). `tensors`
+/// are `(name, dtype as safetensors names it, shape)` of every tensor of the file. `Ok(true)`:
+/// the file has checksums and its manifest matches; `Ok(false)`: it has none (unverifiable).
+///
+/// # Errors
+/// As [`verify`], less [`ChecksumError::Tensor`]: a missing or malformed entry, an entry for a
+/// tensor the file lacks, or a manifest mismatch.
+pub fn verify_manifest<'a>(
+    metadata: &HashMap<String, String>,
+    tensors: impl IntoIterator<Item = (&'a str, String, &'a [usize])>,
+) -> Result<bool, ChecksumError> {
+    if !has_checksums(metadata) {
+        return Ok(false);
+    }
+    let mut tensors: Vec<(&str, String, &[usize])> = tensors.into_iter().collect();
+    tensors.sort_by(|a, b| a.0.cmp(b.0));
+    for (name, _, _) in &tensors {
+        stored_tensor_checksum(metadata, name)?;
+    }
+    check_entries_name_tensors(metadata, |name| tensors.binary_search_by(|t| t.0.cmp(name)).is_ok())?;
+    let stored = metadata.get(FILE_KEY).ok_or_else(|| ChecksumError::Missing { key: FILE_KEY.into() })?;
+    let expected = parse_hex(FILE_KEY, stored)?;
+    let actual = manifest_checksum(metadata, tensors.iter().map(|(n, d, s)| (*n, d.clone(), *s)));
+    if expected != actual {
+        return Err(ChecksumError::File { expected, actual });
+    }
+    Ok(true)
+}
+
+fn has_checksums(metadata: &HashMap<String, String>) -> bool {
+    metadata.keys().any(|k| is_checksum_key(k))
+}
+
+/// An entry for a tensor the file does not have (a renamed tensor, a corrupt key) is malformed.
+fn check_entries_name_tensors(
+    metadata: &HashMap<String, String>,
+    has_tensor: impl Fn(&str) -> bool,
+) -> Result<(), ChecksumError> {
+    for (key, value) in metadata {
+        if let Some(name) = key.strip_prefix(TENSOR_KEY_PREFIX) {
+            if !has_tensor(name) {
+                return Err(ChecksumError::Malformed { key: key.clone(), value: value.clone() });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Checks a parsed safetensors file against its checksum entries (`metadata` is its
@@ -164,31 +287,18 @@ pub fn add_checksums<S: AsRef<str>, V: View>(metadata: &mut HashMap<String, Stri
 /// The first [`ChecksumError`]: a tensor whose data fails its checksum (named), a missing or
 /// malformed entry, or a manifest mismatch.
 pub fn verify(st: &SafeTensors<'_>, metadata: &HashMap<String, String>) -> Result<Verification, ChecksumError> {
-    let has_any = metadata.keys().any(|k| k == FILE_KEY || k.starts_with(TENSOR_KEY_PREFIX));
-    if !has_any {
+    if !has_checksums(metadata) {
         return Ok(Verification::Unverified);
     }
     let mut names: Vec<(String, safetensors::tensor::TensorView<'_>)> = st.tensors();
     names.sort_by(|a, b| a.0.cmp(&b.0));
     let mut bytes = 0u64;
     for (name, view) in &names {
-        let key = format!("{TENSOR_KEY_PREFIX}{name}");
-        let stored = metadata.get(&key).ok_or_else(|| ChecksumError::Missing { key: key.clone() })?;
-        let expected = parse_hex(&key, stored)?;
-        let actual = tensor_checksum(view.data());
-        if expected != actual {
-            return Err(ChecksumError::Tensor { name: name.clone(), expected, actual });
-        }
+        let expected = stored_tensor_checksum(metadata, name)?.expect("the file has checksums");
+        verify_tensor(name, expected, view.data())?;
         bytes += view.data().len() as u64;
     }
-    // An entry for a tensor the file does not have (a renamed tensor, a corrupt key).
-    for (key, value) in metadata {
-        if let Some(name) = key.strip_prefix(TENSOR_KEY_PREFIX) {
-            if names.binary_search_by(|(n, _)| n.as_str().cmp(name)).is_err() {
-                return Err(ChecksumError::Malformed { key: key.clone(), value: value.clone() });
-            }
-        }
-    }
+    check_entries_name_tensors(metadata, |name| names.binary_search_by(|(n, _)| n.as_str().cmp(name)).is_ok())?;
     let stored = metadata.get(FILE_KEY).ok_or_else(|| ChecksumError::Missing { key: FILE_KEY.into() })?;
     let expected = parse_hex(FILE_KEY, stored)?;
     let actual =
