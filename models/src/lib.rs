@@ -31,7 +31,7 @@ use candle_core::{DType, Device, Tensor};
 
 pub use gpt::{CombineGrads, ExpertGrads, Gpt, GptConfig, LossParts, MoeConfig, Routing, TrunkOut};
 pub use llama::{Llama, LlamaConfig, LlamaFamily, RopeScaling};
-pub use lm::{loss_and_grads, CausalLm, HeadLossGrads, MoeLm, TokenLoss, UnitGrads, IGNORE_INDEX};
+pub use lm::{loss_and_grads, CausalLm, Dims, HeadLossGrads, MoeLm, TokenLoss, UnitGrads, IGNORE_INDEX};
 pub use unit::{init_params, init_unit, init_unit_from_seed, ParamInit, ParamSpec, UnitKind, UnitSpec};
 
 /// Errors of the model.
