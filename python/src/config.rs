@@ -12,7 +12,8 @@
 //! | `device.latency_us` | sim per-copy latency, µs | 0 |
 //! | `budgets.gpu` | bytes or a size string (`"64 MiB"`) | required |
 //! | `budgets.host` | bytes or a size string | `"4 GiB"` |
-//! | `budgets.optimizer_state` | `"host"` or `"nvme"` | `"host"` |
+//! | `budgets.optimizer_state` | `"host"` or `"nvme"`: where master weights and Adam state live | `"host"` |
+//! | `budgets.params` | `"host"` or `"nvme"`: the compute copies' home | `"host"` |
 //! | `budgets.nvme_dirs` | directories (relative to a TOML file's directory) | `[]` |
 //! | `budgets.nvme_size` | bytes preallocated on NVMe | required with `"nvme"` |
 //! | `optimizer.kind` | `"adamw"` or `"adam"` | `"adamw"` |
@@ -22,6 +23,7 @@
 //! | `optimizer.clip_norm` | global gradient-norm clip, 0 = off | 1.0 |
 //! | `optimizer.threads` | CPU optimizer threads | 1 |
 //! | `prefetch.depth` | units fetched ahead, 0 = on demand | 2 |
+//! | `prefetch.host_depth` | units read NVMe → host ahead (`params = "nvme"`) | 4 |
 //! | `prefetch.overlap_optimizer` | update units during the backward | true |
 //! | `lock_host_memory` | `mlock` the pinned host pool | false |
 
@@ -123,18 +125,22 @@ impl Config {
             DeviceKind::Sim => DeviceSpec::Sim { link_gbps: self.device.link_gbps, latency_us: self.device.latency_us },
             DeviceKind::Cuda(ordinal) => DeviceSpec::Cuda { ordinal },
         };
-        let nvme = match self.budgets.optimizer_state {
-            StatePlacement::Host => None,
-            StatePlacement::Nvme => {
+        let on_nvme =
+            self.budgets.optimizer_state == StatePlacement::Nvme || self.budgets.params == StatePlacement::Nvme;
+        let nvme = match on_nvme {
+            false => None,
+            true => {
                 if self.budgets.nvme_dirs.is_empty() {
                     return Err(Error::Config(
-                        "budgets.nvme_dirs: optimizer_state = \"nvme\" needs at least one directory".into(),
+                        "budgets.nvme_dirs: optimizer_state or params = \"nvme\" needs at least one directory".into(),
                     ));
                 }
+                // Units are added after the runtime is made, so the store cannot be sized from
+                // them as `oogc train` does: the size is given.
                 let Some(size) = self.budgets.nvme_size else {
                     return Err(Error::Config(
-                        "budgets.nvme_size: needed with optimizer_state = \"nvme\" (the state takes 12 bytes per \
-                         parameter; allow about 3x that, e.g. \"1 GiB\" for 25M parameters)"
+                        "budgets.nvme_size: needed with optimizer_state or params = \"nvme\" (the state takes 12 \
+                         bytes per parameter, parameters 4; allow about 3x that, e.g. \"1 GiB\" for 25M parameters)"
                             .into(),
                     ));
                 };
@@ -164,8 +170,10 @@ impl Config {
             gpu_budget_bytes: self.budgets.gpu.as_u64(),
             host_budget_bytes: self.budgets.host.as_u64(),
             state_placement: self.budgets.optimizer_state,
+            params_placement: self.budgets.params,
             nvme,
             prefetch_depth: self.prefetch.depth,
+            host_prefetch_depth: self.prefetch.host_depth,
             optimizer,
             lock_host_memory: self.lock_host_memory,
             overlap_optimizer: self.prefetch.overlap_optimizer,
