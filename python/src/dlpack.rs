@@ -183,7 +183,18 @@ struct LeaseState {
     /// Borrowed exports alive (their consumers have not freed them).
     borrowers: usize,
     /// The revocable torch tensors made so far (invalidated at release).
-    tensors: Vec<Py<PyAny>>,
+    tensors: Vec<Revocable>,
+    /// `torch._C._set_storage_data_ptr_access_error_msg`, taken with the first tensor: release
+    /// calls it without importing anything (it may run at interpreter exit, from a collected
+    /// `Fetched`).
+    revoke: Option<Py<PyAny>>,
+}
+
+/// A revocable tensor and its storage's handle (`untyped_storage()._cdata`, valid while the
+/// tensor keeps the storage alive).
+struct Revocable {
+    tensor: Py<PyAny>,
+    cdata: Py<PyAny>,
 }
 
 /// What a borrowed export keeps: one borrow of the lease's pin, given back when the consumer
@@ -204,7 +215,13 @@ impl Lease {
     /// A lease over a pinned unit; `label` names it in messages.
     pub fn new(pinned: PinnedUnit, label: String) -> Arc<Self> {
         Arc::new(Self {
-            state: Mutex::new(LeaseState { pinned: Some(pinned), released: false, borrowers: 0, tensors: Vec::new() }),
+            state: Mutex::new(LeaseState {
+                pinned: Some(pinned),
+                released: false,
+                borrowers: 0,
+                tensors: Vec::new(),
+                revoke: None,
+            }),
             label,
         })
     }
@@ -243,7 +260,7 @@ impl Lease {
         let (data, numel, writable) = {
             let st = self.state.lock();
             if let (Some(t), false) = (st.tensors.first(), st.released) {
-                return Ok(t.clone_ref(py));
+                return Ok(t.tensor.clone_ref(py));
             }
             Self::memory(&st, &self.label)?
         };
@@ -262,15 +279,21 @@ impl Lease {
         if !writable {
             c.call_method1("_set_throw_on_mutable_data_ptr", (&tensor,))?;
         }
-        let tensor = tensor.unbind();
+        let revocable = Revocable {
+            cdata: tensor.call_method0("untyped_storage")?.getattr("_cdata")?.unbind(),
+            tensor: tensor.unbind(),
+        };
+        let revoke = c.getattr("_set_storage_data_ptr_access_error_msg")?.unbind();
+        let tensor = revocable.tensor.clone_ref(py);
         let mut st = self.state.lock();
         if st.released {
             // Released while torch made it (another thread): revoke it before anyone sees it.
             drop(st);
-            self.invalidate(py, std::slice::from_ref(&tensor))?;
+            self.invalidate(py, Some(revoke), vec![revocable])?;
             return Err(released_error(&self.label));
         }
-        st.tensors.push(tensor.clone_ref(py));
+        st.tensors.push(revocable);
+        st.revoke.get_or_insert(revoke);
         Ok(tensor)
     }
 
@@ -296,16 +319,16 @@ impl Lease {
     /// torch refused to invalidate a tensor: the unit then stays pinned for good (never freed
     /// under a live tensor).
     pub fn release(&self, py: Python<'_>) -> Result<()> {
-        let tensors = {
+        let (revoke, tensors) = {
             let mut st = self.state.lock();
             if st.released {
                 return Ok(());
             }
             // From here no new export or tensor is made.
             st.released = true;
-            std::mem::take(&mut st.tensors)
+            (st.revoke.take(), std::mem::take(&mut st.tensors))
         };
-        if let Err(e) = self.invalidate(py, &tensors) {
+        if let Err(e) = self.invalidate(py, revoke, tensors) {
             // A tensor may still read the memory: keep the pin for the process's life.
             std::mem::forget(self.state.lock().pinned.take());
             return Err(e);
@@ -319,19 +342,17 @@ impl Lease {
 
     /// Makes every access to the data of `tensors` (and of their views: the storage is shared)
     /// raise `RuntimeError` naming the unit.
-    fn invalidate(&self, py: Python<'_>, tensors: &[Py<PyAny>]) -> Result<()> {
-        if tensors.is_empty() {
+    fn invalidate(&self, py: Python<'_>, revoke: Option<Py<PyAny>>, tensors: Vec<Revocable>) -> Result<()> {
+        let Some(revoke) = revoke.filter(|_| !tensors.is_empty()) else {
             return Ok(());
-        }
-        let c = import_torch(py)?.getattr("_C")?;
+        };
         let message = format!(
             "oogc: the parameters of {} were released (the fetch's `with` block ended, or release() was \
              called); a released tensor cannot be read or written: fetch the unit again",
             self.label
         );
-        for t in tensors {
-            let storage = t.bind(py).call_method0("untyped_storage")?;
-            c.call_method1("_set_storage_data_ptr_access_error_msg", (storage.getattr("_cdata")?, &message))?;
+        for t in &tensors {
+            revoke.call1(py, (t.cdata.clone_ref(py), &message))?;
         }
         Ok(())
     }

@@ -5,7 +5,7 @@
 //! | Python | Rust |
 //! |---|---|
 //! | `Runtime(config)` | [`Runtime::new`] from a dict or a TOML path ([`config::Config`]) |
-//! | `Runtime.add_unit(name, init)` | [`Runtime::add_unit`], `init` read in place through DLPack |
+//! | `Runtime.add_unit(name, numel, init=None)` | [`Runtime::add_unit`], `init` read in place through DLPack (zeros without) |
 //! | `Runtime.fetch(unit, phase, writable=False)` → `Fetched` | [`Runtime::fetch_pinned`]; the pinned compute copy shared as a torch tensor without a copy ([`dlpack::Lease`]) |
 //! | `Runtime.push_grads(unit, grads)` | [`Runtime::push_grads`], `grads` read in place through DLPack |
 //! | `Runtime.finish_step()` → dict | [`Runtime::finish_step`]'s [`oogc::runtime::StepStats`] |
@@ -125,19 +125,29 @@ impl PyRuntime {
     }
 
     /// Registers a unit and returns its id (units are numbered 0, 1, ... in registration order).
-    #[pyo3(signature = (name, init))]
-    fn add_unit(&self, py: Python<'_>, name: &str, init: &Bound<'_, PyAny>) -> Result<usize> {
+    #[pyo3(signature = (name, numel, init = None))]
+    fn add_unit(&self, py: Python<'_>, name: &str, numel: usize, init: Option<&Bound<'_, PyAny>>) -> Result<usize> {
         if self.state.lock().ids.contains_key(name) {
             return Err(Error::Usage(format!(
                 "add_unit({name:?}): a unit of that name exists (names key the state dict)"
             )));
         }
-        let id = dlpack::read_f32(init, &format!("add_unit({name:?}) init"), |values| {
-            if values.is_empty() {
-                return Err(Error::Usage(format!("add_unit({name:?}): a unit needs at least one parameter")));
-            }
-            self.with(py, |st| Ok(st.rt.add_unit(name, values)?.0))
-        })??;
+        if numel == 0 {
+            return Err(Error::Usage(format!("add_unit({name:?}): a unit needs at least one parameter")));
+        }
+        let add = |values: &[f32]| self.with(py, |st| Ok(st.rt.add_unit(name, values)?.0));
+        let id = match init {
+            None => add(&vec![0.0; numel])?,
+            Some(init) => dlpack::read_f32(init, &format!("add_unit({name:?}) init"), |values| {
+                if values.len() != numel {
+                    return Err(Error::Usage(format!(
+                        "add_unit({name:?}): init has {} elements, numel is {numel}",
+                        values.len()
+                    )));
+                }
+                add(values)
+            })??,
+        };
         self.state.lock().ids.insert(name.to_string(), id);
         Ok(id)
     }
