@@ -19,6 +19,12 @@ def one_unit(n=1000):
     return rt, init
 
 
+def finish(rt):
+    """Ends a step of the one-unit runtime with zero gradients."""
+    rt.push_grads("a", torch.zeros(1000))
+    rt.finish_step()
+
+
 def test_fetch_shares_the_pinned_copy_without_a_copy():
     rt, init = one_unit()
     rt.begin_step(1, 0.0)
@@ -35,8 +41,7 @@ def test_fetch_shares_the_pinned_copy_without_a_copy():
         t.fill_(3.0)  # a write through the torch tensor ...
     with rt.fetch("a", "forward") as t:
         assert torch.all(t == 3.0)  # ... is what the runtime holds and hands out next
-    rt.push_grads("a", torch.zeros(1000))
-    rt.finish_step()
+    finish(rt)
 
 
 def test_borrowed_dlpack_export_is_the_same_memory():
@@ -51,8 +56,7 @@ def test_borrowed_dlpack_export_is_the_same_memory():
     assert f.released and f.pinned
     del borrowed
     assert not f.pinned
-    rt.push_grads("a", torch.zeros(1000))
-    rt.finish_step()
+    finish(rt)
 
 
 def test_a_released_tensor_cannot_be_read():
@@ -68,8 +72,7 @@ def test_a_released_tensor_cannot_be_read():
     f.release()
     with pytest.raises(oogc.UsageError, match="released"):
         f.tensor()
-    rt.push_grads("a", torch.zeros(1000))
-    rt.finish_step()
+    finish(rt)
 
 
 def test_a_read_fetch_refuses_in_place_writes():
@@ -78,8 +81,7 @@ def test_a_read_fetch_refuses_in_place_writes():
     with rt.fetch("a") as t:
         with pytest.raises(RuntimeError):
             t.add_(1.0)
-    rt.push_grads("a", torch.zeros(1000))
-    rt.finish_step()
+    finish(rt)
 
 
 def test_rust_errors_become_python_exceptions_with_their_messages():
