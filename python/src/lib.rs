@@ -152,6 +152,8 @@ impl PyRuntime {
         Ok(id)
     }
 
+    /// Starts step `step` (1-based, Adam's t) with learning rate `lr`; the first call checks the
+    /// GPU budget against the minimum working set. Raises UsageError, OutOfMemoryError.
     fn begin_step(&self, py: Python<'_>, step: u64, lr: f32) -> Result<()> {
         if step == 0 {
             return Err(Error::Usage("begin_step: steps are 1-based (Adam's t)".into()));
@@ -162,6 +164,10 @@ impl PyRuntime {
         self.with(py, |st| Ok(st.rt.begin_step(step, lr)?))
     }
 
+    /// Pins `unit` (id or name) on the device for `phase` ("forward", "backward" or "eval")
+    /// and returns a `Fetched`: `with rt.fetch(u) as t:` yields its `[numel]` float32 parameters
+    /// as a torch tensor over the pinned copy (no copy), revoked and unpinned on exit. Raises
+    /// UsageError, OutOfMemoryError, StorageError.
     #[pyo3(signature = (unit, phase = "forward", writable = false))]
     fn fetch(&self, py: Python<'_>, unit: &Bound<'_, PyAny>, phase: &str, writable: bool) -> Result<Fetched> {
         let ph = self::phase(phase)?;
@@ -175,6 +181,8 @@ impl PyRuntime {
         Ok(Fetched { lease: Lease::new(pinned, label), unit: unit.0, numel, writable })
     }
 
+    /// Hands `unit`'s gradients (`[numel]` float32, contiguous, CPU; read in place through
+    /// DLPack) to the CPU optimizer, once per unit per step. Raises UsageError.
     fn push_grads(&self, py: Python<'_>, unit: &Bound<'_, PyAny>, grads: &Bound<'_, PyAny>) -> Result<()> {
         let (unit, label) = {
             let st = self.state.lock();
@@ -186,6 +194,7 @@ impl PyRuntime {
         })?
     }
 
+    /// Marks the turn from forward to backward (optional; per-phase stats).
     fn end_forward(&self, py: Python<'_>) -> Result<()> {
         self.with(py, |st| {
             st.rt.end_forward();
@@ -193,6 +202,9 @@ impl PyRuntime {
         })
     }
 
+    /// Ends the step (all gradients pushed, the updates committed, clipped or skipped) and
+    /// returns its stats as a dict (`step`, `step_s`, `h2d_bytes`, `d2h_bytes`,
+    /// `nvme_read_bytes`, `nvme_write_bytes`, `grad_norm`, `skipped`, ...). Raises UsageError.
     fn finish_step<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
         let stats = self.with(py, |st| {
             let stats = st.rt.finish_step()?;
@@ -204,28 +216,34 @@ impl PyRuntime {
         to_py(py, &stats)
     }
 
+    /// Waits for every pending optimizer update.
     fn sync(&self, py: Python<'_>) -> Result<()> {
         self.with(py, |st| Ok(st.rt.sync()?))
     }
 
+    /// Checks the GPU budget against the minimum working set. Raises OutOfMemoryError.
     fn check_working_set(&self, py: Python<'_>) -> Result<()> {
         self.with(py, |st| Ok(st.rt.check_working_set()?))
     }
 
+    /// Device bytes a step needs at the least with `max_units_in_use` units pinned at once.
     #[pyo3(signature = (max_units_in_use = 1))]
     fn min_working_set_bytes(&self, max_units_in_use: usize) -> u64 {
         self.state.lock().rt.min_working_set_bytes(max_units_in_use)
     }
 
+    /// How many units the trainer keeps pinned at once (for the working-set check).
     fn set_max_units_in_use(&self, units: usize) {
         self.state.lock().rt.set_max_units_in_use(units);
     }
 
+    /// Units registered.
     #[getter]
     fn num_units(&self) -> usize {
         self.state.lock().rt.num_units()
     }
 
+    /// `(name, numel)` of each unit, in id order.
     #[getter]
     fn units(&self) -> Vec<(String, usize)> {
         let st = self.state.lock();
@@ -237,31 +255,38 @@ impl PyRuntime {
             .collect()
     }
 
+    /// The last finished, not skipped, step (0 before any).
     #[getter]
     fn step(&self) -> u64 {
         self.state.lock().adam_step
     }
 
+    /// A unit's id from its id or name. Raises UsageError.
     fn unit_id(&self, unit: &Bound<'_, PyAny>) -> Result<usize> {
         Ok(unit_id(&self.state.lock(), unit)?.0)
     }
 
+    /// Whether the unit has a copy on the device now.
     fn is_on_device(&self, unit: &Bound<'_, PyAny>) -> Result<bool> {
         let st = self.state.lock();
         let u = unit_id(&st, unit)?;
         Ok(st.rt.is_on_device(u))
     }
 
+    /// Per link (`htod`, `dtoh`, `nvme_read`, `nvme_write`): bytes, ops, busy seconds; stalls,
+    /// evictions, prefetch hits.
     fn traffic<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
         let t = self.state.lock().rt.traffic();
         to_py(py, &t)
     }
 
+    /// Peak bytes per tier (`device`, `host`, `nvme`, `host_ledger`).
     fn peak_bytes<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
         let p = self.state.lock().rt.peak_bytes();
         to_py(py, &p)
     }
 
+    /// Copies of a unit's master weights, `exp_avg`, `exp_avg_sq` (`[numel]` float32 each).
     fn unit_state<'py>(
         &self,
         py: Python<'py>,
@@ -272,6 +297,7 @@ impl PyRuntime {
         Ok((torch_from(py, master)?, torch_from(py, m)?, torch_from(py, v)?))
     }
 
+    /// Replaces a unit's master weights and moments (`[numel]` float32 each). Raises UsageError.
     fn load_unit_state(
         &self,
         py: Python<'_>,
@@ -291,6 +317,7 @@ impl PyRuntime {
         self.with(py, |st| Ok(st.rt.load_unit_state(unit, master, m, v)?))
     }
 
+    /// `{"step": int, "units": {name: {"master", "exp_avg", "exp_avg_sq"}}}` (tensor copies).
     fn state_dict<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
         self.sync(py)?;
         let (n, step) = {
@@ -313,6 +340,7 @@ impl PyRuntime {
         Ok(sd)
     }
 
+    /// Restores `state_dict()`'s output into a runtime with the same units. Raises UsageError.
     fn load_state_dict(&self, py: Python<'_>, state_dict: &Bound<'_, PyDict>) -> Result<()> {
         let step: u64 = state_dict
             .get_item("step")?
@@ -353,7 +381,8 @@ impl PyRuntime {
     }
 }
 
-/// A fetched unit: pinned on the device until released. See the stubs (`oogc/_oogc.pyi`).
+/// A unit pinned on the device by `Runtime.fetch` until released (a context manager: the
+/// `with` block's end releases it). See the stubs (`oogc/_oogc.pyi`).
 #[pyclass(module = "oogc._oogc", frozen)]
 struct Fetched {
     lease: Arc<Lease>,
@@ -367,19 +396,26 @@ struct Fetched {
 
 #[pymethods]
 impl Fetched {
+    /// The unit's `[numel]` float32 parameters as a torch tensor over the pinned copy (the same
+    /// tensor on every call); a read fetch's tensor refuses in-place writes. Raises UsageError
+    /// after release.
     fn tensor(&self, py: Python<'_>) -> Result<Py<PyAny>> {
         self.lease.torch_tensor(py)
     }
 
+    /// Revokes the tensors (any later access to their data raises RuntimeError) and unpins the
+    /// unit, or, while a borrowed DLPack export lives, when it is freed. Idempotent.
     fn release(&self, py: Python<'_>) -> Result<()> {
         self.lease.release(py)
     }
 
+    /// `release()` was called.
     #[getter]
     fn released(&self) -> bool {
         self.lease.is_released()
     }
 
+    /// The unit is still pinned.
     #[getter]
     fn pinned(&self) -> bool {
         self.lease.is_pinned()
@@ -395,6 +431,8 @@ impl Fetched {
         Ok(false)
     }
 
+    /// A borrowed DLPack capsule over the pinned copy: the unit stays pinned until the consumer
+    /// frees it.
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__<'py>(
         &self,

@@ -89,6 +89,9 @@ def test_rust_errors_become_python_exceptions_with_their_messages():
         oogc.Runtime({"budgets": {"gpu": "1 MiB", "bogus": 1}})
     with pytest.raises(oogc.ConfigError, match="nvme_dirs"):
         oogc.Runtime({"budgets": {"gpu": "1 MiB", "optimizer_state": "nvme"}})
+    # The sim device is the target of this build; a CUDA device is refused by name.
+    with pytest.raises(oogc.DeviceError, match="CUDA"):
+        oogc.Runtime({"device": {"kind": "cuda:0"}, "budgets": {"gpu": "1 MiB"}})
     rt, _ = one_unit()
     with pytest.raises(oogc.UsageError, match='no unit named "b"'):
         rt.fetch("b")
