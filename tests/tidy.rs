@@ -34,6 +34,10 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
         "src/data/cache.rs",
         "memory-maps the token cache read-only (memmap2::Mmap::map: the file must not shrink while mapped)",
     ),
+    (
+        "python/src/dlpack.rs",
+        "DLPack FFI: DLManagedTensor structs and Python capsules handing pinned unit memory to torch and reading tensors in place",
+    ),
 ];
 
 /// Crates that are libraries (relative directories; `.` is the `oogc` crate): `anyhow` only in

@@ -57,7 +57,7 @@ mod unit;
 pub use budget::{HostPlan, NvmePlan};
 pub use oogc_prefetch::Phase;
 pub use stats::{PeakBytes, PhaseStats, StepStats};
-pub use unit::UnitParams;
+pub use unit::{DeviceMemory, PinnedUnit, UnitParams};
 
 use grads::{GradPipe, STAGING_BUFFERS};
 use home::ResidencyHome;
@@ -585,6 +585,25 @@ impl Runtime {
     /// [`RuntimeError::Usage`] for [`Phase::Optimizer`] (not a compute phase); swapper errors
     /// (out of device memory with everything pinned, I/O), optimizer errors.
     pub fn fetch(&mut self, unit: UnitId, phase: Phase) -> Result<UnitParams> {
+        let pinned = self.fetch_pinned(unit, phase, Access::Read)?;
+        let tensor = {
+            let buf = pinned.pin.device_buffer();
+            device_tensor(&buf, pinned.numel)?
+        };
+        Ok(UnitParams { tensor, pinned })
+    }
+
+    /// [`Runtime::fetch`] without the tensor: pins `unit` on the device (waiting for its
+    /// pending update, recording the access, issuing prefetches, as `fetch` does) and returns
+    /// the guard, whose [`PinnedUnit::memory`] is the pinned compute copy itself, for sharing
+    /// it with another framework without a copy (the Python bindings' DLPack tensors).
+    /// [`Access::Write`] makes the device copy dirty: writes through the memory are what the
+    /// unit's next compute sees (written back to the host copy on eviction) until the
+    /// optimizer publishes the unit's next update.
+    ///
+    /// # Errors
+    /// As [`Runtime::fetch`].
+    pub fn fetch_pinned(&mut self, unit: UnitId, phase: Phase, access: Access) -> Result<PinnedUnit> {
         if phase == Phase::Optimizer {
             return Err(RuntimeError::Usage("fetch(.., Phase::Optimizer): the optimizer does not fetch units".into()));
         }
@@ -592,20 +611,16 @@ impl Runtime {
         let _e = span.enter();
         self.publish(unit)?;
         let t = Instant::now();
-        let pin = self.residency.acquire(unit.tensor(), Tier::Device, Access::Read)?;
+        let pin = self.residency.acquire(unit.tensor(), Tier::Device, access)?;
         self.stats.stall_transfer_s += t.elapsed().as_secs_f64();
-        let tensor = {
-            let buf = pin.device_buffer();
-            device_tensor(&buf, self.units[unit.0].numel)?
-        };
         let mut recorder = None;
         if phase != Phase::Eval && self.units[unit.0].scheduling == Scheduling::Scheduled {
             let bytes = self.units[unit.0].bytes();
-            self.recorder.lock().acquire(unit.tensor(), bytes, phase, Tier::Device, false);
+            self.recorder.lock().acquire(unit.tensor(), bytes, phase, Tier::Device, access == Access::Write);
             recorder = Some(Arc::clone(&self.recorder));
             self.issue_prefetches()?;
         }
-        Ok(UnitParams { tensor, _pin: pin, unit, recorder })
+        Ok(PinnedUnit { pin, unit, numel: self.units[unit.0].numel, access, recorder })
     }
 
     /// Takes the handles of the updates the drain thread submitted into the units' states.
@@ -705,7 +720,7 @@ impl Runtime {
         let values: Vec<f32> = bytemuck::pod_collect_to_vec(&pin.host_bytes()[..numel * 4]);
         // A host copy computed on the CPU: CPU by nature.
         let tensor = candle_core::Tensor::from_vec(values, numel, &candle_core::Device::Cpu)?;
-        Ok(UnitParams { tensor, _pin: pin, unit, recorder: None })
+        Ok(UnitParams { tensor, pinned: PinnedUnit { pin, unit, numel, access: Access::Read, recorder: None } })
     }
 
     /// Submits gradients computed on the CPU (after [`Runtime::fetch_host`]) straight to the

@@ -1,15 +1,16 @@
 //! One registered unit's state in the runtime ([`Unit`]): its size, whether it is in the
-//! recorded schedule, and where its optimizer update stands ([`Update`]); and the guard a
-//! fetch returns ([`UnitParams`]).
+//! recorded schedule, and where its optimizer update stands ([`Update`]); and the guards a
+//! fetch returns ([`UnitParams`] with a candle tensor, [`PinnedUnit`] with the pinned copy's
+//! memory for sharing it without a copy).
 
 use std::sync::Arc;
 
 use oogc_optimizer::UpdateHandle;
 use oogc_prefetch::TraceRecorder;
-use oogc_swapper::{Resident, Tier};
+use oogc_swapper::{Access, DeviceBuffer, Resident, Tier};
 use parking_lot::Mutex;
 
-use super::UnitId;
+use super::{Result, RuntimeError, UnitId};
 
 /// Whether a unit's uses are part of the recorded schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,18 +68,7 @@ impl Unit {
 /// Dropping it releases the unit (it may then be evicted).
 pub struct UnitParams {
     pub(super) tensor: candle_core::Tensor,
-    pub(super) _pin: Resident,
-    pub(super) unit: UnitId,
-    /// The step's trace, which records the release (scheduled device fetches only).
-    pub(super) recorder: Option<Arc<Mutex<TraceRecorder>>>,
-}
-
-impl Drop for UnitParams {
-    fn drop(&mut self) {
-        if let Some(r) = &self.recorder {
-            r.lock().release(self.unit.tensor(), Tier::Device);
-        }
-    }
+    pub(super) pinned: PinnedUnit,
 }
 
 impl UnitParams {
@@ -89,6 +79,93 @@ impl UnitParams {
 
     /// The unit.
     pub fn unit(&self) -> UnitId {
+        self.pinned.unit
+    }
+}
+
+/// Where a pinned unit's compute copy lives, for handing it to another framework (DLPack)
+/// without a copy. The address is valid while the [`PinnedUnit`] it came from lives: a pinned
+/// copy is never evicted, lent to a transfer, moved or freed (the swapper's invariant).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DeviceMemory {
+    /// The sim device: its memory is host memory at this CPU address, 8-byte aligned, holding
+    /// the unit's `[numel]` f32 parameters (`num_bytes` = 4 × numel).
+    Host {
+        /// First byte of the unit's parameters.
+        ptr: *mut u8,
+        /// Bytes of the unit's parameters.
+        num_bytes: usize,
+    },
+}
+
+/// A unit pinned on the device, without a tensor: the guard [`super::Runtime::fetch_pinned`]
+/// returns. Dropping it releases the unit (it may then be evicted) and records the release in
+/// the step's trace. [`PinnedUnit::memory`] is the compute copy itself, not a copy of it.
+pub struct PinnedUnit {
+    pub(super) pin: Resident,
+    pub(super) unit: UnitId,
+    pub(super) numel: usize,
+    pub(super) access: Access,
+    /// The step's trace, which records the release (scheduled device fetches only).
+    pub(super) recorder: Option<Arc<Mutex<TraceRecorder>>>,
+}
+
+impl Drop for PinnedUnit {
+    fn drop(&mut self) {
+        if let Some(r) = &self.recorder {
+            r.lock().release(self.unit.tensor(), Tier::Device);
+        }
+    }
+}
+
+impl PinnedUnit {
+    /// The unit.
+    pub fn unit(&self) -> UnitId {
         self.unit
     }
+
+    /// Parameters (f32 elements) of the unit.
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// Whether the unit was pinned for write ([`Access::Write`]): then writes through
+    /// [`PinnedUnit::memory`] are the compute copy's new value (the device copy is dirty and is
+    /// written back to the host copy when evicted) until the optimizer publishes the unit's next
+    /// update. Pinned for read, the memory must not be written.
+    pub fn is_writable(&self) -> bool {
+        self.access == Access::Write
+    }
+
+    /// The pinned compute copy's memory: valid for reads (and, when [`PinnedUnit::is_writable`],
+    /// writes) of `num_bytes` bytes while this guard lives, and not after. For a write pin the
+    /// address is taken through the buffer's mutable borrow.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] on a CUDA device (its device pointers are wired with the CUDA path).
+    pub fn memory(&self) -> Result<DeviceMemory> {
+        let num_bytes = self.numel * 4;
+        if self.access == Access::Write {
+            let mut buf = self.pin.device_buffer_mut();
+            match &mut *buf {
+                DeviceBuffer::Sim(b) => Ok(DeviceMemory::Host { ptr: b.as_mut_slice().as_mut_ptr(), num_bytes }),
+                #[allow(unreachable_patterns)]
+                _ => Err(cuda_memory_not_wired()),
+            }
+        } else {
+            let buf = self.pin.device_buffer();
+            match &*buf {
+                // Only the address leaves the borrow; writing through it breaks the caller's
+                // contract (a read pin is never written).
+                DeviceBuffer::Sim(b) => Ok(DeviceMemory::Host { ptr: b.as_slice().as_ptr().cast_mut(), num_bytes }),
+                #[allow(unreachable_patterns)]
+                _ => Err(cuda_memory_not_wired()),
+            }
+        }
+    }
+}
+
+fn cuda_memory_not_wired() -> RuntimeError {
+    RuntimeError::Usage("sharing a CUDA unit's memory is wired in the CUDA issue".into())
 }

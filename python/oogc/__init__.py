@@ -1,0 +1,27 @@
+"""oogc: out-of-GPU-core training for PyTorch.
+
+The low-level API mirrors the Rust ``Runtime`` (see ``oogc._oogc``); ``oogc.torch.offload``
+wraps a ``torch.nn.Module`` on top of it.
+"""
+
+from oogc._oogc import (
+    ConfigError,
+    DeviceError,
+    Fetched,
+    OogcError,
+    OutOfMemoryError,
+    Runtime,
+    StorageError,
+    UsageError,
+)
+
+__all__ = [
+    "ConfigError",
+    "DeviceError",
+    "Fetched",
+    "OogcError",
+    "OutOfMemoryError",
+    "Runtime",
+    "StorageError",
+    "UsageError",
+]

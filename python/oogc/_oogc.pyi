@@ -1,0 +1,213 @@
+"""Type stubs of the extension module ``oogc._oogc`` (the Rust ``Runtime`` through PyO3).
+
+Units: sizes in bytes unless named otherwise; ``numel`` counts float32 elements; times in
+seconds; link rates in GB/s (10⁹ bytes per second).
+"""
+
+from os import PathLike
+from types import TracebackType
+from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Type, Union
+
+import torch
+
+Phase = Literal["forward", "backward", "eval"]
+UnitRef = Union[int, str]
+
+class OogcError(Exception):
+    """Every error oogc raises; the message is the Rust error's, unchanged."""
+
+class ConfigError(OogcError):
+    """A bad config key or value; the message names the key (``budgets.gpu: ...``)."""
+
+class UsageError(OogcError):
+    """A call out of order or with a wrong argument: unknown unit, dtype, rank, length, a
+    released fetch, ``add_unit`` after the first step."""
+
+class OutOfMemoryError(OogcError):
+    """A budget below the minimum working set, or a tier out of memory; gives the bytes."""
+
+class StorageError(OogcError):
+    """NVMe: a missing directory, too little free space, an I/O error, a corrupt block."""
+
+class DeviceError(OogcError):
+    """No CUDA device, CUDA not compiled in, a driver error."""
+
+class Fetched:
+    """A unit pinned on the device by :meth:`Runtime.fetch` until released.
+
+    As a context manager, ``with rt.fetch(u) as t:`` yields :meth:`tensor` and releases on exit.
+
+    Release revokes: every tensor :meth:`tensor` returned (and every view of it) raises
+    ``RuntimeError("oogc: the parameters of unit ... were released ...")`` on any access to its
+    data afterwards (torch's storage access-error hook), then the unit is unpinned and may be
+    evicted; its memory is never read through a revoked tensor. A borrowed export
+    (``torch.from_dlpack(fetched)``, ``numpy.from_dlpack(fetched)``) instead keeps the unit
+    pinned until the consumer frees the array, even past release. Collected without
+    ``release()``, a ``Fetched`` releases itself.
+    """
+
+    @property
+    def unit(self) -> int:
+        """The unit's id."""
+    @property
+    def numel(self) -> int:
+        """float32 elements of the unit."""
+    @property
+    def writable(self) -> bool:
+        """Fetched with ``writable=True``: writes through the tensor are the unit's compute
+        copy (until the optimizer publishes its next update)."""
+    @property
+    def released(self) -> bool:
+        """``release()`` was called (or the ``with`` block ended)."""
+    @property
+    def pinned(self) -> bool:
+        """The unit is still pinned (after release: while a borrowed export lives)."""
+    def tensor(self) -> torch.Tensor:
+        """The unit's flat parameters, ``[numel]`` float32, on the CPU for the sim device:
+        the pinned compute copy itself, not a copy (the same tensor on every call). A read
+        fetch's tensor refuses in-place writes and ``data_ptr()`` (torch's mutable accessor).
+
+        Raises:
+            UsageError: after release; without torch (>= 2.3).
+        """
+    def release(self) -> None:
+        """Revokes the tensors and unpins the unit (see the class). Idempotent."""
+    def __enter__(self) -> torch.Tensor: ...
+    def __exit__(
+        self,
+        exc_type: Optional[Type[BaseException]],
+        exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> bool: ...
+    def __dlpack__(
+        self,
+        *,
+        stream: Any = None,
+        max_version: Optional[Tuple[int, int]] = None,
+        dl_device: Optional[Tuple[int, int]] = None,
+        copy: Optional[bool] = None,
+    ) -> Any:
+        """A borrowed DLPack capsule (keeps the unit pinned until the consumer frees it).
+
+        Raises:
+            UsageError: after release; ``copy=True``; a ``dl_device`` other than the CPU.
+        """
+    def __dlpack_device__(self) -> Tuple[int, int]:
+        """``(1, 0)``: the CPU (the sim device's memory)."""
+
+class Runtime:
+    """The out-of-GPU-core runtime for one model on one device (the Rust ``Runtime``).
+
+    Units of flat float32 parameters move between the (sim) GPU, pinned host memory and NVMe;
+    a pipelined CPU AdamW keeps their fp32 master weights and Adam moments (host or NVMe) and
+    updates each unit as soon as its gradients arrive.
+
+    A step: ``begin_step(t, lr)``; per unit in forward order ``fetch(u, "forward")``; per unit
+    in reverse ``fetch(u, "backward")`` then ``push_grads(u, g)``; ``finish_step()``. The first
+    step's order is recorded and drives prefetch and eviction from the second on.
+
+    Args:
+        config: a dict or the path of a TOML file with the tables ``device`` (``kind`` =
+            ``"sim"``, ``link_gbps`` = 16, ``latency_us`` = 0), ``budgets`` (``gpu`` bytes or a
+            size string such as ``"64 MiB"``, required; ``host`` = ``"4 GiB"``;
+            ``optimizer_state`` and ``params``: ``"host"`` or ``"nvme"``; ``nvme_dirs``;
+            ``nvme_size``, required with NVMe), ``optimizer`` (``kind`` = ``"adamw"``,
+            ``betas`` = ``[0.9, 0.95]``, ``eps`` = 1e-8, ``weight_decay`` = 0.1,
+            ``clip_norm`` = 1.0 with 0 for none, ``threads`` = 1), ``prefetch`` (``depth`` = 2,
+            ``host_depth`` = 4, ``overlap_optimizer`` = true), ``lock_host_memory`` = false.
+
+    Raises:
+        ConfigError: an unknown, missing or mistyped key (named).
+        StorageError: an NVMe directory missing or too small.
+        DeviceError: a CUDA device asked for and absent or not compiled in.
+    """
+
+    def __init__(self, config: Union[Mapping[str, Any], str, PathLike[str]]) -> None: ...
+    def add_unit(self, name: str, numel: int, init: Optional[Any] = None) -> int:
+        """Registers a unit of ``numel`` float32 parameters, before the first step; returns its
+        id (0, 1, ... in order). ``init``: its initial values, a 1-D contiguous float32 CPU
+        tensor or array of ``numel`` elements, read in place through DLPack; zeros without.
+
+        Raises:
+            UsageError: a duplicate name, ``numel == 0``, ``init`` of another length, dtype,
+                rank or device, after the first step began.
+            OutOfMemoryError, StorageError: the unit's state does not fit its tier.
+        """
+    def begin_step(self, step: int, lr: float) -> None:
+        """Starts step ``step`` (1-based, Adam's t) with learning rate ``lr``. The first call
+        checks the GPU budget against the minimum working set.
+
+        Raises:
+            UsageError: ``step == 0``, ``lr`` negative or not finite, a step already running.
+            OutOfMemoryError: ``budgets.gpu`` below the minimum working set (gives the bytes).
+        """
+    def fetch(self, unit: UnitRef, phase: Phase = "forward", writable: bool = False) -> Fetched:
+        """Pins ``unit`` on the device (waiting for its pending update and its H2D copy) and
+        returns the lease on it; prefetches the next units of the recorded schedule. ``"eval"``
+        fetches are off the schedule. Blocks without holding the GIL.
+
+        Raises:
+            UsageError: an unknown unit or phase.
+            OutOfMemoryError: the device is full of pinned units.
+            StorageError: an NVMe read failed.
+        """
+    def push_grads(self, unit: UnitRef, grads: Any) -> None:
+        """Hands ``unit``'s gradients (``[numel]`` float32, contiguous, CPU on the sim device;
+        read in place through DLPack, copied D2H into staging) to the optimizer, once per unit
+        per step; the update runs on the CPU while the caller goes on.
+
+        Raises:
+            UsageError: an unknown unit, a wrong length, dtype, rank or device, no step running.
+        """
+    def end_forward(self) -> None:
+        """Marks the turn from forward to backward (optional; for the per-phase stats)."""
+    def finish_step(self) -> Dict[str, Any]:
+        """Ends the step: every unit's gradients submitted, the global norm computed, the
+        updates committed (or redone with the clip scale, or discarded when the norm is not
+        finite). Returns the stats: ``step``, ``step_s``, ``stall_transfer_s``,
+        ``stall_optimizer_s``, ``h2d_bytes``, ``d2h_bytes``, ``nvme_read_bytes``,
+        ``nvme_write_bytes``, ``grad_norm``, ``clip_scale``, ``skipped``, ``forward`` (a dict
+        of the forward phase's ``wall_s``, ``stall_s``, ``h2d_bytes``, ``d2h_bytes``).
+
+        Raises:
+            UsageError: a unit's gradients were not pushed.
+        """
+    def sync(self) -> None:
+        """Waits for every pending optimizer update."""
+    def check_working_set(self) -> None:
+        """Checks the GPU budget against the minimum working set now (``begin_step`` does it
+        on the first step). Raises OutOfMemoryError."""
+    def min_working_set_bytes(self, max_units_in_use: int = 1) -> int:
+        """Device bytes the step needs at the least with ``max_units_in_use`` units pinned."""
+    def set_max_units_in_use(self, units: int) -> None:
+        """How many units the trainer keeps pinned at once (for the working-set check)."""
+    @property
+    def num_units(self) -> int: ...
+    @property
+    def units(self) -> List[Tuple[str, int]]:
+        """``(name, numel)`` of each unit, in id order."""
+    @property
+    def step(self) -> int:
+        """The last finished, not skipped, step (0 before any)."""
+    def unit_id(self, unit: UnitRef) -> int: ...
+    def is_on_device(self, unit: UnitRef) -> bool: ...
+    def traffic(self) -> Dict[str, Any]:
+        """Bytes, operations and busy seconds per link since the start: ``htod``, ``dtoh``,
+        ``nvme_read``, ``nvme_write`` (each ``{"bytes", "ops", "busy_s"}``), ``stall_s``,
+        ``evictions``, ``prefetch_hits``."""
+    def peak_bytes(self) -> Dict[str, int]:
+        """Peak bytes held per tier: ``device``, ``host``, ``nvme``, ``host_ledger``."""
+    def unit_state(self, unit: UnitRef) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies of ``unit``'s master weights, ``exp_avg`` and ``exp_avg_sq`` (``[numel]``
+        float32 each), after its pending update."""
+    def load_unit_state(self, unit: UnitRef, master: Any, exp_avg: Any, exp_avg_sq: Any) -> None:
+        """Replaces ``unit``'s master weights and moments (``[numel]`` float32 each)."""
+    def state_dict(self) -> Dict[str, Any]:
+        """``{"step": int, "units": {name: {"master", "exp_avg", "exp_avg_sq"}}}``, tensors
+        ``[numel]`` float32 (copies). Waits for pending updates."""
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output into a runtime with the same units.
+
+        Raises:
+            UsageError: a unit missing from either side, a wrong length.
+        """

@@ -1,0 +1,428 @@
+"""``oogc.torch.offload``: a ``torch.nn.Module`` trained out of GPU core by the oogc runtime.
+
+The submodules given as ``units`` (a Hugging Face model's embedding, each decoder layer, the
+final norm with the head) become the runtime's units: their parameters are flattened into one
+float32 vector per unit, handed to the runtime (which keeps the fp32 master weights and the
+AdamW state in host memory or on NVMe) and dropped from the module. Then, for each call of a
+unit's module:
+
+* **forward** (grad enabled): the unit is fetched (``Runtime.fetch(unit, "forward")``), its
+  parameters are bound as views into the fetched buffer (``torch.func.functional_call``), the
+  module runs without building a graph, and the unit is released. Only the unit's inputs are
+  kept: activations are checkpointed at unit boundaries.
+* **backward**: the unit is fetched again (``"backward"``), the call is recomputed with the
+  graph (same RNG state), its input and parameter gradients are taken, and the unit is
+  released; when every call of the unit in this step is done, its flat gradient is pushed
+  (``push_grads``) at once, so the CPU AdamW updates it while the backward goes on.
+* **no grad** (evaluation): fetched with ``"eval"`` (off the recorded schedule), no graph.
+
+``engine.step()`` ends the step (the runtime's AdamW replaces the torch optimizer);
+``engine.zero_grad()`` is a no-op kept for loops that call it. Prefetch follows the schedule
+the runtime recorded in the first step, as in Rust.
+
+Limits (each raises :class:`oogc.UsageError` naming what to change): one forward and one
+backward per step (no gradient accumulation across micro-batches yet); every trainable
+parameter of the model belongs to exactly one unit (a parameter shared by two units, e.g. tied
+embeddings, puts both modules in one unit); no frozen parameters inside a unit; float32
+parameters; the sim device (CPU tensors) — a CUDA device's memory is not shared through DLPack
+yet.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
+
+from oogc._oogc import Runtime, UsageError
+
+__all__ = ["Engine", "offload"]
+
+UnitSpec = Union[nn.Module, Sequence[nn.Module]]
+LrSpec = Union[float, Callable[[int], float]]
+
+
+@dataclass
+class _Slot:
+    """One parameter of a unit: its slice of the flat vector and every (module, name) holding it."""
+
+    offset: int
+    shape: torch.Size
+    holders: List[Tuple[nn.Module, str]] = field(default_factory=list)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+class _Unit:
+    """A unit: modules whose parameters form one flat float32 vector in the runtime."""
+
+    def __init__(self, index: int, name: str, modules: List[nn.Module]):
+        self.index = index
+        self.name = name
+        self.modules = modules
+        self.slots: List[_Slot] = []
+        self.numel = 0
+        # This step: calls whose backward is still to come, and the gradient summed so far.
+        self.pending = 0
+        self.grad: Optional[torch.Tensor] = None
+
+    def views(self, flat: torch.Tensor, module: nn.Module) -> Dict[str, torch.Tensor]:
+        """``module``'s parameters as views into ``flat`` (names relative to ``module``)."""
+        out: Dict[str, torch.Tensor] = {}
+        for slot in self.slots:
+            view = flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            for holder, qualified in slot.holders:
+                if holder is module:
+                    out[qualified] = view
+        return out
+
+
+class _UnitCall(torch.autograd.Function):
+    """One call of a unit's module: forward without a graph, recomputed in the backward."""
+
+    @staticmethod
+    def forward(ctx, call: "_Call", anchor: torch.Tensor, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.call = call
+        ctx.save_for_backward(*tensors)
+        ctx.rng = torch.get_rng_state()
+        outs = call.run(tensors, "forward", grad=False)
+        leaves, call.out_spec = pytree.tree_flatten(outs)
+        call.out_is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        call.out_other = [None if t else x for x, t in zip(leaves, call.out_is_tensor)]
+        tensor_outs = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        ctx.mark_non_differentiable(*(t for t in tensor_outs if not t.is_floating_point()))
+        return tensor_outs
+
+    @staticmethod
+    def backward(ctx, *grad_outs: torch.Tensor):  # type: ignore[override]
+        call: _Call = ctx.call
+        engine = call.engine
+        engine._begin_backward()
+        saved = ctx.saved_tensors
+        inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
+        with torch.random.fork_rng(devices=[]):
+            torch.set_rng_state(ctx.rng)
+            with torch.enable_grad():
+                outs, flat = call.run(inputs, "backward", grad=True)
+                leaves = [x for x in pytree.tree_leaves(outs) if isinstance(x, torch.Tensor)]
+                pairs = [(o, g) for o, g in zip(leaves, grad_outs) if o.requires_grad and g is not None]
+                wrt = [flat] + [t for t in inputs if t.requires_grad]
+                if pairs:
+                    grads = torch.autograd.grad(
+                        [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+                    )
+                else:
+                    grads = tuple(None for _ in wrt)
+        call.release()
+        engine._unit_grad(call.unit, grads[0])
+        it = iter(grads[1:])
+        input_grads = tuple(next(it) if t.requires_grad else None for t in inputs)
+        return (None, None, *input_grads)
+
+
+class _Call:
+    """The state of one module call between its forward and its backward."""
+
+    def __init__(self, engine: "Engine", unit: _Unit, module: nn.Module, forward: Callable, args, kwargs):
+        self.engine = engine
+        self.unit = unit
+        self.module = module
+        self.forward = forward
+        leaves, self.in_spec = pytree.tree_flatten((args, kwargs))
+        self.in_is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
+        self.in_other = [None if t else x for x, t in zip(leaves, self.in_is_tensor)]
+        self.in_tensors = tuple(x for x in leaves if isinstance(x, torch.Tensor))
+        self.fetched: Any = None
+        self.out_spec: Any = None
+        self.out_is_tensor: List[bool] = []
+        self.out_other: List[Any] = []
+
+    def _args(self, tensors: Iterable[torch.Tensor]):
+        it = iter(tensors)
+        leaves = [next(it) if t else o for t, o in zip(self.in_is_tensor, self.in_other)]
+        return pytree.tree_unflatten(leaves, self.in_spec)
+
+    def run(self, tensors, phase: str, grad: bool):
+        """Fetches the unit and runs the module on ``tensors`` with its parameters bound.
+        Without ``grad`` the unit is released before returning; with it the caller releases
+        (after taking the gradients) and gets the flat parameter leaf too."""
+        self.fetched = self.engine.runtime.fetch(self.unit.index, phase)
+        flat = self.fetched.tensor()
+        if grad:
+            flat = flat.detach().requires_grad_()
+        args, kwargs = self._args(tensors)
+        try:
+            # The module's own forward (its __call__ would come back here), with the parameters
+            # swapped for the views for the call's length.
+            with _reparametrize_module(self.module, self.unit.views(flat, self.module)):
+                outs = self.forward(*args, **kwargs)
+        except BaseException:
+            self.release()
+            raise
+        if not grad:
+            self.release()
+            return outs
+        return outs, flat
+
+    def release(self) -> None:
+        if self.fetched is not None:
+            self.fetched.release()
+            self.fetched = None
+
+    def outputs(self, tensor_outs: Sequence[torch.Tensor]):
+        it = iter(tensor_outs)
+        leaves = [next(it) if t else o for t, o in zip(self.out_is_tensor, self.out_other)]
+        return pytree.tree_unflatten(leaves, self.out_spec)
+
+
+class Engine:
+    """A model offloaded by :func:`offload`: call it as the model; then ``step()``.
+
+    Attributes:
+        model: the wrapped module (its units' parameters are empty placeholders between calls).
+        runtime: the :class:`oogc.Runtime` holding the units.
+        lr: the learning rate, a float or a function of the 1-based step.
+        last_stats: the last finished step's stats (``Runtime.finish_step``), or ``None``.
+    """
+
+    def __init__(self, model: nn.Module, units: List[_Unit], runtime: Runtime, lr: LrSpec):
+        self.model = model
+        self.runtime = runtime
+        self.lr = lr
+        self.last_stats: Optional[Dict[str, Any]] = None
+        self._units = units
+        self._step = runtime.step
+        self._in_step = False
+        self._in_backward = False
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward (``model(*args, **kwargs)`` does the same)."""
+        return self.model(*args, **kwargs)
+
+    @property
+    def units(self) -> List[Tuple[str, int]]:
+        """``(name, numel)`` of each unit, in registration order."""
+        return [(u.name, u.numel) for u in self._units]
+
+    @property
+    def step_count(self) -> int:
+        """Steps finished (the Adam step of the last one)."""
+        return self._step
+
+    def current_lr(self) -> float:
+        """The learning rate of the step that is (or would be) running."""
+        step = self._step + 1
+        return float(self.lr(step) if callable(self.lr) else self.lr)
+
+    def _begin(self) -> None:
+        if not self._in_step:
+            self.runtime.begin_step(self._step + 1, self.current_lr())
+            self._in_step = True
+            self._in_backward = False
+
+    def _begin_backward(self) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            self.runtime.end_forward()
+
+    def _unit_grad(self, unit: _Unit, grad: Optional[torch.Tensor]) -> None:
+        if grad is None:
+            grad = torch.zeros(unit.numel)
+        if unit.grad is None:
+            unit.grad = grad
+        else:
+            unit.grad = unit.grad + grad
+        unit.pending -= 1
+        if unit.pending == 0:
+            g, unit.grad = unit.grad, None
+            self.runtime.push_grads(unit.index, g.contiguous())
+
+    def _call(self, unit: _Unit, module: nn.Module, forward: Callable, args, kwargs):
+        if not torch.is_grad_enabled():
+            call = _Call(self, unit, module, forward, args, kwargs)
+            return call.run(call.in_tensors, "eval", grad=False)
+        if self._in_backward:
+            raise UsageError(
+                f"unit {unit.name!r} ran forward after this step's backward began: one forward and one "
+                "backward per step (call engine.step() between them; gradient accumulation is not supported yet)"
+            )
+        self._begin()
+        call = _Call(self, unit, module, forward, args, kwargs)
+        unit.pending += 1
+        tensor_outs = _UnitCall.apply(call, self._anchor, *call.in_tensors)
+        return call.outputs(tensor_outs)
+
+    def step(self) -> Dict[str, Any]:
+        """Ends the step: waits until every unit's gradients went to the optimizer, then
+        commits the updates (or skips the step on a non-finite gradient norm). Returns the
+        step's stats (``Runtime.finish_step``: ``step``, ``step_s``, ``h2d_bytes``,
+        ``d2h_bytes``, ``nvme_read_bytes``, ``nvme_write_bytes``, ``grad_norm``, ...).
+
+        Raises:
+            UsageError: no step is running (no forward since the last ``step()``), or a unit's
+                backward did not run (its gradients are missing).
+        """
+        if not self._in_step:
+            raise UsageError("engine.step(): no forward ran since the last step")
+        missing = [u.name for u in self._units if u.pending > 0]
+        if missing:
+            self._in_step = False
+            for u in self._units:
+                u.pending, u.grad = 0, None
+            raise UsageError(f"engine.step(): the backward of units {missing} did not run (call loss.backward() first)")
+        stats = self.runtime.finish_step()
+        self._in_step = False
+        self._in_backward = False
+        if not stats["skipped"]:
+            self._step = stats["step"]
+        self.last_stats = stats
+        return stats
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """A no-op: gradients go to the runtime as the backward makes them."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The runtime's state (``Runtime.state_dict``: per unit the master weights and AdamW
+        moments, flat float32) with the step count."""
+        return self.runtime.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Restores :meth:`state_dict`'s output (units with the same names and sizes)."""
+        self.runtime.load_state_dict(dict(state_dict))
+        self._step = self.runtime.step
+
+    def unit_parameters(self, unit: Union[int, str]) -> Dict[str, torch.Tensor]:
+        """A unit's master weights as ``{qualified parameter name: tensor}`` (copies; after
+        the pending updates are done)."""
+        u = self._units[self.runtime.unit_id(unit)]
+        master, _, _ = self.runtime.unit_state(u.index)
+        out = {}
+        for slot in u.slots:
+            module, name = slot.holders[0]
+            out[_qualified(self.model, module, name)] = master[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        return out
+
+    def parameters(self) -> Dict[str, torch.Tensor]:
+        """Every unit's master weights by qualified name (see :meth:`unit_parameters`)."""
+        out: Dict[str, torch.Tensor] = {}
+        for u in self._units:
+            out.update(self.unit_parameters(u.index))
+        return out
+
+
+def _qualified(model: nn.Module, module: nn.Module, name: str) -> str:
+    for prefix, m in model.named_modules(remove_duplicate=False):
+        if m is module:
+            return f"{prefix}.{name}" if prefix else name
+    return name
+
+
+def _unit_name(model: nn.Module, modules: List[nn.Module]) -> str:
+    names = []
+    for module in modules:
+        for prefix, m in model.named_modules():
+            if m is module:
+                names.append(prefix or "<root>")
+                break
+        else:
+            raise UsageError(f"offload: a unit's module {type(module).__name__} is not a submodule of the model")
+    return "+".join(names)
+
+
+def offload(
+    model: nn.Module,
+    units: Sequence[UnitSpec],
+    config: Union[Mapping[str, Any], str],
+    *,
+    lr: LrSpec = 1e-3,
+) -> Engine:
+    """Offloads ``model``'s given submodules through an oogc runtime.
+
+    Args:
+        model: the model; its parameters must be float32 on the CPU (the sim device).
+        units: one entry per unit, in the order the forward runs them: a submodule, or a
+            sequence of submodules sharing one unit (e.g. ``(model.model.norm, model.lm_head)``).
+            Every trainable parameter of ``model`` must be in exactly one unit.
+        config: the runtime's config (a dict or a TOML path; see :class:`oogc.Runtime`).
+        lr: the learning rate: a float, or a function of the 1-based step returning one (the
+            step's lr is taken when its first forward begins).
+
+    Returns:
+        The :class:`Engine`. The units' parameters are moved into the runtime: ``model``'s
+        parameters are left as empty placeholders (``numel() == 0``), so a torch optimizer
+        over them does nothing; read the trained weights with ``engine.parameters()``.
+
+    Raises:
+        UsageError: a unit's module is not in ``model``, a parameter is in two units, a
+            trainable parameter is in no unit, a unit has a frozen or non-float32 parameter.
+        ConfigError, OutOfMemoryError, StorageError: from ``Runtime(config)`` and ``add_unit``.
+    """
+    runtime = Runtime(config)
+    owner: Dict[int, int] = {}
+    built: List[_Unit] = []
+    for index, spec in enumerate(units):
+        modules = [spec] if isinstance(spec, nn.Module) else list(spec)
+        unit = _Unit(index, _unit_name(model, modules), modules)
+        by_param: Dict[int, _Slot] = {}
+        values: List[torch.Tensor] = []
+        for module in modules:
+            for qualified, p in module.named_parameters(remove_duplicate=False):
+                pid = id(p)
+                if pid in owner and owner[pid] != index:
+                    raise UsageError(
+                        f"offload: parameter {qualified!r} of unit {unit.name!r} is also in unit "
+                        f"{built[owner[pid]].name!r}: put modules that share a parameter in one unit"
+                    )
+                if not p.requires_grad:
+                    raise UsageError(f"offload: {unit.name}.{qualified} is frozen; frozen parameters in a unit are not supported yet")
+                if p.dtype != torch.float32 or p.device.type != "cpu":
+                    raise UsageError(
+                        f"offload: {unit.name}.{qualified} is {p.dtype} on {p.device}; units take float32 CPU parameters"
+                    )
+                owner[pid] = index
+                slot = by_param.get(pid)
+                if slot is None:
+                    slot = _Slot(unit.numel, p.shape)
+                    by_param[pid] = slot
+                    unit.slots.append(slot)
+                    unit.numel += p.numel()
+                    values.append(p.detach().reshape(-1))
+                slot.holders.append((module, qualified))
+        if unit.numel == 0:
+            raise UsageError(f"offload: unit {unit.name!r} has no parameters")
+        runtime.add_unit(unit.name, unit.numel, torch.cat(values))
+        built.append(unit)
+    stray = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
+    if stray:
+        raise UsageError(
+            f"offload: trainable parameters in no unit: {stray[:8]}{' ...' if len(stray) > 8 else ''} "
+            "(add their modules to a unit, or freeze them with requires_grad_(False))"
+        )
+    engine = Engine(model, built, runtime, lr)
+    placeholder_params = {id(p): p for u in built for m in u.modules for p in m.parameters()}
+    for p in placeholder_params.values():
+        # The runtime holds the values now; the module keeps an empty float32 placeholder.
+        p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+    for unit in built:
+        for module in unit.modules:
+            _wrap(engine, unit, module)
+    return engine
+
+
+def _wrap(engine: Engine, unit: _Unit, module: nn.Module) -> None:
+    forward = module.forward
+
+    def offloaded_forward(*args: Any, **kwargs: Any) -> Any:
+        return engine._call(unit, module, forward, args, kwargs)
+
+    offloaded_forward.__wrapped__ = forward  # type: ignore[attr-defined]
+    module.forward = offloaded_forward  # type: ignore[method-assign]
+

@@ -1,0 +1,27 @@
+"""Shared fixtures of the Python tests: paths into ../shared, two threads for torch."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(2)
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+
+
+@pytest.fixture(scope="session")
+def llama_gqa() -> Path:
+    path = SHARED / "fixtures" / "llama" / "llama_gqa"
+    if not (path / "config.json").exists():
+        pytest.fail(f"the llama_gqa fixture is missing at {path} (../shared beside the checkout)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def shakespeare() -> bytes:
+    path = SHARED / "data" / "tinyshakespeare.txt"
+    if not path.exists():
+        pytest.fail(f"tinyshakespeare is missing at {path} (../shared beside the checkout)")
+    return path.read_bytes()

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# The Python package's tests on a clean machine: a venv (target/python-venv) with CPU torch,
+# transformers, pytest and maturin; `pip install ./python` (maturin builds the extension with
+# cargo, in this workspace's target dir); pytest python/tests. Needs python3 (>= 3.9, with
+# venv), cargo, network for pip, and ../shared beside the checkout (the llama_gqa fixture and
+# tinyshakespeare).
+#
+#   scripts/python-tests.sh            # after `cargo build --workspace` (CI): the extension in the dev
+#                                      # profile, reusing the build's dependencies
+#   OOGC_PY_PROFILE=release scripts/python-tests.sh
+#   OOGC_PY_VENV=DIR scripts/python-tests.sh -k dlpack   # another venv; arguments go to pytest
+#   OOGC_TORCH_INDEX=URL scripts/python-tests.sh         # torch from another index than PyTorch's CPU one
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=${OOGC_PY_VENV:-target/python-venv}
+profile=${OOGC_PY_PROFILE:-dev}
+python=${PYTHON:-python3}
+# Two cores: torch, the optimizer and rayon must not oversubscribe.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} RAYON_NUM_THREADS=${RAYON_NUM_THREADS:-2}
+
+t0=$SECONDS
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+# CPU torch from its own index (PyPI's Linux wheel brings CUDA libraries: gigabytes for nothing);
+# OOGC_TORCH_INDEX names another index (a mirror). Skipped when the venv has a torch already.
+if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
+  pip install torch --index-url "${OOGC_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+fi
+pip install transformers pytest 'maturin>=1.9.4,<2'
+echo "python-tests: venv ready in $((SECONDS - t0)) s ($("$venv/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
+
+t1=$SECONDS
+# maturin is the build backend; --profile dev reuses what `cargo build --workspace` compiled.
+MATURIN_PEP517_ARGS="--profile $profile" pip install ./python
+echo "python-tests: pip install ./python in $((SECONDS - t1)) s"
+
+t2=$SECONDS
+# From the repository root, so that `import oogc` is the installed package, not python/oogc/.
+"$venv/bin/python" -m pytest python/tests -q -p no:cacheprovider "$@"
+echo "python-tests: pytest in $((SECONDS - t2)) s; all in $((SECONDS - t0)) s"
