@@ -26,8 +26,13 @@ fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 # CPU torch from its own index (PyPI's Linux wheel brings CUDA libraries: gigabytes for nothing);
 # OOGC_TORCH_INDEX names another index (a mirror). Skipped when the venv has a torch already.
+# When that index cannot be reached (some sandboxes reach PyPI only), PyPI's wheel: it works on
+# the CPU too, only larger.
 if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
-  pip install torch --index-url "${OOGC_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"
+  if ! pip install torch --retries 1 --timeout 20 --index-url "${OOGC_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"; then
+    echo "python-tests: the CPU torch index is unreachable; installing torch from PyPI (with its CUDA libraries)" >&2
+    pip install torch
+  fi
 fi
 pip install transformers pytest 'maturin>=1.9.4,<2'
 echo "python-tests: venv ready in $((SECONDS - t0)) s ($("$venv/bin/python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'))"
