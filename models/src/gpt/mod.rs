@@ -96,8 +96,8 @@ mod moe_tests;
 #[cfg(test)]
 mod tests;
 
+pub use crate::moe::{CombineGrads, ExpertGrads, LossParts, Routing, TrunkOut};
 pub use config::{GptConfig, MoeConfig};
-pub use moe::{CombineGrads, ExpertGrads, LossParts, Routing, TrunkOut};
 
 /// A causal mask `[T, T]` (0 on and below the diagonal, -inf above) cached per
 /// `(T, dtype, device)`.
