@@ -157,10 +157,132 @@ impl Default for MoePlacementConfig {
     }
 }
 
-/// `[model]`: a byte-level GPT (vocabulary 256).
+/// `[model]`: the model family (`family`, default `"gpt"`) and its shape, or a Hugging Face
+/// checkpoint to start from.
+///
+/// ```toml
+/// [model]                  # the byte-level GPT (the default family)
+/// d_model = 192
+/// n_layer = 8
+/// n_head = 6
+///
+/// [model]                  # a Llama-family decoder from scratch: config.json's keys
+/// family = "llama"         # or "mistral", "qwen2"
+/// hidden_size = 256
+/// intermediate_size = 688
+/// num_hidden_layers = 6
+/// num_attention_heads = 8
+/// num_key_value_heads = 4  # GQA
+///
+/// [model]                  # fine-tuning a Hugging Face checkpoint: its config.json is the shape
+/// family = "llama"
+/// init = "path/to/hf_dir"
+/// ```
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelConfig {
+    /// `family = "gpt"` (or none): the byte-level GPT / MoE-GPT of `oogc-models`.
+    Gpt(GptModelConfig),
+    /// `family = "llama" | "mistral" | "qwen2"`: a Llama-family decoder.
+    Llama(LlamaModelConfig),
+}
+
+/// `[model]` of the Llama family: from scratch (`config`) or from a Hugging Face checkpoint
+/// (`init`).
+#[derive(Debug, Clone, PartialEq)]
+pub enum LlamaModelConfig {
+    /// The shape, with `config.json`'s keys (every key of [`oogc_models::llama::LlamaConfig`];
+    /// `vocab_size` 0 or absent: the tokenizer's).
+    Scratch(oogc_models::llama::LlamaConfig),
+    /// `init = "dir"`: a Hugging Face checkpoint directory (`config.json` + safetensors); its
+    /// config is the shape and its weights the initial parameters.
+    Init(PathBuf),
+}
+
+impl ModelConfig {
+    /// The GPT's section, `None` for another family.
+    pub fn gpt(&self) -> Option<&GptModelConfig> {
+        match self {
+            ModelConfig::Gpt(g) => Some(g),
+            ModelConfig::Llama(_) => None,
+        }
+    }
+
+    /// The family's name as in `[model] family`.
+    pub fn family(&self) -> &'static str {
+        match self {
+            ModelConfig::Gpt(_) => "gpt",
+            ModelConfig::Llama(LlamaModelConfig::Scratch(c)) => c.family.model_type(),
+            ModelConfig::Llama(LlamaModelConfig::Init(_)) => "llama",
+        }
+    }
+
+    /// MoE feed-forward blocks (`[model.moe]` of the GPT); `None` for dense models.
+    pub fn moe(&self) -> Option<&MoeModelConfig> {
+        self.gpt().and_then(|g| g.moe.as_ref())
+    }
+}
+
+impl<'de> Deserialize<'de> for ModelConfig {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        use serde::de::Error as _;
+        let mut table = toml::Table::deserialize(d)?;
+        let family = match table.get("family") {
+            None => "gpt".to_string(),
+            Some(toml::Value::String(s)) => s.clone(),
+            Some(v) => return Err(D::Error::custom(format!("model.family must be a string, got {v}"))),
+        };
+        match family.as_str() {
+            "gpt" => {
+                table.remove("family");
+                GptModelConfig::deserialize(toml::Value::Table(table)).map(ModelConfig::Gpt).map_err(D::Error::custom)
+            }
+            "llama" | "mistral" | "qwen2" => match table.remove("init") {
+                Some(toml::Value::String(dir)) => {
+                    if let Some(key) = table.keys().find(|k| *k != "family") {
+                        return Err(D::Error::custom(format!(
+                            "model.{key}: with model.init the checkpoint's config.json gives the shape; remove \
+                             `{key}` (or `init` to train from scratch)"
+                        )));
+                    }
+                    Ok(ModelConfig::Llama(LlamaModelConfig::Init(PathBuf::from(dir))))
+                }
+                Some(v) => Err(D::Error::custom(format!("model.init must be a directory path, got {v}"))),
+                None => {
+                    table.entry("vocab_size").or_insert(toml::Value::Integer(0));
+                    oogc_models::llama::LlamaConfig::deserialize(toml::Value::Table(table))
+                        .map(|c| ModelConfig::Llama(LlamaModelConfig::Scratch(c)))
+                        .map_err(|e| D::Error::custom(format!("[model] ({family}): {e}")))
+                }
+            },
+            other => Err(D::Error::custom(format!(
+                "model.family `{other}`: use \"gpt\" (the byte-level GPT) or \"llama\", \"mistral\", \"qwen2\" \
+                 (the Llama family)"
+            ))),
+        }
+    }
+}
+
+impl Serialize for ModelConfig {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::Error as _;
+        let mut table = match self {
+            ModelConfig::Gpt(g) => toml::Table::try_from(g).map_err(S::Error::custom)?,
+            ModelConfig::Llama(LlamaModelConfig::Scratch(c)) => toml::Table::try_from(c).map_err(S::Error::custom)?,
+            ModelConfig::Llama(LlamaModelConfig::Init(dir)) => {
+                let mut t = toml::Table::new();
+                t.insert("init".into(), toml::Value::String(dir.display().to_string()));
+                t
+            }
+        };
+        table.insert("family".into(), toml::Value::String(self.family().into()));
+        table.serialize(s)
+    }
+}
+
+/// `[model]` of the byte-level GPT (vocabulary 256, or the tokenizer's).
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
-pub struct ModelConfig {
+pub struct GptModelConfig {
     /// Width of the residual stream.
     pub d_model: usize,
     /// Number of transformer blocks.
@@ -208,6 +330,18 @@ fn default_top_k() -> usize {
 }
 fn default_aux() -> f64 {
     0.01
+}
+
+impl GptModelConfig {
+    /// The MLP width: `d_ff` or 4 × `d_model`.
+    pub fn d_ff(&self) -> usize {
+        self.d_ff.unwrap_or(4 * self.d_model)
+    }
+
+    /// The learned positions for sequences of `seq_len` tokens: `max_seq_len` or `seq_len`.
+    pub fn max_seq_len(&self, seq_len: usize) -> usize {
+        self.max_seq_len.unwrap_or(seq_len)
+    }
 }
 
 impl MoeModelConfig {
@@ -386,16 +520,27 @@ impl Default for DeviceConfig {
 pub struct BudgetsConfig {
     /// GPU memory for parameters (compute copies) and gradient staging, e.g. `"2MiB"`.
     pub gpu: ByteSize,
-    /// Pinned host memory for the compute copies' home and transfer staging. Default: `"4GiB"`.
+    /// Host memory for everything the run holds there: compute copies (their home or NVMe
+    /// cache), optimizer state on the host, speculation's second buffers, NVMe stream buffers,
+    /// gradients. A budget below the run's minimum is refused before anything is written, with
+    /// the minimum. Default: `"4GiB"`.
     #[serde(default = "default_host_budget")]
     pub host: ByteSize,
     /// Where optimizer state (master weights, m, v) lives: `"host"` or `"nvme"`. Default: host.
     #[serde(default)]
     pub optimizer_state: StatePlacement,
-    /// NVMe directories (files are striped over them). Needed when `optimizer_state = "nvme"`.
+    /// Where the compute copies' home is: `"host"` (pinned host memory) or `"nvme"` (the NVMe
+    /// store, with the host budget's share as its cache; ZeRO-Infinity's `offload_param`).
+    /// Default: host.
+    #[serde(default)]
+    pub params: StatePlacement,
+    /// NVMe directories (files are striped over them). Needed when `optimizer_state` or
+    /// `params` is `"nvme"`.
     #[serde(default)]
     pub nvme_dirs: Vec<PathBuf>,
-    /// Bytes preallocated on NVMe in all. Default: 3 × the optimizer state.
+    /// Bytes preallocated on NVMe in all. Default: what the run holds there (optimizer state,
+    /// compute copies with `params = "nvme"`, copy-on-write slack) plus room for speculated
+    /// units' second extents; checked against the file systems' free space before the run.
     #[serde(default)]
     pub nvme_size: Option<ByteSize>,
 }
@@ -432,6 +577,17 @@ pub struct OptimizerSection {
     /// Global gradient-norm clip; 0 disables. Default: 1.0.
     #[serde(default = "default_clip")]
     pub clip_norm: f32,
+    /// Most host bytes for speculation's second buffers (a second compute copy per unit, and a
+    /// second p, m, v for host-placed state); units beyond it are updated after the step's
+    /// clip decision instead (same results, less overlap). Default: what the host budget has
+    /// left.
+    #[serde(default)]
+    pub rollback_budget: Option<ByteSize>,
+    /// Most host bytes for the NVMe stream buffers of optimizer state on NVMe (three chunk
+    /// buffers per stream). Default: 128 MiB (the run uses at most one stream per optimizer
+    /// thread).
+    #[serde(default)]
+    pub stream_host_budget: Option<ByteSize>,
 }
 
 fn default_lr() -> f32 {
@@ -464,6 +620,8 @@ impl Default for OptimizerSection {
             eps: default_eps(),
             weight_decay: default_wd(),
             clip_norm: default_clip(),
+            rollback_budget: None,
+            stream_host_budget: None,
         }
     }
 }
@@ -475,6 +633,10 @@ pub struct PrefetchSection {
     /// Units fetched ahead of the one in use; 0 = fetch on demand. Default: 2.
     #[serde(default = "default_depth")]
     pub depth: usize,
+    /// With `[budgets] params = "nvme"`: units read NVMe → host ahead (the host window, ahead
+    /// of the device window). Default: 4.
+    #[serde(default = "default_host_depth")]
+    pub host_depth: usize,
     /// Run the CPU optimizer on each unit as soon as its gradients land, overlapping compute
     /// (ours). false: hold the gradients and update every unit at the end of the step, waiting
     /// for it (the ZeRO-Infinity-like baseline; same results bit for bit). Default: true.
@@ -485,10 +647,13 @@ pub struct PrefetchSection {
 fn default_depth() -> usize {
     2
 }
+fn default_host_depth() -> usize {
+    4
+}
 
 impl Default for PrefetchSection {
     fn default() -> Self {
-        Self { depth: default_depth(), overlap_optimizer: true }
+        Self { depth: default_depth(), host_depth: default_host_depth(), overlap_optimizer: true }
     }
 }
 
@@ -609,27 +774,57 @@ impl TrainConfig {
     /// [`ConfigError::Invalid`].
     pub fn validate(&self) -> Result<()> {
         let bad = |key: &str, reason: String| Err(ConfigError::Invalid { key: key.into(), reason });
-        let m = &self.model;
-        if m.d_model == 0 || m.n_layer == 0 || m.n_head == 0 {
-            return bad("model", "d_model, n_layer and n_head must be ≥ 1".into());
-        }
-        if m.d_model % m.n_head != 0 {
-            return bad("model.n_head", format!("n_head = {} must divide d_model = {}", m.n_head, m.d_model));
-        }
-        if m.d_ff == Some(0) {
-            return bad("model.d_ff", "must be ≥ 1 (or left out for 4 × d_model)".into());
-        }
         let t = &self.train;
+        match &self.model {
+            ModelConfig::Gpt(m) => {
+                if m.d_model == 0 || m.n_layer == 0 || m.n_head == 0 {
+                    return bad("model", "d_model, n_layer and n_head must be ≥ 1".into());
+                }
+                if m.d_model % m.n_head != 0 {
+                    return bad("model.n_head", format!("n_head = {} must divide d_model = {}", m.n_head, m.d_model));
+                }
+                if m.d_ff == Some(0) {
+                    return bad("model.d_ff", "must be ≥ 1 (or left out for 4 × d_model)".into());
+                }
+                if let Some(max) = m.max_seq_len {
+                    if max < t.seq_len {
+                        return bad("model.max_seq_len", format!("{max} is below train.seq_len = {}", t.seq_len));
+                    }
+                }
+            }
+            ModelConfig::Llama(LlamaModelConfig::Scratch(c)) => {
+                // The vocabulary comes from the tokenizer when it is 0: check the rest.
+                let c = oogc_models::llama::LlamaConfig { vocab_size: c.vocab_size.max(1), ..c.clone() };
+                if let Err(e) = c.validate() {
+                    return bad("model", e.to_string());
+                }
+                if c.max_position_embeddings < t.seq_len {
+                    return bad(
+                        "model.max_position_embeddings",
+                        format!("{} is below train.seq_len = {}", c.max_position_embeddings, t.seq_len),
+                    );
+                }
+                if self.data.tokenizer.is_none() {
+                    return bad(
+                        "data.tokenizer",
+                        "a Llama-family model needs a tokenizer.json (the GPT trains on bytes)".into(),
+                    );
+                }
+            }
+            ModelConfig::Llama(LlamaModelConfig::Init(_)) => {
+                if self.data.tokenizer.is_none() {
+                    return bad(
+                        "data.tokenizer",
+                        "a Llama-family model needs a tokenizer.json: usually the checkpoint's own".into(),
+                    );
+                }
+            }
+        }
         if t.batch_size == 0 {
             return bad("train.batch_size", "must be ≥ 1".into());
         }
         if t.seq_len == 0 {
             return bad("train.seq_len", "must be ≥ 1".into());
-        }
-        if let Some(max) = m.max_seq_len {
-            if max < t.seq_len {
-                return bad("model.max_seq_len", format!("{max} is below train.seq_len = {}", t.seq_len));
-            }
         }
         if t.eval_batches == 0 {
             return bad("train.eval_batches", "must be ≥ 1".into());
@@ -648,11 +843,16 @@ impl TrainConfig {
         if b.gpu.as_u64() == 0 {
             return bad("budgets.gpu", "must be > 0, e.g. \"64MiB\"".into());
         }
-        if b.optimizer_state == StatePlacement::Nvme && b.nvme_dirs.is_empty() {
+        if (b.optimizer_state == StatePlacement::Nvme || b.params == StatePlacement::Nvme) && b.nvme_dirs.is_empty() {
             return bad(
                 "budgets.nvme_dirs",
-                "optimizer_state = \"nvme\" needs at least one directory, e.g. nvme_dirs = [\"/tmp/oogc-nvme\"]".into(),
+                "optimizer_state = \"nvme\" or params = \"nvme\" needs at least one directory, e.g. \
+                 nvme_dirs = [\"/tmp/oogc-nvme\"]"
+                    .into(),
             );
+        }
+        if b.host.as_u64() == 0 {
+            return bad("budgets.host", "must be > 0, e.g. \"1GiB\"".into());
         }
         let o = &self.optimizer;
         if !(o.lr > 0.0 && o.lr.is_finite()) {
@@ -687,14 +887,14 @@ impl TrainConfig {
         if !(0.0..1.0).contains(&moe.popularity_decay) {
             return bad("moe.popularity_decay", format!("{} must be in [0, 1)", moe.popularity_decay));
         }
-        if let Some(m) = &self.model.moe {
+        if let Some(m) = self.model.moe() {
             if m.experts < 2 {
                 return bad("model.moe.experts", format!("{} must be ≥ 2", m.experts));
             }
             if !(1..=2).contains(&m.top_k) || m.top_k > m.experts {
                 return bad("model.moe.top_k", format!("{} must be 1 or 2 (and ≤ experts)", m.top_k));
             }
-            if self.model.tied_head {
+            if self.model.gpt().is_some_and(|g| g.tied_head) {
                 return bad(
                     "model.tied_head",
                     "a tied LM head with MoE blocks is not supported; set tied_head = false".into(),
@@ -707,14 +907,9 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// The MLP width: `d_ff` or 4 × `d_model`.
-    pub fn d_ff(&self) -> usize {
-        self.model.d_ff.unwrap_or(4 * self.model.d_model)
-    }
-
-    /// The learned positions: `max_seq_len` or `train.seq_len`.
-    pub fn max_seq_len(&self) -> usize {
-        self.model.max_seq_len.unwrap_or(self.train.seq_len)
+    /// Whether anything (optimizer state or parameters) lives on NVMe.
+    pub fn uses_nvme(&self) -> bool {
+        self.budgets.optimizer_state == StatePlacement::Nvme || self.budgets.params == StatePlacement::Nvme
     }
 
     /// The end-of-decay learning rate: `min_lr` or 0.1 × `lr`.
@@ -747,11 +942,34 @@ gpu = "1.5MiB"
         let cfg = TrainConfig::from_toml_str(MINIMAL).unwrap();
         assert_eq!(cfg.budgets.gpu.as_u64(), 3 << 19);
         assert_eq!(cfg.budgets.host.as_u64(), 4 << 30);
-        assert_eq!(cfg.d_ff(), 128);
-        assert_eq!(cfg.max_seq_len(), 16);
+        assert_eq!(cfg.model.gpt().unwrap().d_ff(), 128);
+        assert_eq!(cfg.model.gpt().unwrap().max_seq_len(cfg.train.seq_len), 16);
         assert_eq!(cfg.device.kind, DeviceKind::Sim);
         assert_eq!(cfg.prefetch.depth, 2);
         assert!((cfg.min_lr() - 1e-4).abs() < 1e-9);
+    }
+
+    #[test]
+    fn the_host_budget_keys_parse() {
+        let text = MINIMAL.replace(
+            "gpu = \"1.5MiB\"",
+            "gpu = \"1.5MiB\"\nhost = \"512MiB\"\nparams = \"nvme\"\nnvme_dirs = [\"n\"]\nnvme_size = \"1GiB\"",
+        )
+            + "[optimizer]\nrollback_budget = \"16MiB\"\nstream_host_budget = \"32MiB\"\n[prefetch]\nhost_depth = 3\n";
+        let cfg = TrainConfig::from_toml_str(&text).unwrap();
+        assert_eq!(cfg.budgets.params, StatePlacement::Nvme);
+        assert_eq!(cfg.budgets.host.as_u64(), 512 << 20);
+        assert_eq!(cfg.optimizer.rollback_budget.map(|b| b.as_u64()), Some(16 << 20));
+        assert_eq!(cfg.optimizer.stream_host_budget.map(|b| b.as_u64()), Some(32 << 20));
+        assert_eq!(cfg.prefetch.host_depth, 3);
+        assert!(cfg.uses_nvme());
+        let o = crate::train::optimizer_config(&cfg);
+        assert_eq!((o.rollback_budget_bytes, o.stream_host_budget_bytes), (Some(16 << 20), 32 << 20));
+        let d = TrainConfig::from_toml_str(MINIMAL).unwrap();
+        assert_eq!(
+            (d.budgets.params, d.prefetch.host_depth, d.optimizer.rollback_budget),
+            (StatePlacement::Host, 4, None)
+        );
     }
 
     #[test]
@@ -767,6 +985,8 @@ gpu = "1.5MiB"
             ("n_head = 4", "n_head = 5", "model.n_head"),
             ("gpu = \"1.5MiB\"", "gpu = \"0B\"", "budgets.gpu"),
             ("gpu = \"1.5MiB\"", "gpu = \"1MiB\"\noptimizer_state = \"nvme\"", "budgets.nvme_dirs"),
+            ("gpu = \"1.5MiB\"", "gpu = \"1MiB\"\nparams = \"nvme\"", "budgets.nvme_dirs"),
+            ("gpu = \"1.5MiB\"", "gpu = \"1MiB\"\nhost = \"0B\"", "budgets.host"),
             ("seq_len = 16", "seq_len = 0", "train.seq_len"),
         ] {
             let err = TrainConfig::from_toml_str(&MINIMAL.replace(from, to)).unwrap_err();

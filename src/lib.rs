@@ -25,6 +25,7 @@ pub mod checkpoint;
 pub mod checksum;
 pub mod config;
 pub mod data;
+pub mod export;
 pub mod hooks;
 pub mod lock;
 pub mod moe;

@@ -7,7 +7,8 @@
 //! |---|---|
 //! | [`GptShape`], [`FeedForward`], [`model_units`] | the units of a byte-level GPT (dense or MoE) and their sizes and FLOPs (small pure functions) |
 //! | [`plan_args_for_config`], [`moe_placement`] | what to plan for an `oogc train` config, MoE expert placement included |
-//! | [`plan_gpt`] | [`oogc_prefetch::plan::plan`] over those units; [`render_plan`] the table |
+//! | [`PlannedModel`] | the model a plan is for: a GPT shape ([`PlannedModel::gpt`]) or a config's own model ([`PlannedModel::of_model`], sizes and FLOPs from `oogc-models`) |
+//! | [`plan_model`] | [`oogc_prefetch::plan::plan`] over those units; [`render_plan`] the table |
 //!
 //! **FLOP model** (forward, one step of `N = seq · batch` tokens; the backward with recompute is
 //! [`HardwareProfile::backward_flops_ratio`] × this): `2 · params · N` for the matmuls of a unit,
@@ -18,12 +19,15 @@
 use std::fmt::Write as _;
 
 use oogc_moe_placement::{ColdMode, CostModel, CostModelConfig, ExpertShape, Placement};
+use oogc_optimizer::OptimizerConfig;
 use oogc_prefetch::plan::{plan, ModelUnit, PlanInput, PlanReport};
 use oogc_prefetch::{HardwareProfile, PrefetchConfig};
-use oogc_swapper::StatePlacement;
+use oogc_swapper::{DType, StatePlacement};
 use serde::Serialize;
 
 use crate::config::TrainConfig;
+use crate::runtime::{HostPlan, NvmePlan, RuntimeConfig};
+use oogc_models::{CausalLm, UnitKind};
 
 /// Why a plan cannot be made.
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +35,9 @@ pub enum PlanError {
     /// The model's shape is unusable (a zero dimension, an MoE placement of the wrong shape).
     #[error("{0}")]
     Shape(String),
+    /// The config's model cannot be built (tokenizer.json, Hugging Face checkpoint, dimensions).
+    #[error("the model to plan: {0}")]
+    Model(String),
     /// The planner refused the budgets or the hardware profile (a GPU budget below the minimum
     /// names the minimum in bytes).
     #[error("planning the step: {0}")]
@@ -200,19 +207,125 @@ pub fn model_units(s: &GptShape, ff: &FeedForward) -> Result<Vec<ModelUnit>, Pla
     Ok(units)
 }
 
+/// The model a plan is made for: a one-line description, its units in forward order (sizes
+/// and FLOPs) and, for MoE, where each expert runs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PlannedModel {
+    /// One line describing the model (`GPT byte-vocab, 8 layers, ...`, `llama, 6 layers, ...`).
+    pub description: String,
+    /// Its units in forward order.
+    pub units: Vec<ModelUnit>,
+    /// MoE: where each expert runs, `[block][expert]` (under uniform routing); empty for a
+    /// dense model.
+    pub placements: Vec<Vec<Placement>>,
+}
+
+impl PlannedModel {
+    /// A byte-level GPT of `shape` with `ff` blocks ([`model_units`]): the shape-only plan of
+    /// `oogc plan --layers .. --d-model ..`.
+    ///
+    /// # Errors
+    /// A zero dimension; an MoE placement of the wrong shape.
+    pub fn gpt(shape: &GptShape, ff: &FeedForward) -> Result<Self, PlanError> {
+        if shape.layers == 0 || shape.d_model == 0 || shape.seq_len == 0 || shape.batch == 0 {
+            return Err(PlanError::Shape("--layers, --d-model, --seq-len and --batch must be > 0".into()));
+        }
+        let ffs = match ff {
+            FeedForward::Dense { d_ff } => format!("MLP {}", d_ff.unwrap_or(4 * shape.d_model)),
+            FeedForward::Moe(m) => format!("MoE {} experts top-{} of width {}", m.experts, m.top_k, m.d_expert),
+        };
+        let description = format!(
+            "GPT byte-vocab, {} layers, d_model {}, {ffs}, seq {} x batch {}",
+            shape.layers, shape.d_model, shape.seq_len, shape.batch
+        );
+        let placements = match ff {
+            FeedForward::Moe(m) => m.placements.clone(),
+            FeedForward::Dense { .. } => Vec::new(),
+        };
+        Ok(Self { description, units: model_units(shape, ff)?, placements })
+    }
+
+    /// The model of a training config, its units taken from the model itself (`oogc-models`:
+    /// sizes from the unit layouts, FLOPs from [`CausalLm::forward_flops`]) with f32 compute
+    /// copies (the sim device's), `batch × seq_len` tokens per step, MoE experts placed by
+    /// [`moe_placement`] with `top_k / experts` of the tokens each (uniform routing); experts
+    /// placed [`Placement::Cpu`] are [`ModelUnit::host_compute`] units, [`Placement::Skip`]
+    /// ones are left out.
+    pub fn of_model(
+        model: &dyn CausalLm,
+        family: &str,
+        batch: usize,
+        seq_len: usize,
+        top_k: usize,
+        placements: Vec<Vec<Placement>>,
+    ) -> Self {
+        let tokens = batch * seq_len;
+        let mut units = Vec::with_capacity(model.units().len());
+        let mut experts_per_block = 0;
+        for (k, u) in model.units().iter().enumerate() {
+            let mut unit = ModelUnit {
+                name: u.name.clone(),
+                numel: u.numel as u64,
+                compute_bytes: u.numel as u64 * 4,
+                forward_flops: model.forward_flops(k, tokens, seq_len),
+                host_compute: false,
+            };
+            if let UnitKind::Expert { block, expert } = u.kind {
+                experts_per_block = experts_per_block.max(expert + 1);
+                let experts = model
+                    .units()
+                    .iter()
+                    .filter(|s| matches!(s.kind, UnitKind::Expert { block: b, .. } if b == block))
+                    .count();
+                let placement = placements.get(block).and_then(|b| b.get(expert)).copied().unwrap_or(Placement::Fetch);
+                if placement == Placement::Skip {
+                    continue;
+                }
+                unit.forward_flops = model.forward_flops(k, tokens * top_k / experts.max(1), seq_len);
+                unit.host_compute = placement == Placement::Cpu;
+            }
+            units.push(unit);
+        }
+        let blocks =
+            model.units().iter().filter(|u| matches!(u.kind, UnitKind::Block(_) | UnitKind::MoeTrunk(_))).count();
+        let params: usize = model.units().iter().map(|u| u.numel).sum();
+        let moe = if experts_per_block > 0 {
+            format!(", MoE {experts_per_block} experts top-{top_k}")
+        } else {
+            String::new()
+        };
+        let description = format!(
+            "{family}, {blocks} blocks{moe}, vocab {}, {:.2} M params, seq {seq_len} x batch {batch}",
+            model.vocab_size(),
+            params as f64 / 1e6
+        );
+        Self { description, units, placements }
+    }
+
+    /// Experts placed `p`, all blocks together.
+    pub fn count(&self, p: Placement) -> usize {
+        self.placements.iter().flatten().filter(|&&q| q == p).count()
+    }
+}
+
 /// What `oogc plan` plans.
 #[derive(Debug, Clone)]
 pub struct PlanArgs {
     /// The model.
-    pub shape: GptShape,
-    /// The blocks' feed-forward: dense MLP or MoE experts with their placement.
-    pub feed_forward: FeedForward,
+    pub model: PlannedModel,
     /// GPU bytes for unit copies.
     pub gpu_budget_bytes: u64,
     /// Host bytes, if limited.
     pub host_budget_bytes: Option<u64>,
     /// Optimizer state placement; `None`: host if the host budget holds it, else NVMe.
     pub optimizer_state: Option<StatePlacement>,
+    /// Where the compute copies' home is (`[budgets] params`).
+    pub params: StatePlacement,
+    /// The CPU optimizer (threads, stream chunks and budget, roll-back budget): what the host
+    /// plan splits the budget by.
+    pub optimizer: OptimizerConfig,
+    /// Units the trainer pins at once (2 with a tied head or MoE blocks).
+    pub max_units_in_use: usize,
     /// Prefetch depth, units.
     pub max_depth: usize,
     /// The machine.
@@ -221,41 +334,40 @@ pub struct PlanArgs {
     pub trace: bool,
 }
 
-/// The plan of an `oogc train` config: its model (f32 compute copies, as on the sim device; MoE
-/// blocks with [`moe_placement`]), batch, GPU and host budgets, state tier and prefetch depth. On
-/// the sim device with a throttled link (`[device] link_gbps > 0`) the link replaces the
-/// profile's H2D/D2H bandwidth, since that is the link the run will have.
-pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace: bool) -> PlanArgs {
+/// The plan of an `oogc train` config: its model ([`PlannedModel::of_model`]: the model the
+/// trainer builds, f32 compute copies as on the sim device, MoE blocks with [`moe_placement`]),
+/// batch, GPU and host budgets, state tier and prefetch depth. On the sim device with a throttled
+/// link (`[device] link_gbps > 0`) the link replaces the profile's H2D/D2H bandwidth, since that
+/// is the link the run will have.
+///
+/// # Errors
+/// [`PlanError::Model`] when the config's model cannot be built (its tokenizer.json or
+/// Hugging Face checkpoint unreadable, bad dimensions).
+pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace: bool) -> Result<PlanArgs, PlanError> {
     let mut hardware = hardware.clone();
     if cfg.device.kind.is_sim() && cfg.device.link_gbps > 0.0 {
         hardware.h2d_gbps = cfg.device.link_gbps;
         hardware.d2h_gbps = cfg.device.link_gbps;
     }
-    let feed_forward = match &cfg.model.moe {
-        None => FeedForward::Dense { d_ff: Some(cfg.d_ff() as u64) },
-        Some(m) => FeedForward::Moe(MoePlan {
-            experts: m.experts as u64,
-            top_k: m.top_k as u64,
-            d_expert: m.d_expert.unwrap_or_else(|| cfg.d_ff()) as u64,
-            placements: moe_placement(cfg, &hardware),
-        }),
-    };
-    PlanArgs {
-        shape: GptShape {
-            layers: cfg.model.n_layer as u64,
-            d_model: cfg.model.d_model as u64,
-            seq_len: cfg.train.seq_len as u64,
-            batch: cfg.train.batch_size as u64,
-            dtype_bytes: 4,
-        },
-        feed_forward,
+    let model_err = |e: crate::train::TrainError| PlanError::Model(e.to_string());
+    let vocab = crate::train::vocab_size(cfg).map_err(model_err)?;
+    let model = crate::train::build_model(cfg, vocab).map_err(model_err)?;
+    let placements = moe_placement(cfg, &*model, &hardware);
+    let top_k = cfg.model.moe().map_or(1, |m| m.top_k);
+    let planned =
+        PlannedModel::of_model(&*model, cfg.model.family(), cfg.train.batch_size, cfg.train.seq_len, top_k, placements);
+    Ok(PlanArgs {
+        model: planned,
         gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
         host_budget_bytes: Some(cfg.budgets.host.as_u64()),
         optimizer_state: Some(cfg.budgets.optimizer_state),
+        params: cfg.budgets.params,
+        optimizer: crate::train::optimizer_config(cfg),
+        max_units_in_use: crate::train::max_units_in_use(&*model),
         max_depth: cfg.prefetch.depth.max(1),
         hardware,
         trace,
-    }
+    })
 }
 
 /// Where the experts of an MoE config run in a steady-state step, `[block][expert]` (empty for a
@@ -274,16 +386,21 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
 /// device `hardware.device_gflops` for both GPU and CPU (the sim device's GPU is this CPU); on
 /// a GPU the cost model's defaults. The trainer corrects its rates online and routing is not
 /// uniform, so a real step places a few experts differently.
-pub fn moe_placement(cfg: &TrainConfig, hardware: &HardwareProfile) -> Vec<Vec<Placement>> {
-    let Some(m) = &cfg.model.moe else { return Vec::new() };
-    let (layers, experts) = (cfg.model.n_layer, m.experts);
+pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &HardwareProfile) -> Vec<Vec<Placement>> {
+    let experts_of = |u: &oogc_models::UnitSpec| match u.kind {
+        UnitKind::Expert { block, expert } => Some((block, expert, u.numel as u64)),
+        _ => None,
+    };
+    let all: Vec<(usize, usize, u64)> = model.units().iter().filter_map(experts_of).collect();
+    let Some(&(_, _, numel)) = all.first() else { return Vec::new() };
+    let layers = all.iter().map(|e| e.0 + 1).max().unwrap_or(0);
+    let experts = all.iter().map(|e| e.1 + 1).max().unwrap_or(0);
+    let top_k = cfg.model.moe().map_or(1, |m| m.top_k);
     if !crate::moe::places_experts(cfg) {
         return vec![vec![Placement::Fetch; experts]; layers];
     }
-    let d = cfg.model.d_model as u64;
-    let numel = expert_params(d, m.d_expert.unwrap_or_else(|| cfg.d_ff()) as u64);
     let bytes = numel * 4;
-    let tokens = (cfg.train.batch_size * cfg.train.seq_len * m.top_k / experts.max(1)) as u64;
+    let tokens = (cfg.train.batch_size * cfg.train.seq_len * top_k / experts.max(1)) as u64;
     // The sim device's GPU is this CPU, at the profile's rate; on a GPU the cost model's CPU rate.
     let cpu_gflops =
         if cfg.device.kind.is_sim() { hardware.device_gflops } else { CostModelConfig::default().cpu_gflops };
@@ -311,17 +428,34 @@ pub fn moe_placement(cfg: &TrainConfig, hardware: &HardwareProfile) -> Vec<Vec<P
         .collect()
 }
 
-/// Plans a GPT: [`model_units`] then [`oogc_prefetch::plan::plan`].
+/// The split of the host budget for `args`' model ([`HostPlan`], what the runtime applies
+/// before its first step), and the NVMe store it needs ([`NvmePlan`]; `None` when nothing lives
+/// there). Without a host budget, an unlimited one.
+pub fn host_and_nvme_plan(args: &PlanArgs, report: &PlanReport) -> (HostPlan, Option<NvmePlan>) {
+    let units: Vec<usize> = args.model.units.iter().map(|u| u.numel as usize).collect();
+    let state = if report.optimizer_state_on_nvme { StatePlacement::Nvme } else { StatePlacement::Host };
+    let mut optimizer = args.optimizer.clone();
+    optimizer.compute_dtype =
+        if args.model.units.first().is_some_and(|u| u.compute_bytes < 4 * u.numel) { DType::BF16 } else { DType::F32 };
+    let nvme = NvmePlan::new(&units, state, args.params, optimizer.compute_dtype.size_in_bytes(), &optimizer, None);
+    let mut rc = RuntimeConfig::sim(args.gpu_budget_bytes);
+    rc.host_budget_bytes = args.host_budget_bytes.unwrap_or(u64::MAX);
+    rc.state_placement = state;
+    rc.params_placement = args.params;
+    rc.optimizer = optimizer;
+    let room = nvme.as_ref().map_or(0, |p| p.speculation_room_bytes());
+    (HostPlan::new(&rc, &units, args.max_units_in_use, room), nvme)
+}
+
+/// Plans a model: its units through [`oogc_prefetch::plan::plan`] (the step simulator with the
+/// prefetch and eviction policies the runtime uses); the host and NVMe figures are the runtime's
+/// ([`host_and_nvme_plan`]: the host peak of every ledger category, the NVMe store's size).
 ///
 /// # Errors
-/// A zero dimension; an MoE placement of the wrong shape; the planner's errors (a GPU budget
-/// below the minimum names the minimum in bytes).
-pub fn plan_gpt(args: &PlanArgs) -> Result<PlanReport, PlanError> {
-    if args.shape.layers == 0 || args.shape.d_model == 0 || args.shape.seq_len == 0 || args.shape.batch == 0 {
-        return Err(PlanError::Shape("--layers, --d-model, --seq-len and --batch must be > 0".into()));
-    }
+/// The planner's errors (a GPU budget below the minimum names the minimum in bytes).
+pub fn plan_model(args: &PlanArgs) -> Result<PlanReport, PlanError> {
     let input = PlanInput {
-        units: model_units(&args.shape, &args.feed_forward)?,
+        units: args.model.units.clone(),
         gpu_budget_bytes: args.gpu_budget_bytes,
         host_budget_bytes: args.host_budget_bytes,
         optimizer_state: args.optimizer_state,
@@ -329,21 +463,23 @@ pub fn plan_gpt(args: &PlanArgs) -> Result<PlanReport, PlanError> {
         steps: 3,
         trace: args.trace,
     };
-    Ok(plan(&input, &args.hardware)?)
+    let mut report = plan(&input, &args.hardware)?;
+    let (host, nvme) = host_and_nvme_plan(args, &report);
+    report.memory.host_bytes = host.peak_bytes();
+    report.memory.nvme_bytes = nvme.as_ref().map_or(0, |p| p.capacity_bytes);
+    report.warnings.retain(|w| !w.starts_with("host needs"));
+    if host.check().is_err() {
+        report.warnings.push(format!(
+            "the host budget of {} B is below the run's minimum of {} B: raise it, or put the optimizer state \
+             and/or the parameters on NVMe",
+            host.budget_bytes, host.min_bytes
+        ));
+    }
+    Ok(report)
 }
 
 fn gib(b: u64) -> String {
     format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64)
-}
-
-/// One line describing the model of `args` (`GPT byte-vocab, 8 layers, d_model 192, ...`).
-pub fn describe_model(args: &PlanArgs) -> String {
-    let s = &args.shape;
-    let ff = match &args.feed_forward {
-        FeedForward::Dense { d_ff } => format!("MLP {}", d_ff.unwrap_or(4 * s.d_model)),
-        FeedForward::Moe(m) => format!("MoE {} experts top-{} of width {}", m.experts, m.top_k, m.d_expert),
-    };
-    format!("GPT byte-vocab, {} layers, d_model {}, {ff}, seq {} x batch {}", s.layers, s.d_model, s.seq_len, s.batch)
 }
 
 /// A plan as a human-readable table (what `oogc plan` prints).
@@ -352,13 +488,14 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
     writeln!(
         out,
         "model: {}: {} units, {:.1} M params, compute copies {}",
-        describe_model(args),
+        args.model.description,
         r.units,
         r.params as f64 / 1e6,
         gib(r.model_bytes)
     )
     .expect("writing to a String");
-    if let FeedForward::Moe(m) = &args.feed_forward {
+    if !args.model.placements.is_empty() {
+        let m = &args.model;
         writeln!(
             out,
             "experts: {} hot (resident), {} fetched, {} computed on the CPU, {} idle — the trainer's placement under \
@@ -390,24 +527,29 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
         r.full_gpu_budget_bytes
     )
     .expect("writing to a String");
+    let host = Some(host_and_nvme_plan(args, r));
     writeln!(
         out,
-        "{:<10} {:>14} {:>16}  compute copies + {} + gradients in flight",
+        "{:<10} {:>14} {:>16}  every ledger category at its planned bytes{}",
         "host",
         r.memory.host_bytes,
         gib(r.memory.host_bytes),
-        if r.optimizer_state_on_nvme { "NVMe staging" } else { "optimizer state (12 B/param)" }
+        host.as_ref().map_or(String::new(), |(h, _)| format!(" (minimum {} B)", h.min_bytes))
     )
     .expect("writing to a String");
-    writeln!(
-        out,
-        "{:<10} {:>14} {:>16}  {}",
-        "nvme",
-        r.memory.nvme_bytes,
-        gib(r.memory.nvme_bytes),
-        if r.optimizer_state_on_nvme { "optimizer state (12 B/param)" } else { "-" }
-    )
-    .expect("writing to a String");
+    if let Some((h, _)) = &host {
+        for (name, bytes) in h.by_category() {
+            writeln!(out, "{:<10} {:>14} {:>16}  host: {name}", "", bytes, gib(bytes)).expect("writing to a String");
+        }
+    }
+    let on_nvme = match (r.optimizer_state_on_nvme, args.params) {
+        (true, StatePlacement::Nvme) => "optimizer state + compute copies + copy-on-write slack + speculation's room",
+        (true, StatePlacement::Host) => "optimizer state + copy-on-write slack + speculation's room",
+        (false, StatePlacement::Nvme) => "compute copies + copy-on-write slack",
+        (false, StatePlacement::Host) => "-",
+    };
+    writeln!(out, "{:<10} {:>14} {:>16}  {on_nvme}", "nvme", r.memory.nvme_bytes, gib(r.memory.nvme_bytes))
+        .expect("writing to a String");
     out.push('\n');
     let pct = |x: f64| 100.0 * x / r.step_s.max(1e-12);
     writeln!(
@@ -456,16 +598,49 @@ mod tests {
         TrainConfig::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("configs").join(name)).unwrap()
     }
 
+    /// The GPT-shape formulas of this module, for a GPT config.
+    fn shape_units(cfg: &TrainConfig, placements: Vec<Vec<Placement>>) -> Vec<ModelUnit> {
+        let g = cfg.model.gpt().expect("a GPT config");
+        let shape = GptShape {
+            layers: g.n_layer as u64,
+            d_model: g.d_model as u64,
+            seq_len: cfg.train.seq_len as u64,
+            batch: cfg.train.batch_size as u64,
+            dtype_bytes: 4,
+        };
+        let ff = match &g.moe {
+            None => FeedForward::Dense { d_ff: Some(g.d_ff() as u64) },
+            Some(m) => FeedForward::Moe(MoePlan {
+                experts: m.experts as u64,
+                top_k: m.top_k as u64,
+                d_expert: m.d_expert.unwrap_or_else(|| g.d_ff()) as u64,
+                placements,
+            }),
+        };
+        model_units(&shape, &ff).unwrap()
+    }
+
     #[test]
-    fn the_example_configs_plan_the_trainers_parameters() {
+    fn a_configs_units_from_the_model_agree_with_the_gpt_formulas() {
         for name in ["tinyshakespeare.toml", "tinyshakespeare-resident.toml", "tinyshakespeare-moe.toml"] {
             let cfg = example(name);
-            let args = plan_args_for_config(&cfg, &HardwareProfile::default(), false);
-            let units = model_units(&args.shape, &args.feed_forward).unwrap();
-            let params: u64 = units.iter().map(|u| u.numel).sum();
-            let gcfg = crate::train::gpt_config(&cfg, 256);
-            assert_eq!(params, gcfg.num_params() as u64, "{name}");
-            let r = plan_gpt(&args).unwrap();
+            let args = plan_args_for_config(&cfg, &HardwareProfile::default(), false).unwrap();
+            // Two independent counts: the model's unit layouts and FLOPs vs this module's formulas.
+            let formulas = shape_units(&cfg, args.model.placements.clone());
+            let from_model = &args.model.units;
+            assert_eq!(from_model.len(), formulas.len(), "{name}");
+            for (a, b) in from_model.iter().zip(&formulas) {
+                assert_eq!(
+                    (a.numel, a.compute_bytes, a.host_compute),
+                    (b.numel, b.compute_bytes, b.host_compute),
+                    "{name}: {a:?} vs {b:?}"
+                );
+                assert!(
+                    (a.forward_flops - b.forward_flops).abs() <= 1e-9 * b.forward_flops.max(1.0),
+                    "{name}: {a:?} vs {b:?}"
+                );
+            }
+            let r = plan_model(&args).unwrap();
             assert!(r.step_s > 0.0 && r.compute_s > 0.0, "{name}: {r:?}");
         }
     }
@@ -474,25 +649,25 @@ mod tests {
     fn moe_placement_follows_the_cost_model() {
         let mut cfg = example("tinyshakespeare-moe.toml");
         let hw = HardwareProfile::default();
-        let p = moe_placement(&cfg, &hw);
+        let model = crate::train::build_model(&cfg, 256).unwrap();
+        let p = moe_placement(&cfg, &*model, &hw);
         assert_eq!((p.len(), p[0].len()), (4, 8));
         // The sim device's GPU is this CPU: keeping an expert resident saves nothing, and the
         // block balances its experts between fetching and the CPU.
         let all: Vec<Placement> = p.iter().flatten().copied().collect();
         assert!(!all.contains(&Placement::Resident), "{p:?}");
         assert!(all.contains(&Placement::Cpu) && all.contains(&Placement::Fetch), "{p:?}");
-        let args = plan_args_for_config(&cfg, &hw, false);
-        let units = model_units(&args.shape, &args.feed_forward).unwrap();
-        let cpu = units.iter().filter(|u| u.host_compute).count();
+        let args = plan_args_for_config(&cfg, &hw, false).unwrap();
+        let cpu = args.model.units.iter().filter(|u| u.host_compute).count();
         assert_eq!(cpu, all.iter().filter(|&&q| q == Placement::Cpu).count());
         cfg.moe.cpu_compute = false;
-        assert!(moe_placement(&cfg, &hw).iter().flatten().all(|&q| q != Placement::Cpu));
+        assert!(moe_placement(&cfg, &*model, &hw).iter().flatten().all(|&q| q != Placement::Cpu));
         cfg.moe.policy = crate::config::MoePolicy::Fetch;
-        assert!(moe_placement(&cfg, &hw).iter().flatten().all(|&q| q == Placement::Fetch));
+        assert!(moe_placement(&cfg, &*model, &hw).iter().flatten().all(|&q| q == Placement::Fetch));
         // A fast device beside a slow CPU keeps a hot set.
         cfg.moe.policy = crate::config::MoePolicy::Ours;
         cfg.device.kind = crate::config::DeviceKind::Cuda(0);
-        let hot = moe_placement(&cfg, &hw).iter().flatten().filter(|&&q| q == Placement::Resident).count();
+        let hot = moe_placement(&cfg, &*model, &hw).iter().flatten().filter(|&&q| q == Placement::Resident).count();
         assert!(hot > 0, "{hot}");
     }
 

@@ -171,8 +171,10 @@ pub struct RunSummary {
     pub peak_gpu_bytes: u64,
     /// Peak bytes held in pinned host memory by the residency manager.
     pub peak_host_bytes: u64,
-    /// NVMe bytes in use at the end (optimizer state).
+    /// NVMe bytes in use at the end (optimizer state, compute copies placed there).
     pub nvme_bytes: u64,
+    /// Host memory: the plan, the ledger and the process (see [`HostReport`]).
+    pub host: HostReport,
     /// Parameters + optimizer state (16 B/param: f32 compute copy + master + m + v) over the GPU
     /// budget.
     pub model_to_gpu_ratio: f64,
@@ -184,6 +186,25 @@ pub struct RunSummary {
     /// The checkpoint a later `--resume` continues from (the newest written or resumed from);
     /// `None` without a checkpoint directory.
     pub checkpoint: Option<PathBuf>,
+}
+
+/// Host memory at the end of a run: what the plan predicted, what the runtime's ledger counted,
+/// and what the process really held (peak RSS), beside the stated fixed overhead. Bytes.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct HostReport {
+    /// `[budgets] host`.
+    pub budget_bytes: u64,
+    /// The plan's host peak: every ledger category at its planned bytes.
+    pub plan_peak_bytes: u64,
+    /// The ledger's peak: the most bytes claimed at once.
+    pub ledger_peak_bytes: u64,
+    /// The process's peak resident set size (`VmHWM`); 0 where it cannot be read.
+    pub peak_rss_bytes: u64,
+    /// The stated overhead outside the ledger: the process, the training text, the sim device's
+    /// memory, candle's buffers.
+    pub fixed_overhead_bytes: u64,
+    /// Per ledger category: `(category, planned bytes, ledger peak bytes)`.
+    pub categories: Vec<(String, u64, u64)>,
 }
 
 /// `bytes` as decimal gigabytes, `"1.23 GB"`.
@@ -350,6 +371,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
     summary.peak_gpu_bytes = peak.device;
     summary.peak_host_bytes = peak.host;
     summary.nvme_bytes = peak.nvme;
+    summary.host = host_report(&trainer);
     tracing::debug!(wall_s = run_start.elapsed().as_secs_f64(), "run finished");
     Ok(summary)
 }
@@ -454,6 +476,25 @@ fn trim_metrics_for_resume(path: &Path, resumed_step: u64) -> std::io::Result<()
     Ok(())
 }
 
+/// The host memory figures of `trainer`'s run so far.
+fn host_report(trainer: &Trainer) -> HostReport {
+    let rt = trainer.runtime();
+    let ledger = rt.host_ledger().report();
+    let plan = rt.host_plan().cloned().unwrap_or_else(|| rt.plan_host());
+    HostReport {
+        budget_bytes: ledger.budget_bytes,
+        plan_peak_bytes: plan.peak_bytes(),
+        ledger_peak_bytes: ledger.peak_bytes,
+        peak_rss_bytes: crate::runtime::budget::peak_rss_bytes().unwrap_or(0),
+        fixed_overhead_bytes: trainer.host_overhead_bytes(),
+        categories: ledger
+            .categories
+            .iter()
+            .map(|c| (c.category.name().to_string(), plan.bytes_of(c.category), c.peak_bytes))
+            .collect(),
+    }
+}
+
 impl RunSummary {
     /// A human-readable report.
     pub fn render(&self) -> String {
@@ -491,6 +532,17 @@ impl RunSummary {
             "peak: GPU {} B, pinned host {} B, NVMe {} B; parameters + optimizer state = {:.1} × the GPU budget\n",
             self.peak_gpu_bytes, self.peak_host_bytes, self.nvme_bytes, self.model_to_gpu_ratio
         );
+        let h = &self.host;
+        s += &format!(
+            "host: budget {} B; plan peak {} B, ledger peak {} B, process peak RSS {} B (stated overhead outside the \
+             ledger {} B)\n",
+            h.budget_bytes, h.plan_peak_bytes, h.ledger_peak_bytes, h.peak_rss_bytes, h.fixed_overhead_bytes
+        );
+        s += "  by category (plan / ledger peak):";
+        for (name, plan, peak) in &h.categories {
+            s += &format!(" {name} {plan} / {peak};");
+        }
+        s += "\n";
         if let Some(last) = self.checkpoints.last() {
             s += &format!("checkpoints: {} written, the last {}\n", self.checkpoints.len(), last.display());
         }

@@ -100,3 +100,65 @@ fn moe_training_with_hot_and_cpu_experts_equals_in_memory_moe_training() {
     assert_eq!(a.iter().map(|x| x.2).sum::<usize>(), 0);
     assert!(b.iter().map(|x| x.2).sum::<usize>() > 0, "some experts ran on the CPU");
 }
+
+/// A tiny Llama (GQA, untied) on the BPE tokenizer's ids, state on NVMe and a GPU budget of a
+/// third of its parameters' bytes.
+fn tiny_llama(nvme: &std::path::Path, cache: &std::path::Path) -> String {
+    format!(
+        r#"
+[model]
+family = "llama"
+hidden_size = 32
+intermediate_size = 88
+num_hidden_layers = 6
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 32
+[data]
+path = "{data}"
+tokenizer = "{tok}"
+cache_dir = "{cache}"
+[train]
+batch_size = 4
+seq_len = 16
+steps = 12
+seed = 5
+eval_interval = 0
+eval_batches = 2
+[budgets]
+gpu = "64MiB"
+host = "64MiB"
+optimizer_state = "nvme"
+nvme_dirs = ["{nvme}"]
+[optimizer]
+lr = 3e-3
+warmup_steps = 3
+clip_norm = 0.5
+[threads]
+optimizer = 2
+"#,
+        data = common::data_path().display(),
+        tok = common::repo_root().join("../shared/fixtures/llama/tokenizer.json").display(),
+        cache = cache.display(),
+        nvme = nvme.display()
+    )
+}
+
+#[test]
+fn offloaded_llama_training_on_bpe_tokens_equals_in_memory_training_bitwise() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg =
+        TrainConfig::from_toml_str(&tiny_llama(&dir.path().join("nvme"), &dir.path().join("tokens"))).unwrap();
+    let t = Trainer::new(cfg.clone()).unwrap();
+    let param_bytes = t.num_params() as u64 * 4;
+    let largest = t.model().units().iter().map(|u| u.numel as u64 * 4).max().unwrap();
+    drop(t);
+    cfg.budgets.gpu = bytesize::ByteSize::b((param_bytes / 3).max(2 * largest));
+    assert!(cfg.budgets.gpu.as_u64() < param_bytes);
+    let (losses, params, t) = run_steps(cfg.clone(), 12);
+    let reference = reference::train(&cfg, 12);
+    assert_eq!(losses, reference.losses);
+    assert_eq!(params, reference.params);
+    assert!(losses[11] < losses[0], "loss should fall: {losses:?}");
+    assert!(t.runtime().traffic().htod.bytes > param_bytes, "units were evicted and fetched again");
+}

@@ -4,10 +4,13 @@
 //! | row | what it measures |
 //! |---|---|
 //! | `store-uring`, `store-psync` | [`NvmeStore`] writing tensors of `tensor_bytes` from 2 MiB huge-page buffers, a few in flight, then reading and verifying them |
+//! | `store-uring-steady`, `store-psync-steady` | the steady pattern of training: the same tensors rewritten every step — each pass reads every tensor and writes it to a new extent, freeing the old one (copy-on-write), reads and writes overlapping ([`STEADY_PASSES`] passes) |
 //! | `fio-shmhuge` | `fio --ioengine=io_uring --direct=1 --iomem=shmhuge` (huge-page buffers) |
 //! | `fio-malloc` | the same with fio's default malloc'd buffers (requests split: see `../shared/peers/README.md`) |
+//! | `fio-overwrite` | fio's time-based overwrite of one file already written, reads and writes mixed 50/50 (`--rw=rw --time_based`; huge-page buffers, malloc'd where none are set aside): the reference for the steady rows (DESIGN.md: compare the same pattern; a first pass over a fresh file runs slower on ext4) |
 //!
-//! GB/s are 10⁹ bytes per second of wall time, from the first submission to the last completion.
+//! GB/s are 10⁹ bytes per second of wall time, from the first submission to the last completion
+//! (steady rows: read and write GB/s over the same wall time).
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -71,6 +74,12 @@ pub struct NvmeBenchRow {
     pub note: String,
 }
 
+/// Passes of the steady rewrite (the rows `store-*-steady`).
+pub const STEADY_PASSES: usize = 2;
+
+/// Seconds of fio's time-based overwrite (`fio-overwrite`).
+const FIO_OVERWRITE_S: u32 = 3;
+
 /// Tensors in flight at once: enough to keep `queue_depth` blocks busy, at least 2.
 fn in_flight(args: &NvmeBenchArgs) -> usize {
     let blocks_per_tensor = args.tensor_bytes.div_ceil(args.block_bytes).max(1);
@@ -131,18 +140,68 @@ pub fn write_then_read(store: &NvmeStore, bufs: &mut Vec<HostBuffer>, n: usize) 
     Ok((extents, write_s, t.elapsed().as_secs_f64()))
 }
 
-fn store_row(args: &NvmeBenchArgs, engine: EngineChoice) -> Result<NvmeBenchRow> {
+/// One pass of training's steady pattern over `extents`: every tensor read into a buffer of
+/// `bufs` (two reads in flight) and written back to a new extent, the old one freed once the
+/// write completed (copy-on-write), writes overlapping the next reads. Returns the new extents,
+/// in order; `bufs` holds all its buffers again on return.
+///
+/// # Errors
+/// The store's I/O, checksum or space errors.
+///
+/// # Panics
+/// If `bufs` holds fewer than three buffers.
+pub fn rewrite_pass(store: &NvmeStore, bufs: &mut Vec<HostBuffer>, extents: Vec<Extent>) -> Result<Vec<Extent>> {
+    assert!(bufs.len() >= 3, "a rewrite pass needs at least three buffers");
+    let mut out: Vec<Option<Extent>> = (0..extents.len()).map(|_| None).collect();
+    let mut reads = VecDeque::new();
+    let mut writes: VecDeque<(usize, Extent, oogc_swapper::IoHandle<Extent>)> = VecDeque::new();
+    let mut next = extents.into_iter().enumerate();
+    let finish_write = |writes: &mut VecDeque<(usize, Extent, oogc_swapper::IoHandle<Extent>)>,
+                        out: &mut Vec<Option<Extent>>|
+     -> Result<HostBuffer> {
+        let (i, old, h) = writes.pop_front().expect("a write in flight");
+        let (r, buf) = h.wait();
+        out[i] = Some(r?);
+        store.free(old);
+        Ok(buf)
+    };
+    loop {
+        while reads.len() < 2 {
+            let Some((i, e)) = next.next() else { break };
+            let buf = match bufs.pop() {
+                Some(b) => b,
+                None => finish_write(&mut writes, &mut out)?,
+            };
+            let h = store.read(&e, buf);
+            reads.push_back((i, e, h));
+        }
+        let Some((i, e, h)) = reads.pop_front() else { break };
+        let (r, buf) = h.wait();
+        r?;
+        writes.push_back((i, e, store.write(TensorId(i as u64), buf)));
+    }
+    while !writes.is_empty() {
+        let b = finish_write(&mut writes, &mut out)?;
+        bufs.push(b);
+    }
+    Ok(out.into_iter().map(|e| e.expect("every tensor rewritten")).collect())
+}
+
+fn store_row(args: &NvmeBenchArgs, engine: EngineChoice) -> Result<Vec<NvmeBenchRow>> {
     let total = (args.size_gib * (1u64 << 30) as f64) as u64;
     let n = (total / args.tensor_bytes as u64).max(1) as usize;
     let bytes = n as u64 * args.tensor_bytes as u64;
+    let k = in_flight(args).max(3);
+    // Copy-on-write room for the steady passes: the writes in flight hold new extents beside
+    // the old ones.
+    let slack = (k as u64 + 1) * args.tensor_bytes as u64 + (args.dirs.len() as u64) * (4 << 20);
     let cfg = NvmeConfig {
         block_bytes: args.block_bytes,
         queue_depth: args.queue_depth,
         engine,
-        ..NvmeConfig::new(args.dirs.clone(), bytes + (args.dirs.len() as u64) * (4 << 20))
+        ..NvmeConfig::new(args.dirs.clone(), bytes + slack)
     };
     let store = NvmeStore::open(cfg)?;
-    let k = in_flight(args);
     let pool = PinnedPool::with_mmap(&PinnedPoolConfig {
         budget_bytes: ((k + 1) * oogc_swapper::host::size_class(args.tensor_bytes)) as u64,
         lock: false,
@@ -163,18 +222,39 @@ fn store_row(args: &NvmeBenchArgs, engine: EngineChoice) -> Result<NvmeBenchRow>
         if direct { "" } else { ", buffered I/O (O_DIRECT refused)" },
         if engine == EngineChoice::Auto { format!(", auto chose {kind}") } else { String::new() },
     );
+    let t = std::time::Instant::now();
+    let mut extents = extents;
+    for _ in 0..STEADY_PASSES {
+        extents = rewrite_pass(&store, &mut bufs, extents)?;
+    }
+    let steady_s = t.elapsed().as_secs_f64();
+    let steady_bytes = bytes * STEADY_PASSES as u64;
     for e in extents {
         store.free(e);
     }
-    Ok(NvmeBenchRow {
-        engine: format!("store-{kind}"),
-        write_gbps: Some(bytes as f64 / write_s * 1e-9),
-        read_gbps: Some(bytes as f64 / read_s * 1e-9),
+    let row = |engine: String, write_gbps: f64, read_gbps: f64, bytes: u64, note: String| NvmeBenchRow {
+        engine,
+        write_gbps: Some(write_gbps),
+        read_gbps: Some(read_gbps),
         block_bytes: args.block_bytes,
         queue_depth: args.queue_depth,
         bytes,
         note,
-    })
+    };
+    let steady_gbps = steady_bytes as f64 / steady_s * 1e-9;
+    Ok(vec![
+        row(format!("store-{kind}"), bytes as f64 / write_s * 1e-9, bytes as f64 / read_s * 1e-9, bytes, note),
+        row(
+            format!("store-{kind}-steady"),
+            steady_gbps,
+            steady_gbps,
+            steady_bytes,
+            format!(
+                "{STEADY_PASSES} passes: each tensor read and rewritten to a new extent (copy-on-write), as training's \
+                 state every step; read and write overlap"
+            ),
+        ),
+    ])
 }
 
 /// Runs fio once for `rw` (`write` or `read`); returns bytes per second.
@@ -201,6 +281,37 @@ fn fio_once(file: &Path, rw: &str, bytes: u64, args: &NvmeBenchArgs, iomem: Opti
     let v: serde_json::Value = serde_json::from_str(&text[start..])
         .map_err(|source| Error::Json { what: "parsing fio's JSON".into(), source })?;
     v["jobs"][0][rw]["bw_bytes"].as_f64().ok_or_else(|| Error::Fio { reason: "no bw_bytes in fio's JSON".into() })
+}
+
+/// fio's time-based overwrite of `file` (already `bytes` long): reads and writes mixed 50/50
+/// for [`FIO_OVERWRITE_S`] seconds, with `iomem` buffers (fio's default when `None`); returns
+/// (write, read) bytes per second.
+fn fio_overwrite(file: &Path, bytes: u64, args: &NvmeBenchArgs, iomem: Option<&str>) -> Result<(f64, f64)> {
+    let mut cmd = Command::new("fio");
+    cmd.arg("--name=oogc")
+        .arg(format!("--filename={}", file.display()))
+        .args(["--rw=rw", "--rwmixread=50", "--time_based"])
+        .arg(format!("--runtime={FIO_OVERWRITE_S}"))
+        .arg(format!("--size={bytes}"))
+        .arg(format!("--bs={}", args.block_bytes))
+        .arg(format!("--iodepth={}", args.queue_depth))
+        .args(["--ioengine=io_uring", "--direct=1", "--numjobs=1", "--output-format=json"]);
+    if let Some(m) = iomem {
+        cmd.arg(format!("--iomem={m}"));
+    }
+    let out = cmd.output().map_err(Error::FioStart)?;
+    if !out.status.success() {
+        let reason = format!("fio overwrite failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        return Err(Error::Fio { reason });
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let start = text.find('{').ok_or_else(|| Error::Fio { reason: "no JSON in fio's output".into() })?;
+    let v: serde_json::Value = serde_json::from_str(&text[start..])
+        .map_err(|source| Error::Json { what: "parsing fio's JSON".into(), source })?;
+    let bw = |rw: &str| {
+        v["jobs"][0][rw]["bw_bytes"].as_f64().ok_or_else(|| Error::Fio { reason: "no bw_bytes in fio's JSON".into() })
+    };
+    Ok((bw("write")?, bw("read")?))
 }
 
 fn fio_rows(args: &NvmeBenchArgs, bytes: u64) -> Vec<NvmeBenchRow> {
@@ -235,6 +346,20 @@ fn fio_rows(args: &NvmeBenchArgs, bytes: u64) -> Vec<NvmeBenchRow> {
         let gbps = |x: f64| x * 1e-9;
         rows.push(row(name, w.ok().map(gbps), r.and_then(Result::ok).map(gbps), note));
     }
+    // The file is written: fio's time-based overwrite of it, the steady rows' reference (huge-page
+    // buffers, else malloc'd ones where no hugetlb pages are set aside).
+    let overwrite = fio_overwrite(&file, bytes, args, Some("shmhuge"))
+        .map(|x| (x, "shmhuge"))
+        .or_else(|e| fio_overwrite(&file, bytes, args, None).map(|x| (x, "malloc")).map_err(|_| e));
+    rows.push(match overwrite {
+        Ok(((w, r), mem)) => row(
+            "fio-overwrite",
+            Some(w * 1e-9),
+            Some(r * 1e-9),
+            format!("fio io_uring direct=1 {mem} buffers, --rw=rw --time_based --runtime={FIO_OVERWRITE_S}"),
+        ),
+        Err(e) => row("fio-overwrite", None, None, format!("fio failed: {}", e.report())),
+    });
     let _ = std::fs::remove_file(&file);
     rows
 }
@@ -250,7 +375,7 @@ pub fn run(args: &NvmeBenchArgs) -> Result<Vec<NvmeBenchRow>> {
     }
     let mut rows = Vec::new();
     for &engine in &args.engines {
-        rows.push(store_row(args, engine).with_context(|| format!("store with engine {engine:?}"))?);
+        rows.extend(store_row(args, engine).with_context(|| format!("store with engine {engine:?}"))?);
     }
     if args.fio {
         let bytes = rows.first().map_or((args.size_gib * (1u64 << 30) as f64) as u64, |r| r.bytes);
@@ -259,9 +384,11 @@ pub fn run(args: &NvmeBenchArgs) -> Result<Vec<NvmeBenchRow>> {
     Ok(rows)
 }
 
-/// Prints the rows as a table for humans, with each store row's ratio to `fio-shmhuge`.
+/// Prints the rows as a table for humans, with each store row's ratio to `fio-shmhuge` (a
+/// steady row's to `fio-overwrite`, the same pattern).
 pub fn print_table(rows: &[NvmeBenchRow]) {
-    let fio = rows.iter().find(|r| r.engine == "fio-shmhuge");
+    let fio_first = rows.iter().find(|r| r.engine == "fio-shmhuge");
+    let fio_steady = rows.iter().find(|r| r.engine == "fio-overwrite");
     let f = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
     let ratio = |x: Option<f64>, y: Option<f64>| match (x, y) {
         (Some(a), Some(b)) if b > 0.0 => format!("{:.2}", a / b),
@@ -272,6 +399,7 @@ pub fn print_table(rows: &[NvmeBenchRow]) {
         "engine", "write GB/s", "read GB/s", "w/fio", "r/fio", "block", "qd"
     );
     for r in rows {
+        let fio = if r.engine.ends_with("-steady") { fio_steady } else { fio_first };
         println!(
             "{:<12} {:>10} {:>10} {:>8} {:>8} {:>9} {:>4}  {}",
             r.engine,

@@ -32,7 +32,7 @@ use crate::machine::{self, Machine};
 use crate::probe::{probe_compute_on_current_pool, ComputeProbe, ComputeShape};
 use crate::step::{measure_with, variant_config, Moment};
 use oogc::config::TrainConfig;
-use oogc::plan::{plan_args_for_config, plan_gpt};
+use oogc::plan::{plan_args_for_config, plan_model};
 
 /// The largest `|plan / measured − 1|` that counts as a correct plan (issue 7: 15%).
 pub const TOLERANCE: f64 = 0.15;
@@ -67,7 +67,7 @@ impl PlanCheckArgs {
 pub struct PlanCheckRow {
     /// The config file as given.
     pub config: String,
-    /// The planned model ([`oogc::plan::describe_model`]).
+    /// The planned model ([`oogc::plan::PlannedModel::description`]).
     pub model: String,
     /// Whether the model has MoE blocks (planned with the coarse expert placement).
     pub moe: bool,
@@ -167,13 +167,13 @@ pub fn check(cfg: &TrainConfig, name: &str, args: &PlanCheckArgs) -> Result<Plan
     let probe = closest_pair_mean(&probes);
     let mut hardware = args.hardware.clone();
     probe.apply(&mut hardware);
-    let plan_args = plan_args_for_config(cfg, &hardware, false);
-    let plan = plan_gpt(&plan_args)?;
+    let plan_args = plan_args_for_config(cfg, &hardware, false)?;
+    let plan = plan_model(&plan_args)?;
     let error = plan.step_s / measured.step_s.max(1e-12) - 1.0;
     Ok(PlanCheckRow {
         config: name.to_string(),
-        model: oogc::plan::describe_model(&plan_args),
-        moe: cfg.model.moe.is_some(),
+        model: plan_args.model.description.clone(),
+        moe: cfg.model.moe().is_some(),
         plan_step_s: plan.step_s,
         plan_compute_s: plan.compute_s,
         plan_exposed_transfer_s: plan.exposed_transfer_s,

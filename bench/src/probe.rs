@@ -13,20 +13,25 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use oogc::config::TrainConfig;
-use oogc::models::{init_params, Gpt, GptConfig};
-use oogc::plan::{attention_forward_flops, dense_block_params, expert_params, moe_trunk_params, VOCAB};
+use std::sync::Arc;
+
+use oogc::models::{init_unit_from_seed, CausalLm, Gpt, GptConfig, UnitKind};
 use oogc_prefetch::HardwareProfile;
 use oogc_swapper::{EngineChoice, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig};
 use serde::Serialize;
 
 use crate::error::{Context, Error, Result};
 
-/// The shape the compute probe times: one block of `model` (its `n_layer` is ignored) over a
-/// batch of `batch` sequences of `seq_len` tokens, on `threads` CPU threads.
-#[derive(Debug, Clone, PartialEq)]
+/// The shape the compute probe times: the first block of `model` (its trunk and experts for
+/// MoE) over a batch of `batch` sequences of `seq_len` tokens, on `threads` CPU threads.
+#[derive(Debug, Clone)]
 pub struct ComputeShape {
-    /// The model: width, heads, MLP width or MoE experts.
-    pub model: GptConfig,
+    /// The model (only its embedding and first block get parameters).
+    pub model: Arc<dyn CausalLm>,
+    /// Its family, for the description (`gpt`, `llama`, ...).
+    pub family: String,
+    /// Experts per token (MoE; 1 for a dense model).
+    pub top_k: usize,
     /// Tokens per sequence.
     pub seq_len: usize,
     /// Sequences per step.
@@ -36,63 +41,75 @@ pub struct ComputeShape {
 }
 
 impl ComputeShape {
-    /// The shape of an `oogc train` config: its model, `train.seq_len`, `train.batch_size`,
-    /// `[threads] compute`.
+    /// The shape of an `oogc train` config: its model (as the trainer builds it), `train.seq_len`,
+    /// `train.batch_size`, `[threads] compute`.
     ///
     /// # Errors
-    /// The config's tokenizer.json cannot be read.
+    /// The config's model cannot be built (tokenizer.json, Hugging Face checkpoint, dimensions).
     pub fn for_config(cfg: &TrainConfig) -> Result<Self> {
+        let model = oogc::train::build_model(cfg, oogc::train::vocab_size(cfg)?)?;
         Ok(Self {
-            model: oogc::train::gpt_config(cfg, oogc::train::vocab_size(cfg)?),
+            model,
+            family: cfg.model.family().into(),
+            top_k: cfg.model.moe().map_or(1, |m| m.top_k),
             seq_len: cfg.train.seq_len,
             batch: cfg.train.batch_size,
             threads: oogc::run::compute_threads(cfg),
         })
     }
 
-    /// The main example job's block (`configs/tinyshakespeare.toml`): dense, `d_model` 192, 6
-    /// heads, MLP 768, 16 sequences of 128 tokens, all cores. What `oogc plan --hardware-probe`
-    /// times without `--config`.
+    /// The main example job's block (`configs/tinyshakespeare.toml`): the byte-level GPT, dense,
+    /// `d_model` 192, 6 heads, MLP 768, 16 sequences of 128 tokens, all cores. What `oogc plan
+    /// --hardware-probe` times without `--config`.
     pub fn representative() -> Self {
+        let gpt = GptConfig { d_model: 192, n_head: 6, n_layer: 1, max_seq_len: 128, ..GptConfig::default() };
         Self {
-            model: GptConfig { d_model: 192, n_head: 6, max_seq_len: 128, ..GptConfig::default() },
+            model: Arc::new(Gpt::new(gpt).expect("a valid GPT")),
+            family: "gpt".into(),
+            top_k: 1,
             seq_len: 128,
             batch: 16,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         }
     }
 
-    /// Forward FLOPs of the probed block under the planner's FLOP model (module docs): a dense
-    /// block, or an MoE trunk plus `top_k` experts' worth of tokens.
+    /// The probed block: its unit (dense block or MoE trunk) and its experts' units.
+    fn block(&self) -> Result<(usize, Vec<usize>)> {
+        let units = self.model.units();
+        let block = units
+            .iter()
+            .position(|u| matches!(u.kind, UnitKind::Block(0) | UnitKind::MoeTrunk(0)))
+            .ok_or(Error::Internal { what: "a model with a first block" })?;
+        let experts =
+            (0..units.len()).filter(|&k| matches!(units[k].kind, UnitKind::Expert { block: 0, .. })).collect();
+        Ok((block, experts))
+    }
+
+    /// Forward FLOPs of the probed block under the planner's FLOP model
+    /// ([`CausalLm::forward_flops`]): a dense block, or an MoE trunk plus `top_k` experts' worth
+    /// of tokens.
     pub fn block_forward_flops(&self) -> f64 {
-        let m = &self.model;
-        let (d, tokens) = (m.d_model as u64, (self.seq_len * self.batch) as u64);
-        let attention = attention_forward_flops(self.seq_len as u64, d, tokens);
-        match &m.moe {
-            None => 2.0 * (dense_block_params(d, m.ff_dim() as u64) * tokens) as f64 + attention,
-            Some(moe) => {
-                let trunk = moe_trunk_params(d, moe.experts as u64);
-                let expert = expert_params(d, m.expert_dim() as u64);
-                2.0 * (trunk * tokens) as f64 + attention + 2.0 * (expert * tokens * moe.top_k as u64) as f64
-            }
+        let tokens = self.seq_len * self.batch;
+        let Ok((block, experts)) = self.block() else { return 0.0 };
+        let trunk = self.model.forward_flops(block, tokens, self.seq_len);
+        match experts.first() {
+            None => trunk,
+            Some(&e) => trunk + self.model.forward_flops(e, tokens * self.top_k, self.seq_len),
         }
     }
 
-    /// `dense block d_model 192, 6 heads, MLP 768, seq 128 x batch 16, 2 threads`.
+    /// `gpt: dense block of 443,328 params, seq 128 x batch 16, 2 threads` (or `MoE block ...,
+    /// 8 experts top-2`).
     pub fn describe(&self) -> String {
-        let m = &self.model;
-        let ff = match &m.moe {
-            None => format!("dense block d_model {}, {} heads, MLP {}", m.d_model, m.n_head, m.ff_dim()),
-            Some(moe) => format!(
-                "MoE block d_model {}, {} heads, {} experts top-{} of width {}",
-                m.d_model,
-                m.n_head,
-                moe.experts,
-                moe.top_k,
-                m.expert_dim()
-            ),
+        let Ok((block, experts)) = self.block() else { return format!("{}: no block", self.family) };
+        let params = self.model.units()[block].numel;
+        let kind = if experts.is_empty() {
+            format!("dense block of {params} params")
+        } else {
+            let e = self.model.units()[experts[0]].numel;
+            format!("MoE block of {params} params, {} experts top-{} of {e} params", experts.len(), self.top_k)
         };
-        format!("{ff}, seq {} x batch {}, {} threads", self.seq_len, self.batch, self.threads)
+        format!("{}: {kind}, seq {} x batch {}, {} threads", self.family, self.seq_len, self.batch, self.threads)
     }
 }
 
@@ -190,61 +207,58 @@ pub fn probe_compute(shape: &ComputeShape) -> Result<ComputeProbe> {
 /// [`probe_compute`] on the current rayon pool (the caller sized it).
 pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> Result<ComputeProbe> {
     let started = Instant::now();
-    let gcfg = GptConfig {
-        n_layer: 1,
-        max_seq_len: shape.model.max_seq_len.max(shape.seq_len),
-        tied_head: false,
-        ..shape.model.clone()
-    };
-    let gpt = Gpt::new(gcfg.clone()).context("the probed block's model")?;
-    let params = init_params(&gcfg.units(), 1);
+    let model = &*shape.model;
+    let (block, experts) = shape.block()?;
     let dev = Device::Cpu;
-    let tensor = |flat: &[f32]| Tensor::from_slice(flat, flat.len(), &dev);
+    let tensor = |unit: usize| {
+        let flat = init_unit_from_seed(&model.units()[unit], 1);
+        Tensor::from_slice(&flat, flat.len(), &dev)
+    };
     let (b, t) = (shape.batch.max(1), shape.seq_len.max(1));
-    let ids: Vec<u32> = (0..b * t).map(|i| ((i as u64 * 2_654_435_761) >> 11) as u32 % VOCAB as u32).collect();
+    let vocab = model.vocab_size() as u64;
+    let ids: Vec<u32> = (0..b * t).map(|i| (((i as u64 * 2_654_435_761) >> 11) % vocab) as u32).collect();
     let tokens = Tensor::from_slice(&ids, (b, t), &dev)?;
-    let x = gpt.forward(0, &tensor(&params[0])?, &tokens, None)?;
+    let x = model.forward(0, &tensor(0)?, &tokens, None)?;
     let grad_y = x.affine(1e-2, 0.0)?;
-    let block = gcfg.block_unit(0);
-    let p_block = tensor(&params[block])?;
-    let p_experts: Vec<Tensor> =
-        (0..gcfg.num_experts()).map(|e| tensor(&params[gcfg.expert_unit(0, e)])).collect::<Result<_, _>>()?;
+    let p_block = tensor(block)?;
+    let p_experts: Vec<Tensor> = experts.iter().map(|&e| tensor(e)).collect::<Result<_, _>>()?;
+    let moe = model.moe().filter(|_| !experts.is_empty());
     let forward = || -> Result<()> {
-        if gcfg.moe.is_none() {
-            std::hint::black_box(gpt.forward(block, &p_block, &x, None)?);
+        let Some(moe) = moe else {
+            std::hint::black_box(model.forward(block, &p_block, &x, None)?);
             return Ok(());
-        }
-        let tr = gpt.moe_trunk_forward(0, &p_block, &x)?;
+        };
+        let tr = moe.trunk_forward(0, &p_block, &x)?;
         let mut outs: Vec<Option<Tensor>> = vec![None; p_experts.len()];
         for (e, (out, p)) in outs.iter_mut().zip(&p_experts).enumerate() {
             if let Some(h_e) = tr.routing.expert_input(e, &tr.h)? {
-                *out = Some(gpt.expert_forward(p, &h_e)?);
+                *out = Some(moe.expert_forward(p, &h_e)?);
             }
         }
-        std::hint::black_box(gpt.moe_combine(&tr.x1, &tr.routing, &outs)?);
+        std::hint::black_box(moe.combine(&tr.x1, &tr.routing, &outs)?);
         Ok(())
     };
     let backward = || -> Result<()> {
-        if gcfg.moe.is_none() {
-            let g = gpt.backward(block, &p_block, &x, &grad_y, None)?;
+        let Some(moe) = moe else {
+            let g = model.backward(block, &p_block, &x, &grad_y, None)?;
             std::hint::black_box(g.grad_params.to_vec1::<f32>()?);
             return Ok(());
-        }
-        let tr = gpt.moe_trunk_forward(0, &p_block, &x)?;
+        };
+        let tr = moe.trunk_forward(0, &p_block, &x)?;
         let routing = &tr.routing;
         let mut grad_inputs: Vec<Option<Tensor>> = vec![None; p_experts.len()];
         let mut grad_gates: Vec<Option<Tensor>> = vec![None; p_experts.len()];
         for (e, p) in p_experts.iter().enumerate() {
             let Some(h_e) = routing.expert_input(e, &tr.h)? else { continue };
             let grad_out =
-                gpt.moe_expert_grad_output(routing, e, &grad_y)?.ok_or(Error::Internal { what: "an active expert" })?;
-            let g = gpt.expert_backward(p, &h_e, &grad_out)?;
+                moe.expert_grad_output(routing, e, &grad_y)?.ok_or(Error::Internal { what: "an active expert" })?;
+            let g = moe.expert_backward(p, &h_e, &grad_out)?;
             std::hint::black_box(g.grad_params.to_vec1::<f32>()?);
-            grad_gates[e] = gpt.moe_expert_grad_gate(routing, e, &grad_y, &g.output)?;
+            grad_gates[e] = moe.expert_grad_gate(routing, e, &grad_y, &g.output)?;
             grad_inputs[e] = Some(g.grad_input);
         }
         let grad_h = routing.scatter_input_grads(&grad_inputs)?;
-        let g = gpt.moe_trunk_backward(0, &p_block, &x, routing, &grad_y, &grad_h, &grad_gates)?;
+        let g = moe.trunk_backward(0, &p_block, &x, routing, &grad_y, &grad_h, &grad_gates)?;
         std::hint::black_box(g.grad_params.to_vec1::<f32>()?);
         Ok(())
     };
@@ -429,14 +443,18 @@ mod tests {
     use oogc_moe_placement::Placement;
 
     fn tiny_shape(moe: bool) -> ComputeShape {
+        let gpt = GptConfig {
+            d_model: 32,
+            n_head: 2,
+            n_layer: 1,
+            max_seq_len: 16,
+            moe: moe.then(|| oogc::models::MoeConfig { experts: 4, top_k: 2, ..Default::default() }),
+            ..GptConfig::default()
+        };
         ComputeShape {
-            model: GptConfig {
-                d_model: 32,
-                n_head: 2,
-                max_seq_len: 16,
-                moe: moe.then(|| oogc::models::MoeConfig { experts: 4, top_k: 2, ..Default::default() }),
-                ..GptConfig::default()
-            },
+            model: Arc::new(Gpt::new(gpt).unwrap()),
+            family: "gpt".into(),
+            top_k: if moe { 2 } else { 1 },
             seq_len: 16,
             batch: 2,
             threads: 1,
@@ -444,7 +462,7 @@ mod tests {
     }
 
     #[test]
-    fn the_probe_counts_flops_as_the_planner_does() {
+    fn the_probe_counts_flops_as_the_planners_gpt_formulas_do() {
         let shape = tiny_shape(false);
         let s = GptShape { layers: 1, d_model: 32, seq_len: 16, batch: 2, dtype_bytes: 4 };
         let units = gpt_units(&s);

@@ -43,8 +43,8 @@ use serde::Serialize;
 use crate::error::{Context, Error, Result};
 use crate::machine::{self, Machine};
 use oogc::config::TrainConfig;
-use oogc::plan::plan_gpt;
-use oogc::train::{gpt_config, Trainer};
+use oogc::plan::plan_model;
+use oogc::train::Trainer;
 use oogc_swapper::StatePlacement;
 
 /// Arguments of the step benchmark.
@@ -357,7 +357,7 @@ pub fn optimizer_step_s(params: usize, threads: usize) -> Result<f64> {
 /// # Errors
 /// The planner's errors.
 pub fn plan_step_s(cfg: &TrainConfig, hardware: &HardwareProfile) -> Result<f64> {
-    Ok(plan_gpt(&oogc::plan::plan_args_for_config(cfg, hardware, false))?.step_s)
+    Ok(plan_model(&oogc::plan::plan_args_for_config(cfg, hardware, false)?)?.step_s)
 }
 
 /// Runs the three variants and computes their bounds.
@@ -370,8 +370,8 @@ pub fn run(args: &StepBenchArgs) -> Result<StepBenchReport> {
     }
     let base = &args.config;
     let total = (args.warmup + args.steps) as u64;
-    let gcfg = gpt_config(base, oogc::train::vocab_size(base)?);
-    let params = gcfg.num_params();
+    let model = oogc::train::build_model(base, oogc::train::vocab_size(base)?)?;
+    let params: usize = model.units().iter().map(|u| u.numel).sum();
     let machine = machine::record_for_config(base);
 
     let ours = variant_config(base, "ours", total);

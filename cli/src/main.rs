@@ -11,6 +11,7 @@
 
 mod args;
 mod bench;
+mod export;
 mod inspect;
 mod plan;
 mod train;
@@ -23,6 +24,7 @@ use oogc::swapper::Error as SwapError;
 use tracing_subscriber::EnvFilter;
 
 use crate::bench::BenchCommand;
+use crate::export::ExportCmd;
 use crate::inspect::InspectCmd;
 use crate::plan::PlanCmd;
 use crate::train::TrainCmd;
@@ -44,6 +46,9 @@ pub(crate) enum Command {
     Train(TrainCmd),
     /// Summarize a checkpoint (a ckpt-*.safetensors file, or a checkpoint directory: its newest).
     Inspect(InspectCmd),
+    /// Write a Llama-family run's checkpoint as a Hugging Face checkpoint (`--hf OUT_DIR`:
+    /// config.json, sharded safetensors + index, tokenizer.json) that transformers loads.
+    Export(ExportCmd),
     /// Offload benchmarks: a table on stdout, or JSON Lines with --json.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -130,6 +135,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(cmd) => train::train(cmd, train_cfg.expect("loaded above")),
         Command::Inspect(cmd) => inspect::inspect(cmd),
+        Command::Export(cmd) => export::export(cmd).map(|()| ExitCode::SUCCESS),
         Command::Bench(cmd) => bench::run(cmd).map(|()| ExitCode::SUCCESS),
         Command::Plan(cmd) => plan::plan(cmd).map(|()| ExitCode::SUCCESS),
     };

@@ -73,6 +73,10 @@ pub(crate) struct PlanCmd {
     /// Where the optimizer state (12 B per parameter) lives.
     #[arg(long, value_enum, default_value_t = StateArg::Auto)]
     pub(crate) optimizer_state: StateArg,
+    /// Where the compute copies' home is: host memory, or NVMe with the host budget's share as
+    /// its cache (`auto` means host here).
+    #[arg(long, value_enum, default_value_t = StateArg::Host)]
+    pub(crate) params: StateArg,
     /// Prefetch window, units ahead.
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) max_depth: u64,
@@ -109,7 +113,8 @@ pub(crate) struct PlanCmd {
     #[arg(long, value_name = "N", hide = true, default_value_t = probe::ProbeArgs::default().adam_params)]
     pub(crate) probe_adam_params: usize,
     /// Print the plan as one JSON object (fields: units, params, model_bytes, min_gpu_budget_bytes,
-    /// memory, step_s, compute_s, exposed_transfer_s, exposed_optimizer_s, lower_bound_s, sim, warnings).
+    /// memory, step_s, compute_s, exposed_transfer_s, exposed_optimizer_s, lower_bound_s, sim, warnings,
+    /// host_plan: the host budget by ledger category, nvme_plan: the NVMe store's size).
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -151,12 +156,11 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
             let probe = probe::probe_compute(&probe::ComputeShape::for_config(&cfg)?).context("--probe-compute")?;
             probe.apply(&mut hardware);
         }
-        let args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some());
+        let args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some())?;
         return finish_plan(&cmd, args);
     }
     let args = planner::PlanArgs {
-        shape: cmd.model.shape(),
-        feed_forward: planner::FeedForward::default(),
+        model: planner::PlannedModel::gpt(&cmd.model.shape(), &planner::FeedForward::default())?,
         gpu_budget_bytes: cmd.gpu_budget as u64,
         host_budget_bytes: cmd.host_budget.map(|b| b as u64),
         optimizer_state: match cmd.optimizer_state {
@@ -164,6 +168,12 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
             StateArg::Nvme => Some(StatePlacement::Nvme),
             StateArg::Auto => None,
         },
+        params: match cmd.params {
+            StateArg::Nvme => StatePlacement::Nvme,
+            StateArg::Host | StateArg::Auto => StatePlacement::Host,
+        },
+        optimizer: oogc::optimizer::OptimizerConfig::default(),
+        max_units_in_use: 1,
         max_depth: cmd.max_depth as usize,
         hardware: load_hardware(cmd.hardware.as_ref())?,
         trace: cmd.trace.is_some(),
@@ -172,14 +182,18 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
 }
 
 pub(crate) fn finish_plan(cmd: &PlanCmd, args: planner::PlanArgs) -> anyhow::Result<()> {
-    let mut report = planner::plan_gpt(&args).context("oogc plan")?;
+    let mut report = planner::plan_model(&args).context("oogc plan")?;
     if let (Some(path), Some(trace)) = (&cmd.trace, report.sim.trace.take()) {
         let json = serde_json::to_string(&trace).context("serializing the trace")?;
         std::fs::write(path, json).with_context(|| format!("writing the trace to {}", path.display()))?;
         eprintln!("wrote {} (open in https://ui.perfetto.dev)", path.display());
     }
     if cmd.json {
-        println!("{}", serde_json::to_string(&report).context("serializing the plan")?);
+        let mut v = serde_json::to_value(&report).context("serializing the plan")?;
+        let (host, nvme) = planner::host_and_nvme_plan(&args, &report);
+        v["host_plan"] = serde_json::to_value(&host).context("serializing the host plan")?;
+        v["nvme_plan"] = serde_json::to_value(&nvme).context("serializing the NVMe plan")?;
+        println!("{}", serde_json::to_string(&v).context("serializing the plan")?);
     } else {
         print!("{}", planner::render_plan(&args, &report));
     }

@@ -47,14 +47,18 @@ fn bench_nvme_json(engine: &str, dir: &std::path::Path) -> Output {
 fn check_nvme_rows(out: &Output, engine: &str) {
     assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
     let rows = json_rows(out);
-    assert_eq!(rows.len(), 1, "--no-fio with one engine gives one row: {rows:?}");
-    let row = &rows[0];
-    assert_eq!(row["engine"], format!("store-{engine}"), "{row}");
-    positive(row, "write_gbps");
-    positive(row, "read_gbps");
-    assert_eq!(row["block_bytes"], 1 << 20, "{row}");
-    assert_eq!(row["queue_depth"], 32, "{row}");
-    assert_eq!(row["bytes"], 64 << 20, "{row}");
+    assert_eq!(rows.len(), 2, "--no-fio with one engine gives a first-pass and a steady row: {rows:?}");
+    for (row, name, bytes) in [
+        (&rows[0], format!("store-{engine}"), 64 << 20),
+        (&rows[1], format!("store-{engine}-steady"), oogc_bench::nvme::STEADY_PASSES * (64 << 20)),
+    ] {
+        assert_eq!(row["engine"], name, "{row}");
+        positive(row, "write_gbps");
+        positive(row, "read_gbps");
+        assert_eq!(row["block_bytes"], 1 << 20, "{row}");
+        assert_eq!(row["queue_depth"], 32, "{row}");
+        assert_eq!(row["bytes"], bytes, "{row}");
+    }
 }
 
 #[test]
@@ -255,6 +259,15 @@ fn plan_prints_memory_and_a_step_breakdown_as_json() {
     for tier in ["device_bytes", "host_bytes"] {
         positive(&r["memory"], tier);
     }
+    // The host figure is the runtime's plan: every ledger category at its planned bytes.
+    let host = &r["host_plan"];
+    let parts: u64 = ["compute_copies_bytes", "optimizer_state_bytes", "speculation_bytes", "nvme_stream_bytes"]
+        .iter()
+        .chain(["gradients_bytes", "activations_bytes"].iter())
+        .map(|k| host[*k].as_u64().unwrap_or_else(|| panic!("{k}: {host}")))
+        .sum();
+    assert_eq!(r["memory"]["host_bytes"].as_u64(), Some(parts), "{r}");
+    assert!(host["min_bytes"].as_u64().unwrap() > 0, "{host}");
     let trace: Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     let events = trace["traceEvents"].as_array().expect("traceEvents");
     assert!(events.iter().any(|e| e["ph"] == "X" && e["tid"] == 1), "no compute events");

@@ -35,7 +35,7 @@ use candle_core::{DType, Device, Tensor};
 pub use gpt::{Gpt, GptConfig, MoeConfig};
 pub use llama::{Llama, LlamaConfig, LlamaFamily, RopeScaling};
 pub use lm::{
-    loss_and_grads, loss_parts_and_grads, CausalLm, HeadLossGrads, MoeLm, TokenLoss, UnitGrads, IGNORE_INDEX,
+    loss_and_grads, loss_parts_and_grads, CausalLm, Dims, HeadLossGrads, MoeLm, TokenLoss, UnitGrads, IGNORE_INDEX,
 };
 pub use moe::{CombineGrads, ExpertGrads, LossParts, Routing, TrunkOut};
 pub use unit::{init_params, init_unit, init_unit_from_seed, ParamInit, ParamSpec, UnitKind, UnitSpec};

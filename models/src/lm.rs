@@ -169,11 +169,47 @@ pub trait CausalLm: Send + Sync + std::fmt::Debug {
         targets: &Tensor,
     ) -> Result<HeadLossGrads>;
 
+    /// The model's widths, for memory estimates.
+    fn dims(&self) -> Dims;
+
     /// The MoE calls when the model's blocks are experts behind a router; `None` for a dense
     /// model.
     fn moe(&self) -> Option<&dyn MoeLm> {
         None
     }
+
+    /// Forward FLOPs of unit `unit` over `tokens` tokens of sequences of `seq_len` (for an
+    /// expert, `tokens` is the number routed to it), for planners: `2 · params · tokens` for the
+    /// matmuls (a multiply-add is 2 FLOPs), plus a family's attention (scores and weighted sum),
+    /// minus what is a gather (the embedding: 0), plus the head's output projection even when it
+    /// is the tied embedding's. The backward with recompute is a planner's multiple of this.
+    fn forward_flops(&self, unit: usize, tokens: usize, seq_len: usize) -> f64 {
+        let _ = seq_len;
+        match self.units()[unit].kind {
+            crate::UnitKind::Embedding => 0.0,
+            _ => 2.0 * self.units()[unit].numel as f64 * tokens as f64,
+        }
+    }
+}
+
+/// A model's widths ([`CausalLm::dims`]), for memory estimates of activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dims {
+    /// Width of the residual stream (`d_model`, `hidden_size`).
+    pub hidden: usize,
+    /// Width of the MLP's (or an expert's) hidden layer.
+    pub intermediate: usize,
+    /// Attention (query) heads.
+    pub heads: usize,
+    /// Blocks (decoder layers).
+    pub layers: usize,
+}
+
+/// Forward FLOPs of causal attention's scores (`QKᵀ`) and weighted sum (`AV`) over `tokens`
+/// tokens of sequences of `seq_len`, with `width` = heads × head width: `4 · seq_len · width ·
+/// tokens` (causal masking not halved, as the planner has always counted it).
+pub fn attention_flops(seq_len: usize, width: usize, tokens: usize) -> f64 {
+    4.0 * (seq_len * width) as f64 * tokens as f64
 }
 
 /// The number of targets that are not [`IGNORE_INDEX`] in `targets` (any shape, U32).

@@ -10,6 +10,7 @@
 //! | gradient norm | [`grad_sumsq`], [`global_norm`], [`clip_scale`] | a canonical f64 sum of squares, the same bits on every path and thread count |
 //! | streamed state | [`NvmeState`], [`StreamConfig`], [`stream_update`] | state chunks on the swapper's `NvmeStore`, read k+1 ‖ update k ‖ write k−1 |
 //! | pipelined step | [`PipelinedOptimizer`] | `submit(unit, grads)` returns at once; speculative update with exact global-norm clipping |
+//! | compute copy home | [`ComputeCopyHome`], [`MemoryHome`] | where the new compute copy is written: its one home (the runtime's residency manager) |
 //!
 //! Sources: Kingma & Ba, "Adam" (ICLR 2015); Loshchilov & Hutter, "Decoupled Weight Decay
 //! Regularization" (ICLR 2019); the CPU-side step of ZeRO-Offload (Ren et al., USENIX ATC 2021)
@@ -21,6 +22,7 @@
 
 pub mod config;
 pub mod error;
+pub mod home;
 pub mod kernel;
 pub mod pipeline;
 mod simd;
@@ -28,10 +30,14 @@ pub mod stream;
 
 pub use config::{AdamConfig, AdamKind, LrSchedule, OptimizerConfig};
 pub use error::{Error, Result};
+pub use home::{ComputeCopyHome, MemoryHome};
 pub use kernel::{
     adam_step, clip_scale, global_norm, grad_sumsq, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK,
 };
 pub use oogc_swapper::{DType, StatePlacement};
-pub use pipeline::{Grads, PipelinedOptimizer, StepReport, UnitState, UpdateHandle};
+pub use pipeline::{
+    speculation_cost, state_host_bytes, stream_host_bytes, Grads, PipelinedOptimizer, SpeculationReport, StepReport,
+    UnitState, UpdateHandle,
+};
 pub use simd::Isa;
-pub use stream::{stream_update, NvmeState, StreamConfig, StreamStats};
+pub use stream::{state_nvme_bytes, stream_update, NvmeState, StreamConfig, StreamStats};

@@ -17,7 +17,8 @@
 //!    **out of place** with scale 1: it reads the committed state `A` and writes a second buffer
 //!    `B` (and a second compute copy). Out of place moves the same bytes as in place, so
 //!    speculation costs no extra memory traffic. NVMe-placed state is copy-on-write anyway (new
-//!    chunk extents), so it costs no host memory at all.
+//!    chunk extents), so it costs no host memory beyond the second compute copy, but its new
+//!    extents hold NVMe space until the commit.
 //! 2. **Decide** in [`PipelinedOptimizer::finish_step`]: the global norm is `sqrt(Σ sumsq)` over
 //!    the submitted units in unit-id order; `scale = min(1, clip / (norm + 1e-6))`
 //!    (`clip_grad_norm_`). Non-finite norm: every unit keeps `A`, the step is reported
@@ -27,14 +28,34 @@
 //!    of submission (the order of the next forward), so the redo overlaps the next forward.
 //! 3. **Defer** when speculation cannot pay: a unit whose job starts when the running partial
 //!    norm already exceeds the clip (the step will be clipped), or that has no second buffer
-//!    because the roll-back budget ([`crate::OptimizerConfig::rollback_budget_bytes`]) is spent,
-//!    only takes its sum of squares; its one update runs after the decision, in place.
+//!    because the roll-back budget ([`crate::OptimizerConfig::rollback_budget_bytes`], the host
+//!    ledger, the NVMe room given to [`PipelinedOptimizer::reserve_speculation`]) is spent, only
+//!    takes its sum of squares; its one update runs after the decision, in place, writing the
+//!    new compute copy straight into the unit's home.
+//!
+//! # One home per compute copy
+//!
+//! The committed compute copy lives in its [`ComputeCopyHome`] (the runtime's: the residency
+//! manager's host copy), not in the optimizer. A speculated unit's new copy waits in its second
+//! buffer until the step is final and is then **published** into the home
+//! ([`PipelinedOptimizer::publish`], or at the unit's next submit); a deferred or redone-in-place
+//! unit writes it into the home directly, after the decision. So a unit's home changes only
+//! after the step that updated it has finished.
+//!
+//! # Host memory
+//!
+//! Every host allocation is claimed from the optimizer's [`HostLedger`] first: host-placed state
+//! and norm partials ([`HostUse::OptimizerState`]), second buffers ([`HostUse::Speculation`]),
+//! stream buffers ([`HostUse::NvmeStream`], through the stream pool) and the gradients it holds
+//! until a step is final ([`HostUse::Gradients`]).
 //!
 //! The result is bitwise the non-pipelined step (all norms first, then every unit updated with
 //! the scale), because the kernel is deterministic, element-wise, and its sum of squares does not
 //! depend on the thread cut or the ISA. Memory cost: a speculated host unit holds a second
 //! `p, m, v` (12 B per parameter) and every speculated unit a second compute copy, bounded by the
-//! roll-back budget; a clipped step costs one extra optimizer pass, off the backward's critical path.
+//! roll-back budget; a speculated NVMe unit holds its second extents until the commit (12 B per
+//! parameter of NVMe space); a clipped step costs one extra optimizer pass, off the backward's
+//! critical path.
 //!
 //! # Threads
 //!
@@ -49,14 +70,16 @@ use std::sync::Arc;
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
-use oogc_swapper::{NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
+use oogc_swapper::host::size_class;
+use oogc_swapper::{HostClaim, HostLedger, HostUse, MmapAllocator, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::config::OptimizerConfig;
 use crate::error::{Error, Result};
+use crate::home::{ComputeCopyHome, MemoryHome};
 use crate::kernel::{clip_scale, global_norm, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
 use crate::simd::Isa;
-use crate::stream::{stream_update, NvmeState, StreamConfig};
+use crate::stream::{state_nvme_bytes, stream_update, NvmeState, StreamConfig};
 use oogc_swapper::{DType, StatePlacement};
 
 /// A unit's gradients, owned (the optimizer keeps them until the step is final, then drops them).
@@ -84,6 +107,11 @@ impl Grads {
     /// The element type.
     pub fn dtype(&self) -> DType {
         self.as_slice().dtype()
+    }
+
+    /// Bytes held.
+    pub fn num_bytes(&self) -> usize {
+        self.len() * self.dtype().size_in_bytes()
     }
 
     /// Borrowed view.
@@ -167,16 +195,17 @@ impl UpdateHandle {
     }
 }
 
-/// Host-resident state buffers.
+/// Host-resident state buffers (their bytes claimed from the ledger before they were made).
 struct HostBufs {
     p: Vec<f32>,
     m: Vec<f32>,
     v: Vec<f32>,
+    _claim: HostClaim,
 }
 
 impl HostBufs {
-    fn zeros(n: usize) -> Self {
-        Self { p: vec![0.0; n], m: vec![0.0; n], v: vec![0.0; n] }
+    fn zeros(n: usize, claim: HostClaim) -> Self {
+        Self { p: vec![0.0; n], m: vec![0.0; n], v: vec![0.0; n], _claim: claim }
     }
 }
 
@@ -185,14 +214,31 @@ enum Home {
     Nvme { cur: Option<NvmeState>, new: Option<NvmeState> },
 }
 
+/// A speculated unit's second compute copy (bytes of the compute dtype, in 4-byte words for
+/// alignment) and the claim of its second buffers.
+struct SpareCopy {
+    words: Vec<u32>,
+    /// The new compute copy is committed but not yet in the home.
+    unpublished: bool,
+    _claim: HostClaim,
+}
+
 /// A unit's data; taken out of the cell by the job that runs on it.
 struct UnitData {
     home: Home,
-    /// The committed compute copy (bytes of the compute dtype, in 4-byte words for alignment).
-    copy: Vec<u32>,
-    copy_spare: Option<Vec<u32>>,
+    /// Speculated units only: where the speculative update writes the new compute copy.
+    spare_copy: Option<SpareCopy>,
     partials: Vec<f64>,
-    grads: Option<Grads>,
+    /// Claim of the partials (and of the host state's first buffers).
+    _claim: HostClaim,
+    grads: Option<(Grads, HostClaim)>,
+}
+
+impl UnitData {
+    /// Has second buffers: updated out of place while the step is open.
+    fn speculative(&self) -> bool {
+        self.spare_copy.is_some()
+    }
 }
 
 /// What the unit's job of the open step found.
@@ -215,8 +261,7 @@ struct UnitInner {
 struct UnitCell {
     id: TensorId,
     n: usize,
-    /// Has second buffers to update out of place.
-    speculative: bool,
+    placement: StatePlacement,
     inner: Mutex<UnitInner>,
     cv: Condvar,
 }
@@ -272,15 +317,34 @@ struct StepState {
     epoch: u64,
     last_step: Option<u64>,
     rollback_used_bytes: u64,
+    /// NVMe bytes of speculated units' second extents (held from speculation to commit).
+    rollback_nvme_bytes: u64,
+    /// [`PipelinedOptimizer::reserve_speculation`] ran (else the first `begin_step` runs it).
+    speculation_reserved: bool,
 }
 
 /// A counting semaphore of NVMe stream slots.
 struct Slots {
     free: Mutex<usize>,
+    total: Mutex<usize>,
     cv: Condvar,
 }
 
 impl Slots {
+    /// Changes the number of slots (between steps); slots in use stay taken.
+    fn resize(&self, n: usize) {
+        let mut total = self.total.lock();
+        let mut free = self.free.lock();
+        if n >= *total {
+            *free += n - *total;
+        } else {
+            *free = free.saturating_sub(*total - n);
+        }
+        *total = n;
+        drop((free, total));
+        self.cv.notify_all();
+    }
+
     fn acquire(&self) -> SlotGuard<'_> {
         let mut f = self.free.lock();
         while *f == 0 {
@@ -304,6 +368,8 @@ struct Shared {
     config: OptimizerConfig,
     kernel: AdamKernel,
     nvme: Option<Arc<NvmeStore>>,
+    ledger: Arc<HostLedger>,
+    home: Arc<dyn ComputeCopyHome>,
     stream: StreamConfig,
     stream_pool: PinnedPool,
     slots: Slots,
@@ -347,14 +413,53 @@ fn copy_out(words: &mut [u32], n: usize, dtype: DType) -> CopyOut<'_> {
     CopyOut::from_bytes(dtype, &mut bytemuck::cast_slice_mut(words)[..n * dtype.size_in_bytes()])
 }
 
-/// Converts master weights to the compute copy (outside a step: add and import).
-fn fill_copy(words: &mut [u32], master: &[f32], dtype: DType) {
-    match copy_out(words, master.len(), dtype) {
+/// Converts master weights to the compute copy `out` (`master.len()` elements of `dtype`;
+/// outside a step: add and import).
+fn fill_copy(out: &mut [u8], master: &[f32], dtype: DType) {
+    match CopyOut::from_bytes(dtype, &mut out[..master.len() * dtype.size_in_bytes()]) {
         CopyOut::F32(o) => o.copy_from_slice(master),
         CopyOut::BF16(o) => o.convert_from_f32_slice(master),
         CopyOut::F16(o) => o.convert_from_f32_slice(master),
         CopyOut::None => {}
     }
+}
+
+/// Host bytes of a unit's first state buffers and norm partials ([`HostUse::OptimizerState`]):
+/// 12 B per parameter for host-placed state (p, m, v in f32), plus 8 B per [`NORM_BLOCK`].
+pub fn state_host_bytes(numel: usize, placement: StatePlacement) -> u64 {
+    let partials = 8 * numel.div_ceil(NORM_BLOCK) as u64;
+    partials + if placement == StatePlacement::Host { 12 * numel as u64 } else { 0 }
+}
+
+/// What speculating one unit costs: `(host bytes, NVMe bytes)`. Host: its second compute copy
+/// (`numel` elements of `dtype`, in 4-byte words) plus, for host-placed state, a second
+/// `p, m, v` (12 B per parameter); NVMe: for NVMe-placed state, its second extents (chunks of
+/// `chunk_params`, each padded to 4 KiB), held from its speculation to the commit.
+pub fn speculation_cost(numel: usize, placement: StatePlacement, dtype: DType, chunk_params: usize) -> (u64, u64) {
+    let copy = (copy_words(numel, dtype) * 4) as u64;
+    match placement {
+        StatePlacement::Host => (copy + 12 * numel as u64, 0),
+        StatePlacement::Nvme => (copy, state_nvme_bytes(numel, chunk_params)),
+    }
+}
+
+/// Host bytes of one NVMe stream over units of at most `max_numel` parameters with chunks of
+/// `chunk_params`: three chunk buffers of `size_class(12 × min(chunk_params, max_numel))`.
+pub fn stream_host_bytes(max_numel: usize, chunk_params: usize) -> u64 {
+    crate::stream::STREAM_BUFFERS as u64 * size_class(12 * chunk_params.min(max_numel).max(1)) as u64
+}
+
+/// Which units speculate, from [`PipelinedOptimizer::reserve_speculation`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SpeculationReport {
+    /// Units with second buffers (updated out of place while the step is open).
+    pub speculative_units: usize,
+    /// Units without (updated in place after the decision).
+    pub deferred_units: usize,
+    /// Host bytes of the second buffers ([`HostUse::Speculation`]).
+    pub host_bytes: u64,
+    /// NVMe bytes the speculated NVMe units' second extents may hold.
+    pub nvme_bytes: u64,
 }
 
 fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
@@ -365,29 +470,58 @@ fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
 }
 
 impl PipelinedOptimizer {
-    /// An optimizer with `config`; `nvme` is the store for units placed on NVMe (`None`: host only).
+    /// An optimizer with `config` on its own: `nvme` is the store for units placed on NVMe
+    /// (`None`: host only); compute copies live in a [`MemoryHome`] and host memory is measured
+    /// by an unlimited [`HostLedger`] ([`PipelinedOptimizer::host_ledger`]).
     ///
     /// # Errors
     /// [`Error::Config`] / [`Error::IsaUnavailable`] from [`OptimizerConfig::validate`];
     /// [`Error::ThreadPool`].
     pub fn new(config: OptimizerConfig, nvme: Option<Arc<NvmeStore>>) -> Result<Self> {
+        Self::with_home(config, nvme, HostLedger::unlimited(), Arc::new(MemoryHome::new()))
+    }
+
+    /// An optimizer whose units' compute copies live in `home` (the runtime's: the residency
+    /// manager's host copies) and whose host memory is claimed from `ledger`.
+    ///
+    /// # Errors
+    /// As [`PipelinedOptimizer::new`].
+    pub fn with_home(
+        config: OptimizerConfig,
+        nvme: Option<Arc<NvmeStore>>,
+        ledger: Arc<HostLedger>,
+        home: Arc<dyn ComputeCopyHome>,
+    ) -> Result<Self> {
         config.validate()?;
         let isa = config.isa.unwrap_or_else(Isa::detect);
         let kernel = AdamKernel::new(isa, config.threads)?;
         let stream = StreamConfig::new(config.stream_chunk_params())?;
-        let stream_pool =
-            PinnedPool::with_mmap(&PinnedPoolConfig { budget_bytes: config.stream_host_budget_bytes, lock: true });
-        let slots = (config.stream_host_budget_bytes / stream.stream_host_bytes()) as usize;
+        let stream_pool = PinnedPool::with_ledger(
+            &PinnedPoolConfig { budget_bytes: config.stream_host_budget_bytes, lock: true },
+            Arc::new(MmapAllocator::new(true)),
+            ledger.clone(),
+            HostUse::NvmeStream,
+        );
+        let slots = ((config.stream_host_budget_bytes / stream.stream_host_bytes()) as usize).max(1);
         tracing::debug!(%isa, threads = config.threads, stream_slots = slots, "pipelined optimizer");
         Ok(Self {
             shared: Arc::new(Shared {
                 kernel,
                 nvme,
+                ledger,
+                home,
                 stream,
                 stream_pool,
-                slots: Slots { free: Mutex::new(slots.max(1)), cv: Condvar::new() },
+                slots: Slots { free: Mutex::new(slots), total: Mutex::new(slots), cv: Condvar::new() },
                 units: RwLock::new(HashMap::new()),
-                step: Mutex::new(StepState { open: None, epoch: 0, last_step: None, rollback_used_bytes: 0 }),
+                step: Mutex::new(StepState {
+                    open: None,
+                    epoch: 0,
+                    last_step: None,
+                    rollback_used_bytes: 0,
+                    rollback_nvme_bytes: 0,
+                    speculation_reserved: false,
+                }),
                 config,
             }),
         })
@@ -401,6 +535,11 @@ impl PipelinedOptimizer {
     /// The dispatch path in use.
     pub fn isa(&self) -> Isa {
         self.shared.kernel.isa()
+    }
+
+    /// The host ledger the optimizer claims its memory from.
+    pub fn host_ledger(&self) -> &Arc<HostLedger> {
+        &self.shared.ledger
     }
 
     /// The last step `t` that was committed (not skipped), if any.
@@ -418,18 +557,51 @@ impl PipelinedOptimizer {
         self.shared.stream_pool.live_bytes()
     }
 
+    /// Host bytes one NVMe stream holds over the units added so far ([`stream_host_bytes`] of
+    /// the largest NVMe-placed unit); 0 without NVMe-placed units.
+    pub fn stream_bytes_per_stream(&self) -> u64 {
+        let max = self.shared.units.read().values().filter(|c| c.placement == StatePlacement::Nvme).map(|c| c.n).max();
+        max.map_or(0, |n| stream_host_bytes(n, self.shared.stream.chunk_params))
+    }
+
+    /// Lowers (or raises) the host bytes the NVMe streams may hold, between steps: the stream
+    /// pool's budget, and the streams run at once (`bytes / `[`Self::stream_bytes_per_stream`]).
+    ///
+    /// # Errors
+    /// [`Error::Config`] naming `optimizer.stream_host_budget_bytes` when `bytes` cannot hold one
+    /// stream of the largest NVMe-placed unit.
+    pub fn set_stream_host_budget_bytes(&self, bytes: u64) -> Result<()> {
+        let per = self.stream_bytes_per_stream();
+        if per == 0 {
+            self.shared.stream_pool.set_budget_bytes(bytes);
+            return Ok(());
+        }
+        if bytes < per {
+            return Err(Error::Config {
+                key: "optimizer.stream_host_budget_bytes".into(),
+                reason: format!("{bytes} bytes cannot hold one stream ({per} bytes: three chunk buffers)"),
+            });
+        }
+        self.shared.stream_pool.set_budget_bytes(bytes);
+        self.shared.slots.resize((bytes / per) as usize);
+        Ok(())
+    }
+
     fn cell(&self, unit: TensorId) -> Result<Arc<UnitCell>> {
         self.shared.units.read().get(&unit).cloned().ok_or(Error::UnknownUnit { unit })
     }
 
-    /// Registers a unit with its master weights (`m = v = 0`, compute copy = `master` converted).
-    /// With [`StatePlacement::Nvme`] the state is written to the store now. The second buffers
-    /// for speculation are allocated now when the roll-back budget allows (the unit is then
-    /// updated out of place), so a step allocates no state memory.
+    /// Registers a unit with its master weights (`m = v = 0`, compute copy = `master` converted,
+    /// handed to the home). With [`StatePlacement::Nvme`] the state is written to the store now.
+    /// Host-placed state and the norm partials are claimed from the ledger
+    /// ([`HostUse::OptimizerState`]). Second buffers come later, from
+    /// [`PipelinedOptimizer::reserve_speculation`] (or the first `begin_step`).
     ///
     /// # Errors
-    /// [`Error::DuplicateUnit`]; [`Error::Protocol`] during a step; [`Error::NoNvmeStore`];
-    /// [`Error::Swapper`] when writing to the store fails.
+    /// [`Error::DuplicateUnit`]; [`Error::Protocol`] during a step or after the speculation was
+    /// reserved; [`Error::NoNvmeStore`]; [`Error::Swapper`] when the ledger refuses the state
+    /// ([`oogc_swapper::Error::HostBudget`]), writing to the store fails, or the home refuses
+    /// the copy.
     pub fn add_unit(&self, unit: TensorId, master: &[f32], placement: StatePlacement) -> Result<()> {
         let sh = &self.shared;
         let n = master.len();
@@ -437,44 +609,47 @@ impl PipelinedOptimizer {
         if sh.units.read().contains_key(&unit) {
             return Err(Error::DuplicateUnit { unit });
         }
-        let mut step = sh.step.lock();
+        let step = sh.step.lock();
         if step.open.is_some() {
             return Err(Error::Protocol(format!("add_unit({unit}) during a step: add units before begin_step")));
         }
-        let copy_bytes = (copy_words(n, dtype) * 4) as u64;
-        let extra = copy_bytes + if placement == StatePlacement::Host { 12 * n as u64 } else { 0 };
-        let speculative =
-            sh.config.rollback_budget_bytes.is_none_or(|b| step.rollback_used_bytes.saturating_add(extra) <= b);
-        let home = match placement {
+        let claim = sh
+            .ledger
+            .claim(HostUse::OptimizerState, state_host_bytes(n, placement))
+            .map_err(|source| Error::Swapper { unit, source })?;
+        let (home, claim) = match placement {
             StatePlacement::Host => {
-                let mut cur = HostBufs::zeros(n);
+                let mut cur = HostBufs::zeros(n, claim);
                 cur.p.copy_from_slice(master);
-                Home::Host { cur, spare: speculative.then(|| HostBufs::zeros(n)) }
+                (Home::Host { cur, spare: None }, HostClaim::none(HostUse::OptimizerState))
             }
             StatePlacement::Nvme => {
                 let store = sh.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
                 let zeros = vec![0.0f32; n];
                 let _slot = sh.slots.acquire();
                 let st = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, [master, &zeros, &zeros])?;
-                Home::Nvme { cur: Some(st), new: None }
+                (Home::Nvme { cur: Some(st), new: None }, claim)
             }
         };
-        if speculative {
-            step.rollback_used_bytes += extra;
-        }
-        let mut copy = vec![0u32; copy_words(n, dtype)];
+        let mut copy = vec![0u8; n * dtype.size_in_bytes()];
         fill_copy(&mut copy, master, dtype);
+        if let Err(source) = sh.home.add_unit(unit, &copy) {
+            if let (Home::Nvme { cur: Some(st), .. }, Some(store)) = (home, sh.nvme.as_ref()) {
+                st.free(store);
+            }
+            return Err(Error::Swapper { unit, source });
+        }
         let data = UnitData {
             home,
-            copy,
-            copy_spare: speculative.then(|| vec![0u32; copy_words(n, dtype)]),
+            spare_copy: None,
             partials: vec![0.0; n.div_ceil(NORM_BLOCK)],
+            _claim: claim,
             grads: None,
         };
         let cell = UnitCell {
             id: unit,
             n,
-            speculative,
+            placement,
             inner: Mutex::new(UnitInner {
                 data: Some(data),
                 error: None,
@@ -488,6 +663,58 @@ impl PipelinedOptimizer {
         Ok(())
     }
 
+    /// Gives second buffers to the units that have none, in unit-id order, while their cost
+    /// ([`speculation_cost`]) fits: `host_budget_bytes` (further capped by
+    /// [`OptimizerConfig::rollback_budget_bytes`]) and the ledger for the host buffers
+    /// ([`HostUse::Speculation`]), `nvme_budget_bytes` for NVMe-placed units' second extents.
+    /// A unit that does not fit is deferred (exact either way; only the overlap differs).
+    /// Call it once all units are added, before the first step; without a call the first
+    /// [`begin_step`](Self::begin_step) makes it with the roll-back budget and no NVMe limit.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] during a step.
+    pub fn reserve_speculation(&self, host_budget_bytes: u64, nvme_budget_bytes: u64) -> Result<SpeculationReport> {
+        let sh = &self.shared;
+        let mut step = sh.step.lock();
+        if step.open.is_some() {
+            return Err(Error::Protocol("reserve_speculation during a step: call it before begin_step".into()));
+        }
+        step.speculation_reserved = true;
+        let host_budget = sh.config.rollback_budget_bytes.map_or(host_budget_bytes, |b| b.min(host_budget_bytes));
+        let dtype = sh.config.compute_dtype;
+        let mut cells: Vec<Arc<UnitCell>> = sh.units.read().values().cloned().collect();
+        cells.sort_by_key(|c| c.id);
+        let mut report = SpeculationReport::default();
+        for cell in cells {
+            let mut g = cell.idle();
+            let data = g.data.as_mut().expect("idle cell holds its data");
+            if data.speculative() {
+                report.speculative_units += 1;
+                continue;
+            }
+            let (host, nvme) = speculation_cost(cell.n, cell.placement, dtype, sh.stream.chunk_params);
+            let fits = step.rollback_used_bytes.saturating_add(host) <= host_budget
+                && step.rollback_nvme_bytes.saturating_add(nvme) <= nvme_budget_bytes;
+            let claim = if fits { sh.ledger.claim(HostUse::Speculation, host).ok() } else { None };
+            let Some(claim) = claim else {
+                report.deferred_units += 1;
+                continue;
+            };
+            if let Home::Host { spare, .. } = &mut data.home {
+                *spare = Some(HostBufs::zeros(cell.n, HostClaim::none(HostUse::Speculation)));
+            }
+            data.spare_copy =
+                Some(SpareCopy { words: vec![0u32; copy_words(cell.n, dtype)], unpublished: false, _claim: claim });
+            step.rollback_used_bytes += host;
+            step.rollback_nvme_bytes += nvme;
+            report.speculative_units += 1;
+        }
+        report.host_bytes = step.rollback_used_bytes;
+        report.nvme_bytes = step.rollback_nvme_bytes;
+        tracing::debug!(?report, "speculation reserved");
+        Ok(report)
+    }
+
     /// Opens step `t` (1-based, as torch's step counter) with learning rate `lr` (e.g. from
     /// [`crate::LrSchedule::lr`]). After a skipped step, give the same `t` again.
     ///
@@ -495,6 +722,9 @@ impl PipelinedOptimizer {
     /// [`Error::Protocol`] when a step is open; [`Error::Config`] for `t = 0` or a bad `lr`.
     pub fn begin_step(&self, step: u64, lr: f32) -> Result<()> {
         let sh = &self.shared;
+        if !sh.step.lock().speculation_reserved {
+            self.reserve_speculation(u64::MAX, u64::MAX)?;
+        }
         let mut st = sh.step.lock();
         if let Some(o) = &st.open {
             return Err(Error::Protocol(format!(
@@ -511,12 +741,29 @@ impl PipelinedOptimizer {
 
     /// Hands over a unit's gradients (`numel` elements, f32, bf16 or f16) and returns at once;
     /// the unit's update runs on the worker pool. If the unit's previous update is still running
-    /// (the last step's redo), waits for it first.
+    /// (the last step's redo), waits for it first. The gradients' bytes are claimed from the
+    /// ledger ([`HostUse::Gradients`]) until the step is final; a caller that claimed them
+    /// before making them uses [`submit_claimed`](Self::submit_claimed).
     ///
     /// # Errors
     /// [`Error::Protocol`] without an open step or for a second submit of the unit in the step;
-    /// [`Error::UnknownUnit`]; [`Error::LengthMismatch`] naming the unit.
+    /// [`Error::UnknownUnit`]; [`Error::LengthMismatch`] naming the unit; [`Error::Swapper`]
+    /// when the ledger refuses the gradients' bytes.
     pub fn submit(&self, unit: TensorId, grads: Grads) -> Result<UpdateHandle> {
+        let claim = self
+            .shared
+            .ledger
+            .claim(HostUse::Gradients, grads.num_bytes() as u64)
+            .map_err(|source| Error::Swapper { unit, source })?;
+        self.submit_claimed(unit, grads, claim)
+    }
+
+    /// [`submit`](Self::submit) with the gradients' bytes already claimed (`claim`, held until
+    /// the step is final).
+    ///
+    /// # Errors
+    /// As [`submit`](Self::submit), without the ledger's.
+    pub fn submit_claimed(&self, unit: TensorId, grads: Grads, claim: HostClaim) -> Result<UpdateHandle> {
         let sh = &self.shared;
         let cell = self.cell(unit)?;
         if grads.len() != cell.n {
@@ -543,14 +790,15 @@ impl PipelinedOptimizer {
             g.pending = None;
             g.data.take().expect("idle cell holds its data")
         };
-        data.grads = Some(grads);
+        data.grads = Some((grads, claim));
         let (sh2, cell2) = (self.shared.clone(), cell.clone());
         sh.kernel.spawn(move || speculate_job(&sh2, &cell2, data, epoch, scalars));
         Ok(UpdateHandle { cell, epoch })
     }
 
     /// Blocks until the unit has no update in flight. After [`finish_step`](Self::finish_step)
-    /// returned, this means its state and compute copy of that step are final.
+    /// returned, this means its state and compute copy of that step are final (a speculated
+    /// unit's copy may still wait to be [published](Self::publish)).
     ///
     /// # Errors
     /// [`Error::UnknownUnit`]; the error of the unit's last job if it failed (reported once).
@@ -560,13 +808,38 @@ impl PipelinedOptimizer {
         g.error.take().map_or(Ok(()), Err)
     }
 
-    /// Calls `f` with the unit's committed compute copy (`numel × size` bytes of
-    /// [`OptimizerConfig::compute_dtype`], little-endian), after waiting as
-    /// [`wait_unit`](Self::wait_unit). During a step (before `finish_step`) this is the copy of
-    /// the previous step.
+    /// Waits as [`wait_unit`](Self::wait_unit), then writes the unit's committed compute copy
+    /// into its home if it is not there yet (a speculated unit's, once its step is final). After
+    /// this the home holds the unit's latest committed copy.
     ///
     /// # Errors
-    /// As [`wait_unit`](Self::wait_unit).
+    /// As [`wait_unit`](Self::wait_unit); [`Error::Swapper`] when the home cannot take the copy.
+    pub fn publish(&self, unit: TensorId) -> Result<()> {
+        let cell = self.cell(unit)?;
+        let mut data = {
+            let mut g = cell.idle();
+            if let Some(e) = g.error.take() {
+                return Err(e);
+            }
+            let d = g.data.as_mut().expect("idle cell holds its data");
+            if !d.spare_copy.as_ref().is_some_and(|s| s.unpublished) {
+                return Ok(());
+            }
+            g.data.take().expect("idle cell holds its data")
+        };
+        let r = publish_data(&self.shared, &cell, &mut data);
+        cell.put_back(data, None, None, None);
+        r
+    }
+
+    /// Calls `f` with the unit's committed compute copy (`numel × size` bytes of
+    /// [`OptimizerConfig::compute_dtype`], little-endian), after waiting as
+    /// [`wait_unit`](Self::wait_unit): the second buffer of a speculated unit not yet
+    /// published, else the home's copy. During a step (before `finish_step`) this is the copy
+    /// of the previous step.
+    ///
+    /// # Errors
+    /// As [`wait_unit`](Self::wait_unit); [`Error::Swapper`] when the home cannot read it.
     pub fn read_compute_copy(&self, unit: TensorId, f: impl FnOnce(&[u8])) -> Result<()> {
         let cell = self.cell(unit)?;
         let mut g = cell.idle();
@@ -574,8 +847,21 @@ impl PipelinedOptimizer {
             return Err(e);
         }
         let data = g.data.as_ref().expect("idle cell holds its data");
-        f(copy_bytes(&data.copy, cell.n, self.shared.config.compute_dtype));
-        Ok(())
+        let len = cell.n * self.shared.config.compute_dtype.size_in_bytes();
+        if let Some(spare) = data.spare_copy.as_ref().filter(|s| s.unpublished) {
+            f(copy_bytes(&spare.words, cell.n, self.shared.config.compute_dtype));
+            return Ok(());
+        }
+        drop(g);
+        let mut f = Some(f);
+        self.shared
+            .home
+            .read(unit, &mut |bytes| {
+                if let Some(f) = f.take() {
+                    f(&bytes[..len]);
+                }
+            })
+            .map_err(|source| Error::Swapper { unit, source })
     }
 
     /// Closes the step once every gradient is in: waits for the speculative jobs, computes the
@@ -694,11 +980,13 @@ impl PipelinedOptimizer {
         }
     }
 
-    /// Replaces the unit's state (from a checkpoint) and rewrites its compute copy from `master`.
+    /// Replaces the unit's state (from a checkpoint) and rewrites its compute copy in its home
+    /// from `master`.
     ///
     /// # Errors
     /// [`Error::UnknownUnit`]; [`Error::Protocol`] during a step; [`Error::LengthMismatch`]
-    /// naming the unit and the vector; [`Error::Swapper`] writing NVMe (the old state stays).
+    /// naming the unit and the vector; [`Error::Swapper`] writing NVMe (the old state stays) or
+    /// the home.
     pub fn import_state(&self, unit: TensorId, state: UnitState) -> Result<()> {
         self.no_open_step("import_state")?;
         let cell = self.cell(unit)?;
@@ -711,30 +999,14 @@ impl PipelinedOptimizer {
                 });
             }
         }
-        let mut g = cell.idle();
-        g.error = None;
-        let data = g.data.as_mut().expect("idle cell holds its data");
-        match &mut data.home {
-            Home::Host { cur, .. } => {
-                *cur = HostBufs { p: state.master.clone(), m: state.m, v: state.v };
-            }
-            Home::Nvme { cur, .. } => {
-                let store = self.shared.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
-                let _slot = self.shared.slots.acquire();
-                let new = NvmeState::write(
-                    store,
-                    &self.shared.stream_pool,
-                    unit,
-                    self.shared.stream,
-                    [&state.master, &state.m, &state.v],
-                )?;
-                if let Some(old) = cur.replace(new) {
-                    old.free(store);
-                }
-            }
-        }
-        fill_copy(&mut data.copy, &state.master, self.shared.config.compute_dtype);
-        Ok(())
+        let mut data = {
+            let mut g = cell.idle();
+            g.error = None;
+            g.data.take().expect("idle cell holds its data")
+        };
+        let r = import_data(&self.shared, &cell, &mut data, state);
+        cell.put_back(data, None, None, None);
+        r
     }
 
     fn no_open_step(&self, what: &str) -> Result<()> {
@@ -762,19 +1034,64 @@ impl Drop for PipelinedOptimizer {
     }
 }
 
-/// Makes the speculative result the committed state.
+/// [`PipelinedOptimizer::import_state`] on the unit's data, taken out of its cell.
+fn import_data(sh: &Shared, cell: &UnitCell, data: &mut UnitData, state: UnitState) -> Result<()> {
+    let unit = cell.id;
+    match &mut data.home {
+        Home::Host { cur, .. } => {
+            cur.p.copy_from_slice(&state.master);
+            cur.m.copy_from_slice(&state.m);
+            cur.v.copy_from_slice(&state.v);
+        }
+        Home::Nvme { cur, .. } => {
+            let store = sh.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
+            let _slot = sh.slots.acquire();
+            let new = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, [&state.master, &state.m, &state.v])?;
+            if let Some(old) = cur.replace(new) {
+                old.free(store);
+            }
+        }
+    }
+    if let Some(spare) = data.spare_copy.as_mut() {
+        spare.unpublished = false;
+    }
+    let dtype = sh.config.compute_dtype;
+    sh.home
+        .write(unit, &mut |out| fill_copy(out, &state.master, dtype))
+        .map_err(|source| Error::Swapper { unit, source })
+}
+
+/// Writes a committed, unpublished second compute copy into the unit's home.
+fn publish_data(sh: &Shared, cell: &UnitCell, data: &mut UnitData) -> Result<()> {
+    let Some(spare) = data.spare_copy.as_mut().filter(|s| s.unpublished) else { return Ok(()) };
+    let bytes = copy_bytes(&spare.words, cell.n, sh.config.compute_dtype);
+    sh.home
+        .write(cell.id, &mut |out| out[..bytes.len()].copy_from_slice(bytes))
+        .map_err(|source| Error::Swapper { unit: cell.id, source })?;
+    spare.unpublished = false;
+    Ok(())
+}
+
+/// Makes the speculative (or deferred NVMe) result the committed state; a second compute copy
+/// becomes the unit's committed copy, to be published into its home.
 fn commit(sh: &Shared, data: &mut UnitData) {
     match &mut data.home {
-        Home::Host { cur, spare } => std::mem::swap(cur, spare.as_mut().expect("a speculated unit has a spare")),
+        Home::Host { cur, spare } => {
+            if let Some(spare) = spare.as_mut() {
+                std::mem::swap(&mut cur.p, &mut spare.p);
+                std::mem::swap(&mut cur.m, &mut spare.m);
+                std::mem::swap(&mut cur.v, &mut spare.v);
+            }
+        }
         Home::Nvme { cur, new } => {
-            let fresh = new.take().expect("a speculated NVMe unit has new extents");
+            let fresh = new.take().expect("an updated NVMe unit has new extents");
             if let Some(old) = cur.replace(fresh) {
                 old.free(sh.nvme.as_ref().expect("NVMe unit has a store"));
             }
         }
     }
-    if let Some(spare) = data.copy_spare.as_mut() {
-        std::mem::swap(&mut data.copy, spare);
+    if let Some(spare) = data.spare_copy.as_mut() {
+        spare.unpublished = true;
     }
 }
 
@@ -787,19 +1104,21 @@ fn discard(sh: &Shared, data: &mut UnitData) {
     }
 }
 
-/// Runs one update of the unit from its committed state with `scalars`: out of place into the
-/// spare buffers (speculative units) or in place; NVMe state to new extents. With `partials`,
-/// returns the gradients' sum of squares.
-fn update(sh: &Shared, cell: &UnitCell, data: &mut UnitData, scalars: &StepScalars, with_sumsq: bool) -> Result<f64> {
-    let dtype = sh.config.compute_dtype;
-    let n = cell.n;
-    let grads = data.grads.as_ref().expect("a submitted unit holds its gradients").as_slice();
-    let out = match data.copy_spare.as_mut() {
-        Some(spare) => copy_out(spare, n, dtype),
-        None => copy_out(&mut data.copy, n, dtype),
-    };
-    let partials = &mut data.partials;
-    match &mut data.home {
+/// Runs one update of the unit from its committed state with `scalars`, writing the new compute
+/// copy to `out`: out of place into the spare buffers (speculative units) or in place; NVMe
+/// state to new extents. With `with_sumsq`, returns the gradients' sum of squares.
+#[allow(clippy::too_many_arguments)]
+fn update_into(
+    sh: &Shared,
+    cell: &UnitCell,
+    home: &mut Home,
+    partials: &mut [f64],
+    grads: GradSlice<'_>,
+    out: CopyOut<'_>,
+    scalars: &StepScalars,
+    with_sumsq: bool,
+) -> Result<f64> {
+    match home {
         Home::Host { cur, spare } => {
             let state = match spare {
                 Some(s) => StateIo::OutOfPlace { src: [&cur.p, &cur.m, &cur.v], dst: [&mut s.p, &mut s.m, &mut s.v] },
@@ -835,8 +1154,34 @@ fn update(sh: &Shared, cell: &UnitCell, data: &mut UnitData, scalars: &StepScala
     }
 }
 
-/// The job of `submit`: speculate (update out of place with scale 1 and take the sum of
-/// squares) or, when that cannot pay, take the sum of squares only.
+/// Runs one update of the unit (see [`update_into`]): a speculated unit writes its new compute
+/// copy into its second buffer, any other straight into its home (the step is final then).
+fn update(sh: &Shared, cell: &UnitCell, data: &mut UnitData, scalars: &StepScalars, with_sumsq: bool) -> Result<f64> {
+    let dtype = sh.config.compute_dtype;
+    let n = cell.n;
+    let UnitData { home, spare_copy, partials, grads, .. } = data;
+    let grads = grads.as_ref().map(|(g, _)| g.as_slice()).expect("a submitted unit holds its gradients");
+    match spare_copy {
+        Some(spare) => {
+            update_into(sh, cell, home, partials, grads, copy_out(&mut spare.words, n, dtype), scalars, with_sumsq)
+        }
+        None => {
+            let mut result = Ok(0.0);
+            let len = n * dtype.size_in_bytes();
+            sh.home
+                .write(cell.id, &mut |bytes| {
+                    let out = CopyOut::from_bytes(dtype, &mut bytes[..len]);
+                    result = update_into(sh, cell, home, partials, grads, out, scalars, with_sumsq);
+                })
+                .map_err(|source| Error::Swapper { unit: cell.id, source })?;
+            result
+        }
+    }
+}
+
+/// The job of `submit`: publish the last step's copy if it still waits, then speculate (update
+/// out of place with scale 1 and take the sum of squares) or, when that cannot pay, take the sum
+/// of squares only.
 fn speculate_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, epoch: u64, scalars: StepScalars) {
     let _span = tracing::debug_span!("optimizer::speculate", unit = cell.id.0, params = cell.n).entered();
     let over_clip = {
@@ -844,12 +1189,14 @@ fn speculate_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, epoch: u64, s
         let partial = st.open.as_ref().map_or(0.0, |o| o.partial_sumsq);
         !partial.is_finite() || sh.config.clip_norm.is_some_and(|c| partial.sqrt() + 1e-6 > c as f64)
     };
-    let speculate = cell.speculative && !over_clip;
+    let speculate = data.speculative() && !over_clip;
     let result = catch_unwind(AssertUnwindSafe(|| {
+        // The second buffer is about to be overwritten: its committed copy goes home first.
+        publish_data(sh, cell, &mut data)?;
         if speculate {
             update(sh, cell, &mut data, &scalars, true)
         } else {
-            let g = data.grads.as_ref().expect("submitted gradients").as_slice();
+            let g = data.grads.as_ref().map(|(g, _)| g.as_slice()).expect("submitted gradients");
             Ok(sh.kernel.grad_sumsq(g))
         }
     }));
@@ -871,7 +1218,7 @@ fn final_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, epoch: u64, scala
     let result = catch_unwind(AssertUnwindSafe(|| update(sh, cell, &mut data, &scalars, false)));
     let error = match result {
         Ok(Ok(_)) => {
-            if cell.speculative || matches!(data.home, Home::Nvme { .. }) {
+            if data.speculative() || matches!(data.home, Home::Nvme { .. }) {
                 commit(sh, &mut data);
             }
             None

@@ -63,6 +63,16 @@ impl StreamConfig {
     }
 }
 
+/// NVMe bytes of a unit's state of `numel` parameters in chunks of `chunk_params`: each chunk
+/// `[p | m | v]` is one extent of `12 × len` bytes padded to 4 KiB.
+pub fn state_nvme_bytes(numel: usize, chunk_params: usize) -> u64 {
+    let chunk_params = chunk_params.max(1);
+    let full = (numel / chunk_params) as u64;
+    let rest = numel % chunk_params;
+    let pad = |params: usize| (12 * params as u64).next_multiple_of(oogc_swapper::host::PAGE_BYTES as u64);
+    full * pad(chunk_params) + if rest > 0 { pad(rest) } else { 0 }
+}
+
 /// What one stream did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StreamStats {

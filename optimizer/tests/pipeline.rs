@@ -300,3 +300,70 @@ fn handles_and_protocol_errors() {
     let e = PipelinedOptimizer::new(cfg.clone(), None).unwrap().add_unit(TensorId(3), &[1.0], StatePlacement::Nvme);
     assert!(e.unwrap_err().to_string().contains("NvmeStore"));
 }
+
+/// The compute copy has one home: the optimizer writes a speculated unit's new copy there only
+/// once the step is final (publish), a deferred unit's straight into it after the decision; and
+/// every host byte it holds is claimed from its ledger by category.
+#[test]
+fn one_home_per_compute_copy_and_every_host_byte_claimed() {
+    use oogc_optimizer::{speculation_cost, state_host_bytes, ComputeCopyHome, MemoryHome};
+    use oogc_swapper::{HostLedger, HostUse};
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(NvmeStore::open(NvmeConfig::new(vec![dir.path().to_path_buf()], 64 << 20)).unwrap());
+    let cfg = config(None, 2);
+    let ledger = HostLedger::new(1 << 30);
+    let home = Arc::new(MemoryHome::new());
+    let opt = PipelinedOptimizer::with_home(cfg.clone(), Some(store), ledger.clone(), home.clone()).unwrap();
+    let sizes = [3 * NORM_BLOCK + 5, 1000, 2 * NORM_BLOCK];
+    let place = |i: usize| if i == 1 { StatePlacement::Nvme } else { StatePlacement::Host };
+    let mut reference = Reference::new(&cfg);
+    for (i, &n) in sizes.iter().enumerate() {
+        let master = noise(5 + i as u64, n, 1.0);
+        opt.add_unit(TensorId(i as u64), &master, place(i)).unwrap();
+        reference.add(TensorId(i as u64), &master);
+    }
+    let state: u64 = sizes.iter().enumerate().map(|(i, &n)| state_host_bytes(n, place(i))).sum();
+    assert_eq!(ledger.used_bytes_of(HostUse::OptimizerState), state);
+    // Room for the second buffers of units 0 and 1 only: unit 2 is deferred.
+    let cost = |i: usize| speculation_cost(sizes[i], place(i), DType::BF16, cfg.stream_chunk_params());
+    let room = cost(0).0 + cost(1).0;
+    let spec = opt.reserve_speculation(room, u64::MAX).unwrap();
+    assert_eq!((spec.speculative_units, spec.deferred_units), (2, 1), "{spec:?}");
+    assert_eq!(ledger.used_bytes_of(HostUse::Speculation), room);
+    let home_copy = |id: u64| {
+        let mut v = Vec::new();
+        home.read(TensorId(id), &mut |b| v = b.to_vec()).unwrap();
+        v
+    };
+    let before: Vec<Vec<u8>> = (0..3).map(home_copy).collect();
+    opt.begin_step(1, 1e-3).unwrap();
+    let mut all = Vec::new();
+    for (i, &n) in sizes.iter().enumerate().rev() {
+        let g = grads(i as u64, 1, n, 0.1);
+        all.push((TensorId(i as u64), g.clone()));
+        opt.submit(TensorId(i as u64), Grads::BF16(g)).unwrap();
+    }
+    for i in 0..3 {
+        opt.wait_unit(TensorId(i)).unwrap();
+    }
+    assert!(ledger.used_bytes_of(HostUse::Gradients) > 0, "gradients are held until the step is final");
+    assert_eq!((0..3).map(home_copy).collect::<Vec<_>>(), before, "no home changes while the step is open");
+    let r = opt.finish_step().unwrap();
+    assert_eq!((r.committed_speculative, r.deferred), (2, 1), "{r:?}");
+    reference.step(1, 1e-3, &all);
+    for i in 0..3 {
+        opt.wait_unit(TensorId(i)).unwrap();
+    }
+    assert_eq!(ledger.used_bytes_of(HostUse::Gradients), 0, "given back once the update is final");
+    assert_eq!(home_copy(0), before[0], "a speculated unit's copy waits for publish");
+    assert_ne!(home_copy(2), before[2], "a deferred unit wrote its home after the decision");
+    reference.check(&opt, "before publish");
+    for i in 0..3 {
+        opt.publish(TensorId(i)).unwrap();
+    }
+    for (id, _, copy) in &reference.units {
+        assert_eq!(home_copy(id.0), bytemuck::cast_slice::<bf16, u8>(copy), "unit {id} home after publish");
+    }
+    assert!(ledger.used_bytes_of(HostUse::NvmeStream) <= cfg.stream_host_budget_bytes);
+    assert!(ledger.peak_bytes() >= state + room);
+}

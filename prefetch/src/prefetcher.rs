@@ -12,6 +12,12 @@
 //! (Sun et al., SC'22) with ZeRO-Infinity's schedule-driven prefetch (Rajbhandari et al.,
 //! SC'21) and Belady's next-use rule as the safety check.
 //!
+//! The same window plans the host tier when parameters live on NVMe ([`Prefetcher::plan_tier`]
+//! with [`Tier::Host`]): NVMe → host fetches of the units a few device accesses ahead, each
+//! placed only if the host copies the policy would evict are needed later than it (a host copy
+//! is needed at its unit's next device access, which loads through it), so the two-level
+//! pipeline NVMe → pinned host → device keeps the same invariant on both tiers.
+//!
 //! [`crate::PrefetchDriver`] applies a plan to a real `ResidencyManager`; the simulator applies
 //! it to its model of the tier.
 
@@ -152,6 +158,27 @@ impl Prefetcher {
         ranking: &dyn EvictionPolicy,
         blocked: &dyn Fn(TensorId) -> bool,
     ) -> PrefetchPlan {
+        self.plan_tier(Tier::Device, schedule, position, snapshot, ranking, blocked)
+    }
+
+    /// [`Prefetcher::plan`] for `tier`: the device tier, or the host tier (NVMe → host fetches
+    /// of NVMe-homed units; `snapshot` is then the host tier, its copies counted in pool size
+    /// classes, and `ranking` is asked for host-copy priorities). Victims are checked against
+    /// the units' next device access on either tier: a host copy is needed when its unit's
+    /// device copy is loaded.
+    pub fn plan_tier(
+        &self,
+        tier: Tier,
+        schedule: &Schedule,
+        position: u64,
+        snapshot: &TierSnapshot,
+        ranking: &dyn EvictionPolicy,
+        blocked: &dyn Fn(TensorId) -> bool,
+    ) -> PrefetchPlan {
+        let bytes_on_tier = |b: u64| match tier {
+            Tier::Host => oogc_swapper::host::size_class(b as usize) as u64,
+            _ => b,
+        };
         let mut plan = PrefetchPlan::default();
         let mut used = snapshot.used_bytes;
         let present: HashSet<TensorId> = snapshot.copies.iter().map(|c| c.id).collect();
@@ -166,7 +193,7 @@ impl Prefetcher {
                 plan.stopped = Some((unit, Stop::Blocked));
                 break;
             }
-            let need = schedule.unit_bytes(unit).unwrap_or(0);
+            let need = bytes_on_tier(schedule.unit_bytes(unit).unwrap_or(0));
             if used + need > snapshot.budget_bytes {
                 let mut cands: Vec<EvictionCandidate> = snapshot
                     .copies
@@ -174,7 +201,7 @@ impl Prefetcher {
                     .filter(|c| c.state == CopyView::Ready && !c.pinned && !gone.contains(&c.id) && c.id != unit)
                     .map(|c| EvictionCandidate {
                         id: c.id,
-                        tier: Tier::Device,
+                        tier,
                         num_bytes: c.num_bytes,
                         last_use: c.last_use,
                         dirty: c.dirty,

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 use oogc_optimizer::{Grads, PipelinedOptimizer, UpdateHandle};
-use oogc_swapper::{Device, DeviceBuffer, PinnedPool, Transfer};
+use oogc_swapper::{Device, DeviceBuffer, HostClaim, HostLedger, HostUse, PinnedPool, Transfer};
 use parking_lot::{Condvar, Mutex};
 
 use super::{Result, RuntimeError, UnitId};
@@ -17,6 +17,10 @@ use super::{Result, RuntimeError, UnitId};
 /// Device buffers for gradients on their way D2H: one unit's gradients are copied while the
 /// next unit's backward computes.
 pub(super) const STAGING_BUFFERS: usize = 1;
+
+/// Pinned host buffers the D2H copies land in, at most at once: the one being copied into
+/// while the drain thread still reads the previous one.
+pub(super) const GRAD_LANDING_BUFFERS: usize = STAGING_BUFFERS + 1;
 
 struct GradJob {
     unit: UnitId,
@@ -36,7 +40,9 @@ struct Shared {
     in_flight_done: Condvar,
     /// Hold landed gradients for [`GradPipe::take_held`] instead of submitting them.
     hold: bool,
-    held: Mutex<Vec<(UnitId, Vec<f32>)>>,
+    held: Mutex<Vec<(UnitId, Vec<f32>, HostClaim)>>,
+    /// The host ledger the gradients the optimizer holds are claimed from.
+    ledger: Arc<HostLedger>,
     /// The handles of updates the drain thread submitted, for the caller's unit states.
     handles: Sender<(UnitId, UpdateHandle)>,
 }
@@ -52,8 +58,9 @@ pub(super) struct GradPipe {
 }
 
 impl GradPipe {
-    /// Starts the drain thread.
-    pub(super) fn new(optimizer: PipelinedOptimizer, pool: PinnedPool, hold: bool) -> Self {
+    /// Starts the drain thread. `pool` is where the D2H copies land; every gradient vector is
+    /// claimed from `ledger` ([`HostUse::Gradients`]) before it is made.
+    pub(super) fn new(optimizer: PipelinedOptimizer, pool: PinnedPool, ledger: Arc<HostLedger>, hold: bool) -> Self {
         let (handles_tx, handles) = crossbeam_channel::unbounded();
         let shared = Arc::new(Shared {
             optimizer,
@@ -64,6 +71,7 @@ impl GradPipe {
             in_flight_done: Condvar::new(),
             hold,
             held: Mutex::new(Vec::new()),
+            ledger,
             handles: handles_tx,
         });
         let (tx, rx) = crossbeam_channel::unbounded::<GradJob>();
@@ -80,6 +88,11 @@ impl GradPipe {
     /// The optimizer.
     pub(super) fn optimizer(&self) -> &PipelinedOptimizer {
         &self.shared.optimizer
+    }
+
+    /// Caps the pinned landing pool (the host plan's share; its cached buffers above it go).
+    pub(super) fn set_landing_budget_bytes(&self, bytes: u64) {
+        self.pool.set_budget_bytes(bytes);
     }
 
     /// Adds a device staging buffer.
@@ -120,8 +133,9 @@ impl GradPipe {
     ///
     /// # Errors
     /// The optimizer refused them.
-    pub(super) fn submit_host(&self, unit: UnitId, grads: Vec<f32>) -> Result<UpdateHandle> {
-        Ok(self.shared.optimizer.submit(unit.tensor(), Grads::F32(grads))?)
+    pub(super) fn submit_host(&self, unit: UnitId, grads: &[f32]) -> Result<UpdateHandle> {
+        let claim = self.shared.ledger.claim(HostUse::Gradients, 4 * grads.len() as u64)?;
+        Ok(self.shared.optimizer.submit_claimed(unit.tensor(), Grads::F32(grads.to_vec()), claim)?)
     }
 
     /// Blocks until every queued copy has been submitted (or held), then reports the drain
@@ -149,8 +163,8 @@ impl GradPipe {
         }
     }
 
-    /// The gradients held so far (hold mode), in arrival order.
-    pub(super) fn take_held(&self) -> Vec<(UnitId, Vec<f32>)> {
+    /// The gradients held so far (hold mode), in arrival order, with their claims.
+    pub(super) fn take_held(&self) -> Vec<(UnitId, Vec<f32>, HostClaim)> {
         std::mem::take(&mut *self.shared.held.lock())
     }
 
@@ -182,14 +196,23 @@ fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
         shared.staging.lock().push(dev);
         shared.staging_returned.notify_all();
         let _span = tracing::info_span!("runtime::submit", unit = job.unit.0).entered();
+        // Claimed before the vector is made; held with it until the step's update is final.
+        let claim = match shared.ledger.claim(HostUse::Gradients, host.len() as u64) {
+            Ok(c) => c,
+            Err(e) => {
+                shared.drain_error.lock().get_or_insert(e.into());
+                finish_job(&shared);
+                continue;
+            }
+        };
         let grads: Vec<f32> = bytemuck::pod_collect_to_vec(host.as_slice());
         drop(host);
         if shared.hold {
-            shared.held.lock().push((job.unit, grads));
+            shared.held.lock().push((job.unit, grads, claim));
             finish_job(&shared);
             continue;
         }
-        match shared.optimizer.submit(job.unit.tensor(), Grads::F32(grads)) {
+        match shared.optimizer.submit_claimed(job.unit.tensor(), Grads::F32(grads), claim) {
             Ok(handle) => {
                 // The receiver lives as long as the pipe, which joins this thread first.
                 let _ = shared.handles.send((job.unit, handle));

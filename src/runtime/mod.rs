@@ -4,14 +4,21 @@
 //!
 //! | call | what happens |
 //! |---|---|
-//! | [`Runtime::add_unit`] | the unit's compute copy is registered (home: pinned host); its fp32 master weights and Adam state go to the optimizer (host or NVMe) |
-//! | [`Runtime::begin_step`] | checks budgets against the minimum working set; sets the step's learning rate |
-//! | [`Runtime::fetch`] | waits for the unit's pending update if any (publishing the new compute copy), pins the unit on the device, issues prefetches for the next units of the schedule |
+//! | [`Runtime::add_unit`] | the unit's compute copy is registered (home: pinned host, or NVMe with `params_placement`); its fp32 master weights and Adam state go to the optimizer (host or NVMe) |
+//! | [`Runtime::begin_step`] | checks budgets against the minimum working set and applies the host plan (first step); sets the step's learning rate |
+//! | [`Runtime::fetch`] | waits for the unit's pending update if any (publishing the new compute copy into its home), pins the unit on the device, issues prefetches for the next units of the schedule (NVMe → host ahead of host → device when parameters live on NVMe) |
 //! | [`Runtime::push_grads`] | copies the unit's gradients D2H on the copy engine and hands them to the optimizer, which updates the unit on CPU threads while the caller goes on |
 //! | [`Runtime::finish_step`] | waits until every gradient is submitted; global norm, clip scale and non-finite skip come back in [`StepStats`] |
 //!
 //! The next step's forward waits only for units whose update is not finished: a unit's update is
 //! awaited at its first [`Runtime::fetch`] after [`Runtime::push_grads`].
+//!
+//! **Host memory.** Every host allocation of the runtime is claimed from one [`HostLedger`] of
+//! `host_budget_bytes` ([`Runtime::host_ledger`]): the residency manager's host tier (compute
+//! copies), the optimizer's state, second buffers and stream buffers, the gradients' landing
+//! buffers and the gradients the optimizer holds. [`HostPlan`] splits the budget between them
+//! before the first step (module [`budget`]). A unit's compute copy has one home, the residency
+//! manager's host copy (or its NVMe extent): the optimizer writes the new copy there.
 //!
 //! ```no_run
 //! use oogc::runtime::{Phase, Runtime, RuntimeConfig};
@@ -31,25 +38,29 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use oogc_optimizer::{Grads, OptimizerConfig, PipelinedOptimizer, StepReport};
+use oogc_optimizer::{OptimizerConfig, PipelinedOptimizer, StepReport};
 use oogc_prefetch::{
     check_budget, CursorHandle, NextUsePolicy, PrefetchConfig, PrefetchDriver, Schedule, TraceRecorder,
 };
 use oogc_swapper::{
-    Access, DType, Device, DeviceBuffer, NvmeConfig, NvmeStore, PinnedPool, ResidencyConfig, ResidencyManager,
-    SimDevice, SimDeviceConfig, StatePlacement, TensorId, TensorMeta, Tier,
+    Access, DType, Device, DeviceBuffer, HostLedger, HostUse, NvmeConfig, NvmeStore, PinnedPool, ResidencyConfig,
+    ResidencyManager, SimDevice, SimDeviceConfig, StatePlacement, TensorId, TensorMeta, Tier,
 };
 use parking_lot::Mutex;
 
+pub mod budget;
 mod grads;
+mod home;
 mod stats;
 mod unit;
 
+pub use budget::{HostPlan, NvmePlan};
 pub use oogc_prefetch::Phase;
 pub use stats::{PeakBytes, PhaseStats, StepStats};
 pub use unit::UnitParams;
 
 use grads::{GradPipe, STAGING_BUFFERS};
+use home::ResidencyHome;
 use unit::{Scheduling, Unit, Update};
 
 /// What can go wrong in the runtime.
@@ -77,6 +88,32 @@ pub enum RuntimeError {
         budget_bytes: u64,
         /// The minimum.
         min_bytes: u64,
+    },
+    /// The host budget cannot hold what the run must hold at once.
+    #[error(
+        "host budget of {budget_bytes} bytes is below the {min_bytes} bytes this run needs at least ({parts})\n  \
+         fix: raise [budgets] host to at least {min_bytes} bytes, or put the optimizer state and/or the parameters \
+         on NVMe ([budgets] optimizer_state / params = \"nvme\")"
+    )]
+    HostBudgetBelowMinimum {
+        /// The configured host budget.
+        budget_bytes: u64,
+        /// The minimum.
+        min_bytes: u64,
+        /// The minimum's parts by category.
+        parts: String,
+    },
+    /// The NVMe store cannot be made as large as the run needs.
+    #[error("NVMe store in {path}: {needed_bytes} bytes needed, {available_bytes} available\n  fix: {fix}")]
+    NvmeTooSmall {
+        /// The directory (or the first one).
+        path: PathBuf,
+        /// Bytes needed there.
+        needed_bytes: u64,
+        /// Bytes available (free space, or the configured size).
+        available_bytes: u64,
+        /// How to fix it.
+        fix: String,
     },
     /// A call out of order or with a wrong argument.
     #[error("runtime misuse: {0}")]
@@ -122,14 +159,21 @@ pub struct RuntimeConfig {
     pub device: DeviceSpec,
     /// Device bytes for compute copies and gradient staging.
     pub gpu_budget_bytes: u64,
-    /// Pinned host bytes for the compute copies' home and staging.
+    /// Host bytes for everything the runtime holds in host memory (the [`HostLedger`]'s budget:
+    /// compute copies, optimizer state, second buffers, stream buffers, gradients).
     pub host_budget_bytes: u64,
     /// Where master weights and Adam state live.
     pub state_placement: StatePlacement,
-    /// NVMe store for optimizer state (needed when `state_placement` is NVMe).
+    /// Where the compute copies' home is: pinned host memory, or the NVMe store with the host
+    /// tier as its cache (ZeRO-Infinity's `offload_param`).
+    pub params_placement: StatePlacement,
+    /// NVMe store for optimizer state and/or parameters (needed when either is on NVMe).
     pub nvme: Option<NvmeConfig>,
     /// Units prefetched ahead; 0 = on demand.
     pub prefetch_depth: usize,
+    /// Units prefetched NVMe → host ahead, when parameters live on NVMe (the host window, ahead
+    /// of the device window); 0 = none.
+    pub host_prefetch_depth: usize,
     /// The CPU optimizer.
     pub optimizer: OptimizerConfig,
     /// Page-lock host memory (falls back with a warning when RLIMIT_MEMLOCK is low).
@@ -151,8 +195,10 @@ impl RuntimeConfig {
             gpu_budget_bytes,
             host_budget_bytes: 4 << 30,
             state_placement: StatePlacement::Host,
+            params_placement: StatePlacement::Host,
             nvme: None,
             prefetch_depth: 2,
+            host_prefetch_depth: 4,
             optimizer: OptimizerConfig { compute_dtype: DType::F32, ..OptimizerConfig::default() },
             lock_host_memory: false,
             overlap_optimizer: true,
@@ -187,13 +233,18 @@ pub struct Runtime {
     /// The sliding window of prefetches (depth > 0, from the second step on).
     driver: Option<PrefetchDriver>,
     nvme_dirs: Vec<PathBuf>,
-    /// The optimizer state's NVMe store (shared with the optimizer).
+    /// The NVMe store of the optimizer state and/or the parameters (shared by the optimizer and
+    /// the residency manager).
     nvme: Option<Arc<NvmeStore>>,
+    /// The one host budget every host allocation is claimed from.
+    ledger: Arc<HostLedger>,
+    /// The split of the host budget, applied before the first step.
+    host_plan: Option<HostPlan>,
 }
 
 impl Runtime {
-    /// Builds the device, the residency manager, the optimizer (and its NVMe store when state
-    /// lives on NVMe).
+    /// Builds the device, the host ledger, the residency manager, the optimizer (and the NVMe
+    /// store when state or parameters live on NVMe).
     ///
     /// # Errors
     /// [`RuntimeError::Swapper`] for a bad device (no CUDA device, not compiled with CUDA), a bad
@@ -221,33 +272,46 @@ impl Runtime {
                 (Device::Cuda(cuda), candle_core::Device::new_cuda(*ordinal)?)
             }
         };
-        let nvme = match (config.state_placement, &config.nvme) {
-            (StatePlacement::Nvme, Some(nvme)) => Some(Arc::new(NvmeStore::open(nvme.clone())?)),
-            (StatePlacement::Nvme, None) => {
-                return Err(RuntimeError::Usage("optimizer state on NVMe needs an NVMe config".into()));
+        let on_nvme = config.state_placement == StatePlacement::Nvme || config.params_placement == StatePlacement::Nvme;
+        let nvme = match (on_nvme, &config.nvme) {
+            (true, Some(nvme)) => Some(Arc::new(NvmeStore::open(nvme.clone())?)),
+            (true, None) => {
+                return Err(RuntimeError::Usage(
+                    "optimizer state or parameters on NVMe need an NVMe config (RuntimeConfig::nvme)".into(),
+                ));
             }
-            (StatePlacement::Host, _) => None,
+            (false, _) => None,
         };
         let nvme_dirs = config.nvme.as_ref().map(|n| n.dirs.clone()).unwrap_or_default();
-        let optimizer = PipelinedOptimizer::new(config.optimizer.clone(), nvme.clone())?;
+        let ledger = HostLedger::new(config.host_budget_bytes);
         let host_allocator = device.host_allocator(config.lock_host_memory);
         let residency = Arc::new(ResidencyManager::new(
             device,
-            None,
+            nvme.clone(),
             ResidencyConfig {
                 // Set for real once the units are known (gradient staging is carved out).
                 device_budget_bytes: Some(config.gpu_budget_bytes),
+                // Set for real before the first step (the host plan's share).
                 host_budget_bytes: config.host_budget_bytes,
+                host_ledger: Some(ledger.clone()),
                 lock_host_memory: config.lock_host_memory,
                 ..ResidencyConfig::default()
             },
             Box::new(oogc_swapper::LruPolicy),
         )?);
-        let grad_pool = PinnedPool::new(
+        let optimizer = PipelinedOptimizer::with_home(
+            config.optimizer.clone(),
+            nvme.clone(),
+            ledger.clone(),
+            Arc::new(ResidencyHome::new(residency.clone())),
+        )?;
+        let grad_pool = PinnedPool::with_ledger(
             &oogc_swapper::PinnedPoolConfig { budget_bytes: config.host_budget_bytes, lock: config.lock_host_memory },
             host_allocator,
+            ledger.clone(),
+            HostUse::Gradients,
         );
-        let grads = GradPipe::new(optimizer, grad_pool, !config.overlap_optimizer);
+        let grads = GradPipe::new(optimizer, grad_pool, ledger.clone(), !config.overlap_optimizer);
         Ok(Self {
             config,
             compute_device,
@@ -267,12 +331,15 @@ impl Runtime {
             driver: None,
             nvme_dirs,
             nvme,
+            ledger,
+            host_plan: None,
         })
     }
 
     /// Registers a unit: `master` is its flat fp32 parameter vector (`[numel]`); the compute
-    /// copy (f32) gets its home in pinned host memory and the master weights and Adam state go to
-    /// the optimizer's tier. Units are numbered in registration order.
+    /// copy (f32) gets its home in pinned host memory (or on NVMe, written there now, with
+    /// [`RuntimeConfig::params_placement`]) and the master weights and Adam state go to the
+    /// optimizer's tier. Units are numbered in registration order.
     ///
     /// # Errors
     /// [`RuntimeError::Usage`] after the first step began; swapper or optimizer errors (host
@@ -282,8 +349,14 @@ impl Runtime {
             return Err(RuntimeError::Usage(format!("add_unit({name}) after the first step began")));
         }
         let unit = UnitId(self.units.len());
-        let meta = TensorMeta::new(unit.tensor(), name, &[master.len()], DType::F32, Tier::Host);
+        let home = self.config.params_placement.tier();
+        let meta = TensorMeta::new(unit.tensor(), name, &[master.len()], DType::F32, home);
         self.residency.register(meta, bytemuck::cast_slice(master))?;
+        if home == Tier::Nvme {
+            // A cold start: the copy is on NVMe; the host tier fills as the schedule needs it.
+            self.residency.drop_host_copy(unit.tensor())?;
+            self.residency.host_pool().trim();
+        }
         self.grads.optimizer().add_unit(unit.tensor(), master, self.config.state_placement)?;
         self.units.push(Unit::new(name, master.len()));
         Ok(unit)
@@ -345,7 +418,48 @@ impl Runtime {
             device: self.residency.peak_bytes(Tier::Device),
             host: self.residency.peak_bytes(Tier::Host),
             nvme: self.optimizer_nvme_bytes(),
+            host_ledger: self.ledger.peak_bytes(),
         }
+    }
+
+    /// The host ledger: every host byte the runtime holds, by category, with peaks. The hook for
+    /// host-kept activations ([`HostUse::Activations`]).
+    pub fn host_ledger(&self) -> &Arc<HostLedger> {
+        &self.ledger
+    }
+
+    /// The split of the host budget in force (from the first step on).
+    pub fn host_plan(&self) -> Option<&HostPlan> {
+        self.host_plan.as_ref()
+    }
+
+    /// The plan of the host budget for the units added so far (what [`Runtime::begin_step`]
+    /// applies).
+    pub fn plan_host(&self) -> HostPlan {
+        let units: Vec<usize> = self.units.iter().map(|u| u.numel).collect();
+        HostPlan::new(&self.config, &units, self.max_units_in_use, self.nvme_speculation_room())
+    }
+
+    /// NVMe bytes the store has beyond what the run needs ([`NvmePlan::speculation_room_bytes`]):
+    /// room for speculated NVMe units' second extents.
+    fn nvme_speculation_room(&self) -> u64 {
+        let units: Vec<usize> = self.units.iter().map(|u| u.numel).collect();
+        self.nvme.as_ref().map_or(0, |store| {
+            NvmePlan::new(
+                &units,
+                self.config.state_placement,
+                self.config.params_placement,
+                self.config.optimizer.compute_dtype.size_in_bytes(),
+                &self.config.optimizer,
+                Some(store.capacity_bytes()),
+            )
+            .map_or(0, |p| p.speculation_room_bytes())
+        })
+    }
+
+    /// The residency manager (tiers, residency of each unit's compute copy, metrics).
+    pub fn residency(&self) -> &ResidencyManager {
+        &self.residency
     }
 
     /// The pipelined optimizer.
@@ -408,12 +522,15 @@ impl Runtime {
         };
     }
 
-    /// Checks the GPU budget against the minimum working set and carves out gradient staging;
-    /// no more units can be added afterwards. [`Runtime::begin_step`] calls it; call it earlier
+    /// Checks the GPU budget against the minimum working set and carves out gradient staging,
+    /// checks the host budget against the run's minimum and applies the host plan (the host
+    /// tier's share, the stream and gradient pools' caps, the optimizer's second buffers); no
+    /// more units can be added afterwards. [`Runtime::begin_step`] calls it; call it earlier
     /// to refuse a bad budget before anything else happens.
     ///
     /// # Errors
-    /// [`RuntimeError::BudgetBelowWorkingSet`] with the minimum in bytes.
+    /// [`RuntimeError::BudgetBelowWorkingSet`] or [`RuntimeError::HostBudgetBelowMinimum`] with
+    /// the minimum in bytes; swapper errors applying the host tier's share.
     pub fn check_working_set(&mut self) -> Result<()> {
         if self.checked_working_set {
             return Ok(());
@@ -425,6 +542,7 @@ impl Runtime {
                 min_bytes: min,
             });
         }
+        self.apply_host_plan()?;
         let largest = self.units.iter().map(Unit::bytes).max().unwrap_or(0) as usize;
         for _ in 0..STAGING_BUFFERS {
             self.grads.add_staging(self.residency.device().alloc(largest.max(1))?);
@@ -432,6 +550,29 @@ impl Runtime {
         self.residency
             .set_device_budget_bytes(self.config.gpu_budget_bytes - STAGING_BUFFERS as u64 * largest as u64)?;
         self.checked_working_set = true;
+        Ok(())
+    }
+
+    /// Splits the host budget ([`HostPlan`]) and applies the split.
+    fn apply_host_plan(&mut self) -> Result<()> {
+        let plan = self.plan_host();
+        plan.check()?;
+        self.residency.set_host_budget_bytes(plan.compute_copies_bytes.max(1))?;
+        self.grads.set_landing_budget_bytes(plan.gradient_landing_bytes);
+        let optimizer = self.grads.optimizer();
+        if self.config.state_placement == StatePlacement::Nvme {
+            optimizer.set_stream_host_budget_bytes(plan.nvme_stream_bytes)?;
+        }
+        let spec = optimizer.reserve_speculation(plan.speculation_budget_bytes, self.nvme_speculation_room())?;
+        tracing::info!(
+            budget_bytes = plan.budget_bytes,
+            min_bytes = plan.min_bytes,
+            compute_copies_bytes = plan.compute_copies_bytes,
+            speculative_units = spec.speculative_units,
+            deferred_units = spec.deferred_units,
+            "host plan"
+        );
+        self.host_plan = Some(plan);
         Ok(())
     }
 
@@ -474,7 +615,9 @@ impl Runtime {
         }
     }
 
-    /// Waits for `unit`'s pending update and copies its new compute copy into the host copy.
+    /// Waits for `unit`'s pending update and has the optimizer publish its new compute copy
+    /// into its home (the host copy, which drops the stale device copy); a deferred update
+    /// wrote it there already.
     fn publish(&mut self, unit: UnitId) -> Result<()> {
         if self.units[unit.0].update != Update::StepFinished {
             // No update, or one pushed in the step still running: the copy in the tiers is the
@@ -483,10 +626,7 @@ impl Runtime {
         }
         let t = Instant::now();
         self.grads.wait_submitted()?;
-        self.grads.optimizer().wait_unit(unit.tensor())?;
-        let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Write)?;
-        self.grads.optimizer().read_compute_copy(unit.tensor(), |bytes| pin.host_bytes_mut().copy_from_slice(bytes))?;
-        drop(pin);
+        self.grads.optimizer().publish(unit.tensor())?;
         self.units[unit.0].update = Update::Current;
         self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
         Ok(())
@@ -576,7 +716,7 @@ impl Runtime {
     pub fn push_grads_host(&mut self, unit: UnitId, grads: &[f32]) -> Result<()> {
         self.check_grads_len(unit, grads, "push_grads_host")?;
         self.grads.check()?;
-        let handle = self.grads.submit_host(unit, grads.to_vec())?;
+        let handle = self.grads.submit_host(unit, grads)?;
         let u = &mut self.units[unit.0];
         u.handle = Some(handle);
         u.update = Update::Pushed;
@@ -595,8 +735,9 @@ impl Runtime {
     pub fn finish_step(&mut self) -> Result<StepStats> {
         let t = Instant::now();
         self.grads.wait_submitted()?;
-        for (unit, grads) in self.grads.take_held() {
-            let handle = self.grads.optimizer().submit(unit.tensor(), Grads::F32(grads))?;
+        for (unit, grads, claim) in self.grads.take_held() {
+            let handle =
+                self.grads.optimizer().submit_claimed(unit.tensor(), oogc_optimizer::Grads::F32(grads), claim)?;
             self.units[unit.0].handle = Some(handle);
         }
         self.collect_handles();
@@ -650,7 +791,12 @@ impl Runtime {
                 self.residency.set_policy(Box::new(policy));
                 if self.config.prefetch_depth > 0 {
                     let config = PrefetchConfig { max_depth: self.config.prefetch_depth, ..PrefetchConfig::default() };
-                    self.driver = Some(PrefetchDriver::new(&self.residency, cursor.clone(), config)?);
+                    let host_depth = match self.config.params_placement {
+                        StatePlacement::Nvme => self.config.host_prefetch_depth,
+                        StatePlacement::Host => 0,
+                    };
+                    let driver = PrefetchDriver::new(&self.residency, cursor.clone(), config)?;
+                    self.driver = Some(driver.with_host_depth(host_depth)?);
                 }
                 self.cursor = Some(cursor);
             }
@@ -677,7 +823,8 @@ impl Runtime {
         Ok(())
     }
 
-    /// Bytes of optimizer state on NVMe now (0 when it lives in host memory).
+    /// Bytes on the NVMe store now: optimizer state and compute copies placed there (0 without
+    /// a store).
     pub fn optimizer_nvme_bytes(&self) -> u64 {
         self.nvme.as_ref().map_or(0, |s| s.used_bytes())
     }
@@ -706,15 +853,13 @@ impl Runtime {
             )));
         }
         self.publish(unit)?;
-        let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Write)?;
-        pin.host_bytes_mut().copy_from_slice(bytemuck::cast_slice(&master));
-        drop(pin);
+        // The optimizer writes the compute copy into its home (the host copy) from `master`.
         self.grads.optimizer().import_state(unit.tensor(), oogc_optimizer::UnitState { master, m, v })?;
         Ok(())
     }
 
     /// Traffic counters since the runtime began: the device's H2D/D2H links (gradients and
-    /// fetches) and the optimizer's NVMe reads and writes.
+    /// fetches) and the NVMe reads and writes of the store (optimizer state and compute copies).
     pub fn traffic(&self) -> oogc_swapper::MetricsSnapshot {
         let mut m = self.residency.metrics();
         if let Device::Sim(sim) = self.residency.device() {
@@ -725,10 +870,12 @@ impl Runtime {
         if let Some(store) = &self.nvme {
             let (read, write) = store.link_stats();
             let (read, write) = (read.snapshot(), write.snapshot());
-            m.nvme_read.bytes += read.bytes;
-            m.nvme_read.busy_s += read.busy_s;
-            m.nvme_write.bytes += write.bytes;
-            m.nvme_write.busy_s += write.busy_s;
+            // The store counts every request on it: the optimizer's streams and the residency
+            // manager's compute copies alike.
+            m.nvme_read.bytes = read.bytes;
+            m.nvme_read.busy_s = read.busy_s;
+            m.nvme_write.bytes = write.bytes;
+            m.nvme_write.busy_s = write.busy_s;
         }
         m
     }

@@ -60,8 +60,11 @@ impl StepStats {
 pub struct PeakBytes {
     /// Compute copies on the device (gradient staging, carved out of the budget, excluded).
     pub device: u64,
-    /// Compute copies' home and staging in pinned host memory.
+    /// Compute copies in the residency manager's host tier (their home or NVMe cache).
     pub host: u64,
-    /// Optimizer state (and spilled copies) on NVMe, now.
+    /// Optimizer state (and compute copies placed there) on NVMe, now.
     pub nvme: u64,
+    /// Highest bytes claimed at once from the host ledger: everything the runtime holds in host
+    /// memory (compute copies, optimizer state, second buffers, stream buffers, gradients).
+    pub host_ledger: u64,
 }

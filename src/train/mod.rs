@@ -15,14 +15,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::Tensor;
+use oogc_models::hf;
+use oogc_models::llama::{Llama, LlamaConfig};
 use oogc_models::{CausalLm, Gpt, GptConfig, UnitKind};
 use oogc_moe_placement::Placement;
-use oogc_swapper::StatePlacement;
 
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
-use crate::config::{DeviceKind, TrainConfig};
+use crate::config::{DeviceKind, GptModelConfig, LlamaModelConfig, ModelConfig, TrainConfig};
 use crate::data::{Batch, Corpus, Sampler};
-use crate::runtime::{DeviceSpec, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
+use crate::runtime::{DeviceSpec, HostPlan, NvmePlan, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
 
 mod moe;
 
@@ -85,20 +86,52 @@ pub struct StepOutcome {
     pub cpu_tokens: usize,
 }
 
-/// The GPT's config from the run's `[model]` table, `train.seq_len` and the data's vocabulary
-/// (256 for bytes, else the tokenizer's).
-pub fn gpt_config(cfg: &TrainConfig, vocab_size: usize) -> GptConfig {
+/// The GPT's config from the run's `[model]` table (a GPT's), `train.seq_len` and the data's
+/// vocabulary (256 for bytes, else the tokenizer's).
+pub fn gpt_config(g: &GptModelConfig, seq_len: usize, vocab_size: usize) -> GptConfig {
     GptConfig {
         vocab_size,
-        d_model: cfg.model.d_model,
-        n_layer: cfg.model.n_layer,
-        n_head: cfg.model.n_head,
-        d_ff: cfg.model.d_ff,
-        max_seq_len: cfg.max_seq_len(),
-        tied_head: cfg.model.tied_head,
-        moe: cfg.model.moe.as_ref().map(|m| m.to_model()),
+        d_model: g.d_model,
+        n_layer: g.n_layer,
+        n_head: g.n_head,
+        d_ff: g.d_ff,
+        max_seq_len: g.max_seq_len(seq_len),
+        tied_head: g.tied_head,
+        moe: g.moe.as_ref().map(|m| m.to_model()),
         ..GptConfig::default()
     }
+}
+
+/// The Llama-family config of a run: `[model]`'s keys with the data's vocabulary when it gives
+/// none, or the `config.json` of the checkpoint `init` names (whose vocabulary must hold the
+/// tokenizer's ids).
+///
+/// # Errors
+/// [`TrainError::Model`] for an unreadable or unsupported checkpoint; [`TrainError::Config`] for a
+/// vocabulary smaller than the tokenizer's.
+pub fn llama_config(l: &LlamaModelConfig, vocab_size: usize) -> Result<LlamaConfig> {
+    let (config, key) = match l {
+        LlamaModelConfig::Scratch(c) => {
+            let mut c = c.clone();
+            if c.vocab_size == 0 {
+                c.vocab_size = vocab_size;
+            }
+            (c, "model.vocab_size")
+        }
+        LlamaModelConfig::Init(dir) => (hf::HfCheckpoint::open(dir)?.llama_config()?, "model.init"),
+    };
+    if config.vocab_size < vocab_size {
+        return Err(crate::config::ConfigError::Invalid {
+            key: key.into(),
+            reason: format!(
+                "the model's vocabulary of {} tokens is smaller than the tokenizer's {vocab_size}: use the \
+                 model's own tokenizer.json (or a larger vocab_size)",
+                config.vocab_size
+            ),
+        }
+        .into());
+    }
+    Ok(config)
 }
 
 /// The learning-rate schedule of the run: linear warmup over `warmup_steps`, cosine decay to
@@ -112,26 +145,25 @@ pub fn lr_schedule(cfg: &TrainConfig) -> oogc_optimizer::LrSchedule {
     }
 }
 
-/// The runtime's config from the run's config: device, budgets, where the optimizer state lives
-/// (its NVMe store sized `[budgets] nvme_size`, else 3 × the state + 64 MiB), prefetch depth,
-/// the CPU optimizer.
-pub fn runtime_config(cfg: &TrainConfig, num_params: usize) -> RuntimeConfig {
+/// The runtime's config from the run's config and its model's units (parameters per unit):
+/// device, budgets, where the optimizer state and the parameters live (the NVMe store sized
+/// `[budgets] nvme_size`, else by [`NvmePlan`]), prefetch depths, the CPU optimizer.
+pub fn runtime_config(cfg: &TrainConfig, units: &[usize]) -> RuntimeConfig {
     let device = match cfg.device.kind {
         DeviceKind::Sim => DeviceSpec::Sim { link_gbps: cfg.device.link_gbps, latency_us: cfg.device.latency_us },
         DeviceKind::Cuda(ordinal) => DeviceSpec::Cuda { ordinal },
     };
-    let nvme = (cfg.budgets.optimizer_state == StatePlacement::Nvme).then(|| {
-        let state_bytes = num_params as u64 * 12;
-        let size = cfg.budgets.nvme_size.map_or(3 * state_bytes + (64 << 20), |s| s.as_u64());
-        oogc_swapper::NvmeConfig::new(cfg.budgets.nvme_dirs.clone(), size)
-    });
+    let nvme =
+        nvme_plan(cfg, units).map(|p| oogc_swapper::NvmeConfig::new(cfg.budgets.nvme_dirs.clone(), p.capacity_bytes));
     RuntimeConfig {
         device,
         gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
         host_budget_bytes: cfg.budgets.host.as_u64(),
         state_placement: cfg.budgets.optimizer_state,
+        params_placement: cfg.budgets.params,
         nvme,
         prefetch_depth: cfg.prefetch.depth,
+        host_prefetch_depth: cfg.prefetch.host_depth,
         optimizer: optimizer_config(cfg),
         lock_host_memory: true,
         overlap_optimizer: cfg.prefetch.overlap_optimizer,
@@ -153,8 +185,87 @@ pub fn optimizer_config(cfg: &TrainConfig) -> oogc_optimizer::OptimizerConfig {
         },
         clip_norm: (o.clip_norm > 0.0).then_some(o.clip_norm),
         compute_dtype: oogc_optimizer::DType::F32,
+        rollback_budget_bytes: o.rollback_budget.map(|b| b.as_u64()),
+        stream_host_budget_bytes: o
+            .stream_host_budget
+            .map_or(oogc_optimizer::OptimizerConfig::default().stream_host_budget_bytes, |b| b.as_u64()),
         ..oogc_optimizer::OptimizerConfig::default()
     }
+}
+
+/// The NVMe store of a run of `units` (parameters per unit): [`NvmePlan`] with the config's
+/// placements and `[budgets] nvme_size`; `None` when nothing lives on NVMe.
+pub fn nvme_plan(cfg: &TrainConfig, units: &[usize]) -> Option<NvmePlan> {
+    NvmePlan::new(
+        units,
+        cfg.budgets.optimizer_state,
+        cfg.budgets.params,
+        4,
+        &optimizer_config(cfg),
+        cfg.budgets.nvme_size.map(|s| s.as_u64()),
+    )
+}
+
+/// Units the trainer holds pinned at once: 2 when a tied head uses the embedding beside its own
+/// unit or an MoE trunk stays pinned while its experts run, else 1.
+pub fn max_units_in_use(model: &dyn CausalLm) -> usize {
+    if model.tied_head() || model.moe().is_some() {
+        2
+    } else {
+        1
+    }
+}
+
+/// The split of `[budgets] host` of a run of `model` (its units' parameters): [`HostPlan`].
+pub fn host_plan(cfg: &TrainConfig, model: &dyn CausalLm) -> HostPlan {
+    let units = unit_sizes(model);
+    let room = nvme_plan(cfg, &units).map_or(0, |p| p.speculation_room_bytes());
+    HostPlan::new(&runtime_config(cfg, &units), &units, max_units_in_use(model), room)
+}
+
+/// Parameters of each unit of `model`, in unit order.
+pub fn unit_sizes(model: &dyn CausalLm) -> Vec<usize> {
+    model.units().iter().map(|u| u.numel).collect()
+}
+
+/// The stated fixed overhead of a run of `cfg` besides the host ledger, bytes
+/// ([`crate::runtime::budget::fixed_overhead_bytes`]): the process, the training text of
+/// `data_bytes`, the sim device's memory (the GPU budget) and candle's buffers.
+pub fn host_overhead_bytes(cfg: &TrainConfig, model: &dyn CausalLm, data_bytes: u64) -> u64 {
+    use crate::runtime::budget::{activation_overhead_bytes, fixed_overhead_bytes};
+    let d = model.dims();
+    let (batch, seq) = (cfg.train.batch_size as u64, cfg.train.seq_len as u64);
+    let activations = activation_overhead_bytes(
+        batch,
+        seq,
+        d.hidden as u64,
+        d.intermediate as u64,
+        d.heads as u64,
+        d.layers as u64,
+        model.vocab_size() as u64,
+    );
+    let sim_device = if cfg.device.kind.is_sim() { cfg.budgets.gpu.as_u64() } else { 0 };
+    fixed_overhead_bytes(data_bytes, sim_device, activations)
+}
+
+/// Checks the run's budgets before anything is written: the host budget against the run's
+/// minimum ([`HostPlan::check`]) and the NVMe store's size against its minimum and the free
+/// space of its directories (`free_bytes(dir)`, e.g. statvfs; [`NvmePlan::check`]).
+///
+/// # Errors
+/// [`crate::runtime::RuntimeError::HostBudgetBelowMinimum`] or
+/// [`crate::runtime::RuntimeError::NvmeTooSmall`], with the numbers and the fix.
+pub fn check_budgets(
+    cfg: &TrainConfig,
+    model: &dyn CausalLm,
+    free_bytes: &dyn Fn(&Path) -> std::io::Result<u64>,
+) -> Result<HostPlan> {
+    let plan = host_plan(cfg, model);
+    plan.check()?;
+    if let Some(nvme) = nvme_plan(cfg, &unit_sizes(model)) {
+        nvme.check(&cfg.budgets.nvme_dirs, free_bytes)?;
+    }
+    Ok(plan)
 }
 
 /// The vocabulary of a run's data: 256 for bytes, else its tokenizer's (the tokenizer.json is
@@ -174,7 +285,10 @@ pub fn vocab_size(cfg: &TrainConfig) -> Result<usize> {
 /// # Errors
 /// [`TrainError::Model`] for dimensions the model refuses.
 pub fn build_model(cfg: &TrainConfig, vocab_size: usize) -> Result<Arc<dyn CausalLm>> {
-    Ok(Arc::new(Gpt::new(gpt_config(cfg, vocab_size))?))
+    Ok(match &cfg.model {
+        ModelConfig::Gpt(g) => Arc::new(Gpt::new(gpt_config(g, cfg.train.seq_len, vocab_size))?),
+        ModelConfig::Llama(l) => Arc::new(Llama::new(llama_config(l, vocab_size)?)?),
+    })
 }
 
 /// A validation result: the mean loss per token and the same total over the bytes of text the
@@ -276,6 +390,10 @@ impl Trainer {
 
     fn build(cfg: TrainConfig, resuming: bool, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
         cfg.validate()?;
+        // The model (its shape read, nothing allocated) and the budgets it needs: too small ones
+        // are refused before anything is written.
+        let model = build_model(&cfg, vocab_size(&cfg)?)?;
+        check_budgets(&cfg, &*model, &crate::runtime::budget::statvfs_free_bytes)?;
         // Before anything is written: one run at a time owns its directories.
         let lock = crate::lock::RunLock::for_config(&cfg)?;
         if let Some(dir) = cfg.checkpoint.dir.as_deref().filter(|_| !resuming) {
@@ -294,9 +412,9 @@ impl Trainer {
             }
         }
         let data = Corpus::load(&cfg.data.source(cfg.train.seq_len), progress)?;
-        let model = build_model(&cfg, data.vocab_size())?;
         let num_params: usize = model.units().iter().map(|u| u.numel).sum();
-        if cfg.budgets.optimizer_state == StatePlacement::Nvme {
+        let units = unit_sizes(&*model);
+        if cfg.uses_nvme() {
             for dir in &cfg.budgets.nvme_dirs {
                 std::fs::create_dir_all(dir).map_err(|e| {
                     crate::runtime::RuntimeError::Swapper(oogc_swapper::Error::NvmeDir {
@@ -309,12 +427,24 @@ impl Trainer {
                 })?;
             }
         }
-        let params = oogc_models::init_params(model.units(), cfg.train.seed);
-        let mut rt = Runtime::new(runtime_config(&cfg, num_params))?;
-        for (spec, flat) in model.units().iter().zip(&params) {
-            rt.add_unit(&spec.name, flat)?;
+        let mut rt = Runtime::new(runtime_config(&cfg, &units))?;
+        // One unit at a time, straight into the runtime (never the whole model in memory): from
+        // a Hugging Face checkpoint, or drawn from the run's seed.
+        let init = match &cfg.model {
+            ModelConfig::Llama(LlamaModelConfig::Init(dir)) => {
+                let ckpt = hf::HfCheckpoint::open(dir)?;
+                ckpt.check_units(model.units())?;
+                Some(ckpt)
+            }
+            _ => None,
+        };
+        for spec in model.units() {
+            let flat = match &init {
+                Some(ckpt) => ckpt.read_unit(spec)?,
+                None => oogc_models::init_unit_from_seed(spec, cfg.train.seed),
+            };
+            rt.add_unit(&spec.name, &flat)?;
         }
-        drop(params);
         let layout = Layout::of(&*model);
         let moe = match model.moe() {
             Some(_) => {
@@ -329,7 +459,7 @@ impl Trainer {
             None => None,
         };
         // A trunk stays pinned while its experts run (MoE); a tied head uses the embedding.
-        rt.set_max_units_in_use(if model.tied_head() || moe.is_some() { 2 } else { 1 });
+        rt.set_max_units_in_use(max_units_in_use(&*model));
         rt.check_working_set()?;
         let val = data.validation_batches(cfg.train.eval_batches, cfg.train.batch_size, cfg.train.seq_len);
         let sampler = Sampler::new(cfg.train.seed);
@@ -418,6 +548,16 @@ impl Trainer {
     /// The runtime (traffic, peaks, optimizer).
     pub fn runtime(&self) -> &Runtime {
         &self.rt
+    }
+
+    /// The stated fixed overhead of this run besides the host ledger ([`host_overhead_bytes`]).
+    pub fn host_overhead_bytes(&self) -> u64 {
+        let data = match &self.data {
+            Corpus::Bytes(t) => (t.train().len() + t.val().len()) as u64,
+            // The token file is mapped: its pages are the process's once read.
+            Corpus::Tokens(t) => std::fs::metadata(t.cache_path()).map_or(0, |m| m.len()),
+        };
+        host_overhead_bytes(&self.cfg, &*self.model, data)
     }
 
     /// Parameters in the model.

@@ -96,7 +96,7 @@ impl MoeState {
         let expert_params = experts.first().map_or(0, |&(u, ..)| units[u.0].numel);
         let blocks = experts.iter().map(|&(_, b, _)| b + 1).max().unwrap_or(0);
         let per_block = experts.iter().map(|&(_, _, e)| e + 1).max().unwrap_or(0);
-        let top_k = cfg.model.moe.as_ref().map_or(1, |m| m.top_k);
+        let top_k = cfg.model.moe().map_or(1, |m| m.top_k);
         let expert_bytes = expert_params as u64 * 4;
         // Forward 2, recompute 2, backward 4 FLOPs per parameter and token.
         let flops_per_token = 8.0 * expert_params as f64;

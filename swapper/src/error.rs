@@ -21,6 +21,22 @@ pub enum Error {
         available_bytes: u64,
     },
 
+    /// A host allocation would take the host ledger above `[budgets] host`.
+    #[error(
+        "host budget exceeded: {requested_bytes} bytes of {category} requested, {available_bytes} of the \
+         {budget_bytes}-byte host budget left; raise [budgets] host (or lower what the run holds in host memory)"
+    )]
+    HostBudget {
+        /// What the bytes were for.
+        category: crate::ledger::HostUse,
+        /// Bytes the claim asked for.
+        requested_bytes: u64,
+        /// Bytes left in the budget when the claim was refused.
+        available_bytes: u64,
+        /// The budget, bytes.
+        budget_bytes: u64,
+    },
+
     /// The binary was built without the `cuda` feature.
     #[error("CUDA support is not compiled in: rebuild with `cargo build --features cuda`, or use the sim device")]
     NotCompiledWithCuda,

@@ -21,6 +21,7 @@ use memmap2::{Advice, MmapMut};
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::ledger::{HostClaim, HostLedger, HostUse};
 use crate::tier::Tier;
 
 /// Bytes of a base page; every host buffer's address and capacity are multiples of it.
@@ -275,8 +276,10 @@ impl Default for PinnedPoolConfig {
 }
 
 struct PoolShared {
-    budget_bytes: u64,
+    budget_bytes: AtomicU64,
     allocator: Arc<dyn HostAllocator>,
+    /// The ledger every allocation from the OS is claimed from, and under which category.
+    ledger: Option<(Arc<HostLedger>, HostUse)>,
     state: Mutex<PoolState>,
     allocations: AtomicU64,
     reuses: AtomicU64,
@@ -301,12 +304,57 @@ impl PoolShared {
     }
 }
 
+impl PoolState {
+    /// Takes cached free buffers out (largest first) until the bytes held are at most `limit` or
+    /// none is cached; the caller drops them (their memory goes back to the OS).
+    fn take_cached_until(&mut self, limit: u64) -> Vec<Box<dyn HostMemory>> {
+        let mut out = Vec::new();
+        while self.held_bytes > limit && self.cached_bytes > 0 {
+            let (&cap, _) = self.free.iter().next_back().expect("cached bytes without buffers");
+            let list = self.free.get_mut(&cap).expect("class present");
+            let mem = list.pop().expect("non-empty class");
+            if list.is_empty() {
+                self.free.remove(&cap);
+            }
+            self.cached_bytes -= cap as u64;
+            self.held_bytes -= cap as u64;
+            if !mem.is_page_locked() {
+                self.unlocked_bytes -= cap as u64;
+            }
+            out.push(mem);
+        }
+        out
+    }
+}
+
+/// Host memory whose bytes are claimed from a [`HostLedger`] for as long as it lives.
+struct LedgerMemory {
+    mem: Box<dyn HostMemory>,
+    _claim: HostClaim,
+}
+
+impl HostMemory for LedgerMemory {
+    fn as_slice(&self) -> &[u8] {
+        self.mem.as_slice()
+    }
+    fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.mem.as_mut_slice()
+    }
+    fn is_page_locked(&self) -> bool {
+        self.mem.is_page_locked()
+    }
+}
+
 /// A pool of page-aligned, page-locked host buffers with a byte budget.
 ///
 /// Requests are rounded to a [`size_class`]; a freed buffer is cached by class and handed out
 /// again without re-allocating or re-locking. When a new allocation would exceed the budget, the
 /// pool first frees cached buffers of other classes; if it still does not fit, the request fails
 /// with [`Error::OutOfMemory`] on [`Tier::Host`]. Cloning the pool shares it.
+///
+/// With a [`HostLedger`] ([`PinnedPool::with_ledger`]) every allocation from the OS is claimed
+/// from the ledger first, under the pool's category, and given back when the memory goes back
+/// to the OS: cached free buffers count, as they are resident.
 #[derive(Clone)]
 pub struct PinnedPool {
     shared: Arc<PoolShared>,
@@ -315,10 +363,30 @@ pub struct PinnedPool {
 impl PinnedPool {
     /// A pool over `allocator` with `config`'s budget.
     pub fn new(config: &PinnedPoolConfig, allocator: Arc<dyn HostAllocator>) -> Self {
+        Self::build(config, allocator, None)
+    }
+
+    /// A pool over `allocator` with `config`'s budget whose allocations from the OS are claimed
+    /// from `ledger` under `use_` (see the type's docs).
+    pub fn with_ledger(
+        config: &PinnedPoolConfig,
+        allocator: Arc<dyn HostAllocator>,
+        ledger: Arc<HostLedger>,
+        use_: HostUse,
+    ) -> Self {
+        Self::build(config, allocator, Some((ledger, use_)))
+    }
+
+    fn build(
+        config: &PinnedPoolConfig,
+        allocator: Arc<dyn HostAllocator>,
+        ledger: Option<(Arc<HostLedger>, HostUse)>,
+    ) -> Self {
         Self {
             shared: Arc::new(PoolShared {
-                budget_bytes: config.budget_bytes,
+                budget_bytes: AtomicU64::new(config.budget_bytes),
                 allocator,
+                ledger,
                 state: Mutex::new(PoolState::default()),
                 allocations: AtomicU64::new(0),
                 reuses: AtomicU64::new(0),
@@ -333,7 +401,21 @@ impl PinnedPool {
 
     /// The budget in bytes.
     pub fn budget_bytes(&self) -> u64 {
-        self.shared.budget_bytes
+        self.shared.budget_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Changes the budget; cached free buffers are given back to the OS (largest first) until
+    /// the bytes held fit. Buffers handed out are not touched: the caller keeps their bytes
+    /// below the new budget (the residency manager evicts first).
+    pub fn set_budget_bytes(&self, bytes: u64) {
+        self.shared.budget_bytes.store(bytes, Ordering::Relaxed);
+        let freed = self.shared.state.lock().take_cached_until(bytes);
+        drop(freed);
+    }
+
+    /// Bytes held from the OS: live buffers and cached free ones.
+    pub fn held_bytes(&self) -> u64 {
+        self.shared.state.lock().held_bytes
     }
 
     /// Bytes of buffers handed out and not yet dropped (by size class).
@@ -367,12 +449,13 @@ impl PinnedPool {
     ///
     /// # Errors
     /// [`Error::OutOfMemory`] on [`Tier::Host`] when the size class does not fit in the budget
-    /// after releasing cached buffers; [`Error::InvalidRequest`] when the allocator fails.
+    /// after releasing cached buffers; [`Error::HostBudget`] when the pool's ledger refuses the
+    /// bytes; [`Error::InvalidRequest`] when the allocator fails.
     pub fn alloc(&self, len: usize) -> Result<HostBuffer> {
         let class = size_class(len);
         let sh = &self.shared;
-        let mut to_release = Vec::new();
-        {
+        let budget_bytes = self.budget_bytes();
+        let claim = {
             let mut st = sh.state.lock();
             if let Some(list) = st.free.get_mut(&class) {
                 if let Some(mem) = list.pop() {
@@ -386,30 +469,25 @@ impl PinnedPool {
                 }
             }
             // Release cached buffers (largest first) until the new class fits.
-            while st.held_bytes + class as u64 > sh.budget_bytes && st.cached_bytes > 0 {
-                let (&cap, _) = st.free.iter().next_back().expect("cached bytes without buffers");
-                let list = st.free.get_mut(&cap).expect("class present");
-                let mem = list.pop().expect("non-empty class");
-                if list.is_empty() {
-                    st.free.remove(&cap);
-                }
-                st.cached_bytes -= cap as u64;
-                st.held_bytes -= cap as u64;
-                if !mem.is_page_locked() {
-                    st.unlocked_bytes -= cap as u64;
-                }
-                to_release.push(mem);
-            }
-            if st.held_bytes + class as u64 > sh.budget_bytes {
+            let to_release = st.take_cached_until(budget_bytes.saturating_sub(class as u64));
+            if st.held_bytes + class as u64 > budget_bytes {
                 return Err(Error::OutOfMemory {
                     tier: Tier::Host,
                     requested_bytes: class as u64,
-                    available_bytes: sh.budget_bytes.saturating_sub(st.held_bytes),
+                    available_bytes: budget_bytes.saturating_sub(st.held_bytes),
                 });
             }
+            // Freed (and their ledger claims given back) under the lock, before the new claim, so
+            // that the ledger never counts both the old buffers and the new one.
+            drop(to_release);
+            // Claimed from the ledger before the memory is made; given back when it is freed.
+            let claim = match &sh.ledger {
+                Some((ledger, use_)) => Some(ledger.claim(*use_, class as u64)?),
+                None => None,
+            };
             st.held_bytes += class as u64; // reserved before the (slow) allocation
-        }
-        drop(to_release);
+            claim
+        };
         let mem = match sh.allocator.allocate(class) {
             Ok(mem) => mem,
             Err(e) => {
@@ -423,6 +501,10 @@ impl PinnedPool {
         if !mem.is_page_locked() {
             sh.state.lock().unlocked_bytes += class as u64;
         }
+        let mem: Box<dyn HostMemory> = match claim {
+            Some(c) => Box::new(LedgerMemory { mem, _claim: c }),
+            None => mem,
+        };
         sh.allocations.fetch_add(1, Ordering::Relaxed);
         Ok(HostBuffer { mem: Some(mem), len, pool: Some(sh.clone()) })
     }
@@ -439,22 +521,7 @@ impl PinnedPool {
 
     /// Frees every cached (unused) buffer back to the OS.
     pub fn trim(&self) {
-        let freed: Vec<_> = {
-            let mut st = self.shared.state.lock();
-            let free = std::mem::take(&mut st.free);
-            let mut out = Vec::new();
-            for (cap, list) in free {
-                for mem in list {
-                    st.held_bytes -= cap as u64;
-                    st.cached_bytes -= cap as u64;
-                    if !mem.is_page_locked() {
-                        st.unlocked_bytes -= cap as u64;
-                    }
-                    out.push(mem);
-                }
-            }
-            out
-        };
+        let freed = self.shared.state.lock().take_cached_until(0);
         drop(freed);
     }
 }

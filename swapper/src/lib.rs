@@ -5,6 +5,7 @@
 //! | tier | [`Tier`] | device (GPU), host (pinned), NVMe |
 //! | device backend | [`Device`], [`SimDevice`], [`CudaDevice`] | enforced capacity, asynchronous H2D/D2H, events |
 //! | pinned pool | [`PinnedPool`], [`HostBuffer`] | page-aligned, page-locked host buffers with a byte budget |
+//! | host ledger | [`HostLedger`], [`HostUse`] | the one host budget every host allocation is claimed from, by category, with peaks |
 //! | NVMe store | [`NvmeStore`] | files striped over directories, extents with checksums, io_uring or pread/pwrite |
 //! | residency | [`ResidencyManager`] | where each tensor lives, acquire/release (pins), prefetch, eviction by a policy |
 //! | metrics | [`Metrics`] | bytes and busy time per link, stall time |
@@ -16,6 +17,7 @@
 pub mod device;
 pub mod error;
 pub mod host;
+pub mod ledger;
 pub mod metrics;
 pub mod nvme;
 pub mod policy;
@@ -28,6 +30,7 @@ pub use device::{
 };
 pub use error::{Error, Result};
 pub use host::{HostAllocator, HostBuffer, HostMemory, MmapAllocator, PinnedPool, PinnedPoolConfig};
+pub use ledger::{CategoryFigures, HostClaim, HostLedger, HostLedgerReport, HostUse};
 pub use metrics::{Link, LinkSnapshot, LinkStats, Metrics, MetricsSnapshot};
 pub use nvme::fault::{FaultAction, FaultPlan, FaultTrigger};
 pub use nvme::{EngineChoice, EngineKind, Extent, IoHandle, NvmeConfig, NvmeStore};

@@ -15,7 +15,7 @@ fn manager(dir: &std::path::Path, engine: EngineChoice, device: u64, host: u64, 
     let dev = SimDevice::new(SimDeviceConfig { capacity_bytes: device, ..Default::default() }).unwrap();
     ResidencyManager::new(
         Device::Sim(dev),
-        Some(store),
+        Some(std::sync::Arc::new(store)),
         ResidencyConfig {
             host_budget_bytes: host,
             lock_host_memory: false,
@@ -177,7 +177,8 @@ fn a_failed_nvme_write_names_the_file_and_offset_and_loses_nothing() {
         wait_timeout: Duration::from_secs(20),
         ..Default::default()
     };
-    let m = ResidencyManager::new(Device::Sim(dev), Some(store), config, Box::new(LruPolicy)).unwrap();
+    let m =
+        ResidencyManager::new(Device::Sim(dev), Some(std::sync::Arc::new(store)), config, Box::new(LruPolicy)).unwrap();
     for id in 0..3 {
         m.register(nvme_meta(id, size), &pattern(id, 0, size)).unwrap();
     }

@@ -629,6 +629,28 @@ impl crate::CausalLm for Gpt {
     fn moe(&self) -> Option<&dyn crate::MoeLm> {
         self.config.moe.is_some().then_some(self as &dyn crate::MoeLm)
     }
+
+    fn dims(&self) -> crate::Dims {
+        let c = &self.config;
+        let intermediate = if c.moe.is_some() { c.expert_dim() } else { c.ff_dim() };
+        crate::Dims { hidden: c.d_model, intermediate, heads: c.n_head, layers: c.n_layer }
+    }
+
+    /// As the trait's, with the GPT's attention (width `d_model`) on dense blocks and MoE
+    /// trunks, and the head's output projection `2 · vocab · d · tokens` (its LayerNorm not
+    /// counted), tied or not.
+    fn forward_flops(&self, unit: usize, tokens: usize, seq_len: usize) -> f64 {
+        let spec = &self.units[unit];
+        let matmuls = 2.0 * spec.numel as f64 * tokens as f64;
+        match spec.kind {
+            UnitKind::Embedding => 0.0,
+            UnitKind::Block(_) | UnitKind::MoeTrunk(_) => {
+                matmuls + crate::lm::attention_flops(seq_len, self.config.d_model, tokens)
+            }
+            UnitKind::Expert { .. } => matmuls,
+            UnitKind::Head => 2.0 * (self.config.vocab_size * self.config.d_model) as f64 * tokens as f64,
+        }
+    }
 }
 
 impl crate::MoeLm for Gpt {

@@ -647,4 +647,30 @@ impl CausalLm for Llama {
         let grads = ops::collect_grads(&vars, Some(&x), tied_var.as_ref(), &grads, self.units[0].numel)?;
         Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads })
     }
+
+    fn dims(&self) -> crate::Dims {
+        let c = &self.config;
+        crate::Dims {
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            heads: c.num_attention_heads,
+            layers: c.num_hidden_layers,
+        }
+    }
+
+    /// As the trait's, with attention over `heads × head_dim` on every decoder layer and the
+    /// head's output projection `2 · vocab · hidden · tokens`, tied or not.
+    fn forward_flops(&self, unit: usize, tokens: usize, seq_len: usize) -> f64 {
+        let spec = &self.units[unit];
+        let c = &self.config;
+        match spec.kind {
+            UnitKind::Embedding => 0.0,
+            UnitKind::Head => 2.0 * (c.vocab_size * c.hidden_size) as f64 * tokens as f64,
+            UnitKind::Block(_) | UnitKind::MoeTrunk(_) => {
+                2.0 * spec.numel as f64 * tokens as f64
+                    + crate::lm::attention_flops(seq_len, c.num_attention_heads * c.head_dim(), tokens)
+            }
+            UnitKind::Expert { .. } => 2.0 * spec.numel as f64 * tokens as f64,
+        }
+    }
 }

@@ -423,6 +423,15 @@ impl std::fmt::Debug for NvmeStore {
     }
 }
 
+/// Bytes available to this process on the file system of `dir` (statvfs: `f_bavail × f_frsize`).
+///
+/// # Errors
+/// statvfs failed (the directory does not exist, ...).
+pub fn free_bytes(dir: &Path) -> io::Result<u64> {
+    let vfs = rustix::fs::statvfs(dir).map_err(io::Error::from)?;
+    Ok(vfs.f_bavail.saturating_mul(vfs.f_frsize))
+}
+
 /// Checks one directory before anything is written there.
 fn check_dir(dir: &Path, needed_bytes: u64) -> Result<()> {
     let fail = |reason: String| Err(Error::NvmeDir { path: dir.to_path_buf(), needed_bytes, reason });

@@ -120,8 +120,17 @@ impl Inner {
                     }
                 }
                 Step::Act(action) => {
+                    // A fresh host buffer for an overwrite is pinned by the run itself, so that
+                    // no one reads its unspecified bytes before the caller writes them.
+                    let pinned_by_run = matches!(action, Action::AllocHost { .. });
                     if let Err(e) = self.run(&mut st, action) {
                         break Err(e);
+                    }
+                    if pinned_by_run {
+                        let clock = st.clock;
+                        let e = st.entry(id)?;
+                        e.host.last_use = clock;
+                        break Ok(Some(PinnedCell::Host(e.host.cell.clone())));
                     }
                 }
             }
@@ -147,15 +156,27 @@ impl Inner {
         }
     }
 
-    /// [`Inner::step`] for the host tier: coherence with a dirty device copy first, then pin a
-    /// ready copy (dropping a device copy a write would make stale), or read an absent one from
-    /// NVMe.
+    /// [`Inner::step`] for the host tier: coherence with a dirty device copy first (copied back,
+    /// or dropped for an [`Access::Overwrite`]), then pin a ready copy (dropping a device copy a
+    /// write would make stale), or read an absent one from NVMe (an overwrite only allocates).
     fn step_host(&self, st: &mut MutexGuard<'_, State>, id: TensorId, pin: Pin, deadline: Instant) -> Result<Step> {
+        let overwrite = pin == Pin::Yes(Access::Overwrite);
         let e = st.entry(id)?;
         let bytes = e.num_bytes() as u64;
         // Coherence first: a dirty device copy is newer than the host copy.
         if e.device.dirty {
-            if !(e.device.lendable() && e.host.lendable()) {
+            if !e.device.lendable() {
+                return Ok(Step::Wait);
+            }
+            if overwrite {
+                // Every byte is about to be replaced: the newer device copy is dropped, not
+                // copied back.
+                let freed = e.device.clear();
+                st.release(Tier::Device, freed);
+                self.cond.notify_all();
+                return Ok(Step::Retry);
+            }
+            if !e.host.lendable() {
                 return Ok(Step::Wait);
             }
             let dev = e.device.take();
@@ -164,7 +185,7 @@ impl Inner {
         }
         match e.host.state {
             CopyState::Ready => {
-                if pin == Pin::Yes(Access::Write) && e.device.state != CopyState::Absent {
+                if matches!(pin, Pin::Yes(a) if a.writes()) && e.device.state != CopyState::Absent {
                     // The device copy would go stale: drop it (it is clean here).
                     if !e.device.lendable() {
                         return Ok(Step::Wait);
@@ -191,6 +212,10 @@ impl Inner {
                 }
                 let e = st.entry(id)?;
                 e.host.reserved = class;
+                if overwrite {
+                    // Nothing to read: a fresh buffer, filled by the caller.
+                    return Ok(Step::Act(Action::AllocHost { id }));
+                }
                 match e.nvme.take() {
                     Some(extent) => Ok(Step::Act(Action::ReadNvme { id, extent })),
                     None => {

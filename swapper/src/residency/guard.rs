@@ -71,7 +71,7 @@ impl Resident {
     /// # Panics
     /// If the guard is not for the host tier or was acquired for [`Access::Read`].
     pub fn host_bytes_mut(&self) -> MappedRwLockWriteGuard<'_, [u8]> {
-        assert_eq!(self.access, Access::Write, "acquired for read");
+        assert!(self.access.writes(), "acquired for read");
         let PinnedCell::Host(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
         RwLockWriteGuard::map(cell.write(), |b| b.as_mut().expect("pinned copy present").as_mut_slice())
     }
@@ -90,7 +90,7 @@ impl Resident {
     /// # Panics
     /// If the guard is not for the device tier or was acquired for [`Access::Read`].
     pub fn device_buffer_mut(&self) -> MappedRwLockWriteGuard<'_, DeviceBuffer> {
-        assert_eq!(self.access, Access::Write, "acquired for read");
+        assert!(self.access.writes(), "acquired for read");
         let PinnedCell::Device(cell) = &self.cell else { panic!("guard is for the {} tier", self.tier) };
         RwLockWriteGuard::map(cell.write(), |b| b.as_mut().expect("pinned copy present"))
     }

@@ -43,6 +43,7 @@ use parking_lot::{Condvar, Mutex, MutexGuard};
 use crate::device::Device;
 use crate::error::{Error, Result};
 use crate::host::{size_class, PinnedPool, PinnedPoolConfig};
+use crate::ledger::{HostLedger, HostUse};
 use crate::metrics::{Metrics, MetricsSnapshot};
 use crate::nvme::NvmeStore;
 use crate::policy::EvictionPolicy;
@@ -60,6 +61,18 @@ pub enum Access {
     Read,
     /// Read and write: the copy becomes dirty and is written back before it is evicted.
     Write,
+    /// Write every byte without reading the old ones (host tier only): as [`Access::Write`],
+    /// but an absent host copy is allocated without reading NVMe, and a device copy is dropped
+    /// even when dirty (the caller replaces the whole tensor, e.g. with the optimizer's new
+    /// compute copy). The guard's bytes are unspecified until written.
+    Overwrite,
+}
+
+impl Access {
+    /// Whether the access changes the bytes (the copy becomes dirty).
+    pub fn writes(self) -> bool {
+        self != Access::Read
+    }
 }
 
 /// Configuration of a [`ResidencyManager`].
@@ -69,6 +82,9 @@ pub struct ResidencyConfig {
     pub device_budget_bytes: Option<u64>,
     /// Host (pinned) bytes the manager may use, counted in pool size classes. Default: 4 GiB.
     pub host_budget_bytes: u64,
+    /// The host ledger the host pool claims its memory from ([`HostUse::ComputeCopies`]).
+    /// Default: `None` (the pool's own budget only).
+    pub host_ledger: Option<Arc<HostLedger>>,
     /// Page-lock host memory (`mlock`; falls back to unlocked with a warning). Default: true.
     pub lock_host_memory: bool,
     /// Threads that run prefetches. Default: 2.
@@ -82,6 +98,7 @@ impl Default for ResidencyConfig {
         Self {
             device_budget_bytes: None,
             host_budget_bytes: 4 << 30,
+            host_ledger: None,
             lock_host_memory: true,
             prefetch_threads: 2,
             wait_timeout: Duration::from_secs(60),
@@ -120,17 +137,19 @@ pub struct ResidencyInfo {
 }
 
 impl ResidencyManager {
-    /// A manager over `device` and an optional NVMe `nvme` store, evicting by `policy`.
+    /// A manager over `device` and an optional NVMe `nvme` store (shared, e.g. with the
+    /// optimizer's state), evicting by `policy`.
     ///
     /// Host memory comes from the device's preferred allocator (driver-pinned under CUDA,
-    /// `mlock`ed mmap otherwise) through a [`PinnedPool`] with `config.host_budget_bytes`.
+    /// `mlock`ed mmap otherwise) through a [`PinnedPool`] with `config.host_budget_bytes`,
+    /// claimed from `config.host_ledger` when there is one.
     ///
     /// # Errors
     /// [`Error::Config`] when a budget is zero, the device budget exceeds the device's capacity,
     /// or `prefetch_threads` is zero.
     pub fn new(
         device: Device,
-        nvme: Option<NvmeStore>,
+        nvme: Option<Arc<NvmeStore>>,
         config: ResidencyConfig,
         policy: Box<dyn EvictionPolicy>,
     ) -> Result<Self> {
@@ -148,10 +167,12 @@ impl ResidencyManager {
         if config.prefetch_threads == 0 {
             return Err(Error::Config { key: "prefetch_threads".into(), reason: "must be >= 1".into() });
         }
-        let pool = PinnedPool::new(
-            &PinnedPoolConfig { budget_bytes: config.host_budget_bytes, lock: config.lock_host_memory },
-            device.host_allocator(config.lock_host_memory),
-        );
+        let pool_config = PinnedPoolConfig { budget_bytes: config.host_budget_bytes, lock: config.lock_host_memory };
+        let allocator = device.host_allocator(config.lock_host_memory);
+        let pool = match &config.host_ledger {
+            Some(l) => PinnedPool::with_ledger(&pool_config, allocator, l.clone(), HostUse::ComputeCopies),
+            None => PinnedPool::new(&pool_config, allocator),
+        };
         let inner = Arc::new(Inner {
             state: Mutex::new(State::new(policy)),
             cond: Condvar::new(),
@@ -173,7 +194,7 @@ impl ResidencyManager {
 
     /// The NVMe store, if any.
     pub fn nvme(&self) -> Option<&NvmeStore> {
-        self.inner.nvme.as_ref()
+        self.inner.nvme.as_deref()
     }
 
     /// The host pool.
@@ -208,6 +229,34 @@ impl ResidencyManager {
             });
         }
         self.inner.budgets[Tier::Device.index()].store(bytes, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Lowers (or raises) the host budget, and the host pool's with it: unpinned copies are
+    /// evicted by the policy (dirty ones written back to NVMe first) until the bytes held fit.
+    /// The runtime sets it once it knows what else the host budget must hold.
+    ///
+    /// # Errors
+    /// [`Error::Config`] when `bytes` is 0; [`Error::OutOfMemory`] on the host tier when the
+    /// copies that cannot be evicted (host-homed tensors, pinned copies) hold more than `bytes`
+    /// (the budget is then left as it was); NVMe write errors.
+    pub fn set_host_budget_bytes(&self, bytes: u64) -> Result<()> {
+        if bytes == 0 {
+            return Err(Error::Config { key: "host_budget_bytes".into(), reason: "must be > 0".into() });
+        }
+        let inner = &self.inner;
+        let mut st = inner.state.lock();
+        let old = inner.budget_bytes(Tier::Host);
+        inner.budgets[Tier::Host.index()].store(bytes, Ordering::Relaxed);
+        let deadline = Instant::now() + inner.config.wait_timeout;
+        // Room for nothing more: evicts until the bytes held fit the new budget.
+        let fit = Reservation { tier: Tier::Host, bytes: 0, for_id: TensorId(u64::MAX) };
+        if let Err(e) = inner.reserve(&mut st, fit, deadline) {
+            inner.budgets[Tier::Host.index()].store(old, Ordering::Relaxed);
+            return Err(e);
+        }
+        drop(st);
+        inner.pool.set_budget_bytes(bytes);
         Ok(())
     }
 
@@ -334,6 +383,30 @@ impl ResidencyManager {
         Ok(())
     }
 
+    /// Drops the host copy of an NVMe-homed tensor when it is a clean, unpinned cache of its
+    /// extent with no device copy above it (e.g. right after [`ResidencyManager::register`], for
+    /// a cold start); returns whether it went. The pool keeps the buffer cached for reuse
+    /// ([`PinnedPool::trim`] returns cached buffers to the OS).
+    ///
+    /// # Errors
+    /// [`Error::UnknownTensor`].
+    pub fn drop_host_copy(&self, id: TensorId) -> Result<bool> {
+        let inner = &self.inner;
+        let mut st = inner.state.lock();
+        let e = st.entry(id)?;
+        let droppable = e.meta.home == Tier::Nvme
+            && e.nvme.is_some()
+            && e.host.lendable()
+            && !e.host.dirty
+            && e.device.state == CopyState::Absent;
+        if droppable {
+            let freed = e.host.clear();
+            st.release(Tier::Host, freed);
+            inner.cond.notify_all();
+        }
+        Ok(droppable)
+    }
+
     /// Unregisters a tensor and frees its copies.
     ///
     /// # Errors
@@ -349,7 +422,7 @@ impl ResidencyManager {
         let e = st.entries.remove(&id).expect("present");
         st.release(Tier::Device, e.device.reserved);
         st.release(Tier::Host, e.host.reserved);
-        if let (Some(x), Some(store)) = (e.nvme, inner.nvme.as_ref()) {
+        if let (Some(x), Some(store)) = (e.nvme, inner.nvme.as_deref()) {
             store.free(x);
         }
         inner.cond.notify_all();
@@ -419,7 +492,7 @@ impl ResidencyManager {
     }
 
     /// Checks the bookkeeping: reserved bytes equal the sum over copies, no tier over its budget,
-    /// the device and pool within budget. For tests; cheap enough to call often.
+    /// the device and pool within budget (and the pool's memory within its ledger's budget). For tests; cheap enough to call often.
     ///
     /// # Errors
     /// [`Error::InvalidRequest`] describing the first broken invariant.
@@ -429,7 +502,8 @@ impl ResidencyManager {
         for e in st.entries.values() {
             sum[0] += e.device.reserved;
             sum[1] += e.host.reserved;
-            if e.device.state != CopyState::Absent && e.host.state == CopyState::Absent {
+            // A device copy still loading may wait for its host copy to arrive.
+            if matches!(e.device.state, CopyState::Ready | CopyState::Lent) && e.host.state == CopyState::Absent {
                 return Err(Error::InvalidRequest(format!("{}: device copy without host copy", e.meta.id)));
             }
             if !e.device.pinners.is_empty() && e.device.state != CopyState::Ready {
@@ -462,6 +536,15 @@ impl ResidencyManager {
         if self.inner.pool.live_bytes() > self.inner.budget_bytes(Tier::Host) {
             return Err(Error::InvalidRequest("host pool live bytes over budget".into()));
         }
+        if let Some(l) = &self.inner.config.host_ledger {
+            if l.used_bytes() > l.budget_bytes() {
+                return Err(Error::InvalidRequest(format!(
+                    "host ledger: used {} > budget {}",
+                    l.used_bytes(),
+                    l.budget_bytes()
+                )));
+            }
+        }
         Ok(())
     }
 }
@@ -483,7 +566,7 @@ struct Inner {
     cond: Condvar,
     device: Device,
     pool: PinnedPool,
-    nvme: Option<NvmeStore>,
+    nvme: Option<Arc<NvmeStore>>,
     /// [device, host] budgets; the device budget may be lowered by
     /// [`ResidencyManager::set_device_budget_bytes`].
     budgets: [AtomicU64; 2],
@@ -502,6 +585,6 @@ impl Inner {
     /// # Errors
     /// [`Error::InvalidRequest`] when none is configured.
     fn store(&self) -> Result<&NvmeStore> {
-        self.nvme.as_ref().ok_or_else(|| Error::InvalidRequest("no NVMe store is configured".into()))
+        self.nvme.as_deref().ok_or_else(|| Error::InvalidRequest("no NVMe store is configured".into()))
     }
 }

@@ -86,7 +86,7 @@ impl<B> Replica<B> {
     /// Pins for the calling thread; a write access makes the copy dirty.
     pub(super) fn pin_for(&mut self, access: Access) {
         self.pinners.push(std::thread::current().id());
-        if access == Access::Write {
+        if access.writes() {
             self.dirty = true;
         }
     }

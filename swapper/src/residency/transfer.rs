@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::MutexGuard;
 
-use super::state::State;
-use super::Inner;
+use super::state::{CopyState, State};
+use super::{Access, Inner};
 use crate::device::DeviceBuffer;
 use crate::error::Result;
 use crate::host::HostBuffer;
@@ -33,14 +33,16 @@ pub(super) enum WriteBack {
 pub(super) enum Action {
     /// NVMe → host: read `extent` into a new host buffer.
     ReadNvme { id: TensorId, extent: Extent },
+    /// A new host buffer for a copy the caller overwrites whole: nothing is read.
+    AllocHost { id: TensorId },
     /// Host → device: copy the lent host buffer into a new device buffer.
     Htod { id: TensorId, host: HostBuffer },
     /// Device → host: write the lent dirty device copy back into the lent host copy; drop the
     /// device copy afterwards when `then` is [`WriteBack::Evict`].
     Dtoh { id: TensorId, dev: DeviceBuffer, host: HostBuffer, then: WriteBack },
     /// Host → NVMe: write the lent host copy to a new extent and free the old one; then drop the
-    /// host copy (and a clean device copy above it) when `then` is [`WriteBack::Evict`], else keep
-    /// it as a clean cache.
+    /// host copy (and a clean device copy above it) when `then` is [`WriteBack::Evict`] and no
+    /// device copy above is pinned or loading by then, else keep it as a clean cache.
     WriteNvme { id: TensorId, host: HostBuffer, then: WriteBack },
 }
 
@@ -78,6 +80,7 @@ impl Inner {
     pub(super) fn run(&self, st: &mut MutexGuard<'_, State>, action: Action) -> Result<()> {
         let r = match action {
             Action::ReadNvme { id, extent } => self.read_nvme(st, id, extent),
+            Action::AllocHost { id } => self.alloc_host(st, id),
             Action::Htod { id, host } => self.htod(st, id, host),
             Action::Dtoh { id, dev, host, then } => self.dtoh(st, id, dev, host, then),
             Action::WriteNvme { id, host, then } => self.write_nvme(st, id, host, then),
@@ -107,6 +110,30 @@ impl Inner {
                 e.host.put(buf);
                 e.host.dirty = false;
                 e.host.last_use = clock;
+                Ok(())
+            }
+            Err(err) => {
+                let freed = e.host.clear();
+                st.release(Tier::Host, freed);
+                Err(err)
+            }
+        }
+    }
+
+    /// [`Action::AllocHost`]: the host copy (reserved and `Loading`) becomes ready with a buffer
+    /// of unspecified bytes, pinned for the calling thread's overwrite (so dirty) under the same
+    /// lock, so no one reads it before it is written; on an error it is cleared. Any NVMe extent
+    /// stays (the old bytes, replaced when the overwritten copy is written back).
+    fn alloc_host(&self, st: &mut MutexGuard<'_, State>, id: TensorId) -> Result<()> {
+        let bytes = st.entry(id)?.num_bytes();
+        let res = MutexGuard::unlocked(st, || self.pool.alloc(bytes));
+        let clock = st.clock;
+        let e = st.entry(id)?;
+        match res {
+            Ok(buf) => {
+                e.host.put(buf);
+                e.host.last_use = clock;
+                e.host.pin_for(Access::Overwrite);
                 Ok(())
             }
             Err(err) => {
@@ -229,14 +256,18 @@ impl Inner {
                     self.store()?.free(old);
                 }
                 let e = st.entry(id)?;
+                // The device copy above may have been pinned, evicted or started loading again
+                // while the lock was released: the host copy goes (with a clean device copy)
+                // only if nothing above needs it now (inclusion), else it stays, clean.
+                let above_free = e.device.state == CopyState::Absent || e.device.lendable();
                 match then {
-                    WriteBack::Evict => {
+                    WriteBack::Evict if above_free => {
                         drop(host);
                         let (hr, dr) = (e.host.clear(), e.device.clear());
                         st.release(Tier::Device, dr);
                         st.release(Tier::Host, hr);
                     }
-                    WriteBack::Keep => {
+                    WriteBack::Evict | WriteBack::Keep => {
                         e.host.put(host);
                         e.host.dirty = false;
                     }

@@ -1,0 +1,428 @@
+//! How a run's budgets are shared: [`HostPlan`] splits `[budgets] host` between the categories
+//! of the host ledger ([`HostUse`]), [`NvmePlan`] sizes the NVMe store from what it must hold,
+//! and both say the minimum a run needs, so a budget too small is refused before anything is
+//! written. The runtime applies the host plan before its first step (and the ledger enforces
+//! it); `oogc plan` prints it; `oogc train` reports it beside the ledger's peak and the
+//! process's peak RSS ([`peak_rss_bytes`]).
+//!
+//! | category | holds at most (bytes) |
+//! |---|---|
+//! | compute copies | parameters on the host: every unit's compute copy (pool size classes); on NVMe: the host tier's share, at least the `max_units_in_use + 2 + threads` largest units, at most all |
+//! | optimizer state | host state: 12 B per parameter; either way 8 B per 16 Ki parameters of norm partials |
+//! | speculation | second buffers of the units that fit what is left, in unit order, within `[optimizer] rollback_budget` |
+//! | NVMe stream | state on NVMe: `threads` streams of three chunk buffers of the largest unit (within `stream_host_budget_bytes`) |
+//! | gradients | every unit's f32 gradients (held until the step is final), two more of the largest unit's (arriving while their unit's last update runs), two pinned landing buffers of the largest unit |
+//! | activations | 0: nothing keeps activations in host memory yet |
+//!
+//! **Fixed overhead** (not in the ledger, stated): the process itself — binary, libraries,
+//! thread stacks, the allocator — measured at [`BASE_OVERHEAD_BYTES`]; the training text
+//! (read whole); on the sim device its memory (the GPU budget: the sim device's memory is host
+//! memory); and candle's buffers (activations and the temporaries of one unit's forward and
+//! backward, which live in host memory on the sim device): [`activation_overhead_bytes`].
+
+use std::path::{Path, PathBuf};
+
+use oogc_optimizer::{speculation_cost, state_host_bytes, state_nvme_bytes, stream_host_bytes, OptimizerConfig};
+use oogc_swapper::host::{size_class, PAGE_BYTES};
+use oogc_swapper::{HostUse, StatePlacement};
+use serde::Serialize;
+
+use super::grads::GRAD_LANDING_BUFFERS;
+use super::{RuntimeConfig, RuntimeError};
+
+/// Prefetch threads of the residency manager (its default), which may write compute copies back
+/// to NVMe at once.
+const PREFETCH_THREADS: u64 = 2;
+
+/// The process's own resident bytes besides what the ledger, the text, the sim device and
+/// candle's activations account for: binary, libraries, thread stacks (touched pages), the
+/// allocator's arenas (memory freed by candle but kept by malloc), the tracing subscriber.
+/// Measured with `oogc train` on the sim device: VmRSS 7 MiB when the run starts; peak RSS
+/// less the ledger's peak, the text and the sim device 22–26 MiB on an 8-layer d_model-128
+/// model of 4 × 16 tokens (candle's buffers small); on the main job (20 steps) peak RSS
+/// 263 MB = ledger 62 MB + 201 MB, the formula's overhead there 230 MB; on the MoE example
+/// 170 MB = 34 MB + 137 MB, the formula's 150 MB. Stated with about 2× the small run's.
+pub const BASE_OVERHEAD_BYTES: u64 = 48 << 20;
+
+/// candle's host buffers during a step on the sim device (not in the ledger): the activation
+/// checkpoints (one `[batch, seq, d_model]` f32 tensor per block, kept from forward to
+/// backward) and the temporaries of one unit's forward and backward (attention scores
+/// `[batch, heads, seq, seq]`, MLP hidden `[batch, seq, d_ff]`, each a few times over:
+/// counted `8 ×`), plus the head's logits `[batch, seq, vocab]` and their gradient. Bytes; an
+/// estimate, stated.
+pub fn activation_overhead_bytes(
+    batch: u64,
+    seq: u64,
+    d_model: u64,
+    d_ff: u64,
+    heads: u64,
+    layers: u64,
+    vocab: u64,
+) -> u64 {
+    let tokens = batch * seq;
+    let checkpoints = layers * tokens * d_model * 4;
+    let block = 8 * (batch * heads * seq * seq + tokens * d_ff + 4 * tokens * d_model) * 4;
+    let head = 4 * tokens * vocab * 4;
+    checkpoints + block + head
+}
+
+/// The split of `[budgets] host` between the ledger's categories, and the minimum a run needs
+/// (module docs). All figures are bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HostPlan {
+    /// `[budgets] host`.
+    pub budget_bytes: u64,
+    /// What the run needs at least: every category at its minimum, no speculation.
+    pub min_bytes: u64,
+    /// The residency manager's host tier: compute copies (and NVMe → host prefetches).
+    pub compute_copies_bytes: u64,
+    /// Of which the minimum.
+    pub compute_copies_min_bytes: u64,
+    /// Host-placed master weights and Adam state, and every unit's norm partials.
+    pub optimizer_state_bytes: u64,
+    /// The speculation budget given to the optimizer (what is left, within the roll-back budget).
+    pub speculation_budget_bytes: u64,
+    /// Of which the second buffers of the units that fit (in unit order): what they will hold.
+    pub speculation_bytes: u64,
+    /// Units with second buffers.
+    pub speculative_units: usize,
+    /// NVMe stream buffers (state on NVMe).
+    pub nvme_stream_bytes: u64,
+    /// Gradients: held f32 gradients and the pinned landing buffers.
+    pub gradients_bytes: u64,
+    /// Of which the pinned landing pool.
+    pub gradient_landing_bytes: u64,
+    /// Activations kept in host memory (none yet).
+    pub activations_bytes: u64,
+}
+
+impl HostPlan {
+    /// The plan of a run of `units` (parameters per unit, in unit order) under `config`, with
+    /// `max_units_in_use` units pinned at once by the trainer and `nvme_speculation_bytes` of
+    /// NVMe room for speculated NVMe units' second extents (see [`NvmePlan`]).
+    pub fn new(config: &RuntimeConfig, units: &[usize], max_units_in_use: usize, nvme_speculation_bytes: u64) -> Self {
+        let opt = &config.optimizer;
+        let dtype_bytes = opt.compute_dtype.size_in_bytes();
+        let largest = units.iter().copied().max().unwrap_or(0);
+        let copy_class = |n: usize| size_class(n * dtype_bytes) as u64;
+        let all_copies: u64 = units.iter().map(|&n| copy_class(n)).sum();
+        let compute_copies_min_bytes = match config.params_placement {
+            StatePlacement::Host => all_copies,
+            StatePlacement::Nvme => {
+                let mut classes: Vec<u64> = units.iter().map(|&n| copy_class(n)).collect();
+                classes.sort_unstable_by(|a, b| b.cmp(a));
+                let k = max_units_in_use.max(1) + 2 + opt.threads;
+                classes.iter().take(k).sum()
+            }
+        };
+        let optimizer_state_bytes: u64 = units.iter().map(|&n| state_host_bytes(n, config.state_placement)).sum();
+        let gradient_landing_bytes = GRAD_LANDING_BUFFERS as u64 * size_class(largest.max(1) * 4) as u64;
+        // One more unit's gradients from the drain thread and one from a CPU-computed unit may
+        // arrive while their unit's previous update still holds its own.
+        let gradients_bytes =
+            units.iter().map(|&n| 4 * n as u64).sum::<u64>() + 2 * 4 * largest as u64 + gradient_landing_bytes;
+        let (stream_min, stream_want) = match config.state_placement {
+            StatePlacement::Host => (0, 0),
+            StatePlacement::Nvme => {
+                let one = stream_host_bytes(largest, opt.stream_chunk_params());
+                let want = (opt.threads as u64 * one).min(opt.stream_host_budget_bytes).max(one);
+                (one, want)
+            }
+        };
+        let min_bytes = compute_copies_min_bytes + optimizer_state_bytes + gradients_bytes + stream_min;
+        let budget = config.host_budget_bytes;
+        let mut left = budget.saturating_sub(min_bytes);
+        let nvme_stream_bytes = stream_min + (stream_want - stream_min).min(left);
+        left -= nvme_stream_bytes - stream_min;
+        let extra_copies = (all_copies - compute_copies_min_bytes).min(left);
+        left -= extra_copies;
+        let speculation_budget_bytes = opt.rollback_budget_bytes.map_or(left, |b| b.min(left));
+        let (speculation_bytes, speculative_units) =
+            speculation_fit(units, config.state_placement, opt, speculation_budget_bytes, nvme_speculation_bytes);
+        HostPlan {
+            budget_bytes: budget,
+            min_bytes,
+            compute_copies_bytes: compute_copies_min_bytes + extra_copies,
+            compute_copies_min_bytes,
+            optimizer_state_bytes,
+            speculation_budget_bytes,
+            speculation_bytes,
+            speculative_units,
+            nvme_stream_bytes,
+            gradients_bytes,
+            gradient_landing_bytes,
+            activations_bytes: 0,
+        }
+    }
+
+    /// The bytes the plan lets `use_` hold at most (speculation: what the fitting units hold).
+    pub fn bytes_of(&self, use_: HostUse) -> u64 {
+        match use_ {
+            HostUse::ComputeCopies => self.compute_copies_bytes,
+            HostUse::OptimizerState => self.optimizer_state_bytes,
+            HostUse::Speculation => self.speculation_bytes,
+            HostUse::NvmeStream => self.nvme_stream_bytes,
+            HostUse::Gradients => self.gradients_bytes,
+            HostUse::Activations => self.activations_bytes,
+        }
+    }
+
+    /// The predicted host peak: every category at its planned bytes.
+    pub fn peak_bytes(&self) -> u64 {
+        HostUse::ALL.iter().map(|&u| self.bytes_of(u)).sum()
+    }
+
+    /// Per category, `(name, bytes)`, in ledger order.
+    pub fn by_category(&self) -> Vec<(&'static str, u64)> {
+        HostUse::ALL.iter().map(|&u| (u.name(), self.bytes_of(u))).collect()
+    }
+
+    /// Refuses a budget below [`HostPlan::min_bytes`].
+    ///
+    /// # Errors
+    /// [`RuntimeError::HostBudgetBelowMinimum`] with the minimum and its parts.
+    pub fn check(&self) -> Result<(), RuntimeError> {
+        if self.budget_bytes >= self.min_bytes {
+            return Ok(());
+        }
+        Err(RuntimeError::HostBudgetBelowMinimum {
+            budget_bytes: self.budget_bytes,
+            min_bytes: self.min_bytes,
+            parts: format!(
+                "compute copies {}, optimizer state {}, gradients {}, NVMe stream {}",
+                self.compute_copies_min_bytes,
+                self.optimizer_state_bytes,
+                self.gradients_bytes,
+                self.min_bytes - self.compute_copies_min_bytes - self.optimizer_state_bytes - self.gradients_bytes
+            ),
+        })
+    }
+}
+
+/// The units that speculate, as [`oogc_optimizer::PipelinedOptimizer::reserve_speculation`]
+/// picks them: in unit order, each while its cost fits both budgets. Returns (host bytes, units).
+fn speculation_fit(
+    units: &[usize],
+    state: StatePlacement,
+    opt: &OptimizerConfig,
+    host_budget: u64,
+    nvme_budget: u64,
+) -> (u64, usize) {
+    let (mut host, mut nvme, mut count) = (0u64, 0u64, 0usize);
+    for &n in units {
+        let (h, v) = speculation_cost(n, state, opt.compute_dtype, opt.stream_chunk_params());
+        if host + h <= host_budget && nvme + v <= nvme_budget {
+            host += h;
+            nvme += v;
+            count += 1;
+        }
+    }
+    (host, count)
+}
+
+/// The NVMe store a run needs: optimizer state, compute copies when parameters live on NVMe,
+/// copy-on-write slack for the writes in flight, and room for speculated NVMe units' second
+/// extents. All figures are bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct NvmePlan {
+    /// Optimizer state on NVMe: every unit's chunks, each padded to 4 KiB.
+    pub state_bytes: u64,
+    /// Compute copies on NVMe (parameters on NVMe), each padded to 4 KiB.
+    pub params_bytes: u64,
+    /// Copy-on-write slack: a new extent is written before the old one is freed — one stream
+    /// of the largest unit's state per optimizer thread, and one largest compute copy per
+    /// writer of compute copies (prefetch threads, optimizer threads, the trainer's thread).
+    pub slack_bytes: u64,
+    /// What the run needs at least: state + params + slack.
+    pub min_bytes: u64,
+    /// Room for speculation: the second extents of every NVMe-placed unit (what the default
+    /// size adds to the minimum).
+    pub speculation_bytes: u64,
+    /// The store's size: `[budgets] nvme_size`, else the minimum plus the speculation room.
+    pub capacity_bytes: u64,
+}
+
+impl NvmePlan {
+    /// The store of a run of `units` (parameters per unit) with state and parameters placed as
+    /// `state` and `params`, compute copies of `dtype_bytes` per element, `opt`'s threads and
+    /// chunks, and an explicit size `nvme_size` if the config gives one. `None` when nothing
+    /// lives on NVMe.
+    pub fn new(
+        units: &[usize],
+        state: StatePlacement,
+        params: StatePlacement,
+        dtype_bytes: usize,
+        opt: &OptimizerConfig,
+        nvme_size: Option<u64>,
+    ) -> Option<Self> {
+        if state == StatePlacement::Host && params == StatePlacement::Host {
+            return None;
+        }
+        let chunk = opt.stream_chunk_params();
+        let largest = units.iter().copied().max().unwrap_or(0);
+        let pad = |b: u64| b.next_multiple_of(PAGE_BYTES as u64);
+        let on = |p: StatePlacement| p == StatePlacement::Nvme;
+        let state_bytes: u64 = if on(state) { units.iter().map(|&n| state_nvme_bytes(n, chunk)).sum() } else { 0 };
+        let params_bytes: u64 = if on(params) { units.iter().map(|&n| pad((n * dtype_bytes) as u64)).sum() } else { 0 };
+        let threads = opt.threads as u64;
+        let slack_bytes = if on(state) { threads * state_nvme_bytes(largest, chunk) } else { 0 }
+            + if on(params) { (PREFETCH_THREADS + threads + 1) * pad((largest * dtype_bytes) as u64) } else { 0 };
+        let min_bytes = state_bytes + params_bytes + slack_bytes;
+        let speculation_bytes = state_bytes;
+        let capacity_bytes = nvme_size.unwrap_or(min_bytes + speculation_bytes);
+        Some(Self { state_bytes, params_bytes, slack_bytes, min_bytes, speculation_bytes, capacity_bytes })
+    }
+
+    /// NVMe bytes speculated units' second extents may take: the capacity beyond the minimum.
+    pub fn speculation_room_bytes(&self) -> u64 {
+        self.capacity_bytes.saturating_sub(self.min_bytes)
+    }
+
+    /// Checks the size against the minimum and every directory's free space (`free_bytes(dir)`:
+    /// statvfs's available bytes, [`statvfs_free_bytes`]; injectable for tests), before the
+    /// store is created. A directory that does not exist yet is checked on its nearest existing
+    /// ancestor (the trainer creates it).
+    ///
+    /// # Errors
+    /// [`RuntimeError::NvmeTooSmall`] with the numbers and the fix.
+    pub fn check(
+        &self,
+        dirs: &[PathBuf],
+        free_bytes: &dyn Fn(&Path) -> std::io::Result<u64>,
+    ) -> Result<(), RuntimeError> {
+        if self.capacity_bytes < self.min_bytes {
+            return Err(RuntimeError::NvmeTooSmall {
+                path: dirs.first().cloned().unwrap_or_default(),
+                needed_bytes: self.min_bytes,
+                available_bytes: self.capacity_bytes,
+                fix: format!(
+                    "[budgets] nvme_size is below what the run needs (state {} + parameters {} + copy-on-write slack {}); \
+                     raise it to at least {} bytes or leave it out",
+                    self.state_bytes, self.params_bytes, self.slack_bytes, self.min_bytes
+                ),
+            });
+        }
+        let per_dir = self.capacity_bytes.div_ceil(dirs.len().max(1) as u64).next_multiple_of(PAGE_BYTES as u64);
+        for dir in dirs {
+            let existing = dir.ancestors().find(|d| d.exists()).unwrap_or(dir);
+            let free = free_bytes(existing).map_err(|e| RuntimeError::NvmeTooSmall {
+                path: dir.clone(),
+                needed_bytes: per_dir,
+                available_bytes: 0,
+                fix: format!("cannot read the free space of {} ({e}); choose another directory", existing.display()),
+            })?;
+            if free < per_dir {
+                return Err(RuntimeError::NvmeTooSmall {
+                    path: dir.clone(),
+                    needed_bytes: per_dir,
+                    available_bytes: free,
+                    fix: format!(
+                        "free space there, add directories to [budgets] nvme_dirs (the store is split across them), \
+                         or lower [budgets] nvme_size (the run needs {} bytes in all, {} without speculation's room)",
+                        self.capacity_bytes, self.min_bytes
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Bytes available to this process on the file system of `dir` (statvfs: `f_bavail × f_frsize`).
+///
+/// # Errors
+/// statvfs failed.
+pub fn statvfs_free_bytes(dir: &Path) -> std::io::Result<u64> {
+    oogc_swapper::nvme::free_bytes(dir)
+}
+
+/// The process's peak resident set size, bytes (`VmHWM` of `/proc/self/status`); `None` where
+/// it cannot be read.
+pub fn peak_rss_bytes() -> Option<u64> {
+    proc_status_kib("VmHWM:").map(|k| k * 1024)
+}
+
+/// The process's resident set size now, bytes (`VmRSS` of `/proc/self/status`).
+pub fn rss_bytes() -> Option<u64> {
+    proc_status_kib("VmRSS:").map(|k| k * 1024)
+}
+
+fn proc_status_kib(key: &str) -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
+    line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()
+}
+
+/// The stated fixed overhead of a run besides what the ledger counts (module docs): the
+/// process ([`BASE_OVERHEAD_BYTES`]), the training text (`data_bytes`), the sim device's memory
+/// (`sim_device_bytes`: the GPU budget on the sim device, 0 on a GPU) and candle's buffers
+/// (`activation_bytes`, [`activation_overhead_bytes`]). Bytes.
+pub fn fixed_overhead_bytes(data_bytes: u64, sim_device_bytes: u64, activation_bytes: u64) -> u64 {
+    BASE_OVERHEAD_BYTES + data_bytes + sim_device_bytes + activation_bytes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(host: u64, state: StatePlacement, params: StatePlacement) -> RuntimeConfig {
+        let mut c = RuntimeConfig::sim(64 << 20);
+        c.host_budget_bytes = host;
+        c.state_placement = state;
+        c.params_placement = params;
+        c
+    }
+
+    #[test]
+    fn host_plan_adds_up_and_refuses_below_the_minimum() {
+        let units = [70_000, 450_000, 450_000, 50_000];
+        for (state, params) in [
+            (StatePlacement::Host, StatePlacement::Host),
+            (StatePlacement::Nvme, StatePlacement::Host),
+            (StatePlacement::Nvme, StatePlacement::Nvme),
+            (StatePlacement::Host, StatePlacement::Nvme),
+        ] {
+            let big = HostPlan::new(&config(1 << 30, state, params), &units, 1, u64::MAX);
+            big.check().unwrap();
+            assert!(big.peak_bytes() <= big.budget_bytes, "{big:?}");
+            assert_eq!(big.speculative_units, units.len(), "room for every unit's second buffers: {big:?}");
+            // At the minimum: no speculation, still runs.
+            let tight = HostPlan::new(&config(big.min_bytes, state, params), &units, 1, u64::MAX);
+            tight.check().unwrap();
+            assert_eq!(tight.speculation_bytes, 0);
+            assert_eq!(tight.peak_bytes(), tight.min_bytes, "{tight:?}");
+            let e = HostPlan::new(&config(big.min_bytes - 1, state, params), &units, 1, u64::MAX).check().unwrap_err();
+            assert!(e.to_string().contains(&big.min_bytes.to_string()) && e.to_string().contains("[budgets] host"));
+        }
+        let many = [450_000; 12];
+        let on_host = HostPlan::new(&config(1 << 30, StatePlacement::Host, StatePlacement::Host), &many, 1, 0);
+        let on_nvme = HostPlan::new(&config(1 << 30, StatePlacement::Host, StatePlacement::Nvme), &many, 1, 0);
+        assert!(on_nvme.compute_copies_min_bytes < on_host.compute_copies_min_bytes);
+    }
+
+    #[test]
+    fn nvme_plan_is_sized_from_the_state_and_checked_against_free_space() {
+        let units = [70_000, 450_000, 50_000];
+        let opt = OptimizerConfig::default();
+        let p = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, 4, &opt, None).unwrap();
+        let params: u64 = units.iter().map(|&n| 4 * n as u64).sum();
+        assert!(p.state_bytes >= 12 * params / 4 && p.params_bytes >= params);
+        assert_eq!(p.capacity_bytes, p.min_bytes + p.state_bytes);
+        assert!(p.capacity_bytes < 3 * p.state_bytes + p.params_bytes + (64 << 20));
+        let dirs = vec![PathBuf::from("/nonexistent-oogc/a")];
+        p.check(&dirs, &|_| Ok(u64::MAX)).unwrap();
+        let e = p.check(&dirs, &|_| Ok(1 << 20)).unwrap_err().to_string();
+        assert!(e.contains(&p.capacity_bytes.to_string()) && e.contains(&(1u64 << 20).to_string()), "{e}");
+        let small = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Host, 4, &opt, Some(1 << 20)).unwrap();
+        let e = small.check(&dirs, &|_| Ok(u64::MAX)).unwrap_err().to_string();
+        assert!(e.contains("nvme_size") && e.contains(&small.min_bytes.to_string()), "{e}");
+        assert!(NvmePlan::new(&units, StatePlacement::Host, StatePlacement::Host, 4, &opt, None).is_none());
+    }
+
+    #[test]
+    fn peak_rss_is_read_from_proc() {
+        let rss = rss_bytes().expect("VmRSS in /proc/self/status");
+        let hwm = peak_rss_bytes().expect("VmHWM in /proc/self/status");
+        assert!(hwm >= rss && hwm > 1 << 20, "{hwm} {rss}");
+    }
+}

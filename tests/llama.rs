@@ -1,0 +1,277 @@
+//! The Llama family against transformers' numbers (`../shared/fixtures/llama/`, README there):
+//! `llama_gqa` (GQA, untied, 12 shards) and `qwen2_tied` (q/k/v bias, tied, one file), loaded
+//! through the checkpoint reader and computed unit by unit **through the `Runtime`** (offloaded:
+//! a GPU budget below the model, optimizer state on NVMe) and in the plain in-memory loop of
+//! `oogc_models::loss_and_grads`: logits and loss within 1e-4 relative + 1e-5 absolute, every
+//! gradient within 1e-3 relative + 1e-6 absolute, and one AdamW step from those gradients within
+//! 1e-5 relative + 1e-7 absolute of `step.safetensors` (torch's fused AdamW). Then the oogc path
+//! around them: a run initialised from a checkpoint and exported (`oogc::export`) is bitwise
+//! the input, and an unsupported `config.json` key is refused by name.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use oogc::models::hf::{read_tensors, HfCheckpoint, TensorData};
+use oogc::models::llama::Llama;
+use oogc::models::{CausalLm, UnitKind, IGNORE_INDEX};
+use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
+use oogc::runtime::{Phase, Runtime, RuntimeConfig, UnitId};
+use oogc::swapper::{DType, NvmeConfig, StatePlacement};
+
+fn fixtures() -> PathBuf {
+    common::repo_root().join("../shared/fixtures/llama")
+}
+
+/// The tensors of a fixture file by name.
+fn tensors(path: &Path) -> BTreeMap<String, (Vec<usize>, TensorData)> {
+    read_tensors(path).unwrap().into_iter().map(|t| (t.name, (t.shape, t.data))).collect()
+}
+
+fn floats(t: &BTreeMap<String, (Vec<usize>, TensorData)>, name: &str) -> Vec<f32> {
+    match &t[name].1 {
+        TensorData::F32(v) => v.clone(),
+        TensorData::I64(_) => panic!("{name} is not a float tensor"),
+    }
+}
+
+/// `input_ids` or `labels` `[2, 24]` i64 as U32 ids, transformers' -100 as [`IGNORE_INDEX`].
+fn ids(t: &BTreeMap<String, (Vec<usize>, TensorData)>, name: &str) -> Tensor {
+    let (shape, data) = &t[name];
+    let TensorData::I64(v) = data else { panic!("{name} is not an integer tensor") };
+    let v: Vec<u32> = v.iter().map(|&x| if x < 0 { IGNORE_INDEX } else { x as u32 }).collect();
+    Tensor::from_vec(v, (shape[0], shape[1]), &Device::Cpu).unwrap()
+}
+
+/// `|a - b| ≤ atol + rtol · |b|` elementwise; the worst element's share of its tolerance.
+fn assert_close(what: &str, a: &[f32], b: &[f32], rtol: f32, atol: f32) -> f32 {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let mut worst = 0f32;
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        let tol = atol + rtol * y.abs();
+        let share = (x - y).abs() / tol;
+        assert!(share <= 1.0, "{what}[{i}]: {x} vs {y} (tolerance {tol})");
+        worst = worst.max(share);
+    }
+    worst
+}
+
+/// Flat gradients (or parameters) of a unit split into the fixture's tensors by name.
+fn by_param(model: &dyn CausalLm, unit: usize, flat: &[f32]) -> Vec<(String, Vec<f32>)> {
+    model.units()[unit].params.iter().map(|p| (p.name.clone(), flat[p.offset..p.offset + p.numel()].to_vec())).collect()
+}
+
+/// One training step of `case` through an offloaded `Runtime`, checked against the fixture.
+fn through_the_runtime(case: &str) {
+    let dir = fixtures().join(case);
+    let reference = tensors(&dir.join("reference.safetensors"));
+    let step = tensors(&dir.join("step.safetensors"));
+    let ckpt = HfCheckpoint::open(&dir).unwrap();
+    let model = Llama::new(ckpt.llama_config().unwrap()).unwrap();
+    ckpt.check_units(model.units()).unwrap();
+    let units = model.units().to_vec();
+    let total_bytes: u64 = units.iter().map(|u| u.numel as u64 * 4).sum();
+    let largest = units.iter().map(|u| u.numel as u64 * 4).max().unwrap();
+
+    // Offloaded: state on NVMe, and the GPU budget of the minimum working set (the units in use
+    // at once and gradient staging), below the model's bytes where the model allows it (the
+    // tied qwen2's embedding is most of the model: two of it are more than all).
+    let nvme = tempfile::tempdir().unwrap();
+    let in_use = if model.tied_head() { 2 } else { 1 };
+    let mut rc = RuntimeConfig::sim((in_use + 1) * largest);
+    let in_use = in_use as usize;
+    if !model.tied_head() {
+        assert!(rc.gpu_budget_bytes < total_bytes, "the GPU budget must be below the model's bytes");
+    }
+    rc.state_placement = StatePlacement::Nvme;
+    rc.nvme = Some(NvmeConfig::new(vec![nvme.path().to_path_buf()], 64 << 20));
+    // The fixture's torch.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), no clipping.
+    rc.optimizer = OptimizerConfig {
+        threads: 1,
+        adam: AdamConfig { kind: AdamKind::AdamW, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
+        clip_norm: None,
+        compute_dtype: DType::F32,
+        ..OptimizerConfig::default()
+    };
+    let mut rt = Runtime::new(rc).unwrap();
+    for u in &units {
+        rt.add_unit(&u.name, &ckpt.read_unit(u).unwrap()).unwrap();
+    }
+    rt.set_max_units_in_use(in_use);
+    rt.begin_step(1, 1e-3).unwrap();
+
+    let tokens = ids(&reference, "input_ids");
+    let targets = ids(&reference, "labels");
+    let head = units.len() - 1;
+    assert!(matches!(units[head].kind, UnitKind::Head));
+    // Forward, keeping each unit's input.
+    let mut x = model.forward(0, rt.fetch(UnitId(0), Phase::Forward).unwrap().tensor(), &tokens, None).unwrap();
+    let mut inputs = Vec::new();
+    for u in 1..head {
+        let y = model.forward(u, rt.fetch(UnitId(u), Phase::Forward).unwrap().tensor(), &x, None).unwrap();
+        inputs.push(std::mem::replace(&mut x, y));
+    }
+    // The head: logits, then loss and backward.
+    let emb = model.tied_head().then(|| rt.fetch(UnitId(0), Phase::Backward).unwrap());
+    let p = rt.fetch(UnitId(head), Phase::Backward).unwrap();
+    let logits = model.forward(head, p.tensor(), &x, emb.as_ref().map(|e| e.tensor())).unwrap();
+    let logits: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
+    assert_close(&format!("{case} logits"), &logits, &floats(&reference, "logits"), 1e-4, 1e-5);
+    let out = model.head_loss_backward(p.tensor(), &x, emb.as_ref().map(|e| e.tensor()), &targets).unwrap();
+    drop((p, emb));
+    assert_close(&format!("{case} loss"), &[out.loss as f32], &floats(&reference, "loss"), 1e-4, 1e-5);
+    let mut grads: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+    grads.insert(head, out.grads.grad_params.to_vec1().unwrap());
+    let mut g = out.grads.grad_input.unwrap();
+    for u in (1..head).rev() {
+        let p = rt.fetch(UnitId(u), Phase::Backward).unwrap();
+        let ug = model.backward(u, p.tensor(), &inputs[u - 1], &g, None).unwrap();
+        grads.insert(u, ug.grad_params.to_vec1().unwrap());
+        g = ug.grad_input.unwrap();
+    }
+    let p = rt.fetch(UnitId(0), Phase::Backward).unwrap();
+    let mut g0 = model.backward(0, p.tensor(), &tokens, &g, None).unwrap().grad_params;
+    if let Some(extra) = out.grads.grad_tied_wte {
+        g0 = (g0 + extra).unwrap();
+    }
+    drop(p);
+    grads.insert(0, g0.to_vec1().unwrap());
+
+    // The same gradients from the plain in-memory loop, and both against transformers'.
+    let params: Vec<Tensor> = units
+        .iter()
+        .map(|u| {
+            let flat = ckpt.read_unit(u).unwrap();
+            Tensor::from_vec(flat, u.numel, &Device::Cpu).unwrap()
+        })
+        .collect();
+    let (loss, in_memory) = oogc::models::loss_and_grads(&model, &params, &tokens, &targets).unwrap();
+    assert_close(&format!("{case} in-memory loss"), &[loss as f32], &floats(&reference, "loss"), 1e-4, 1e-5);
+    let mut checked = 0;
+    for (u, flat) in &grads {
+        let mem: Vec<f32> = in_memory[*u].to_vec1().unwrap();
+        for ((name, ours), (_, theirs)) in by_param(&model, *u, flat).into_iter().zip(by_param(&model, *u, &mem)) {
+            let want = floats(&reference, &format!("grad.{name}"));
+            assert_close(&format!("{case} grad {name} (runtime)"), &ours, &want, 1e-3, 1e-6);
+            assert_close(&format!("{case} grad {name} (in memory)"), &theirs, &want, 1e-3, 1e-6);
+            checked += 1;
+        }
+    }
+    let expected = reference.keys().filter(|k| k.starts_with("grad.")).count();
+    assert_eq!(checked, expected, "{case}: every parameter's gradient is compared");
+
+    // One AdamW step from transformers' gradients (step.safetensors was made from them; from
+    // ours, which differ in the last bits, a first Adam step `g / (|g| + eps)` moves tiny
+    // gradients differently), through the pipelined optimizer with state on NVMe.
+    for (u, unit) in units.iter().enumerate().rev() {
+        let mut flat = vec![0f32; unit.numel];
+        for p in &unit.params {
+            flat[p.offset..p.offset + p.numel()].copy_from_slice(&floats(&reference, &format!("grad.{}", p.name)));
+        }
+        rt.push_grads(UnitId(u), &flat).unwrap();
+    }
+    let stats = rt.finish_step().unwrap();
+    assert!(!stats.skipped && stats.clip_scale == 1.0, "{stats:?}");
+    rt.sync().unwrap();
+    for (u, _) in units.iter().enumerate() {
+        let (master, _, _) = rt.unit_state(UnitId(u)).unwrap();
+        for (name, ours) in by_param(&model, u, &master) {
+            assert_close(&format!("{case} AdamW step {name}"), &ours, &floats(&step, &name), 1e-5, 1e-7);
+        }
+    }
+    assert!(rt.traffic().nvme_write.bytes > 0, "the optimizer state went through NVMe");
+}
+
+#[test]
+fn llama_gqa_matches_transformers_through_the_offloaded_runtime() {
+    through_the_runtime("llama_gqa");
+}
+
+#[test]
+fn qwen2_tied_matches_transformers_through_the_offloaded_runtime() {
+    through_the_runtime("qwen2_tied");
+}
+
+/// A run config that starts from the `case` checkpoint.
+fn init_config(case: &Path, work: &Path) -> String {
+    format!(
+        r#"
+[model]
+family = "llama"
+init = "{init}"
+[data]
+path = "{data}"
+tokenizer = "{tok}"
+cache_dir = "{work}/tokens"
+[train]
+batch_size = 2
+seq_len = 16
+steps = 1
+[budgets]
+gpu = "64MiB"
+[checkpoint]
+dir = "{work}/ckpt"
+"#,
+        init = case.display(),
+        data = common::data_path().display(),
+        tok = fixtures().join("tokenizer.json").display(),
+        work = work.display(),
+    )
+}
+
+#[test]
+fn a_checkpoint_imported_then_exported_is_bitwise_the_input() {
+    for case in ["llama_gqa", "qwen2_tied"] {
+        let work = tempfile::tempdir().unwrap();
+        let cfg = oogc::config::TrainConfig::from_toml_str(&init_config(&fixtures().join(case), work.path())).unwrap();
+        let mut t = oogc::train::Trainer::new(cfg).unwrap();
+        let saved = t.save_checkpoint().unwrap().expect("a checkpoint dir");
+        drop(t);
+        let out = work.path().join("hf");
+        let e = oogc::export::export_hf(&saved, &out, &Default::default()).unwrap();
+        assert_eq!(e.step, 0);
+        let original = HfCheckpoint::open(&fixtures().join(case)).unwrap();
+        let exported = HfCheckpoint::open(&out).unwrap();
+        assert_eq!(original.tensors().keys().collect::<Vec<_>>(), exported.tensors().keys().collect::<Vec<_>>());
+        for name in original.tensors().keys() {
+            let (a, b) = (original.read_tensor(name).unwrap(), exported.read_tensor(name).unwrap());
+            assert_eq!(a.0, b.0, "{case} {name}: shape");
+            let (a, b): (Vec<u32>, Vec<u32>) =
+                (a.1.iter().map(|x| x.to_bits()).collect(), b.1.iter().map(|x| x.to_bits()).collect());
+            assert!(a == b, "{case} {name}: not bitwise equal");
+        }
+        assert_eq!(
+            std::fs::read(out.join("tokenizer.json")).unwrap(),
+            std::fs::read(fixtures().join("tokenizer.json")).unwrap()
+        );
+        assert_eq!(exported.llama_config().unwrap(), original.llama_config().unwrap(), "{case}: config.json");
+    }
+}
+
+#[test]
+fn an_unsupported_config_key_is_refused_by_name() {
+    let work = tempfile::tempdir().unwrap();
+    // A copy of llama_gqa whose config.json asks for YaRN RoPE scaling (not supported).
+    let case = work.path().join("yarn");
+    std::fs::create_dir_all(&case).unwrap();
+    for entry in std::fs::read_dir(fixtures().join("llama_gqa")).unwrap() {
+        let p = entry.unwrap().path();
+        std::fs::copy(&p, case.join(p.file_name().unwrap())).unwrap();
+    }
+    let config = case.join("config.json");
+    let mut json: serde_json::Value = serde_json::from_slice(&std::fs::read(&config).unwrap()).unwrap();
+    json["rope_scaling"] =
+        serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64});
+    std::fs::write(&config, serde_json::to_vec(&json).unwrap()).unwrap();
+    let cfg = oogc::config::TrainConfig::from_toml_str(&init_config(&case, work.path())).unwrap();
+    let err = oogc::train::Trainer::new(cfg).err().expect("refused").to_string();
+    assert!(err.contains("rope_scaling") && err.contains("yarn"), "{err}");
+    assert!(err.contains("config.json"), "{err}");
+    // And an unknown [model] key of the run config, by name.
+    let bad = init_config(&fixtures().join("llama_gqa"), work.path())
+        .replace("family = \"llama\"", "family = \"llama\"\nhidden = 64");
+    let err = oogc::config::TrainConfig::from_toml_str(&bad).unwrap_err().to_string();
+    assert!(err.contains("hidden"), "{err}");
+}
