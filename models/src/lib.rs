@@ -10,7 +10,7 @@
 //! | [`gpt`] | the byte-level GPT (GPT-2 architecture) and MoE-GPT (Switch / GShard routing) |
 //! | [`llama`] | the Llama family (Llama 2/3, Mistral, Qwen2): [`Llama`], [`LlamaConfig`], with Hugging Face tensor names |
 //! | [`mixtral`] | Mixtral: the Llama family's attention with a sparse MoE feed-forward network per layer (top-k of `E` SwiGLU experts, each a unit; the load-balancing loss pooled over all layers): [`Mixtral`], [`MixtralConfig`] |
-//! | [`hf`] | Hugging Face checkpoints: `config.json` ↔ [`LlamaConfig`] / [`MixtralConfig`] ([`hf::ModelConfig`]), safetensors read unit by unit ([`hf::HfCheckpoint`]) and written in shards ([`hf::write_checkpoint`]) |
+//! | [`hf`] | Hugging Face checkpoints: `config.json` ↔ [`LlamaConfig`] (Mixtral's too), safetensors read unit by unit ([`hf::HfCheckpoint`]) and written in shards ([`hf::write_checkpoint`]) |
 //! | `ops`, `kernels` | differentiable compositions shared by the families, and fused CPU kernels with their own backward |
 //!
 //! Every call takes a unit's flat parameters as a 1-D [`Tensor`] on any candle device and
@@ -24,6 +24,7 @@ pub mod hf;
 mod kernels;
 pub mod llama;
 pub mod lm;
+pub mod mixtral;
 pub mod moe;
 mod ops;
 pub mod unit;
@@ -37,6 +38,7 @@ pub use llama::{Llama, LlamaConfig, LlamaFamily, RopeScaling};
 pub use lm::{
     loss_and_grads, loss_parts_and_grads, CausalLm, Dims, HeadLossGrads, MoeLm, TokenLoss, UnitGrads, IGNORE_INDEX,
 };
+pub use mixtral::{Mixtral, MixtralConfig};
 pub use moe::{CombineGrads, ExpertGrads, LossParts, Routing, TrunkOut};
 pub use unit::{init_params, init_unit, init_unit_from_seed, ParamInit, ParamSpec, UnitKind, UnitSpec};
 

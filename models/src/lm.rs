@@ -473,6 +473,10 @@ fn block_layout(units: &[UnitSpec]) -> Result<Vec<BlockUnits>> {
 /// - The expert calls are pure functions of their arguments: a trainer may run them on another
 ///   candle device (move `h_e` there and the outputs and gradients back).
 pub trait MoeLm: Send + Sync {
+    /// Experts each token is routed to, `k` (top-k): MoE-GPT `moe.top_k`, Mixtral
+    /// `num_experts_per_tok`.
+    fn experts_per_token(&self) -> usize;
+
     /// Forward of block `block`'s trunk: attention, the norm before the experts, the router
     /// and the routing decision.
     ///
@@ -492,25 +496,32 @@ pub trait MoeLm: Send + Sync {
     /// Bad shapes or dtypes; candle failures.
     fn expert_backward(&self, params: &Tensor, h_e: &Tensor, grad_out_e: &Tensor) -> Result<crate::ExpertGrads>;
 
-    /// The block output: `x1 + Σ_e scatter(gate_e · out_e)` `[B, T, d]`.
+    /// The block output: `x1 + Σ_e scatter(gate_e · out_e)` `[B, T, d]`; the default is
+    /// [`Routing::combine`] (so are the next two calls' defaults, the combine's backward).
     ///
     /// # Errors
     /// Bad shapes or dtypes; candle failures.
-    fn combine(&self, x1: &Tensor, routing: &Routing, expert_outputs: &[Option<Tensor>]) -> Result<Tensor>;
+    fn combine(&self, x1: &Tensor, routing: &Routing, expert_outputs: &[Option<Tensor>]) -> Result<Tensor> {
+        routing.combine(x1, expert_outputs)
+    }
 
     /// The gradient of expert `e`'s output from the block output's gradient `grad_y`; `None`
     /// when it has no tokens.
     ///
     /// # Errors
     /// Bad shapes or dtypes; candle failures.
-    fn expert_grad_output(&self, routing: &Routing, e: usize, grad_y: &Tensor) -> Result<Option<Tensor>>;
+    fn expert_grad_output(&self, routing: &Routing, e: usize, grad_y: &Tensor) -> Result<Option<Tensor>> {
+        routing.expert_grad_output(e, grad_y)
+    }
 
     /// The gradient of expert `e`'s gates from `grad_y` and its output; `None` when it has no
     /// tokens.
     ///
     /// # Errors
     /// Bad shapes or dtypes; candle failures.
-    fn expert_grad_gate(&self, routing: &Routing, e: usize, grad_y: &Tensor, out_e: &Tensor) -> Result<Option<Tensor>>;
+    fn expert_grad_gate(&self, routing: &Routing, e: usize, grad_y: &Tensor, out_e: &Tensor) -> Result<Option<Tensor>> {
+        routing.expert_grad_gate(e, grad_y, out_e)
+    }
 
     /// Backward of block `block`'s trunk by recomputation, given the gradients of its outputs.
     ///

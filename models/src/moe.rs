@@ -456,6 +456,34 @@ impl Routing {
     }
 }
 
+/// The shared start of an expert's backward: `grad_out_e` must be `h_e`'s shape in the params'
+/// dtype; with no rows (`n_e = 0`) the answer is zero gradients, returned without computing.
+///
+/// # Errors
+/// [`crate::Error::Input`] when `grad_out_e` does not match; [`crate::Error::Candle`].
+pub(crate) fn expert_backward_trivial(
+    params: &Tensor,
+    h_e: &Tensor,
+    grad_out_e: &Tensor,
+) -> Result<Option<ExpertGrads>> {
+    let dtype = params.dtype();
+    if grad_out_e.dims() != h_e.dims() || grad_out_e.dtype() != dtype {
+        return Err(input_err(
+            "expert grad_output",
+            format!("{dtype:?} {:?}", h_e.dims()),
+            format!("{:?} {:?}", grad_out_e.dtype(), grad_out_e.dims()),
+        ));
+    }
+    if h_e.dim(0)? == 0 {
+        return Ok(Some(ExpertGrads {
+            grad_params: params.zeros_like()?,
+            grad_input: h_e.clone(),
+            output: h_e.clone(),
+        }));
+    }
+    Ok(None)
+}
+
 /// `x1 + Σ_e scatter(idx_e, gate_e · out_e)` (one `index_add` over all active experts' rows in
 /// expert order); `gates` and `outs` for the active experts only, in order. Differentiable in
 /// every argument (the whole-graph test runs it on `Var`s).

@@ -138,15 +138,8 @@ impl Gpt {
         self.check_params(spec, params)?;
         let dtype = params.dtype();
         self.check_expert_rows(h_e, dtype, "expert input")?;
-        if grad_out_e.dims() != h_e.dims() || grad_out_e.dtype() != dtype {
-            return Err(input_err(
-                "expert grad_output",
-                format!("{dtype:?} {:?}", h_e.dims()),
-                format!("{:?} {:?}", grad_out_e.dtype(), grad_out_e.dims()),
-            ));
-        }
-        if h_e.dim(0)? == 0 {
-            return Ok(ExpertGrads { grad_params: params.zeros_like()?, grad_input: h_e.clone(), output: h_e.clone() });
+        if let Some(empty) = crate::moe::expert_backward_trivial(params, h_e, grad_out_e)? {
+            return Ok(empty);
         }
         let vars = vars(spec, params)?;
         let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
