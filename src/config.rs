@@ -137,6 +137,11 @@ pub enum MoePolicy {
     /// `"resident"`: as fetch (none kept, none on the CPU), for in-memory baselines with a GPU
     /// budget that holds every expert.
     Resident,
+    /// `"lru"`: an LRU cache of expert copies on the device of `[moe] expert_budget` bytes (as
+    /// many whole experts as fit): every routed expert is fetched, used on the device and kept
+    /// pinned until the cache evicts the least recently used; a use while cached moves nothing.
+    /// The cache is emptied between steps (the optimizer's update makes every copy stale).
+    Lru,
 }
 fn default_decay() -> f64 {
     0.8
@@ -182,7 +187,8 @@ impl Default for MoePlacementConfig {
 pub enum ModelConfig {
     /// `family = "gpt"` (or none): the byte-level GPT / MoE-GPT of `oogc-models`.
     Gpt(GptModelConfig),
-    /// `family = "llama" | "mistral" | "qwen2"`: a Llama-family decoder.
+    /// `family = "llama" | "mistral" | "qwen2" | "mixtral"`: a Llama-family decoder (Mixtral:
+    /// with sparse MoE layers, trained through the MoE step and the placer as MoE-GPT).
     Llama(LlamaModelConfig),
 }
 
@@ -236,7 +242,7 @@ impl<'de> Deserialize<'de> for ModelConfig {
                 table.remove("family");
                 GptModelConfig::deserialize(toml::Value::Table(table)).map(ModelConfig::Gpt).map_err(D::Error::custom)
             }
-            "llama" | "mistral" | "qwen2" => match table.remove("init") {
+            "llama" | "mistral" | "qwen2" | "mixtral" => match table.remove("init") {
                 Some(toml::Value::String(dir)) => {
                     if let Some(key) = table.keys().find(|k| *k != "family") {
                         return Err(D::Error::custom(format!(
@@ -255,8 +261,8 @@ impl<'de> Deserialize<'de> for ModelConfig {
                 }
             },
             other => Err(D::Error::custom(format!(
-                "model.family `{other}`: use \"gpt\" (the byte-level GPT) or \"llama\", \"mistral\", \"qwen2\" \
-                 (the Llama family)"
+                "model.family `{other}`: use \"gpt\" (the byte-level GPT) or \"llama\", \"mistral\", \"qwen2\", \
+                 \"mixtral\" (the Llama family)"
             ))),
         }
     }
@@ -1045,13 +1051,14 @@ gpu = "1.5MiB"
         assert_eq!(with("device", "kind = \"cuda:3\"").unwrap().device.kind, DeviceKind::Cuda(3));
         assert_eq!(with("optimizer", "kind = \"adam\"").unwrap().optimizer.kind, AdamKind::Adam);
         assert_eq!(with("moe", "policy = \"fetch\"").unwrap().moe.policy, MoePolicy::Fetch);
+        assert_eq!(with("moe", "policy = \"lru\"").unwrap().moe.policy, MoePolicy::Lru);
         // "cudaX" used to pass validation and become device 0.
         for (table, line, needle) in [
             ("device", "kind = \"cudaX\"", "cudaX"),
             ("device", "kind = \"cuda:\"", "cuda:N"),
             ("device", "kind = \"gpu\"", "\"sim\" or \"cuda:N\""),
             ("optimizer", "kind = \"sgd\"", "sgd"),
-            ("moe", "policy = \"lru\"", "lru"),
+            ("moe", "policy = \"lfu\"", "lfu"),
         ] {
             let err = with(table, line).unwrap_err().to_string();
             assert!(err.contains(needle), "{line}: {err}");

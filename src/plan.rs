@@ -355,7 +355,7 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
     let vocab = crate::train::vocab_size(cfg).map_err(model_err)?;
     let model = crate::train::build_model(cfg, vocab).map_err(model_err)?;
     let placements = moe_placement(cfg, &*model, &hardware);
-    let top_k = cfg.model.moe().map_or(1, |m| m.top_k);
+    let top_k = model.moe().map_or(1, |m| m.experts_per_token());
     // A step computes all its micro-batches' sequences; each unit still moves once per phase.
     let sequences = cfg.train.batch_size * cfg.train.micro_batches.max(1);
     let planned = PlannedModel::of_model(&*model, cfg.model.family(), sequences, cfg.train.seq_len, top_k, placements);
@@ -377,7 +377,8 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
 /// dense config): the trainer's placement logic applied to **uniform routing** (every expert
 /// receives `top_k / experts` of the step's tokens), a coarse model of `[moe]`:
 ///
-/// - `policy = "fetch"` or `"resident"`: every expert [`Placement::Fetch`].
+/// - `policy = "fetch"`, `"resident"` or `"lru"`: every expert [`Placement::Fetch`] (an LRU
+///   cache's few hits within a step are not modelled).
 /// - `policy = "ours"`: the hot set holds `expert_budget / expert bytes` experts (spread over
 ///   the blocks in turn) when keeping an expert resident saves time under the cost model
 ///   ([`CostModel::hot_benefit_s`] over the statistics' horizon `1 / (1 − popularity_decay)`
@@ -398,7 +399,7 @@ pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &Hardwar
     let Some(&(_, _, numel)) = all.first() else { return Vec::new() };
     let layers = all.iter().map(|e| e.0 + 1).max().unwrap_or(0);
     let experts = all.iter().map(|e| e.1 + 1).max().unwrap_or(0);
-    let top_k = cfg.model.moe().map_or(1, |m| m.top_k);
+    let top_k = model.moe().map_or(1, |m| m.experts_per_token());
     if !crate::moe::places_experts(cfg) {
         return vec![vec![Placement::Fetch; experts]; layers];
     }

@@ -128,6 +128,13 @@ pub struct StepRecord {
     /// MoE: tokens whose expert ran on the CPU from its host copy.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cpu_tokens: Option<usize>,
+    /// MoE: bytes of expert copies moved H2D (part of `h2d_bytes`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_h2d_bytes: Option<u64>,
+    /// MoE: the share of routed experts' uses (forward and backward) that moved no bytes H2D
+    /// (a copy already on the device, or CPU compute from the host copy).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_hit_rate: Option<f64>,
 }
 
 /// What a run did, printed at the end.
@@ -336,6 +343,9 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
             skipped: s.skipped,
             aux_loss: (!out.routed_tokens.is_empty()).then_some(out.aux_loss),
             cpu_tokens: (!out.routed_tokens.is_empty()).then_some(out.cpu_tokens),
+            expert_h2d_bytes: (!out.routed_tokens.is_empty()).then_some(out.expert_traffic.h2d_bytes),
+            expert_hit_rate: (!out.routed_tokens.is_empty())
+                .then(|| out.expert_traffic.hits as f64 / out.expert_traffic.uses.max(1) as f64),
         };
         if s.skipped {
             observer.line(&format!("step {step}: skipped, a gradient was not finite (norm {})", s.grad_norm));
@@ -578,6 +588,8 @@ mod tests {
             skipped: false,
             aux_loss: None,
             cpu_tokens: None,
+            expert_h2d_bytes: None,
+            expert_hit_rate: None,
         };
         serde_json::to_string(&r).unwrap() + "\n"
     }

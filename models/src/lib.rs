@@ -4,11 +4,13 @@
 //!
 //! | module | owns |
 //! |---|---|
-//! | [`unit`] | the unit of residency: [`UnitKind`], [`UnitSpec`] (a unit's parameters back to back in one flat vector), [`ParamSpec`], deterministic init |
-//! | [`lm`] | [`CausalLm`]: what a trainer drives — units, per-unit forward and recompute-based backward from a checkpointed input, the head's loss — and [`MoeLm`] for models with expert units |
+//! | [`mod@unit`] | the unit of residency: [`UnitKind`], [`UnitSpec`] (a unit's parameters back to back in one flat vector), [`ParamSpec`], deterministic init |
+//! | [`lm`] | [`CausalLm`]: what a trainer drives — units, per-unit forward and recompute-based backward from a checkpointed input, the head's loss — and [`MoeLm`] for models with expert units (the calls and their order); [`loss_parts_and_grads`], that step in memory |
+//! | [`moe`] | what the MoE families share: [`Routing`] (tokens and gates per expert, top-k choices, load-balancing statistics), [`TrunkOut`], [`ExpertGrads`], the combine and its backward, [`LossParts`] |
 //! | [`gpt`] | the byte-level GPT (GPT-2 architecture) and MoE-GPT (Switch / GShard routing) |
 //! | [`llama`] | the Llama family (Llama 2/3, Mistral, Qwen2): [`Llama`], [`LlamaConfig`], with Hugging Face tensor names |
-//! | [`hf`] | Hugging Face checkpoints: `config.json` ↔ [`LlamaConfig`], safetensors read unit by unit ([`hf::HfCheckpoint`]) and written in shards ([`hf::write_checkpoint`]) |
+//! | [`mixtral`] | Mixtral: the Llama family's attention with a sparse MoE feed-forward network per layer (top-k of `E` SwiGLU experts, each a unit; the load-balancing loss pooled over all layers): [`Mixtral`], [`MixtralConfig`] |
+//! | [`hf`] | Hugging Face checkpoints: `config.json` ↔ [`LlamaConfig`] (Mixtral's too), safetensors read unit by unit ([`hf::HfCheckpoint`]) and written in shards ([`hf::write_checkpoint`]) |
 //! | [`checksum`] | crc32c per tensor and for the file in safetensors `__metadata__` (oogc checkpoints and Hugging Face exports), verified on read |
 //! | `ops`, `kernels` | differentiable compositions shared by the families, and fused CPU kernels with their own backward |
 //!
@@ -24,6 +26,8 @@ pub mod hf;
 mod kernels;
 pub mod llama;
 pub mod lm;
+pub mod mixtral;
+pub mod moe;
 mod ops;
 pub mod unit;
 
@@ -31,9 +35,13 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 
-pub use gpt::{CombineGrads, ExpertGrads, Gpt, GptConfig, LossParts, MoeConfig, Routing, TrunkOut};
+pub use gpt::{Gpt, GptConfig, MoeConfig};
 pub use llama::{Llama, LlamaConfig, LlamaFamily, RopeScaling};
-pub use lm::{loss_and_grads, CausalLm, Dims, HeadLossGrads, MoeLm, TokenLoss, UnitGrads, IGNORE_INDEX};
+pub use lm::{
+    loss_and_grads, loss_parts_and_grads, CausalLm, Dims, HeadLossGrads, MoeLm, TokenLoss, UnitGrads, IGNORE_INDEX,
+};
+pub use mixtral::{Mixtral, MixtralConfig};
+pub use moe::{CombineGrads, ExpertGrads, LossParts, Routing, TrunkOut};
 pub use unit::{init_params, init_unit, init_unit_from_seed, ParamInit, ParamSpec, UnitKind, UnitSpec};
 
 /// Errors of the model.

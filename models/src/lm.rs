@@ -12,7 +12,8 @@
 //!
 //! With MoE blocks ([`CausalLm::moe`]) each block is a trunk unit and one unit per expert; the
 //! trunk routes the tokens and the trainer calls each routed expert where its placement says
-//! (see [`MoeLm`]). [`loss_and_grads`] is the dense loop above, in memory, for any [`CausalLm`].
+//! (see [`MoeLm`], which spells out the calls and their order). [`loss_parts_and_grads`] is that
+//! loop, in memory, for any [`CausalLm`], dense or MoE ([`loss_and_grads`]: its total).
 //!
 //! # Targets and the ignore index
 //!
@@ -24,8 +25,8 @@
 
 use candle_core::Tensor;
 
-use crate::unit::UnitSpec;
-use crate::{Result, Routing, TrunkOut};
+use crate::unit::{UnitKind, UnitSpec};
+use crate::{LossParts, Result, Routing, TrunkOut};
 
 /// The target id of a position left out of the loss (`u32::MAX`; transformers' `-100`, the
 /// `ignore_index` of `torch.nn.functional.cross_entropy`): padding, or the tokens of a prompt
@@ -220,21 +221,37 @@ pub fn count_targets(targets: &Tensor) -> Result<usize> {
     Ok(crate::ops::host_targets(targets)?.iter().filter(|&&t| t != IGNORE_INDEX).count())
 }
 
-/// Loss and gradients of a dense [`CausalLm`] over one batch, composed of the unit calls exactly
-/// as the out-of-core trainer runs them (the in-memory reference of the module docs): forward
-/// unit by unit keeping each unit's input, then [`CausalLm::head_loss_backward`] and
+/// Loss and gradients of a [`CausalLm`] over one batch, composed of the unit calls exactly as
+/// the out-of-core trainer runs them (the in-memory reference of the module docs): forward unit
+/// by unit keeping each unit's input, then [`CausalLm::head_loss_backward`] and
 /// [`CausalLm::backward`] in reverse, each recomputing its unit; a tied head's
-/// [`UnitGrads::grad_tied_wte`] is added to the embedding's gradient.
+/// [`UnitGrads::grad_tied_wte`] is added to the embedding's gradient. An MoE model's blocks
+/// take the [`MoeLm`] calls ([`loss_parts_and_grads`]).
 ///
 /// `params[u]` is unit `u`'s flat vector (1-D, [`UnitSpec::numel`] elements, one float dtype for
 /// all), `tokens` and `targets` `[B, T]` U32 (targets may hold [`IGNORE_INDEX`]). Returns the
-/// head's [`HeadLossGrads::loss`] (mean cross-entropy in nats over the counted positions) and one
-/// gradient per unit, flat, in unit order and the params' dtype.
+/// objective — the head's [`HeadLossGrads::loss`] (mean cross-entropy in nats over the counted
+/// positions), plus for an MoE model the weighted load-balancing term ([`LossParts::total`]) —
+/// and its gradient, one flat vector per unit, in unit order and the params' dtype.
 ///
 /// # Errors
-/// [`crate::Error::Input`] for an MoE model (its blocks take the [`MoeLm`] calls), a wrong number
-/// of parameter vectors, or any error of the unit calls.
+/// [`crate::Error::Input`] for a wrong number of parameter vectors, or any error of the unit
+/// calls.
 pub fn loss_and_grads(
+    model: &dyn CausalLm,
+    params: &[Tensor],
+    tokens: &Tensor,
+    targets: &Tensor,
+) -> Result<(f64, Vec<Tensor>)> {
+    if model.moe().is_some() {
+        let (parts, grads) = loss_parts_and_grads(model, params, tokens, targets)?;
+        return Ok((parts.total(), grads));
+    }
+    dense_loss_and_grads(model, params, tokens, targets)
+}
+
+/// [`loss_and_grads`] of a dense model.
+fn dense_loss_and_grads(
     model: &dyn CausalLm,
     params: &[Tensor],
     tokens: &Tensor,
@@ -242,13 +259,6 @@ pub fn loss_and_grads(
 ) -> Result<(f64, Vec<Tensor>)> {
     let units = model.units();
     let n = units.len();
-    if model.moe().is_some() {
-        return Err(crate::ops::input_err(
-            "model",
-            "a dense model".into(),
-            "an MoE model (use its MoeLm calls)".into(),
-        ));
-    }
     if params.len() != n || n < 2 {
         return Err(crate::ops::input_err("number of unit parameter vectors", n.to_string(), params.len().to_string()));
     }
@@ -284,20 +294,189 @@ pub fn loss_and_grads(
     Ok((head.loss, grads.into_iter().map(|g| g.expect("every unit's gradient is set")).collect()))
 }
 
-/// The calls of an MoE block, as a trainer runs them (see [`crate::Gpt::loss_parts_and_grads`]
-/// for the whole sequence in memory):
+/// The MoE side of [`loss_and_grads`]: the objective in its two parts ([`LossParts`]: the
+/// cross-entropy and the weighted load-balancing term) and its gradient, one flat vector per
+/// unit, in unit order — for any [`CausalLm`], dense (`aux = 0`, the dense loop of
+/// [`loss_and_grads`]) or MoE. An MoE block runs exactly the calls, in the order, that
+/// [`MoeLm`]'s docs prescribe for a trainer, experts in index order; an expert without tokens
+/// is not called and its gradient is zero.
+///
+/// This is the in-memory reference a trainer's MoE path can be compared with (same calls, same
+/// order: the same bits).
+///
+/// # Errors
+/// [`crate::Error::Input`] for a wrong number of parameter vectors or a unit order that is not
+/// `[embedding, (block | trunk, its experts)*, head]`; any error of the unit calls.
+pub fn loss_parts_and_grads(
+    model: &dyn CausalLm,
+    params: &[Tensor],
+    tokens: &Tensor,
+    targets: &Tensor,
+) -> Result<(LossParts, Vec<Tensor>)> {
+    let Some(moe) = model.moe() else {
+        let (ce, grads) = dense_loss_and_grads(model, params, tokens, targets)?;
+        return Ok((LossParts { ce, aux: 0.0 }, grads));
+    };
+    let units = model.units();
+    let n = units.len();
+    if params.len() != n || n < 2 {
+        return Err(crate::ops::input_err("number of unit parameter vectors", n.to_string(), params.len().to_string()));
+    }
+    let blocks = block_layout(units)?;
+    let tied = model.tied_head().then(|| &params[0]);
+
+    // Forward: keep each block's input and (MoE) routing.
+    let mut x = model.forward(0, &params[0], tokens, None)?;
+    let mut inputs = Vec::with_capacity(blocks.len());
+    let mut routings: Vec<Option<Routing>> = Vec::with_capacity(blocks.len());
+    for block in &blocks {
+        let y = match block {
+            BlockUnits::Dense(u) => {
+                routings.push(None);
+                model.forward(*u, &params[*u], &x, None)?
+            }
+            BlockUnits::Moe { block, trunk, experts } => {
+                let t = moe.trunk_forward(*block, &params[*trunk], &x)?;
+                let mut outs = vec![None; experts.len()];
+                for (e, (&u, out)) in experts.iter().zip(outs.iter_mut()).enumerate() {
+                    if let Some(h_e) = t.routing.expert_input(e, &t.h)? {
+                        *out = Some(moe.expert_forward(&params[u], &h_e)?);
+                    }
+                }
+                let y = moe.combine(&t.x1, &t.routing, &outs)?;
+                routings.push(Some(t.routing));
+                y
+            }
+        };
+        inputs.push(std::mem::replace(&mut x, y));
+    }
+    let mut finished: Vec<&mut Routing> = routings.iter_mut().flatten().collect();
+    moe.finish_forward(&mut finished)?;
+    let aux = moe.aux_loss(&routings.iter().flatten().collect::<Vec<_>>());
+
+    // The head, then the blocks in reverse, each recomputed from its input.
+    let mut grads: Vec<Option<Tensor>> = vec![None; n];
+    let head = model.head_loss_backward(&params[n - 1], &x, tied, targets)?;
+    let mut g = head.grads.grad_input.ok_or_else(|| missing_grad("head"))?;
+    grads[n - 1] = Some(head.grads.grad_params);
+    for ((block, x_in), routing) in blocks.iter().zip(&inputs).zip(&routings).rev() {
+        match (block, routing) {
+            (BlockUnits::Moe { block, trunk, experts }, Some(routing)) => {
+                let t = moe.trunk_forward(*block, &params[*trunk], x_in)?;
+                let mut grad_inputs = vec![None; experts.len()];
+                let mut grad_gates = vec![None; experts.len()];
+                for (e, &u) in experts.iter().enumerate() {
+                    let (Some(h_e), Some(go)) =
+                        (routing.expert_input(e, &t.h)?, moe.expert_grad_output(routing, e, &g)?)
+                    else {
+                        grads[u] = Some(params[u].zeros_like()?);
+                        continue;
+                    };
+                    let eg = moe.expert_backward(&params[u], &h_e, &go)?;
+                    grad_gates[e] = moe.expert_grad_gate(routing, e, &g, &eg.output)?;
+                    grad_inputs[e] = Some(eg.grad_input);
+                    grads[u] = Some(eg.grad_params);
+                }
+                let grad_h = routing.scatter_input_grads(&grad_inputs)?;
+                let tg = moe.trunk_backward(*block, &params[*trunk], x_in, routing, &g, &grad_h, &grad_gates)?;
+                grads[*trunk] = Some(tg.grad_params);
+                g = tg.grad_input.ok_or_else(|| missing_grad("trunk"))?;
+            }
+            (BlockUnits::Dense(u), _) | (BlockUnits::Moe { trunk: u, .. }, None) => {
+                let ug = model.backward(*u, &params[*u], x_in, &g, None)?;
+                grads[*u] = Some(ug.grad_params);
+                g = ug.grad_input.ok_or_else(|| missing_grad("block"))?;
+            }
+        }
+    }
+    let mut g0 = model.backward(0, &params[0], tokens, &g, None)?.grad_params;
+    if let Some(gt) = head.grads.grad_tied_wte {
+        g0 = (g0 + gt)?;
+    }
+    grads[0] = Some(g0);
+    let grads = grads.into_iter().map(|g| g.expect("every unit's gradient is set")).collect();
+    Ok((LossParts { ce: head.loss, aux }, grads))
+}
+
+fn missing_grad(what: &str) -> crate::Error {
+    crate::ops::input_err("unit gradients", format!("an input gradient from the {what}"), "None".into())
+}
+
+/// The units of one block between the embedding and the head.
+enum BlockUnits {
+    /// A dense block's unit index.
+    Dense(usize),
+    /// An MoE block: its 0-based index, its trunk's unit index and its experts' unit indices in
+    /// expert order.
+    Moe { block: usize, trunk: usize, experts: Vec<usize> },
+}
+
+/// The blocks of `units` (`[embedding, (block | trunk, experts)*, head]`).
+fn block_layout(units: &[UnitSpec]) -> Result<Vec<BlockUnits>> {
+    let bad = |u: &UnitSpec| {
+        crate::ops::input_err(
+            "unit order",
+            "[embedding, (block | trunk, its experts)*, head]".into(),
+            format!("{:?} at unit {}", u.kind, u.index),
+        )
+    };
+    let n = units.len();
+    let mut blocks: Vec<BlockUnits> = Vec::new();
+    for (u, spec) in units.iter().enumerate().take(n - 1).skip(1) {
+        match spec.kind {
+            UnitKind::Block(_) => blocks.push(BlockUnits::Dense(u)),
+            UnitKind::MoeTrunk(block) => blocks.push(BlockUnits::Moe { block, trunk: u, experts: Vec::new() }),
+            UnitKind::Expert { block, expert } => match blocks.last_mut() {
+                Some(BlockUnits::Moe { block: b, experts, .. }) if *b == block && experts.len() == expert => {
+                    experts.push(u)
+                }
+                _ => return Err(bad(spec)),
+            },
+            UnitKind::Embedding | UnitKind::Head => return Err(bad(spec)),
+        }
+    }
+    Ok(blocks)
+}
+
+/// The calls of an MoE block and of a forward pass over MoE blocks, as a trainer runs them
+/// ([`loss_parts_and_grads`] is this sequence in memory, for any model):
 ///
 /// ```text
-/// forward : t = trunk_forward(i, p_trunk, x)                       route the tokens
-///           out_e = expert_forward(p_e, t.routing.expert_input(e, t.h))   for each routed e
-///           y = combine(t.x1, t.routing, outs)
-/// backward: t = trunk_forward(i, p_trunk, x)                       recompute
-///           for each routed e: g_e = expert_backward(p_e, h_e, expert_grad_output(routing, e, g_y))
-///                              gate_e = expert_grad_gate(routing, e, g_y, g_e.output)
-///           g_h = routing.scatter_input_grads(grad inputs)
-///           trunk_backward(i, p_trunk, x, routing, g_y, g_h, gates)
+/// per forward pass (a batch, or one micro-batch), blocks i = 0..L, experts e = 0..E:
+/// forward : t_i = trunk_forward(i, p_trunk_i, x_i)                      keep x_i and R_i = t_i.routing
+///           out_e = expert_forward(p_e, R_i.expert_input(e, t_i.h))      for each e with R_i.is_active(e)
+///           x_{i+1} = combine(t_i.x1, &R_i, outs)
+/// then    : finish_forward(&mut [&mut R_0, .., &mut R_{L-1}])            once, after the last block
+///           aux = aux_loss(&[&R_0, .., &R_{L-1}])                         the objective is CE + aux
+/// head    : (ce, g) = head_loss_backward(..)                             (CausalLm)
+/// backward: for i = L-1..0:
+///           t = trunk_forward(i, p_trunk_i, x_i)                          recompute: only t.h is used
+///           for each e with R_i.is_active(e):
+///               go = expert_grad_output(&R_i, e, g)
+///               ge = expert_backward(p_e, R_i.expert_input(e, t.h), go)   ge.grad_params: expert e's gradient
+///               gate_e = expert_grad_gate(&R_i, e, g, ge.output)
+///           g_h = R_i.scatter_input_grads(ge.grad_input of each e, None if inactive)
+///           g = trunk_backward(i, p_trunk_i, x_i, &R_i, g, g_h, gates).grad_input
 /// ```
+///
+/// - The backward takes the **forward's** routings `R_i` (after [`MoeLm::finish_forward`]),
+///   not the recomputed `t.routing`: the recompute yields the same choices and `h` bitwise (the
+///   calls are deterministic), but only the forward's routings carry the pooled statistics.
+/// - An expert without tokens is not called in either direction; its gradient is zero.
+/// - MoE-GPT's load-balancing loss is per block: [`MoeLm::finish_forward`] is a no-op and
+///   [`MoeLm::aux_loss`] the sum of [`Routing::aux_loss`]. Mixtral's pools every block's
+///   routing (transformers' `load_balancing_loss_func` over all layers' router logits):
+///   [`MoeLm::finish_forward`] must run before any of the pass's [`MoeLm::trunk_backward`]
+///   (which refuses a routing without [`Routing::aux_weights`]).
+/// - With micro-batches, each forward pass (one micro-batch) is finished on its own routings,
+///   as transformers computes the loss per forward call.
+/// - The expert calls are pure functions of their arguments: a trainer may run them on another
+///   candle device (move `h_e` there and the outputs and gradients back).
 pub trait MoeLm: Send + Sync {
+    /// Experts each token is routed to, `k` (top-k): MoE-GPT `moe.top_k`, Mixtral
+    /// `num_experts_per_tok`.
+    fn experts_per_token(&self) -> usize;
+
     /// Forward of block `block`'s trunk: attention, the norm before the experts, the router
     /// and the routing decision.
     ///
@@ -317,25 +496,32 @@ pub trait MoeLm: Send + Sync {
     /// Bad shapes or dtypes; candle failures.
     fn expert_backward(&self, params: &Tensor, h_e: &Tensor, grad_out_e: &Tensor) -> Result<crate::ExpertGrads>;
 
-    /// The block output: `x1 + Σ_e scatter(gate_e · out_e)` `[B, T, d]`.
+    /// The block output: `x1 + Σ_e scatter(gate_e · out_e)` `[B, T, d]`; the default is
+    /// [`Routing::combine`] (so are the next two calls' defaults, the combine's backward).
     ///
     /// # Errors
     /// Bad shapes or dtypes; candle failures.
-    fn combine(&self, x1: &Tensor, routing: &Routing, expert_outputs: &[Option<Tensor>]) -> Result<Tensor>;
+    fn combine(&self, x1: &Tensor, routing: &Routing, expert_outputs: &[Option<Tensor>]) -> Result<Tensor> {
+        routing.combine(x1, expert_outputs)
+    }
 
     /// The gradient of expert `e`'s output from the block output's gradient `grad_y`; `None`
     /// when it has no tokens.
     ///
     /// # Errors
     /// Bad shapes or dtypes; candle failures.
-    fn expert_grad_output(&self, routing: &Routing, e: usize, grad_y: &Tensor) -> Result<Option<Tensor>>;
+    fn expert_grad_output(&self, routing: &Routing, e: usize, grad_y: &Tensor) -> Result<Option<Tensor>> {
+        routing.expert_grad_output(e, grad_y)
+    }
 
     /// The gradient of expert `e`'s gates from `grad_y` and its output; `None` when it has no
     /// tokens.
     ///
     /// # Errors
     /// Bad shapes or dtypes; candle failures.
-    fn expert_grad_gate(&self, routing: &Routing, e: usize, grad_y: &Tensor, out_e: &Tensor) -> Result<Option<Tensor>>;
+    fn expert_grad_gate(&self, routing: &Routing, e: usize, grad_y: &Tensor, out_e: &Tensor) -> Result<Option<Tensor>> {
+        routing.expert_grad_gate(e, grad_y, out_e)
+    }
 
     /// Backward of block `block`'s trunk by recomputation, given the gradients of its outputs.
     ///
@@ -352,4 +538,27 @@ pub trait MoeLm: Send + Sync {
         grad_h: &Tensor,
         grad_gates: &[Option<Tensor>],
     ) -> Result<UnitGrads>;
+
+    /// Called once per forward pass, after the last block's forward and before any
+    /// [`MoeLm::trunk_backward`] of the pass, with that pass's routings in block order (one per
+    /// MoE block): writes into each routing what its trunk's backward needs from the whole pass.
+    /// Mixtral: the pooled load-balancing statistics ([`Routing::aux_weights`]) and each block's
+    /// share of the pooled loss ([`Routing::aux_loss`]). The default (MoE-GPT) does nothing.
+    ///
+    /// # Errors
+    /// [`crate::Error::Input`] when the routings do not belong to one pass of this model (no
+    /// routing, another number of experts or top-k).
+    fn finish_forward(&self, routings: &mut [&mut Routing]) -> Result<()> {
+        let _ = routings;
+        Ok(())
+    }
+
+    /// The weighted load-balancing term of the objective over one forward pass's routings (in
+    /// block order): what [`LossParts::aux`] reports and what the trunks' backward
+    /// differentiates. The default (MoE-GPT) is the sum of [`Routing::aux_loss`]; Mixtral
+    /// computes the pooled loss from the routings' counts and probability sums (it does not
+    /// need [`MoeLm::finish_forward`] to have run).
+    fn aux_loss(&self, routings: &[&Routing]) -> f64 {
+        routings.iter().map(|r| r.aux_loss()).sum()
+    }
 }

@@ -36,7 +36,7 @@ use crate::runtime::{DeviceSpec, HostPlan, NvmePlan, Phase, Runtime, RuntimeConf
 
 mod moe;
 
-pub use moe::ExpertPlacement;
+pub use moe::{ExpertPlacement, ExpertTraffic};
 
 /// Anything that stops a training run; every variant's message names the cause and the fix.
 #[derive(Debug, thiserror::Error)]
@@ -94,6 +94,8 @@ pub struct StepOutcome {
     pub routed_tokens: Vec<Vec<usize>>,
     /// MoE: tokens whose expert ran on the CPU from its host copy this step (forward).
     pub cpu_tokens: usize,
+    /// MoE: the step's expert copies moved H2D and the uses that moved none.
+    pub expert_traffic: ExpertTraffic,
 }
 
 /// The GPT's config from the run's `[model]` table (a GPT's), `train.seq_len` and the data's
@@ -405,6 +407,20 @@ impl Trainer {
         // The model (its shape read, nothing allocated) and the budgets it needs: too small ones
         // are refused before anything is written.
         let model = build_model(&cfg, vocab_size(&cfg)?)?;
+        // The config's validation refuses micro-batches for MoE-GPT; a Mixtral's experts (from
+        // its keys or an init checkpoint's config.json) are known only once the model is.
+        if cfg.train.micro_batches > 1 && model.moe().is_some() {
+            return Err(crate::config::ConfigError::Invalid {
+                key: "train.micro_batches".into(),
+                reason: format!(
+                    "{} micro-batches with MoE blocks ({}) is not supported (the layer-major schedule is for dense \
+                     models); set micro_batches = 1 and raise train.batch_size instead",
+                    cfg.train.micro_batches,
+                    cfg.model.family()
+                ),
+            }
+            .into());
+        }
         check_budgets(&cfg, &*model, &crate::runtime::budget::statvfs_free_bytes)?;
         // Before anything is written: one run at a time owns its directories.
         let lock = crate::lock::RunLock::for_config(&cfg)?;
@@ -663,12 +679,26 @@ impl Trainer {
         let (embed, head) = (self.layout.embed, self.layout.head);
         self.rt.begin_step(self.updates + 1, lr)?;
 
+        if let Some(m) = &mut self.moe {
+            m.traffic = ExpertTraffic::default();
+        }
         // Forward: keep each block's inputs (the activation checkpoints of every micro-batch).
         let mut held = HashMap::new();
         let mut cpu_tokens = 0;
         let (xs, mut saved) = self.forward_trunk(&inputs, Phase::Forward, &mut held, &mut cpu_tokens)?;
         let routed: Vec<Vec<usize>> = saved.iter().filter_map(|c| c.moe.as_ref().map(|(r, _)| r.counts())).collect();
-        let aux: f64 = saved.iter().filter_map(|c| c.moe.as_ref().map(|(r, _)| r.aux_loss())).sum();
+        // The pass's routings together: a load-balancing loss pooled over the blocks (Mixtral)
+        // gives each routing its weights before any block's backward; MoE-GPT's is per block.
+        let aux = match model.moe() {
+            Some(moe) => {
+                let mut routings: Vec<&mut oogc_models::Routing> =
+                    saved.iter_mut().filter_map(|c| c.moe.as_mut().map(|(r, _)| r)).collect();
+                moe.finish_forward(&mut routings)?;
+                let routings: Vec<&oogc_models::Routing> = routings.into_iter().map(|r| &*r).collect();
+                moe.aux_loss(&routings)
+            }
+            None => 0.0,
+        };
 
         // The turn: the head's forward, loss and backward at once, per micro-batch.
         self.rt.end_forward();
@@ -737,6 +767,7 @@ impl Trainer {
             aux_loss: aux,
             routed_tokens: routed,
             cpu_tokens,
+            expert_traffic: self.moe.as_ref().map(|m| m.traffic).unwrap_or_default(),
         })
     }
 

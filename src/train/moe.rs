@@ -46,6 +46,44 @@ impl ExpertPlacement {
     }
 }
 
+/// `[moe] policy = "lru"`: an LRU cache of expert copies on the device, `cap` experts (the
+/// expert budget's whole experts). A cached expert is held pinned (the trainer's `held` map);
+/// an expert the cache evicts loses its pin, so the runtime may evict its copy.
+#[derive(Debug)]
+struct LruCache {
+    cap: usize,
+    clock: u64,
+    last_use: HashMap<UnitId, u64>,
+}
+
+impl LruCache {
+    /// Records a use of `unit` (inserting it) and returns the least recently used units evicted
+    /// to keep at most `cap`.
+    fn touch(&mut self, unit: UnitId) -> Vec<UnitId> {
+        self.clock += 1;
+        self.last_use.insert(unit, self.clock);
+        let mut evicted = Vec::new();
+        while self.last_use.len() > self.cap {
+            let victim = *self.last_use.iter().min_by_key(|(_, &t)| t).map(|(u, _)| u).expect("non-empty");
+            self.last_use.remove(&victim);
+            evicted.push(victim);
+        }
+        evicted
+    }
+}
+
+/// Expert traffic of one step, for the metrics: every use of a routed expert (forward and
+/// backward) and how many moved no bytes H2D (a copy already on the device, or CPU compute).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ExpertTraffic {
+    /// Bytes of expert copies moved H2D (fetches of an expert without a device copy).
+    pub h2d_bytes: u64,
+    /// Uses of routed experts, forward and backward.
+    pub uses: u64,
+    /// Uses that moved no bytes H2D.
+    pub hits: u64,
+}
+
 /// A placement-crate error as a config error naming `key`.
 fn moe_err(key: &'static str) -> impl Fn(oogc_moe_placement::Error) -> TrainError {
     move |e| TrainError::Config(crate::config::ConfigError::Invalid { key: key.into(), reason: e.to_string() })
@@ -61,6 +99,10 @@ pub(super) struct MoeState {
     routing_trace: Option<RoutingTraceWriter<BufWriter<std::fs::File>>>,
     /// Bytes of one expert's f32 compute copy.
     expert_bytes: u64,
+    /// `[moe] policy = "lru"`: the cache.
+    lru: Option<LruCache>,
+    /// This step's expert traffic so far.
+    pub(super) traffic: ExpertTraffic,
 }
 
 /// The arguments of [`MoeState::block_backward`] that say which block.
@@ -96,7 +138,7 @@ impl MoeState {
         let expert_params = experts.first().map_or(0, |&(u, ..)| units[u.0].numel);
         let blocks = experts.iter().map(|&(_, b, _)| b + 1).max().unwrap_or(0);
         let per_block = experts.iter().map(|&(_, _, e)| e + 1).max().unwrap_or(0);
-        let top_k = cfg.model.moe().map_or(1, |m| m.top_k);
+        let top_k = model.moe().map_or(1, |m| m.experts_per_token());
         let expert_bytes = expert_params as u64 * 4;
         // Forward 2, recompute 2, backward 4 FLOPs per parameter and token.
         let flops_per_token = 8.0 * expert_params as f64;
@@ -133,13 +175,22 @@ impl MoeState {
         } else {
             None
         };
-        Ok(Self { placement: None, placer, routing_trace, expert_bytes })
+        let lru = (cfg.moe.policy == crate::config::MoePolicy::Lru).then(|| LruCache {
+            cap: (crate::moe::expert_budget_bytes(cfg) / expert_bytes.max(1)).max(1) as usize,
+            clock: 0,
+            last_use: HashMap::new(),
+        });
+        Ok(Self { placement: None, placer, routing_trace, expert_bytes, lru, traffic: ExpertTraffic::default() })
     }
 
     /// Where each expert of `block` runs for the routed `tokens`.
     fn place_block(&self, block: usize, tokens: &[usize]) -> Result<Vec<Placement>> {
         if let Some(p) = &self.placement {
             return Ok(tokens.iter().enumerate().map(|(e, &n)| p.place(block, e, n)).collect());
+        }
+        if self.lru.is_some() {
+            // Every routed expert on the device, held while the cache keeps it.
+            return Ok(tokens.iter().map(|&n| if n == 0 { Placement::Skip } else { Placement::Resident }).collect());
         }
         match &self.placer {
             Some(placer) => {
@@ -168,7 +219,11 @@ impl MoeState {
         placement: Placement,
         phase: Phase,
     ) -> Result<UnitParams> {
-        let cold = placement != Placement::Cpu && self.placer.is_some() && !rt.is_on_device(unit);
+        let moves = placement != Placement::Cpu && !rt.is_on_device(unit);
+        let cold = moves && self.placer.is_some();
+        if phase != Phase::Eval {
+            self.count_use(moves);
+        }
         let started = Instant::now();
         let p = Self::fetch_expert(rt, unit, placement, phase)?;
         if cold {
@@ -177,6 +232,24 @@ impl MoeState {
             }
         }
         Ok(p)
+    }
+
+    fn count_use(&mut self, moves: bool) {
+        self.traffic.uses += 1;
+        if moves {
+            self.traffic.h2d_bytes += self.expert_bytes;
+        } else {
+            self.traffic.hits += 1;
+        }
+    }
+
+    /// LRU policy: records a use of `unit`; the experts the cache evicts lose their pin.
+    fn lru_touch(&mut self, unit: UnitId, held: &mut HashMap<UnitId, UnitParams>) {
+        if let Some(lru) = &mut self.lru {
+            for victim in lru.touch(unit) {
+                held.remove(&victim);
+            }
+        }
     }
 
     /// One MoE block forward: the trunk, the routed experts where placed (resident ones stay
@@ -215,6 +288,7 @@ impl MoeState {
             let _span = tracing::info_span!("compute::expert_forward", block, expert = e, tokens, on_cpu).entered();
             *out = Some(moe.expert_forward(p.tensor(), &h_e)?);
             if placements[e] == Placement::Resident && phase != Phase::Eval {
+                self.lru_touch(experts[e], held);
                 held.insert(experts[e], p);
             }
         }
@@ -247,9 +321,16 @@ impl MoeState {
             let tokens = routing.tokens(e).len();
             let on_cpu = placements[e] == Placement::Cpu;
             let pe = match held.remove(&experts[e]) {
-                Some(pe) => pe,
-                None => Self::fetch_expert(rt, experts[e], placements[e], Phase::Backward)?,
+                Some(pe) => {
+                    self.count_use(false);
+                    pe
+                }
+                None => {
+                    self.count_use(placements[e] != Placement::Cpu && !rt.is_on_device(experts[e]));
+                    Self::fetch_expert(rt, experts[e], placements[e], Phase::Backward)?
+                }
             };
+            self.lru_touch(experts[e], held);
             let g = {
                 let _span =
                     tracing::info_span!("compute::expert_backward", block, expert = e, tokens, on_cpu).entered();
@@ -289,6 +370,10 @@ impl MoeState {
             if let Some(w) = &mut self.routing_trace {
                 w.record(step, i as u32, &t).map_err(moe_err("moe.routing_trace"))?;
             }
+        }
+        if let Some(lru) = &mut self.lru {
+            // The step's update made every cached copy stale.
+            lru.last_use.clear();
         }
         if let Some(placer) = &mut self.placer {
             let change = placer.replan();

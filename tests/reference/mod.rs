@@ -63,6 +63,11 @@ fn loss_and_grads(
             other => panic!("unexpected unit kind {other:?} between the embedding and the head"),
         }
     }
+    // A load-balancing loss pooled over the blocks (Mixtral) needs the pass's routings together.
+    if let Some(moe) = model.moe() {
+        let mut routings: Vec<_> = saved.iter_mut().filter_map(|(_, _, m)| m.as_mut().map(|(_, _, r)| r)).collect();
+        moe.finish_forward(&mut routings).unwrap();
+    }
     // The head.
     let out = model.head_loss_backward(&params[head], &x, tied, targets).unwrap();
     grads.insert(head, out.grads.grad_params);

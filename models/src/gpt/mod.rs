@@ -96,8 +96,8 @@ mod moe_tests;
 #[cfg(test)]
 mod tests;
 
+pub use crate::moe::{CombineGrads, ExpertGrads, LossParts, Routing, TrunkOut};
 pub use config::{GptConfig, MoeConfig};
-pub use moe::{CombineGrads, ExpertGrads, LossParts, Routing, TrunkOut};
 
 /// A causal mask `[T, T]` (0 on and below the diagonal, -inf above) cached per
 /// `(T, dtype, device)`.
@@ -654,6 +654,10 @@ impl crate::CausalLm for Gpt {
 }
 
 impl crate::MoeLm for Gpt {
+    fn experts_per_token(&self) -> usize {
+        self.config.moe.as_ref().map_or(1, |m| m.top_k)
+    }
+
     fn trunk_forward(&self, block: usize, params: &Tensor, x: &Tensor) -> Result<TrunkOut> {
         self.moe_trunk_forward(block, params, x)
     }
@@ -664,18 +668,6 @@ impl crate::MoeLm for Gpt {
 
     fn expert_backward(&self, params: &Tensor, h_e: &Tensor, grad_out_e: &Tensor) -> Result<ExpertGrads> {
         Gpt::expert_backward(self, params, h_e, grad_out_e)
-    }
-
-    fn combine(&self, x1: &Tensor, routing: &Routing, expert_outputs: &[Option<Tensor>]) -> Result<Tensor> {
-        self.moe_combine(x1, routing, expert_outputs)
-    }
-
-    fn expert_grad_output(&self, routing: &Routing, e: usize, grad_y: &Tensor) -> Result<Option<Tensor>> {
-        self.moe_expert_grad_output(routing, e, grad_y)
-    }
-
-    fn expert_grad_gate(&self, routing: &Routing, e: usize, grad_y: &Tensor, out_e: &Tensor) -> Result<Option<Tensor>> {
-        self.moe_expert_grad_gate(routing, e, grad_y, out_e)
     }
 
     fn trunk_backward(

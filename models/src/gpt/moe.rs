@@ -20,282 +20,17 @@
 //! may run them on another candle device (move `h_e` there, the output and `grad_input` back).
 //! An expert that receives no tokens is not called and its gradient is zero.
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use super::config::{block_idx as bi, expert_idx as ei, MoeConfig};
 use super::{Gpt, UnitGrads};
 use crate::kernels;
+#[cfg(test)]
+pub(super) use crate::moe::combine_math;
+use crate::moe::{CombineGrads, ExpertGrads, ExpertRoute, LossParts, Routing, TrunkOut};
 use crate::ops::{gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim, vars, views};
 use crate::unit::{UnitKind, UnitSpec};
 use crate::Result;
-
-/// The loss of the whole model in its two parts; the model minimizes [`LossParts::total`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LossParts {
-    /// Mean cross-entropy over the `B · T` positions, nats.
-    pub ce: f64,
-    /// Sum over MoE blocks of the load-balancing loss [`Routing::aux_loss`] (dimensionless,
-    /// already scaled by `aux_loss_coef`); 0 for the dense model.
-    pub aux: f64,
-}
-
-impl LossParts {
-    /// `ce + aux`: the objective whose gradient [`Gpt::loss_parts_and_grads`] returns.
-    pub fn total(&self) -> f64 {
-        self.ce + self.aux
-    }
-}
-
-/// Output of [`Gpt::moe_trunk_forward`].
-#[derive(Debug, Clone)]
-pub struct TrunkOut {
-    /// `x + attn(ln_1(x))`, `[B, T, d]`: the residual stream the experts' outputs are added to.
-    pub x1: Tensor,
-    /// `ln_2(x1)` flattened, `[N, d]` (`N = B · T`, row `b · T + t`): the experts' input rows.
-    pub h: Tensor,
-    /// Router probabilities `softmax(h W_r + b_r)`, `[N, E]`.
-    pub probs: Tensor,
-    /// Which tokens go to which expert, with gates; computed on the CPU from `probs`.
-    pub routing: Routing,
-}
-
-/// Output of [`Gpt::expert_backward`].
-#[derive(Debug, Clone)]
-pub struct ExpertGrads {
-    /// Gradient of the expert's flat parameters, 1-D, the expert unit's `numel` elements.
-    pub grad_params: Tensor,
-    /// Gradient of the expert's input rows `h_e`, `[n_e, d]`.
-    pub grad_input: Tensor,
-    /// The expert's output `[n_e, d]`, recomputed on the way (equal to [`Gpt::expert_forward`]'s,
-    /// bitwise): a trainer that did not keep the forward's output can take it from here for
-    /// [`Gpt::moe_expert_grad_gate`].
-    pub output: Tensor,
-}
-
-/// Output of [`Gpt::moe_combine_backward`]: per expert (`None` for an expert without tokens).
-#[derive(Debug, Clone)]
-pub struct CombineGrads {
-    /// `grad_out_e = gate_e · grad_y[idx_e]`, `[n_e, d]`: the gradient to hand to
-    /// [`Gpt::expert_backward`].
-    pub grad_outputs: Vec<Option<Tensor>>,
-    /// `grad_gate_e = Σ_d grad_y[idx_e] ⊙ out_e`, `[n_e]`: the gradient of the gates, for
-    /// [`Gpt::moe_trunk_backward`].
-    pub grad_gates: Vec<Option<Tensor>>,
-}
-
-/// The tokens one expert takes in one block call.
-#[derive(Debug, Clone)]
-struct ExpertRoute {
-    /// Token rows (`b · T + t`), ascending.
-    tokens: Vec<u32>,
-    /// `tokens` as a U32 tensor `[n_e]` on the trunk's device; `None` when empty.
-    index: Option<Tensor>,
-    /// Flat slot of each token, `t · k + slot`, as a U32 tensor `[n_e]`; `None` when empty.
-    slots: Option<Tensor>,
-    /// Gates `[n_e]`, the probs' dtype and device; `None` when empty.
-    gates: Option<Tensor>,
-    /// Tokens that chose this expert, before capacity.
-    demand: usize,
-}
-
-/// The routing of one MoE block call over `N = B · T` tokens (rows `b · T + t`): for each expert,
-/// the tokens it takes (ascending) and their gates; the top-k choices; capacity, counts and the
-/// auxiliary loss. Computed on the CPU from the router probabilities by
-/// [`Gpt::moe_trunk_forward`]; definitions in [`MoeConfig`].
-///
-/// The gates are values (no autograd graph); [`Gpt::moe_trunk_backward`] recomputes them from
-/// the router, with the same top-k choices, to take their gradient.
-#[derive(Debug, Clone)]
-pub struct Routing {
-    num_tokens: usize,
-    d_model: usize,
-    top_k: usize,
-    /// `[N, k]` row-major: chosen experts per token, best first, before capacity.
-    choices: Vec<u32>,
-    /// `choices` as a U32 tensor `[N, k]` on the trunk's device.
-    choices_t: Tensor,
-    experts: Vec<ExpertRoute>,
-    capacity: Option<usize>,
-    top1_fraction: Vec<f64>,
-    /// `top1_fraction` as a `[E]` tensor in the probs' dtype and device.
-    top1_fraction_t: Tensor,
-    mean_prob: Vec<f64>,
-    aux_loss: f64,
-    dtype: DType,
-    device: Device,
-}
-
-impl Routing {
-    /// Tokens of the block call, `N = B · T`.
-    pub fn num_tokens(&self) -> usize {
-        self.num_tokens
-    }
-
-    /// Experts of the block, `E`.
-    pub fn num_experts(&self) -> usize {
-        self.experts.len()
-    }
-
-    /// Experts per token, `k`.
-    pub fn top_k(&self) -> usize {
-        self.top_k
-    }
-
-    /// The experts chosen per token, `[N, k]` row-major (token `n`'s at `n·k..n·k + k`, best
-    /// first, ties to the lower index), **before** capacity drops.
-    pub fn choices(&self) -> &[u32] {
-        &self.choices
-    }
-
-    /// The token rows (`b · T + t`, ascending) expert `e` takes, after capacity. Empty when the
-    /// expert receives no tokens.
-    ///
-    /// # Panics
-    /// When `e >= num_experts()`.
-    pub fn tokens(&self, e: usize) -> &[u32] {
-        &self.experts[e].tokens
-    }
-
-    /// [`Routing::tokens`] of expert `e` as a U32 tensor `[n_e]` on the trunk's device, for
-    /// `index_select`; `None` when it receives no tokens.
-    ///
-    /// # Panics
-    /// When `e >= num_experts()`.
-    pub fn index(&self, e: usize) -> Option<&Tensor> {
-        self.experts[e].index.as_ref()
-    }
-
-    /// Gates of expert `e`'s tokens, `[n_e]`, in the router's dtype on the trunk's device (same
-    /// order as [`Routing::tokens`]); `None` when it receives no tokens.
-    ///
-    /// # Panics
-    /// When `e >= num_experts()`.
-    pub fn gates(&self, e: usize) -> Option<&Tensor> {
-        self.experts[e].gates.as_ref()
-    }
-
-    /// Whether expert `e` receives at least one token (only then is it called).
-    ///
-    /// # Panics
-    /// When `e >= num_experts()`.
-    pub fn is_active(&self, e: usize) -> bool {
-        !self.experts[e].tokens.is_empty()
-    }
-
-    /// Tokens each expert takes (after capacity), `[E]`.
-    pub fn counts(&self) -> Vec<usize> {
-        self.experts.iter().map(|r| r.tokens.len()).collect()
-    }
-
-    /// Tokens that chose each expert (any slot), before capacity, `[E]`.
-    pub fn demand(&self) -> Vec<usize> {
-        self.experts.iter().map(|r| r.demand).collect()
-    }
-
-    /// Expert capacity in tokens, `ceil(capacity_factor · N · k / E)`; `None` without a
-    /// capacity factor.
-    pub fn capacity(&self) -> Option<usize> {
-        self.capacity
-    }
-
-    /// (token, slot) assignments dropped by the capacity limit: `N · k − Σ counts`.
-    pub fn dropped(&self) -> usize {
-        self.num_tokens * self.top_k - self.experts.iter().map(|r| r.tokens.len()).sum::<usize>()
-    }
-
-    /// `f_e`: fraction of the `N` tokens whose top-1 choice is `e` (before capacity), `[E]`.
-    pub fn top1_fraction(&self) -> &[f64] {
-        &self.top1_fraction
-    }
-
-    /// `P_e`: mean router probability of expert `e` over the `N` tokens, `[E]`.
-    pub fn mean_prob(&self) -> &[f64] {
-        &self.mean_prob
-    }
-
-    /// The block's load-balancing loss `aux_loss_coef · E · Σ_e f_e · P_e` (computed in the
-    /// router's dtype, widened to f64).
-    pub fn aux_loss(&self) -> f64 {
-        self.aux_loss
-    }
-
-    /// Expert `e`'s input rows `h[idx_e]`, `[n_e, d]`, from the trunk's `h` `[N, d]` (on the
-    /// trunk's device); `None` when it receives no tokens.
-    ///
-    /// # Errors
-    /// [`super::Error::Input`] when `h` is not `[N, d]`; [`super::Error::Candle`] from the op.
-    pub fn expert_input(&self, e: usize, h: &Tensor) -> Result<Option<Tensor>> {
-        self.check_rows(h, "h")?;
-        let Some(index) = self.index(e) else { return Ok(None) };
-        Ok(Some(h.index_select(index, 0)?))
-    }
-
-    /// `grad_h` `[N, d]`: the experts' input gradients `grad_inputs[e]` (`[n_e, d]`, from
-    /// [`Gpt::expert_backward`]; `None` for an expert without tokens) added into the rows of
-    /// their tokens, in expert order. Tensors on another device are moved to the trunk's.
-    ///
-    /// # Errors
-    /// [`super::Error::Input`] when `grad_inputs` does not have one entry per expert, an active
-    /// expert's entry is `None` or a shape is wrong; [`super::Error::Candle`] from the ops.
-    pub fn scatter_input_grads(&self, grad_inputs: &[Option<Tensor>]) -> Result<Tensor> {
-        let (idx, src) = self.per_expert_rows(grad_inputs, "grad_inputs")?;
-        let zeros = Tensor::zeros((self.num_tokens, self.d_model), self.dtype, &self.device)?;
-        if idx.is_empty() {
-            return Ok(zeros);
-        }
-        Ok(zeros.index_add(&Tensor::cat(&idx, 0)?, &Tensor::cat(&src, 0)?, 0)?)
-    }
-
-    /// The active experts' indices and `[n_e, d]` rows of `rows` (moved to the trunk's device).
-    fn per_expert_rows(&self, rows: &[Option<Tensor>], what: &'static str) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
-        if rows.len() != self.num_experts() {
-            return Err(input_err(
-                what,
-                format!("{} entries (one per expert)", self.num_experts()),
-                rows.len().to_string(),
-            ));
-        }
-        let (mut idx, mut src) = (Vec::new(), Vec::new());
-        for (e, (route, r)) in self.experts.iter().zip(rows).enumerate() {
-            let Some(index) = &route.index else {
-                match r {
-                    Some(t) if t.dim(0)? != 0 => {
-                        return Err(input_err(
-                            what,
-                            format!("None for expert {e} (no tokens)"),
-                            format!("{:?}", t.dims()),
-                        ))
-                    }
-                    _ => continue,
-                }
-            };
-            let r = r.as_ref().ok_or_else(|| {
-                input_err(what, format!("[{}, {}] for expert {e}", route.tokens.len(), self.d_model), "None".into())
-            })?;
-            if r.dims() != [route.tokens.len(), self.d_model] || r.dtype() != self.dtype {
-                return Err(input_err(
-                    what,
-                    format!("{:?} [{}, {}] for expert {e}", self.dtype, route.tokens.len(), self.d_model),
-                    format!("{:?} {:?}", r.dtype(), r.dims()),
-                ));
-            }
-            idx.push(index.clone());
-            src.push(r.to_device(&self.device)?);
-        }
-        Ok((idx, src))
-    }
-
-    fn check_rows(&self, t: &Tensor, what: &'static str) -> Result<()> {
-        if t.dims() != [self.num_tokens, self.d_model] || t.dtype() != self.dtype {
-            return Err(input_err(
-                what,
-                format!("{:?} [{}, {}] (N, d)", self.dtype, self.num_tokens, self.d_model),
-                format!("{:?} {:?}", t.dtype(), t.dims()),
-            ));
-        }
-        Ok(())
-    }
-}
 
 /// The gates of every (token, slot), `[N · k]` (flat slot `n · k + s`), as a differentiable
 /// function of `probs` `[N, E]` for fixed `choices` `[N, k]`: `k = 1` the chosen probability,
@@ -369,9 +104,9 @@ impl Gpt {
         self.check_params(spec, params)?;
         self.check_hidden(x, params.dtype(), "MoE trunk input")?;
         let p = views(spec, params)?;
-        let (x1, h, probs) = self.trunk_math(&p, x)?;
+        let (x1, h, logits, probs) = self.trunk_math_logits(&p, x)?;
         let routing = self.route(&probs)?;
-        Ok(TrunkOut { x1, h, probs, routing })
+        Ok(TrunkOut { x1, h, logits, probs, routing })
     }
 
     /// Forward of one expert (any block's; the layout is the same): `gelu(h_e W_fc + b_fc)
@@ -403,15 +138,8 @@ impl Gpt {
         self.check_params(spec, params)?;
         let dtype = params.dtype();
         self.check_expert_rows(h_e, dtype, "expert input")?;
-        if grad_out_e.dims() != h_e.dims() || grad_out_e.dtype() != dtype {
-            return Err(input_err(
-                "expert grad_output",
-                format!("{dtype:?} {:?}", h_e.dims()),
-                format!("{:?} {:?}", grad_out_e.dtype(), grad_out_e.dims()),
-            ));
-        }
-        if h_e.dim(0)? == 0 {
-            return Ok(ExpertGrads { grad_params: params.zeros_like()?, grad_input: h_e.clone(), output: h_e.clone() });
+        if let Some(empty) = crate::moe::expert_backward_trivial(params, h_e, grad_out_e)? {
+            return Ok(empty);
         }
         let vars = vars(spec, params)?;
         let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
@@ -436,10 +164,7 @@ impl Gpt {
     /// [`super::Error::Input`] when `x1` or an output has the wrong shape or dtype, or an
     /// active expert's output is missing; [`super::Error::Candle`] from the ops.
     pub fn moe_combine(&self, x1: &Tensor, routing: &Routing, expert_outputs: &[Option<Tensor>]) -> Result<Tensor> {
-        let gates: Vec<Option<Tensor>> = routing.experts.iter().map(|r| r.gates.clone()).collect();
-        self.check_x1(x1, routing, "x1")?;
-        let (_, outs) = routing.per_expert_rows(expert_outputs, "expert_outputs")?;
-        combine_math(x1, routing, &gates, &outs)
+        routing.combine(x1, expert_outputs)
     }
 
     /// `grad_out_e = gate_e · grad_y[idx_e]`, `[n_e, d]`: the gradient of the block output
@@ -449,10 +174,7 @@ impl Gpt {
     /// # Errors
     /// [`super::Error::Input`] on a wrong shape or dtype; [`super::Error::Candle`] from the ops.
     pub fn moe_expert_grad_output(&self, routing: &Routing, e: usize, grad_y: &Tensor) -> Result<Option<Tensor>> {
-        self.check_x1(grad_y, routing, "grad_y")?;
-        let (Some(index), Some(gates)) = (routing.index(e), routing.gates(e)) else { return Ok(None) };
-        let g = grad_y.reshape((routing.num_tokens, routing.d_model))?.index_select(index, 0)?;
-        Ok(Some(g.broadcast_mul(&gates.unsqueeze(1)?)?))
+        routing.expert_grad_output(e, grad_y)
     }
 
     /// `grad_gate_e = Σ_d grad_y[idx_e] ⊙ out_e`, `[n_e]`: the gradient of the block output
@@ -468,18 +190,7 @@ impl Gpt {
         grad_y: &Tensor,
         out_e: &Tensor,
     ) -> Result<Option<Tensor>> {
-        self.check_x1(grad_y, routing, "grad_y")?;
-        let Some(index) = routing.index(e) else { return Ok(None) };
-        let n_e = routing.tokens(e).len();
-        if out_e.dims() != [n_e, routing.d_model] || out_e.dtype() != routing.dtype {
-            return Err(input_err(
-                "expert output",
-                format!("{:?} [{n_e}, {}]", routing.dtype, routing.d_model),
-                format!("{:?} {:?}", out_e.dtype(), out_e.dims()),
-            ));
-        }
-        let g = grad_y.reshape((routing.num_tokens, routing.d_model))?.index_select(index, 0)?;
-        Ok(Some((g * out_e.to_device(grad_y.device())?)?.sum(1)?))
+        routing.expert_grad_gate(e, grad_y, out_e)
     }
 
     /// The backward of [`Gpt::moe_combine`] for every expert: [`Gpt::moe_expert_grad_output`]
@@ -493,25 +204,7 @@ impl Gpt {
         grad_y: &Tensor,
         expert_outputs: &[Option<Tensor>],
     ) -> Result<CombineGrads> {
-        if expert_outputs.len() != routing.num_experts() {
-            return Err(input_err(
-                "expert_outputs",
-                format!("{} entries (one per expert)", routing.num_experts()),
-                expert_outputs.len().to_string(),
-            ));
-        }
-        let (mut grad_outputs, mut grad_gates) = (Vec::new(), Vec::new());
-        for (e, out) in expert_outputs.iter().enumerate() {
-            grad_outputs.push(self.moe_expert_grad_output(routing, e, grad_y)?);
-            grad_gates.push(match (routing.is_active(e), out) {
-                (false, _) => None,
-                (true, Some(out)) => self.moe_expert_grad_gate(routing, e, grad_y, out)?,
-                (true, None) => {
-                    return Err(input_err("expert_outputs", format!("an output for expert {e}"), "None".into()))
-                }
-            });
-        }
-        Ok(CombineGrads { grad_outputs, grad_gates })
+        routing.combine_backward(grad_y, expert_outputs)
     }
 
     /// Backward of MoE block `block`'s trunk by recomputation from its input `x` `[B, T, d]`:
@@ -555,9 +248,9 @@ impl Gpt {
                 format!("{} tokens, {:?}", routing.num_tokens, routing.dtype),
             ));
         }
-        self.check_x1(grad_y, routing, "grad_y")?;
+        routing.check_x1(grad_y, "grad_y")?;
         routing.check_rows(grad_h, "grad_h")?;
-        let (slot_idx, gate_grads) = self.gate_grad_rows(routing, grad_gates)?;
+        let (slot_idx, gate_grads) = routing.gate_grad_rows(grad_gates)?;
 
         let vars = vars(spec, params)?;
         let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
@@ -584,34 +277,6 @@ impl Gpt {
 
     // ---- internals -----------------------------------------------------------------------
 
-    /// The active experts' slot indices and gate gradients (checked, on the trunk's device).
-    fn gate_grad_rows(&self, routing: &Routing, grad_gates: &[Option<Tensor>]) -> Result<(Vec<Tensor>, Vec<Tensor>)> {
-        if grad_gates.len() != routing.num_experts() {
-            return Err(input_err(
-                "grad_gates",
-                format!("{} entries (one per expert)", routing.num_experts()),
-                grad_gates.len().to_string(),
-            ));
-        }
-        let (mut idx, mut src) = (Vec::new(), Vec::new());
-        for (e, (route, g)) in routing.experts.iter().zip(grad_gates).enumerate() {
-            let Some(slots) = &route.slots else { continue };
-            let g = g.as_ref().ok_or_else(|| {
-                input_err("grad_gates", format!("[{}] for expert {e}", route.tokens.len()), "None".into())
-            })?;
-            if g.dims() != [route.tokens.len()] || g.dtype() != routing.dtype {
-                return Err(input_err(
-                    "grad_gates",
-                    format!("{:?} [{}] for expert {e}", routing.dtype, route.tokens.len()),
-                    format!("{:?} {:?}", g.dtype(), g.dims()),
-                ));
-            }
-            idx.push(slots.clone());
-            src.push(g.to_device(&routing.device)?);
-        }
-        Ok((idx, src))
-    }
-
     fn check_expert_rows(&self, h: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
         let d = self.config.d_model;
         if !matches!(h.dims(), &[_, w] if w == d) || h.dtype() != dtype {
@@ -620,28 +285,21 @@ impl Gpt {
         Ok(())
     }
 
-    /// `t` is `[B, T, d]` with `B · T = N` of `routing`, in its dtype.
-    fn check_x1(&self, t: &Tensor, routing: &Routing, what: &'static str) -> Result<()> {
-        let ok = matches!(t.dims(), &[b, s, d] if b * s == routing.num_tokens && d == routing.d_model);
-        if !ok || t.dtype() != routing.dtype {
-            return Err(input_err(
-                what,
-                format!("{:?} [B, T, {}] with B·T = {}", routing.dtype, routing.d_model, routing.num_tokens),
-                format!("{:?} {:?}", t.dtype(), t.dims()),
-            ));
-        }
-        Ok(())
-    }
-
     /// The trunk: `(x1 [B, T, d], h [N, d], probs [N, E])`.
     pub(super) fn trunk_math(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (x1, h, _, probs) = self.trunk_math_logits(p, x)?;
+        Ok((x1, h, probs))
+    }
+
+    /// The trunk with the router logits: `(x1 [B, T, d], h [N, d], logits [N, E], probs [N, E])`.
+    fn trunk_math_logits(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let (b, t, d) = x.dims3()?;
         let fused = self.fused(x);
         let x1 = self.attention_residual(p, x)?;
         let h = layer_norm(&x1, &p[bi::LN2_W], &p[bi::LN2_B], self.config.ln_eps, fused)?.reshape((b * t, d))?;
         let logits = linear(&h, &p[bi::ROUTER_W], &p[bi::ROUTER_B], fused)?;
         let probs = softmax_last_dim(&logits)?;
-        Ok((x1, h, probs))
+        Ok((x1, h, logits, probs))
     }
 
     /// One expert's MLP on its rows `[n_e, d]` → `[n_e, d]`.
@@ -698,6 +356,10 @@ impl Gpt {
             experts.push(route);
         }
         let mean_prob: Vec<f64> = probs.mean(0)?.to_dtype(DType::F64)?.to_vec1()?;
+        let mut prob_sum = vec![0f64; e_count];
+        for row in host.chunks_exact(e_count) {
+            prob_sum.iter_mut().zip(row).for_each(|(s, &p)| *s += p);
+        }
         let aux_loss = scalar(&aux_value(probs, &top1_fraction_t, moe.aux_loss_coef)?)?;
         Ok(Routing {
             num_tokens: n,
@@ -710,7 +372,9 @@ impl Gpt {
             top1_fraction,
             top1_fraction_t,
             mean_prob,
+            prob_sum,
             aux_loss,
+            aux_weights: None,
             dtype,
             device,
         })
@@ -800,32 +464,6 @@ impl Gpt {
         let parts = LossParts { ce: head.loss, aux };
         Ok((parts, grads.into_iter().map(|g| g.expect("set")).collect()))
     }
-}
-
-/// `x1 + Σ_e scatter(idx_e, gate_e · out_e)` (one `index_add` over all active experts' rows in
-/// expert order); `gates` and `outs` for the active experts only, in order. Differentiable in
-/// every argument (the whole-graph test runs it on `Var`s).
-pub(super) fn combine_math(
-    x1: &Tensor,
-    routing: &Routing,
-    gates: &[Option<Tensor>],
-    outs: &[Tensor],
-) -> Result<Tensor> {
-    let (b, t, d) = x1.dims3()?;
-    let mut idx = Vec::with_capacity(outs.len());
-    let mut contrib = Vec::with_capacity(outs.len());
-    let mut outs = outs.iter();
-    for (route, gate) in routing.experts.iter().zip(gates) {
-        let (Some(index), Some(gate)) = (&route.index, gate) else { continue };
-        let out = outs.next().expect("one output per active expert");
-        contrib.push(out.broadcast_mul(&gate.unsqueeze(1)?)?);
-        idx.push(index.clone());
-    }
-    if contrib.is_empty() {
-        return Ok(x1.clone());
-    }
-    let y = x1.reshape((b * t, d))?.index_add(&Tensor::cat(&idx, 0)?, &Tensor::cat(&contrib, 0)?, 0)?;
-    Ok(y.reshape((b, t, d))?)
 }
 
 /// Test access to the routing's internals for the whole-graph reference.

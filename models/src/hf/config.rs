@@ -50,6 +50,11 @@ const MODEL_KEYS: &[&str] = &[
     "torch_dtype",
     "dtype",
     "transformers_version",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "router_aux_loss_coef",
+    "output_router_logits",
+    "router_jitter_noise",
 ];
 
 /// Reads and parses `path` (a `config.json`) with [`parse_config`].
@@ -148,6 +153,14 @@ pub fn config_json(config: &LlamaConfig, torch_dtype: &str, extra: &Map<String, 
             put("mlp_bias", c.mlp_bias.into());
         }
         LlamaFamily::Mistral => put("sliding_window", Value::Null),
+        LlamaFamily::Mixtral => {
+            put("sliding_window", Value::Null);
+            put("num_local_experts", c.num_experts().into());
+            put("num_experts_per_tok", c.top_k().into());
+            put("router_aux_loss_coef", c.router_aux_loss_coef.unwrap_or(0.001).into());
+            put("output_router_logits", c.output_router_logits.unwrap_or(false).into());
+            put("router_jitter_noise", 0.0.into());
+        }
         LlamaFamily::Qwen2 => {
             put("use_sliding_window", false.into());
             put("sliding_window", Value::Null);
@@ -226,19 +239,34 @@ impl<'a> Keys<'a> {
     }
 }
 
-const SUPPORTED: &str = "supported: llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM)";
+const SUPPORTED: &str = "supported: llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), \
+                         mixtral (MixtralForCausalLM)";
 
 fn family_of_model_type(t: &str) -> Option<LlamaFamily> {
     match t {
         "llama" => Some(LlamaFamily::Llama),
         "mistral" => Some(LlamaFamily::Mistral),
         "qwen2" => Some(LlamaFamily::Qwen2),
+        "mixtral" => Some(LlamaFamily::Mixtral),
         _ => None,
     }
 }
 
 fn family_of_architecture(a: &str) -> Option<LlamaFamily> {
-    [LlamaFamily::Llama, LlamaFamily::Mistral, LlamaFamily::Qwen2].into_iter().find(|f| f.architecture() == a)
+    [LlamaFamily::Llama, LlamaFamily::Mistral, LlamaFamily::Qwen2, LlamaFamily::Mixtral]
+        .into_iter()
+        .find(|f| f.architecture() == a)
+}
+
+/// A `sliding_window` that is not null: refused (full causal attention only).
+fn sliding_window_err(k: &Keys<'_>, v: &Value) -> Error {
+    k.err(
+        "sliding_window",
+        format!(
+            "{v}: sliding-window attention is not supported; set it to null for full causal attention (identical for \
+             sequences no longer than the window)"
+        ),
+    )
 }
 
 fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
@@ -255,11 +283,8 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
     };
     let family = match k.str("model_type")? {
         Some(t) => family_of_model_type(t).ok_or_else(|| {
-            let hint = if t == "mixtral" || t.contains("moe") {
-                " (mixture-of-experts layers are not implemented for Hugging Face checkpoints)"
-            } else {
-                ""
-            };
+            let hint =
+                if t.contains("moe") { " (of the mixture-of-experts models only Mixtral is implemented)" } else { "" };
             k.err("model_type", format!("`{t}` is not supported{hint}; {SUPPORTED}"))
         })?,
         None => match architectures.first() {
@@ -314,15 +339,7 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
                          set it to null for full causal attention, identical for sequences up to the window",
                     ))
                 }
-                Some(v) => {
-                    return Err(k.err(
-                        "sliding_window",
-                        format!(
-                            "{v}: sliding-window attention is not supported; set it to null for full causal \
-                             attention (identical for sequences no longer than the window)"
-                        ),
-                    ))
-                }
+                Some(v) => return Err(sliding_window_err(&k, v)),
             }
         }
         LlamaFamily::Qwen2 => {
@@ -332,6 +349,21 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
                     "true: sliding-window attention is not supported; set it to false for full causal attention \
                      (identical for sequences no longer than `sliding_window`)",
                 ));
+            }
+        }
+        LlamaFamily::Mixtral => {
+            // transformers' MixtralConfig defaults `sliding_window` to None.
+            match k.map.get("sliding_window") {
+                None | Some(Value::Null) => {}
+                Some(v) => return Err(sliding_window_err(&k, v)),
+            }
+            if let Some(j) = k.f64("router_jitter_noise")? {
+                if j != 0.0 {
+                    return Err(k.err(
+                        "router_jitter_noise",
+                        format!("{j} is not supported (the router's training-time noise is not implemented): set 0.0"),
+                    ));
+                }
             }
         }
         LlamaFamily::Llama => {}
@@ -362,12 +394,13 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
         LlamaFamily::Llama => (10000.0, 2048),
         LlamaFamily::Mistral => (10000.0, 4096 * 32),
         LlamaFamily::Qwen2 => (10000.0, 32768),
+        LlamaFamily::Mixtral => (1e6, 4096 * 32),
     };
     let (rope_theta, rope_scaling) = parse_rope(&k, theta_default)?;
     let attention_bias = match family {
         LlamaFamily::Llama => Some(k.bool("attention_bias")?.unwrap_or(false)),
         // transformers' Mistral has no biases and Qwen2's q/k/v always have one, whatever the key.
-        LlamaFamily::Mistral => Some(false),
+        LlamaFamily::Mistral | LlamaFamily::Mixtral => Some(false),
         LlamaFamily::Qwen2 => Some(true),
     };
     let mlp_bias = match family {
@@ -391,6 +424,22 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
         attention_bias,
         mlp_bias,
         initializer_range: k.f64("initializer_range")?.unwrap_or(0.02),
+        num_local_experts: None,
+        num_experts_per_tok: None,
+        router_aux_loss_coef: None,
+        output_router_logits: None,
+    };
+    let config = if family == LlamaFamily::Mixtral {
+        LlamaConfig {
+            // transformers' MixtralConfig defaults.
+            num_local_experts: Some(k.usize("num_local_experts")?.unwrap_or(8)),
+            num_experts_per_tok: Some(k.usize("num_experts_per_tok")?.unwrap_or(2)),
+            router_aux_loss_coef: Some(k.f64("router_aux_loss_coef")?.unwrap_or(0.001)),
+            output_router_logits: Some(k.bool("output_router_logits")?.unwrap_or(false)),
+            ..config
+        }
+    } else {
+        config
     };
     config.validate().map_err(|e| match e {
         Error::Config { field, reason } => {

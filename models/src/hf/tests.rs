@@ -550,7 +550,9 @@ fn unsupported_options_are_refused_by_name() {
         "rope_scaling",
     );
     refused("llama_gqa", |m| drop(m.insert("rope_theta".into(), json!(5e5))), "rope_theta");
-    let msg = refused("mixtral_moe", |_| {}, "model_type");
+    // Mixtral is supported (mixtral/tests.rs), but not its router's jitter noise.
+    refused("mixtral_moe", |m| drop(m.insert("router_jitter_noise".into(), json!(0.1))), "router_jitter_noise");
+    let msg = refused("llama_gqa", |m| drop(m.insert("model_type".into(), json!("qwen2_moe"))), "model_type");
     assert!(msg.contains("mixtral") && msg.contains("supported"), "{msg}");
     refused("llama_gqa", |m| drop(m.insert("model_type".into(), json!("gemma"))), "model_type");
     refused(

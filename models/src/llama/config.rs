@@ -20,6 +20,10 @@ pub enum LlamaFamily {
     Mistral,
     /// `Qwen2ForCausalLM`: q/k/v always have a bias, o and the MLP never.
     Qwen2,
+    /// `MixtralForCausalLM` (Jiang et al. 2024, "Mixtral of Experts"): Mistral's attention (no
+    /// biases) and, in place of the MLP, a sparse MoE block of `num_local_experts` SwiGLU experts
+    /// behind a router (`block_sparse_moe`); see [`crate::mixtral`].
+    Mixtral,
 }
 
 impl LlamaFamily {
@@ -29,6 +33,7 @@ impl LlamaFamily {
             LlamaFamily::Llama => "llama",
             LlamaFamily::Mistral => "mistral",
             LlamaFamily::Qwen2 => "qwen2",
+            LlamaFamily::Mixtral => "mixtral",
         }
     }
 
@@ -38,6 +43,7 @@ impl LlamaFamily {
             LlamaFamily::Llama => "LlamaForCausalLM",
             LlamaFamily::Mistral => "MistralForCausalLM",
             LlamaFamily::Qwen2 => "Qwen2ForCausalLM",
+            LlamaFamily::Mixtral => "MixtralForCausalLM",
         }
     }
 }
@@ -155,6 +161,21 @@ pub struct LlamaConfig {
     /// `_init_weights`). Default: 0.02.
     #[serde(default = "default_initializer_range")]
     pub initializer_range: f64,
+    /// Mixtral only (required there, refused elsewhere): experts per MoE layer `E`
+    /// (`num_local_experts`, ≥ 2); each expert's hidden width is `intermediate_size`.
+    #[serde(default)]
+    pub num_local_experts: Option<usize>,
+    /// Mixtral only: experts per token `k` (`num_experts_per_tok`, `1..=E`). Default: 2.
+    #[serde(default)]
+    pub num_experts_per_tok: Option<usize>,
+    /// Mixtral only: weight of the load-balancing loss in the objective
+    /// (`router_aux_loss_coef`, ≥ 0). Default: 0.001 (transformers').
+    #[serde(default)]
+    pub router_aux_loss_coef: Option<f64>,
+    /// Mixtral only: whether the load-balancing loss is part of the objective (transformers adds
+    /// it to the loss only with `output_router_logits`). Default: false (transformers').
+    #[serde(default)]
+    pub output_router_logits: Option<bool>,
 }
 
 fn default_family() -> LlamaFamily {
@@ -197,6 +218,9 @@ pub(crate) struct BlockGroups {
     pub gate_up_b: Option<usize>,
     pub down_w: usize,
     pub down_b: Option<usize>,
+    /// Mixtral trunks: `block_sparse_moe.gate.weight` `[E, d]` (then `gate_up_w` and `down_w`
+    /// name the same group: a trunk has no MLP); `None` for a dense layer.
+    pub router: Option<usize>,
 }
 
 impl LlamaConfig {
@@ -229,7 +253,76 @@ impl LlamaConfig {
             attention_bias: None,
             mlp_bias: false,
             initializer_range: default_initializer_range(),
+            num_local_experts: None,
+            num_experts_per_tok: None,
+            router_aux_loss_coef: None,
+            output_router_logits: None,
         }
+    }
+
+    /// A Mixtral config for training from scratch: [`LlamaConfig::new`]'s defaults with family
+    /// `mixtral`, `experts` experts per layer of hidden width `intermediate_size`, `top_k` of
+    /// them per token, the load-balancing loss in the objective (`output_router_logits = true`)
+    /// weighted by transformers' default `router_aux_loss_coef` 0.001 (set the field to change
+    /// it), and RoPE theta 1e6 (transformers' `MixtralConfig`).
+    pub fn mixtral(
+        vocab_size: usize,
+        hidden_size: usize,
+        intermediate_size: usize,
+        num_hidden_layers: usize,
+        num_attention_heads: usize,
+        experts: usize,
+        top_k: usize,
+    ) -> Self {
+        Self {
+            family: LlamaFamily::Mixtral,
+            rope_theta: 1e6,
+            num_local_experts: Some(experts),
+            num_experts_per_tok: Some(top_k),
+            router_aux_loss_coef: Some(0.001),
+            output_router_logits: Some(true),
+            ..Self::new(vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads)
+        }
+    }
+
+    /// Whether the layers' feed-forward networks are sparse MoE blocks (family `mixtral`).
+    pub fn is_moe(&self) -> bool {
+        self.family == LlamaFamily::Mixtral
+    }
+
+    /// Mixtral: experts per layer `E` (`num_local_experts`); 0 for a dense family.
+    pub fn num_experts(&self) -> usize {
+        if self.is_moe() {
+            self.num_local_experts.unwrap_or(0)
+        } else {
+            0
+        }
+    }
+
+    /// Mixtral: experts per token `k` (`num_experts_per_tok`, default 2).
+    pub fn top_k(&self) -> usize {
+        self.num_experts_per_tok.unwrap_or(2)
+    }
+
+    /// Mixtral: the weight of the load-balancing loss in the objective: `router_aux_loss_coef`
+    /// (default 0.001) when `output_router_logits`, else 0 (transformers adds it only then).
+    pub fn aux_loss_weight(&self) -> f64 {
+        if self.output_router_logits.unwrap_or(false) {
+            self.router_aux_loss_coef.unwrap_or(0.001)
+        } else {
+            0.0
+        }
+    }
+
+    /// Unit index of layer `layer`'s unit: its decoder layer (dense) or its MoE trunk (Mixtral:
+    /// `1 + layer · (1 + E)`).
+    pub fn block_unit(&self, layer: usize) -> usize {
+        1 + layer * (1 + self.num_experts())
+    }
+
+    /// Mixtral: unit index of expert `expert` of layer `layer` (`block_unit(layer) + 1 + expert`).
+    pub fn expert_unit(&self, layer: usize, expert: usize) -> usize {
+        self.block_unit(layer) + 1 + expert
     }
 
     /// Key/value heads: `num_key_value_heads`, else `num_attention_heads`.
@@ -260,13 +353,17 @@ impl LlamaConfig {
             num_key_value_heads: Some(self.kv_heads()),
             head_dim: Some(self.head_dim()),
             attention_bias: Some(self.qkv_bias()),
+            num_experts_per_tok: self.is_moe().then(|| self.top_k()),
+            router_aux_loss_coef: self.is_moe().then(|| self.router_aux_loss_coef.unwrap_or(0.001)),
+            output_router_logits: self.is_moe().then(|| self.output_router_logits.unwrap_or(false)),
             ..self.clone()
         }
     }
 
-    /// Number of units: `num_hidden_layers + 2` (embedding, layers, head).
+    /// Number of units: `num_hidden_layers + 2` (embedding, layers, head); Mixtral
+    /// `num_hidden_layers · (1 + E) + 2` (a trunk and `E` experts per layer).
     pub fn num_units(&self) -> usize {
-        self.num_hidden_layers + 2
+        self.num_hidden_layers * (1 + self.num_experts()) + 2
     }
 
     /// Checks every constraint in one place.
@@ -351,6 +448,24 @@ impl LlamaConfig {
                 }
             }
         }
+        if !self.is_moe() {
+            for (field, set) in [
+                ("model.num_local_experts", self.num_local_experts.is_some()),
+                ("model.num_experts_per_tok", self.num_experts_per_tok.is_some()),
+                ("model.router_aux_loss_coef", self.router_aux_loss_coef.is_some()),
+                ("model.output_router_logits", self.output_router_logits.is_some()),
+            ] {
+                if set {
+                    return cfg(
+                        field,
+                        format!(
+                            "is a Mixtral key: remove it or set family = \"mixtral\" (family is {})",
+                            self.family.model_type()
+                        ),
+                    );
+                }
+            }
+        }
         match self.family {
             LlamaFamily::Llama => {}
             LlamaFamily::Mistral => {
@@ -360,6 +475,32 @@ impl LlamaConfig {
                         "Mistral has no biases: leave attention_bias and mlp_bias unset (or use family = \"llama\")"
                             .into(),
                     );
+                }
+            }
+            LlamaFamily::Mixtral => {
+                if self.qkv_bias() || self.mlp_bias {
+                    return cfg(
+                        "model.attention_bias",
+                        "Mixtral has no biases: leave attention_bias and mlp_bias unset".into(),
+                    );
+                }
+                let e = self.num_local_experts.unwrap_or(0);
+                if e < 2 {
+                    return cfg(
+                        "model.num_local_experts",
+                        format!("Mixtral needs at least 2 experts per layer, got {e}"),
+                    );
+                }
+                if !(1..=e).contains(&self.top_k()) {
+                    return cfg(
+                        "model.num_experts_per_tok",
+                        format!("must be in 1..={e} (model.num_local_experts), got {}", self.top_k()),
+                    );
+                }
+                if let Some(c) = self.router_aux_loss_coef {
+                    if !(c.is_finite() && c >= 0.0) {
+                        return cfg("model.router_aux_loss_coef", format!("must be a finite number >= 0, got {c}"));
+                    }
                 }
             }
             LlamaFamily::Qwen2 => {
@@ -386,6 +527,13 @@ impl LlamaConfig {
     /// | `1 + i` | [`UnitKind::Block`]`(i)` | `model.layers.{i}` | `input_layernorm.weight` `[d]`, `self_attn.q_proj.weight` `[H·hd, d]` (+ `.bias` `[H·hd]`), `self_attn.k_proj.weight` `[KV·hd, d]` (+ bias), `self_attn.v_proj.weight` `[KV·hd, d]` (+ bias), `self_attn.o_proj.weight` `[d, H·hd]` (+ bias `[d]`), `post_attention_layernorm.weight` `[d]`, `mlp.gate_proj.weight` `[I, d]`, `mlp.up_proj.weight` `[I, d]` (+ `gate_proj.bias`, `up_proj.bias` `[I]`), `mlp.down_proj.weight` `[d, I]` (+ bias `[d]`) — each prefixed `model.layers.{i}.` |
     /// | `L + 1` | [`UnitKind::Head`] | `head` | `model.norm.weight` `[d]`, and unless tied `lm_head.weight` `[V, d]` |
     ///
+    /// Mixtral: layer `i` is a trunk unit [`UnitKind::MoeTrunk`]`(i)` at
+    /// [`LlamaConfig::block_unit`]`(i)` (`model.layers.{i}`: the norms and attention as above,
+    /// then `block_sparse_moe.gate.weight` `[E, d]`, the router) followed by `E` expert units
+    /// [`UnitKind::Expert`] (`model.layers.{i}.block_sparse_moe.experts.{e}`: `w1.weight`
+    /// `[I, d]` (gate), `w3.weight` `[I, d]` (up), `w2.weight` `[d, I]` (down)); the head is
+    /// the last unit.
+    ///
     /// (`V` vocab, `d` hidden, `H`/`KV` query/key-value heads, `hd` head width, `I`
     /// intermediate, `L` layers.) `gate_proj` and `up_proj` (weights, and biases) are adjacent so
     /// that the model can run them as one `[2I, d]` matmul. Init (transformers'
@@ -405,6 +553,20 @@ impl LlamaConfig {
             b.push(format!("{prefix}.input_layernorm.weight"), vec![d], ParamInit::Ones);
             self.push_attention(&mut b, &format!("{prefix}.self_attn"));
             b.push(format!("{prefix}.post_attention_layernorm.weight"), vec![d], ParamInit::Ones);
+            if self.is_moe() {
+                let moe = format!("{prefix}.block_sparse_moe");
+                b.push(format!("{moe}.gate.weight"), vec![self.num_experts(), d], normal);
+                units.push(b.finish(units.len(), UnitKind::MoeTrunk(layer), prefix));
+                for expert in 0..self.num_experts() {
+                    let name = format!("{moe}.experts.{expert}");
+                    let mut b = LayoutBuilder::new();
+                    b.push(format!("{name}.w1.weight"), vec![i_sz, d], normal);
+                    b.push(format!("{name}.w3.weight"), vec![i_sz, d], normal);
+                    b.push(format!("{name}.w2.weight"), vec![d, i_sz], normal);
+                    units.push(b.finish(units.len(), UnitKind::Expert { block: layer, expert }, name));
+                }
+                continue;
+            }
             self.push_mlp(&mut b, &format!("{prefix}.mlp"), i_sz);
             units.push(b.finish(units.len(), UnitKind::Block(layer), prefix));
         }
@@ -455,7 +617,14 @@ impl LlamaConfig {
         }
     }
 
-    /// The computation groups of a decoder layer's flat vector, as `(offset, shape)` in flat
+    /// Mixtral: the computation groups of an expert's flat vector, `[(0, [2I, d]), (2I·d, [d, I])]`
+    /// (`w1` and `w3` as one `[2I, d]` gate/up matrix, then `w2`).
+    pub(crate) fn expert_groups(&self) -> Vec<(usize, Vec<usize>)> {
+        let (d, i) = (self.hidden_size, self.intermediate_size);
+        vec![(0, vec![2 * i, d]), (2 * i * d, vec![d, i])]
+    }
+
+    /// The computation groups of a decoder layer's flat vector (Mixtral: its trunk's), as `(offset, shape)` in flat
     /// order (they cover it exactly), and where each piece is among them. Every parameter is
     /// its own group but `gate_proj`/`up_proj`, merged into one `[2I, d]` weight (and `[2I]`
     /// bias).
@@ -481,12 +650,35 @@ impl LlamaConfig {
         let o_w = push(vec![d, q]);
         let o_b = self.o_bias().then(|| push(vec![d]));
         let ln2 = push(vec![d]);
-        let gate_up_w = push(vec![2 * inter, d]);
-        let gate_up_b = self.mlp_bias.then(|| push(vec![2 * inter]));
-        let down_w = push(vec![d, inter]);
-        let down_b = self.mlp_bias.then(|| push(vec![d]));
-        let idx =
-            BlockGroups { ln1, q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, ln2, gate_up_w, gate_up_b, down_w, down_b };
+        // A Mixtral trunk has the router in place of the MLP (gate_up_w and down_w name it).
+        let router = self.is_moe().then(|| push(vec![self.num_experts(), d]));
+        let (gate_up_w, gate_up_b, down_w, down_b) = match router {
+            Some(r) => (r, None, r, None),
+            None => {
+                let gate_up_w = push(vec![2 * inter, d]);
+                let gate_up_b = self.mlp_bias.then(|| push(vec![2 * inter]));
+                let down_w = push(vec![d, inter]);
+                let down_b = self.mlp_bias.then(|| push(vec![d]));
+                (gate_up_w, gate_up_b, down_w, down_b)
+            }
+        };
+        let idx = BlockGroups {
+            ln1,
+            q_w,
+            q_b,
+            k_w,
+            k_b,
+            v_w,
+            v_b,
+            o_w,
+            o_b,
+            ln2,
+            gate_up_w,
+            gate_up_b,
+            down_w,
+            down_b,
+            router,
+        };
         (groups, idx)
     }
 

@@ -104,7 +104,7 @@ pub(crate) struct AttnParams<'a> {
 }
 
 impl<'a> AttnParams<'a> {
-    fn of_block(p: &'a [Tensor], g: &BlockGroups) -> Self {
+    pub(crate) fn of_block(p: &'a [Tensor], g: &BlockGroups) -> Self {
         Self {
             q_w: &p[g.q_w],
             q_b: g.q_b.map(|i| &p[i]),
@@ -157,7 +157,8 @@ impl Llama {
         let groups = units
             .iter()
             .map(|u| match u.kind {
-                UnitKind::Block(_) => block_groups.clone(),
+                UnitKind::Block(_) | UnitKind::MoeTrunk(_) => block_groups.clone(),
+                UnitKind::Expert { .. } => config.expert_groups(),
                 _ => u.params.iter().map(|p| (p.offset, p.shape.clone())).collect(),
             })
             .collect();
@@ -398,6 +399,26 @@ impl Llama {
         }
         cache.push(e.clone());
         Ok(e)
+    }
+
+    /// Where each group of a decoder layer (Mixtral: a trunk) sits.
+    pub(crate) fn block_groups(&self) -> &BlockGroups {
+        &self.block
+    }
+
+    /// Views of unit `unit`'s groups (`[2I, d]` gate/up merged) into `flat`, checked first.
+    pub(crate) fn unit_views(&self, unit: usize, flat: &Tensor) -> Result<Vec<Tensor>> {
+        self.views(unit, flat)
+    }
+
+    /// One `Var` per group of unit `unit` (see [`Llama::unit_views`]).
+    pub(crate) fn unit_vars(&self, unit: usize, flat: &Tensor) -> Result<Vec<Var>> {
+        self.vars(unit, flat)
+    }
+
+    /// A hidden-state input `[B, T <= max, d]` in `dtype`.
+    pub(crate) fn check_hidden_input(&self, x: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
+        self.check_hidden(x, dtype, what)
     }
 
     /// Views of unit `unit`'s groups into its flat vector (no copy).
@@ -646,6 +667,15 @@ impl CausalLm for Llama {
         let grads = loss.backward()?;
         let grads = ops::collect_grads(&vars, Some(&x), tied_var.as_ref(), &grads, self.units[0].numel)?;
         Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads })
+    }
+
+    /// Mixtral's MoE calls ([`crate::mixtral`]); `None` for the dense families.
+    fn moe(&self) -> Option<&dyn crate::MoeLm> {
+        if self.config.is_moe() {
+            Some(self)
+        } else {
+            None
+        }
     }
 
     fn dims(&self) -> crate::Dims {

@@ -1,0 +1,387 @@
+//! Mixtral (Jiang et al. 2024, "Mixtral of Experts"; transformers' `modeling_mixtral.py`): the
+//! Llama family's decoder ([`crate::llama`], Mistral's attention without biases) whose every
+//! layer's feed-forward network is a sparse MoE block. It is the [`Llama`] type with
+//! [`LlamaFamily::Mixtral`] ([`Mixtral`] and [`MixtralConfig`] are the same types under the
+//! family's name); this module holds its [`MoeLm`] calls.
+//!
+//! | unit | kind | parameters (flat order) | computes |
+//! |---|---|---|---|
+//! | `model.layers.{i}` | [`UnitKind::MoeTrunk`]`(i)` | `input_layernorm`, `self_attn.{q,k,v,o}_proj`, `post_attention_layernorm`, `block_sparse_moe.gate` `[E, d]` | `x1 = x + attn(rms(x))`, `h = rms(x1)`, `logits = h Gᵀ`, `p = softmax(logits)`, the [`Routing`] |
+//! | `model.layers.{i}.block_sparse_moe.experts.{e}` | [`UnitKind::Expert`] | `w1` `[I, d]`, `w3` `[I, d]`, `w2` `[d, I]` | `w2(silu(w1 h) ⊙ w3 h)` on its tokens' rows |
+//!
+//! ```text
+//! router : logits = h Gᵀ (no bias), p = softmax(logits) in F32 over all E experts
+//! top-k  : the k largest p per token (ties to the lower index), gates = p_chosen / Σ p_chosen
+//! block  : y = x1 + Σ_{chosen e} gate_e · expert_e(h)
+//! aux    : N = L·B·T rows over every layer of the forward pass, c_e = picks of e among N·k,
+//!          P_e = Σ_n p[n, e];  aux = E · Σ_e (c_e / N) (P_e / N)      (gradient through P_e only)
+//! loss   : ce + router_aux_loss_coef · aux     (when output_router_logits, as transformers)
+//! ```
+//!
+//! The load-balancing loss pools every layer ([`MoeLm::finish_forward`] hands each routing the
+//! pooled weights `w_e = coef · E · c_e / N²` of its probabilities, which
+//! [`MoeLm::trunk_backward`] differentiates); no capacity, no tokens dropped. The router's
+//! jitter noise (training-time only in transformers) is not implemented and refused in
+//! `config.json` ([`crate::hf`]).
+
+use candle_core::{DType, Tensor, Var};
+
+use crate::llama::{AttnParams, Llama, LlamaConfig, LlamaFamily};
+use crate::lm::{MoeLm, UnitGrads};
+use crate::moe::{ExpertGrads, ExpertRoute, Routing, TrunkOut};
+use crate::ops::{self, input_err, softmax_last_dim};
+use crate::Result;
+
+/// A Mixtral decoder: the [`Llama`] type with family [`LlamaFamily::Mixtral`].
+pub type Mixtral = Llama;
+
+/// A Mixtral config: [`LlamaConfig`] with family [`LlamaFamily::Mixtral`] and its MoE keys
+/// (`num_local_experts`, `num_experts_per_tok`, `router_aux_loss_coef`, `output_router_logits`);
+/// build one with [`LlamaConfig::mixtral`].
+pub type MixtralConfig = LlamaConfig;
+
+/// `sel / Σ sel` of the chosen probabilities per token, flat `[N · k]` (slot `n · k + s`):
+/// differentiable in `probs` `[N, E]` for fixed `choices` `[N, k]`.
+fn gate_values(probs: &Tensor, choices: &Tensor) -> Result<Tensor> {
+    let sel = probs.gather(choices, 1)?;
+    Ok(sel.broadcast_div(&sel.sum_keepdim(1)?)?.flatten_all()?)
+}
+
+/// The `k` best experts of one row of probabilities, best first, ties to the lower index.
+fn top_k_of(row: &[f64], k: usize, out: &mut Vec<u32>) {
+    let start = out.len();
+    for _ in 0..k {
+        let mut best: Option<usize> = None;
+        for (e, &p) in row.iter().enumerate() {
+            if out[start..].contains(&(e as u32)) {
+                continue;
+            }
+            if best.is_none_or(|j| p > row[j]) {
+                best = Some(e);
+            }
+        }
+        out.push(best.expect("k <= E") as u32);
+    }
+}
+
+impl Llama {
+    fn moe_check(&self) -> Result<()> {
+        if self.config().family != LlamaFamily::Mixtral {
+            return Err(input_err(
+                "model",
+                "a Mixtral model (family mixtral)".into(),
+                format!("family {}", self.config().family.model_type()),
+            ));
+        }
+        Ok(())
+    }
+
+    fn trunk_unit(&self, block: usize) -> Result<usize> {
+        self.moe_check()?;
+        let layers = self.config().num_hidden_layers;
+        if block >= layers {
+            return Err(input_err("block index", format!("< {layers}"), block.to_string()));
+        }
+        Ok(self.config().block_unit(block))
+    }
+
+    /// Expert (0, 0)'s unit: every expert has its layout.
+    fn expert_unit0(&self) -> Result<usize> {
+        self.moe_check()?;
+        Ok(self.config().expert_unit(0, 0))
+    }
+
+    fn check_expert_rows(&self, h: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
+        let d = self.config().hidden_size;
+        if !matches!(h.dims(), &[_, w] if w == d) || h.dtype() != dtype {
+            return Err(input_err(what, format!("{dtype:?} [n_e, {d}]"), format!("{:?} {:?}", h.dtype(), h.dims())));
+        }
+        Ok(())
+    }
+
+    /// The trunk: `(x1 [B, T, d], h [N, d], logits [N, E], probs [N, E])`; `probs` in F32 for
+    /// half dtypes (transformers' `softmax(.., dtype=torch.float)`), the params' otherwise.
+    fn mixtral_trunk_math(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        let (b, t, d) = x.dims3()?;
+        let g = self.block_groups();
+        let router = &p[g.router.expect("a Mixtral trunk has a router")];
+        let n1 = self.rms_norm(x, &p[g.ln1])?;
+        let x1 = (x + self.attention(&AttnParams::of_block(p, g), &n1)?)?;
+        let h = self.rms_norm(&x1, &p[g.ln2])?.reshape((b * t, d))?;
+        let logits = h.matmul(&router.t()?)?;
+        let wide = match logits.dtype() {
+            DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
+            _ => logits.clone(),
+        };
+        let probs = softmax_last_dim(&wide)?;
+        Ok((x1, h, logits, probs))
+    }
+
+    /// The routing of `probs` `[N, E]`: top-k on the CPU (one host copy), gates renormalized
+    /// over the chosen k (in candle, the ops [`MoeLm::trunk_backward`] differentiates), the
+    /// per-block statistics the pooled load-balancing loss needs.
+    fn mixtral_route(&self, probs: &Tensor, dtype: DType) -> Result<Routing> {
+        let (n, e_count) = probs.dims2()?;
+        let k = self.config().top_k();
+        let device = probs.device().clone();
+        let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        let mut choices = Vec::with_capacity(n * k);
+        for row in host.chunks_exact(e_count) {
+            top_k_of(row, k, &mut choices);
+        }
+        let mut tokens = vec![Vec::new(); e_count];
+        let mut slots = vec![Vec::new(); e_count];
+        let mut top1 = vec![0usize; e_count];
+        for (slot, &c) in choices.iter().enumerate() {
+            let c = c as usize;
+            if slot % k == 0 {
+                top1[c] += 1;
+            }
+            tokens[c].push((slot / k) as u32);
+            slots[c].push(slot as u32);
+        }
+        let choices_t = Tensor::from_slice(&choices, (n, k), &device)?;
+        let gate_all = gate_values(probs, &choices_t)?.to_dtype(dtype)?;
+        let mut experts = Vec::with_capacity(e_count);
+        for (tokens, slots) in tokens.into_iter().zip(slots) {
+            let demand = tokens.len();
+            experts.push(if tokens.is_empty() {
+                ExpertRoute { tokens, index: None, slots: None, gates: None, demand }
+            } else {
+                let index = Tensor::from_slice(&tokens, demand, &device)?;
+                let slot_t = Tensor::from_slice(&slots, demand, &device)?;
+                let gates = gate_all.index_select(&slot_t, 0)?;
+                ExpertRoute { tokens, index: Some(index), slots: Some(slot_t), gates: Some(gates), demand }
+            });
+        }
+        let top1_fraction: Vec<f64> = top1.iter().map(|&c| c as f64 / n as f64).collect();
+        let top1_fraction_t = Tensor::from_slice(&top1_fraction, e_count, &device)?.to_dtype(probs.dtype())?;
+        let mut prob_sum = vec![0f64; e_count];
+        for row in host.chunks_exact(e_count) {
+            prob_sum.iter_mut().zip(row).for_each(|(s, &p)| *s += p);
+        }
+        let mean_prob = prob_sum.iter().map(|s| s / n as f64).collect();
+        Ok(Routing {
+            num_tokens: n,
+            d_model: self.config().hidden_size,
+            top_k: k,
+            choices,
+            choices_t,
+            experts,
+            capacity: None,
+            top1_fraction,
+            top1_fraction_t,
+            mean_prob,
+            prob_sum,
+            aux_loss: 0.0,
+            aux_weights: None,
+            dtype,
+            device,
+        })
+    }
+
+    fn check_routing(&self, routing: &Routing) -> Result<()> {
+        let (e, k) = (self.config().num_experts(), self.config().top_k());
+        if routing.num_experts() != e || routing.top_k() != k {
+            return Err(input_err(
+                "routing",
+                format!("a routing of this model ({e} experts, top-{k})"),
+                format!("{} experts, top-{}", routing.num_experts(), routing.top_k()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The MoE calls of a Mixtral model (see [`MoeLm`] for their order); every call refuses a
+/// model of another family with [`crate::Error::Input`].
+impl MoeLm for Llama {
+    fn experts_per_token(&self) -> usize {
+        self.config().top_k()
+    }
+
+    /// Forward of layer `block`'s trunk: `x1 = x + attn(rms(x))`, `h = rms(x1)` `[N, d]`, the
+    /// router's logits and probabilities `[N, E]` and the [`Routing`] (top-k, renormalized
+    /// gates in the params' dtype, index tensors on `x`'s device).
+    ///
+    /// # Errors
+    /// [`crate::Error::Input`] on a block index `>= num_hidden_layers`, a wrong shape or dtype;
+    /// [`crate::Error::Candle`] from the ops.
+    fn trunk_forward(&self, block: usize, params: &Tensor, x: &Tensor) -> Result<TrunkOut> {
+        let unit = self.trunk_unit(block)?;
+        ops::check_params(&self.units()[unit], params)?;
+        self.check_hidden_input(x, params.dtype(), "MoE trunk input")?;
+        let p = self.unit_views(unit, params)?;
+        let (x1, h, logits, probs) = self.mixtral_trunk_math(&p, x)?;
+        let routing = self.mixtral_route(&probs, params.dtype())?;
+        Ok(TrunkOut { x1, h, logits, probs, routing })
+    }
+
+    /// One expert (any layer's): `w2(silu(w1 h_e) ⊙ w3 h_e)`, `[n_e, d]` → `[n_e, d]`, a pure
+    /// function of its arguments; `n_e = 0` gives `[0, d]` without computing.
+    ///
+    /// # Errors
+    /// [`crate::Error::Input`] on a wrong shape or dtype; [`crate::Error::Candle`].
+    fn expert_forward(&self, params: &Tensor, h_e: &Tensor) -> Result<Tensor> {
+        let unit = self.expert_unit0()?;
+        ops::check_params(&self.units()[unit], params)?;
+        self.check_expert_rows(h_e, params.dtype(), "expert input")?;
+        if h_e.dim(0)? == 0 {
+            return Ok(h_e.clone());
+        }
+        let p = self.unit_views(unit, params)?;
+        self.mlp(&p[0], None, &p[1], None, h_e)
+    }
+
+    /// Backward of one expert by recomputation with `grad_out_e` `[n_e, d]`; `n_e = 0` gives
+    /// zero gradients.
+    ///
+    /// # Errors
+    /// As [`MoeLm::expert_forward`]; [`crate::Error::Input`] when `grad_out_e` does not match.
+    fn expert_backward(&self, params: &Tensor, h_e: &Tensor, grad_out_e: &Tensor) -> Result<ExpertGrads> {
+        let unit = self.expert_unit0()?;
+        ops::check_params(&self.units()[unit], params)?;
+        let dtype = params.dtype();
+        self.check_expert_rows(h_e, dtype, "expert input")?;
+        if let Some(empty) = crate::moe::expert_backward_trivial(params, h_e, grad_out_e)? {
+            return Ok(empty);
+        }
+        let vars = self.unit_vars(unit, params)?;
+        let x = Var::from_tensor(h_e)?;
+        let out = self.mlp(vars[0].as_tensor(), None, vars[1].as_tensor(), None, x.as_tensor())?;
+        let grads = (&out * grad_out_e)?.sum_all()?.backward()?;
+        let g = ops::collect_grads(&vars, Some(&x), None, &grads, self.units()[0].numel)?;
+        Ok(ExpertGrads {
+            grad_params: g.grad_params,
+            grad_input: g.grad_input.expect("the expert's input is a Var"),
+            output: out.detach(),
+        })
+    }
+
+    /// Backward of layer `block`'s trunk by recomputation from `x` `[B, T, d]`: the VJP of
+    /// `(x1, h, gates)` with `grad_y` (through the residual), `grad_h` `[N, d]` and
+    /// `grad_gates`, plus the pooled load-balancing loss through this layer's probabilities
+    /// with `routing`'s [`Routing::aux_weights`] (from [`MoeLm::finish_forward`]). The top-k
+    /// choices are `routing`'s.
+    ///
+    /// # Errors
+    /// [`crate::Error::Input`] on a wrong block, shape or dtype, a routing of another shape, or
+    /// (with a load-balancing loss in the objective) a routing that [`MoeLm::finish_forward`]
+    /// has not finished; [`crate::Error::Candle`] from the ops.
+    fn trunk_backward(
+        &self,
+        block: usize,
+        params: &Tensor,
+        x: &Tensor,
+        routing: &Routing,
+        grad_y: &Tensor,
+        grad_h: &Tensor,
+        grad_gates: &[Option<Tensor>],
+    ) -> Result<UnitGrads> {
+        let unit = self.trunk_unit(block)?;
+        ops::check_params(&self.units()[unit], params)?;
+        let dtype = params.dtype();
+        self.check_hidden_input(x, dtype, "MoE trunk input")?;
+        self.check_routing(routing)?;
+        let (b, t, _) = x.dims3()?;
+        if routing.num_tokens != b * t || routing.dtype != dtype {
+            return Err(input_err(
+                "routing",
+                format!("the routing of this call ({} tokens, {dtype:?})", b * t),
+                format!("{} tokens, {:?}", routing.num_tokens, routing.dtype),
+            ));
+        }
+        let aux = self.config().aux_loss_weight() != 0.0;
+        if aux && routing.aux_weights.is_none() {
+            return Err(input_err(
+                "routing",
+                "a routing finished by MoeLm::finish_forward (the pooled load-balancing weights)".into(),
+                "an unfinished routing".into(),
+            ));
+        }
+        routing.check_x1(grad_y, "grad_y")?;
+        routing.check_rows(grad_h, "grad_h")?;
+        let (slot_idx, gate_grads) = routing.gate_grad_rows(grad_gates)?;
+
+        let vars = self.unit_vars(unit, params)?;
+        let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let xv = Var::from_tensor(x)?;
+        let (x1, h, _, probs) = self.mixtral_trunk_math(&p, xv.as_tensor())?;
+        let mut obj = ((&x1 * grad_y)?.sum_all()? + (&h * grad_h)?.sum_all()?)?;
+        if !slot_idx.is_empty() {
+            let n_slots = routing.num_tokens * routing.top_k;
+            let g = Tensor::zeros(n_slots, dtype, x.device())?.index_add(
+                &Tensor::cat(&slot_idx, 0)?,
+                &Tensor::cat(&gate_grads, 0)?,
+                0,
+            )?;
+            let gates = gate_values(&probs, &routing.choices_t)?.to_dtype(dtype)?;
+            obj = (obj + (gates * g)?.sum_all()?.to_dtype(dtype)?)?;
+        }
+        if aux {
+            let (_, w) = routing.aux_weights.as_ref().expect("checked above");
+            let term = probs.broadcast_mul(w)?.sum_all()?.to_dtype(dtype)?;
+            obj = (obj + term)?;
+        }
+        let grads = obj.backward()?;
+        ops::collect_grads(&vars, Some(&xv), None, &grads, self.units()[0].numel)
+    }
+
+    /// Pools the forward pass's routings (one per layer, in order): `N = Σ N_i`, `c_e` the
+    /// picks of expert `e` over all `N · k` choices, and gives each routing the weights
+    /// `w_e = coef · E · c_e / N²` of its probabilities in the objective
+    /// ([`Routing::aux_weights`]) and its share `Σ_e w_e Σ_n p[n, e]` of the loss
+    /// ([`Routing::aux_loss`]). `coef` is [`LlamaConfig::aux_loss_weight`].
+    ///
+    /// # Errors
+    /// [`crate::Error::Input`] for a routing of another model (experts, top-k).
+    fn finish_forward(&self, routings: &mut [&mut Routing]) -> Result<()> {
+        self.moe_check()?;
+        for r in routings.iter() {
+            self.check_routing(r)?;
+        }
+        let e_count = self.config().num_experts();
+        let n: usize = routings.iter().map(|r| r.num_tokens).sum();
+        if n == 0 {
+            return Ok(());
+        }
+        let mut picks = vec![0f64; e_count];
+        for r in routings.iter() {
+            for (c, route) in picks.iter_mut().zip(&r.experts) {
+                *c += route.demand as f64;
+            }
+        }
+        let coef = self.config().aux_loss_weight();
+        let scale = coef * e_count as f64 / (n as f64 * n as f64);
+        let w: Vec<f64> = picks.iter().map(|c| scale * c).collect();
+        for r in routings.iter_mut() {
+            let wt = Tensor::from_slice(&w, e_count, &r.device)?.to_dtype(r.top1_fraction_t.dtype())?;
+            r.aux_loss = w.iter().zip(&r.prob_sum).map(|(w, p)| w * p).sum();
+            r.aux_weights = Some((w.clone(), wt));
+        }
+        Ok(())
+    }
+
+    /// `coef · E · Σ_e (c_e / N)(P_e / N)` over the pass's routings (see
+    /// [`MoeLm::finish_forward`]; `P_e` the probability sums over all `N` rows).
+    fn aux_loss(&self, routings: &[&Routing]) -> f64 {
+        let e_count = self.config().num_experts();
+        let n: usize = routings.iter().map(|r| r.num_tokens).sum();
+        if n == 0 || e_count == 0 {
+            return 0.0;
+        }
+        let (mut picks, mut probs) = (vec![0f64; e_count], vec![0f64; e_count]);
+        for r in routings {
+            for e in 0..e_count.min(r.num_experts()) {
+                picks[e] += r.experts[e].demand as f64;
+                probs[e] += r.prob_sum[e];
+            }
+        }
+        let n = n as f64;
+        let sum: f64 = picks.iter().zip(&probs).map(|(c, p)| (c / n) * (p / n)).sum();
+        self.config().aux_loss_weight() * e_count as f64 * sum
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,220 @@
+//! Mixtral against transformers (`shared/fixtures/llama/mixtral_moe`, README there): loaded
+//! through [`HfCheckpoint`], the logits, router logits, cross-entropy, load-balancing loss and
+//! every gradient of [`crate::lm::loss_parts_and_grads`] (fused CPU kernels and op compositions);
+//! export bitwise; `config.json` parse, refusals and round trip; the pooled loss's pieces.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+
+use crate::hf::{config_json, parse_config, read_tensors, write_checkpoint, HfCheckpoint, NamedTensor, WriteOptions};
+use crate::lm::{loss_parts_and_grads, CausalLm, IGNORE_INDEX};
+use crate::{Llama, LlamaConfig, LlamaFamily, UnitKind};
+
+fn case_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/llama/mixtral_moe")
+}
+
+fn reference() -> BTreeMap<String, NamedTensor> {
+    read_tensors(&case_dir().join("reference.safetensors")).unwrap().into_iter().map(|t| (t.name.clone(), t)).collect()
+}
+
+/// `max |a − r| / (atol + rtol |r|)`: ≤ 1 within the tolerance.
+fn ratio(a: &[f32], r: &[f32], rtol: f64, atol: f64) -> f64 {
+    assert_eq!(a.len(), r.len());
+    a.iter().zip(r).map(|(&a, &r)| (a as f64 - r as f64).abs() / (atol + rtol * (r as f64).abs())).fold(0.0, f64::max)
+}
+
+fn ids(t: &NamedTensor) -> Tensor {
+    let v: Vec<u32> = t.as_i64().unwrap().iter().map(|&x| if x < 0 { IGNORE_INDEX } else { x as u32 }).collect();
+    Tensor::from_vec(v, (t.shape[0], t.shape[1]), &Device::Cpu).unwrap()
+}
+
+fn load() -> (HfCheckpoint, LlamaConfig, Vec<Tensor>) {
+    let ckpt = HfCheckpoint::open(&case_dir()).unwrap();
+    let cfg = ckpt.llama_config().unwrap();
+    let units = cfg.units();
+    ckpt.check_units(&units).unwrap();
+    let params =
+        units.iter().map(|u| Tensor::from_vec(ckpt.read_unit(u).unwrap(), u.numel, &Device::Cpu).unwrap()).collect();
+    (ckpt, cfg, params)
+}
+
+/// Logits `[B, T, V]` and every layer's router logits `[L, N, E]` through the unit calls.
+fn forward_all(model: &Llama, params: &[Tensor], tokens: &Tensor) -> (Tensor, Tensor) {
+    let moe = model.moe().unwrap();
+    let c = model.config();
+    let mut x = model.forward(0, &params[0], tokens, None).unwrap();
+    let mut router = Vec::new();
+    for i in 0..c.num_hidden_layers {
+        let t = moe.trunk_forward(i, &params[c.block_unit(i)], &x).unwrap();
+        let outs: Vec<Option<Tensor>> = (0..c.num_experts())
+            .map(|e| {
+                t.routing
+                    .expert_input(e, &t.h)
+                    .unwrap()
+                    .map(|h| moe.expert_forward(&params[c.expert_unit(i, e)], &h).unwrap())
+            })
+            .collect();
+        x = moe.combine(&t.x1, &t.routing, &outs).unwrap();
+        router.push(t.logits);
+    }
+    let head = params.len() - 1;
+    (model.forward(head, &params[head], &x, None).unwrap(), Tensor::stack(&router, 0).unwrap())
+}
+
+fn check_oracle(composed: bool) {
+    let (_, cfg, params) = load();
+    assert_eq!(cfg.family, LlamaFamily::Mixtral);
+    assert_eq!((cfg.num_experts(), cfg.top_k(), cfg.aux_loss_weight()), (4, 2, 0.02));
+    let mut model = Llama::new(cfg.clone()).unwrap();
+    if composed {
+        model = model.composed_only();
+    }
+    assert_eq!(model.units().iter().map(|u| u.numel).sum::<usize>(), 303_936);
+    let r = reference();
+    let tokens = ids(&r["input_ids"]);
+    let targets = ids(&r["labels"]);
+
+    let (logits, router) = forward_all(&model, &params, &tokens);
+    assert_eq!(logits.dims(), r["logits"].shape.as_slice());
+    assert_eq!(router.dims(), r["router_logits"].shape.as_slice());
+    for (name, t) in [("logits", &logits), ("router_logits", &router)] {
+        let got: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+        let q = ratio(&got, r[name].as_f32().unwrap(), 1e-4, 1e-5);
+        eprintln!("composed={composed}: {name} {q:.3} of the tolerance");
+        assert!(q <= 1.0, "{name} off by {q} x the tolerance");
+    }
+
+    let (parts, grads) = loss_parts_and_grads(&model, &params, &tokens, &targets).unwrap();
+    let scalar = |n: &str| r[n].as_f32().unwrap()[0];
+    let aux = parts.aux / cfg.aux_loss_weight();
+    for (name, got) in [("loss_ce", parts.ce), ("aux_loss", aux), ("loss", parts.total())] {
+        let q = ratio(&[got as f32], &[scalar(name)], 1e-4, 1e-5);
+        eprintln!("composed={composed}: {name} {got} vs {}", scalar(name));
+        assert!(q <= 1.0, "{name}: {got} vs {}", scalar(name));
+    }
+
+    let mut checked = 0;
+    let mut worst = (0f64, String::new());
+    for (unit, g) in model.units().iter().zip(&grads) {
+        let g: Vec<f32> = g.to_vec1().unwrap();
+        for p in &unit.params {
+            let want = &r[&format!("grad.{}", p.name)];
+            assert_eq!(want.shape, p.shape, "{}", p.name);
+            let q = ratio(&g[p.offset..p.offset + p.numel()], want.as_f32().unwrap(), 1e-3, 1e-6);
+            assert!(q <= 1.0, "gradient of {} off by {q} x the tolerance", p.name);
+            if q > worst.0 {
+                worst = (q, p.name.clone());
+            }
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, r.keys().filter(|k| k.starts_with("grad.")).count());
+    eprintln!("composed={composed}: {checked} gradients, worst {:.3} of the tolerance ({})", worst.0, worst.1);
+}
+
+#[test]
+fn mixtral_matches_transformers() {
+    check_oracle(false);
+}
+
+#[test]
+fn mixtral_composed_matches_transformers() {
+    check_oracle(true);
+}
+
+#[test]
+fn units_are_trunks_and_experts_with_hub_names() {
+    let cfg = HfCheckpoint::open(&case_dir()).unwrap().llama_config().unwrap();
+    let units = cfg.units();
+    assert_eq!(units.len(), cfg.num_units());
+    assert_eq!(units.len(), 2 * (1 + 4) + 2);
+    assert_eq!(units[cfg.block_unit(1)].kind, UnitKind::MoeTrunk(1));
+    let e = &units[cfg.expert_unit(1, 2)];
+    assert_eq!(e.kind, UnitKind::Expert { block: 1, expert: 2 });
+    let names: Vec<&str> = e.params.iter().map(|p| p.name.as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "model.layers.1.block_sparse_moe.experts.2.w1.weight",
+            "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+            "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+        ]
+    );
+    assert_eq!(units[cfg.block_unit(0)].params.last().unwrap().name, "model.layers.0.block_sparse_moe.gate.weight");
+}
+
+#[test]
+fn export_is_bitwise_the_input() {
+    let (ckpt, cfg, params) = load();
+    let units = cfg.units();
+    let tmp = tempfile::tempdir().unwrap();
+    write_checkpoint(tmp.path(), &cfg, ckpt.config_json(), &units, &WriteOptions::default(), |u| {
+        Ok(params[u.index].to_vec1::<f32>().unwrap())
+    })
+    .unwrap();
+    let back = HfCheckpoint::open(tmp.path()).unwrap();
+    assert_eq!(back.llama_config().unwrap(), cfg);
+    assert_eq!(back.tensors().keys().collect::<Vec<_>>(), ckpt.tensors().keys().collect::<Vec<_>>());
+    for name in ckpt.tensors().keys() {
+        let (a, b) = (ckpt.read_tensor(name).unwrap(), back.read_tensor(name).unwrap());
+        assert_eq!(a.0, b.0);
+        assert!(a.1.iter().zip(&b.1).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}");
+    }
+}
+
+#[test]
+fn config_json_round_trips_and_refuses_by_key() {
+    let text = std::fs::read_to_string(case_dir().join("config.json")).unwrap();
+    let p = Path::new("config.json");
+    let cfg = parse_config(&text, p).unwrap();
+    let again = parse_config(&config_json(&cfg, "float32", &Default::default()).to_string(), p).unwrap();
+    assert_eq!(again, cfg);
+    let with = |key: &str, v: serde_json::Value| {
+        let mut m: serde_json::Value = serde_json::from_str(&text).unwrap();
+        m[key] = v;
+        parse_config(&m.to_string(), p).unwrap_err().to_string()
+    };
+    for (key, v) in [
+        ("router_jitter_noise", serde_json::json!(0.01)),
+        ("sliding_window", serde_json::json!(4096)),
+        ("num_experts_per_tok", serde_json::json!(5)),
+        ("num_local_experts", serde_json::json!(1)),
+    ] {
+        let err = with(key, v);
+        assert!(err.contains(key), "{key}: {err}");
+    }
+    // A dense family with a Mixtral key is refused by name.
+    let mut dense = LlamaConfig::new(16, 8, 8, 1, 2);
+    dense.num_local_experts = Some(4);
+    assert!(dense.validate().unwrap_err().to_string().contains("num_local_experts"));
+}
+
+#[test]
+fn pooled_aux_loss_is_the_sum_of_the_blocks_shares_and_needs_finishing() {
+    let cfg = LlamaConfig { router_aux_loss_coef: Some(0.1), ..LlamaConfig::mixtral(32, 16, 24, 2, 2, 4, 2) };
+    let model = Llama::new(cfg.clone()).unwrap();
+    let params: Vec<Tensor> = crate::init_params(model.units(), 3)
+        .iter()
+        .map(|f| crate::unit_tensor(f, candle_core::DType::F32, &Device::Cpu).unwrap())
+        .collect();
+    let tokens = Tensor::from_vec((0..16u32).collect::<Vec<_>>(), (2, 8), &Device::Cpu).unwrap();
+    let moe = model.moe().unwrap();
+    let x = model.forward(0, &params[0], &tokens, None).unwrap();
+    let t0 = moe.trunk_forward(0, &params[cfg.block_unit(0)], &x).unwrap();
+    let t1 = moe.trunk_forward(1, &params[cfg.block_unit(1)], &x).unwrap();
+    let (mut r0, mut r1) = (t0.routing.clone(), t1.routing.clone());
+    let pooled = moe.aux_loss(&[&r0, &r1]);
+    let g = x.zeros_like().unwrap();
+    let gh = t0.h.zeros_like().unwrap();
+    let gates: Vec<Option<Tensor>> = (0..4).map(|e| r0.gates(e).map(|g| g.zeros_like().unwrap())).collect();
+    let err = moe.trunk_backward(0, &params[cfg.block_unit(0)], &x, &r0, &g, &gh, &gates).unwrap_err();
+    assert!(err.to_string().contains("finish_forward"), "{err}");
+    moe.finish_forward(&mut [&mut r0, &mut r1]).unwrap();
+    let shares = r0.aux_loss() + r1.aux_loss();
+    assert!((shares - pooled).abs() <= 1e-12 * pooled.abs().max(1.0), "{shares} vs {pooled}");
+    assert!(pooled > 0.0);
+    moe.trunk_backward(0, &params[cfg.block_unit(0)], &x, &r0, &g, &gh, &gates).unwrap();
+}

@@ -1,0 +1,26 @@
+#!/usr/bin/env python3
+"""The policy table of docs/mixtral.md from target/runs/mixtral-shakespeare-<policy>/metrics.jsonl:
+means over steps 2.. (step 1 has no popularity yet), validation bits per byte at the last step,
+and whether the losses are bitwise the same under every policy."""
+import json, sys
+policies = sys.argv[1:] or ["ours", "fetch", "lru"]
+rows, losses = {}, {}
+for p in policies:
+    recs = [json.loads(l) for l in open(f"target/runs/mixtral-shakespeare-{p}/metrics.jsonl")]
+    tail = recs[1:]
+    mean = lambda k: sum(r[k] for r in tail) / len(tail)
+    bpb = [r["val_bits_per_byte"] for r in recs if r.get("val_bits_per_byte") is not None]
+    rows[p] = dict(expert_h2d=mean("expert_h2d_bytes"), h2d=mean("h2d_bytes"), step_s=mean("step_s"),
+                   cpu_tokens=mean("cpu_tokens"), hit=mean("expert_hit_rate"), bpb=bpb[-1] if bpb else float("nan"),
+                   steps=len(recs))
+    losses[p] = [r["loss"] for r in recs]
+f = rows.get("fetch")
+print("| policy | expert bytes H2D / step | vs fetch | all H2D / step | step time (s) | vs fetch | tokens on CPU / step | hit rate | val bits/byte |")
+print("|---|---|---|---|---|---|---|---|---|")
+for p, r in rows.items():
+    vb = f"{r['expert_h2d'] / f['expert_h2d']:.2f}×" if f else "-"
+    vs = f"{f['step_s'] / r['step_s']:.2f}× faster" if f else "-"
+    print(f"| {p} | {r['expert_h2d'] / 1024:.0f} KiB | {vb} | {r['h2d'] / 1024:.0f} KiB | {r['step_s']:.3f} | {vs} | "
+          f"{r['cpu_tokens']:.0f} | {r['hit']:.3f} | {r['bpb']:.4f} |")
+same = all(losses[p] == losses[policies[0]] for p in policies)
+print(f"\nlosses over {len(losses[policies[0]])} steps bitwise equal under {', '.join(policies)}: {same}")

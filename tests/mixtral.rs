@@ -1,0 +1,305 @@
+//! Mixtral against transformers' numbers (`../shared/fixtures/llama/mixtral_moe/`, README
+//! there): the checkpoint (4 experts per layer, top-2, 10 shards) loaded through the reader and
+//! computed **through the `Runtime`** with its experts placed resident (pinned from forward to
+//! backward), fetched (H2D in each direction) and computed on the CPU from their host copy
+//! (`fetch_host` / `push_grads_host`), each placement for every expert and mixed: logits, router
+//! logits, cross-entropy, load-balancing loss and loss within 1e-4 relative + 1e-5 absolute,
+//! every gradient within 1e-3 relative + 1e-6 absolute (and the in-memory
+//! `oogc_models::loss_parts_and_grads` alike), one AdamW step within 1e-5 relative + 1e-7
+//! absolute of `step.safetensors`. Then the oogc path: `[model] family = "mixtral"`, `init =`
+//! the checkpoint, exported bitwise the input.
+
+mod common;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use candle_core::{Device, Tensor};
+use oogc::models::hf::{read_tensors, HfCheckpoint, TensorData};
+use oogc::models::llama::Llama;
+use oogc::models::{CausalLm, UnitKind, IGNORE_INDEX};
+use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
+use oogc::runtime::{Phase, Runtime, RuntimeConfig, UnitId, UnitParams};
+use oogc::swapper::{DType, NvmeConfig, StatePlacement};
+
+fn case() -> PathBuf {
+    common::repo_root().join("../shared/fixtures/llama/mixtral_moe")
+}
+
+type Tensors = BTreeMap<String, (Vec<usize>, TensorData)>;
+
+fn tensors(path: &Path) -> Tensors {
+    read_tensors(path).unwrap().into_iter().map(|t| (t.name, (t.shape, t.data))).collect()
+}
+
+fn floats(t: &Tensors, name: &str) -> Vec<f32> {
+    match &t[name].1 {
+        TensorData::F32(v) => v.clone(),
+        TensorData::I64(_) => panic!("{name} is not a float tensor"),
+    }
+}
+
+fn ids(t: &Tensors, name: &str) -> Tensor {
+    let (shape, data) = &t[name];
+    let TensorData::I64(v) = data else { panic!("{name} is not an integer tensor") };
+    let v: Vec<u32> = v.iter().map(|&x| if x < 0 { IGNORE_INDEX } else { x as u32 }).collect();
+    Tensor::from_vec(v, (shape[0], shape[1]), &Device::Cpu).unwrap()
+}
+
+/// `|a - b| ≤ atol + rtol · |b|` elementwise.
+fn assert_close(what: &str, a: &[f32], b: &[f32], rtol: f32, atol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        let tol = atol + rtol * y.abs();
+        assert!((x - y).abs() <= tol, "{what}[{i}]: {x} vs {y} (tolerance {tol})");
+    }
+}
+
+fn by_param(model: &dyn CausalLm, unit: usize, flat: &[f32]) -> Vec<(String, Vec<f32>)> {
+    model.units()[unit].params.iter().map(|p| (p.name.clone(), flat[p.offset..p.offset + p.numel()].to_vec())).collect()
+}
+
+/// Where an expert runs in the test's step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Place {
+    /// Fetched in the forward and kept pinned until its backward.
+    Resident,
+    /// Fetched (H2D) in the forward and again in the backward.
+    Fetch,
+    /// Computed on the CPU from its host copy; gradients straight to the CPU optimizer.
+    Cpu,
+}
+
+fn fetch(rt: &mut Runtime, unit: UnitId, place: Place, phase: Phase) -> UnitParams {
+    match place {
+        Place::Cpu => rt.fetch_host(unit).unwrap(),
+        _ => rt.fetch(unit, phase).unwrap(),
+    }
+}
+
+/// One training step through an offloaded `Runtime`, experts where `place(block, expert)` says,
+/// checked against the fixture.
+fn through_the_runtime(label: &str, place: impl Fn(usize, usize) -> Place) {
+    let dir = case();
+    let reference = tensors(&dir.join("reference.safetensors"));
+    let step = tensors(&dir.join("step.safetensors"));
+    let ckpt = HfCheckpoint::open(&dir).unwrap();
+    let model = Llama::new(ckpt.llama_config().unwrap()).unwrap();
+    let cfg = model.config().clone();
+    let moe = model.moe().expect("Mixtral is an MoE model");
+    ckpt.check_units(model.units()).unwrap();
+    let units = model.units().to_vec();
+    let (layers, experts) = (cfg.num_hidden_layers, cfg.num_experts());
+    let total_bytes: u64 = units.iter().map(|u| u.numel as u64 * 4).sum();
+    let largest = units.iter().map(|u| u.numel as u64 * 4).max().unwrap();
+    let expert_bytes = units[cfg.expert_unit(0, 0)].numel as u64 * 4;
+    let resident = (0..layers)
+        .flat_map(|b| (0..experts).map(move |e| (b, e)))
+        .filter(|&(b, e)| place(b, e) == Place::Resident)
+        .count() as u64;
+
+    // Offloaded (the GPU budget below the model's bytes) unless every expert stays resident.
+    let nvme = tempfile::tempdir().unwrap();
+    let mut rc = RuntimeConfig::sim(resident * expert_bytes + 3 * largest);
+    if resident < (layers * experts) as u64 {
+        assert!(rc.gpu_budget_bytes < total_bytes, "{label}: the GPU budget must be below the model's bytes");
+    }
+    rc.state_placement = StatePlacement::Nvme;
+    rc.nvme = Some(NvmeConfig::new(vec![nvme.path().to_path_buf()], 64 << 20));
+    rc.optimizer = OptimizerConfig {
+        threads: 1,
+        adam: AdamConfig { kind: AdamKind::AdamW, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
+        clip_norm: None,
+        compute_dtype: DType::F32,
+        ..OptimizerConfig::default()
+    };
+    let mut rt = Runtime::new(rc).unwrap();
+    for u in &units {
+        rt.add_unit(&u.name, &ckpt.read_unit(u).unwrap()).unwrap();
+        if matches!(u.kind, UnitKind::Expert { .. }) {
+            rt.set_unscheduled(UnitId(u.index));
+        }
+    }
+    rt.set_max_units_in_use(2);
+    rt.begin_step(1, 1e-3).unwrap();
+
+    let tokens = ids(&reference, "input_ids");
+    let targets = ids(&reference, "labels");
+    let head = units.len() - 1;
+    let mut held: HashMap<usize, UnitParams> = HashMap::new();
+    let mut x = model.forward(0, rt.fetch(UnitId(0), Phase::Forward).unwrap().tensor(), &tokens, None).unwrap();
+    let (mut inputs, mut routings, mut router_logits) = (Vec::new(), Vec::new(), Vec::new());
+    for b in 0..layers {
+        let t =
+            moe.trunk_forward(b, rt.fetch(UnitId(cfg.block_unit(b)), Phase::Forward).unwrap().tensor(), &x).unwrap();
+        let mut outs = vec![None; experts];
+        for (e, out) in outs.iter_mut().enumerate() {
+            let Some(h_e) = t.routing.expert_input(e, &t.h).unwrap() else { continue };
+            let u = cfg.expert_unit(b, e);
+            let p = fetch(&mut rt, UnitId(u), place(b, e), Phase::Forward);
+            *out = Some(moe.expert_forward(p.tensor(), &h_e).unwrap());
+            if place(b, e) == Place::Resident {
+                held.insert(u, p);
+            }
+        }
+        let y = moe.combine(&t.x1, &t.routing, &outs).unwrap();
+        router_logits.extend(t.logits.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        routings.push(t.routing);
+        inputs.push(std::mem::replace(&mut x, y));
+    }
+    assert_close(&format!("{label} router_logits"), &router_logits, &floats(&reference, "router_logits"), 1e-4, 1e-5);
+    moe.finish_forward(&mut routings.iter_mut().collect::<Vec<_>>()).unwrap();
+    let aux = moe.aux_loss(&routings.iter().collect::<Vec<_>>());
+    let coef = cfg.aux_loss_weight();
+    assert_close(&format!("{label} aux_loss"), &[(aux / coef) as f32], &floats(&reference, "aux_loss"), 1e-4, 1e-5);
+
+    let p = rt.fetch(UnitId(head), Phase::Backward).unwrap();
+    let logits: Vec<f32> = model.forward(head, p.tensor(), &x, None).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    assert_close(&format!("{label} logits"), &logits, &floats(&reference, "logits"), 1e-4, 1e-5);
+    let out = model.head_loss_backward(p.tensor(), &x, None, &targets).unwrap();
+    drop(p);
+    assert_close(&format!("{label} loss_ce"), &[out.loss as f32], &floats(&reference, "loss_ce"), 1e-4, 1e-5);
+    assert_close(&format!("{label} loss"), &[(out.loss + aux) as f32], &floats(&reference, "loss"), 1e-4, 1e-5);
+    let mut grads: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+    grads.insert(head, out.grads.grad_params.to_vec1().unwrap());
+    let mut g = out.grads.grad_input.unwrap();
+    for b in (0..layers).rev() {
+        let trunk = cfg.block_unit(b);
+        let pt = rt.fetch(UnitId(trunk), Phase::Backward).unwrap();
+        let routing = &routings[b];
+        let t = moe.trunk_forward(b, pt.tensor(), &inputs[b]).unwrap();
+        let (mut grad_inputs, mut grad_gates) = (vec![None; experts], vec![None; experts]);
+        for e in 0..experts {
+            let u = cfg.expert_unit(b, e);
+            let Some(h_e) = routing.expert_input(e, &t.h).unwrap() else {
+                grads.insert(u, vec![0.0; units[u].numel]);
+                continue;
+            };
+            let go = moe.expert_grad_output(routing, e, &g).unwrap().unwrap();
+            let pe = held.remove(&u).unwrap_or_else(|| fetch(&mut rt, UnitId(u), place(b, e), Phase::Backward));
+            let eg = moe.expert_backward(pe.tensor(), &h_e, &go).unwrap();
+            drop(pe);
+            grad_gates[e] = moe.expert_grad_gate(routing, e, &g, &eg.output).unwrap();
+            grad_inputs[e] = Some(eg.grad_input);
+            grads.insert(u, eg.grad_params.to_vec1().unwrap());
+        }
+        let grad_h = routing.scatter_input_grads(&grad_inputs).unwrap();
+        let tg = moe.trunk_backward(b, pt.tensor(), &inputs[b], routing, &g, &grad_h, &grad_gates).unwrap();
+        drop(pt);
+        grads.insert(trunk, tg.grad_params.to_vec1().unwrap());
+        g = tg.grad_input.unwrap();
+    }
+    assert!(held.is_empty());
+    let p = rt.fetch(UnitId(0), Phase::Backward).unwrap();
+    grads.insert(0, model.backward(0, p.tensor(), &tokens, &g, None).unwrap().grad_params.to_vec1().unwrap());
+    drop(p);
+
+    // The same from the in-memory loop, and both against transformers'.
+    let params: Vec<Tensor> =
+        units.iter().map(|u| Tensor::from_vec(ckpt.read_unit(u).unwrap(), u.numel, &Device::Cpu).unwrap()).collect();
+    let (parts, in_memory) = oogc::models::loss_parts_and_grads(&model, &params, &tokens, &targets).unwrap();
+    assert_close(&format!("{label} in-memory loss"), &[parts.total() as f32], &floats(&reference, "loss"), 1e-4, 1e-5);
+    let mut checked = 0;
+    for (u, flat) in &grads {
+        let mem: Vec<f32> = in_memory[*u].to_vec1().unwrap();
+        for ((name, ours), (_, theirs)) in by_param(&model, *u, flat).into_iter().zip(by_param(&model, *u, &mem)) {
+            let want = floats(&reference, &format!("grad.{name}"));
+            assert_close(&format!("{label} grad {name} (runtime)"), &ours, &want, 1e-3, 1e-6);
+            assert_close(&format!("{label} grad {name} (in memory)"), &theirs, &want, 1e-3, 1e-6);
+            checked += 1;
+        }
+    }
+    let expected = reference.keys().filter(|k| k.starts_with("grad.")).count();
+    assert_eq!(checked, expected, "{label}: every parameter's gradient is compared");
+
+    // One AdamW step from transformers' gradients, CPU experts' straight to the optimizer.
+    for (u, unit) in units.iter().enumerate().rev() {
+        let mut flat = vec![0f32; unit.numel];
+        for p in &unit.params {
+            flat[p.offset..p.offset + p.numel()].copy_from_slice(&floats(&reference, &format!("grad.{}", p.name)));
+        }
+        match unit.kind {
+            UnitKind::Expert { block, expert } if place(block, expert) == Place::Cpu => {
+                rt.push_grads_host(UnitId(u), &flat).unwrap()
+            }
+            _ => rt.push_grads(UnitId(u), &flat).unwrap(),
+        }
+    }
+    let stats = rt.finish_step().unwrap();
+    assert!(!stats.skipped && stats.clip_scale == 1.0, "{stats:?}");
+    rt.sync().unwrap();
+    for u in 0..units.len() {
+        let (master, _, _) = rt.unit_state(UnitId(u)).unwrap();
+        for (name, ours) in by_param(&model, u, &master) {
+            assert_close(&format!("{label} AdamW step {name}"), &ours, &floats(&step, &name), 1e-5, 1e-7);
+        }
+    }
+    assert!(rt.traffic().nvme_write.bytes > 0, "the optimizer state went through NVMe");
+}
+
+#[test]
+fn mixtral_matches_transformers_with_resident_experts() {
+    through_the_runtime("resident", |_, _| Place::Resident);
+}
+
+#[test]
+fn mixtral_matches_transformers_with_fetched_experts() {
+    through_the_runtime("fetch", |_, _| Place::Fetch);
+}
+
+#[test]
+fn mixtral_matches_transformers_with_experts_on_the_cpu() {
+    through_the_runtime("cpu", |_, _| Place::Cpu);
+}
+
+#[test]
+fn mixtral_matches_transformers_with_mixed_placements() {
+    through_the_runtime("mixed", |b, e| [Place::Resident, Place::Fetch, Place::Cpu][(b + e) % 3]);
+}
+
+/// A run config that starts from the Mixtral checkpoint.
+fn init_config(work: &Path) -> String {
+    format!(
+        r#"
+[model]
+family = "mixtral"
+init = "{init}"
+[data]
+path = "{data}"
+tokenizer = "{tok}"
+cache_dir = "{work}/tokens"
+[train]
+batch_size = 2
+seq_len = 16
+steps = 1
+[budgets]
+gpu = "64MiB"
+[checkpoint]
+dir = "{work}/ckpt"
+"#,
+        init = case().display(),
+        data = common::data_path().display(),
+        tok = case().join("../tokenizer.json").display(),
+        work = work.display(),
+    )
+}
+
+#[test]
+fn a_mixtral_checkpoint_imported_then_exported_is_bitwise_the_input() {
+    let work = tempfile::tempdir().unwrap();
+    let cfg = oogc::config::TrainConfig::from_toml_str(&init_config(work.path())).unwrap();
+    let mut t = oogc::train::Trainer::new(cfg).unwrap();
+    let saved = t.save_checkpoint().unwrap().expect("a checkpoint dir");
+    drop(t);
+    let out = work.path().join("hf");
+    oogc::export::export_hf(&saved, &out, &Default::default()).unwrap();
+    let original = HfCheckpoint::open(&case()).unwrap();
+    let exported = HfCheckpoint::open(&out).unwrap();
+    assert_eq!(original.tensors().keys().collect::<Vec<_>>(), exported.tensors().keys().collect::<Vec<_>>());
+    for name in original.tensors().keys() {
+        let (a, b) = (original.read_tensor(name).unwrap(), exported.read_tensor(name).unwrap());
+        assert_eq!(a.0, b.0, "{name}: shape");
+        assert!(a.1.iter().zip(&b.1).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: not bitwise equal");
+    }
+    assert_eq!(exported.llama_config().unwrap(), original.llama_config().unwrap(), "config.json");
+}
