@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The policy table of docs/mixtral.md from target/runs/mixtral-shakespeare-<policy>/metrics.jsonl:
+"""The policy table of the README's MoE section from target/runs/mixtral-shakespeare-<policy>/metrics.jsonl:
 means over steps 2.. (step 1 has no popularity yet), validation bits per byte at the last step,
 and whether the losses are bitwise the same under every policy."""
 import json, sys
