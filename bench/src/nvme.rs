@@ -257,12 +257,21 @@ fn store_row(args: &NvmeBenchArgs, engine: EngineChoice) -> Result<Vec<NvmeBench
     ])
 }
 
-/// Runs fio once for `rw` (`write` or `read`); returns bytes per second.
-fn fio_once(file: &Path, rw: &str, bytes: u64, args: &NvmeBenchArgs, iomem: Option<&str>) -> Result<f64> {
+/// Runs fio on `file` (`bytes` long) with the store's block size and queue depth, io_uring and
+/// O_DIRECT, `pattern`'s arguments (`--rw=...` and the like) and `iomem` buffers (fio's default
+/// when `None`); returns its JSON report. `what` names the run in errors.
+fn fio_json(
+    file: &Path,
+    pattern: &[String],
+    bytes: u64,
+    args: &NvmeBenchArgs,
+    iomem: Option<&str>,
+    what: &str,
+) -> Result<serde_json::Value> {
     let mut cmd = Command::new("fio");
     cmd.arg("--name=oogc")
         .arg(format!("--filename={}", file.display()))
-        .arg(format!("--rw={rw}"))
+        .args(pattern)
         .arg(format!("--size={bytes}"))
         .arg(format!("--bs={}", args.block_bytes))
         .arg(format!("--iodepth={}", args.queue_depth))
@@ -272,46 +281,34 @@ fn fio_once(file: &Path, rw: &str, bytes: u64, args: &NvmeBenchArgs, iomem: Opti
     }
     let out = cmd.output().map_err(Error::FioStart)?;
     if !out.status.success() {
-        let reason = format!("fio {rw} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
+        let reason = format!("fio {what} failed: {}", String::from_utf8_lossy(&out.stderr).trim());
         return Err(Error::Fio { reason });
     }
     let text = String::from_utf8_lossy(&out.stdout);
     // fio may print notes before the JSON object.
     let start = text.find('{').ok_or_else(|| Error::Fio { reason: "no JSON in fio's output".into() })?;
-    let v: serde_json::Value = serde_json::from_str(&text[start..])
-        .map_err(|source| Error::Json { what: "parsing fio's JSON".into(), source })?;
-    v["jobs"][0][rw]["bw_bytes"].as_f64().ok_or_else(|| Error::Fio { reason: "no bw_bytes in fio's JSON".into() })
+    serde_json::from_str(&text[start..]).map_err(|source| Error::Json { what: "parsing fio's JSON".into(), source })
+}
+
+/// Bytes per second of the `rw` direction (`write` or `read`) in fio's JSON report.
+fn fio_bw(report: &serde_json::Value, rw: &str) -> Result<f64> {
+    report["jobs"][0][rw]["bw_bytes"].as_f64().ok_or_else(|| Error::Fio { reason: "no bw_bytes in fio's JSON".into() })
+}
+
+/// Runs fio once for `rw` (`write` or `read`); returns bytes per second.
+fn fio_once(file: &Path, rw: &str, bytes: u64, args: &NvmeBenchArgs, iomem: Option<&str>) -> Result<f64> {
+    let report = fio_json(file, &[format!("--rw={rw}")], bytes, args, iomem, rw)?;
+    fio_bw(&report, rw)
 }
 
 /// fio's time-based overwrite of `file` (already `bytes` long): reads and writes mixed 50/50
 /// for [`FIO_OVERWRITE_S`] seconds, with `iomem` buffers (fio's default when `None`); returns
 /// (write, read) bytes per second.
 fn fio_overwrite(file: &Path, bytes: u64, args: &NvmeBenchArgs, iomem: Option<&str>) -> Result<(f64, f64)> {
-    let mut cmd = Command::new("fio");
-    cmd.arg("--name=oogc")
-        .arg(format!("--filename={}", file.display()))
-        .args(["--rw=rw", "--rwmixread=50", "--time_based"])
-        .arg(format!("--runtime={FIO_OVERWRITE_S}"))
-        .arg(format!("--size={bytes}"))
-        .arg(format!("--bs={}", args.block_bytes))
-        .arg(format!("--iodepth={}", args.queue_depth))
-        .args(["--ioengine=io_uring", "--direct=1", "--numjobs=1", "--output-format=json"]);
-    if let Some(m) = iomem {
-        cmd.arg(format!("--iomem={m}"));
-    }
-    let out = cmd.output().map_err(Error::FioStart)?;
-    if !out.status.success() {
-        let reason = format!("fio overwrite failed: {}", String::from_utf8_lossy(&out.stderr).trim());
-        return Err(Error::Fio { reason });
-    }
-    let text = String::from_utf8_lossy(&out.stdout);
-    let start = text.find('{').ok_or_else(|| Error::Fio { reason: "no JSON in fio's output".into() })?;
-    let v: serde_json::Value = serde_json::from_str(&text[start..])
-        .map_err(|source| Error::Json { what: "parsing fio's JSON".into(), source })?;
-    let bw = |rw: &str| {
-        v["jobs"][0][rw]["bw_bytes"].as_f64().ok_or_else(|| Error::Fio { reason: "no bw_bytes in fio's JSON".into() })
-    };
-    Ok((bw("write")?, bw("read")?))
+    let pattern =
+        ["--rw=rw".to_string(), "--rwmixread=50".into(), "--time_based".into(), format!("--runtime={FIO_OVERWRITE_S}")];
+    let report = fio_json(file, &pattern, bytes, args, iomem, "overwrite")?;
+    Ok((fio_bw(&report, "write")?, fio_bw(&report, "read")?))
 }
 
 fn fio_rows(args: &NvmeBenchArgs, bytes: u64) -> Vec<NvmeBenchRow> {
