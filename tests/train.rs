@@ -298,51 +298,15 @@ fn a_resumed_micro_batch_run_continues_exactly() {
 /// A tiny Mixtral (4 experts per layer, top-2, the pooled load-balancing loss) on the BPE
 /// tokenizer's ids, state on NVMe.
 fn tiny_mixtral(nvme: &std::path::Path, cache: &std::path::Path, gpu: &str, policy: &str) -> String {
-    format!(
-        r#"
-[model]
-family = "mixtral"
-hidden_size = 32
-intermediate_size = 48
-num_hidden_layers = 3
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 32
-num_local_experts = 4
-num_experts_per_tok = 2
-router_aux_loss_coef = 0.05
-output_router_logits = true
-[data]
-path = "{data}"
-tokenizer = "{tok}"
-cache_dir = "{cache}"
-[train]
-batch_size = 4
-seq_len = 16
-steps = 12
-seed = 5
-eval_interval = 0
-eval_batches = 2
-[budgets]
-gpu = "{gpu}"
-host = "64MiB"
-optimizer_state = "nvme"
-nvme_dirs = ["{nvme}"]
-[optimizer]
-lr = 3e-3
-warmup_steps = 3
-clip_norm = 0.5
-[threads]
-optimizer = 2
-[moe]
-policy = "{policy}"
-expert_budget = "40KiB"
-"#,
-        data = common::data_path().display(),
-        tok = common::repo_root().join("../shared/fixtures/llama/tokenizer.json").display(),
-        cache = cache.display(),
-        nvme = nvme.display()
-    )
+    let experts = "max_position_embeddings = 32\nnum_local_experts = 4\nnum_experts_per_tok = 2\n\
+                   router_aux_loss_coef = 0.05\noutput_router_logits = true";
+    tiny_llama(nvme, cache)
+        .replace("family = \"llama\"", "family = \"mixtral\"")
+        .replace("intermediate_size = 88", "intermediate_size = 48")
+        .replace("num_hidden_layers = 6", "num_hidden_layers = 3")
+        .replace("max_position_embeddings = 32", experts)
+        .replace("gpu = \"64MiB\"", &format!("gpu = \"{gpu}\""))
+        + &format!("[moe]\npolicy = \"{policy}\"\nexpert_budget = \"40KiB\"\n")
 }
 
 #[test]
