@@ -787,6 +787,27 @@ impl TrainConfig {
         }
     }
 
+    /// Refuses `train.micro_batches > 1` for a model with MoE blocks (`moe`): the layer-major
+    /// schedule is for dense models. [`TrainConfig::validate`] calls it for MoE-GPT; the trainer
+    /// again once the model is built (a Mixtral's experts may come from an init checkpoint).
+    ///
+    /// # Errors
+    /// [`ConfigError::Invalid`] naming `train.micro_batches`, with the fix.
+    pub fn check_micro_batches(&self, moe: bool) -> Result<()> {
+        let k = self.train.micro_batches;
+        if k > 1 && moe {
+            return Err(ConfigError::Invalid {
+                key: "train.micro_batches".into(),
+                reason: format!(
+                    "{k} micro-batches with MoE blocks ({}) is not supported (the layer-major schedule is for dense \
+                     models); set micro_batches = 1 and raise train.batch_size instead",
+                    self.model.family()
+                ),
+            });
+        }
+        Ok(())
+    }
+
     /// Checks ranges and consistency; the error names the key and the fix.
     ///
     /// # Errors
@@ -848,16 +869,7 @@ impl TrainConfig {
         if t.micro_batches == 0 {
             return bad("train.micro_batches", "must be ≥ 1 (1 = no gradient accumulation)".into());
         }
-        if t.micro_batches > 1 && self.model.moe().is_some() {
-            return bad(
-                "train.micro_batches",
-                format!(
-                    "{} micro-batches with MoE blocks is not supported (the layer-major schedule is for dense \
-                     models); set micro_batches = 1 and raise train.batch_size instead",
-                    t.micro_batches
-                ),
-            );
-        }
+        self.check_micro_batches(self.model.moe().is_some())?;
         if t.eval_batches == 0 {
             return bad("train.eval_batches", "must be ≥ 1".into());
         }

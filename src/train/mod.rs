@@ -409,18 +409,7 @@ impl Trainer {
         let model = build_model(&cfg, vocab_size(&cfg)?)?;
         // The config's validation refuses micro-batches for MoE-GPT; a Mixtral's experts (from
         // its keys or an init checkpoint's config.json) are known only once the model is.
-        if cfg.train.micro_batches > 1 && model.moe().is_some() {
-            return Err(crate::config::ConfigError::Invalid {
-                key: "train.micro_batches".into(),
-                reason: format!(
-                    "{} micro-batches with MoE blocks ({}) is not supported (the layer-major schedule is for dense \
-                     models); set micro_batches = 1 and raise train.batch_size instead",
-                    cfg.train.micro_batches,
-                    cfg.model.family()
-                ),
-            }
-            .into());
-        }
+        cfg.check_micro_batches(model.moe().is_some())?;
         check_budgets(&cfg, &*model, &crate::runtime::budget::statvfs_free_bytes)?;
         // Before anything is written: one run at a time owns its directories.
         let lock = crate::lock::RunLock::for_config(&cfg)?;
