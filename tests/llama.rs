@@ -10,58 +10,23 @@
 //! `config.json` key is refused by name.
 
 mod common;
+mod fixtures;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use oogc::models::hf::{read_tensors, HfCheckpoint, TensorData};
+use oogc::models::hf::HfCheckpoint;
 use oogc::models::llama::Llama;
-use oogc::models::{CausalLm, UnitKind, IGNORE_INDEX};
+use oogc::models::{CausalLm, UnitKind};
 use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
 use oogc::runtime::{Phase, Runtime, RuntimeConfig, UnitId};
 use oogc::swapper::{DType, NvmeConfig, StatePlacement};
 
+use fixtures::{assert_close, by_param, floats, ids, tensors};
+
 fn fixtures() -> PathBuf {
     common::repo_root().join("../shared/fixtures/llama")
-}
-
-/// The tensors of a fixture file by name.
-fn tensors(path: &Path) -> BTreeMap<String, (Vec<usize>, TensorData)> {
-    read_tensors(path).unwrap().into_iter().map(|t| (t.name, (t.shape, t.data))).collect()
-}
-
-fn floats(t: &BTreeMap<String, (Vec<usize>, TensorData)>, name: &str) -> Vec<f32> {
-    match &t[name].1 {
-        TensorData::F32(v) => v.clone(),
-        TensorData::I64(_) => panic!("{name} is not a float tensor"),
-    }
-}
-
-/// `input_ids` or `labels` `[2, 24]` i64 as U32 ids, transformers' -100 as [`IGNORE_INDEX`].
-fn ids(t: &BTreeMap<String, (Vec<usize>, TensorData)>, name: &str) -> Tensor {
-    let (shape, data) = &t[name];
-    let TensorData::I64(v) = data else { panic!("{name} is not an integer tensor") };
-    let v: Vec<u32> = v.iter().map(|&x| if x < 0 { IGNORE_INDEX } else { x as u32 }).collect();
-    Tensor::from_vec(v, (shape[0], shape[1]), &Device::Cpu).unwrap()
-}
-
-/// `|a - b| ≤ atol + rtol · |b|` elementwise; the worst element's share of its tolerance.
-fn assert_close(what: &str, a: &[f32], b: &[f32], rtol: f32, atol: f32) -> f32 {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let mut worst = 0f32;
-    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
-        let tol = atol + rtol * y.abs();
-        let share = (x - y).abs() / tol;
-        assert!(share <= 1.0, "{what}[{i}]: {x} vs {y} (tolerance {tol})");
-        worst = worst.max(share);
-    }
-    worst
-}
-
-/// Flat gradients (or parameters) of a unit split into the fixture's tensors by name.
-fn by_param(model: &dyn CausalLm, unit: usize, flat: &[f32]) -> Vec<(String, Vec<f32>)> {
-    model.units()[unit].params.iter().map(|p| (p.name.clone(), flat[p.offset..p.offset + p.numel()].to_vec())).collect()
 }
 
 /// One training step of `case` through an offloaded `Runtime`, checked against the fixture.

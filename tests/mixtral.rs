@@ -10,53 +10,23 @@
 //! the checkpoint, exported bitwise the input.
 
 mod common;
+mod fixtures;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::{Device, Tensor};
-use oogc::models::hf::{read_tensors, HfCheckpoint, TensorData};
+use oogc::models::hf::HfCheckpoint;
 use oogc::models::llama::Llama;
-use oogc::models::{CausalLm, UnitKind, IGNORE_INDEX};
+use oogc::models::{CausalLm, UnitKind};
 use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
 use oogc::runtime::{Phase, Runtime, RuntimeConfig, UnitId, UnitParams};
 use oogc::swapper::{DType, NvmeConfig, StatePlacement};
 
+use fixtures::{assert_close, by_param, floats, ids, tensors};
+
 fn case() -> PathBuf {
     common::repo_root().join("../shared/fixtures/llama/mixtral_moe")
-}
-
-type Tensors = BTreeMap<String, (Vec<usize>, TensorData)>;
-
-fn tensors(path: &Path) -> Tensors {
-    read_tensors(path).unwrap().into_iter().map(|t| (t.name, (t.shape, t.data))).collect()
-}
-
-fn floats(t: &Tensors, name: &str) -> Vec<f32> {
-    match &t[name].1 {
-        TensorData::F32(v) => v.clone(),
-        TensorData::I64(_) => panic!("{name} is not a float tensor"),
-    }
-}
-
-fn ids(t: &Tensors, name: &str) -> Tensor {
-    let (shape, data) = &t[name];
-    let TensorData::I64(v) = data else { panic!("{name} is not an integer tensor") };
-    let v: Vec<u32> = v.iter().map(|&x| if x < 0 { IGNORE_INDEX } else { x as u32 }).collect();
-    Tensor::from_vec(v, (shape[0], shape[1]), &Device::Cpu).unwrap()
-}
-
-/// `|a - b| ≤ atol + rtol · |b|` elementwise.
-fn assert_close(what: &str, a: &[f32], b: &[f32], rtol: f32, atol: f32) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
-        let tol = atol + rtol * y.abs();
-        assert!((x - y).abs() <= tol, "{what}[{i}]: {x} vs {y} (tolerance {tol})");
-    }
-}
-
-fn by_param(model: &dyn CausalLm, unit: usize, flat: &[f32]) -> Vec<(String, Vec<f32>)> {
-    model.units()[unit].params.iter().map(|p| (p.name.clone(), flat[p.offset..p.offset + p.numel()].to_vec())).collect()
 }
 
 /// Where an expert runs in the test's step.
