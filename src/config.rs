@@ -596,6 +596,15 @@ pub struct OptimizerSection {
     /// Global gradient-norm clip; 0 disables. Default: 1.0.
     #[serde(default = "default_clip")]
     pub clip_norm: f32,
+    /// What a non-finite gradient does: `"skip"` the step (every unit keeps its state; the
+    /// gradients, or a speculated second copy of each update, are held until the step's last
+    /// gradient is in) or `"stop"` the run with an error naming the unit (units updated earlier
+    /// in the step keep their update: resume from the last checkpoint). With `"stop"` and
+    /// `clip_norm = 0` every unit's update is final as soon as its gradients arrive: host memory
+    /// holds a few units' gradients instead of all of them, which a run larger than host memory
+    /// needs (`configs/scale-beyond-ram.toml`). Default: skip.
+    #[serde(default)]
+    pub nonfinite: oogc_optimizer::NonFinite,
     /// Most host bytes for speculation's second buffers (a second compute copy per unit, and a
     /// second p, m, v for host-placed state); units beyond it are updated after the step's
     /// clip decision instead (same results, less overlap). Default: what the host budget has
@@ -639,6 +648,7 @@ impl Default for OptimizerSection {
             eps: default_eps(),
             weight_decay: default_wd(),
             clip_norm: default_clip(),
+            nonfinite: oogc_optimizer::NonFinite::Skip,
             rollback_budget: None,
             stream_host_budget: None,
         }

@@ -78,6 +78,34 @@ fn parameters_on_nvme_train_bitwise_as_parameters_in_host_memory() {
 }
 
 #[test]
+fn immediate_updates_hold_a_few_units_gradients_and_train_bitwise_as_the_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = TrainConfig::from_toml_str(&tiny("64MiB", "nvme", dir.path(), 2)).unwrap();
+    let units = units_of(&cfg);
+    let param_bytes: u64 = units.iter().map(|&n| 4 * n as u64).sum();
+    cfg.budgets.gpu = bytesize::ByteSize::b(param_bytes / 8);
+    cfg.budgets.params = StatePlacement::Nvme;
+    cfg.optimizer.clip_norm = 0.0;
+    let held = oogc::train::host_plan(&cfg, &*model_of(&cfg));
+    cfg.optimizer.nonfinite = oogc::optimizer::NonFinite::Stop;
+    let plan = oogc::train::host_plan(&cfg, &*model_of(&cfg));
+    // The plan no longer holds every unit's gradients, nor any speculation.
+    assert!(plan.gradients_bytes < held.gradients_bytes, "{plan:?} vs {held:?}");
+    assert_eq!((plan.speculation_bytes, plan.speculative_units), (0, 0), "{plan:?}");
+    assert!(plan.min_bytes < held.min_bytes, "{plan:?} vs {held:?}");
+    let nvme = oogc::train::nvme_plan(&cfg, &units).unwrap();
+    assert_eq!(nvme.speculation_bytes, 0, "{nvme:?}");
+    cfg.budgets.host = bytesize::ByteSize::b(plan.min_bytes);
+
+    let (losses, params, t) = run_checked(cfg.clone(), 12);
+    let reference = reference::train(&cfg, 12);
+    assert_eq!(losses, reference.losses, "immediate updates: losses differ from the in-memory loop");
+    assert_eq!(params, reference.params, "immediate updates: master weights differ from the in-memory loop");
+    let g = t.runtime().host_ledger().report().of(HostUse::Gradients).peak_bytes;
+    assert!(g < param_bytes, "gradients peak {g} B: every unit's ({param_bytes} B) was held");
+}
+
+#[test]
 fn a_host_budget_below_the_minimum_is_refused_before_anything_is_written() {
     let dir = tempfile::tempdir().unwrap();
     let nvme = dir.path().join("nvme-not-yet");

@@ -209,6 +209,28 @@ pub struct OptimizerConfig {
     /// Force a dispatch path (`avx512`, `avx2`, `scalar`); `None` detects. Default: `None`.
     #[serde(default)]
     pub isa: Option<Isa>,
+    /// What a non-finite gradient does. Default: [`NonFinite::Skip`].
+    #[serde(default)]
+    pub nonfinite: NonFinite,
+}
+
+/// What a step with a non-finite gradient (NaN or ±inf anywhere) does.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NonFinite {
+    /// The whole step is skipped: every unit keeps its state (as torch's `GradScaler` and
+    /// DeepSpeed's overflow check). Needs each unit's gradients, or a second copy of its update,
+    /// until the step's last gradient is in: the gradients are held (or the update speculated)
+    /// until then.
+    #[default]
+    Skip,
+    /// The run stops with [`crate::Error::NonFiniteGradient`] naming the unit; that unit is not
+    /// updated, but units updated earlier in the step keep their update (resume from the last
+    /// checkpoint). With clipping off, this makes every unit's update final as soon as its
+    /// gradients arrive ([`OptimizerConfig::updates_immediately`]): no gradients held until the
+    /// step's end, no second buffers — what a run whose gradients outgrow host memory needs
+    /// (DeepSpeed's bf16 optimizer has no skip either).
+    Stop,
 }
 
 impl Default for OptimizerConfig {
@@ -222,6 +244,7 @@ impl Default for OptimizerConfig {
             stream_host_budget_bytes: Self::default_stream_host_budget_bytes(),
             rollback_budget_bytes: None,
             isa: None,
+            nonfinite: NonFinite::Skip,
         }
     }
 }
@@ -244,6 +267,21 @@ impl OptimizerConfig {
     /// [`crate::NORM_BLOCK`]s, at least one block.
     pub fn stream_chunk_params(&self) -> usize {
         (self.stream_chunk_bytes / 12 / crate::NORM_BLOCK).max(1) * crate::NORM_BLOCK
+    }
+
+    /// Whether each unit's update is final when its job ends, without waiting for the step's
+    /// other gradients: clipping off ([`Self::clip_norm`] `None`) and
+    /// [`NonFinite::Stop`]. Then the optimizer holds a unit's gradients only while its update
+    /// runs (at most [`Self::gradients_in_flight`] units' at once) and speculates nothing.
+    pub fn updates_immediately(&self) -> bool {
+        self.clip_norm.is_none() && self.nonfinite == NonFinite::Stop
+    }
+
+    /// Units whose gradients the optimizer holds at most at once when it
+    /// [updates immediately](Self::updates_immediately): one per worker thread plus one queued;
+    /// [`crate::PipelinedOptimizer::wait_for_gradient_room`] holds a submitter back beyond it.
+    pub fn gradients_in_flight(&self) -> usize {
+        self.threads + 1
     }
 
     /// Checks every value's range (and the Adam hyper-parameters).

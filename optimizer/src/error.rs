@@ -44,6 +44,21 @@ pub enum Error {
         /// The unit.
         unit: TensorId,
     },
+    /// A unit's gradients hold NaN or ±inf under [`crate::NonFinite::Stop`]: the unit was not
+    /// updated; units updated before it in the step keep their update.
+    #[error(
+        "step {step}: unit {unit}'s gradients are not finite (sum of squares {sumsq}); the unit was not updated, \
+         units updated before it in this step were (optimizer.nonfinite = \"stop\"): resume from the last \
+         checkpoint with a lower learning rate, or set nonfinite = \"skip\" to skip such steps"
+    )]
+    NonFiniteGradient {
+        /// The step (1-based).
+        step: u64,
+        /// The unit.
+        unit: TensorId,
+        /// The gradients' sum of squares (NaN or inf).
+        sumsq: f64,
+    },
     /// A call out of order (`submit` without `begin_step`, two `submit`s of one unit in a step, ...).
     #[error("{0}")]
     Protocol(String),

@@ -28,7 +28,7 @@ pub mod pipeline;
 mod simd;
 pub mod stream;
 
-pub use config::{AdamConfig, AdamKind, LrSchedule, OptimizerConfig};
+pub use config::{AdamConfig, AdamKind, LrSchedule, NonFinite, OptimizerConfig};
 pub use error::{Error, Result};
 pub use home::{ComputeCopyHome, MemoryHome};
 pub use kernel::{

@@ -33,6 +33,19 @@
 //!    takes its sum of squares; its one update runs after the decision, in place, writing the
 //!    new compute copy straight into the unit's home.
 //!
+//! # Immediate updates
+//!
+//! With clipping off and [`crate::NonFinite::Stop`]
+//! ([`OptimizerConfig::updates_immediately`]) nothing waits for the decision: a unit's job
+//! checks its gradients' sum of squares (a non-finite one fails the step with
+//! [`Error::NonFiniteGradient`], the unit untouched), updates it in place (NVMe state to new
+//! extents, committed at once, the compute copy straight into its home) and drops its gradients.
+//! No gradients are held until the step's end and no second buffers exist, so host memory holds
+//! only [`OptimizerConfig::gradients_in_flight`] units' gradients
+//! ([`PipelinedOptimizer::wait_for_gradient_room`] holds the submitter back) — ZeRO-Offload's
+//! and DeepSpeed bf16's update without a step skip, for runs whose gradients outgrow host
+//! memory. The result is bitwise that of the scheme above when no gradient is non-finite.
+//!
 //! # One home per compute copy
 //!
 //! The committed compute copy lives in its [`ComputeCopyHome`] (the runtime's: the residency
@@ -247,6 +260,9 @@ struct Pending {
     epoch: u64,
     sumsq: f64,
     speculated: bool,
+    /// Updated and committed by its submit job (the optimizer
+    /// [updates immediately](OptimizerConfig::updates_immediately)): nothing left to decide.
+    done: bool,
 }
 
 struct UnitInner {
@@ -375,6 +391,9 @@ struct Shared {
     slots: Slots,
     units: RwLock<HashMap<TensorId, Arc<UnitCell>>>,
     step: Mutex<StepState>,
+    /// Submit jobs spawned and not yet finished (they hold their unit's gradients).
+    jobs_in_flight: Mutex<usize>,
+    job_done: Condvar,
 }
 
 /// The pipelined optimizer: per-unit AdamW/Adam updates submitted during the backward, with
@@ -522,6 +541,8 @@ impl PipelinedOptimizer {
                     rollback_nvme_bytes: 0,
                     speculation_reserved: false,
                 }),
+                jobs_in_flight: Mutex::new(0),
+                job_done: Condvar::new(),
                 config,
             }),
         })
@@ -680,6 +701,12 @@ impl PipelinedOptimizer {
             return Err(Error::Protocol("reserve_speculation during a step: call it before begin_step".into()));
         }
         step.speculation_reserved = true;
+        if sh.config.updates_immediately() {
+            // Every update is final when its job ends: nothing to roll back, nothing to speculate.
+            let report = SpeculationReport::default();
+            tracing::debug!(?report, "speculation reserved: none (updates are immediate)");
+            return Ok(report);
+        }
         let host_budget = sh.config.rollback_budget_bytes.map_or(host_budget_bytes, |b| b.min(host_budget_bytes));
         let dtype = sh.config.compute_dtype;
         let mut cells: Vec<Arc<UnitCell>> = sh.units.read().values().cloned().collect();
@@ -773,7 +800,7 @@ impl PipelinedOptimizer {
                 got: grads.len(),
             });
         }
-        let (epoch, scalars) = {
+        let (t, epoch, scalars) = {
             let mut st = sh.step.lock();
             let Some(open) = st.open.as_mut() else {
                 return Err(Error::Protocol(format!("submit({unit}) without an open step: call begin_step first")));
@@ -782,7 +809,7 @@ impl PipelinedOptimizer {
                 return Err(Error::Protocol(format!("unit {unit} submitted twice in step {}", open.t)));
             }
             open.submitted.push(unit);
-            (open.epoch, open.scalars)
+            (open.t, open.epoch, open.scalars)
         };
         let mut data = {
             let mut g = cell.idle();
@@ -792,8 +819,36 @@ impl PipelinedOptimizer {
         };
         data.grads = Some((grads, claim));
         let (sh2, cell2) = (self.shared.clone(), cell.clone());
-        sh.kernel.spawn(move || speculate_job(&sh2, &cell2, data, epoch, scalars));
+        *sh.jobs_in_flight.lock() += 1;
+        let immediate = sh.config.updates_immediately();
+        sh.kernel.spawn(move || {
+            if immediate {
+                immediate_job(&sh2, &cell2, data, t, epoch, scalars);
+            } else {
+                speculate_job(&sh2, &cell2, data, epoch, scalars);
+            }
+            *sh2.jobs_in_flight.lock() -= 1;
+            sh2.job_done.notify_all();
+        });
         Ok(UpdateHandle { cell, epoch })
+    }
+
+    /// When the optimizer [updates immediately](OptimizerConfig::updates_immediately), blocks
+    /// while [`OptimizerConfig::gradients_in_flight`] submitted units still hold their gradients,
+    /// so a submitter faster than the updates (a backward ahead of NVMe-bound updates) waits
+    /// instead of piling gradients up in host memory; call it before making the next unit's
+    /// gradients' host copy. Otherwise returns at once: the gradients are held until the step's
+    /// decision anyway.
+    pub fn wait_for_gradient_room(&self) {
+        let sh = &self.shared;
+        if !sh.config.updates_immediately() {
+            return;
+        }
+        let limit = sh.config.gradients_in_flight();
+        let mut n = sh.jobs_in_flight.lock();
+        while *n >= limit {
+            sh.job_done.wait(&mut n);
+        }
     }
 
     /// Blocks until the unit has no update in flight. After [`finish_step`](Self::finish_step)
@@ -915,7 +970,10 @@ impl PipelinedOptimizer {
             let pending = norms[&cell.id];
             let mut g = cell.idle();
             let mut data = g.data.take().expect("idle cell holds its data");
-            if skipped {
+            if pending.done {
+                // Updated and committed by its submit job (or failed, reported below).
+                g.data = Some(data);
+            } else if skipped {
                 discard(sh, &mut data);
                 data.grads = None;
                 g.data = Some(data);
@@ -1208,8 +1266,47 @@ fn speculate_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, epoch: u64, s
     if let Some(o) = sh.step.lock().open.as_mut() {
         o.partial_sumsq += sumsq;
     }
-    let pending = Pending { epoch, sumsq, speculated: speculate && error.is_none() };
+    let pending = Pending { epoch, sumsq, speculated: speculate && error.is_none(), done: false };
     cell.put_back(data, error, Some(pending), None);
+}
+
+/// The job of `submit` when the optimizer [updates immediately](OptimizerConfig::updates_immediately):
+/// the gradients' sum of squares first (a non-finite one leaves the unit untouched and fails the
+/// step), then the one update in place (NVMe state to new extents, committed at once), and the
+/// gradients are dropped.
+fn immediate_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, step: u64, epoch: u64, scalars: StepScalars) {
+    let _span = tracing::debug_span!("optimizer::update_now", unit = cell.id.0, params = cell.n).entered();
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        let g = data.grads.as_ref().map(|(g, _)| g.as_slice()).expect("submitted gradients");
+        let sumsq = sh.kernel.grad_sumsq(g);
+        if !sumsq.is_finite() {
+            return Err(Error::NonFiniteGradient { step, unit: cell.id, sumsq });
+        }
+        update(sh, cell, &mut data, &scalars, false)?;
+        Ok(sumsq)
+    }));
+    let (sumsq, error) = match result {
+        Ok(Ok(s)) => {
+            if matches!(data.home, Home::Nvme { .. }) {
+                commit(sh, &mut data);
+            }
+            (s, None)
+        }
+        Ok(Err(e)) => {
+            discard(sh, &mut data);
+            (f64::NAN, Some(e))
+        }
+        Err(p) => {
+            discard(sh, &mut data);
+            (f64::NAN, Some(Error::WorkerPanic { unit: cell.id, message: panic_message(p) }))
+        }
+    };
+    data.grads = None;
+    if let Some(o) = sh.step.lock().open.as_mut() {
+        o.partial_sumsq += sumsq;
+    }
+    let pending = Pending { epoch, sumsq, speculated: false, done: true };
+    cell.put_back(data, error, Some(pending), Some(epoch));
 }
 
 /// The job of `finish_step` for a clipped step or a deferred unit: the one real update, then commit.

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use half::bf16;
 use oogc_optimizer::{
-    adam_step, clip_scale, global_norm, grad_sumsq, AdamConfig, CopyOut, DType, GradSlice, Grads, Isa, OptimizerConfig,
-    PipelinedOptimizer, StateIo, StatePlacement, UnitState, NORM_BLOCK,
+    adam_step, clip_scale, global_norm, grad_sumsq, AdamConfig, CopyOut, DType, GradSlice, Grads, Isa, NonFinite,
+    OptimizerConfig, PipelinedOptimizer, StateIo, StatePlacement, UnitState, NORM_BLOCK,
 };
 use oogc_swapper::{NvmeConfig, NvmeStore, TensorId};
 
@@ -192,6 +192,75 @@ fn a_non_finite_gradient_skips_the_step_for_every_unit() {
     let reports = run(&opt, &mut reference, &SIZES, &[(1, 1e-3, 1.0, Some(5)), (1, 1e-3, 1.0, None)]);
     assert!(reports[0].skipped);
     assert_eq!(opt.last_step(), Some(1));
+}
+
+#[test]
+fn immediate_updates_equal_the_reference_and_hold_no_gradients_to_the_step_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Arc::new(NvmeStore::open(NvmeConfig::new(vec![dir.path().to_path_buf()], 256 << 20)).unwrap());
+    let mut cfg = config(None, 2);
+    cfg.nonfinite = NonFinite::Stop;
+    assert!(cfg.updates_immediately());
+    let place = |i: usize| if i.is_multiple_of(2) { StatePlacement::Nvme } else { StatePlacement::Host };
+    let (opt, mut reference) = setup(&cfg, Some(store.clone()), &SIZES, place);
+    let spec = opt.reserve_speculation(u64::MAX, u64::MAX).unwrap();
+    assert_eq!((spec.speculative_units, spec.host_bytes, spec.nvme_bytes), (0, 0, 0), "{spec:?}");
+    let ledger = opt.host_ledger().clone();
+    let steps: [(u64, f32, f32); 3] = [(1, 1e-3, 1.0), (2, 9e-4, 1e-3), (3, 8e-4, 1.0)];
+    for &(t, lr, gscale) in &steps {
+        let mut all = Vec::new();
+        opt.begin_step(t, lr).unwrap();
+        for (i, &n) in SIZES.iter().enumerate().rev() {
+            opt.wait_for_gradient_room();
+            let g = grads(i as u64, t, n, gscale);
+            all.push((TensorId(i as u64), g.clone()));
+            opt.submit(TensorId(i as u64), Grads::BF16(g)).unwrap();
+        }
+        // Each unit is final once its job ends, before the step is closed: its gradients are gone.
+        for (i, _) in SIZES.iter().enumerate() {
+            opt.wait_unit(TensorId(i as u64)).unwrap();
+        }
+        assert_eq!(ledger.used_bytes_of(oogc_swapper::HostUse::Gradients), 0, "step {t}: gradients still held");
+        let r = opt.finish_step().unwrap();
+        let (norm, scale, skipped) = reference.step(t, lr, &all);
+        assert!(!r.skipped && !skipped);
+        assert_eq!(r.grad_norm.to_bits(), norm.to_bits(), "step {t} norm");
+        assert_eq!((r.clip_scale, scale), (1.0, 1.0));
+        assert_eq!((r.committed_speculative, r.redone, r.deferred), (0, 0, 0), "{r:?}");
+        reference.check(&opt, &format!("immediate step {t}"));
+    }
+    // At most threads + 1 units' gradients were held at once (the largest units' bytes bound it).
+    let peak = ledger.report().of(oogc_swapper::HostUse::Gradients).peak_bytes;
+    let mut largest: Vec<usize> = SIZES.to_vec();
+    largest.sort_unstable_by(|a, b| b.cmp(a));
+    let bound: usize = largest.iter().take(cfg.gradients_in_flight()).map(|n| 2 * n).sum();
+    assert!(peak as usize <= bound, "gradients peak {peak} > {bound}");
+    assert_eq!(opt.last_step(), Some(3));
+    drop(opt);
+    assert_eq!(store.used_bytes(), 0, "extents left on the store");
+}
+
+#[test]
+fn immediate_updates_stop_at_a_non_finite_gradient_and_leave_that_unit_untouched() {
+    let mut cfg = config(None, 1);
+    cfg.nonfinite = NonFinite::Stop;
+    let (opt, _) = setup(&cfg, None, &SIZES, |_| StatePlacement::Host);
+    let before = opt.export_state(TensorId(2)).unwrap();
+    opt.begin_step(1, 1e-3).unwrap();
+    for (i, &n) in SIZES.iter().enumerate().rev() {
+        let mut g = grads(i as u64, 1, n, 1.0);
+        if i == 2 {
+            g[n / 2] = bf16::INFINITY;
+        }
+        opt.submit(TensorId(i as u64), Grads::BF16(g)).unwrap();
+    }
+    let e = opt.finish_step().unwrap_err();
+    let msg = e.to_string();
+    assert!(matches!(e, oogc_optimizer::Error::NonFiniteGradient { step: 1, .. }), "{e:?}");
+    assert!(msg.contains("not finite") && msg.contains("resume from the last checkpoint"), "{msg}");
+    assert_eq!(opt.export_state(TensorId(2)).unwrap(), before, "the poisoned unit was updated");
+    // A unit submitted before it (unit 5, the backward's first) was updated.
+    assert_ne!(opt.export_state(TensorId(5)).unwrap().m, vec![0.0; SIZES[5]]);
 }
 
 #[test]

@@ -11,7 +11,7 @@
 //! | optimizer state | host state: 12 B per parameter; either way 8 B per 16 Ki parameters of norm partials |
 //! | speculation | second buffers of the units that fit what is left, in unit order, within `[optimizer] rollback_budget` |
 //! | NVMe stream | state on NVMe: `threads` streams of three chunk buffers of the largest unit (within `stream_host_budget_bytes`) |
-//! | gradients | every unit's f32 gradients (held until the step is final), two more of the largest unit's (arriving while their unit's last update runs), two pinned landing buffers of the largest unit |
+//! | gradients | every unit's f32 gradients (held until the step is final; with immediate updates — `clip_norm = 0`, `nonfinite = "stop"` — only the `threads + 1` largest units' whose update runs or waits), two more of the largest unit's (arriving while their unit's last update runs), two pinned landing buffers of the largest unit |
 //! | activations | 0: nothing keeps activations in host memory yet (on the sim device the checkpoints of every micro-batch are candle's buffers: the fixed overhead below) |
 //!
 //! **Fixed overhead** (not in the ledger, stated): the process itself — binary, libraries,
@@ -126,9 +126,14 @@ impl HostPlan {
         let optimizer_state_bytes: u64 = units.iter().map(|&n| state_host_bytes(n, config.state_placement)).sum();
         let gradient_landing_bytes = GRAD_LANDING_BUFFERS as u64 * size_class(largest.max(1) * 4) as u64;
         // One more unit's gradients from the drain thread and one from a CPU-computed unit may
-        // arrive while their unit's previous update still holds its own.
-        let gradients_bytes =
-            units.iter().map(|&n| 4 * n as u64).sum::<u64>() + 2 * 4 * largest as u64 + gradient_landing_bytes;
+        // arrive while their unit's previous update still holds its own. Immediate updates
+        // hold only the units whose update runs or waits to run, not every unit's.
+        let held: u64 = if opt.updates_immediately() {
+            opt.gradients_in_flight() as u64 * 4 * largest as u64
+        } else {
+            units.iter().map(|&n| 4 * n as u64).sum()
+        };
+        let gradients_bytes = held + 2 * 4 * largest as u64 + gradient_landing_bytes;
         let (stream_min, stream_want) = match config.state_placement {
             StatePlacement::Host => (0, 0),
             StatePlacement::Nvme => {
@@ -253,7 +258,7 @@ pub struct NvmePlan {
     /// What the run needs at least: state + params + slack.
     pub min_bytes: u64,
     /// Room for speculation: the second extents of every NVMe-placed unit (what the default
-    /// size adds to the minimum).
+    /// size adds to the minimum); 0 when the optimizer updates immediately.
     pub speculation_bytes: u64,
     /// The store's size: `[budgets] nvme_size`, else the minimum plus the speculation room.
     pub capacity_bytes: u64,
@@ -290,7 +295,8 @@ impl NvmePlan {
                 0
             };
         let min_bytes = state_bytes + params_bytes + slack_bytes;
-        let speculation_bytes = state_bytes;
+        // Immediate updates speculate nothing: no second extents.
+        let speculation_bytes = if opt.updates_immediately() { 0 } else { state_bytes };
         let capacity_bytes = nvme_size.unwrap_or(min_bytes + speculation_bytes);
         Some(Self { state_bytes, params_bytes, slack_bytes, min_bytes, speculation_bytes, capacity_bytes })
     }

@@ -134,6 +134,7 @@ impl GradPipe {
     /// # Errors
     /// The optimizer refused them.
     pub(super) fn submit_host(&self, unit: UnitId, grads: &[f32]) -> Result<UpdateHandle> {
+        self.shared.optimizer.wait_for_gradient_room();
         let claim = self.shared.ledger.claim(HostUse::Gradients, 4 * grads.len() as u64)?;
         Ok(self.shared.optimizer.submit_claimed(unit.tensor(), Grads::F32(grads.to_vec()), claim)?)
     }
@@ -185,6 +186,10 @@ impl Drop for GradPipe {
 
 fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
     for job in rx {
+        // Immediate updates: while the optimizer's jobs hold as many units' gradients as it
+        // allows, the staging buffer stays here and the next push waits for it (backpressure
+        // instead of gradients piling up in host memory).
+        shared.optimizer.wait_for_gradient_room();
         let (host, dev) = match job.transfer.wait() {
             Ok(pair) => pair,
             Err(e) => {

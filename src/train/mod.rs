@@ -196,6 +196,7 @@ pub fn optimizer_config(cfg: &TrainConfig) -> oogc_optimizer::OptimizerConfig {
             weight_decay: o.weight_decay as f64,
         },
         clip_norm: (o.clip_norm > 0.0).then_some(o.clip_norm),
+        nonfinite: o.nonfinite,
         compute_dtype: oogc_optimizer::DType::F32,
         rollback_budget_bytes: o.rollback_budget.map(|b| b.as_u64()),
         stream_host_budget_bytes: o
