@@ -446,6 +446,10 @@ pub struct TrainLoopConfig {
     /// Batches averaged per validation. Default: 8.
     #[serde(default = "default_eval_batches")]
     pub eval_batches: usize,
+    /// Validate once before the first step too (the loss to compare the last one with, on the
+    /// same validation batches). Default: false.
+    #[serde(default)]
+    pub eval_at_start: bool,
 }
 
 fn default_seed() -> u64 {

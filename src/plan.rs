@@ -26,7 +26,7 @@ use oogc_swapper::{DType, StatePlacement};
 use serde::Serialize;
 
 use crate::config::TrainConfig;
-use crate::runtime::{HostPlan, NvmePlan, RuntimeConfig};
+use crate::runtime::{param_nvme_traffic, HostPlan, NvmePlan, RuntimeConfig};
 use oogc_models::{CausalLm, UnitKind};
 
 /// Why a plan cannot be made.
@@ -328,6 +328,9 @@ pub struct PlanArgs {
     pub max_units_in_use: usize,
     /// Prefetch depth, units.
     pub max_depth: usize,
+    /// With parameters on NVMe: units read NVMe → host ahead (`[prefetch] host_depth`); they
+    /// and the units in use are not the host tier's cache.
+    pub host_depth: usize,
     /// The machine.
     pub hardware: HardwareProfile,
     /// Build the Perfetto trace of the simulated step.
@@ -368,6 +371,7 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
         optimizer: crate::train::optimizer_config(cfg),
         max_units_in_use: crate::train::max_units_in_use(&*model),
         max_depth: cfg.prefetch.depth.max(1),
+        host_depth: cfg.prefetch.host_depth,
         hardware,
         trace,
     })
@@ -469,6 +473,23 @@ pub fn plan_model(args: &PlanArgs) -> Result<PlanReport, PlanError> {
     };
     let mut report = plan(&input, &args.hardware)?;
     let (host, nvme) = host_and_nvme_plan(args, &report);
+    if args.params == StatePlacement::Nvme {
+        // The compute copies' own NVMe traffic (the step simulator moves only the optimizer
+        // state): the host tier's share, less the units in use and in the host window, caches them.
+        let copies: Vec<u64> = args.model.units.iter().map(|u| u.compute_bytes).collect();
+        let largest = copies.iter().copied().max().unwrap_or(0);
+        let pinned = (args.max_units_in_use + args.host_depth) as u64 * largest;
+        let all: u64 = copies.iter().map(|&b| oogc_swapper::host::size_class(b as usize) as u64).sum();
+        // A share that holds every copy keeps them all (the window's units are cached ones).
+        let cache = if host.compute_copies_bytes >= all {
+            u64::MAX
+        } else {
+            host.compute_copies_bytes - pinned.min(host.compute_copies_bytes)
+        };
+        let (read, write) = param_nvme_traffic(&copies, cache);
+        report.sim.link_bytes.nvme_read += read;
+        report.sim.link_bytes.nvme_write += write;
+    }
     report.memory.host_bytes = host.peak_bytes();
     report.memory.nvme_bytes = nvme.as_ref().map_or(0, |p| p.capacity_bytes);
     report.warnings.retain(|w| !w.starts_with("host needs"));
@@ -637,6 +658,28 @@ mod tests {
             assert_eq!((a.numel, a.compute_bytes), (b.numel, b.compute_bytes), "{}", a.name);
             assert!((b.forward_flops - 4.0 * a.forward_flops).abs() <= 1e-9 * b.forward_flops.max(1.0), "{}", a.name);
         }
+    }
+
+    #[test]
+    fn parameters_on_nvme_add_the_compute_copies_nvme_traffic_as_the_host_tier_caches_them() {
+        let on_host = example("tinyshakespeare.toml");
+        let hw = HardwareProfile::default();
+        let args = plan_args_for_config(&on_host, &hw, false).unwrap();
+        let base = plan_model(&args).unwrap().sim.link_bytes;
+        let copies: u64 = args.model.units.iter().map(|u| u.compute_bytes).sum();
+        // Parameters on NVMe with a host budget at the run's minimum: the host tier caches only
+        // the units in use and the window, so every copy is read and written back each step.
+        let mut args_nvme = args.clone();
+        args_nvme.params = StatePlacement::Nvme;
+        let (min_host, _) = host_and_nvme_plan(&args_nvme, &plan_model(&args_nvme).unwrap());
+        args_nvme.host_budget_bytes = Some(min_host.min_bytes);
+        let tight = plan_model(&args_nvme).unwrap().sim.link_bytes;
+        assert!(tight.nvme_read >= base.nvme_read + copies, "{tight:?} vs {base:?}");
+        assert!(tight.nvme_write >= base.nvme_write + copies, "{tight:?} vs {base:?}");
+        // A host budget that holds every copy: no compute-copy traffic in the steady state.
+        args_nvme.host_budget_bytes = Some(1 << 30);
+        let roomy = plan_model(&args_nvme).unwrap().sim.link_bytes;
+        assert_eq!((roomy.nvme_read, roomy.nvme_write), (base.nvme_read, base.nvme_write));
     }
 
     #[test]

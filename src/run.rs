@@ -152,6 +152,8 @@ pub struct RunSummary {
     pub bytes_per_token: f64,
     /// Last training loss, nats per token.
     pub final_loss: f64,
+    /// Validation loss before the first step (`[train] eval_at_start`), nats per token.
+    pub initial_val_loss: Option<f64>,
     /// Last validation loss, nats per token.
     pub final_val_loss: f64,
     /// Last validation loss over the bytes of text it covers, bits per byte.
@@ -294,6 +296,16 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
     observer.start(first, last);
     let mut tokens = 0usize;
     let run_start = Instant::now();
+    if cfg.train.eval_at_start && trainer.step() < last {
+        let v = trainer.evaluate()?;
+        summary.initial_val_loss = Some(v.nats_per_token);
+        observer.line(&format!(
+            "step {:>6}  val {:.4} nats/token ({:.3} bits/byte) before training",
+            trainer.step(),
+            v.nats_per_token,
+            v.bits_per_byte
+        ));
+    }
     let mut saved_step = resumed_from.as_ref().map(|_| trainer.step());
     summary.checkpoint = resumed_from;
     while trainer.step() < last {
@@ -520,6 +532,9 @@ impl RunSummary {
             self.unigram_entropy_nats / std::f64::consts::LN_2 / self.bytes_per_token.max(1e-9),
             self.bytes_per_token
         );
+        if let Some(v) = self.initial_val_loss {
+            s += &format!("loss before the first step: val {v:.4} nats/token\n");
+        }
         s += &format!(
             "throughput: {:.0} tokens/s; time {:.1} s = compute {:.1} s ({:.0}%) + exposed transfer {:.1} s ({:.0}%) + exposed optimizer {:.1} s ({:.0}%)\n",
             self.tokens_per_s,

@@ -175,6 +175,7 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         optimizer: oogc::optimizer::OptimizerConfig::default(),
         max_units_in_use: 1,
         max_depth: cmd.max_depth as usize,
+        host_depth: oogc::config::PrefetchSection::default().host_depth,
         hardware: load_hardware(cmd.hardware.as_ref())?,
         trace: cmd.trace.is_some(),
     };

@@ -356,6 +356,62 @@ impl NvmePlan {
     }
 }
 
+/// Compute-copy NVMe traffic of one steady-state step with parameters on NVMe: `(read, write)`
+/// bytes. A model of the host tier as a cache of `cache_bytes` over the units' compute copies
+/// (`copy_bytes`, in unit order): each step reads every unit in the forward (unit order) and in
+/// the backward (reverse order), and the optimizer overwrites each unit's copy right after its
+/// backward (no read; dirty). A miss on a read is an NVMe read; the victim is the cached unit
+/// whose next read is farthest (Belady's MIN, the runtime's next-use eviction; a copy about to
+/// be overwritten first), and a dirty victim is written back. Three steps are run and the last
+/// is reported. All of it cached: `(0, 0)`.
+pub fn param_nvme_traffic(copy_bytes: &[u64], cache_bytes: u64) -> (u64, u64) {
+    const STEPS: usize = 3;
+    let n_units = copy_bytes.len();
+    if copy_bytes.iter().sum::<u64>() <= cache_bytes {
+        return (0, 0);
+    }
+    // (unit, overwrite) in step order.
+    let one: Vec<(usize, bool)> =
+        (0..n_units).map(|u| (u, false)).chain((0..n_units).rev().flat_map(|u| [(u, false), (u, true)])).collect();
+    let seq: Vec<(usize, bool)> = one.iter().copied().cycle().take(STEPS * one.len()).collect();
+    // Next read of a unit after position t: usize::MAX when its next access overwrites it.
+    let next_read = |u: usize, t: usize| -> usize {
+        match seq[t + 1..].iter().position(|&(v, _)| v == u) {
+            Some(k) if !seq[t + 1 + k].1 => t + 1 + k,
+            _ => usize::MAX,
+        }
+    };
+    let mut cached: Vec<Option<bool>> = vec![None; n_units]; // Some(dirty)
+    let mut used = 0u64;
+    let (mut read, mut write) = (0u64, 0u64);
+    for (t, &(u, overwrite)) in seq.iter().enumerate() {
+        let last_step = t >= (STEPS - 1) * one.len();
+        if cached[u].is_none() {
+            if !overwrite && last_step {
+                read += copy_bytes[u];
+            }
+            while used + copy_bytes[u] > cache_bytes {
+                let Some(victim) =
+                    (0..n_units).filter(|&v| v != u && cached[v].is_some()).max_by_key(|&v| next_read(v, t))
+                else {
+                    break;
+                };
+                if cached[victim] == Some(true) && last_step {
+                    write += copy_bytes[victim];
+                }
+                used -= copy_bytes[victim];
+                cached[victim] = None;
+            }
+            used += copy_bytes[u];
+            cached[u] = Some(false);
+        }
+        if overwrite {
+            cached[u] = Some(true);
+        }
+    }
+    (read, write)
+}
+
 /// Bytes available to this process on the file system of `dir` (statvfs: `f_bavail × f_frsize`).
 ///
 /// # Errors
@@ -445,6 +501,23 @@ mod tests {
         let e = small.check(&dirs, &|_| Ok(u64::MAX)).unwrap_err().to_string();
         assert!(e.contains("nvme_size") && e.contains(&small.min_bytes.to_string()), "{e}");
         assert!(NvmePlan::new(&units, StatePlacement::Host, StatePlacement::Host, 4, &opt, None).is_none());
+    }
+
+    #[test]
+    fn param_nvme_traffic_follows_the_cache() {
+        let units = vec![100u64; 10];
+        assert_eq!(param_nvme_traffic(&units, 1000), (0, 0));
+        // Half cached: the forward hits what the last updates left, the backward what the
+        // forward left; every unit is read once and written once.
+        let (r, w) = param_nvme_traffic(&units, 500);
+        assert_eq!((r, w), (1000, 1000));
+        // Room for one unit: every read misses but the turn's (the last unit's backward right
+        // after its forward) and the next forward's first (the last update's copy); every update
+        // is written back.
+        assert_eq!(param_nvme_traffic(&units, 100), (1800, 1000));
+        // Traffic falls as the cache grows.
+        let (r9, w9) = param_nvme_traffic(&units, 900);
+        assert!(r9 < r && w9 < w, "{r9} {w9}");
     }
 
     #[test]

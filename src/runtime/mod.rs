@@ -54,7 +54,7 @@ mod home;
 mod stats;
 mod unit;
 
-pub use budget::{HostPlan, NvmePlan};
+pub use budget::{param_nvme_traffic, HostPlan, NvmePlan};
 pub use oogc_prefetch::Phase;
 pub use stats::{PeakBytes, PhaseStats, StepStats};
 pub use unit::{DeviceMemory, PinnedUnit, UnitParams};
