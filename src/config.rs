@@ -99,6 +99,22 @@ pub struct TrainConfig {
     /// Expert placement for an MoE model (`[model.moe]`).
     #[serde(default)]
     pub moe: MoePlacementConfig,
+    /// Where the activation checkpoints live between forward and backward.
+    #[serde(default)]
+    pub activations: ActivationsConfig,
+}
+
+/// `[activations]`: the activation checkpoints (each block's input, of every micro-batch).
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ActivationsConfig {
+    /// Copy each checkpoint D2H into pinned host memory (claimed from `[budgets] host`, category
+    /// `activations`) as soon as its block's forward made it, free it on the device, and copy it
+    /// back H2D one block ahead of its backward (ZeRO-Offload's and ZeRO-Infinity's activation
+    /// checkpoint offload). Same results bit for bit; the GPU holds two checkpoints' staging
+    /// instead of all of them. Dense models only. Default: false.
+    #[serde(default)]
+    pub offload: bool,
 }
 
 /// `[moe]`: where the experts of an MoE model live and run.
@@ -801,13 +817,23 @@ impl TrainConfig {
         }
     }
 
-    /// Refuses `train.micro_batches > 1` for a model with MoE blocks (`moe`): the layer-major
-    /// schedule is for dense models. [`TrainConfig::validate`] calls it for MoE-GPT; the trainer
+    /// Refuses `train.micro_batches > 1` and `[activations] offload` for a model with MoE blocks
+    /// (`moe`): the layer-major schedule and the checkpoint offload are for dense models. [`TrainConfig::validate`] calls it for MoE-GPT; the trainer
     /// again once the model is built (a Mixtral's experts may come from an init checkpoint).
     ///
     /// # Errors
-    /// [`ConfigError::Invalid`] naming `train.micro_batches`, with the fix.
+    /// [`ConfigError::Invalid`] naming `train.micro_batches` or `activations.offload`, with the fix.
     pub fn check_micro_batches(&self, moe: bool) -> Result<()> {
+        if self.activations.offload && moe {
+            return Err(ConfigError::Invalid {
+                key: "activations.offload".into(),
+                reason: format!(
+                    "offloading activation checkpoints with MoE blocks ({}) is not supported (an MoE block keeps \
+                     its routing beside its checkpoint); set offload = false",
+                    self.model.family()
+                ),
+            });
+        }
         let k = self.train.micro_batches;
         if k > 1 && moe {
             return Err(ConfigError::Invalid {

@@ -106,6 +106,46 @@ fn immediate_updates_hold_a_few_units_gradients_and_train_bitwise_as_the_referen
 }
 
 #[test]
+fn offloaded_activation_checkpoints_train_bitwise_and_move_once_each_way() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut kept = TrainConfig::from_toml_str(&tiny("64MiB", "host", dir.path(), 2)).unwrap();
+    kept.train.micro_batches = 2;
+    let mut offloaded = kept.clone();
+    offloaded.activations.offload = true;
+    let model = model_of(&offloaded);
+    let a = oogc::train::activation_offload(&offloaded, &*model).expect("offload on");
+    let d = model.dims();
+    assert_eq!(a.checkpoints, d.layers * 2);
+    assert_eq!(a.checkpoint_bytes, 4 * 4 * 16 * d.hidden);
+    let plan = oogc::train::host_plan(&offloaded, &*model);
+    assert!(plan.activations_bytes >= (a.checkpoints * a.checkpoint_bytes) as u64, "{plan:?}");
+    assert!(plan.min_bytes >= oogc::train::host_plan(&kept, &*model).min_bytes + plan.activations_bytes);
+
+    let steps = 6;
+    let (losses_k, params_k, tk) = run_checked(kept, steps);
+    let (losses_o, params_o, to) = run_checked(offloaded, steps);
+    assert_eq!(losses_o, losses_k, "losses differ with activation checkpoints offloaded");
+    assert_eq!(params_o, params_k, "master weights differ with activation checkpoints offloaded");
+    // Every checkpoint went D2H once and came back H2D once, and none is left behind.
+    let (k, o) = (tk.runtime().traffic(), to.runtime().traffic());
+    let moved = steps * (a.checkpoints * a.checkpoint_bytes) as u64;
+    assert_eq!(o.dtoh.bytes - k.dtoh.bytes, moved, "D2H");
+    assert_eq!(o.htod.bytes - k.htod.bytes, moved, "H2D");
+    assert_eq!(to.runtime().stashed_activations(), 0);
+    let peak = to.runtime().host_ledger().report().of(HostUse::Activations).peak_bytes;
+    assert!(peak >= (a.checkpoints * a.checkpoint_bytes) as u64 && peak <= plan.activations_bytes, "{peak}");
+}
+
+#[test]
+fn activation_offload_is_refused_for_moe_blocks_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = TrainConfig::from_toml_str(&common::tiny_moe("64MiB", "host", dir.path())).unwrap();
+    cfg.activations.offload = true;
+    let err = cfg.validate().unwrap_err().to_string();
+    assert!(err.contains("activations.offload") && err.contains("offload = false"), "{err}");
+}
+
+#[test]
 fn a_host_budget_below_the_minimum_is_refused_before_anything_is_written() {
     let dir = tempfile::tempdir().unwrap();
     let nvme = dir.path().join("nvme-not-yet");

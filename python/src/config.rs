@@ -177,6 +177,7 @@ impl Config {
             optimizer,
             lock_host_memory: self.lock_host_memory,
             overlap_optimizer: self.prefetch.overlap_optimizer,
+            activation_offload: None,
         })
     }
 }

@@ -12,7 +12,7 @@
 //! | speculation | second buffers of the units that fit what is left, in unit order, within `[optimizer] rollback_budget` |
 //! | NVMe stream | state on NVMe: `threads` streams of three chunk buffers of the largest unit (within `stream_host_budget_bytes`) |
 //! | gradients | every unit's f32 gradients (held until the step is final; with immediate updates — `clip_norm = 0`, `nonfinite = "stop"` — only the `threads + 1` largest units' whose update runs or waits), two more of the largest unit's (arriving while their unit's last update runs), two pinned landing buffers of the largest unit |
-//! | activations | 0: nothing keeps activations in host memory yet (on the sim device the checkpoints of every micro-batch are candle's buffers: the fixed overhead below) |
+//! | activations | with `[activations] offload`: every checkpoint of a step (blocks × micro-batches, pool size classes); else 0 (on the sim device the checkpoints of every micro-batch are candle's buffers: the fixed overhead below) |
 //!
 //! **Fixed overhead** (not in the ledger, stated): the process itself — binary, libraries,
 //! thread stacks, the allocator — measured at [`BASE_OVERHEAD_BYTES`]; the training text
@@ -100,7 +100,7 @@ pub struct HostPlan {
     pub gradients_bytes: u64,
     /// Of which the pinned landing pool.
     pub gradient_landing_bytes: u64,
-    /// Activations kept in host memory (none yet).
+    /// Activation checkpoints offloaded to pinned host memory (`[activations] offload`).
     pub activations_bytes: u64,
 }
 
@@ -142,7 +142,13 @@ impl HostPlan {
                 (one, want)
             }
         };
-        let min_bytes = compute_copies_min_bytes + optimizer_state_bytes + gradients_bytes + stream_min;
+        // Offloaded activation checkpoints: every one of a step is held from its forward to its
+        // backward (pool size classes).
+        let activations_bytes = config
+            .activation_offload
+            .map_or(0, |a| a.checkpoints as u64 * size_class(a.checkpoint_bytes.max(1)) as u64);
+        let min_bytes =
+            compute_copies_min_bytes + optimizer_state_bytes + gradients_bytes + stream_min + activations_bytes;
         let budget = config.host_budget_bytes;
         let mut left = budget.saturating_sub(min_bytes);
         let nvme_stream_bytes = stream_min + (stream_want - stream_min).min(left);
@@ -164,7 +170,7 @@ impl HostPlan {
             nvme_stream_bytes,
             gradients_bytes,
             gradient_landing_bytes,
-            activations_bytes: 0,
+            activations_bytes,
         }
     }
 
@@ -202,11 +208,16 @@ impl HostPlan {
             budget_bytes: self.budget_bytes,
             min_bytes: self.min_bytes,
             parts: format!(
-                "compute copies {}, optimizer state {}, gradients {}, NVMe stream {}",
+                "compute copies {}, optimizer state {}, gradients {}, activations {}, NVMe stream {}",
                 self.compute_copies_min_bytes,
                 self.optimizer_state_bytes,
                 self.gradients_bytes,
-                self.min_bytes - self.compute_copies_min_bytes - self.optimizer_state_bytes - self.gradients_bytes
+                self.activations_bytes,
+                self.min_bytes
+                    - self.compute_copies_min_bytes
+                    - self.optimizer_state_bytes
+                    - self.gradients_bytes
+                    - self.activations_bytes
             ),
         })
     }

@@ -48,17 +48,20 @@ use oogc_swapper::{
 };
 use parking_lot::Mutex;
 
+mod activations;
 pub mod budget;
 mod grads;
 mod home;
 mod stats;
 mod unit;
 
+pub use activations::ActivationId;
 pub use budget::{param_nvme_traffic, HostPlan, NvmePlan};
 pub use oogc_prefetch::Phase;
 pub use stats::{PeakBytes, PhaseStats, StepStats};
 pub use unit::{DeviceMemory, PinnedUnit, UnitParams};
 
+use activations::ActivationPipe;
 use grads::{GradPipe, STAGING_BUFFERS};
 use home::ResidencyHome;
 use unit::{Scheduling, Unit, Update};
@@ -184,6 +187,20 @@ pub struct RuntimeConfig {
     /// only in [`Runtime::finish_step`], which then waits for every unit's update before
     /// returning: the optimizer never overlaps compute. Same results bit for bit.
     pub overlap_optimizer: bool,
+    /// Activation checkpoints offloaded to pinned host memory ([`Runtime::stash_activation`]);
+    /// `None`: the caller keeps them on the device.
+    pub activation_offload: Option<ActivationOffload>,
+}
+
+/// What a run offloads of its activation checkpoints (`[activations] offload`): enters the host
+/// plan ([`HostUse::Activations`]: `checkpoints` buffers of `checkpoint_bytes`) and the device's
+/// working set (two staging buffers of `checkpoint_bytes`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActivationOffload {
+    /// Checkpoints held at once (blocks × micro-batches).
+    pub checkpoints: usize,
+    /// Bytes of the largest checkpoint (f32 `[batch, seq, hidden]`).
+    pub checkpoint_bytes: usize,
 }
 
 impl RuntimeConfig {
@@ -202,6 +219,7 @@ impl RuntimeConfig {
             optimizer: OptimizerConfig { compute_dtype: DType::F32, ..OptimizerConfig::default() },
             lock_host_memory: false,
             overlap_optimizer: true,
+            activation_offload: None,
         }
     }
 }
@@ -238,6 +256,8 @@ pub struct Runtime {
     nvme: Option<Arc<NvmeStore>>,
     /// The one host budget every host allocation is claimed from.
     ledger: Arc<HostLedger>,
+    /// Offloaded activation checkpoints (`RuntimeConfig::activation_offload`).
+    activations: ActivationPipe,
     /// The split of the host budget, applied before the first step.
     host_plan: Option<HostPlan>,
 }
@@ -305,6 +325,12 @@ impl Runtime {
             ledger.clone(),
             Arc::new(ResidencyHome::new(residency.clone())),
         )?;
+        let activation_pool = PinnedPool::with_ledger(
+            &oogc_swapper::PinnedPoolConfig { budget_bytes: config.host_budget_bytes, lock: config.lock_host_memory },
+            host_allocator.clone(),
+            ledger.clone(),
+            HostUse::Activations,
+        );
         let grad_pool = PinnedPool::with_ledger(
             &oogc_swapper::PinnedPoolConfig { budget_bytes: config.host_budget_bytes, lock: config.lock_host_memory },
             host_allocator,
@@ -313,6 +339,7 @@ impl Runtime {
         );
         let grads = GradPipe::new(optimizer, grad_pool, ledger.clone(), !config.overlap_optimizer);
         Ok(Self {
+            activations: ActivationPipe::new(activation_pool),
             config,
             compute_device,
             residency,
@@ -478,7 +505,67 @@ impl Runtime {
         let mut sizes: Vec<u64> = self.units.iter().map(Unit::bytes).collect();
         sizes.sort_unstable_by(|a, b| b.cmp(a));
         let largest = sizes.first().copied().unwrap_or(0);
-        sizes.iter().take(max_units_in_use.max(1)).sum::<u64>() + STAGING_BUFFERS as u64 * largest
+        sizes.iter().take(max_units_in_use.max(1)).sum::<u64>()
+            + STAGING_BUFFERS as u64 * largest
+            + self.activation_staging_bytes()
+    }
+
+    /// Device bytes of the activation offload's staging buffers (0 without offload).
+    fn activation_staging_bytes(&self) -> u64 {
+        self.config.activation_offload.map_or(0, |a| (activations::STAGING * a.checkpoint_bytes) as u64)
+    }
+
+    /// Copies an activation checkpoint (`data`: f32, any shape flattened) D2H into pinned host
+    /// memory claimed from the host ledger ([`HostUse::Activations`]) and returns its handle; the
+    /// caller frees its device copy. Bring it back with
+    /// [`prefetch_activation`](Self::prefetch_activation) (ahead) and
+    /// [`take_activation`](Self::take_activation).
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] without `RuntimeConfig::activation_offload`, before the first
+    /// [`begin_step`](Self::begin_step), or for a checkpoint larger than configured; the host
+    /// budget ([`RuntimeError::Swapper`]) or the copy failing.
+    pub fn stash_activation(&mut self, data: &[f32]) -> Result<ActivationId> {
+        self.check_activation_offload()?;
+        self.activations.stash(self.residency.device(), data)
+    }
+
+    /// Starts the H2D copy of a stashed checkpoint back to the device (at most one at a time
+    /// besides the one being taken).
+    ///
+    /// # Errors
+    /// As [`stash_activation`](Self::stash_activation); an unknown or taken `id`.
+    pub fn prefetch_activation(&mut self, id: ActivationId) -> Result<()> {
+        self.check_activation_offload()?;
+        self.activations.prefetch(self.residency.device(), id)
+    }
+
+    /// A stashed checkpoint back on the device, as the f32 values stashed (bitwise); its host
+    /// memory is given back.
+    ///
+    /// # Errors
+    /// As [`prefetch_activation`](Self::prefetch_activation).
+    pub fn take_activation(&mut self, id: ActivationId) -> Result<Vec<f32>> {
+        self.check_activation_offload()?;
+        self.activations.take(self.residency.device(), id)
+    }
+
+    /// Checkpoints stashed and not taken yet.
+    pub fn stashed_activations(&self) -> usize {
+        self.activations.len()
+    }
+
+    fn check_activation_offload(&self) -> Result<()> {
+        if self.config.activation_offload.is_none() {
+            return Err(RuntimeError::Usage(
+                "activation offload is off: set RuntimeConfig::activation_offload ([activations] offload = true)"
+                    .into(),
+            ));
+        }
+        if !self.checked_working_set {
+            return Err(RuntimeError::Usage("stash activations after begin_step (the staging is made there)".into()));
+        }
+        Ok(())
     }
 
     /// Starts a step whose update is Adam step `step` (1-based `t`; a skipped step does not
@@ -547,8 +634,15 @@ impl Runtime {
         for _ in 0..STAGING_BUFFERS {
             self.grads.add_staging(self.residency.device().alloc(largest.max(1))?);
         }
-        self.residency
-            .set_device_budget_bytes(self.config.gpu_budget_bytes - STAGING_BUFFERS as u64 * largest as u64)?;
+        if let Some(a) = self.config.activation_offload {
+            let staging = (0..activations::STAGING)
+                .map(|_| self.residency.device().alloc(a.checkpoint_bytes.max(1)))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            self.activations.set_staging(staging);
+        }
+        self.residency.set_device_budget_bytes(
+            self.config.gpu_budget_bytes - STAGING_BUFFERS as u64 * largest as u64 - self.activation_staging_bytes(),
+        )?;
         self.checked_working_set = true;
         Ok(())
     }
@@ -559,6 +653,7 @@ impl Runtime {
         plan.check()?;
         self.residency.set_host_budget_bytes(plan.compute_copies_bytes.max(1))?;
         self.grads.set_landing_budget_bytes(plan.gradient_landing_bytes);
+        self.activations.set_budget_bytes(plan.activations_bytes);
         let optimizer = self.grads.optimizer();
         if self.config.state_placement == StatePlacement::Nvme {
             optimizer.set_stream_host_budget_bytes(plan.nvme_stream_bytes)?;

@@ -179,7 +179,20 @@ pub fn runtime_config(cfg: &TrainConfig, units: &[usize]) -> RuntimeConfig {
         optimizer: optimizer_config(cfg),
         lock_host_memory: true,
         overlap_optimizer: cfg.prefetch.overlap_optimizer,
+        activation_offload: None,
     }
+}
+
+/// The activation checkpoints a run of `model` offloads (`[activations] offload`): one f32
+/// `[batch, seq, hidden]` input per block and micro-batch; `None` when it keeps them.
+pub fn activation_offload(cfg: &TrainConfig, model: &dyn CausalLm) -> Option<crate::runtime::ActivationOffload> {
+    cfg.activations.offload.then(|| {
+        let d = model.dims();
+        crate::runtime::ActivationOffload {
+            checkpoints: d.layers * cfg.train.micro_batches.max(1),
+            checkpoint_bytes: 4 * cfg.train.batch_size * cfg.train.seq_len * d.hidden,
+        }
+    })
 }
 
 /// The CPU optimizer's config from the run's `[optimizer]` and `[threads]` tables: f32 compute
@@ -233,7 +246,9 @@ pub fn max_units_in_use(model: &dyn CausalLm) -> usize {
 pub fn host_plan(cfg: &TrainConfig, model: &dyn CausalLm) -> HostPlan {
     let units = unit_sizes(model);
     let room = nvme_plan(cfg, &units).map_or(0, |p| p.speculation_room_bytes());
-    HostPlan::new(&runtime_config(cfg, &units), &units, max_units_in_use(model), room)
+    let mut rc = runtime_config(cfg, &units);
+    rc.activation_offload = activation_offload(cfg, model);
+    HostPlan::new(&rc, &units, max_units_in_use(model), room)
 }
 
 /// Parameters of each unit of `model`, in unit order.
@@ -353,8 +368,11 @@ impl Layout {
 
 /// What the forward keeps of a block for its backward.
 struct Checkpointed {
-    /// The block's input of each micro-batch (the activation checkpoints), `[B, T, d]` each.
+    /// The block's input of each micro-batch (the activation checkpoints), `[B, T, d]` each;
+    /// empty when they were offloaded (`stashed`).
     inputs: Vec<Tensor>,
+    /// `[activations] offload`: the inputs in host memory, with their shapes.
+    stashed: Vec<(crate::runtime::ActivationId, candle_core::Shape)>,
     /// MoE: the routing and where each expert ran.
     moe: Option<(oogc_models::Routing, Vec<Placement>)>,
 }
@@ -445,7 +463,9 @@ impl Trainer {
                 })?;
             }
         }
-        let mut rt = Runtime::new(runtime_config(&cfg, &units))?;
+        let mut rc = runtime_config(&cfg, &units);
+        rc.activation_offload = activation_offload(&cfg, &*model);
+        let mut rt = Runtime::new(rc)?;
         // One unit at a time, straight into the runtime (never the whole model in memory): from
         // a Hugging Face checkpoint, or drawn from the run's seed.
         let init = match &cfg.model {
@@ -641,7 +661,18 @@ impl Trainer {
                     (vec![y], Some((routing, placements)))
                 }
             };
-            saved.push(Checkpointed { inputs: std::mem::replace(&mut xs, ys), moe: routed });
+            let inputs = std::mem::replace(&mut xs, ys);
+            let c = if self.cfg.activations.offload && phase == Phase::Forward && routed.is_none() {
+                // Offloaded: D2H into pinned host memory now, the device copy dropped here.
+                let stashed = inputs
+                    .iter()
+                    .map(|x| Ok((self.rt.stash_activation(&x.flatten_all()?.to_vec1::<f32>()?)?, x.shape().clone())))
+                    .collect::<Result<Vec<_>>>()?;
+                Checkpointed { inputs: Vec::new(), stashed, moe: routed }
+            } else {
+                Checkpointed { inputs, stashed: Vec::new(), moe: routed }
+            };
+            saved.push(c);
         }
         Ok((xs, saved))
     }
@@ -708,7 +739,18 @@ impl Trainer {
 
         // Backward in reverse, recomputing each block from its checkpoints.
         for (i, block) in self.layout.blocks.clone().iter().enumerate().rev() {
-            let c = saved.pop().expect("one checkpoint per block");
+            let mut c = saved.pop().expect("one checkpoint per block");
+            if !c.stashed.is_empty() {
+                // Offloaded checkpoints come back H2D; the next block's first one is prefetched
+                // so its copy overlaps this block's backward.
+                for (id, shape) in std::mem::take(&mut c.stashed) {
+                    let values = self.rt.take_activation(id)?;
+                    c.inputs.push(Tensor::from_vec(values, shape, self.rt.compute_device())?);
+                }
+                if let Some(&(next, _)) = saved.last().and_then(|n| n.stashed.first()) {
+                    self.rt.prefetch_activation(next)?;
+                }
+            }
             grad_xs = match block {
                 Block::Dense(u) => {
                     let p = self.rt.fetch(*u, Phase::Backward)?;

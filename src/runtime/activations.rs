@@ -1,0 +1,157 @@
+//! Activation checkpoints offloaded to pinned host memory (`[activations] offload`, ZeRO-Offload's
+//! and ZeRO-Infinity's checkpoint offload): [`ActivationPipe`]. A checkpoint (a block's input, one
+//! micro-batch's `[B, T, d]` f32) goes D2H into a pinned host buffer as soon as the forward made
+//! it, so the device holds it only while the copy runs; the backward asks for it back one block
+//! ahead ([`ActivationPipe::prefetch`]) and takes it when the block's backward starts
+//! ([`ActivationPipe::take`]). Every host byte is claimed from the ledger
+//! ([`HostUse::Activations`]) before it is made; the device holds [`STAGING`] buffers of the
+//! largest checkpoint, carved out of the GPU budget.
+
+use std::collections::{HashMap, VecDeque};
+
+use oogc_swapper::{Device, DeviceBuffer, HostBuffer, PinnedPool, Transfer};
+
+use super::{Result, RuntimeError};
+
+/// Device staging buffers: one checkpoint copied D2H (or H2D, a block ahead) while the other
+/// is filled or read.
+pub(super) const STAGING: usize = 2;
+
+/// A stashed checkpoint, from [`super::Runtime::stash_activation`]; give it back to
+/// [`super::Runtime::take_activation`] once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ActivationId(u64);
+
+enum Stash {
+    /// D2H in flight (holds a staging buffer).
+    Landing(Transfer),
+    /// In pinned host memory.
+    Host(HostBuffer),
+    /// H2D in flight (holds a staging buffer).
+    Loading(Transfer),
+}
+
+/// The checkpoints in host memory and the device staging buffers they move through.
+pub(super) struct ActivationPipe {
+    pool: PinnedPool,
+    staging: Vec<DeviceBuffer>,
+    stashes: HashMap<ActivationId, Stash>,
+    /// Checkpoints whose D2H is in flight, oldest first.
+    landing: VecDeque<ActivationId>,
+    next: u64,
+}
+
+impl ActivationPipe {
+    /// A pipe whose host buffers come from `pool` (claimed as [`oogc_swapper::HostUse::Activations`]);
+    /// it copies through the staging buffers given by [`set_staging`](Self::set_staging).
+    pub(super) fn new(pool: PinnedPool) -> Self {
+        Self { pool, staging: Vec::new(), stashes: HashMap::new(), landing: VecDeque::new(), next: 0 }
+    }
+
+    /// The device staging buffers ([`STAGING`] of the largest checkpoint's bytes).
+    pub(super) fn set_staging(&mut self, staging: Vec<DeviceBuffer>) {
+        self.staging = staging;
+    }
+
+    /// Caps the pinned pool (the host plan's share for activations).
+    pub(super) fn set_budget_bytes(&self, bytes: u64) {
+        self.pool.set_budget_bytes(bytes);
+    }
+
+    /// Checkpoints held (landing, in host memory or loading).
+    pub(super) fn len(&self) -> usize {
+        self.stashes.len()
+    }
+
+    /// A free staging buffer: a spare one, else the oldest D2H's once it has landed.
+    fn staging(&mut self) -> Result<DeviceBuffer> {
+        if let Some(b) = self.staging.pop() {
+            return Ok(b);
+        }
+        let id = self.landing.pop_front().ok_or_else(|| {
+            RuntimeError::Usage(format!(
+                "activation offload: more than {STAGING} checkpoints loading at once; take one before prefetching another"
+            ))
+        })?;
+        self.land(id)?;
+        Ok(self.staging.pop().expect("a landed copy returns its staging buffer"))
+    }
+
+    /// Waits for `id`'s D2H copy; its staging buffer goes back to the free list.
+    fn land(&mut self, id: ActivationId) -> Result<()> {
+        if let Some(Stash::Landing(t)) = self.stashes.remove(&id) {
+            let (host, dev) = t.wait()?;
+            self.staging.push(dev);
+            self.stashes.insert(id, Stash::Host(host));
+        }
+        Ok(())
+    }
+
+    /// Copies `data` to the device (it is there already on a GPU: the checkpoint's own memory)
+    /// and starts its D2H copy into a pinned host buffer claimed from the ledger.
+    pub(super) fn stash(&mut self, device: &Device, data: &[f32]) -> Result<ActivationId> {
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        let mut dev = self.staging()?;
+        if dev.num_bytes() < bytes.len() {
+            let n = dev.num_bytes();
+            self.staging.push(dev);
+            return Err(RuntimeError::Usage(format!(
+                "activation offload: a checkpoint of {} bytes is larger than the staging buffers ({n} bytes) the \
+                 runtime was configured with",
+                bytes.len()
+            )));
+        }
+        match &mut dev {
+            DeviceBuffer::Sim(b) => b.as_mut_slice()[..bytes.len()].copy_from_slice(bytes),
+            #[allow(unreachable_patterns)]
+            _ => {
+                self.staging.push(dev);
+                return Err(RuntimeError::Usage("activation offload from a CUDA tensor is not wired yet".into()));
+            }
+        }
+        let mut host = self.pool.alloc(bytes.len())?;
+        host.set_len(bytes.len());
+        let transfer = device.dtoh(dev, host)?;
+        let id = ActivationId(self.next);
+        self.next += 1;
+        self.stashes.insert(id, Stash::Landing(transfer));
+        self.landing.push_back(id);
+        Ok(id)
+    }
+
+    /// Starts `id`'s H2D copy back to the device, if not started yet.
+    pub(super) fn prefetch(&mut self, device: &Device, id: ActivationId) -> Result<()> {
+        if !self.stashes.contains_key(&id) {
+            return Err(RuntimeError::Usage(format!("activation {id:?} is not stashed (taken already?)")));
+        }
+        if let Some(pos) = self.landing.iter().position(|&x| x == id) {
+            self.landing.remove(pos);
+            self.land(id)?;
+        }
+        if matches!(self.stashes.get(&id), Some(Stash::Loading(_))) {
+            return Ok(());
+        }
+        let dev = self.staging()?;
+        let Some(Stash::Host(host)) = self.stashes.remove(&id) else { unreachable!("landed above") };
+        let transfer = device.htod(host, dev)?;
+        self.stashes.insert(id, Stash::Loading(transfer));
+        Ok(())
+    }
+
+    /// `id`'s checkpoint back on the device, as the f32 values it was stashed with; its host
+    /// buffer goes back to the pool and its claim to the ledger.
+    pub(super) fn take(&mut self, device: &Device, id: ActivationId) -> Result<Vec<f32>> {
+        self.prefetch(device, id)?;
+        let Some(Stash::Loading(t)) = self.stashes.remove(&id) else { unreachable!("prefetched above") };
+        let (host, dev) = t.wait()?;
+        let n = host.as_slice().len();
+        drop(host);
+        let values = match &dev {
+            DeviceBuffer::Sim(b) => bytemuck::pod_collect_to_vec(&b.as_slice()[..n]),
+            #[allow(unreachable_patterns)]
+            _ => return Err(RuntimeError::Usage("activation offload to a CUDA tensor is not wired yet".into())),
+        };
+        self.staging.push(dev);
+        Ok(values)
+    }
+}
