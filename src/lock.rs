@@ -237,6 +237,34 @@ impl RunLock {
     }
 }
 
+/// Bytes of the NVMe store files a killed run left in `dir`: those of the holder its
+/// [`LOCK_FILE`] names when nobody holds the lock any more (a shared `flock` succeeds, so the
+/// holder is gone). [`RunLock`] removes them when it takes the lock over, after the budget check
+/// that runs before anything is written; that check counts them as free space (else a run
+/// restarted after a kill on a full disk would be refused for the space its own predecessor
+/// holds). 0 without a lock file, with a live holder, or when anything cannot be read.
+pub fn stale_store_bytes(dir: &Path) -> u64 {
+    let Ok(mut file) = File::open(dir.join(LOCK_FILE)) else { return 0 };
+    if rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockShared).is_err() {
+        return 0;
+    }
+    let mut text = String::new();
+    if file.read_to_string(&mut text).is_err() {
+        return 0;
+    }
+    let Some(holder) = serde_json::from_str::<Holder>(text.trim()).ok().filter(|h| h.pid != std::process::id()) else {
+        return 0;
+    };
+    let prefix = oogc_swapper::nvme::store_file_prefix(holder.pid);
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    entries
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_str().is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".swap")))
+        .filter_map(|e| e.metadata().ok())
+        .map(|m| m.len())
+        .sum()
+}
+
 fn lock_dir(dir: &Path, role: DirRole, me: &Holder) -> Result<(DirLock, Option<StaleLock>), LockError> {
     let key = role.key();
     let io = |source| LockError::Io { dir: dir.to_path_buf(), key, source };
@@ -338,6 +366,26 @@ mod tests {
         let now: Holder =
             serde_json::from_str(std::fs::read_to_string(dir.path().join(LOCK_FILE)).unwrap().trim()).unwrap();
         assert_eq!(now.pid, std::process::id());
+    }
+
+    #[test]
+    fn a_dead_runs_store_files_count_as_free_until_the_lock_is_taken_over() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(stale_store_bytes(dir.path()), 0, "no lock file");
+        let dead = Holder { pid: 4_000_000, command: "oogc train".into(), started_unix_s: 1 };
+        std::fs::write(dir.path().join(LOCK_FILE), serde_json::to_string(&dead).unwrap()).unwrap();
+        let prefix = oogc_swapper::nvme::store_file_prefix(dead.pid);
+        std::fs::write(dir.path().join(format!("{prefix}0-0.swap")), [0u8; 100]).unwrap();
+        std::fs::write(dir.path().join(format!("{prefix}1-0.swap")), [0u8; 20]).unwrap();
+        std::fs::write(dir.path().join("oogc-nvme-4000001-0-0.swap"), [0u8; 10]).unwrap();
+        assert_eq!(stale_store_bytes(dir.path()), 120, "the dead holder's files only");
+        // Once a live run holds the lock, nothing there is stale.
+        let lock = RunLock::acquire(&[(dir.path().into(), DirRole::Nvme)]).unwrap();
+        std::fs::write(dir.path().join(format!("{prefix}0-0.swap")), [0u8; 100]).unwrap();
+        // Even naming another pid (the flock decides, not the text).
+        std::fs::write(dir.path().join(LOCK_FILE), serde_json::to_string(&dead).unwrap()).unwrap();
+        assert_eq!(stale_store_bytes(dir.path()), 0, "a held lock");
+        drop(lock);
     }
 
     #[test]

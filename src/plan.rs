@@ -567,11 +567,17 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
             writeln!(out, "{:<10} {:>14} {:>16}  host: {name}", "", bytes, gib(bytes)).expect("writing to a String");
         }
     }
+    // Immediate updates speculate nothing: the store has no room for second extents then.
+    let room = if host.as_ref().and_then(|(_, n)| n.as_ref()).is_some_and(|n| n.speculation_bytes > 0) {
+        " + speculation's room"
+    } else {
+        ""
+    };
     let on_nvme = match (r.optimizer_state_on_nvme, args.params) {
-        (true, StatePlacement::Nvme) => "optimizer state + compute copies + copy-on-write slack + speculation's room",
-        (true, StatePlacement::Host) => "optimizer state + copy-on-write slack + speculation's room",
-        (false, StatePlacement::Nvme) => "compute copies + copy-on-write slack",
-        (false, StatePlacement::Host) => "-",
+        (true, StatePlacement::Nvme) => format!("optimizer state + compute copies + copy-on-write slack{room}"),
+        (true, StatePlacement::Host) => format!("optimizer state + copy-on-write slack{room}"),
+        (false, StatePlacement::Nvme) => "compute copies + copy-on-write slack".to_string(),
+        (false, StatePlacement::Host) => "-".to_string(),
     };
     writeln!(out, "{:<10} {:>14} {:>16}  {on_nvme}", "nvme", r.memory.nvme_bytes, gib(r.memory.nvme_bytes))
         .expect("writing to a String");
@@ -594,8 +600,12 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
     let lb = &r.sim.link_bytes;
     writeln!(
         out,
-        "  bytes per step: h2d {} d2h {} nvme read {} nvme write {}",
-        lb.h2d, lb.d2h, lb.nvme_read, lb.nvme_write
+        "  bytes per step: h2d {} d2h {} nvme read {} nvme write {} (optimizer state{})",
+        lb.h2d,
+        lb.d2h,
+        lb.nvme_read,
+        lb.nvme_write,
+        if args.params == StatePlacement::Nvme { " + compute copies" } else { "" }
     )
     .expect("writing to a String");
     for w in &r.warnings {

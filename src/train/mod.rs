@@ -429,7 +429,10 @@ impl Trainer {
         // The config's validation refuses micro-batches for MoE-GPT; a Mixtral's experts (from
         // its keys or an init checkpoint's config.json) are known only once the model is.
         cfg.check_micro_batches(model.moe().is_some())?;
-        check_budgets(&cfg, &*model, &crate::runtime::budget::statvfs_free_bytes)?;
+        // A killed predecessor's store files count as free: taking its lock over removes them.
+        let free =
+            |dir: &Path| Ok(crate::runtime::budget::statvfs_free_bytes(dir)? + crate::lock::stale_store_bytes(dir));
+        check_budgets(&cfg, &*model, &free)?;
         // Before anything is written: one run at a time owns its directories.
         let lock = crate::lock::RunLock::for_config(&cfg)?;
         if let Some(dir) = cfg.checkpoint.dir.as_deref().filter(|_| !resuming) {
