@@ -1272,34 +1272,18 @@ fn speculate_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, epoch: u64, s
 
 /// The job of `submit` when the optimizer [updates immediately](OptimizerConfig::updates_immediately):
 /// the gradients' sum of squares first (a non-finite one leaves the unit untouched and fails the
-/// step), then the one update in place (NVMe state to new extents, committed at once), and the
+/// step), then the one update in place, committed at once ([`update_and_commit`]), and the
 /// gradients are dropped.
 fn immediate_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, step: u64, epoch: u64, scalars: StepScalars) {
     let _span = tracing::debug_span!("optimizer::update_now", unit = cell.id.0, params = cell.n).entered();
-    let result = catch_unwind(AssertUnwindSafe(|| {
-        let g = data.grads.as_ref().map(|(g, _)| g.as_slice()).expect("submitted gradients");
-        let sumsq = sh.kernel.grad_sumsq(g);
-        if !sumsq.is_finite() {
-            return Err(Error::NonFiniteGradient { step, unit: cell.id, sumsq });
-        }
-        update(sh, cell, &mut data, &scalars, false)?;
-        Ok(sumsq)
-    }));
-    let (sumsq, error) = match result {
-        Ok(Ok(s)) => {
-            if matches!(data.home, Home::Nvme { .. }) {
-                commit(sh, &mut data);
-            }
-            (s, None)
-        }
-        Ok(Err(e)) => {
-            discard(sh, &mut data);
-            (f64::NAN, Some(e))
-        }
-        Err(p) => {
-            discard(sh, &mut data);
-            (f64::NAN, Some(Error::WorkerPanic { unit: cell.id, message: panic_message(p) }))
-        }
+    let g = data.grads.as_ref().map(|(g, _)| g.as_slice()).expect("submitted gradients");
+    let (sumsq, error) = match catch_unwind(AssertUnwindSafe(|| sh.kernel.grad_sumsq(g))) {
+        Ok(s) if s.is_finite() => match update_and_commit(sh, cell, &mut data, &scalars) {
+            None => (s, None),
+            error => (f64::NAN, error),
+        },
+        Ok(s) => (f64::NAN, Some(Error::NonFiniteGradient { step, unit: cell.id, sumsq: s })),
+        Err(p) => (f64::NAN, Some(Error::WorkerPanic { unit: cell.id, message: panic_message(p) })),
     };
     data.grads = None;
     if let Some(o) = sh.step.lock().open.as_mut() {
@@ -1312,23 +1296,29 @@ fn immediate_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, step: u64, ep
 /// The job of `finish_step` for a clipped step or a deferred unit: the one real update, then commit.
 fn final_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, epoch: u64, scalars: StepScalars) {
     let _span = tracing::debug_span!("optimizer::update", unit = cell.id.0, params = cell.n).entered();
-    let result = catch_unwind(AssertUnwindSafe(|| update(sh, cell, &mut data, &scalars, false)));
-    let error = match result {
+    let error = update_and_commit(sh, cell, &mut data, &scalars);
+    data.grads = None;
+    cell.put_back(data, error, None, Some(epoch));
+}
+
+/// One update of the unit from its committed state with `scalars` ([`update`]), then its commit
+/// (a speculated unit's second buffers, an NVMe unit's new extents); on an error or a panic the
+/// new extents are discarded and the committed state stays. Returns the error, if any.
+fn update_and_commit(sh: &Shared, cell: &UnitCell, data: &mut UnitData, scalars: &StepScalars) -> Option<Error> {
+    match catch_unwind(AssertUnwindSafe(|| update(sh, cell, data, scalars, false))) {
         Ok(Ok(_)) => {
             if data.speculative() || matches!(data.home, Home::Nvme { .. }) {
-                commit(sh, &mut data);
+                commit(sh, data);
             }
             None
         }
         Ok(Err(e)) => {
-            discard(sh, &mut data);
+            discard(sh, data);
             Some(e)
         }
         Err(p) => {
-            discard(sh, &mut data);
+            discard(sh, data);
             Some(Error::WorkerPanic { unit: cell.id, message: panic_message(p) })
         }
-    };
-    data.grads = None;
-    cell.put_back(data, error, None, Some(epoch));
+    }
 }
