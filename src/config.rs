@@ -818,12 +818,13 @@ impl TrainConfig {
     }
 
     /// Refuses `train.micro_batches > 1` and `[activations] offload` for a model with MoE blocks
-    /// (`moe`): the layer-major schedule and the checkpoint offload are for dense models. [`TrainConfig::validate`] calls it for MoE-GPT; the trainer
-    /// again once the model is built (a Mixtral's experts may come from an init checkpoint).
+    /// (`moe`): the layer-major schedule and the checkpoint offload are for dense models.
+    /// [`TrainConfig::validate`] calls it for MoE-GPT; the trainer again once the model is built
+    /// (a Mixtral's experts may come from an init checkpoint).
     ///
     /// # Errors
     /// [`ConfigError::Invalid`] naming `train.micro_batches` or `activations.offload`, with the fix.
-    pub fn check_micro_batches(&self, moe: bool) -> Result<()> {
+    pub fn check_moe_support(&self, moe: bool) -> Result<()> {
         if self.activations.offload && moe {
             return Err(ConfigError::Invalid {
                 key: "activations.offload".into(),
@@ -909,7 +910,7 @@ impl TrainConfig {
         if t.micro_batches == 0 {
             return bad("train.micro_batches", "must be ≥ 1 (1 = no gradient accumulation)".into());
         }
-        self.check_micro_batches(self.model.moe().is_some())?;
+        self.check_moe_support(self.model.moe().is_some())?;
         if t.eval_batches == 0 {
             return bad("train.eval_batches", "must be ≥ 1".into());
         }

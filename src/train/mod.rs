@@ -157,16 +157,18 @@ pub fn lr_schedule(cfg: &TrainConfig) -> oogc_optimizer::LrSchedule {
     }
 }
 
-/// The runtime's config from the run's config and its model's units (parameters per unit):
-/// device, budgets, where the optimizer state and the parameters live (the NVMe store sized
-/// `[budgets] nvme_size`, else by [`NvmePlan`]), prefetch depths, the CPU optimizer.
-pub fn runtime_config(cfg: &TrainConfig, units: &[usize]) -> RuntimeConfig {
+/// The runtime's config from the run's config and its model: device, budgets, where the
+/// optimizer state and the parameters live (the NVMe store sized `[budgets] nvme_size`, else by
+/// [`NvmePlan`] over the model's units), prefetch depths, the CPU optimizer, the activation
+/// checkpoints it offloads ([`activation_offload`]).
+pub fn runtime_config(cfg: &TrainConfig, model: &dyn CausalLm) -> RuntimeConfig {
+    let units = unit_sizes(model);
     let device = match cfg.device.kind {
         DeviceKind::Sim => DeviceSpec::Sim { link_gbps: cfg.device.link_gbps, latency_us: cfg.device.latency_us },
         DeviceKind::Cuda(ordinal) => DeviceSpec::Cuda { ordinal },
     };
     let nvme =
-        nvme_plan(cfg, units).map(|p| oogc_swapper::NvmeConfig::new(cfg.budgets.nvme_dirs.clone(), p.capacity_bytes));
+        nvme_plan(cfg, &units).map(|p| oogc_swapper::NvmeConfig::new(cfg.budgets.nvme_dirs.clone(), p.capacity_bytes));
     RuntimeConfig {
         device,
         gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
@@ -179,7 +181,7 @@ pub fn runtime_config(cfg: &TrainConfig, units: &[usize]) -> RuntimeConfig {
         optimizer: optimizer_config(cfg),
         lock_host_memory: true,
         overlap_optimizer: cfg.prefetch.overlap_optimizer,
-        activation_offload: None,
+        activation_offload: activation_offload(cfg, model),
     }
 }
 
@@ -246,9 +248,7 @@ pub fn max_units_in_use(model: &dyn CausalLm) -> usize {
 pub fn host_plan(cfg: &TrainConfig, model: &dyn CausalLm) -> HostPlan {
     let units = unit_sizes(model);
     let room = nvme_plan(cfg, &units).map_or(0, |p| p.speculation_room_bytes());
-    let mut rc = runtime_config(cfg, &units);
-    rc.activation_offload = activation_offload(cfg, model);
-    HostPlan::new(&rc, &units, max_units_in_use(model), room)
+    HostPlan::new(&runtime_config(cfg, model), &units, max_units_in_use(model), room)
 }
 
 /// Parameters of each unit of `model`, in unit order.
@@ -428,7 +428,7 @@ impl Trainer {
         let model = build_model(&cfg, vocab_size(&cfg)?)?;
         // The config's validation refuses micro-batches for MoE-GPT; a Mixtral's experts (from
         // its keys or an init checkpoint's config.json) are known only once the model is.
-        cfg.check_micro_batches(model.moe().is_some())?;
+        cfg.check_moe_support(model.moe().is_some())?;
         // A killed predecessor's store files count as free: taking its lock over removes them.
         let free =
             |dir: &Path| Ok(crate::runtime::budget::statvfs_free_bytes(dir)? + crate::lock::stale_store_bytes(dir));
@@ -452,7 +452,6 @@ impl Trainer {
         }
         let data = Corpus::load(&cfg.data.source(cfg.train.seq_len), progress)?;
         let num_params: usize = model.units().iter().map(|u| u.numel).sum();
-        let units = unit_sizes(&*model);
         if cfg.uses_nvme() {
             for dir in &cfg.budgets.nvme_dirs {
                 std::fs::create_dir_all(dir).map_err(|e| {
@@ -466,9 +465,7 @@ impl Trainer {
                 })?;
             }
         }
-        let mut rc = runtime_config(&cfg, &units);
-        rc.activation_offload = activation_offload(&cfg, &*model);
-        let mut rt = Runtime::new(rc)?;
+        let mut rt = Runtime::new(runtime_config(&cfg, &*model))?;
         // One unit at a time, straight into the runtime (never the whole model in memory): from
         // a Hugging Face checkpoint, or drawn from the run's seed.
         let init = match &cfg.model {
