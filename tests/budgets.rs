@@ -22,6 +22,17 @@ fn units_of(cfg: &TrainConfig) -> Vec<usize> {
     oogc::train::unit_sizes(&*model_of(cfg))
 }
 
+/// The tiny config (state on NVMe in `dir`) with a GPU budget of 1/8 of its parameters' bytes:
+/// units are evicted and fetched again every step. Returns it, its units' parameters and those
+/// bytes.
+fn tiny_eighth_on_gpu(dir: &std::path::Path) -> (TrainConfig, Vec<usize>, u64) {
+    let mut cfg = TrainConfig::from_toml_str(&tiny("64MiB", "nvme", dir, 2)).unwrap();
+    let units = units_of(&cfg);
+    let param_bytes: u64 = units.iter().map(|&n| 4 * n as u64).sum();
+    cfg.budgets.gpu = bytesize::ByteSize::b(param_bytes / 8);
+    (cfg, units, param_bytes)
+}
+
 /// Runs `steps` and checks the ledger against the budget and every category against its
 /// planned bytes; returns the losses and the final master weights.
 fn run_checked(cfg: TrainConfig, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>, Trainer) {
@@ -47,11 +58,7 @@ fn run_checked(cfg: TrainConfig, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>, Traine
 #[test]
 fn parameters_on_nvme_train_bitwise_as_parameters_in_host_memory() {
     let dir = tempfile::tempdir().unwrap();
-    let mut on_host = TrainConfig::from_toml_str(&tiny("64MiB", "nvme", dir.path(), 2)).unwrap();
-    let units = units_of(&on_host);
-    let param_bytes: u64 = units.iter().map(|&n| 4 * n as u64).sum();
-    // 1/8 of the parameters on the GPU: units are evicted and fetched again every step.
-    on_host.budgets.gpu = bytesize::ByteSize::b(param_bytes / 8);
+    let (on_host, units, param_bytes) = tiny_eighth_on_gpu(dir.path());
     let mut on_nvme = on_host.clone();
     on_nvme.budgets.params = StatePlacement::Nvme;
     // A host budget whose compute-copy share holds about a third of the copies: the host tier
@@ -80,10 +87,7 @@ fn parameters_on_nvme_train_bitwise_as_parameters_in_host_memory() {
 #[test]
 fn immediate_updates_hold_a_few_units_gradients_and_train_bitwise_as_the_reference() {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg = TrainConfig::from_toml_str(&tiny("64MiB", "nvme", dir.path(), 2)).unwrap();
-    let units = units_of(&cfg);
-    let param_bytes: u64 = units.iter().map(|&n| 4 * n as u64).sum();
-    cfg.budgets.gpu = bytesize::ByteSize::b(param_bytes / 8);
+    let (mut cfg, units, param_bytes) = tiny_eighth_on_gpu(dir.path());
     cfg.budgets.params = StatePlacement::Nvme;
     cfg.optimizer.clip_norm = 0.0;
     let held = oogc::train::host_plan(&cfg, &*model_of(&cfg));
