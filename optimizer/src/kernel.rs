@@ -145,6 +145,15 @@ impl<'a> GradSlice<'a> {
         }
     }
 
+    /// The gradients' bytes (little-endian, `dtype().num_bytes(len())` of them).
+    pub fn as_bytes(&self) -> &'a [u8] {
+        match *self {
+            GradSlice::F32(g) => bytemuck::cast_slice(g),
+            GradSlice::BF16(g) => bytemuck::cast_slice(g),
+            GradSlice::F16(g) => bytemuck::cast_slice(g),
+        }
+    }
+
     #[inline(always)]
     pub(crate) fn get(&self, i: usize) -> f32 {
         match self {

@@ -135,6 +135,52 @@ impl Grads {
             Grads::F16(g) => GradSlice::F16(g),
         }
     }
+
+    /// Gradients of `dtype` from their little-endian bytes (`dtype.num_bytes(n)` of them; any
+    /// alignment), e.g. a D2H copy's landing buffer.
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] for a `dtype` that is not a float or a length that is not a
+    /// whole number of elements.
+    pub fn from_bytes(dtype: DType, bytes: &[u8]) -> Result<Self> {
+        if !dtype.is_float() || !bytes.len().is_multiple_of(dtype.size_in_bytes()) {
+            return Err(Error::LengthMismatch {
+                what: format!("gradient bytes as {dtype} elements"),
+                expected: bytes.len().div_ceil(dtype.size_in_bytes()) * dtype.size_in_bytes(),
+                got: bytes.len(),
+            });
+        }
+        Ok(match dtype {
+            DType::F32 => Grads::F32(bytemuck::pod_collect_to_vec(bytes)),
+            DType::BF16 => Grads::BF16(bytemuck::pod_collect_to_vec(bytes)),
+            DType::F16 => Grads::F16(bytemuck::pod_collect_to_vec(bytes)),
+            DType::U8 => unreachable!("refused above"),
+        })
+    }
+
+    /// `g` converted to `dtype` (F32, BF16 or F16; rounded to nearest even when narrowing, as
+    /// `half`'s conversions; the same values when `dtype` is `g`'s).
+    ///
+    /// # Panics
+    /// For a `dtype` that is not a float.
+    pub fn converted(g: GradSlice<'_>, dtype: DType) -> Self {
+        let f32s = || -> Vec<f32> {
+            match g {
+                GradSlice::F32(g) => g.to_vec(),
+                GradSlice::BF16(g) => g.to_f32_vec(),
+                GradSlice::F16(g) => g.to_f32_vec(),
+            }
+        };
+        match (g, dtype) {
+            (GradSlice::F32(g), DType::F32) => Grads::F32(g.to_vec()),
+            (GradSlice::BF16(g), DType::BF16) => Grads::BF16(g.to_vec()),
+            (GradSlice::F16(g), DType::F16) => Grads::F16(g.to_vec()),
+            (_, DType::F32) => Grads::F32(f32s()),
+            (_, DType::BF16) => Grads::BF16(f32s().iter().map(|&x| bf16::from_f32(x)).collect()),
+            (_, DType::F16) => Grads::F16(f32s().iter().map(|&x| f16::from_f32(x)).collect()),
+            (_, DType::U8) => panic!("gradients are f32, bf16 or f16, not u8"),
+        }
+    }
 }
 
 /// A unit's optimizer state, for checkpoints: fp32 master weights, `m`, `v` (one length).
@@ -430,6 +476,19 @@ fn copy_bytes(words: &[u32], n: usize, dtype: DType) -> &[u8] {
 
 fn copy_out(words: &mut [u32], n: usize, dtype: DType) -> CopyOut<'_> {
     CopyOut::from_bytes(dtype, &mut bytemuck::cast_slice_mut(words)[..n * dtype.size_in_bytes()])
+}
+
+/// The compute copy of `master` in `dtype` (F32, BF16 or F16; little-endian bytes,
+/// `dtype.num_bytes(master.len())` of them), rounded to nearest even exactly as the optimizer
+/// writes every later copy: what a caller registers as a unit's first compute copy.
+///
+/// # Panics
+/// For a `dtype` that is not a float.
+pub fn compute_copy(master: &[f32], dtype: DType) -> Vec<u8> {
+    assert!(dtype.is_float(), "a compute copy is f32, bf16 or f16, not {dtype}");
+    let mut out = vec![0u8; dtype.num_bytes(master.len())];
+    fill_copy(&mut out, master, dtype);
+    out
 }
 
 /// Converts master weights to the compute copy `out` (`master.len()` elements of `dtype`;

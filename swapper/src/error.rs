@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use crate::device::OrderingHazard;
 use crate::tier::{TensorId, Tier};
 
 /// Errors of the swapper. Each variant names the cause and, where there is one, the fix.
@@ -55,6 +56,29 @@ pub enum Error {
         op: &'static str,
         /// The driver's message.
         message: String,
+    },
+
+    /// The sim device's happens-before checker found an operation CUDA would race on: a copy,
+    /// free or compute access not ordered after what it must follow (see
+    /// [`crate::device::ordering`]).
+    #[error(
+        "ordering violation: {hazard} (sim buffer #{buffer}, {num_bytes} bytes: it had to follow {} #{needed}, \
+         was ordered after #{ordered}); fix: {}",
+        .hazard.needs(),
+        .hazard.fix()
+    )]
+    Ordering {
+        /// The rule broken, naming the operation.
+        hazard: OrderingHazard,
+        /// The buffer's number on its device (allocation order, from 1).
+        buffer: u64,
+        /// The buffer's size in bytes.
+        num_bytes: u64,
+        /// The compute position (or, for [`OrderingHazard::ComputeBeforeHtod`], the copy id)
+        /// the operation had to be ordered after.
+        needed: u64,
+        /// The position (or copy id) it was ordered after.
+        ordered: u64,
     },
 
     /// The device backend stopped (its copy engine is gone) or was given an invalid request.

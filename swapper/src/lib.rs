@@ -4,6 +4,7 @@
 //! |---|---|---|
 //! | tier | [`Tier`] | device (GPU), host (pinned), NVMe |
 //! | device backend | [`Device`], [`SimDevice`], [`CudaDevice`] | enforced capacity, asynchronous H2D/D2H, events |
+//! | ordering | [`DeviceEvent`], [`Device::record_compute_event`], [`Device::dtoh_after`], [`Device::free_after`] | one compute/copy ordering API for both backends; the sim device checks it (happens-before) |
 //! | pinned pool | [`PinnedPool`], [`HostBuffer`] | page-aligned, page-locked host buffers with a byte budget |
 //! | host ledger | [`HostLedger`], [`HostUse`] | the one host budget every host allocation is claimed from, by category, with peaks |
 //! | NVMe store | [`NvmeStore`] | files striped over directories, extents with checksums, io_uring or pread/pwrite |
@@ -25,8 +26,8 @@ pub mod residency;
 pub mod tier;
 
 pub use device::{
-    CudaBuffer, CudaDevice, Device, DeviceBackend, DeviceBuffer, Direction, SimBuffer, SimDevice, SimDeviceConfig,
-    Transfer,
+    CudaBuffer, CudaDevice, CudaEvent, Device, DeviceBackend, DeviceBuffer, DeviceEvent, Direction, OrderingHazard,
+    OrderingViolation, PendingHost, SimBuffer, SimDevice, SimDeviceConfig, SimEvent, Transfer,
 };
 pub use error::{Error, Result};
 pub use host::{HostAllocator, HostBuffer, HostMemory, MmapAllocator, PinnedPool, PinnedPoolConfig};

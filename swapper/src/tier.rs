@@ -79,6 +79,12 @@ impl DType {
         }
     }
 
+    /// Bytes of `numel` elements of this type: the one way a buffer's size follows from its
+    /// element count (compute copies, gradients, staging, checkpoints, budgets).
+    pub fn num_bytes(self, numel: usize) -> usize {
+        numel * self.size_in_bytes()
+    }
+
     /// Whether it is a floating-point type (`f32`, `bf16`, `f16`): what gradients, compute
     /// copies and optimizer state may be.
     pub fn is_float(self) -> bool {

@@ -49,7 +49,7 @@ impl SplitMix {
 }
 
 fn device_bytes(g: &oogc_swapper::Resident) -> Vec<u8> {
-    g.device_buffer().as_sim().unwrap().as_slice().to_vec()
+    g.device_buffer().as_sim().unwrap().compute_read().unwrap().to_vec()
 }
 
 #[test]
@@ -64,7 +64,7 @@ fn device_copy_matches_host_and_writes_come_back() {
     let new = pattern(1, 9, data.len());
     {
         let g = m.acquire(TensorId(1), Tier::Device, Access::Write).unwrap();
-        g.device_buffer_mut().as_sim_mut().unwrap().as_mut_slice().copy_from_slice(&new);
+        g.device_buffer_mut().as_sim_mut().unwrap().compute_write().unwrap().copy_from_slice(&new);
     }
     assert!(m.residency(TensorId(1)).unwrap().device_dirty);
     assert_eq!(m.read_to_vec(TensorId(1)).unwrap(), new, "host acquire must copy the dirty device copy back");
@@ -99,7 +99,7 @@ fn eviction_keeps_the_device_under_budget_and_dirty_copies_survive() {
         for id in 0..8 {
             let g = m.acquire(TensorId(id), Tier::Device, Access::Write).unwrap();
             let mut buf = g.device_buffer_mut();
-            let s = buf.as_sim_mut().unwrap().as_mut_slice();
+            let s = buf.as_sim_mut().unwrap().compute_write().unwrap();
             assert_eq!(s, &pattern(id, round - 1, size)[..], "tensor {id} round {round}");
             s.copy_from_slice(&pattern(id, round, size));
             drop(buf);
@@ -216,7 +216,7 @@ fn randomized_concurrent_workload_keeps_every_invariant() {
                         0 | 1 => {
                             let v = versions[own as usize].wrapping_add(1);
                             let g = m.acquire(TensorId(id), Tier::Device, Access::Write).unwrap();
-                            g.device_buffer_mut().as_sim_mut().unwrap().as_mut_slice().fill(v);
+                            g.device_buffer_mut().as_sim_mut().unwrap().compute_write().unwrap().fill(v);
                             versions[own as usize] = v;
                         }
                         2 => {
@@ -229,7 +229,7 @@ fn randomized_concurrent_workload_keeps_every_invariant() {
                             let any = rng.below(THREADS * PER_THREAD);
                             let g = m.acquire(TensorId(any), Tier::Device, Access::Read).unwrap();
                             let b = g.device_buffer();
-                            let s = b.as_sim().unwrap().as_slice();
+                            let s = b.as_sim().unwrap().compute_read().unwrap();
                             assert!(s.iter().all(|&x| x == s[0]), "torn device copy of {any}");
                             drop(b);
                             assert!(m.residency(TensorId(any)).unwrap().device, "pinned copy vanished");
@@ -266,6 +266,53 @@ fn randomized_concurrent_workload_keeps_every_invariant() {
     assert!(m.metrics().evictions > 0, "the budget must have forced evictions");
 }
 
+/// The manager follows the device's ordering contract: device copies that compute read or wrote
+/// are written back, evicted clean, dropped by a host write or an overwrite, and removed, each
+/// after the compute that used them (the event recorded when the guard dropped), so the sim
+/// device's happens-before checker finds nothing (`check_invariants` asks it).
+#[test]
+fn every_write_back_and_free_is_ordered_after_compute() {
+    let size = 10_000;
+    let m = manager(2 * size as u64, 16 << 20);
+    for id in 0..5 {
+        m.register(meta(id, size), &pattern(id, 0, size)).unwrap();
+    }
+    for round in 0..4u64 {
+        for id in 0..5 {
+            let write = (id + round) % 2 == 0;
+            let g = m.acquire(TensorId(id), Tier::Device, if write { Access::Write } else { Access::Read }).unwrap();
+            if write {
+                g.device_buffer_mut().as_sim_mut().unwrap().compute_write().unwrap().fill(round as u8);
+            } else {
+                g.device_buffer().as_sim().unwrap().compute_read().unwrap();
+            }
+            drop(g);
+            m.check_invariants().unwrap();
+        }
+    }
+    // A host write drops a device copy compute read.
+    drop(device_bytes(&m.acquire(TensorId(0), Tier::Device, Access::Read).unwrap()));
+    m.acquire(TensorId(0), Tier::Host, Access::Write).unwrap().host_bytes_mut().fill(7);
+    assert!(!m.residency(TensorId(0)).unwrap().device);
+    // An overwrite drops a dirty device copy compute wrote.
+    m.acquire(TensorId(1), Tier::Device, Access::Write)
+        .unwrap()
+        .device_buffer_mut()
+        .as_sim_mut()
+        .unwrap()
+        .compute_write()
+        .unwrap()
+        .fill(8);
+    m.acquire(TensorId(1), Tier::Host, Access::Overwrite).unwrap().host_bytes_mut().fill(9);
+    assert!(!m.residency(TensorId(1)).unwrap().device);
+    // Removal frees a device copy compute read.
+    drop(device_bytes(&m.acquire(TensorId(2), Tier::Device, Access::Read).unwrap()));
+    m.remove(TensorId(2)).unwrap();
+    m.check_invariants().unwrap();
+    assert!(m.device().as_sim().unwrap().ordering_violations().is_empty());
+    assert_eq!(device_bytes(&m.acquire(TensorId(1), Tier::Device, Access::Read).unwrap()), vec![9; size]);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(24))]
     /// Random sizes round-trip host → device → host through the residency manager.
@@ -278,7 +325,7 @@ proptest! {
         for (i, &n) in sizes.iter().enumerate() {
             let g = m.acquire(TensorId(i as u64), Tier::Device, Access::Write).unwrap();
             let mut b = g.device_buffer_mut();
-            let s = b.as_sim_mut().unwrap().as_mut_slice();
+            let s = b.as_sim_mut().unwrap().compute_write().unwrap();
             prop_assert_eq!(&*s, &pattern(i as u64, 1, n)[..]);
             s.copy_from_slice(&pattern(i as u64, 2, n));
         }

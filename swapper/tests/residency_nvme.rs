@@ -61,7 +61,7 @@ proptest! {
                     let id = TensorId(i as u64);
                     let g = m.acquire(id, Tier::Device, Access::Write).unwrap();
                     let mut b = g.device_buffer_mut();
-                    let s = b.as_sim_mut().unwrap().as_mut_slice();
+                    let s = b.as_sim_mut().unwrap().compute_write().unwrap();
                     prop_assert_eq!(&*s, &pattern(i as u64, round - 1, n)[..], "engine {:?} tensor {} round {}", engine, i, round);
                     s.copy_from_slice(&pattern(i as u64, round, n));
                     drop(b);
@@ -151,7 +151,7 @@ fn prefetch_from_nvme_reaches_the_device() {
     }
     for id in 0..3 {
         let g = m.acquire(TensorId(id), Tier::Device, Access::Read).unwrap();
-        assert_eq!(g.device_buffer().as_sim().unwrap().as_slice(), &pattern(id, 0, size)[..]);
+        assert_eq!(g.device_buffer().as_sim().unwrap().compute_read().unwrap(), &pattern(id, 0, size)[..]);
     }
     assert!(m.metrics().prefetch_hits >= 3);
     m.check_invariants().unwrap();

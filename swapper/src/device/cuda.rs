@@ -30,7 +30,10 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{sys, CudaContext, CudaEvent, CudaSlice, CudaStream, DriverError, PinnedHostSlice};
+use cudarc::driver::{sys, CudaContext, CudaSlice, CudaStream, DriverError, PinnedHostSlice};
+
+/// cudarc's event: a point on a stream, recorded after the work submitted to it so far.
+pub use cudarc::driver::CudaEvent;
 
 use super::{CopyEvent, DeviceBackend, DeviceBuffer, Direction, Transfer};
 use crate::error::{Error, Result};
@@ -143,6 +146,82 @@ impl CudaBuffer {
     pub fn as_mut_slice(&mut self) -> &mut CudaSlice<u8> {
         self.order.touched.store(true, Ordering::Release);
         &mut self.slice
+    }
+
+    /// The buffer's device address (a `CUdeviceptr`) and its GPU's ordinal, for handing the
+    /// memory to another framework without a copy (DLPack): valid while the buffer lives, for
+    /// kernels on the compute stream. Marks the buffer as seen by compute.
+    pub fn device_address(&self) -> (u64, usize) {
+        use cudarc::driver::DevicePtr;
+        let stream = self.order.compute.clone();
+        let (ptr, _sync) = self.as_slice().device_ptr(&stream);
+        (ptr, stream.context().ordinal())
+    }
+
+    /// A new slice of `numel` elements of `T` on `stream` (candle's compute stream) holding
+    /// this buffer's first `numel × size_of::<T>()` bytes: one device-to-device copy, ordered on
+    /// `stream` (after the kernels submitted to it so far, before the ones after). For handing a
+    /// unit's compute copy to candle as a tensor it owns (`CudaStorage::wrap_cuda_slice`), since
+    /// the residency manager keeps owning this buffer. Marks the buffer as seen by compute.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] when the buffer holds fewer bytes; [`Error::Cuda`] when the
+    /// allocation or the copy fails.
+    pub fn copy_out<T: cudarc::driver::DeviceRepr>(
+        &self,
+        numel: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<CudaSlice<T>> {
+        let bytes = numel * std::mem::size_of::<T>();
+        if bytes > self.num_bytes {
+            return Err(Error::InvalidRequest(format!(
+                "copy_out of {bytes} bytes from a device buffer of {} bytes",
+                self.num_bytes
+            )));
+        }
+        // SAFETY: the memory is uninitialised until the copy below writes every one of its
+        // `bytes` bytes; nothing reads it before (the copy is ordered first on `stream`).
+        let mut dst = unsafe { stream.alloc::<T>(numel) }.map_err(cuda_err("alloc"))?;
+        if bytes == 0 {
+            return Ok(dst);
+        }
+        {
+            // SAFETY: any bytes are a valid `u8`: the view reinterprets `dst`'s `bytes` bytes as bytes.
+            let mut dst_bytes = unsafe { dst.transmute_mut::<u8>(bytes) }
+                .ok_or_else(|| Error::InvalidRequest("copy_out: byte view out of bounds".into()))?;
+            let src = self.as_slice().slice(..bytes);
+            stream.memcpy_dtod(&src, &mut dst_bytes).map_err(cuda_err("memcpy dtod"))?;
+        }
+        Ok(dst)
+    }
+
+    /// Copies `src` (elements of `T`, e.g. a candle tensor's gradient) into the front of this
+    /// buffer on `stream` (candle's compute stream: after the kernels that wrote `src`). Marks
+    /// the buffer as seen by compute: a D2H of it afterwards needs an event recorded on
+    /// `stream` after this call (see [`CudaDevice::dtoh_after`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] when `src` does not fit; [`Error::Cuda`] when the copy fails.
+    pub fn copy_in<T: cudarc::driver::DeviceRepr>(
+        &mut self,
+        src: &cudarc::driver::CudaView<'_, T>,
+        stream: &Arc<CudaStream>,
+    ) -> Result<()> {
+        let bytes = src.len() * std::mem::size_of::<T>();
+        if bytes > self.num_bytes {
+            return Err(Error::InvalidRequest(format!(
+                "copy_in of {bytes} bytes into a device buffer of {} bytes",
+                self.num_bytes
+            )));
+        }
+        if bytes == 0 {
+            return Ok(());
+        }
+        // SAFETY: any bytes are a valid `u8`: the view reinterprets `src`'s bytes as bytes.
+        let src_bytes = unsafe { src.transmute::<u8>(bytes) }
+            .ok_or_else(|| Error::InvalidRequest("copy_in: byte view out of bounds".into()))?;
+        let mut dst = self.as_mut_slice().slice_mut(..bytes);
+        stream.memcpy_dtod(&src_bytes, &mut dst).map_err(cuda_err("memcpy dtod"))
     }
 
     /// Takes the slice out (for `CudaStorage::wrap_cuda_slice`, which takes it by value) with
@@ -369,6 +448,32 @@ impl CudaDevice {
     /// [`Error::Cuda`] when the driver refuses the wait.
     pub fn copy_wait(&self, event: &CudaEvent) -> Result<()> {
         self.copy.wait(event).map_err(cuda_err("copy stream wait"))
+    }
+
+    /// Frees `buf` after `after` (an event from [`CudaDevice::record_compute_event`] recorded
+    /// after the last kernel using it): the copy stream, where the free is stream-ordered, waits
+    /// for `after`, and not for all compute. With `None`, as dropping it: after all compute when
+    /// compute has seen it.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the driver refuses the wait; the buffer is then freed after all
+    /// compute.
+    pub fn free_after(&self, buf: CudaBuffer, after: Option<&CudaEvent>) -> Result<()> {
+        if let Some(ev) = after {
+            self.copy_wait(ev)?;
+            buf.order.touched.store(false, Ordering::Release);
+        }
+        drop(buf);
+        Ok(())
+    }
+
+    /// A driver error recorded in the context since the last check (by a buffer's free, an
+    /// event's drop), as cudarc's `check_err` reports it.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] with that error.
+    pub fn check_ordering(&self) -> Result<()> {
+        self.ctx.check_err().map_err(cuda_err("recorded error"))
     }
 
     /// Orders the copy stream before a copy of `buf`: after `after` when given, else after all

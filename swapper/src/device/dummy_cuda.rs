@@ -20,7 +20,16 @@ impl CudaBuffer {
     pub fn num_bytes(&self) -> usize {
         match self.0 {}
     }
+
+    /// Uninhabited.
+    pub fn device_address(&self) -> (u64, usize) {
+        match self.0 {}
+    }
 }
+
+/// A CUDA event (uninhabited without the `cuda` feature).
+#[derive(Debug)]
+pub struct CudaEvent(Never);
 
 /// A CUDA GPU (uninhabited without the `cuda` feature).
 pub struct CudaDevice(Never);
@@ -32,6 +41,88 @@ impl CudaDevice {
     /// [`Error::NotCompiledWithCuda`].
     pub fn new(_ordinal: usize, _capacity_bytes: Option<u64>) -> Result<Self> {
         Err(Error::NotCompiledWithCuda)
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn record_compute_event(&self) -> Result<CudaEvent> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn htod_after(
+        &self,
+        _src: HostBuffer,
+        _dst: CudaBuffer,
+        _after: Option<&CudaEvent>,
+    ) -> Result<(Transfer, Arc<CudaEvent>)> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn dtoh_after(
+        &self,
+        _src: CudaBuffer,
+        _dst: HostBuffer,
+        _after: Option<&CudaEvent>,
+    ) -> Result<(Transfer, Arc<CudaEvent>)> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn compute_waits_for(&self, _copy_done: &CudaEvent) -> Result<()> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn compute_waits_for_copies(&self) -> Result<()> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn copy_waits_for_compute(&self) -> Result<()> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn copy_wait(&self, _event: &CudaEvent) -> Result<()> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn free_after(&self, _buf: CudaBuffer, _after: Option<&CudaEvent>) -> Result<()> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn check_ordering(&self) -> Result<()> {
+        match self.0 {}
     }
 }
 

@@ -171,17 +171,18 @@ impl Inner {
             if overwrite {
                 // Every byte is about to be replaced: the newer device copy is dropped, not
                 // copied back.
-                let freed = e.device.clear();
-                st.release(Tier::Device, freed);
+                let freed = self.free_device_copy(st, id);
                 self.cond.notify_all();
+                freed?;
                 return Ok(Step::Retry);
             }
             if !e.host.lendable() {
                 return Ok(Step::Wait);
             }
+            let after = e.device.compute_done.clone();
             let dev = e.device.take();
             let host = e.host.take();
-            return Ok(Step::Act(Action::Dtoh { id, dev, host, then: WriteBack::Keep }));
+            return Ok(Step::Act(Action::Dtoh { id, dev, host, after, then: WriteBack::Keep }));
         }
         match e.host.state {
             CopyState::Ready => {
@@ -190,9 +191,9 @@ impl Inner {
                     if !e.device.lendable() {
                         return Ok(Step::Wait);
                     }
-                    let freed = e.device.clear();
-                    st.release(Tier::Device, freed);
+                    let freed = self.free_device_copy(st, id);
                     self.cond.notify_all();
+                    freed?;
                 }
                 let e = st.entry(id)?;
                 if let Pin::Yes(access) = pin {

@@ -76,7 +76,10 @@ impl Resident {
         RwLockWriteGuard::map(cell.write(), |b| b.as_mut().expect("pinned copy present").as_mut_slice())
     }
 
-    /// The device buffer.
+    /// The device buffer, for compute while the guard lives: mark each use as a compute access
+    /// (sim: [`SimBuffer::compute_read`](crate::SimBuffer::compute_read); CUDA:
+    /// `CudaBuffer::as_slice`). Dropping the guard records an event after that compute, which the
+    /// copy's write-back and free are ordered after.
     ///
     /// # Panics
     /// If the guard is not for the device tier.
@@ -85,7 +88,8 @@ impl Resident {
         RwLockReadGuard::map(cell.read(), |b| b.as_ref().expect("pinned copy present"))
     }
 
-    /// The device buffer, mutably.
+    /// The device buffer, mutably (sim: [`SimBuffer::compute_write`](crate::SimBuffer::compute_write);
+    /// CUDA: `CudaBuffer::as_mut_slice`). As [`Resident::device_buffer`].
     ///
     /// # Panics
     /// If the guard is not for the device tier or was acquired for [`Access::Read`].
@@ -97,12 +101,25 @@ impl Resident {
 }
 
 impl Drop for Resident {
+    /// Unpins. A device pin also records an event on the compute stream (under the lock, so the
+    /// copy's event is the latest): after every kernel the holder launched on the buffer, for
+    /// its write-back and free to follow (`Replica::compute_done`).
     fn drop(&mut self) {
         let mut st = self.inner.state.lock();
         if let Some(e) = st.entries.get_mut(&self.id) {
             match self.tier {
                 Tier::Host => e.host.unpin(self.thread),
-                _ => e.device.unpin(self.thread),
+                _ => {
+                    e.device.unpin(self.thread);
+                    e.device.compute_done = match self.inner.device.record_compute_event() {
+                        Ok(ev) => Some(ev),
+                        Err(err) => {
+                            // Without an event, the write-back and free wait for all compute.
+                            tracing::error!(tensor = self.id.0, error = %err, "recording a compute event at unpin");
+                            None
+                        }
+                    };
+                }
             }
         }
         self.inner.cond.notify_all();

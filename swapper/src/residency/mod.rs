@@ -18,6 +18,17 @@
 //! drops the device copy, which would be stale. NVMe write-backs are copy-on-write: the new extent
 //! is written before the old one is freed, so a failed write loses nothing.
 //!
+//! **Ordering with compute.** A device copy goes to compute through a [`Resident`] guard: the
+//! holder marks each use as a compute access (sim:
+//! [`SimBuffer::compute_read`](crate::SimBuffer::compute_read) /
+//! [`SimBuffer::compute_write`](crate::SimBuffer::compute_write); CUDA: `CudaBuffer::as_slice`)
+//! while the guard lives. Dropping a device guard records an event on the compute stream
+//! ([`Device::record_compute_event`]); the copy's write-back ([`Device::dtoh_after`]) and its
+//! free on eviction or removal ([`Device::free_after`]) are ordered after the latest such event,
+//! so neither waits for all of compute on CUDA, and the sim device's checker sees every free
+//! ordered. A fetch waits for its H2D on the host ([`Transfer::wait`](crate::Transfer::wait))
+//! before the copy is ready, so compute never needs to wait for it.
+//!
 //! **Budgets.** Every byte on a tier is reserved under the manager's lock before it is allocated,
 //! so a tier never holds more than its budget (host bytes are counted in the pool's size
 //! classes). A pinned copy is never evicted. A request that cannot be met even after evicting
@@ -419,14 +430,14 @@ impl ResidencyManager {
         if !e.device.pinners.is_empty() || !e.host.pinners.is_empty() || busy(e.device.state) || busy(e.host.state) {
             return Err(Error::InvalidRequest(format!("tensor {id} is pinned or in flight; release it first")));
         }
+        let freed = inner.free_device_copy(&mut st, id);
         let e = st.entries.remove(&id).expect("present");
-        st.release(Tier::Device, e.device.reserved);
         st.release(Tier::Host, e.host.reserved);
         if let (Some(x), Some(store)) = (e.nvme, inner.nvme.as_deref()) {
             store.free(x);
         }
         inner.cond.notify_all();
-        Ok(e.meta)
+        freed.map(|()| e.meta)
     }
 
     /// The metadata of a tensor.
@@ -492,11 +503,15 @@ impl ResidencyManager {
     }
 
     /// Checks the bookkeeping: reserved bytes equal the sum over copies, no tier over its budget,
-    /// the device and pool within budget (and the pool's memory within its ledger's budget). For tests; cheap enough to call often.
+    /// the device and pool within budget (and the pool's memory within its ledger's budget), and
+    /// the device's ordering ([`Device::check_ordering`]: on the sim, no happens-before
+    /// violation so far). For tests; cheap enough to call often.
     ///
     /// # Errors
-    /// [`Error::InvalidRequest`] describing the first broken invariant.
+    /// [`Error::InvalidRequest`] describing the first broken invariant; [`Error::Ordering`] with
+    /// the sim device's first ordering violation.
     pub fn check_invariants(&self) -> Result<()> {
+        self.inner.device.check_ordering()?;
         let st = self.inner.state.lock();
         let mut sum = [0u64; 2];
         for e in st.entries.values() {
@@ -572,6 +587,21 @@ struct Inner {
     budgets: [AtomicU64; 2],
     config: ResidencyConfig,
     metrics: Metrics,
+}
+
+impl Drop for Inner {
+    /// Frees the device copies through the device, each after the compute that used it (the
+    /// ordering contract holds to the end); errors are logged (the sim device's checker keeps its
+    /// violations in its log).
+    fn drop(&mut self) {
+        let ids: Vec<TensorId> = self.state.get_mut().entries.keys().copied().collect();
+        let mut st = self.state.lock();
+        for id in ids {
+            if let Err(e) = self.free_device_copy(&mut st, id) {
+                tracing::error!(tensor = id.0, error = %e, "freeing a device copy at shutdown");
+            }
+        }
+    }
 }
 
 impl Inner {

@@ -133,27 +133,26 @@ impl Inner {
         let e = st.entry(victim.id)?;
         match tier {
             Tier::Device if e.device.dirty => {
+                let after = e.device.compute_done.clone();
                 let dev = e.device.take();
                 let host = e.host.take();
-                self.run(st, Action::Dtoh { id: victim.id, dev, host, then: WriteBack::Evict })?;
+                self.run(st, Action::Dtoh { id: victim.id, dev, host, after, then: WriteBack::Evict })?;
             }
-            Tier::Device => {
-                let freed = e.device.clear();
-                st.release(Tier::Device, freed);
-            }
+            Tier::Device => self.free_device_copy(st, victim.id)?,
             _ if e.device.state != CopyState::Absent && e.device.dirty => {
+                let after = e.device.compute_done.clone();
                 let dev = e.device.take();
                 let host = e.host.take();
-                self.run(st, Action::Dtoh { id: victim.id, dev, host, then: WriteBack::Evict })?;
+                self.run(st, Action::Dtoh { id: victim.id, dev, host, after, then: WriteBack::Evict })?;
             }
             _ if e.host.dirty => {
                 let host = e.host.take();
                 self.run(st, Action::WriteNvme { id: victim.id, host, then: WriteBack::Evict })?;
             }
             _ => {
-                let (dr, hr) = (e.device.clear(), e.host.clear());
-                st.release(Tier::Device, dr);
+                let hr = e.host.clear();
                 st.release(Tier::Host, hr);
+                self.free_device_copy(st, victim.id)?;
             }
         }
         Ok(())

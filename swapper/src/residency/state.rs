@@ -1,6 +1,7 @@
 //! What the manager's lock guards: per tensor, its copy on each tier ([`Replica`]: state, buffer
-//! cell, pins, dirty flag, last use, reserved bytes) and its NVMe extent ([`Entry`]); per tier,
-//! the bytes reserved and their peak; the logical clock and the eviction policy ([`State`]).
+//! cell, pins, dirty flag, last use, reserved bytes, the event after compute's last use of a
+//! device copy) and its NVMe extent ([`Entry`]); per tier, the bytes reserved and their peak;
+//! the logical clock and the eviction policy ([`State`]).
 //!
 //! Nothing here blocks or moves bytes: these are the records the decisions (`fetch`, `reserve`)
 //! read and the transfers (`transfer`) update.
@@ -13,7 +14,7 @@ use parking_lot::RwLock;
 
 use super::transfer::LinksInFlight;
 use super::Access;
-use crate::device::DeviceBuffer;
+use crate::device::{DeviceBuffer, DeviceEvent};
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
 use crate::nvme::Extent;
@@ -49,6 +50,12 @@ pub(super) struct Replica<B> {
     pub(super) last_use: u64,
     /// Bytes counted against the tier's budget (0 when absent).
     pub(super) reserved: u64,
+    /// Device copies: an event recorded on the compute stream when a pin was last given back
+    /// ([`Resident`](super::Resident)'s drop), so after every kernel a pin holder launched on
+    /// the buffer. A write-back (D2H) and the free of the buffer are ordered after it. `None`
+    /// when no pin was given back since the copy arrived (no compute saw it), or recording
+    /// failed (then they are ordered after all compute). Host copies: always `None`.
+    pub(super) compute_done: Option<DeviceEvent>,
 }
 
 impl<B> Replica<B> {
@@ -60,6 +67,7 @@ impl<B> Replica<B> {
             dirty: false,
             last_use: 0,
             reserved: 0,
+            compute_done: None,
         }
     }
     pub(super) fn take(&mut self) -> B {
@@ -100,6 +108,20 @@ impl<B> Replica<B> {
     }
     pub(super) fn in_flight(&self) -> bool {
         matches!(self.state, CopyState::Loading | CopyState::Lent)
+    }
+}
+
+impl Replica<DeviceBuffer> {
+    /// Takes the buffer out (if the copy holds it) with the event its free must follow, and
+    /// resets to absent; returns them and the bytes of the released reservation. The caller
+    /// frees the buffer through the device (`Inner::free_device_copy`), under the same lock, so
+    /// the device's allocator sees the bytes free as soon as the budget does.
+    pub(super) fn take_for_free(&mut self) -> (Option<DeviceBuffer>, Option<DeviceEvent>, u64) {
+        let buf = self.cell.write().take();
+        let after = self.compute_done.take();
+        let reserved = self.reserved;
+        *self = Self::absent();
+        (buf, after, reserved)
     }
 }
 

@@ -12,7 +12,7 @@ use parking_lot::MutexGuard;
 
 use super::state::{CopyState, State};
 use super::{Access, Inner};
-use crate::device::DeviceBuffer;
+use crate::device::{DeviceBuffer, DeviceEvent};
 use crate::error::Result;
 use crate::host::HostBuffer;
 use crate::metrics::{Link, Metrics};
@@ -37,9 +37,10 @@ pub(super) enum Action {
     AllocHost { id: TensorId },
     /// Host → device: copy the lent host buffer into a new device buffer.
     Htod { id: TensorId, host: HostBuffer },
-    /// Device → host: write the lent dirty device copy back into the lent host copy; drop the
+    /// Device → host: write the lent dirty device copy back into the lent host copy, after
+    /// `after` (the device copy's `compute_done`: after the kernels that wrote it); drop the
     /// device copy afterwards when `then` is [`WriteBack::Evict`].
-    Dtoh { id: TensorId, dev: DeviceBuffer, host: HostBuffer, then: WriteBack },
+    Dtoh { id: TensorId, dev: DeviceBuffer, host: HostBuffer, after: Option<DeviceEvent>, then: WriteBack },
     /// Host → NVMe: write the lent host copy to a new extent and free the old one; then drop the
     /// host copy (and a clean device copy above it) when `then` is [`WriteBack::Evict`] and no
     /// device copy above is pinned or loading by then, else keep it as a clean cache.
@@ -76,13 +77,32 @@ impl LinksInFlight {
 }
 
 impl Inner {
+    /// Drops `id`'s device copy: its buffer (if it holds one) freed through the device after
+    /// the event of compute's last use (`compute_done`; after all compute without one), its
+    /// reservation taken off the device tier. Under the lock, so the device's allocator sees the
+    /// bytes free as soon as the budget does.
+    ///
+    /// # Errors
+    /// [`Error::UnknownTensor`](crate::Error::UnknownTensor); the device's: on the sim an
+    /// ordering violation (this free's or one recorded earlier), CUDA errors. The copy is gone
+    /// either way.
+    pub(super) fn free_device_copy(&self, st: &mut State, id: TensorId) -> Result<()> {
+        let e = st.entry(id)?;
+        let (buf, after, reserved) = e.device.take_for_free();
+        st.release(Tier::Device, reserved);
+        match buf {
+            Some(b) => self.device.free_after(b, after.as_ref()),
+            None => Ok(()),
+        }
+    }
+
     /// Runs `action` with the lock released and applies its outcome.
     pub(super) fn run(&self, st: &mut MutexGuard<'_, State>, action: Action) -> Result<()> {
         let r = match action {
             Action::ReadNvme { id, extent } => self.read_nvme(st, id, extent),
             Action::AllocHost { id } => self.alloc_host(st, id),
             Action::Htod { id, host } => self.htod(st, id, host),
-            Action::Dtoh { id, dev, host, then } => self.dtoh(st, id, dev, host, then),
+            Action::Dtoh { id, dev, host, after, then } => self.dtoh(st, id, dev, host, after, then),
             Action::WriteNvme { id, host, then } => self.write_nvme(st, id, host, then),
         };
         self.cond.notify_all();
@@ -187,13 +207,14 @@ impl Inner {
     }
 
     /// [`Action::Dtoh`]: the host copy comes back dirty (it now holds the newest bytes); the
-    /// device copy comes back clean or is dropped, as `then` says.
+    /// device copy comes back clean or is freed (after `after`), as `then` says.
     fn dtoh(
         &self,
         st: &mut MutexGuard<'_, State>,
         id: TensorId,
         dev: DeviceBuffer,
         host: HostBuffer,
+        after: Option<DeviceEvent>,
         then: WriteBack,
     ) -> Result<()> {
         let bytes = host.len();
@@ -201,7 +222,7 @@ impl Inner {
         let res = MutexGuard::unlocked(st, || {
             let span = tracing::trace_span!("swapper::dtoh", tensor = id.0, bytes);
             let _e = span.enter();
-            self.device.dtoh(dev, host).and_then(|t| t.wait())
+            self.device.dtoh_after(dev, host, after.as_ref()).and_then(|(t, _)| t.wait())
         });
         st.links.end(Link::Dtoh, bytes as u64, &self.metrics);
         let e = st.entry(id)?;
@@ -211,16 +232,16 @@ impl Inner {
                 e.host.dirty = true;
                 match then {
                     WriteBack::Evict => {
-                        drop(dev);
                         let r = e.device.clear();
                         st.release(Tier::Device, r);
+                        self.device.free_after(dev, after.as_ref())
                     }
                     WriteBack::Keep => {
                         e.device.put(dev);
                         e.device.dirty = false;
+                        Ok(())
                     }
                 }
-                Ok(())
             }
             Err(err) => {
                 // The engine dropped both buffers: the newest bytes are gone with the
@@ -263,16 +284,16 @@ impl Inner {
                 match then {
                     WriteBack::Evict if above_free => {
                         drop(host);
-                        let (hr, dr) = (e.host.clear(), e.device.clear());
-                        st.release(Tier::Device, dr);
+                        let hr = e.host.clear();
                         st.release(Tier::Host, hr);
+                        self.free_device_copy(st, id)
                     }
                     WriteBack::Evict | WriteBack::Keep => {
                         e.host.put(host);
                         e.host.dirty = false;
+                        Ok(())
                     }
                 }
-                Ok(())
             }
             Err(err) => {
                 // Nothing is lost: the dirty host copy stays, the old extent too.
