@@ -29,6 +29,8 @@ pub mod lm;
 pub mod mixtral;
 pub mod moe;
 mod ops;
+#[cfg(test)]
+mod shared_tests;
 pub mod unit;
 
 use std::path::PathBuf;

@@ -74,7 +74,8 @@ pub struct UnitGrads {
 #[derive(Debug, Clone)]
 pub struct HeadLossGrads {
     /// Mean cross-entropy in nats over the positions whose target is not [`IGNORE_INDEX`],
-    /// computed in the params' dtype (0, with zero gradients, when every target is ignored).
+    /// computed in the params' dtype, in F32 for half dtypes (BF16, F16) as transformers upcasts
+    /// the logits (0, with zero gradients, when every target is ignored).
     pub loss: f64,
     /// Number of positions counted in [`HeadLossGrads::loss`] (targets not [`IGNORE_INDEX`]).
     pub tokens: usize,
@@ -87,7 +88,9 @@ pub struct HeadLossGrads {
 /// Units are in forward order: unit 0 is the token embedding, the last unit the final norm and
 /// LM head ([`crate::UnitKind`]); in between, one unit per block (or, with MoE, a trunk unit
 /// followed by its expert units). Every call takes the unit's flat parameters (a 1-D tensor of
-/// [`UnitSpec::numel`] elements, any candle device, a float dtype) and computes in that dtype;
+/// [`UnitSpec::numel`] elements, any candle device, a float dtype) and computes in that dtype
+/// (half dtypes widen to F32 where transformers does: norm statistics, softmax, RoPE tables, the
+/// router, the loss, and every reduction over tokens, DESIGN.md "Precision");
 /// inputs are token ids `[B, T]` U32 (embedding) or hidden states `[B, T, d]`. Implementations
 /// keep no parameters and no activations, are `Send + Sync`, and may be called concurrently.
 pub trait CausalLm: Send + Sync + std::fmt::Debug {
@@ -176,6 +179,16 @@ pub trait CausalLm: Send + Sync + std::fmt::Debug {
     /// model.
     fn moe(&self) -> Option<&dyn MoeLm> {
         None
+    }
+
+    /// Whether the unit calls run fused CPU kernels where they apply (`Device::Cpu`, F32 or
+    /// F64). `false` for a model built with `composed_only()` ([`crate::Gpt::composed_only`],
+    /// [`crate::Llama::composed_only`]): it computes with the candle op compositions only, the
+    /// op sequence a CUDA device runs (half dtypes always take it). A trainer that asked for
+    /// the composed path can check here that it got it. The default is `false` (a model
+    /// without fused kernels).
+    fn fused_cpu_kernels(&self) -> bool {
+        false
     }
 
     /// Forward FLOPs of unit `unit` over `tokens` tokens of sequences of `seq_len` (for an

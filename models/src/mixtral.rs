@@ -108,12 +108,8 @@ impl Llama {
         let n1 = self.rms_norm(x, &p[g.ln1])?;
         let x1 = (x + self.attention(&AttnParams::of_block(p, g), &n1)?)?;
         let h = self.rms_norm(&x1, &p[g.ln2])?.reshape((b * t, d))?;
-        let logits = h.matmul(&router.t()?)?;
-        let wide = match logits.dtype() {
-            DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
-            _ => logits.clone(),
-        };
-        let probs = softmax_last_dim(&wide)?;
+        let logits = ops::matmul(&h, &router.t()?)?;
+        let probs = softmax_last_dim(&ops::widen(&logits)?)?;
         Ok((x1, h, logits, probs))
     }
 

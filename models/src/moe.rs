@@ -52,8 +52,8 @@ pub struct TrunkOut {
     /// Router logits before the softmax, `[N, E]` (MoE-GPT `h W_r + b_r`; Mixtral `h W_rᵀ`,
     /// transformers' `router_logits`), the params' dtype.
     pub logits: Tensor,
-    /// Router probabilities `softmax(logits)`, `[N, E]`: MoE-GPT in the params' dtype; Mixtral
-    /// in F32 (F64 for F64 params), as transformers' `softmax(.., dtype=torch.float)`.
+    /// Router probabilities `softmax(logits)`, `[N, E]`: in F32 for half params (BF16, F16), as
+    /// transformers' `softmax(.., dtype=torch.float)`; in the params' dtype for F32 and F64.
     pub probs: Tensor,
     /// Which tokens go to which expert, with gates; computed on the CPU from `probs`.
     pub routing: Routing,
@@ -177,7 +177,7 @@ impl Routing {
         self.experts[e].index.as_ref()
     }
 
-    /// Gates of expert `e`'s tokens, `[n_e]`, in the router's dtype on the trunk's device (same
+    /// Gates of expert `e`'s tokens, `[n_e]`, in the params' dtype on the trunk's device (same
     /// order as [`Routing::tokens`]); `None` when it receives no tokens.
     ///
     /// # Panics
@@ -264,17 +264,25 @@ impl Routing {
 
     /// `grad_h` `[N, d]`: the experts' input gradients `grad_inputs[e]` (`[n_e, d]`, from
     /// [`MoeLm::expert_backward`](crate::MoeLm::expert_backward); `None` for an expert without tokens) added into the rows of
-    /// their tokens, in expert order. Tensors on another device are moved to the trunk's.
+    /// their tokens, in expert order (in F32 for half dtypes, rounded once). Tensors on another
+    /// device are moved to the trunk's.
     ///
     /// # Errors
     /// [`crate::Error::Input`] when `grad_inputs` does not have one entry per expert, an active
     /// expert's entry is `None` or a shape is wrong; [`crate::Error::Candle`] from the ops.
     pub fn scatter_input_grads(&self, grad_inputs: &[Option<Tensor>]) -> Result<Tensor> {
         let (idx, src) = self.per_expert_rows(grad_inputs, "grad_inputs")?;
-        let zeros = Tensor::zeros((self.num_tokens, self.d_model), self.dtype, &self.device)?;
+        let shape = (self.num_tokens, self.d_model);
         if idx.is_empty() {
-            return Ok(zeros);
+            return Ok(Tensor::zeros(shape, self.dtype, &self.device)?);
         }
+        if crate::ops::is_half(self.dtype) {
+            // A token's k rows accumulate in F32 (as torch's indexing backward), rounded once.
+            let src = crate::ops::widen(&Tensor::cat(&src, 0)?)?;
+            let wide = Tensor::zeros(shape, DType::F32, &self.device)?.index_add(&Tensor::cat(&idx, 0)?, &src, 0)?;
+            return Ok(wide.to_dtype(self.dtype)?);
+        }
+        let zeros = Tensor::zeros(shape, self.dtype, &self.device)?;
         Ok(zeros.index_add(&Tensor::cat(&idx, 0)?, &Tensor::cat(&src, 0)?, 0)?)
     }
 
@@ -352,7 +360,8 @@ impl Routing {
 
     /// `grad_gate_e = Σ_d grad_y[idx_e] ⊙ out_e`, `[n_e]`: the gradient of the block output
     /// `grad_y` `[B, T, d]` with respect to expert `e`'s gates, from its output `out_e`
-    /// `[n_e, d]` (moved to `grad_y`'s device); `None` when the expert has no tokens.
+    /// `[n_e, d]` (moved to `grad_y`'s device); `None` when the expert has no tokens. The sum
+    /// over `d` accumulates in F32 for half dtypes (the result in the routing's dtype).
     ///
     /// # Errors
     /// [`crate::Error::Input`] on a wrong shape or dtype; [`crate::Error::Candle`] from the ops.
@@ -368,7 +377,14 @@ impl Routing {
             ));
         }
         let g = grad_y.reshape((self.num_tokens, self.d_model))?.index_select(index, 0)?;
-        Ok(Some((g * out_e.to_device(grad_y.device())?)?.sum(1)?))
+        let out_e = out_e.to_device(grad_y.device())?;
+        if crate::ops::is_half(self.dtype) {
+            // The dot product over `d` in F32 (torch's reductions of half tensors accumulate in
+            // F32; candle's in the half dtype), rounded once.
+            let dot = (crate::ops::widen(&g)? * crate::ops::widen(&out_e)?)?.sum(1)?;
+            return Ok(Some(dot.to_dtype(self.dtype)?));
+        }
+        Ok(Some((g * out_e)?.sum(1)?))
     }
 
     /// The backward of [`Routing::combine`] for every expert: [`Routing::expert_grad_output`]

@@ -124,8 +124,120 @@ pub(crate) fn collect_grads(
 
 /// `h W + b` with `h` `[N, in]`, `w` `[in, out]`, `b` `[out]` → `[N, out]`.
 pub(crate) fn linear(h: &Tensor, w: &Tensor, b: &Tensor, fused: bool) -> Result<Tensor> {
-    let y = h.matmul(w)?;
-    Ok(if fused { kernels::bias_add(&y, b)? } else { y.broadcast_add(b)? })
+    let y = matmul(h, w)?;
+    Ok(if fused { kernels::bias_add(&y, b)? } else { bias_add(&y, b)? })
+}
+
+// ---- mixed precision -------------------------------------------------------------------------
+//
+// DESIGN.md "Precision": a half dtype (BF16, F16) computes the matmuls and elementwise ops in
+// that dtype, but norm statistics, softmax, RoPE angles, the router and the loss in F32, and
+// every reduction over tokens (bias, norm-weight and embedding gradients) accumulates in F32, as
+// torch does (its bf16 reductions accumulate in f32; candle's accumulate in the tensor's dtype,
+// on the CPU one element after the other). F32 and F64 never take these branches: their ops are
+// exactly the plain ones.
+
+/// Whether `dtype` is a half dtype (BF16, F16): the dtypes that widen to F32 where transformers
+/// does.
+pub(crate) fn is_half(dtype: DType) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16)
+}
+
+/// `x` widened to F32 when its dtype is a half dtype (exact), else `x` itself (no op).
+pub(crate) fn widen(x: &Tensor) -> Result<Tensor> {
+    Ok(if is_half(x.dtype()) { x.to_dtype(DType::F32)? } else { x.clone() })
+}
+
+/// `a · b` (candle's `matmul`: `[.., m, k] · [.., k, n]`). BF16 on the CPU, whose candle backend
+/// has no BF16 gemm, goes through F32: the operands widened (exact), the products accumulated in
+/// F32, the result rounded once to BF16 — what a GPU's BF16 GEMM computes (F32 accumulation, one
+/// rounding of the output); the backward flows through the casts, so its matmuls accumulate in
+/// F32 too and each gradient is rounded once. Every other dtype and device: `a.matmul(b)`.
+pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.dtype() == DType::BF16 && a.device().is_cpu() {
+        let wide = a.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?)?;
+        return Ok(wide.to_dtype(DType::BF16)?);
+    }
+    Ok(a.matmul(b)?)
+}
+
+/// `y + b` with `b` broadcast over the leading dims (a bias). Half dtypes add in F32 and round
+/// once (the same value as the half add), so that the bias gradient — a sum over every row —
+/// accumulates in F32.
+pub(crate) fn bias_add(y: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if is_half(y.dtype()) {
+        return Ok(widen(y)?.broadcast_add(&widen(b)?)?.to_dtype(y.dtype())?);
+    }
+    Ok(y.broadcast_add(b)?)
+}
+
+/// `x ⊙ w` with `w` `[d]` broadcast over the leading dims (a norm's weight). Half dtypes multiply
+/// in F32 and round once (the same value as the half product, which is exact in F32), so that
+/// the weight's gradient — a sum over every row — accumulates in F32.
+pub(crate) fn scale(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if is_half(x.dtype()) {
+        return Ok(widen(x)?.broadcast_mul(&widen(w)?)?.to_dtype(x.dtype())?);
+    }
+    Ok(x.broadcast_mul(w)?)
+}
+
+/// The attention probabilities `softmax(scores + mask)` over the last dim, `scores`
+/// `[.., T, T]`, `mask` `[T, T]` (0 or -inf, in the softmax's dtype: F32 for half scores, else
+/// the scores'). Half dtypes widen the scores to F32, add the mask and normalize there, and
+/// cast the probabilities back (transformers' eager attention: `softmax(w, dim=-1,
+/// dtype=torch.float32).to(query.dtype)`); the backward flows through the casts.
+pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    if is_half(scores.dtype()) {
+        let p = softmax_last_dim(&widen(scores)?.broadcast_add(mask)?)?;
+        return Ok(p.to_dtype(scores.dtype())?);
+    }
+    softmax_last_dim(&scores.broadcast_add(mask)?)
+}
+
+/// The dtype the attention mask and softmax use for scores of `dtype`: F32 for half dtypes,
+/// else `dtype`.
+pub(crate) fn softmax_dtype(dtype: DType) -> DType {
+    if is_half(dtype) {
+        DType::F32
+    } else {
+        dtype
+    }
+}
+
+/// The gradient of an embedding table `[rows, d]` gathered at `ids` (`[N]` U32, each
+/// `< rows`) from the gradient of the gathered rows `grad` `[N, d]`, in `grad`'s dtype on its
+/// device: the rows' gradients (widened) are summed per distinct id in F32, so that a row hit by
+/// many tokens accumulates in F32 whatever `grad`'s dtype (candle's `index_select` backward adds
+/// in the tensor's dtype), rounded once, and written into zeros `[rows, d]` (each distinct row
+/// added once to zero: exact). The F32 temporary is `[U, d]` for the `U ≤ N` distinct ids, not
+/// the table's size. The ids are read back to the host.
+///
+/// # Errors
+/// [`Error::Input`] for an id `>= rows`; [`Error::Candle`] on a shape mismatch or a failed op.
+pub(crate) fn embedding_grad(ids: &Tensor, grad: &Tensor, rows: usize) -> Result<Tensor> {
+    let (n, d) = grad.dims2()?;
+    let dev = grad.device();
+    let mut compact = vec![u32::MAX; rows];
+    let mut distinct: Vec<u32> = Vec::new();
+    let mut slots: Vec<u32> = Vec::with_capacity(n);
+    for id in ids.to_vec1::<u32>()? {
+        let Some(c) = compact.get_mut(id as usize) else {
+            return Err(input_err("embedding ids", format!("< {rows}"), id.to_string()));
+        };
+        if *c == u32::MAX {
+            *c = distinct.len() as u32;
+            distinct.push(id);
+        }
+        slots.push(*c);
+    }
+    let u = distinct.len();
+    let sums = Tensor::zeros((u, d), DType::F32, dev)?.index_add(
+        &Tensor::from_vec(slots, n, dev)?,
+        &grad.to_dtype(DType::F32)?,
+        0,
+    )?;
+    let distinct = Tensor::from_vec(distinct, u, dev)?;
+    Ok(Tensor::zeros((rows, d), grad.dtype(), dev)?.index_add(&distinct, &sums.to_dtype(grad.dtype())?, 0)?)
 }
 
 /// Views `[shape]` of each parameter into the flat vector (no copy).
@@ -148,8 +260,8 @@ pub(crate) fn scalar(t: &Tensor) -> Result<f64> {
 }
 
 /// LayerNorm over the last dim composed of ops that all have a backward (candle-nn's fused
-/// `layer_norm`/`LayerNorm` have none). Statistics in F32 for half dtypes, as
-/// `candle_nn::ops::layer_norm_slow`.
+/// `layer_norm`/`LayerNorm` have none). Half dtypes compute it all in F32 (statistics, scale
+/// and shift) and round the output once, as torch's `layer_norm` on half inputs.
 pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, fused: bool) -> Result<Tensor> {
     let dtype = x.dtype();
     let xs = match dtype {
@@ -160,6 +272,12 @@ pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, fused: bo
     let xc = xs.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
     let inv_std = (var + eps)?.sqrt()?.recip()?;
+    if is_half(dtype) {
+        // As torch's layer norm on half inputs: normalize, scale and shift in F32, round once;
+        // the weight's and bias's gradients accumulate over the rows in F32.
+        let y = xc.broadcast_mul(&inv_std)?.broadcast_mul(&widen(w)?)?.broadcast_add(&widen(b)?)?;
+        return Ok(y.to_dtype(dtype)?);
+    }
     let xn = xc.broadcast_mul(&inv_std)?.to_dtype(dtype)?;
     if fused {
         Ok(kernels::scale_shift(&xn, w, b)?)
@@ -171,7 +289,13 @@ pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, fused: bo
 /// Tanh-form GELU (GPT-2) composed of ops with a backward, written `x · sigmoid(2u)`,
 /// `u = sqrt(2/π) (x + 0.044715 x³)` (equal to `0.5 x (1 + tanh u)`), so its gradient is exact;
 /// candle's own `gelu` backward uses 6-digit constants.
+///
+/// Half dtypes compute it in F32 and round once, as torch's `gelu` kernel on half inputs (the
+/// composition in the half dtype would round after each of its five ops, forward and backward).
 pub(crate) fn gelu_composed(x: &Tensor) -> Result<Tensor> {
+    if is_half(x.dtype()) {
+        return Ok(gelu_composed(&widen(x)?)?.to_dtype(x.dtype())?);
+    }
     const C: f64 = 0.797_884_560_802_865_4; // sqrt(2/π)
     const A: f64 = 0.044_715;
     let two_u = (x * x.sqr()?.affine(2.0 * C * A, 2.0 * C)?)?;
@@ -252,7 +376,8 @@ pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor>
 /// RMSNorm over the last dim (Zhang & Sennrich 2019) composed of ops that all have a backward
 /// (candle-nn's fused `rms_norm`/`RmsNorm` have none), in the cast order of transformers'
 /// `LlamaRMSNorm`: the statistics in F32 (half dtypes are widened), `x · 1/sqrt(mean(x²) + eps)`
-/// cast back to `x`'s dtype, then multiplied by `w` `[d]`.
+/// cast back to `x`'s dtype, then multiplied by `w` `[d]` ([`scale`]: the weight's gradient
+/// accumulated in F32 for half dtypes).
 pub(crate) fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let dtype = x.dtype();
     let xs = match dtype {
@@ -262,7 +387,7 @@ pub(crate) fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tens
     let var = xs.sqr()?.mean_keepdim(D::Minus1)?;
     let inv = (var + eps)?.sqrt()?.recip()?;
     let xn = xs.broadcast_mul(&inv)?.to_dtype(dtype)?;
-    Ok(xn.broadcast_mul(w)?)
+    scale(&xn, w)
 }
 
 /// Rotary position embedding in transformers' `rotate_half` convention, composed of ops with a
@@ -278,10 +403,18 @@ pub(crate) fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Te
 }
 
 /// SwiGLU composed of ops with a backward (candle's `silu` has an exact one): `gu` `[N, 2I]`
-/// (gate outputs, then up outputs) → `silu(gate) ⊙ up` `[N, I]`.
+/// (gate outputs, then up outputs) → `silu(gate) ⊙ up` `[N, I]`; the `silu` in F32 for half
+/// dtypes, rounded once, the product in `gu`'s dtype (transformers' `act_fn(gate) * up`).
 pub(crate) fn swiglu_composed(gu: &Tensor) -> Result<Tensor> {
     let i = gu.dim(D::Minus1)? / 2;
     let gate = gu.narrow(D::Minus1, 0, i)?;
     let up = gu.narrow(D::Minus1, i, i)?;
-    Ok((gate.silu()? * up)?)
+    let act = if is_half(gu.dtype()) {
+        // As torch's `silu` kernel on half inputs: computed in F32, rounded once (candle's half
+        // `silu` rounds after each of its ops, and so does its backward).
+        widen(&gate)?.silu()?.to_dtype(gu.dtype())?
+    } else {
+        gate.silu()?
+    };
+    Ok((act * up)?)
 }

@@ -40,6 +40,14 @@
 //! dtype takes the op compositions. Both paths are checked against finite differences and
 //! against each other.
 //!
+//! Half dtypes (BF16, F16) always take the op compositions and compute as torch does under
+//! bf16: matmuls (BF16 on the CPU through F32, as a GPU's BF16 GEMM accumulates in F32) and
+//! residual adds in the half dtype; LayerNorm (statistics, scale and shift, one rounding), GELU,
+//! the attention softmax, MoE-GPT's router softmax, gates and load-balancing loss, and the
+//! cross-entropy in F32; every gradient that sums over tokens (LayerNorm weights and biases,
+//! biases, `wte`'s scatter-add and `wpe`) accumulated in F32, then rounded once to the params'
+//! dtype.
+//!
 //! # One step, unit by unit (activation checkpointing, Chen et al. 2016)
 //!
 //! ```text
@@ -81,9 +89,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::kernels;
 use crate::lm::{HeadLossGrads, UnitGrads};
-use crate::ops::{
-    self, cross_entropy, gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim, vars, views,
-};
+use crate::ops::{self, cross_entropy, gelu_composed, input_err, layer_norm, linear, scalar, vars, views};
 use crate::unit::{UnitKind, UnitSpec};
 use crate::{Error, Result};
 
@@ -112,8 +118,11 @@ struct CachedMask {
 ///
 /// Holds the configuration, the unit layouts and a small cache of causal masks; no parameters
 /// and no activations. Every call takes a unit's flat parameters (a 1-D [`Tensor`] of
-/// `unit.numel` elements on any candle device, dtype F32, F64, or BF16/F16 where the device has
-/// matmuls for it — candle's CPU backend has none for BF16) and computes in that dtype.
+/// `unit.numel` elements on any candle device, dtype F32, F64, BF16, or F16 where the device has
+/// matmuls for it; BF16 on the CPU multiplies through F32) and computes in that dtype. Half
+/// dtypes (BF16/F16, always the op compositions) compute as torch does: LayerNorm, GELU, the
+/// attention softmax, the router's softmax and gates (MoE) and the loss in F32, and every
+/// reduction over tokens in F32 (the norm weights' and biases' gradients, the embedding's).
 ///
 /// `Gpt` is `Send + Sync`; calls may run concurrently.
 pub struct Gpt {
@@ -143,9 +152,10 @@ impl Gpt {
     }
 
     /// The same model computed with candle op compositions only (no fused CPU kernels): the
-    /// path every non-CPU device takes, so CPU tests can check it.
-    #[cfg(test)]
-    pub(super) fn composed_only(mut self) -> Self {
+    /// path every non-CPU device (and every half dtype) takes, so CPU tests and the sim device
+    /// (`[device] ops = "composed"`) can run it. F32 results agree with the fused path within
+    /// rounding, not bitwise. [`crate::CausalLm::fused_cpu_kernels`] tells which.
+    pub fn composed_only(mut self) -> Self {
         self.fused_cpu_kernels = false;
         self
     }
@@ -222,6 +232,10 @@ impl Gpt {
         if grad_output.dtype() != dtype {
             return Err(input_err("grad_output dtype", format!("{dtype:?}"), format!("{:?}", grad_output.dtype())));
         }
+        if spec.kind == UnitKind::Embedding && ops::is_half(dtype) {
+            self.check_tokens(input, "embedding input")?;
+            return self.embed_backward_f32(input, grad_output, dtype);
+        }
         let vars = vars(spec, params)?;
         let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         let (out, x_var, wte_var) = match spec.kind {
@@ -276,7 +290,7 @@ impl Gpt {
     ) -> Result<f64> {
         let logits = self.forward(self.units.len() - 1, params, input, tied_wte)?;
         self.check_targets(targets, &logits)?;
-        scalar(&cross_entropy(&logits, targets)?)
+        scalar(&cross_entropy(&ops::widen(&logits)?, targets)?)
     }
 
     /// The head's training backward: recomputes the head from its checkpointed `input`
@@ -308,7 +322,8 @@ impl Gpt {
         };
         let logits = self.head_math(&p, &w_out, x.as_tensor())?;
         let tokens = self.check_targets(targets, &logits)?;
-        let loss = cross_entropy(&logits, targets)?;
+        // In F32 for half dtypes, as transformers upcasts the logits.
+        let loss = cross_entropy(&ops::widen(&logits)?, targets)?;
         let grads = loss.backward()?;
         let grads = self.collect(spec, &vars, Some(&x), wte.as_ref(), &grads)?;
         Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads })
@@ -486,7 +501,8 @@ impl Gpt {
         Ok(g)
     }
 
-    /// The causal mask `[T, T]`: 0 where key position ≤ query position, -inf after.
+    /// The causal mask `[T, T]` in `dtype` (the softmax's: F32 for half scores): 0 where key
+    /// position ≤ query position, -inf after.
     fn causal_mask(&self, t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
         let mut cache = self.masks.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(m) = cache.iter().find(|m| m.seq_len == t && m.dtype == dtype && m.device.same_device(device)) {
@@ -508,6 +524,29 @@ impl Gpt {
         let d = self.config.d_model;
         let x = p[0].index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, d))?;
         Ok(x.broadcast_add(&p[1].narrow(0, 0, t)?)?)
+    }
+
+    /// The embedding's backward for half dtypes, accumulated in F32: `wte`'s gradient is the
+    /// scatter-add of the rows' gradients, `wpe`'s (rows `0..T`) their sum over the batch, both
+    /// in F32 (candle's `index_select` and broadcast backward would accumulate in the half
+    /// dtype), rounded once to `dtype`.
+    fn embed_backward_f32(&self, tokens: &Tensor, grad_output: &Tensor, dtype: DType) -> Result<UnitGrads> {
+        let (b, t) = tokens.dims2()?;
+        let (v, s, d) = (self.config.vocab_size, self.config.max_seq_len, self.config.d_model);
+        if grad_output.dims() != [b, t, d] {
+            return Err(input_err(
+                "grad_output shape",
+                format!("{:?}", [b, t, d]),
+                format!("{:?}", grad_output.dims()),
+            ));
+        }
+        let wte = ops::embedding_grad(&tokens.flatten_all()?, &grad_output.reshape((b * t, d))?, v)?;
+        let mut wpe = grad_output.to_dtype(DType::F32)?.sum(0)?.to_dtype(dtype)?; // [T, d]
+        if t < s {
+            wpe = Tensor::cat(&[&wpe, &Tensor::zeros((s - t, d), dtype, wpe.device())?], 0)?;
+        }
+        let grad_params = Tensor::cat(&[&wte.flatten_all()?, &wpe.flatten_all()?], 0)?;
+        Ok(UnitGrads { grad_params, grad_input: None, grad_tied_wte: None })
     }
 
     /// Whether the fused CPU kernels apply to computations on `x`.
@@ -548,15 +587,14 @@ impl Gpt {
         let q = head(0)?.affine(1.0 / (hd as f64).sqrt(), 0.0)?;
         let k = head(1)?.contiguous()?;
         let v = head(2)?.contiguous()?;
-        let att = q.matmul(&k.t()?)?; // [B, H, T, T]
+        let att = ops::matmul(&q, &k.t()?)?; // [B, H, T, T]
         let att = if fused {
             kernels::causal_softmax(&att)?
         } else {
-            let att = att.broadcast_add(&self.causal_mask(t, x.dtype(), x.device())?)?;
-            softmax_last_dim(&att)?
+            // In F32 for half dtypes (transformers' eager attention), cast back.
+            ops::masked_softmax(&att, &self.causal_mask(t, ops::softmax_dtype(x.dtype()), x.device())?)?
         };
-        let y = att
-            .matmul(&v)? // [B, H, T, hd]
+        let y = ops::matmul(&att, &v)? // [B, H, T, hd]
             .transpose(1, 2)?
             .reshape((b * t, d))?;
         let y = linear(&y, bi::PROJ_W, bi::PROJ_B)?;
@@ -567,7 +605,7 @@ impl Gpt {
     pub(super) fn head_math(&self, p: &[Tensor], w_out: &Tensor, x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let h = layer_norm(x, &p[0], &p[1], self.config.ln_eps, self.fused(x))?.reshape((b * t, d))?;
-        Ok(h.matmul(w_out)?.reshape((b, t, self.config.vocab_size))?)
+        Ok(ops::matmul(&h, w_out)?.reshape((b, t, self.config.vocab_size))?)
     }
 }
 
@@ -628,6 +666,11 @@ impl crate::CausalLm for Gpt {
 
     fn moe(&self) -> Option<&dyn crate::MoeLm> {
         self.config.moe.is_some().then_some(self as &dyn crate::MoeLm)
+    }
+
+    /// `false` after [`Gpt::composed_only`].
+    fn fused_cpu_kernels(&self) -> bool {
+        self.fused_cpu_kernels
     }
 
     fn dims(&self) -> crate::Dims {

@@ -28,7 +28,7 @@ use crate::kernels;
 #[cfg(test)]
 pub(super) use crate::moe::combine_math;
 use crate::moe::{CombineGrads, ExpertGrads, ExpertRoute, LossParts, Routing, TrunkOut};
-use crate::ops::{gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim, vars, views};
+use crate::ops::{self, gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim, vars, views};
 use crate::unit::{UnitKind, UnitSpec};
 use crate::Result;
 
@@ -92,6 +92,8 @@ impl Gpt {
     /// Forward of MoE block `block`'s trunk unit (`blocks.{block}`, [`UnitKind::MoeTrunk`]):
     /// `x1 = x + attn(ln_1(x))`, `h = ln_2(x1)`, `probs = softmax(h W_r + b_r)`, and the
     /// [`Routing`] from `probs` (top-k, gates, capacity, auxiliary loss; see [`MoeConfig`]).
+    /// For half dtypes the softmax, the gates and the auxiliary loss are computed in F32
+    /// (`probs` is F32), the gates then cast to the params' dtype.
     ///
     /// `params` is the trunk's flat vector, `x` the block input `[B, T, d]` in the params' dtype.
     /// Index tensors and gates are on `x`'s device.
@@ -105,7 +107,7 @@ impl Gpt {
         self.check_hidden(x, params.dtype(), "MoE trunk input")?;
         let p = views(spec, params)?;
         let (x1, h, logits, probs) = self.trunk_math_logits(&p, x)?;
-        let routing = self.route(&probs)?;
+        let routing = self.route_as(&probs, params.dtype())?;
         Ok(TrunkOut { x1, h, logits, probs, routing })
     }
 
@@ -264,12 +266,12 @@ impl Gpt {
                 &Tensor::cat(&gate_grads, 0)?,
                 0,
             )?;
-            let gates = gate_values(&probs, &routing.choices_t, routing.top_k)?;
+            let gates = gate_values(&probs, &routing.choices_t, routing.top_k)?.to_dtype(dtype)?;
             obj = (obj + (gates * g)?.sum_all()?)?;
         }
         let coef = self.moe_config()?.aux_loss_coef;
         if coef != 0.0 {
-            obj = (obj + aux_value(&probs, &routing.top1_fraction_t, coef)?)?;
+            obj = (obj + aux_value(&probs, &routing.top1_fraction_t, coef)?.to_dtype(dtype)?)?;
         }
         let grads = obj.backward()?;
         self.collect(spec, &vars, Some(&xv), None, &grads)
@@ -291,14 +293,16 @@ impl Gpt {
         Ok((x1, h, probs))
     }
 
-    /// The trunk with the router logits: `(x1 [B, T, d], h [N, d], logits [N, E], probs [N, E])`.
+    /// The trunk with the router logits: `(x1 [B, T, d], h [N, d], logits [N, E], probs [N, E])`;
+    /// `probs` in F32 for half dtypes, the params' dtype otherwise.
     fn trunk_math_logits(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let (b, t, d) = x.dims3()?;
         let fused = self.fused(x);
         let x1 = self.attention_residual(p, x)?;
         let h = layer_norm(&x1, &p[bi::LN2_W], &p[bi::LN2_B], self.config.ln_eps, fused)?.reshape((b * t, d))?;
         let logits = linear(&h, &p[bi::ROUTER_W], &p[bi::ROUTER_B], fused)?;
-        let probs = softmax_last_dim(&logits)?;
+        // In F32 for half dtypes (the router computes in F32: DESIGN.md "Precision").
+        let probs = softmax_last_dim(&ops::widen(&logits)?)?;
         Ok((x1, h, logits, probs))
     }
 
@@ -310,13 +314,20 @@ impl Gpt {
         linear(&a, &p[ei::PROJ_W], &p[ei::PROJ_B], fused)
     }
 
+    /// [`Gpt::route_as`] with gates in `probs`' dtype.
+    #[cfg(test)]
+    pub(super) fn route(&self, probs: &Tensor) -> Result<Routing> {
+        self.route_as(probs, probs.dtype())
+    }
+
     /// The routing of `probs` `[N, E]` (see [`MoeConfig`]): top-k on the CPU (one host copy of
     /// `N · E` values), capacity in token order, gates and the auxiliary loss in candle on
-    /// `probs`' device (the same ops [`Gpt::moe_trunk_backward`] differentiates).
-    pub(super) fn route(&self, probs: &Tensor) -> Result<Routing> {
+    /// `probs`' device in `probs`' dtype (the same ops [`Gpt::moe_trunk_backward`]
+    /// differentiates), the gates then cast to `dtype` (the params').
+    pub(super) fn route_as(&self, probs: &Tensor, dtype: DType) -> Result<Routing> {
         let moe = self.moe_config()?;
         let (n, e_count) = probs.dims2()?;
-        let (k, dtype, device) = (moe.top_k, probs.dtype(), probs.device().clone());
+        let (k, device) = (moe.top_k, probs.device().clone());
         let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
         let mut choices = Vec::with_capacity(n * k);
         for row in host.chunks_exact(e_count) {
@@ -340,9 +351,9 @@ impl Gpt {
             }
         }
         let top1_fraction: Vec<f64> = top1.iter().map(|&c| c as f64 / n as f64).collect();
-        let top1_fraction_t = Tensor::from_slice(&top1_fraction, e_count, &device)?.to_dtype(dtype)?;
+        let top1_fraction_t = Tensor::from_slice(&top1_fraction, e_count, &device)?.to_dtype(probs.dtype())?;
         let choices_t = Tensor::from_slice(&choices, (n, k), &device)?;
-        let gate_all = gate_values(probs, &choices_t, k)?;
+        let gate_all = gate_values(probs, &choices_t, k)?.to_dtype(dtype)?;
         let mut experts = Vec::with_capacity(e_count);
         for ((tokens, slots), demand) in tokens.into_iter().zip(slots).zip(demand) {
             let route = if tokens.is_empty() {

@@ -8,7 +8,11 @@ use rand_distr::{Distribution, Normal};
 
 use super::*;
 use crate::ops::{cross_entropy, views};
-use crate::unit::{init_params, init_unit, init_unit_from_seed, ParamInit, UnitKind};
+use crate::shared_tests::{
+    assert_bf16_accumulation_far_off, assert_grads_within, assert_rows_equal_row_0, assert_within_bf16_spacing,
+    bf16_uniform, to_vec,
+};
+use crate::unit::{init_params, init_unit, init_unit_from_seed, ParamInit, ParamSpec, UnitKind};
 use crate::unit_tensor;
 
 fn tiny(tied: bool) -> GptConfig {
@@ -39,10 +43,6 @@ pub(super) fn random_params(cfg: &GptConfig, std: f64, rng: &mut impl Rng) -> Ve
 
 pub(super) fn to_tensors(flats: &[Vec<f64>], dtype: DType) -> Vec<Tensor> {
     flats.iter().map(|f| Tensor::from_slice(f, f.len(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()).collect()
-}
-
-pub(super) fn to_vec(t: &Tensor) -> Vec<f64> {
-    t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()
 }
 
 // ---- layout, init, config ------------------------------------------------------------------
@@ -440,4 +440,94 @@ fn bad_inputs_are_errors_naming_the_argument() {
         gpt.head_loss(&params[3], &x, Some(&params[0]), &targets),
         Err(Error::Input { what: "targets shape", .. })
     ));
+}
+
+// ---- half precision --------------------------------------------------------------------------
+
+/// The BF16 embedding's gradients accumulate in F32: `wte`'s row of an id at 4032 of 4096
+/// positions (gradients ~1e-3, sum ~4) and `wpe`'s rows (64 positions each) are within one
+/// rounding of the exact sums (f64 sums of the same BF16 values); a BF16 accumulation (candle's
+/// `index_select` backward) stalls far below.
+#[test]
+fn bf16_embedding_gradients_accumulate_in_f32() {
+    let (b, t, v, d) = (64, 64, 256, 8);
+    let cfg = GptConfig { max_seq_len: t, ..tiny(false) };
+    let gpt = Gpt::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(42);
+    let ids: Vec<u32> = (0..b * t).map(|k| if k % t == 0 { 7 } else { 5 }).collect();
+    let tokens = Tensor::from_vec(ids.clone(), (b, t), &Device::Cpu).unwrap();
+    let g = bf16_uniform(&[b, t, d], 0.5e-3, 1.5e-3, &mut rng);
+    let params = bf16_uniform(&[gpt.units()[0].numel], -1.0, 1.0, &mut rng);
+
+    let got = gpt.backward(0, &params, &tokens, &g, None).unwrap();
+    assert_eq!(got.grad_params.dtype(), DType::BF16);
+    assert!(got.grad_input.is_none() && got.grad_tied_wte.is_none());
+    let got = to_vec(&got.grad_params);
+    assert_eq!(got.len(), (v + t) * d);
+
+    let gv = to_vec(&g);
+    let mut exact = vec![0f64; (v + t) * d];
+    for (k, &id) in ids.iter().enumerate() {
+        for j in 0..d {
+            exact[id as usize * d + j] += gv[k * d + j]; // wte
+            exact[(v + k % t) * d + j] += gv[k * d + j]; // wpe
+        }
+    }
+    assert_within_bf16_spacing(&got, &exact);
+    assert!(exact[5 * d] > 3.0 && exact[v * d] > 0.03);
+
+    let wte = params.narrow(0, 0, v * d).unwrap().reshape((v, d)).unwrap();
+    assert_bf16_accumulation_far_off(&wte, &tokens, &g, &exact, 5 * d);
+}
+
+/// The attention softmax of BF16 runs in F32 (see `llama::tests::bf16_attention_softmax_is_in_f32`):
+/// zero queries and equal input rows make every row of `x + attn(ln_1(x))` equal to row 0's,
+/// within a few roundings; a BF16 softmax's sum stalls at 256 and rows past it come out wrong.
+#[test]
+fn bf16_attention_softmax_is_in_f32() {
+    let (t, d) = (512, 8);
+    let cfg = GptConfig { max_seq_len: t, ..tiny(false) };
+    let gpt = Gpt::new(cfg.clone()).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(43);
+    let spec = &gpt.units()[1];
+    let mut flat = random_params(&cfg, 0.5, &mut rng).swap_remove(1);
+    for name in ["blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias"] {
+        let p = spec.param(name).unwrap();
+        // [d, 3d] (or [3d]): the first d output columns are the queries.
+        for (k, x) in flat[p.offset..p.offset + p.numel()].iter_mut().enumerate() {
+            if k % (3 * d) < d {
+                *x = 0.0;
+            }
+        }
+    }
+    let flat = Tensor::from_vec(flat, spec.numel, &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
+    let p = views(spec, &flat).unwrap();
+    let row = bf16_uniform(&[1, 1, d], -0.1, 0.1, &mut rng);
+    let x = row.broadcast_as((1, t, d)).unwrap().contiguous().unwrap();
+    assert_rows_equal_row_0(&gpt.attention_residual(&p, &x).unwrap());
+}
+
+/// The whole GPT in BF16 (op compositions: embedding, LayerNorm, attention, GELU, head, loss)
+/// follows the F32 computation on the same (BF16-rounded) parameters: the loss within 1e-2
+/// relative and each parameter's gradient within 5e-2 (relative Frobenius; measured ≤ 1.5e-2:
+/// a few BF16 roundings, 2^-9 each, along two blocks), tied and untied.
+#[test]
+fn gpt_in_bf16_tracks_f32() {
+    for tied in [false, true] {
+        let cfg = tiny(tied);
+        let gpt = Gpt::new(cfg.clone()).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(44);
+        let tokens = ids(3, 6, cfg.vocab_size, &mut rng);
+        let targets = ids(3, 6, cfg.vocab_size, &mut rng);
+        let bf16 = to_tensors(&random_params(&cfg, 0.3, &mut rng), DType::BF16);
+        let f32s: Vec<Tensor> = bf16.iter().map(|p| p.to_dtype(DType::F32).unwrap()).collect();
+        let (l16, g16) = gpt.loss_and_grads(&bf16, &tokens, &targets).unwrap();
+        let (l32, g32) = gpt.loss_and_grads(&f32s, &tokens, &targets).unwrap();
+        let q = (l16 - l32).abs() / l32;
+        eprintln!("tied={tied}: bf16 loss {l16} vs f32 {l32}, relative error {q:.2e}");
+        assert!(q <= 1e-2, "tied={tied}: loss {l16} vs {l32}");
+        let r32: Vec<Vec<f64>> = g32.iter().map(to_vec).collect();
+        let reference = |u: usize, p: &ParamSpec| r32[u][p.offset..p.offset + p.numel()].to_vec();
+        assert_grads_within(&format!("tied={tied}"), gpt.units(), &g16, reference, 5e-2, "");
+    }
 }

@@ -11,6 +11,7 @@ use serde_json::{json, Value};
 
 use super::*;
 use crate::lm::{loss_and_grads, IGNORE_INDEX};
+use crate::shared_tests::{assert_fixture_grads_within, rel_max_abs, to_f32};
 use crate::{Error, Llama, LlamaConfig, LlamaFamily, RopeScaling};
 
 fn fixtures() -> PathBuf {
@@ -121,6 +122,69 @@ fn llama_gqa_matches_transformers() {
 fn qwen2_tied_matches_transformers() {
     check_oracle("qwen2_tied", false);
     check_oracle("qwen2_tied", true);
+}
+
+// ---- BF16 against the f32 oracle -------------------------------------------------------------
+//
+// The checkpoints' parameters rounded to BF16 and run unit by unit (`loss_and_grads`) on the op
+// compositions (BF16 always takes them: the op sequence of a CUDA device; the CPU multiplies
+// through F32, as a GPU's BF16 GEMM accumulates in F32). BF16 keeps 8 significant bits: one
+// rounding is off by at most 2^-9 ≈ 2e-3 relative (neighbours are 2^-8 ≈ 3.9e-3 apart). The
+// parameters are rounded once, every matmul output, residual add, RoPE product, norm output and
+// activation once more, and a gradient goes back through all of them across two layers: the
+// errors are a few roundings' worth, mostly independent noise, so relative Frobenius errors of
+// about 2^-9 · sqrt(#roundings) ~ 1e-2. Each bound is 3.5–27x what the fixtures run at (printed
+// by the tests) and far below a real bug's error: a missing gradient is a relative error of 1,
+// a wrong sign 2; the cross-entropy in BF16 puts the loss 12–13 % off (its sum over 1024 classes
+// stalls in BF16). The F32 attention softmax, router softmax and embedding accumulation are too
+// small an effect at these sizes (T = 24, each token once or twice): the tests named
+// `bf16_*_in_f32` in `llama/tests.rs`, `gpt/tests.rs`, `gpt/moe_tests.rs`, `mixtral/tests.rs`
+// check them.
+
+/// Loss: relative error `|loss − ref| / ref`. Measured ≤ 3.7e-5.
+const BF16_LOSS_RTOL: f64 = 1e-3;
+/// Logits: `max |z − ref| / max |ref|`. Measured 7.3e-3 (Llama), 4.1e-3 (Qwen2).
+const BF16_LOGITS_RTOL: f64 = 3e-2;
+/// Gradients, per parameter tensor: `‖g − ref‖ / ‖ref‖` (Frobenius). Measured ≤ 1.4e-2 (a
+/// `k_proj` bias).
+const BF16_GRAD_RTOL: f64 = 5e-2;
+
+/// The model in BF16 against transformers' f32 logits, loss and every gradient (bounds above).
+fn check_oracle_bf16(case: &str) {
+    let dir = fixtures().join(case);
+    let (_, cfg, flats) = load(&dir);
+    let model = Llama::new(cfg).unwrap().composed_only();
+    let r = reference(&dir);
+    let tokens = ids_tensor(&r["input_ids"], false);
+    let targets = ids_tensor(&r["labels"], true);
+    let params: Vec<Tensor> = flats
+        .iter()
+        .map(|f| Tensor::from_slice(f, f.len(), &Device::Cpu).unwrap().to_dtype(candle_core::DType::BF16).unwrap())
+        .collect();
+
+    let logits = model.forward_all(&params, &tokens).unwrap();
+    assert_eq!(logits.dtype(), candle_core::DType::BF16);
+    let q = rel_max_abs(&to_f32(&logits), r["logits"].as_f32().unwrap());
+    eprintln!("{case} bf16: logits max |err| / max |ref| {q:.2e}");
+    assert!(q <= BF16_LOGITS_RTOL, "{case} bf16: logits off by {q:.2e} of their range");
+
+    let (loss, grads) = loss_and_grads(&model, &params, &tokens, &targets).unwrap();
+    let want = r["loss"].as_f32().unwrap()[0] as f64;
+    let q = (loss - want).abs() / want.abs();
+    eprintln!("{case} bf16: loss {loss} vs {want}, relative error {q:.2e}");
+    assert!(q <= BF16_LOSS_RTOL, "{case} bf16: loss {loss} vs {want}");
+
+    assert_fixture_grads_within(&format!("{case} bf16"), model.units(), &grads, &r, BF16_GRAD_RTOL);
+}
+
+#[test]
+fn llama_gqa_in_bf16_matches_transformers_f32() {
+    check_oracle_bf16("llama_gqa");
+}
+
+#[test]
+fn qwen2_tied_in_bf16_matches_transformers_f32() {
+    check_oracle_bf16("qwen2_tied");
 }
 
 #[test]

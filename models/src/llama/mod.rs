@@ -38,6 +38,15 @@
 //! none, DESIGN.md "Traps"). Both paths are checked against finite differences and against each
 //! other, and against transformers' logits, loss and gradients (`shared/fixtures/llama`).
 //!
+//! Half dtypes (BF16, F16) always take the op compositions and compute as transformers and
+//! torch do under bf16: matmuls, RoPE products, SwiGLU's product and the residual adds in the
+//! half dtype (BF16 matmuls on the CPU through F32, as a GPU's BF16 GEMM accumulates in F32);
+//! RMSNorm statistics, RoPE tables, the attention softmax (transformers' eager `softmax(..,
+//! dtype=torch.float32).to(query.dtype)`), the `silu`, Mixtral's router softmax and gates, and
+//! the cross-entropy in F32; and every gradient that sums over tokens (norm weights, biases, the
+//! embedding's scatter-add) accumulated in F32, then rounded once to the params' dtype. Checked
+//! against transformers' f32 oracle in BF16 (`hf/tests.rs`, `mixtral/tests.rs`).
+//!
 //! One training step runs unit by unit exactly as for the GPT ([`crate::lm`], activation
 //! checkpointing): [`crate::lm::loss_and_grads`] is that loop in memory. A tied head takes the
 //! embedding unit's flat vector (`tied`) and returns its gradient as
@@ -53,9 +62,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use crate::kernels;
 use crate::lm::{CausalLm, HeadLossGrads, UnitGrads};
-use crate::ops::{
-    self, cross_entropy, input_err, rms_norm_composed, rope_composed, scalar, softmax_last_dim, swiglu_composed,
-};
+use crate::ops::{self, cross_entropy, input_err, rms_norm_composed, rope_composed, scalar, swiglu_composed};
 use crate::unit::{UnitKind, UnitSpec};
 use crate::Result;
 
@@ -85,7 +92,8 @@ struct Tables {
     /// Fused: `[T, hd/2]`; composed: `[T, hd]` (the half repeated, as transformers' `emb`).
     cos: Tensor,
     sin: Tensor,
-    /// Composed only: `[T, T]`, 0 on and below the diagonal, -inf above.
+    /// Composed only: `[T, T]`, 0 on and below the diagonal, -inf above, in the softmax's dtype
+    /// (F32 for half dtypes, see `ops::masked_softmax`).
     mask: Option<Tensor>,
 }
 
@@ -123,9 +131,13 @@ impl<'a> AttnParams<'a> {
 ///
 /// Holds the configuration, the unit layouts and a small cache of RoPE tables; no parameters and
 /// no activations. Every call takes a unit's flat parameters (a 1-D [`Tensor`] of
-/// [`UnitSpec::numel`] elements on any candle device, dtype F32, F64, or BF16/F16 where the
-/// device has matmuls for it) and computes in that dtype (RMSNorm statistics and the loss in F32
-/// for half dtypes, as transformers). `Llama` is `Send + Sync`; calls may run concurrently.
+/// [`UnitSpec::numel`] elements on any candle device, dtype F32, F64, BF16, or F16 where the
+/// device has matmuls for it; BF16 on the CPU multiplies through F32) and computes in that dtype.
+/// Half dtypes (BF16/F16, always the op compositions) compute as transformers and torch do:
+/// RMSNorm statistics, the attention softmax, RoPE tables, the router's softmax and gates
+/// (Mixtral) and the loss in F32, and every reduction over tokens in F32 (the norm weights'
+/// and biases' gradients, the embedding's scatter-add of its rows' gradients). `Llama` is
+/// `Send + Sync`; calls may run concurrently.
 pub struct Llama {
     config: LlamaConfig,
     units: Vec<UnitSpec>,
@@ -166,7 +178,9 @@ impl Llama {
     }
 
     /// The same model computed with candle op compositions only (no fused CPU kernels): the
-    /// path every non-CPU device takes, so CPU tests and benchmarks can check it.
+    /// path every non-CPU device (and every half dtype) takes, so CPU tests, benchmarks and a
+    /// simulated device can run the op sequence of a CUDA device. F32 results agree with the
+    /// fused path within rounding, not bitwise. [`CausalLm::fused_cpu_kernels`] tells which.
     pub fn composed_only(mut self) -> Self {
         self.fused_cpu_kernels = false;
         self
@@ -230,11 +244,11 @@ impl Llama {
 
     /// `x Wᵀ (+ b)`: `x` `[N, in]`, `w` `[out, in]`, `b` `[out]` → `[N, out]`.
     fn linear(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, fused: bool) -> Result<Tensor> {
-        let y = x.matmul(&w.t()?)?;
+        let y = ops::matmul(x, &w.t()?)?;
         Ok(match b {
             None => y,
             Some(b) if fused => kernels::bias_add(&y, b)?,
-            Some(b) => y.broadcast_add(b)?,
+            Some(b) => ops::bias_add(&y, b)?,
         })
     }
 
@@ -264,16 +278,16 @@ impl Llama {
         let v = v.transpose(1, 2)?.contiguous()?;
         // Query heads kv·rep .. kv·rep + rep share key/value head kv: stack them along T.
         let q = q.reshape((b, kv, rep * t, hd))?;
-        let att = q.matmul(&k.t()?)?.reshape((b, nh, t, t))?;
+        let att = ops::matmul(&q, &k.t()?)?.reshape((b, nh, t, t))?;
         let att = if fused {
             kernels::causal_softmax(&att)?
         } else {
+            // In F32 for half dtypes (transformers' eager attention), cast back.
             let mask = tab.mask.as_ref().expect("composed tables carry the mask");
-            softmax_last_dim(&att.broadcast_add(mask)?)?
+            ops::masked_softmax(&att, mask)?
         };
-        let y = att
-            .reshape((b, kv, rep * t, t))?
-            .matmul(&v)? // [B, KV, rep·T, hd] = [B, H, T, hd]
+        // [B, KV, rep·T, hd] = [B, H, T, hd]
+        let y = ops::matmul(&att.reshape((b, kv, rep * t, t))?, &v)?
             .reshape((b, nh, t, hd))?
             .transpose(1, 2)?
             .reshape((n, nh * hd))?;
@@ -328,7 +342,7 @@ impl Llama {
     fn head_math(&self, norm_w: &Tensor, w_out: &Tensor, x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
         let h = self.rms_norm(x, norm_w)?.reshape((b * t, d))?;
-        Ok(h.matmul(&w_out.t()?)?.reshape((b, t, self.config.vocab_size))?)
+        Ok(ops::matmul(&h, &w_out.t()?)?.reshape((b, t, self.config.vocab_size))?)
     }
 
     /// The mean cross-entropy of `logits` `[B, T, V]` over the `count` targets that are not
@@ -339,11 +353,7 @@ impl Llama {
             let rows = lk::cross_entropy_rows(&logits.reshape(((), v))?, &targets.flatten_all()?)?;
             return Ok((rows.sum_all()? * (1.0 / count.max(1) as f64))?);
         }
-        let logits = match logits.dtype() {
-            DType::BF16 | DType::F16 => logits.to_dtype(DType::F32)?,
-            _ => logits.clone(),
-        };
-        cross_entropy(&logits, targets)
+        cross_entropy(&ops::widen(logits)?, targets)
     }
 
     // ---- helpers -------------------------------------------------------------------------------
@@ -391,7 +401,8 @@ impl Llama {
             None
         } else {
             let data: Vec<f32> = (0..t * t).map(|k| if k % t > k / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-            Some(Tensor::from_vec(data, (t, t), device)?.to_dtype(dtype)?)
+            // In the softmax's dtype: F32 for half dtypes (-inf is exact in every float dtype).
+            Some(Tensor::from_vec(data, (t, t), device)?.to_dtype(ops::softmax_dtype(dtype))?)
         };
         let e = Tables { seq_len: t, dtype, device: device.clone(), fused, cos, sin, mask };
         if cache.len() >= 8 {
@@ -570,6 +581,24 @@ impl CausalLm for Llama {
             let (grad_params, gx) = self.block_backward_fused(&self.views(unit, params)?, input, grad_output)?;
             return Ok(UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte: None });
         }
+        if spec.kind == UnitKind::Embedding && ops::is_half(dtype) {
+            // Half dtypes: the scatter-add of the rows' gradients in F32 (candle's
+            // `index_select` backward would accumulate in the half dtype).
+            self.check_tokens(input)?;
+            let (b, t) = input.dims2()?;
+            let d = self.config.hidden_size;
+            if grad_output.dims() != [b, t, d] {
+                return Err(input_err(
+                    "grad_output shape",
+                    format!("{:?}", [b, t, d]),
+                    format!("{:?}", grad_output.dims()),
+                ));
+            }
+            let g =
+                ops::embedding_grad(&input.flatten_all()?, &grad_output.reshape((b * t, d))?, self.config.vocab_size)?;
+            let grad_params = g.flatten_all()?;
+            return Ok(UnitGrads { grad_params, grad_input: None, grad_tied_wte: None });
+        }
         let vars = self.vars(unit, params)?;
         let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
         let (out, x_var, tied_var) = match spec.kind {
@@ -676,6 +705,11 @@ impl CausalLm for Llama {
         } else {
             None
         }
+    }
+
+    /// `false` after [`Llama::composed_only`].
+    fn fused_cpu_kernels(&self) -> bool {
+        self.fused_cpu_kernels
     }
 
     fn dims(&self) -> crate::Dims {

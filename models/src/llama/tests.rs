@@ -10,6 +10,9 @@ use rand_distr::{Distribution, Normal};
 
 use super::*;
 use crate::lm::{loss_and_grads, CausalLm, IGNORE_INDEX};
+use crate::shared_tests::{
+    assert_bf16_accumulation_far_off, assert_rows_equal_row_0, assert_within_bf16_spacing, bf16_uniform, to_vec,
+};
 use crate::unit::{init_params, ParamInit};
 use crate::{unit_tensor, Error};
 
@@ -66,10 +69,6 @@ fn random_params(units: &[UnitSpec], std: f64, rng: &mut impl Rng) -> Vec<Vec<f6
 
 fn to_tensors(flats: &[Vec<f64>], dtype: DType) -> Vec<Tensor> {
     flats.iter().map(|f| Tensor::from_slice(f, f.len(), &Device::Cpu).unwrap().to_dtype(dtype).unwrap()).collect()
-}
-
-fn to_vec(t: &Tensor) -> Vec<f64> {
-    t.flatten_all().unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap()
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
@@ -728,4 +727,67 @@ fn init_loss_is_near_uniform_and_trait_objects_work() {
         loss_and_grads(model.as_ref(), &params, &ids(4, 16, 64, &mut rng), &ids(4, 16, 64, &mut rng)).unwrap();
     assert!((loss - 64f64.ln()).abs() < 0.05, "{loss}");
     assert_eq!(grads.len(), model.units().len());
+}
+
+// ---- half precision --------------------------------------------------------------------------
+
+/// The BF16 embedding's gradient is the scatter-add of its rows' gradients accumulated in F32:
+/// one id at 4032 of 4096 positions with gradients ~1e-3 sums to ~4 within one rounding of the
+/// exact sum (an f64 sum of the same BF16 values), where candle's `index_select` backward in
+/// BF16 (the path F32 and F64 take) stalls far below it (each add is lost once the running sum's
+/// spacing exceeds twice the addend).
+#[test]
+fn bf16_embedding_gradient_accumulates_in_f32() {
+    let (b, t, v, d) = (64, 64, 32, 8);
+    let cfg = LlamaConfig { max_position_embeddings: t, ..LlamaConfig::new(v, d, 8, 1, 2) };
+    let model = Llama::new(cfg).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(40);
+    // Id 5 everywhere but the first position of each row (id 7: 64 hits).
+    let ids: Vec<u32> = (0..b * t).map(|k| if k % t == 0 { 7 } else { 5 }).collect();
+    let tokens = Tensor::from_vec(ids.clone(), (b, t), &Device::Cpu).unwrap();
+    let g = bf16_uniform(&[b, t, d], 0.5e-3, 1.5e-3, &mut rng);
+    let params = bf16_uniform(&[v * d], -1.0, 1.0, &mut rng);
+
+    let got = model.backward(0, &params, &tokens, &g, None).unwrap();
+    assert_eq!(got.grad_params.dtype(), DType::BF16);
+    assert_eq!(got.grad_params.dims(), [v * d]);
+    assert!(got.grad_input.is_none() && got.grad_tied_wte.is_none());
+    let got = to_vec(&got.grad_params);
+
+    let gv = to_vec(&g);
+    let mut exact = vec![0f64; v * d];
+    for (k, &id) in ids.iter().enumerate() {
+        for j in 0..d {
+            exact[id as usize * d + j] += gv[k * d + j];
+        }
+    }
+    assert_within_bf16_spacing(&got, &exact);
+    assert!(exact[5 * d] > 3.0 && exact[7 * d] > 0.03);
+
+    assert_bf16_accumulation_far_off(&params.reshape((v, d)).unwrap(), &tokens, &g, &exact, 5 * d);
+}
+
+/// The attention softmax of BF16 runs in F32: with zero queries every score is 0 and row `i`
+/// of the causal softmax is `1/(i+1)` on its `i+1` keys; with every input row equal the values
+/// are equal too, so every output row equals row 0's (which attends to itself alone). A BF16
+/// softmax sums the `i+1` ones in BF16, which stalls at 256 (257 is not a BF16 number): rows
+/// past 256 would come out up to 2x row 0's.
+#[test]
+fn bf16_attention_softmax_is_in_f32() {
+    let (t, d) = (512, 8);
+    let cfg = LlamaConfig { max_position_embeddings: t, ..LlamaConfig::new(32, d, 8, 1, 2) };
+    let model = Llama::new(cfg).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(41);
+    let q_w = Tensor::zeros((d, d), DType::BF16, &Device::Cpu).unwrap();
+    let (k_w, v_w, o_w) = (
+        bf16_uniform(&[d, d], -1.0, 1.0, &mut rng),
+        bf16_uniform(&[d, d], -1.0, 1.0, &mut rng),
+        bf16_uniform(&[d, d], -1.0, 1.0, &mut rng),
+    );
+    let p = AttnParams { q_w: &q_w, q_b: None, k_w: &k_w, k_b: None, v_w: &v_w, v_b: None, o_w: &o_w, o_b: None };
+    let row = bf16_uniform(&[1, 1, d], -1.0, 1.0, &mut rng);
+    let h = row.broadcast_as((1, t, d)).unwrap().contiguous().unwrap();
+    // Each row: the probabilities rounded once (≤ 2^-9 each, the same for all keys of a row),
+    // the weighted sum rounded once, o_proj's output rounded once: a few roundings of `scale`.
+    assert_rows_equal_row_0(&model.attention(&p, &h).unwrap());
 }

@@ -10,6 +10,7 @@ use candle_core::{Device, Tensor};
 
 use crate::hf::{config_json, parse_config, read_tensors, write_checkpoint, HfCheckpoint, NamedTensor, WriteOptions};
 use crate::lm::{loss_parts_and_grads, CausalLm, IGNORE_INDEX};
+use crate::shared_tests::{assert_fixture_grads_within, rel_max_abs, to_f32};
 use crate::{Llama, LlamaConfig, LlamaFamily, UnitKind};
 
 fn case_dir() -> PathBuf {
@@ -123,6 +124,119 @@ fn mixtral_matches_transformers() {
 #[test]
 fn mixtral_composed_matches_transformers() {
     check_oracle(true);
+}
+
+// ---- BF16 against the f32 oracle -------------------------------------------------------------
+//
+// As `hf/tests.rs` (`check_oracle_bf16`, where the bounds are argued): the parameters rounded to
+// BF16, the op compositions, the unit calls of `loss_parts_and_grads`. The router computes its
+// softmax, gates and load-balancing statistics in F32 (transformers' `softmax(.., dtype=
+// torch.float)`), from BF16 logits. A token whose 2nd and 3rd experts are nearly tied in f32
+// could pick another expert in BF16, and its gradients would then be another routing's; this
+// oracle's tokens keep every pair (checked; two rows swap the order of a nearly tied pair,
+// which changes nothing), so the dense bounds hold.
+
+/// Loss (cross-entropy, load-balancing loss, total): relative error. Measured ≤ 3.3e-5 (the
+/// load-balancing loss's).
+const BF16_LOSS_RTOL: f64 = 1e-3;
+/// Logits and router logits: `max |z − ref| / max |ref|`. Measured 7.3e-3 and 6.3e-3.
+const BF16_LOGITS_RTOL: f64 = 3e-2;
+/// Gradients, per parameter tensor: `‖g − ref‖ / ‖ref‖`. Measured ≤ 1.2e-2 (experts and
+/// router ≤ 1.1e-2).
+const BF16_GRAD_RTOL: f64 = 5e-2;
+
+/// The top-2 experts of each row of `logits` `[rows, E]` (softmax is monotone), as a set
+/// (ascending): the order of the two does not change the block's output.
+fn top2(logits: &[f32], e: usize) -> Vec<[usize; 2]> {
+    logits
+        .chunks_exact(e)
+        .map(|row| {
+            let mut idx: Vec<usize> = (0..e).collect();
+            idx.sort_by(|&a, &b| row[b].total_cmp(&row[a]).then(a.cmp(&b)));
+            [idx[0].min(idx[1]), idx[0].max(idx[1])]
+        })
+        .collect()
+}
+
+#[test]
+fn mixtral_in_bf16_matches_transformers_f32() {
+    let (_, cfg, params) = load();
+    let model = Llama::new(cfg.clone()).unwrap().composed_only();
+    let r = reference();
+    let tokens = ids(&r["input_ids"]);
+    let targets = ids(&r["labels"]);
+    let params: Vec<Tensor> = params.iter().map(|p| p.to_dtype(candle_core::DType::BF16).unwrap()).collect();
+
+    let (logits, router) = forward_all(&model, &params, &tokens);
+    assert_eq!(logits.dtype(), candle_core::DType::BF16);
+    for (name, t) in [("logits", &logits), ("router_logits", &router)] {
+        let q = rel_max_abs(&to_f32(t), r[name].as_f32().unwrap());
+        eprintln!("bf16: {name} max |err| / max |ref| {q:.2e}");
+        assert!(q <= BF16_LOGITS_RTOL, "bf16: {name} off by {q:.2e} of their range");
+    }
+    let e = cfg.num_experts();
+    let (got, want) = (top2(&to_f32(&router), e), top2(r["router_logits"].as_f32().unwrap(), e));
+    let flips = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+    eprintln!("bf16: {flips} of {} rows pick other experts than in f32", got.len());
+    assert_eq!(flips, 0, "BF16 picks the oracle's experts for every row");
+
+    let (parts, grads) = loss_parts_and_grads(&model, &params, &tokens, &targets).unwrap();
+    let scalar = |n: &str| r[n].as_f32().unwrap()[0] as f64;
+    let aux = parts.aux / cfg.aux_loss_weight();
+    for (name, got) in [("loss_ce", parts.ce), ("aux_loss", aux), ("loss", parts.total())] {
+        let q = (got - scalar(name)).abs() / scalar(name).abs();
+        eprintln!("bf16: {name} {got} vs {}, relative error {q:.2e}", scalar(name));
+        assert!(q <= BF16_LOSS_RTOL, "bf16: {name} {got} vs {}", scalar(name));
+    }
+
+    assert_fixture_grads_within("bf16", model.units(), &grads, &r, BF16_GRAD_RTOL);
+}
+
+/// With BF16 parameters the router's softmax and gates are computed in F32 from the BF16
+/// logits (transformers: `softmax(router_logits, dim=1, dtype=torch.float)`, top-k,
+/// renormalize, `.to(hidden_states.dtype)`): the probabilities (F32) within 1e-6 of an f64
+/// softmax of the same logits (a BF16 softmax is ~1e-3 off), each gate (BF16) within one BF16
+/// spacing of the f64 gate, the probability sums of the load-balancing loss within 1e-6.
+#[test]
+fn bf16_router_softmax_and_gates_are_in_f32() {
+    let (_, cfg, params) = load();
+    let model = Llama::new(cfg.clone()).unwrap();
+    let moe = model.moe().unwrap();
+    let r = reference();
+    let tokens = ids(&r["input_ids"]);
+    let params: Vec<Tensor> = params.iter().map(|p| p.to_dtype(candle_core::DType::BF16).unwrap()).collect();
+    let x = model.forward(0, &params[0], &tokens, None).unwrap();
+    let t = moe.trunk_forward(0, &params[cfg.block_unit(0)], &x).unwrap();
+    assert_eq!((t.logits.dtype(), t.probs.dtype()), (candle_core::DType::BF16, candle_core::DType::F32));
+    let (n, e) = t.probs.dims2().unwrap();
+    let k = cfg.top_k();
+    let (logits, probs) = (to_f32(&t.logits), to_f32(&t.probs));
+    let mut want = vec![0f64; n * e];
+    for (w, z) in want.chunks_exact_mut(e).zip(logits.chunks_exact(e)) {
+        let m = z.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x as f64));
+        let s: f64 = z.iter().map(|&x| (x as f64 - m).exp()).sum();
+        w.iter_mut().zip(z).for_each(|(w, &x)| *w = (x as f64 - m).exp() / s);
+    }
+    let err = probs.iter().zip(&want).map(|(&a, b)| (a as f64 - b).abs()).fold(0f64, f64::max);
+    assert!(err <= 1e-6, "router probabilities off by {err:e}");
+    let mut checked = 0;
+    for ex in 0..e {
+        let Some(gates) = t.routing.gates(ex) else { continue };
+        assert_eq!(gates.dtype(), candle_core::DType::BF16);
+        for (&tok, g) in t.routing.tokens(ex).iter().zip(to_f32(gates)) {
+            let tok = tok as usize;
+            let chosen = &t.routing.choices()[tok * k..tok * k + k];
+            let norm: f64 = chosen.iter().map(|&c| want[tok * e + c as usize]).sum();
+            let gate = want[tok * e + ex] / norm;
+            assert!((g as f64 - gate).abs() <= gate / 256.0, "gate {g} vs {gate}");
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, n * k);
+    for (ex, &s) in t.routing.prob_sum().iter().enumerate() {
+        let exact: f64 = (0..n).map(|i| want[i * e + ex]).sum();
+        assert!((s - exact).abs() <= 1e-6 * exact, "expert {ex}: probability sum {s} vs {exact}");
+    }
 }
 
 #[test]
