@@ -57,7 +57,7 @@ fn main() -> anyhow::Result<()> {
             drop(p);
             let out = layer(w.as_tensor(), input.as_tensor(), l + 1 == LAYERS)?;
             let grads = (out * &grad)?.sum_all()?.backward()?;
-            rt.push_grads(u, &grads.get(&w).expect("weight grad").to_vec1::<f32>()?)?;
+            rt.push_grads(u, grads.get(&w).expect("weight grad"))?;
             grad = grads.get(&input).expect("input grad").clone();
         }
         let stats = rt.finish_step()?;

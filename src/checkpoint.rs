@@ -93,7 +93,7 @@ impl Checkpoint {
 
     /// Total bytes of tensor data.
     pub fn num_bytes(&self) -> usize {
-        self.tensors.iter().map(|t| t.data.len() * 4).sum()
+        self.tensors.iter().map(|t| oogc_swapper::DType::F32.num_bytes(t.data.len())).sum()
     }
 }
 

@@ -466,6 +466,34 @@ pub struct TrainLoopConfig {
     /// same validation batches). Default: false.
     #[serde(default)]
     pub eval_at_start: bool,
+    /// Element type of the compute copies, activations and gradients: `"f32"`, or `"bf16"` for
+    /// mixed precision (bf16 compute copies in every tier and bf16 gradients on every link —
+    /// half of f32's bytes — over fp32 master weights and Adam state; norm statistics, softmax,
+    /// RoPE angles, the router and the loss in f32; as ZeRO-Offload's and FSDP2's
+    /// `MixedPrecisionPolicy(param_dtype=bf16)`). Default: `"f32"`.
+    #[serde(default)]
+    pub compute_dtype: ComputeDType,
+}
+
+/// `[train] compute_dtype`: the compute copies' and gradients' element type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDType {
+    /// fp32 everywhere (the fused CPU kernels apply on the sim device).
+    #[default]
+    F32,
+    /// bf16 compute copies, activations and gradients over fp32 master weights.
+    Bf16,
+}
+
+impl ComputeDType {
+    /// The swapper's (and the optimizer's) element type.
+    pub fn dtype(self) -> oogc_swapper::DType {
+        match self {
+            ComputeDType::F32 => oogc_swapper::DType::F32,
+            ComputeDType::Bf16 => oogc_swapper::DType::BF16,
+        }
+    }
 }
 
 fn default_seed() -> u64 {
@@ -494,6 +522,23 @@ pub struct DeviceConfig {
     /// Sim device: per-copy latency in microseconds. Default: 0.
     #[serde(default)]
     pub latency_us: f64,
+    /// Which op sequence computes the units ([`OpsPath`]): `"auto"` (the fused CPU kernels
+    /// where they apply — f32 on the sim device — else the candle compositions) or
+    /// `"composed"` (always the candle compositions: the op sequence a CUDA GPU runs, so the
+    /// sim device rehearses its numerics, in f32 and bf16). Default: `"auto"`.
+    #[serde(default)]
+    pub ops: OpsPath,
+}
+
+/// `[device] ops`: the fused CPU kernels or the candle op compositions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OpsPath {
+    /// The fused CPU kernels where they apply (f32 on the CPU), else the compositions.
+    #[default]
+    Auto,
+    /// The candle compositions only, on every device and dtype (what CUDA runs).
+    Composed,
 }
 
 /// `[device] kind`: which device computes, parsed from `"sim"` or `"cuda:N"` at load time.
@@ -549,7 +594,7 @@ fn default_link_gbps() -> f64 {
 
 impl Default for DeviceConfig {
     fn default() -> Self {
-        Self { kind: DeviceKind::Sim, link_gbps: default_link_gbps(), latency_us: 0.0 }
+        Self { kind: DeviceKind::Sim, link_gbps: default_link_gbps(), latency_us: 0.0, ops: OpsPath::Auto }
     }
 }
 

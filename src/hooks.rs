@@ -6,6 +6,7 @@
 //! |---|---|
 //! | `OOGC_CRASH_AT=<point>:<n>` | the `n`-th time (1-based) this process reaches `<point>`, it aborts (SIGABRT, no core file): as abrupt as SIGKILL |
 //! | `OOGC_PAUSE_AT=<point>:<ms>` | every time this process reaches `<point>`, it sleeps `ms` milliseconds (a wide window for an outside SIGKILL) |
+//! | `OOGC_DROP_ORDERING=<call>` | the runtime leaves out one ordering call between compute and copies: `grads` orders each gradient's D2H after an event recorded *before* the backward wrote its staging buffer (what a forgotten event does on a GPU: the copy may read stale bytes); the sim device's happens-before checker must catch it |
 //!
 //! Points: `checkpoint` — half-way through writing a checkpoint's temp file (before its fsync and
 //! rename). The NVMe store has its own hook, `OOGC_FAULT_NVME` (`oogc_swapper::FaultPlan`), that
@@ -18,6 +19,15 @@ use std::sync::{Mutex, OnceLock};
 pub const CRASH_ENV: &str = "OOGC_CRASH_AT";
 /// `OOGC_PAUSE_AT`: `<point>:<ms>`.
 pub const PAUSE_ENV: &str = "OOGC_PAUSE_AT";
+/// `OOGC_DROP_ORDERING`: `<call>`.
+pub const DROP_ORDERING_ENV: &str = "OOGC_DROP_ORDERING";
+
+/// Whether `OOGC_DROP_ORDERING` names `call`: the runtime then leaves that ordering call out
+/// (a negative control for the sim device's happens-before checker). Read once per process.
+pub fn drop_ordering(call: &str) -> bool {
+    static CALL: OnceLock<Option<String>> = OnceLock::new();
+    CALL.get_or_init(|| std::env::var(DROP_ORDERING_ENV).ok()).as_deref() == Some(call)
+}
 
 fn parse(var: &str) -> Option<(String, u64)> {
     let value = std::env::var(var).ok()?;

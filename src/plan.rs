@@ -246,14 +246,15 @@ impl PlannedModel {
     }
 
     /// The model of a training config, its units taken from the model itself (`oogc-models`:
-    /// sizes from the unit layouts, FLOPs from [`CausalLm::forward_flops`]) with f32 compute
-    /// copies (the sim device's), `batch × seq_len` tokens per step, MoE experts placed by
+    /// sizes from the unit layouts, FLOPs from [`CausalLm::forward_flops`]) with compute copies
+    /// of `dtype` (`[train] compute_dtype`), `batch × seq_len` tokens per step, MoE experts placed by
     /// [`moe_placement`] with `top_k / experts` of the tokens each (uniform routing); experts
     /// placed [`Placement::Cpu`] are [`ModelUnit::host_compute`] units, [`Placement::Skip`]
     /// ones are left out.
     pub fn of_model(
         model: &dyn CausalLm,
         family: &str,
+        dtype: DType,
         batch: usize,
         seq_len: usize,
         top_k: usize,
@@ -266,7 +267,7 @@ impl PlannedModel {
             let mut unit = ModelUnit {
                 name: u.name.clone(),
                 numel: u.numel as u64,
-                compute_bytes: u.numel as u64 * 4,
+                compute_bytes: dtype.num_bytes(u.numel) as u64,
                 forward_flops: model.forward_flops(k, tokens, seq_len),
                 host_compute: false,
             };
@@ -338,7 +339,7 @@ pub struct PlanArgs {
 }
 
 /// The plan of an `oogc train` config: its model ([`PlannedModel::of_model`]: the model the
-/// trainer builds, f32 compute copies as on the sim device, MoE blocks with [`moe_placement`]),
+/// trainer builds, compute copies of `[train] compute_dtype`, MoE blocks with [`moe_placement`]),
 /// batch (`batch_size × micro_batches` sequences per step: compute scales with the micro-batches,
 /// parameter transfers do not, since the layer-major schedule fetches each unit once per phase
 /// for all of them), GPU and host budgets, state tier and prefetch depth. On the sim device with a throttled
@@ -361,7 +362,9 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
     let top_k = model.moe().map_or(1, |m| m.experts_per_token());
     // A step computes all its micro-batches' sequences; each unit still moves once per phase.
     let sequences = cfg.train.batch_size * cfg.train.micro_batches.max(1);
-    let planned = PlannedModel::of_model(&*model, cfg.model.family(), sequences, cfg.train.seq_len, top_k, placements);
+    let dtype = cfg.train.compute_dtype.dtype();
+    let planned =
+        PlannedModel::of_model(&*model, cfg.model.family(), dtype, sequences, cfg.train.seq_len, top_k, placements);
     Ok(PlanArgs {
         model: planned,
         gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
@@ -407,7 +410,7 @@ pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &Hardwar
     if !crate::moe::places_experts(cfg) {
         return vec![vec![Placement::Fetch; experts]; layers];
     }
-    let bytes = numel * 4;
+    let bytes = cfg.train.compute_dtype.dtype().num_bytes(numel as usize) as u64;
     let tokens = (cfg.train.batch_size * cfg.train.seq_len * top_k / experts.max(1)) as u64;
     // The sim device's GPU is this CPU, at the profile's rate; on a GPU the cost model's CPU rate.
     let cpu_gflops =
@@ -442,10 +445,8 @@ pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &Hardwar
 pub fn host_and_nvme_plan(args: &PlanArgs, report: &PlanReport) -> (HostPlan, Option<NvmePlan>) {
     let units: Vec<usize> = args.model.units.iter().map(|u| u.numel as usize).collect();
     let state = if report.optimizer_state_on_nvme { StatePlacement::Nvme } else { StatePlacement::Host };
-    let mut optimizer = args.optimizer.clone();
-    optimizer.compute_dtype =
-        if args.model.units.first().is_some_and(|u| u.compute_bytes < 4 * u.numel) { DType::BF16 } else { DType::F32 };
-    let nvme = NvmePlan::new(&units, state, args.params, optimizer.compute_dtype.size_in_bytes(), &optimizer, None);
+    let optimizer = args.optimizer.clone();
+    let nvme = NvmePlan::new(&units, state, args.params, &optimizer, None);
     let mut rc = RuntimeConfig::sim(args.gpu_budget_bytes);
     rc.host_budget_bytes = args.host_budget_bytes.unwrap_or(u64::MAX);
     rc.state_placement = state;

@@ -184,8 +184,8 @@ pub struct RunSummary {
     pub nvme_bytes: u64,
     /// Host memory: the plan, the ledger and the process (see [`HostReport`]).
     pub host: HostReport,
-    /// Parameters + optimizer state (16 B/param: f32 compute copy + master + m + v) over the GPU
-    /// budget.
+    /// Parameters + optimizer state (the compute copy in the compute dtype — 4 B/param in f32, 2
+    /// in bf16 — plus 12 B/param of fp32 master, m and v) over the GPU budget.
     pub model_to_gpu_ratio: f64,
     /// Checkpoints written.
     pub checkpoints: Vec<PathBuf>,
@@ -284,7 +284,9 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
         params: trainer.num_params(),
         unigram_entropy_nats: trainer.data().unigram_entropy_nats(),
         bytes_per_token: trainer.data().bytes_per_token(),
-        model_to_gpu_ratio: trainer.num_params() as f64 * 16.0 / cfg.budgets.gpu.as_u64() as f64,
+        model_to_gpu_ratio: (cfg.train.compute_dtype.dtype().num_bytes(trainer.num_params())
+            + oogc_swapper::DType::F32.num_bytes(3 * trainer.num_params())) as f64
+            / cfg.budgets.gpu.as_u64() as f64,
         ..RunSummary::default()
     };
     tracing::info!(

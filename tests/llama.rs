@@ -136,7 +136,7 @@ fn through_the_runtime(case: &str) {
         for p in &unit.params {
             flat[p.offset..p.offset + p.numel()].copy_from_slice(&floats(&reference, &format!("grad.{}", p.name)));
         }
-        rt.push_grads(UnitId(u), &flat).unwrap();
+        rt.push_grads_slice(UnitId(u), oogc::optimizer::GradSlice::F32(&flat)).unwrap();
     }
     let stats = rt.finish_step().unwrap();
     assert!(!stats.skipped && stats.clip_scale == 1.0, "{stats:?}");

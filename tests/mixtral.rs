@@ -190,9 +190,10 @@ fn through_the_runtime(label: &str, place: impl Fn(usize, usize) -> Place) {
         }
         match unit.kind {
             UnitKind::Expert { block, expert } if place(block, expert) == Place::Cpu => {
+                let flat = Tensor::from_vec(flat, unit.numel, &Device::Cpu).unwrap();
                 rt.push_grads_host(UnitId(u), &flat).unwrap()
             }
-            _ => rt.push_grads(UnitId(u), &flat).unwrap(),
+            _ => rt.push_grads_slice(UnitId(u), oogc::optimizer::GradSlice::F32(&flat)).unwrap(),
         }
     }
     let stats = rt.finish_step().unwrap();

@@ -62,11 +62,11 @@ fn train(cpu_middle: bool, steps: u64) -> (Vec<f32>, Vec<Vec<f32>>, u64) {
                 .unwrap()
                 .backward()
                 .unwrap();
-            let g = grads.get(&w).unwrap().to_vec1::<f32>().unwrap();
+            let g = grads.get(&w).unwrap();
             if cpu_middle && u == 1 {
-                rt.push_grads_host(units[u], &g).unwrap();
+                rt.push_grads_host(units[u], g).unwrap();
             } else {
-                rt.push_grads(units[u], &g).unwrap();
+                rt.push_grads(units[u], g).unwrap();
             }
             grad = grads.get(&input).unwrap().clone();
         }

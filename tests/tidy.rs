@@ -53,7 +53,20 @@ const CPU_DEVICE_FILES: &[(&str, &str)] = &[
         "the sim device's compute copies are CPU tensors (`device_tensor`), and `fetch_host` computes a cold \
          MoE expert on the CPU from its host copy (the CPU-compute path of experts)",
     ),
+    (
+        "src/train/moe.rs",
+        "a CPU-placed expert (Fiddler's placement) computes on the CPU by nature: its tokens move there",
+    ),
+    (
+        "src/runtime/tensor.rs",
+        "the sim device's memory is host memory and its compute the CPU: its buffers become CPU tensors",
+    ),
     ("bench/src/probe.rs", "the compute probe times candle's CPU, the sim device's compute, for the planner"),
+    (
+        "cli/src/gpu_check/common.rs",
+        "oogc gpu-check compares the device against the CPU (check 3's f64 oracle and CPU f32) and the sim device \
+         computes on it",
+    ),
 ];
 
 /// Directories never walked: build outputs and hidden directories (`.git`, `.ci` holds no Rust).

@@ -9,7 +9,7 @@ mod reference;
 use oogc::config::TrainConfig;
 use oogc::train::Trainer;
 
-use common::{tiny, tiny_moe};
+use common::{tiny, tiny_llama, tiny_moe};
 
 fn run_steps(cfg: TrainConfig, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>, Trainer) {
     let mut t = Trainer::new(cfg).unwrap();
@@ -101,59 +101,10 @@ fn moe_training_with_hot_and_cpu_experts_equals_in_memory_moe_training() {
     assert!(b.iter().map(|x| x.2).sum::<usize>() > 0, "some experts ran on the CPU");
 }
 
-/// A tiny Llama (GQA, untied) on the BPE tokenizer's ids, state on NVMe and a GPU budget of a
-/// third of its parameters' bytes.
-fn tiny_llama(nvme: &std::path::Path, cache: &std::path::Path) -> String {
-    format!(
-        r#"
-[model]
-family = "llama"
-hidden_size = 32
-intermediate_size = 88
-num_hidden_layers = 6
-num_attention_heads = 4
-num_key_value_heads = 2
-max_position_embeddings = 32
-[data]
-path = "{data}"
-tokenizer = "{tok}"
-cache_dir = "{cache}"
-[train]
-batch_size = 4
-seq_len = 16
-steps = 12
-seed = 5
-eval_interval = 0
-eval_batches = 2
-[budgets]
-gpu = "64MiB"
-host = "64MiB"
-optimizer_state = "nvme"
-nvme_dirs = ["{nvme}"]
-[optimizer]
-lr = 3e-3
-warmup_steps = 3
-clip_norm = 0.5
-[threads]
-optimizer = 2
-"#,
-        data = common::data_path().display(),
-        tok = common::repo_root().join("../shared/fixtures/llama/tokenizer.json").display(),
-        cache = cache.display(),
-        nvme = nvme.display()
-    )
-}
-
-/// [`tiny_llama`] in `dir` with a GPU budget of a third of its parameters' bytes (at least two
-/// of its largest unit), and those bytes.
+/// [`tiny_llama`] in `dir` in f32 with a GPU budget of a third of its parameters' bytes (at
+/// least two of its largest unit), and those bytes.
 fn offloaded_tiny_llama(dir: &std::path::Path) -> (TrainConfig, u64) {
-    let mut cfg = TrainConfig::from_toml_str(&tiny_llama(&dir.join("nvme"), &dir.join("tokens"))).unwrap();
-    let t = Trainer::new(cfg.clone()).unwrap();
-    let param_bytes = t.num_params() as u64 * 4;
-    let largest = t.model().units().iter().map(|u| u.numel as u64 * 4).max().unwrap();
-    drop(t);
-    cfg.budgets.gpu = bytesize::ByteSize::b((param_bytes / 3).max(2 * largest));
-    (cfg, param_bytes)
+    common::offloaded_tiny_llama(dir, oogc::config::ComputeDType::F32)
 }
 
 #[test]
@@ -280,19 +231,7 @@ fn a_resumed_micro_batch_run_continues_exactly() {
             .replace("[threads]", &format!("[checkpoint]\ndir = \"{}\"\n[threads]", dir.path().join(name).display()));
         TrainConfig::from_toml_str(&text).unwrap()
     };
-    let mut whole = Trainer::new(config("whole")).unwrap();
-    let losses: Vec<f64> = (0..4).map(|_| whole.train_step().unwrap().loss).collect();
-    let params = whole.master_weights().unwrap();
-    drop(whole);
-    let cfg = config("parts");
-    let mut first = Trainer::new(cfg.clone()).unwrap();
-    let mut resumed_losses: Vec<f64> = (0..2).map(|_| first.train_step().unwrap().loss).collect();
-    let ckpt = first.save_checkpoint().unwrap().expect("a checkpoint dir");
-    drop(first);
-    let mut second = Trainer::resume(cfg, &ckpt).unwrap();
-    resumed_losses.extend((0..2).map(|_| second.train_step().unwrap().loss));
-    assert_eq!(resumed_losses, losses);
-    assert_eq!(second.master_weights().unwrap(), params);
+    common::assert_resume_continues_exactly(&config);
 }
 
 /// A tiny Mixtral (4 experts per layer, top-2, the pooled load-balancing loss) on the BPE

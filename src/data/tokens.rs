@@ -656,7 +656,8 @@ mod tests {
             assert_eq!(b.target_bytes, sum);
             total += sum;
         }
-        let bytes_per_token = total as f64 / (8 * 4 * 64) as f64;
+        let targets: usize = val.iter().map(|b| b.targets.len()).sum();
+        let bytes_per_token = total as f64 / targets as f64;
         assert!(bytes_per_token > 2.0 && bytes_per_token < 6.0, "{bytes_per_token}");
         assert_eq!(corpus.val_text_bytes(), data.val().text_bytes());
         let mut s = Sampler::new(3);

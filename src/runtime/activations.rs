@@ -1,6 +1,6 @@
 //! Activation checkpoints offloaded to pinned host memory (`[activations] offload`, ZeRO-Offload's
 //! and ZeRO-Infinity's checkpoint offload): [`ActivationPipe`]. A checkpoint (a block's input, one
-//! micro-batch's `[B, T, d]` f32) goes D2H into a pinned host buffer as soon as the forward made
+//! micro-batch's `[B, T, d]` in the compute dtype) goes D2H into a pinned host buffer as soon as the forward made
 //! it, so the device holds it only while the copy runs; the backward asks for it back one block
 //! ahead ([`ActivationPipe::prefetch`]) and takes it when the block's backward starts
 //! ([`ActivationPipe::take`]). Every host byte is claimed from the ledger
@@ -9,8 +9,10 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use oogc_swapper::{Device, DeviceBuffer, HostBuffer, PinnedPool, Transfer};
+use candle_core::{Shape, Tensor};
+use oogc_swapper::{DType, Device, DeviceBuffer, HostBuffer, PinnedPool, Transfer};
 
+use super::tensor::{device_tensor, swapper_dtype, write_to_device};
 use super::{Result, RuntimeError};
 
 /// Device staging buffers: one checkpoint copied D2H (or H2D, a block ahead) while the other
@@ -31,11 +33,18 @@ enum Stash {
     Loading(Transfer),
 }
 
+/// What a stashed checkpoint was: its shape and element type, to give it back as it came.
+struct StashMeta {
+    shape: Shape,
+    dtype: DType,
+}
+
 /// The checkpoints in host memory and the device staging buffers they move through.
 pub(super) struct ActivationPipe {
     pool: PinnedPool,
     staging: Vec<DeviceBuffer>,
     stashes: HashMap<ActivationId, Stash>,
+    metas: HashMap<ActivationId, StashMeta>,
     /// Checkpoints whose D2H is in flight, oldest first.
     landing: VecDeque<ActivationId>,
     next: u64,
@@ -45,7 +54,14 @@ impl ActivationPipe {
     /// A pipe whose host buffers come from `pool` (claimed as [`oogc_swapper::HostUse::Activations`]);
     /// it copies through the staging buffers given by [`set_staging`](Self::set_staging).
     pub(super) fn new(pool: PinnedPool) -> Self {
-        Self { pool, staging: Vec::new(), stashes: HashMap::new(), landing: VecDeque::new(), next: 0 }
+        Self {
+            pool,
+            staging: Vec::new(),
+            stashes: HashMap::new(),
+            metas: HashMap::new(),
+            landing: VecDeque::new(),
+            next: 0,
+        }
     }
 
     /// The device staging buffers ([`STAGING`] of the largest checkpoint's bytes).
@@ -87,34 +103,33 @@ impl ActivationPipe {
         Ok(())
     }
 
-    /// Copies `data` to the device (it is there already on a GPU: the checkpoint's own memory)
-    /// and starts its D2H copy into a pinned host buffer claimed from the ledger.
-    pub(super) fn stash(&mut self, device: &Device, data: &[f32]) -> Result<ActivationId> {
-        let bytes: &[u8] = bytemuck::cast_slice(data);
+    /// Copies `data` to a staging buffer (on the sim device from candle's CPU tensor) and
+    /// starts its D2H copy into a pinned host buffer claimed from the ledger.
+    pub(super) fn stash(&mut self, device: &Device, data: &Tensor) -> Result<ActivationId> {
+        let dtype = swapper_dtype(data.dtype())?;
+        let num_bytes = dtype.num_bytes(data.elem_count());
         let mut dev = self.staging()?;
-        if dev.num_bytes() < bytes.len() {
+        if dev.num_bytes() < num_bytes {
             let n = dev.num_bytes();
             self.staging.push(dev);
             return Err(RuntimeError::Usage(format!(
-                "activation offload: a checkpoint of {} bytes is larger than the staging buffers ({n} bytes) the \
-                 runtime was configured with",
-                bytes.len()
+                "activation offload: a checkpoint of {num_bytes} bytes is larger than the staging buffers ({n} bytes) \
+                 the runtime was configured with"
             )));
         }
-        match &mut dev {
-            DeviceBuffer::Sim(b) => b.as_mut_slice()[..bytes.len()].copy_from_slice(bytes),
-            #[allow(unreachable_patterns)]
-            _ => {
-                self.staging.push(dev);
-                return Err(RuntimeError::Usage("activation offload from a CUDA tensor is not wired yet".into()));
-            }
+        if let Err(e) = write_to_device(data, dtype, &mut dev) {
+            self.staging.push(dev);
+            return Err(e);
         }
-        let mut host = self.pool.alloc(bytes.len())?;
-        host.set_len(bytes.len());
-        let transfer = device.dtoh(dev, host)?;
+        // The D2H after the compute that wrote the staging buffer.
+        let after = device.record_compute_event()?;
+        let mut host = self.pool.alloc(num_bytes)?;
+        host.set_len(num_bytes);
+        let (transfer, _) = device.dtoh_after(dev, host, Some(&after))?;
         let id = ActivationId(self.next);
         self.next += 1;
         self.stashes.insert(id, Stash::Landing(transfer));
+        self.metas.insert(id, StashMeta { shape: data.shape().clone(), dtype });
         self.landing.push_back(id);
         Ok(id)
     }
@@ -133,25 +148,24 @@ impl ActivationPipe {
         }
         let dev = self.staging()?;
         let Some(Stash::Host(host)) = self.stashes.remove(&id) else { unreachable!("landed above") };
-        let transfer = device.htod(host, dev)?;
+        // The H2D overwrites a staging buffer compute may have read (an earlier take): after it.
+        let after = device.record_compute_event()?;
+        let (transfer, _) = device.htod_after(host, dev, Some(&after))?;
         self.stashes.insert(id, Stash::Loading(transfer));
         Ok(())
     }
 
-    /// `id`'s checkpoint back on the device, as the f32 values it was stashed with; its host
-    /// buffer goes back to the pool and its claim to the ledger.
-    pub(super) fn take(&mut self, device: &Device, id: ActivationId) -> Result<Vec<f32>> {
+    /// `id`'s checkpoint back on the device as the tensor it was stashed as (shape, dtype,
+    /// bytes), on `compute`; its host buffer goes back to the pool and its claim to the ledger.
+    pub(super) fn take(&mut self, device: &Device, compute: &candle_core::Device, id: ActivationId) -> Result<Tensor> {
         self.prefetch(device, id)?;
         let Some(Stash::Loading(t)) = self.stashes.remove(&id) else { unreachable!("prefetched above") };
+        let meta = self.metas.remove(&id).expect("every stash has its meta");
+        // Waited on the host: the H2D is complete before compute reads the staging buffer.
         let (host, dev) = t.wait()?;
-        let n = host.as_slice().len();
         drop(host);
-        let values = match &dev {
-            DeviceBuffer::Sim(b) => bytemuck::pod_collect_to_vec(&b.as_slice()[..n]),
-            #[allow(unreachable_patterns)]
-            _ => return Err(RuntimeError::Usage("activation offload to a CUDA tensor is not wired yet".into())),
-        };
+        let tensor = device_tensor(&dev, meta.shape, meta.dtype, compute);
         self.staging.push(dev);
-        Ok(values)
+        tensor
     }
 }

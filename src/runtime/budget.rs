@@ -11,7 +11,7 @@
 //! | optimizer state | host state: 12 B per parameter; either way 8 B per 16 Ki parameters of norm partials |
 //! | speculation | second buffers of the units that fit what is left, in unit order, within `[optimizer] rollback_budget` |
 //! | NVMe stream | state on NVMe: `threads` streams of three chunk buffers of the largest unit (within `stream_host_budget_bytes`) |
-//! | gradients | every unit's f32 gradients (held until the step is final; with immediate updates — `clip_norm = 0`, `nonfinite = "stop"` — only the `threads + 1` largest units' whose update runs or waits), two more of the largest unit's (arriving while their unit's last update runs), two pinned landing buffers of the largest unit |
+//! | gradients | every unit's gradients (compute dtype) (held until the step is final; with immediate updates — `clip_norm = 0`, `nonfinite = "stop"` — only the `threads + 1` largest units' whose update runs or waits), two more of the largest unit's (arriving while their unit's last update runs), two pinned landing buffers of the largest unit |
 //! | activations | with `[activations] offload`: every checkpoint of a step (blocks × micro-batches, pool size classes); else 0 (on the sim device the checkpoints of every micro-batch are candle's buffers: the fixed overhead below) |
 //!
 //! **Fixed overhead** (not in the ledger, stated): the process itself — binary, libraries,
@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 
 use oogc_optimizer::{speculation_cost, state_host_bytes, state_nvme_bytes, stream_host_bytes, OptimizerConfig};
 use oogc_swapper::host::{size_class, PAGE_BYTES};
-use oogc_swapper::{HostUse, StatePlacement};
+use oogc_swapper::{DType, HostUse, StatePlacement};
 use serde::Serialize;
 
 use super::grads::GRAD_LANDING_BUFFERS;
@@ -47,15 +47,17 @@ pub const BASE_OVERHEAD_BYTES: u64 = 48 << 20;
 
 /// candle's host buffers during a step on the sim device (not in the ledger), with
 /// `micro_batches` micro-batches of `batch` sequences (`[train] micro_batches`, 1 without
-/// gradient accumulation): the activation checkpoints of every micro-batch (one
-/// `[batch, seq, d_model]` f32 tensor per block and micro-batch, kept from forward to
-/// backward) and, beyond the first micro-batch, each further one's output gradient
-/// `[batch, seq, d_model]` held between units in the backward; the temporaries of one unit's
-/// forward and backward on one micro-batch (attention scores `[batch, heads, seq, seq]`, MLP
-/// hidden `[batch, seq, d_ff]`, each a few times over: counted `8 ×`), plus the head's logits
-/// `[batch, seq, vocab]` and their gradient. Bytes; an estimate, stated.
+/// gradient accumulation), activations in `dtype` (the compute dtype): the activation
+/// checkpoints of every micro-batch (one `[batch, seq, d_model]` tensor per block and
+/// micro-batch, kept from forward to backward) and, beyond the first micro-batch, each further
+/// one's output gradient `[batch, seq, d_model]` held between units in the backward; the
+/// temporaries of one unit's forward and backward on one micro-batch (attention scores
+/// `[batch, heads, seq, seq]`, MLP hidden `[batch, seq, d_ff]`, each a few times over: counted
+/// `8 ×`), plus the head's logits `[batch, seq, vocab]` and their gradient (f32 whatever the
+/// compute dtype: the loss upcasts them). Bytes; an estimate, stated.
 #[allow(clippy::too_many_arguments)]
 pub fn activation_overhead_bytes(
+    dtype: DType,
     batch: u64,
     micro_batches: u64,
     seq: u64,
@@ -67,10 +69,11 @@ pub fn activation_overhead_bytes(
 ) -> u64 {
     let k = micro_batches.max(1);
     let tokens = batch * seq;
-    let checkpoints = k * layers * tokens * d_model * 4;
-    let held_grads = (k - 1) * tokens * d_model * 4;
-    let block = 8 * (batch * heads * seq * seq + tokens * d_ff + 4 * tokens * d_model) * 4;
-    let head = 4 * tokens * vocab * 4;
+    let bytes = |elements: u64| dtype.num_bytes(elements as usize) as u64;
+    let checkpoints = bytes(k * layers * tokens * d_model);
+    let held_grads = bytes((k - 1) * tokens * d_model);
+    let block = bytes(8 * (batch * heads * seq * seq + tokens * d_ff + 4 * tokens * d_model));
+    let head = DType::F32.num_bytes((4 * tokens * vocab) as usize) as u64;
     checkpoints + held_grads + block + head
 }
 
@@ -96,7 +99,7 @@ pub struct HostPlan {
     pub speculative_units: usize,
     /// NVMe stream buffers (state on NVMe).
     pub nvme_stream_bytes: u64,
-    /// Gradients: held f32 gradients and the pinned landing buffers.
+    /// Gradients: held gradients (compute dtype) and the pinned landing buffers.
     pub gradients_bytes: u64,
     /// Of which the pinned landing pool.
     pub gradient_landing_bytes: u64,
@@ -110,9 +113,11 @@ impl HostPlan {
     /// NVMe room for speculated NVMe units' second extents (see [`NvmePlan`]).
     pub fn new(config: &RuntimeConfig, units: &[usize], max_units_in_use: usize, nvme_speculation_bytes: u64) -> Self {
         let opt = &config.optimizer;
-        let dtype_bytes = opt.compute_dtype.size_in_bytes();
+        let dtype = opt.compute_dtype;
         let largest = units.iter().copied().max().unwrap_or(0);
-        let copy_class = |n: usize| size_class(n * dtype_bytes) as u64;
+        // A unit's compute copy and its gradients have the compute dtype.
+        let bytes = |n: usize| dtype.num_bytes(n) as u64;
+        let copy_class = |n: usize| size_class(dtype.num_bytes(n)) as u64;
         let all_copies: u64 = units.iter().map(|&n| copy_class(n)).sum();
         let compute_copies_min_bytes = match config.params_placement {
             StatePlacement::Host => all_copies,
@@ -124,16 +129,16 @@ impl HostPlan {
             }
         };
         let optimizer_state_bytes: u64 = units.iter().map(|&n| state_host_bytes(n, config.state_placement)).sum();
-        let gradient_landing_bytes = GRAD_LANDING_BUFFERS as u64 * size_class(largest.max(1) * 4) as u64;
+        let gradient_landing_bytes = GRAD_LANDING_BUFFERS as u64 * copy_class(largest.max(1));
         // One more unit's gradients from the drain thread and one from a CPU-computed unit may
         // arrive while their unit's previous update still holds its own. Immediate updates
         // hold only the units whose update runs or waits to run, not every unit's.
         let held: u64 = if opt.updates_immediately() {
-            opt.gradients_in_flight() as u64 * 4 * largest as u64
+            opt.gradients_in_flight() as u64 * bytes(largest)
         } else {
-            units.iter().map(|&n| 4 * n as u64).sum()
+            units.iter().map(|&n| bytes(n)).sum()
         };
-        let gradients_bytes = held + 2 * 4 * largest as u64 + gradient_landing_bytes;
+        let gradients_bytes = held + 2 * bytes(largest) + gradient_landing_bytes;
         let (stream_min, stream_want) = match config.state_placement {
             StatePlacement::Host => (0, 0),
             StatePlacement::Nvme => {
@@ -277,14 +282,13 @@ pub struct NvmePlan {
 
 impl NvmePlan {
     /// The store of a run of `units` (parameters per unit) with state and parameters placed as
-    /// `state` and `params`, compute copies of `dtype_bytes` per element, `opt`'s threads and
-    /// chunks, and an explicit size `nvme_size` if the config gives one. `None` when nothing
-    /// lives on NVMe.
+    /// `state` and `params`, compute copies of `opt.compute_dtype`, `opt`'s threads and chunks,
+    /// and an explicit size `nvme_size` if the config gives one. `None` when nothing lives on
+    /// NVMe.
     pub fn new(
         units: &[usize],
         state: StatePlacement,
         params: StatePlacement,
-        dtype_bytes: usize,
         opt: &OptimizerConfig,
         nvme_size: Option<u64>,
     ) -> Option<Self> {
@@ -296,12 +300,13 @@ impl NvmePlan {
         let pad = |b: u64| b.next_multiple_of(PAGE_BYTES as u64);
         let on = |p: StatePlacement| p == StatePlacement::Nvme;
         let state_bytes: u64 = if on(state) { units.iter().map(|&n| state_nvme_bytes(n, chunk)).sum() } else { 0 };
-        let params_bytes: u64 = if on(params) { units.iter().map(|&n| pad((n * dtype_bytes) as u64)).sum() } else { 0 };
+        let params_bytes: u64 =
+            if on(params) { units.iter().map(|&n| pad(opt.compute_dtype.num_bytes(n) as u64)).sum() } else { 0 };
         let threads = opt.threads as u64;
         let frag = FRAGMENTATION_EXTENTS;
         let slack_bytes = if on(state) { (threads + frag) * state_nvme_bytes(largest, chunk) } else { 0 }
             + if on(params) {
-                (PREFETCH_THREADS + threads + 1 + frag) * pad((largest * dtype_bytes) as u64)
+                (PREFETCH_THREADS + threads + 1 + frag) * pad(opt.compute_dtype.num_bytes(largest) as u64)
             } else {
                 0
             };
@@ -498,20 +503,26 @@ mod tests {
     #[test]
     fn nvme_plan_is_sized_from_the_state_and_checked_against_free_space() {
         let units = [70_000, 450_000, 50_000];
-        let opt = OptimizerConfig::default();
-        let p = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, 4, &opt, None).unwrap();
-        let params: u64 = units.iter().map(|&n| 4 * n as u64).sum();
-        assert!(p.state_bytes >= 12 * params / 4 && p.params_bytes >= params);
+        let opt = OptimizerConfig { compute_dtype: DType::F32, ..OptimizerConfig::default() };
+        let p = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, &opt, None).unwrap();
+        let params: u64 = units.iter().map(|&n| DType::F32.num_bytes(n) as u64).sum();
+        assert!(p.state_bytes >= 3 * params && p.params_bytes >= params);
+        // bf16 compute copies: half the parameter bytes on NVMe (within the 4 KiB padding).
+        let half = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, &OptimizerConfig::default(), None);
+        let half = half.unwrap();
+        assert_eq!(OptimizerConfig::default().compute_dtype, DType::BF16);
+        assert!(half.params_bytes >= params / 2 && half.params_bytes < params / 2 + 3 * 4096, "{half:?}");
+        assert_eq!(half.state_bytes, p.state_bytes);
         assert_eq!(p.capacity_bytes, p.min_bytes + p.state_bytes);
         assert!(p.capacity_bytes < 3 * p.state_bytes + p.params_bytes + (64 << 20));
         let dirs = vec![PathBuf::from("/nonexistent-oogc/a")];
         p.check(&dirs, &|_| Ok(u64::MAX)).unwrap();
         let e = p.check(&dirs, &|_| Ok(1 << 20)).unwrap_err().to_string();
         assert!(e.contains(&p.capacity_bytes.to_string()) && e.contains(&(1u64 << 20).to_string()), "{e}");
-        let small = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Host, 4, &opt, Some(1 << 20)).unwrap();
+        let small = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Host, &opt, Some(1 << 20)).unwrap();
         let e = small.check(&dirs, &|_| Ok(u64::MAX)).unwrap_err().to_string();
         assert!(e.contains("nvme_size") && e.contains(&small.min_bytes.to_string()), "{e}");
-        assert!(NvmePlan::new(&units, StatePlacement::Host, StatePlacement::Host, 4, &opt, None).is_none());
+        assert!(NvmePlan::new(&units, StatePlacement::Host, StatePlacement::Host, &opt, None).is_none());
     }
 
     #[test]

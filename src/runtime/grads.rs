@@ -1,5 +1,6 @@
-//! The gradients' way to the CPU optimizer ([`GradPipe`]): a unit's gradients go into a device
-//! staging buffer, D2H on the copy engine into pinned host memory, and a drain thread submits
+//! The gradients' way to the CPU optimizer ([`GradPipe`]): a unit's gradients (in the compute
+//! dtype: half the bytes of f32 with bf16 compute copies) go into a device staging buffer, D2H on
+//! the copy engine into pinned host memory, and a drain thread submits
 //! them to the [`PipelinedOptimizer`] as each copy lands, so the update overlaps the rest of the
 //! backward. With `hold` (the ZeRO-Infinity-like baseline) the landed gradients are kept and
 //! submitted at the end of the step instead.
@@ -9,10 +10,21 @@ use std::time::Instant;
 
 use crossbeam_channel::{Receiver, Sender};
 use oogc_optimizer::{Grads, PipelinedOptimizer, UpdateHandle};
-use oogc_swapper::{Device, DeviceBuffer, HostClaim, HostLedger, HostUse, PinnedPool, Transfer};
+use oogc_swapper::{DType, Device, DeviceBuffer, HostClaim, HostLedger, HostUse, PinnedPool, Transfer};
 use parking_lot::{Condvar, Mutex};
 
+use super::tensor::write_to_device;
 use super::{Result, RuntimeError, UnitId};
+
+/// Where a unit's gradients come from: a tensor on the compute device (the trainer's), or bytes
+/// in host memory already in the compute dtype (a host caller on the sim device).
+#[derive(Clone, Copy)]
+pub(super) enum GradSource<'a> {
+    /// `[numel]` (any shape), any float dtype: converted on the device.
+    Tensor(&'a candle_core::Tensor),
+    /// Little-endian elements of the compute dtype.
+    Bytes(&'a [u8]),
+}
 
 /// Device buffers for gradients on their way D2H: one unit's gradients are copied while the
 /// next unit's backward computes.
@@ -24,6 +36,8 @@ pub(super) const GRAD_LANDING_BUFFERS: usize = STAGING_BUFFERS + 1;
 
 struct GradJob {
     unit: UnitId,
+    /// The gradients' element type (what the landing buffer holds).
+    dtype: DType,
     transfer: Transfer,
 }
 
@@ -40,7 +54,7 @@ struct Shared {
     in_flight_done: Condvar,
     /// Hold landed gradients for [`GradPipe::take_held`] instead of submitting them.
     hold: bool,
-    held: Mutex<Vec<(UnitId, Vec<f32>, HostClaim)>>,
+    held: Mutex<Vec<(UnitId, Grads, HostClaim)>>,
     /// The host ledger the gradients the optimizer holds are claimed from.
     ledger: Arc<HostLedger>,
     /// The handles of updates the drain thread submitted, for the caller's unit states.
@@ -100,13 +114,14 @@ impl GradPipe {
         self.shared.staging.lock().push(buf);
     }
 
-    /// Copies `bytes` (a unit's gradients) into a staging buffer, waiting for one to be free,
-    /// and queues its D2H copy; the drain thread submits it. Returns the seconds spent waiting
-    /// for a staging buffer.
+    /// Writes a unit's gradients (`src`, converted to `dtype`) into a staging buffer, waiting
+    /// for one to be free, and queues its D2H copy, ordered after that write by a compute event;
+    /// the drain thread submits it. Returns the seconds spent waiting for a staging buffer.
     ///
     /// # Errors
-    /// A pinned host allocation or the copy's submission failed.
-    pub(super) fn push(&self, unit: UnitId, bytes: &[u8], device: &Device) -> Result<f64> {
+    /// Host bytes on a CUDA device (they go to the optimizer directly); a staging buffer too
+    /// small; a pinned host allocation or the copy's submission failed.
+    pub(super) fn push(&self, unit: UnitId, src: GradSource<'_>, dtype: DType, device: &Device) -> Result<f64> {
         let t = Instant::now();
         let mut dev = {
             let mut staging = self.shared.staging.lock();
@@ -116,27 +131,61 @@ impl GradPipe {
             staging.pop().expect("a staging buffer")
         };
         let stall_s = t.elapsed().as_secs_f64();
-        match &mut dev {
-            DeviceBuffer::Sim(b) => b.as_mut_slice()[..bytes.len()].copy_from_slice(bytes),
-            #[allow(unreachable_patterns)]
-            _ => return Err(RuntimeError::Usage("gradient staging from a CUDA tensor is not wired yet".into())),
-        }
-        let mut host = self.pool.alloc(bytes.len())?;
-        host.set_len(bytes.len());
-        let transfer = device.dtoh(dev, host)?;
+        // The D2H is ordered after the compute that wrote the staging buffer: an event recorded
+        // after the write (the sim device's checker fails a copy ordered before it).
+        let stale = crate::hooks::drop_ordering("grads");
+        let early = if stale { Some(device.record_compute_event()?) } else { None };
+        let written = match (src, &mut dev) {
+            (GradSource::Tensor(t), dev) => write_to_device(t, dtype, dev),
+            (GradSource::Bytes(bytes), DeviceBuffer::Sim(b)) => b
+                .compute_write()
+                .map_err(RuntimeError::from)
+                .and_then(|s| {
+                    s.get_mut(..bytes.len())
+                        .ok_or_else(|| RuntimeError::Usage("gradients larger than the staging buffer".into()))
+                })
+                .map(|s| {
+                    s.copy_from_slice(bytes);
+                    bytes.len()
+                }),
+            (GradSource::Bytes(_), DeviceBuffer::Cuda(_)) => Err(RuntimeError::Usage(
+                "gradients in host memory on a CUDA device go to the optimizer directly".into(),
+            )),
+        };
+        let n = match written {
+            Ok(n) => n,
+            Err(e) => {
+                self.shared.staging.lock().push(dev);
+                self.shared.staging_returned.notify_all();
+                return Err(e);
+            }
+        };
+        let written = match early {
+            Some(e) => e,
+            None => device.record_compute_event()?,
+        };
+        let mut host = self.pool.alloc(n)?;
+        host.set_len(n);
+        let (transfer, _) = device.dtoh_after(dev, host, Some(&written))?;
         *self.shared.in_flight.lock() += 1;
-        self.jobs.as_ref().expect("drain running").send(GradJob { unit, transfer }).expect("drain thread alive");
+        self.jobs.as_ref().expect("drain running").send(GradJob { unit, dtype, transfer }).expect("drain thread alive");
         Ok(stall_s)
     }
 
-    /// Submits gradients computed on the CPU straight to the optimizer (no staging, no D2H).
+    /// Submits gradients computed on the CPU straight to the optimizer (no staging, no D2H),
+    /// claiming their bytes from the ledger first; `make` builds them once the claim holds.
     ///
     /// # Errors
-    /// The optimizer refused them.
-    pub(super) fn submit_host(&self, unit: UnitId, grads: &[f32]) -> Result<UpdateHandle> {
+    /// The host budget or the optimizer refused them.
+    pub(super) fn submit_host(
+        &self,
+        unit: UnitId,
+        num_bytes: usize,
+        make: impl FnOnce() -> Result<Grads>,
+    ) -> Result<UpdateHandle> {
         self.shared.optimizer.wait_for_gradient_room();
-        let claim = self.shared.ledger.claim(HostUse::Gradients, 4 * grads.len() as u64)?;
-        Ok(self.shared.optimizer.submit_claimed(unit.tensor(), Grads::F32(grads.to_vec()), claim)?)
+        let claim = self.shared.ledger.claim(HostUse::Gradients, num_bytes as u64)?;
+        Ok(self.shared.optimizer.submit_claimed(unit.tensor(), make()?, claim)?)
     }
 
     /// Blocks until every queued copy has been submitted (or held), then reports the drain
@@ -165,7 +214,7 @@ impl GradPipe {
     }
 
     /// The gradients held so far (hold mode), in arrival order, with their claims.
-    pub(super) fn take_held(&self) -> Vec<(UnitId, Vec<f32>, HostClaim)> {
+    pub(super) fn take_held(&self) -> Vec<(UnitId, Grads, HostClaim)> {
         std::mem::take(&mut *self.shared.held.lock())
     }
 
@@ -210,14 +259,22 @@ fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
                 continue;
             }
         };
-        let grads: Vec<f32> = bytemuck::pod_collect_to_vec(host.as_slice());
+        let grads = Grads::from_bytes(job.dtype, host.as_slice());
         drop(host);
+        let grads = match grads {
+            Ok(g) => g,
+            Err(e) => {
+                shared.drain_error.lock().get_or_insert(e.into());
+                finish_job(&shared);
+                continue;
+            }
+        };
         if shared.hold {
             shared.held.lock().push((job.unit, grads, claim));
             finish_job(&shared);
             continue;
         }
-        match shared.optimizer.submit_claimed(job.unit.tensor(), Grads::F32(grads), claim) {
+        match shared.optimizer.submit_claimed(job.unit.tensor(), grads, claim) {
             Ok(handle) => {
                 // The receiver lives as long as the pipe, which joins this thread first.
                 let _ = shared.handles.send((job.unit, handle));

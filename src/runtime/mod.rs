@@ -7,7 +7,7 @@
 //! | [`Runtime::add_unit`] | the unit's compute copy is registered (home: pinned host, or NVMe with `params_placement`); its fp32 master weights and Adam state go to the optimizer (host or NVMe) |
 //! | [`Runtime::begin_step`] | checks budgets against the minimum working set and applies the host plan (first step); sets the step's learning rate |
 //! | [`Runtime::fetch`] | waits for the unit's pending update if any (publishing the new compute copy into its home), pins the unit on the device, issues prefetches for the next units of the schedule (NVMe → host ahead of host → device when parameters live on NVMe) |
-//! | [`Runtime::push_grads`] | copies the unit's gradients D2H on the copy engine and hands them to the optimizer, which updates the unit on CPU threads while the caller goes on |
+//! | [`Runtime::push_grads`] | copies the unit's gradients (a tensor on the compute device, sent in the compute dtype) D2H on the copy engine and hands them to the optimizer, which updates the unit on CPU threads while the caller goes on |
 //! | [`Runtime::finish_step`] | waits until every gradient is submitted; global norm, clip scale and non-finite skip come back in [`StepStats`] |
 //!
 //! The next step's forward waits only for units whose update is not finished: a unit's update is
@@ -20,14 +20,20 @@
 //! before the first step (module [`budget`]). A unit's compute copy has one home, the residency
 //! manager's host copy (or its NVMe extent): the optimizer writes the new copy there.
 //!
+//! **Precision.** The compute copies and the gradients are in the compute dtype
+//! (`RuntimeConfig::optimizer.compute_dtype`: f32, or bf16 for mixed precision as ZeRO-Offload
+//! and FSDP2's `MixedPrecisionPolicy` run it) in every tier and on every link; the fp32 master
+//! weights and Adam state stay with the optimizer. Every byte size follows from the dtype
+//! ([`DType::num_bytes`]).
+//!
 //! ```no_run
 //! use oogc::runtime::{Phase, Runtime, RuntimeConfig};
-//! # fn grads_of(_: &candle_core::Tensor) -> Vec<f32> { vec![0.0; 4] }
+//! # fn grads_of(p: &candle_core::Tensor) -> candle_core::Tensor { p.ones_like().unwrap() }
 //! let mut rt = Runtime::new(RuntimeConfig::sim(64 << 20))?;
 //! let unit = rt.add_unit("layer0", &[0.5f32; 4])?;
 //! rt.begin_step(1, 1e-3)?;
 //! let params = rt.fetch(unit, Phase::Forward)?;          // a [4] f32 tensor on the compute device
-//! let grads = grads_of(params.tensor());
+//! let grads = grads_of(params.tensor());                  // [4], on the compute device
 //! drop(params);                                           // release: the unit may be evicted
 //! rt.push_grads(unit, &grads)?;                           // D2H + pipelined CPU AdamW
 //! let stats = rt.finish_step()?;
@@ -38,21 +44,27 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use oogc_optimizer::{OptimizerConfig, PipelinedOptimizer, StepReport};
+use oogc_optimizer::{GradSlice, Grads, OptimizerConfig, PipelinedOptimizer, StepReport};
 use oogc_prefetch::{
     check_budget, CursorHandle, NextUsePolicy, PrefetchConfig, PrefetchDriver, Schedule, TraceRecorder,
 };
 use oogc_swapper::{
-    Access, DType, Device, DeviceBuffer, HostLedger, HostUse, NvmeConfig, NvmeStore, PinnedPool, ResidencyConfig,
-    ResidencyManager, SimDevice, SimDeviceConfig, StatePlacement, TensorId, TensorMeta, Tier,
+    Access, DType, Device, HostLedger, HostUse, NvmeConfig, NvmeStore, PinnedPool, ResidencyConfig, ResidencyManager,
+    SimDevice, SimDeviceConfig, StatePlacement, TensorId, TensorMeta, Tier,
 };
 use parking_lot::Mutex;
 
 mod activations;
 pub mod budget;
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_dummy.rs"]
+mod cuda;
 mod grads;
 mod home;
 mod stats;
+pub mod tensor;
 mod unit;
 
 pub use activations::ActivationId;
@@ -62,8 +74,9 @@ pub use stats::{PeakBytes, PhaseStats, StepStats};
 pub use unit::{DeviceMemory, PinnedUnit, UnitParams};
 
 use activations::ActivationPipe;
-use grads::{GradPipe, STAGING_BUFFERS};
+use grads::{GradPipe, GradSource, STAGING_BUFFERS};
 use home::ResidencyHome;
+use tensor::{device_tensor, swapper_dtype, tensor_bytes, tensor_from_bytes};
 use unit::{Scheduling, Unit, Update};
 
 /// What can go wrong in the runtime.
@@ -199,13 +212,14 @@ pub struct RuntimeConfig {
 pub struct ActivationOffload {
     /// Checkpoints held at once (blocks × micro-batches).
     pub checkpoints: usize,
-    /// Bytes of the largest checkpoint (f32 `[batch, seq, hidden]`).
+    /// Bytes of the largest checkpoint (`[batch, seq, hidden]` in the compute dtype).
     pub checkpoint_bytes: usize,
 }
 
 impl RuntimeConfig {
     /// A sim-device runtime with `gpu_budget_bytes`, an unthrottled link, state in host memory,
-    /// prefetch depth 2 and the optimizer's defaults with f32 compute copies.
+    /// prefetch depth 2 and the optimizer's defaults with f32 compute copies (set
+    /// `optimizer.compute_dtype` to [`DType::BF16`] for mixed precision).
     pub fn sim(gpu_budget_bytes: u64) -> Self {
         Self {
             device: DeviceSpec::Sim { link_gbps: 0.0, latency_us: 0.0 },
@@ -271,9 +285,9 @@ impl Runtime {
     /// NVMe directory (named, with the bytes needed) or budget; [`RuntimeError::Optimizer`] for a
     /// bad optimizer config.
     pub fn new(config: RuntimeConfig) -> Result<Self> {
-        if config.optimizer.compute_dtype != DType::F32 {
+        if !config.optimizer.compute_dtype.is_float() {
             return Err(RuntimeError::Usage(format!(
-                "compute copies are f32 on this device; set the optimizer's compute_dtype to f32 (got {})",
+                "compute copies are f32, bf16 or f16; set the optimizer's compute_dtype to one of them (got {})",
                 config.optimizer.compute_dtype
             )));
         }
@@ -287,10 +301,8 @@ impl Runtime {
                 // The sim device's compute is candle on this CPU, by definition.
                 (Device::Sim(sim), candle_core::Device::Cpu)
             }
-            DeviceSpec::Cuda { ordinal } => {
-                let cuda = oogc_swapper::CudaDevice::new(*ordinal, Some(config.gpu_budget_bytes))?;
-                (Device::Cuda(cuda), candle_core::Device::new_cuda(*ordinal)?)
-            }
+            // One compute stream, candle's: the swapper's device is built on it.
+            DeviceSpec::Cuda { ordinal } => cuda::open(*ordinal, config.gpu_budget_bytes)?,
         };
         let on_nvme = config.state_placement == StatePlacement::Nvme || config.params_placement == StatePlacement::Nvme;
         let nvme = match (on_nvme, &config.nvme) {
@@ -364,7 +376,7 @@ impl Runtime {
     }
 
     /// Registers a unit: `master` is its flat fp32 parameter vector (`[numel]`); the compute
-    /// copy (f32) gets its home in pinned host memory (or on NVMe, written there now, with
+    /// copy (in the compute dtype, rounded to nearest even as the optimizer writes it) gets its home in pinned host memory (or on NVMe, written there now, with
     /// [`RuntimeConfig::params_placement`]) and the master weights and Adam state go to the
     /// optimizer's tier. Units are numbered in registration order.
     ///
@@ -377,15 +389,16 @@ impl Runtime {
         }
         let unit = UnitId(self.units.len());
         let home = self.config.params_placement.tier();
-        let meta = TensorMeta::new(unit.tensor(), name, &[master.len()], DType::F32, home);
-        self.residency.register(meta, bytemuck::cast_slice(master))?;
+        let dtype = self.compute_dtype();
+        let meta = TensorMeta::new(unit.tensor(), name, &[master.len()], dtype, home);
+        self.residency.register(meta, &oogc_optimizer::compute_copy(master, dtype))?;
         if home == Tier::Nvme {
             // A cold start: the copy is on NVMe; the host tier fills as the schedule needs it.
             self.residency.drop_host_copy(unit.tensor())?;
             self.residency.host_pool().trim();
         }
         self.grads.optimizer().add_unit(unit.tensor(), master, self.config.state_placement)?;
-        self.units.push(Unit::new(name, master.len()));
+        self.units.push(Unit::new(name, master.len(), dtype));
         Ok(unit)
     }
 
@@ -433,6 +446,12 @@ impl Runtime {
         &self.compute_device
     }
 
+    /// The compute copies' and gradients' element type (f32, bf16 or f16): what
+    /// [`UnitParams::tensor`] holds and what [`Runtime::push_grads`] sends over the link.
+    pub fn compute_dtype(&self) -> DType {
+        self.config.optimizer.compute_dtype
+    }
+
     /// Whether `unit` has a copy on the device now (a fetch would move no bytes).
     pub fn is_on_device(&self, unit: UnitId) -> bool {
         self.residency.residency(unit.tensor()).is_ok_and(|r| r.device)
@@ -476,7 +495,6 @@ impl Runtime {
                 &units,
                 self.config.state_placement,
                 self.config.params_placement,
-                self.config.optimizer.compute_dtype.size_in_bytes(),
                 &self.config.optimizer,
                 Some(store.capacity_bytes()),
             )
@@ -508,6 +526,21 @@ impl Runtime {
         sizes.iter().take(max_units_in_use.max(1)).sum::<u64>()
             + STAGING_BUFFERS as u64 * largest
             + self.activation_staging_bytes()
+            + self.compute_side_copies_bytes()
+    }
+
+    /// Device bytes of candle's own copies of the units in use on CUDA (`max_units_in_use` of the
+    /// largest unit): a fetched unit becomes a tensor candle owns by one device-to-device copy
+    /// (`runtime/cuda.rs`). 0 on the sim device, whose tensors are CPU tensors.
+    fn compute_side_copies_bytes(&self) -> u64 {
+        match self.residency.device() {
+            Device::Cuda(_) => {
+                let mut sizes: Vec<u64> = self.units.iter().map(Unit::bytes).collect();
+                sizes.sort_unstable_by(|a, b| b.cmp(a));
+                sizes.iter().take(self.max_units_in_use.max(1)).sum()
+            }
+            Device::Sim(_) => 0,
+        }
     }
 
     /// Device bytes of the activation offload's staging buffers (0 without offload).
@@ -515,9 +548,9 @@ impl Runtime {
         self.config.activation_offload.map_or(0, |a| (activations::STAGING * a.checkpoint_bytes) as u64)
     }
 
-    /// Copies an activation checkpoint (`data`: f32, any shape flattened) D2H into pinned host
-    /// memory claimed from the host ledger ([`HostUse::Activations`]) and returns its handle; the
-    /// caller frees its device copy. Bring it back with
+    /// Copies an activation checkpoint (`data`: any shape, f32, bf16 or f16, on the compute
+    /// device) D2H into pinned host memory claimed from the host ledger
+    /// ([`HostUse::Activations`]) and returns its handle; the caller drops its device copy. Bring it back with
     /// [`prefetch_activation`](Self::prefetch_activation) (ahead) and
     /// [`take_activation`](Self::take_activation).
     ///
@@ -525,7 +558,7 @@ impl Runtime {
     /// [`RuntimeError::Usage`] without `RuntimeConfig::activation_offload`, before the first
     /// [`begin_step`](Self::begin_step), or for a checkpoint larger than configured; the host
     /// budget ([`RuntimeError::Swapper`]) or the copy failing.
-    pub fn stash_activation(&mut self, data: &[f32]) -> Result<ActivationId> {
+    pub fn stash_activation(&mut self, data: &candle_core::Tensor) -> Result<ActivationId> {
         self.check_activation_offload()?;
         self.activations.stash(self.residency.device(), data)
     }
@@ -540,14 +573,14 @@ impl Runtime {
         self.activations.prefetch(self.residency.device(), id)
     }
 
-    /// A stashed checkpoint back on the device, as the f32 values stashed (bitwise); its host
-    /// memory is given back.
+    /// A stashed checkpoint back on the compute device, as the tensor stashed (shape, dtype and
+    /// bits); its host memory is given back.
     ///
     /// # Errors
     /// As [`prefetch_activation`](Self::prefetch_activation).
-    pub fn take_activation(&mut self, id: ActivationId) -> Result<Vec<f32>> {
+    pub fn take_activation(&mut self, id: ActivationId) -> Result<candle_core::Tensor> {
         self.check_activation_offload()?;
-        self.activations.take(self.residency.device(), id)
+        self.activations.take(self.residency.device(), &self.compute_device, id)
     }
 
     /// Checkpoints stashed and not taken yet.
@@ -641,7 +674,10 @@ impl Runtime {
             self.activations.set_staging(staging);
         }
         self.residency.set_device_budget_bytes(
-            self.config.gpu_budget_bytes - STAGING_BUFFERS as u64 * largest as u64 - self.activation_staging_bytes(),
+            self.config.gpu_budget_bytes
+                - STAGING_BUFFERS as u64 * largest as u64
+                - self.activation_staging_bytes()
+                - self.compute_side_copies_bytes(),
         )?;
         self.checked_working_set = true;
         Ok(())
@@ -683,7 +719,7 @@ impl Runtime {
         let pinned = self.fetch_pinned(unit, phase, Access::Read)?;
         let tensor = {
             let buf = pinned.pin.device_buffer();
-            device_tensor(&buf, pinned.numel)?
+            device_tensor(&buf, pinned.numel, pinned.dtype, &self.compute_device)?
         };
         Ok(UnitParams { tensor, pinned })
     }
@@ -715,7 +751,8 @@ impl Runtime {
             recorder = Some(Arc::clone(&self.recorder));
             self.issue_prefetches()?;
         }
-        Ok(PinnedUnit { pin, unit, numel: self.units[unit.0].numel, access, recorder })
+        let u = &self.units[unit.0];
+        Ok(PinnedUnit { pin, unit, numel: u.numel, dtype: u.dtype, access, recorder })
     }
 
     /// Takes the handles of the updates the drain thread submitted into the units' states.
@@ -761,29 +798,64 @@ impl Runtime {
         Ok(())
     }
 
-    fn check_grads_len(&self, unit: UnitId, grads: &[f32], call: &str) -> Result<()> {
+    fn check_grads_len(&self, unit: UnitId, len: usize, call: &str) -> Result<()> {
         let u = &self.units[unit.0];
-        if grads.len() != u.numel {
+        if len != u.numel {
             return Err(RuntimeError::Usage(format!(
-                "{call}({}): {} gradients for a unit of {} parameters",
-                u.name,
-                grads.len(),
-                u.numel
+                "{call}({}): {len} gradients for a unit of {} parameters",
+                u.name, u.numel
             )));
         }
         Ok(())
     }
 
-    /// Hands `unit`'s gradients (`[numel]` f32, the unit's flat layout) to the pipeline: they are
-    /// written to a device staging buffer, copied D2H on the copy engine, and submitted to the CPU
-    /// optimizer by a background thread. Returns as soon as the D2H copy is queued.
+    /// Hands `unit`'s gradients to the pipeline: `grads` holds `numel` elements in the unit's
+    /// flat layout (any shape, flattened; f32, bf16 or f16 — converted to the compute dtype, rounded
+    /// to nearest even, before the copy, so bf16 compute sends half of f32's bytes), on the
+    /// compute device. They are written to a device staging buffer, copied D2H on the copy
+    /// engine, and submitted to the CPU optimizer by a background thread. Returns as soon as the
+    /// D2H copy is queued.
     ///
     /// # Errors
-    /// [`RuntimeError::Usage`] for a length mismatch; a failure of an earlier submission.
-    pub fn push_grads(&mut self, unit: UnitId, grads: &[f32]) -> Result<()> {
-        self.check_grads_len(unit, grads, "push_grads")?;
+    /// [`RuntimeError::Usage`] for a length mismatch or a non-float tensor; candle failing to
+    /// read it; a failure of an earlier submission.
+    pub fn push_grads(&mut self, unit: UnitId, grads: &candle_core::Tensor) -> Result<()> {
+        self.check_grads_len(unit, grads.elem_count(), "push_grads")?;
+        swapper_dtype(grads.dtype())?;
+        self.push_to_device(unit, GradSource::Tensor(grads))
+    }
+
+    /// [`Runtime::push_grads`] from host memory (callers whose gradients are not candle tensors,
+    /// such as the Python bindings): `grads` (`[numel]`, f32, bf16 or f16) are converted to the
+    /// compute dtype if they are not in it; on the sim device they are copied to the device
+    /// staging buffer and D2H as `push_grads` does (the link is what is simulated), on CUDA they
+    /// are in host memory already and go to the optimizer directly.
+    ///
+    /// # Errors
+    /// As [`Runtime::push_grads`].
+    pub fn push_grads_slice(&mut self, unit: UnitId, grads: GradSlice<'_>) -> Result<()> {
+        self.check_grads_len(unit, grads.len(), "push_grads_slice")?;
+        let dtype = self.units[unit.0].dtype;
+        if matches!(self.residency.device(), Device::Cuda(_)) {
+            self.grads.check()?;
+            let handle =
+                self.grads.submit_host(unit, dtype.num_bytes(grads.len()), || Ok(Grads::converted(grads, dtype)))?;
+            self.units[unit.0].handle = Some(handle);
+            self.units[unit.0].update = Update::Pushed;
+            self.record_optimizer_write(unit);
+            return Ok(());
+        }
+        if grads.dtype() == dtype {
+            return self.push_to_device(unit, GradSource::Bytes(grads.as_bytes()));
+        }
+        let converted = Grads::converted(grads, dtype);
+        self.push_to_device(unit, GradSource::Bytes(converted.as_slice().as_bytes()))
+    }
+
+    fn push_to_device(&mut self, unit: UnitId, src: GradSource<'_>) -> Result<()> {
         self.grads.check()?;
-        let stall_s = self.grads.push(unit, bytemuck::cast_slice(grads), self.residency.device())?;
+        let dtype = self.units[unit.0].dtype;
+        let stall_s = self.grads.push(unit, src, dtype, self.residency.device())?;
         self.stats.stall_transfer_s += stall_s;
         self.units[unit.0].update = Update::Pushed;
         self.record_optimizer_write(unit);
@@ -801,9 +873,10 @@ impl Runtime {
         recorder.release(unit.tensor(), Tier::Host);
     }
 
-    /// Pins `unit`'s host copy and returns its parameters as a CPU tensor, for computing the
-    /// unit on the CPU instead of fetching it (a cold MoE expert with few tokens, as Fiddler
-    /// does). Waits for the unit's pending update first. Nothing moves H2D.
+    /// Pins `unit`'s host copy and returns its parameters as a CPU tensor (`[numel]`, the
+    /// compute dtype), for computing the unit on the CPU instead of fetching it (a cold MoE
+    /// expert with few tokens, as Fiddler does). Waits for the unit's pending update first.
+    /// Nothing moves H2D.
     ///
     /// # Errors
     /// Swapper errors (host budget, NVMe read), optimizer errors.
@@ -811,22 +884,28 @@ impl Runtime {
         let _e = tracing::info_span!("runtime::fetch_host", unit = unit.0).entered();
         self.publish(unit)?;
         let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Read)?;
-        let numel = self.units[unit.0].numel;
-        let values: Vec<f32> = bytemuck::pod_collect_to_vec(&pin.host_bytes()[..numel * 4]);
+        let (numel, dtype) = (self.units[unit.0].numel, self.units[unit.0].dtype);
         // A host copy computed on the CPU: CPU by nature.
-        let tensor = candle_core::Tensor::from_vec(values, numel, &candle_core::Device::Cpu)?;
-        Ok(UnitParams { tensor, pinned: PinnedUnit { pin, unit, numel, access: Access::Read, recorder: None } })
+        let tensor =
+            tensor_from_bytes(&pin.host_bytes()[..dtype.num_bytes(numel)], dtype, numel, &candle_core::Device::Cpu)?;
+        let pinned = PinnedUnit { pin, unit, numel, dtype, access: Access::Read, recorder: None };
+        Ok(UnitParams { tensor, pinned })
     }
 
-    /// Submits gradients computed on the CPU (after [`Runtime::fetch_host`]) straight to the
+    /// Submits gradients computed on the CPU (after [`Runtime::fetch_host`]; `grads` `[numel]`
+    /// on the CPU, converted to the compute dtype as in [`Runtime::push_grads`]) straight to the
     /// CPU optimizer: no device staging, no D2H.
     ///
     /// # Errors
-    /// [`RuntimeError::Usage`] for a length mismatch; optimizer errors.
-    pub fn push_grads_host(&mut self, unit: UnitId, grads: &[f32]) -> Result<()> {
-        self.check_grads_len(unit, grads, "push_grads_host")?;
+    /// [`RuntimeError::Usage`] for a length mismatch; the host budget; optimizer errors.
+    pub fn push_grads_host(&mut self, unit: UnitId, grads: &candle_core::Tensor) -> Result<()> {
+        self.check_grads_len(unit, grads.elem_count(), "push_grads_host")?;
+        swapper_dtype(grads.dtype())?;
         self.grads.check()?;
-        let handle = self.grads.submit_host(unit, grads)?;
+        let dtype = self.units[unit.0].dtype;
+        let handle = self.grads.submit_host(unit, dtype.num_bytes(grads.elem_count()), || {
+            Ok(Grads::from_bytes(dtype, &tensor_bytes(grads, dtype)?)?)
+        })?;
         let u = &mut self.units[unit.0];
         u.handle = Some(handle);
         u.update = Update::Pushed;
@@ -846,8 +925,7 @@ impl Runtime {
         let t = Instant::now();
         self.grads.wait_submitted()?;
         for (unit, grads, claim) in self.grads.take_held() {
-            let handle =
-                self.grads.optimizer().submit_claimed(unit.tensor(), oogc_optimizer::Grads::F32(grads), claim)?;
+            let handle = self.grads.optimizer().submit_claimed(unit.tensor(), grads, claim)?;
             self.units[unit.0].handle = Some(handle);
         }
         self.collect_handles();
@@ -874,6 +952,9 @@ impl Runtime {
             self.stats.nvme_write_bytes = now.nvme_write.bytes - begin.nvme_write.bytes;
         }
         self.stats.step_s = self.step_started.take().map_or(0.0, |s| s.elapsed().as_secs_f64());
+        // A copy, free or reuse of a device buffer not ordered after the compute that used it
+        // (the sim device's happens-before checker; on CUDA, an error the driver recorded).
+        self.residency.device().check_ordering()?;
         Ok(self.stats.clone())
     }
 
@@ -996,20 +1077,8 @@ impl Drop for Runtime {
         if let Some(d) = self.driver.as_mut() {
             let _ = d.wait_all();
         }
-    }
-}
-
-/// The device buffer's first `numel` f32s as a candle tensor on the compute device. On the sim
-/// device compute runs on the CPU, so this is a copy into a CPU tensor.
-fn device_tensor(buf: &DeviceBuffer, numel: usize) -> Result<candle_core::Tensor> {
-    match buf {
-        DeviceBuffer::Sim(b) => {
-            let bytes = &b.as_slice()[..numel * 4];
-            let values: Vec<f32> = bytemuck::pod_collect_to_vec(bytes);
-            // The sim device's memory is host memory and its compute the CPU.
-            Ok(candle_core::Tensor::from_vec(values, numel, &candle_core::Device::Cpu)?)
-        }
-        #[allow(unreachable_patterns)]
-        _ => Err(RuntimeError::Usage("CUDA tensors are wired in the CUDA issue".into())),
+        // The staging buffers are freed after the compute that last used them (a checkpoint
+        // read back, a gradient written): the copy stream, which frees them, waits for it.
+        let _ = self.residency.device().copy_waits_for_compute();
     }
 }

@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use oogc_optimizer::UpdateHandle;
 use oogc_prefetch::TraceRecorder;
-use oogc_swapper::{Access, DeviceBuffer, Resident, Tier};
+use oogc_swapper::{Access, DType, DeviceBuffer, Resident, Tier};
 use parking_lot::Mutex;
 
-use super::{Result, RuntimeError, UnitId};
+use super::{Result, UnitId};
 
 /// Whether a unit's uses are part of the recorded schedule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +41,8 @@ pub(super) struct Unit {
     pub(super) name: String,
     /// Parameters (elements of the flat vector).
     pub(super) numel: usize,
+    /// The compute copy's element type (the runtime's compute dtype).
+    pub(super) dtype: DType,
     pub(super) scheduling: Scheduling,
     pub(super) update: Update,
     /// The handle of the unit's latest submitted update (tells whether it is done without
@@ -49,13 +51,20 @@ pub(super) struct Unit {
 }
 
 impl Unit {
-    pub(super) fn new(name: &str, numel: usize) -> Self {
-        Self { name: name.to_string(), numel, scheduling: Scheduling::Scheduled, update: Update::Current, handle: None }
+    pub(super) fn new(name: &str, numel: usize, dtype: DType) -> Self {
+        Self {
+            name: name.to_string(),
+            numel,
+            dtype,
+            scheduling: Scheduling::Scheduled,
+            update: Update::Current,
+            handle: None,
+        }
     }
 
-    /// Bytes of the f32 compute copy.
+    /// Bytes of the compute copy (and of the unit's gradients, which have its dtype).
     pub(super) fn bytes(&self) -> u64 {
-        self.numel as u64 * 4
+        self.dtype.num_bytes(self.numel) as u64
     }
 
     /// Whether its compute copy can be published now without waiting.
@@ -64,7 +73,8 @@ impl Unit {
     }
 }
 
-/// A unit pinned for compute: its parameters as one flat candle tensor (`[numel]`, f32).
+/// A unit pinned for compute: its parameters as one flat candle tensor (`[numel]`, the
+/// runtime's compute dtype: f32 or bf16).
 /// Dropping it releases the unit (it may then be evicted).
 pub struct UnitParams {
     pub(super) tensor: candle_core::Tensor,
@@ -90,12 +100,26 @@ impl UnitParams {
 #[non_exhaustive]
 pub enum DeviceMemory {
     /// The sim device: its memory is host memory at this CPU address, 8-byte aligned, holding
-    /// the unit's `[numel]` f32 parameters (`num_bytes` = 4 × numel).
+    /// the unit's `[numel]` parameters of `dtype` (`num_bytes` = numel × the dtype's size).
     Host {
         /// First byte of the unit's parameters.
         ptr: *mut u8,
         /// Bytes of the unit's parameters.
         num_bytes: usize,
+        /// Their element type (the runtime's compute dtype).
+        dtype: DType,
+    },
+    /// A CUDA GPU: the unit's `[numel]` parameters of `dtype` at this device address on GPU
+    /// `ordinal`, for kernels on the runtime's compute stream (candle's).
+    Cuda {
+        /// Device address (`CUdeviceptr`) of the first byte.
+        ptr: u64,
+        /// Bytes of the unit's parameters.
+        num_bytes: usize,
+        /// Their element type (the runtime's compute dtype).
+        dtype: DType,
+        /// The GPU's ordinal.
+        ordinal: usize,
     },
 }
 
@@ -106,6 +130,7 @@ pub struct PinnedUnit {
     pub(super) pin: Resident,
     pub(super) unit: UnitId,
     pub(super) numel: usize,
+    pub(super) dtype: DType,
     pub(super) access: Access,
     /// The step's trace, which records the release (scheduled device fetches only).
     pub(super) recorder: Option<Arc<Mutex<TraceRecorder>>>,
@@ -125,9 +150,14 @@ impl PinnedUnit {
         self.unit
     }
 
-    /// Parameters (f32 elements) of the unit.
+    /// Parameters (elements) of the unit.
     pub fn numel(&self) -> usize {
         self.numel
+    }
+
+    /// The compute copy's element type (the runtime's compute dtype).
+    pub fn dtype(&self) -> DType {
+        self.dtype
     }
 
     /// Whether the unit was pinned for write ([`Access::Write`]): then writes through
@@ -143,29 +173,33 @@ impl PinnedUnit {
     /// address is taken through the buffer's mutable borrow.
     ///
     /// # Errors
-    /// [`RuntimeError::Usage`] on a CUDA device (its device pointers are wired with the CUDA path).
+    /// The sim device's ordering checker refusing a compute access (an H2D into the buffer not
+    /// waited for).
     pub fn memory(&self) -> Result<DeviceMemory> {
-        let num_bytes = self.numel * 4;
+        let (num_bytes, dtype) = (self.dtype.num_bytes(self.numel), self.dtype);
         if self.access == Access::Write {
             let mut buf = self.pin.device_buffer_mut();
             match &mut *buf {
-                DeviceBuffer::Sim(b) => Ok(DeviceMemory::Host { ptr: b.as_mut_slice().as_mut_ptr(), num_bytes }),
-                #[allow(unreachable_patterns)]
-                _ => Err(cuda_memory_not_wired()),
+                DeviceBuffer::Sim(b) => {
+                    Ok(DeviceMemory::Host { ptr: b.compute_write()?.as_mut_ptr(), num_bytes, dtype })
+                }
+                DeviceBuffer::Cuda(b) => Ok(cuda_memory(b, num_bytes, dtype)),
             }
         } else {
             let buf = self.pin.device_buffer();
             match &*buf {
                 // Only the address leaves the borrow; writing through it breaks the caller's
                 // contract (a read pin is never written).
-                DeviceBuffer::Sim(b) => Ok(DeviceMemory::Host { ptr: b.as_slice().as_ptr().cast_mut(), num_bytes }),
-                #[allow(unreachable_patterns)]
-                _ => Err(cuda_memory_not_wired()),
+                DeviceBuffer::Sim(b) => {
+                    Ok(DeviceMemory::Host { ptr: b.compute_read()?.as_ptr().cast_mut(), num_bytes, dtype })
+                }
+                DeviceBuffer::Cuda(b) => Ok(cuda_memory(b, num_bytes, dtype)),
             }
         }
     }
 }
 
-fn cuda_memory_not_wired() -> RuntimeError {
-    RuntimeError::Usage("sharing a CUDA unit's memory is wired in the CUDA issue".into())
+fn cuda_memory(b: &oogc_swapper::CudaBuffer, num_bytes: usize, dtype: DType) -> DeviceMemory {
+    let (ptr, ordinal) = b.device_address();
+    DeviceMemory::Cuda { ptr, num_bytes, dtype, ordinal }
 }

@@ -30,7 +30,7 @@ use oogc_models::{CausalLm, Gpt, GptConfig, UnitKind};
 use oogc_moe_placement::Placement;
 
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
-use crate::config::{DeviceKind, GptModelConfig, LlamaModelConfig, ModelConfig, TrainConfig};
+use crate::config::{DeviceKind, GptModelConfig, LlamaModelConfig, ModelConfig, OpsPath, TrainConfig};
 use crate::data::{Batch, Corpus, Sampler};
 use crate::runtime::{DeviceSpec, HostPlan, NvmePlan, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
 
@@ -185,20 +185,25 @@ pub fn runtime_config(cfg: &TrainConfig, model: &dyn CausalLm) -> RuntimeConfig 
     }
 }
 
-/// The activation checkpoints a run of `model` offloads (`[activations] offload`): one f32
-/// `[batch, seq, hidden]` input per block and micro-batch; `None` when it keeps them.
+/// The activation checkpoints a run of `model` offloads (`[activations] offload`): one
+/// `[batch, seq, hidden]` input per block and micro-batch, in the compute dtype; `None` when it
+/// keeps them.
 pub fn activation_offload(cfg: &TrainConfig, model: &dyn CausalLm) -> Option<crate::runtime::ActivationOffload> {
     cfg.activations.offload.then(|| {
         let d = model.dims();
         crate::runtime::ActivationOffload {
             checkpoints: d.layers * cfg.train.micro_batches.max(1),
-            checkpoint_bytes: 4 * cfg.train.batch_size * cfg.train.seq_len * d.hidden,
+            checkpoint_bytes: cfg
+                .train
+                .compute_dtype
+                .dtype()
+                .num_bytes(cfg.train.batch_size * cfg.train.seq_len * d.hidden),
         }
     })
 }
 
-/// The CPU optimizer's config from the run's `[optimizer]` and `[threads]` tables: f32 compute
-/// copies on the sim device.
+/// The CPU optimizer's config from the run's `[optimizer]` and `[threads]` tables, writing
+/// compute copies of `[train] compute_dtype`.
 pub fn optimizer_config(cfg: &TrainConfig) -> oogc_optimizer::OptimizerConfig {
     let o = &cfg.optimizer;
     oogc_optimizer::OptimizerConfig {
@@ -212,7 +217,7 @@ pub fn optimizer_config(cfg: &TrainConfig) -> oogc_optimizer::OptimizerConfig {
         },
         clip_norm: (o.clip_norm > 0.0).then_some(o.clip_norm),
         nonfinite: o.nonfinite,
-        compute_dtype: oogc_optimizer::DType::F32,
+        compute_dtype: cfg.train.compute_dtype.dtype(),
         rollback_budget_bytes: o.rollback_budget.map(|b| b.as_u64()),
         stream_host_budget_bytes: o
             .stream_host_budget
@@ -228,7 +233,6 @@ pub fn nvme_plan(cfg: &TrainConfig, units: &[usize]) -> Option<NvmePlan> {
         units,
         cfg.budgets.optimizer_state,
         cfg.budgets.params,
-        4,
         &optimizer_config(cfg),
         cfg.budgets.nvme_size.map(|s| s.as_u64()),
     )
@@ -265,6 +269,7 @@ pub fn host_overhead_bytes(cfg: &TrainConfig, model: &dyn CausalLm, data_bytes: 
     let d = model.dims();
     let (batch, seq) = (cfg.train.batch_size as u64, cfg.train.seq_len as u64);
     let activations = activation_overhead_bytes(
+        cfg.train.compute_dtype.dtype(),
         batch,
         cfg.train.micro_batches as u64,
         seq,
@@ -310,14 +315,23 @@ pub fn vocab_size(cfg: &TrainConfig) -> Result<usize> {
     })
 }
 
-/// The model of a run's config, with the data's vocabulary of `vocab_size` tokens.
+/// The model of a run's config, with the data's vocabulary of `vocab_size` tokens; with
+/// `[device] ops = "composed"` it computes with the candle op compositions only (the op
+/// sequence a CUDA GPU runs), else with the fused CPU kernels where they apply.
 ///
 /// # Errors
 /// [`TrainError::Model`] for dimensions the model refuses.
 pub fn build_model(cfg: &TrainConfig, vocab_size: usize) -> Result<Arc<dyn CausalLm>> {
+    let composed = cfg.device.ops == OpsPath::Composed;
     Ok(match &cfg.model {
-        ModelConfig::Gpt(g) => Arc::new(Gpt::new(gpt_config(g, cfg.train.seq_len, vocab_size))?),
-        ModelConfig::Llama(l) => Arc::new(Llama::new(llama_config(l, vocab_size)?)?),
+        ModelConfig::Gpt(g) => {
+            let gpt = Gpt::new(gpt_config(g, cfg.train.seq_len, vocab_size))?;
+            Arc::new(if composed { gpt.composed_only() } else { gpt })
+        }
+        ModelConfig::Llama(l) => {
+            let llama = Llama::new(llama_config(l, vocab_size)?)?;
+            Arc::new(if composed { llama.composed_only() } else { llama })
+        }
     })
 }
 
@@ -371,8 +385,8 @@ struct Checkpointed {
     /// The block's input of each micro-batch (the activation checkpoints), `[B, T, d]` each;
     /// empty when they were offloaded (`stashed`).
     inputs: Vec<Tensor>,
-    /// `[activations] offload`: the inputs in host memory, with their shapes.
-    stashed: Vec<(crate::runtime::ActivationId, candle_core::Shape)>,
+    /// `[activations] offload`: the inputs in host memory.
+    stashed: Vec<crate::runtime::ActivationId>,
     /// MoE: the routing and where each expert ran.
     moe: Option<(oogc_models::Routing, Vec<Placement>)>,
 }
@@ -664,10 +678,7 @@ impl Trainer {
             let inputs = std::mem::replace(&mut xs, ys);
             let c = if self.cfg.activations.offload && phase == Phase::Forward && routed.is_none() {
                 // Offloaded: D2H into pinned host memory now, the device copy dropped here.
-                let stashed = inputs
-                    .iter()
-                    .map(|x| Ok((self.rt.stash_activation(&x.flatten_all()?.to_vec1::<f32>()?)?, x.shape().clone())))
-                    .collect::<Result<Vec<_>>>()?;
+                let stashed = inputs.iter().map(|x| self.rt.stash_activation(x)).collect::<Result<Vec<_>, _>>()?;
                 Checkpointed { inputs: Vec::new(), stashed, moe: routed }
             } else {
                 Checkpointed { inputs, stashed: Vec::new(), moe: routed }
@@ -733,7 +744,7 @@ impl Trainer {
             }
             drop((p, emb));
             let grads = acc.grads.expect("at least one micro-batch");
-            self.rt.push_grads(head, &grads.to_vec1::<f32>()?)?;
+            self.rt.push_grads(head, &grads)?;
             (acc.loss, acc.grad_inputs, acc.tied)
         };
 
@@ -743,11 +754,10 @@ impl Trainer {
             if !c.stashed.is_empty() {
                 // Offloaded checkpoints come back H2D; the next block's first one is prefetched
                 // so its copy overlaps this block's backward.
-                for (id, shape) in std::mem::take(&mut c.stashed) {
-                    let values = self.rt.take_activation(id)?;
-                    c.inputs.push(Tensor::from_vec(values, shape, self.rt.compute_device())?);
+                for id in std::mem::take(&mut c.stashed) {
+                    c.inputs.push(self.rt.take_activation(id)?);
                 }
-                if let Some(&(next, _)) = saved.last().and_then(|n| n.stashed.first()) {
+                if let Some(&next) = saved.last().and_then(|n| n.stashed.first()) {
                     self.rt.prefetch_activation(next)?;
                 }
             }
@@ -759,7 +769,7 @@ impl Trainer {
                         backward_micro_batches(&*model, u.0, p.tensor(), &c.inputs, &grad_xs)?
                     };
                     drop(p);
-                    self.rt.push_grads(*u, &grads.to_vec1::<f32>()?)?;
+                    self.rt.push_grads(*u, &grads)?;
                     grad_inputs.into_iter().map(|g| g.expect("a block returns its input's gradient")).collect()
                 }
                 Block::Moe { trunk, experts } => {
@@ -779,9 +789,11 @@ impl Trainer {
             };
             drop(p);
             if let Some(extra) = tied_grad {
-                grads = (grads + extra)?;
+                // The embedding's own gradient and the tied head's, summed in f32 for half
+                // dtypes (the same value as candle's half add, which rounds f32's sum once).
+                grads = (widen(&grads)? + widen(&extra)?)?;
             }
-            self.rt.push_grads(embed, &grads.to_vec1::<f32>()?)?;
+            self.rt.push_grads(embed, &grads)?;
         }
         let stats = self.rt.finish_step()?;
         self.step = step;
@@ -908,12 +920,15 @@ impl HeadAccumulator {
         Self { shares, loss: 0.0, grads: None, grad_inputs: Vec::new(), tied: None }
     }
 
-    /// Adds the next micro-batch's outcome.
+    /// Adds the next micro-batch's outcome. With several micro-batches the parameters'
+    /// gradients are scaled and summed in f32 for half dtypes (one rounding at the push); each
+    /// input gradient is scaled in f32 and rounded back to its dtype (the blocks' backward takes
+    /// the params' dtype).
     fn add(&mut self, out: oogc_models::HeadLossGrads) -> Result<()> {
         let share = self.shares.get(self.grad_inputs.len()).copied();
         let scale = |t: Tensor| -> Result<Tensor> {
             Ok(match share {
-                Some(s) => t.affine(s, 0.0)?,
+                Some(s) => widen(&t)?.affine(s, 0.0)?,
                 None => t,
             })
         };
@@ -922,7 +937,9 @@ impl HeadAccumulator {
             None => out.loss,
         };
         sum_into(&mut self.grads, scale(out.grads.grad_params)?)?;
-        self.grad_inputs.push(scale(out.grads.grad_input.expect("the head returns its input's gradient"))?);
+        let grad_input = out.grads.grad_input.expect("the head returns its input's gradient");
+        let dtype = grad_input.dtype();
+        self.grad_inputs.push(scale(grad_input)?.to_dtype(dtype)?);
         if let Some(t) = out.grads.grad_tied_wte {
             sum_into(&mut self.tied, scale(t)?)?;
         }
@@ -930,13 +947,23 @@ impl HeadAccumulator {
     }
 }
 
-/// `acc += t` (`acc = t` when empty).
+/// `acc += t` (`acc = t` when empty). Gradients of half dtypes (bf16, f16) are summed in f32:
+/// the sum stays f32 and is rounded once, when it is pushed (DESIGN.md "Precision": gradient
+/// accumulation in f32). One term alone is left as it is.
 fn sum_into(acc: &mut Option<Tensor>, t: Tensor) -> Result<()> {
     *acc = Some(match acc.take() {
-        Some(a) => (a + t)?,
+        Some(a) => (widen(&a)? + widen(&t)?)?,
         None => t,
     });
     Ok(())
+}
+
+/// `t` in f32 when it is of a half dtype (exact), else `t` itself.
+fn widen(t: &Tensor) -> Result<Tensor> {
+    Ok(match t.dtype() {
+        candle_core::DType::BF16 | candle_core::DType::F16 => t.to_dtype(candle_core::DType::F32)?,
+        _ => t.clone(),
+    })
 }
 
 /// The backward of unit `unit` for each micro-batch (its checkpointed `inputs` and output

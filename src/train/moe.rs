@@ -82,6 +82,10 @@ pub struct ExpertTraffic {
     pub uses: u64,
     /// Uses that moved no bytes H2D.
     pub hits: u64,
+    /// Bytes of CPU-placed experts' inputs and outputs moved between the compute device and the
+    /// host (their tokens' hidden states and gradients; 0 on the sim device, whose compute is
+    /// the CPU already).
+    pub cpu_link_bytes: u64,
 }
 
 /// A placement-crate error as a config error naming `key`.
@@ -139,7 +143,7 @@ impl MoeState {
         let blocks = experts.iter().map(|&(_, b, _)| b + 1).max().unwrap_or(0);
         let per_block = experts.iter().map(|&(_, _, e)| e + 1).max().unwrap_or(0);
         let top_k = model.moe().map_or(1, |m| m.experts_per_token());
-        let expert_bytes = expert_params as u64 * 4;
+        let expert_bytes = rt.compute_dtype().num_bytes(expert_params) as u64;
         // Forward 2, recompute 2, backward 4 FLOPs per parameter and token.
         let flops_per_token = 8.0 * expert_params as f64;
         let tokens_per_step = (cfg.train.batch_size * cfg.train.seq_len) as u64;
@@ -286,7 +290,14 @@ impl MoeState {
                 *cpu_tokens += tokens;
             }
             let _span = tracing::info_span!("compute::expert_forward", block, expert = e, tokens, on_cpu).entered();
-            *out = Some(moe.expert_forward(p.tensor(), &h_e)?);
+            *out = Some(if on_cpu {
+                // A CPU expert (Fiddler's placement): its tokens to the host, its output back.
+                let h_cpu = self.move_to_host(&h_e)?;
+                let y = moe.expert_forward(p.tensor(), &h_cpu)?;
+                self.move_to_compute(&y, h_e.device())?
+            } else {
+                moe.expert_forward(p.tensor(), &h_e)?
+            });
             if placements[e] == Placement::Resident && phase != Phase::Eval {
                 self.lru_touch(experts[e], held);
                 held.insert(experts[e], p);
@@ -334,14 +345,21 @@ impl MoeState {
             let g = {
                 let _span =
                     tracing::info_span!("compute::expert_backward", block, expert = e, tokens, on_cpu).entered();
-                moe.expert_backward(pe.tensor(), &h_e, &grad_out)?
+                if on_cpu {
+                    let (h_cpu, go_cpu) = (self.move_to_host(&h_e)?, self.move_to_host(&grad_out)?);
+                    let mut g = moe.expert_backward(pe.tensor(), &h_cpu, &go_cpu)?;
+                    g.output = self.move_to_compute(&g.output, h_e.device())?;
+                    g.grad_input = self.move_to_compute(&g.grad_input, h_e.device())?;
+                    g
+                } else {
+                    moe.expert_backward(pe.tensor(), &h_e, &grad_out)?
+                }
             };
             drop(pe);
-            let flat = g.grad_params.to_vec1::<f32>()?;
             if on_cpu {
-                rt.push_grads_host(experts[e], &flat)?;
+                rt.push_grads_host(experts[e], &g.grad_params)?;
             } else {
-                rt.push_grads(experts[e], &flat)?;
+                rt.push_grads(experts[e], &g.grad_params)?;
             }
             grad_gates[e] = moe.expert_grad_gate(routing, e, grad_y, &g.output)?;
             grad_inputs[e] = Some(g.grad_input);
@@ -352,8 +370,29 @@ impl MoeState {
             moe.trunk_backward(block, p.tensor(), x_in, routing, grad_y, &grad_h, &grad_gates)?
         };
         drop(p);
-        rt.push_grads(trunk, &g.grad_params.to_vec1::<f32>()?)?;
+        rt.push_grads(trunk, &g.grad_params)?;
         Ok(g.grad_input.expect("the trunk returns its input's gradient"))
+    }
+
+    /// `t` in host memory for a CPU expert: itself on the sim device (its compute is the CPU),
+    /// else a D2H copy whose bytes count in [`ExpertTraffic::cpu_link_bytes`].
+    fn move_to_host(&mut self, t: &Tensor) -> Result<Tensor> {
+        if t.device().is_cpu() {
+            return Ok(t.clone());
+        }
+        self.traffic.cpu_link_bytes += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        // A CPU-placed expert computes on the CPU by nature.
+        Ok(t.to_device(&candle_core::Device::Cpu)?)
+    }
+
+    /// A CPU expert's result `t` back on the compute device `device` (an H2D copy counted in
+    /// [`ExpertTraffic::cpu_link_bytes`]; itself when that is the CPU).
+    fn move_to_compute(&mut self, t: &Tensor, device: &candle_core::Device) -> Result<Tensor> {
+        if device.is_cpu() {
+            return Ok(t.clone());
+        }
+        self.traffic.cpu_link_bytes += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        Ok(t.to_device(device)?)
     }
 
     /// Between steps: the step's routing (`routed[block][expert]` tokens) feeds the popularity

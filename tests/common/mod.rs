@@ -18,6 +18,49 @@ pub fn data_path() -> PathBuf {
     p
 }
 
+/// A tiny Llama (GQA, untied) on the BPE tokenizer's ids, state on NVMe and a GPU budget of a
+/// third of its parameters' bytes.
+pub fn tiny_llama(nvme: &std::path::Path, cache: &std::path::Path) -> String {
+    format!(
+        r#"
+[model]
+family = "llama"
+hidden_size = 32
+intermediate_size = 88
+num_hidden_layers = 6
+num_attention_heads = 4
+num_key_value_heads = 2
+max_position_embeddings = 32
+[data]
+path = "{data}"
+tokenizer = "{tok}"
+cache_dir = "{cache}"
+[train]
+batch_size = 4
+seq_len = 16
+steps = 12
+seed = 5
+eval_interval = 0
+eval_batches = 2
+[budgets]
+gpu = "64MiB"
+host = "64MiB"
+optimizer_state = "nvme"
+nvme_dirs = ["{nvme}"]
+[optimizer]
+lr = 3e-3
+warmup_steps = 3
+clip_norm = 0.5
+[threads]
+optimizer = 2
+"#,
+        data = data_path().display(),
+        tok = repo_root().join("../shared/fixtures/llama/tokenizer.json").display(),
+        cache = cache.display(),
+        nvme = nvme.display()
+    )
+}
+
 /// A 24-block model of tiny width, so a GPU budget of 1/8 of the parameters still holds the
 /// minimum working set (one block + its gradients).
 pub fn tiny(gpu: &str, state: &str, nvme: &Path, depth: usize) -> String {
@@ -90,4 +133,40 @@ pub fn small_run(dir: &Path, name: &str, steps: u64, interval: u64, keep: usize)
     let path = dir.join(format!("{name}.toml"));
     std::fs::write(&path, text).unwrap();
     path
+}
+
+/// Four steps of `config("whole")` against two of `config("parts")`, a checkpoint, and two more
+/// steps of the run resumed from it: the losses and the final master weights are bitwise the
+/// same (each config must have a `[checkpoint] dir` of its own).
+pub fn assert_resume_continues_exactly(config: &dyn Fn(&str) -> oogc::config::TrainConfig) {
+    use oogc::train::Trainer;
+    let mut whole = Trainer::new(config("whole")).unwrap();
+    let losses: Vec<f64> = (0..4).map(|_| whole.train_step().unwrap().loss).collect();
+    let params = whole.master_weights().unwrap();
+    drop(whole);
+    let cfg = config("parts");
+    let mut first = Trainer::new(cfg.clone()).unwrap();
+    let mut resumed_losses: Vec<f64> = (0..2).map(|_| first.train_step().unwrap().loss).collect();
+    let ckpt = first.save_checkpoint().unwrap().expect("a checkpoint dir");
+    drop(first);
+    let mut second = Trainer::resume(cfg, &ckpt).unwrap();
+    resumed_losses.extend((0..2).map(|_| second.train_step().unwrap().loss));
+    assert_eq!(resumed_losses, losses);
+    assert_eq!(second.master_weights().unwrap(), params);
+}
+
+/// [`tiny_llama`] in `dir` in `compute_dtype` with a GPU budget of a third of its compute
+/// copies' bytes (at least two of its largest unit), and those bytes: units are evicted and
+/// fetched again every step.
+pub fn offloaded_tiny_llama(dir: &Path, compute_dtype: oogc::config::ComputeDType) -> (oogc::config::TrainConfig, u64) {
+    let mut cfg =
+        oogc::config::TrainConfig::from_toml_str(&tiny_llama(&dir.join("nvme"), &dir.join("tokens"))).unwrap();
+    cfg.train.compute_dtype = compute_dtype;
+    let t = oogc::train::Trainer::new(cfg.clone()).unwrap();
+    let dtype = compute_dtype.dtype();
+    let copy_bytes = dtype.num_bytes(t.num_params()) as u64;
+    let largest = t.model().units().iter().map(|u| dtype.num_bytes(u.numel) as u64).max().unwrap();
+    drop(t);
+    cfg.budgets.gpu = bytesize::ByteSize::b((copy_bytes / 3).max(2 * largest));
+    (cfg, copy_bytes)
 }

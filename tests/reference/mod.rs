@@ -1,7 +1,9 @@
 //! The independent in-memory reference for "offloaded training equals in-memory training"
 //! (DESIGN.md invariant 3): the same model, data, schedule and AdamW as a plain loop — the
 //! model's unit calls on tensors in memory and the optimizer's one-thread kernel — with no
-//! `Runtime`, no swapper, no pipelined optimizer and no prefetch.
+//! `Runtime`, no swapper, no pipelined optimizer and no prefetch. With `[train] compute_dtype =
+//! "bf16"` the units compute on bf16 copies of the fp32 master weights (rounded by candle's cast)
+//! and the optimizer reads their bf16 gradients, as mixed precision does.
 
 use std::collections::BTreeMap;
 
@@ -9,7 +11,7 @@ use candle_core::{Device, Tensor};
 use oogc::config::TrainConfig;
 use oogc::data::{Corpus, Sampler};
 use oogc::models::{init_params, CausalLm, UnitKind};
-use oogc::optimizer::{adam_step, clip_scale, global_norm, grad_sumsq, CopyOut, GradSlice, Isa, StateIo};
+use oogc::optimizer::{adam_step, clip_scale, global_norm, grad_sumsq, CopyOut, DType, Grads, Isa, StateIo};
 use oogc::train::{build_model, lr_schedule, optimizer_config};
 
 /// What the reference run produced: the training loss of every step and the final master
@@ -120,26 +122,41 @@ pub fn train(cfg: &TrainConfig, steps: u64) -> Reference {
     let mut sampler = Sampler::new(cfg.train.seed);
     let (opt, schedule, isa) = (optimizer_config(cfg), lr_schedule(cfg), Isa::detect());
     let (b, t) = (cfg.train.batch_size, cfg.train.seq_len);
+    let compute = match opt.compute_dtype {
+        DType::BF16 => candle_core::DType::BF16,
+        _ => candle_core::DType::F32,
+    };
     let (mut losses, mut updates) = (Vec::new(), 0u64);
     for step in 1..=steps {
         let lr = schedule.lr(step);
         let batch = data.next_batch(&mut sampler, b, t);
         let tokens = Tensor::from_slice(&batch.inputs, (b, t), &Device::Cpu).unwrap();
         let targets = Tensor::from_slice(&batch.targets, (b, t), &Device::Cpu).unwrap();
-        let params: Vec<Tensor> =
-            master.iter().map(|p| Tensor::from_slice(p, p.len(), &Device::Cpu).unwrap()).collect();
+        // The compute copies: the master weights in the compute dtype.
+        let params: Vec<Tensor> = master
+            .iter()
+            .map(|p| Tensor::from_slice(p, p.len(), &Device::Cpu).unwrap().to_dtype(compute).unwrap())
+            .collect();
         let (loss, grads) = loss_and_grads(&*model, &params, &tokens, &targets);
         losses.push(loss);
-        let grads: BTreeMap<usize, Vec<f32>> =
-            grads.into_iter().map(|(u, g)| (u, g.to_vec1::<f32>().unwrap())).collect();
-        let norm = global_norm(grads.values().map(|g| grad_sumsq(isa, GradSlice::F32(g)).unwrap()));
+        let grads: BTreeMap<usize, Grads> = grads
+            .into_iter()
+            .map(|(u, g)| {
+                let g = match opt.compute_dtype {
+                    DType::BF16 => Grads::BF16(g.to_vec1().unwrap()),
+                    _ => Grads::F32(g.to_vec1().unwrap()),
+                };
+                (u, g)
+            })
+            .collect();
+        let norm = global_norm(grads.values().map(|g| grad_sumsq(isa, g.as_slice()).unwrap()));
         if !norm.is_finite() {
             continue;
         }
         let scalars = opt.adam.scalars(updates + 1, lr, clip_scale(norm, opt.clip_norm)).unwrap();
         for (u, g) in &grads {
             let state = StateIo::InPlace { p: &mut master[*u], m: &mut m[*u], v: &mut v[*u] };
-            adam_step(isa, &scalars, state, GradSlice::F32(g), CopyOut::None).unwrap();
+            adam_step(isa, &scalars, state, g.as_slice(), CopyOut::None).unwrap();
         }
         updates += 1;
     }

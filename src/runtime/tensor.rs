@@ -1,0 +1,101 @@
+//! Between candle's tensors and the swapper's buffers: the dtype mapping ([`candle_dtype`]), a
+//! device buffer as a typed tensor ([`device_tensor`]), a tensor's bytes for a copy into a
+//! staging buffer ([`tensor_bytes`]) and back ([`tensor_from_bytes`]). One `match` per direction
+//! over the device kinds (the CUDA arms come with the CUDA path).
+
+use candle_core::{Device as CandleDevice, Shape, Tensor};
+use half::{bf16, f16};
+use oogc_swapper::{DType, DeviceBuffer};
+
+use super::{Result, RuntimeError};
+
+/// candle's dtype of a compute copy of `dtype`.
+///
+/// # Errors
+/// [`RuntimeError::Usage`] for a dtype that is not a float (compute copies are f32, bf16 or f16).
+pub fn candle_dtype(dtype: DType) -> Result<candle_core::DType> {
+    match dtype {
+        DType::F32 => Ok(candle_core::DType::F32),
+        DType::BF16 => Ok(candle_core::DType::BF16),
+        DType::F16 => Ok(candle_core::DType::F16),
+        DType::U8 => Err(RuntimeError::Usage("compute copies are f32, bf16 or f16, not u8".into())),
+    }
+}
+
+/// The swapper's dtype of a candle float dtype.
+///
+/// # Errors
+/// [`RuntimeError::Usage`] for a dtype other than F32, BF16 and F16.
+pub fn swapper_dtype(dtype: candle_core::DType) -> Result<DType> {
+    match dtype {
+        candle_core::DType::F32 => Ok(DType::F32),
+        candle_core::DType::BF16 => Ok(DType::BF16),
+        candle_core::DType::F16 => Ok(DType::F16),
+        other => Err(RuntimeError::Usage(format!("tensors the runtime moves are f32, bf16 or f16, not {other:?}"))),
+    }
+}
+
+/// The device buffer's first elements of `dtype` as a candle tensor of `shape` on the compute
+/// device `compute`. On the sim device compute runs on the CPU, so this is a copy into a CPU
+/// tensor; on CUDA one device-to-device copy into memory candle owns (`cuda::unit_tensor`).
+pub(super) fn device_tensor(
+    buf: &DeviceBuffer,
+    shape: impl Into<Shape>,
+    dtype: DType,
+    compute: &candle_core::Device,
+) -> Result<Tensor> {
+    let shape = shape.into();
+    match buf {
+        DeviceBuffer::Sim(b) => {
+            // The sim device's memory is host memory and its compute the CPU: compute reads the
+            // unit here (a compute access the sim device's ordering checker records).
+            let bytes = &b.compute_read()?[..dtype.num_bytes(shape.elem_count())];
+            tensor_from_bytes(bytes, dtype, shape, &candle_core::Device::Cpu)
+        }
+        DeviceBuffer::Cuda(b) => super::cuda::unit_tensor(b, dtype, shape, compute),
+    }
+}
+
+/// Writes `t` (flattened, converted to `dtype`) into the front of the device buffer `buf`, as
+/// compute does (the sim device's checker records a compute write); returns the bytes written.
+/// Record a compute event after it to order a D2H of `buf`.
+pub(super) fn write_to_device(t: &Tensor, dtype: DType, buf: &mut DeviceBuffer) -> Result<usize> {
+    match buf {
+        DeviceBuffer::Sim(b) => {
+            let bytes = tensor_bytes(t, dtype)?;
+            let n = bytes.len();
+            if n > b.num_bytes() {
+                return Err(RuntimeError::Usage(format!(
+                    "{n} bytes into a device staging buffer of {} bytes",
+                    b.num_bytes()
+                )));
+            }
+            b.compute_write()?[..n].copy_from_slice(&bytes);
+            Ok(n)
+        }
+        DeviceBuffer::Cuda(b) => super::cuda::write_tensor(t, dtype, b),
+    }
+}
+
+/// A tensor of `shape` and `dtype` from its little-endian bytes, on `device`.
+pub(super) fn tensor_from_bytes(
+    bytes: &[u8],
+    dtype: DType,
+    shape: impl Into<Shape>,
+    device: &CandleDevice,
+) -> Result<Tensor> {
+    Ok(Tensor::from_raw_buffer(bytes, candle_dtype(dtype)?, shape.into().dims(), device)?)
+}
+
+/// The elements of `t` (any shape, flattened in row-major order) converted to `dtype`, as
+/// little-endian bytes in host memory (`dtype.num_bytes(t.elem_count())`). Converting rounds to
+/// nearest even (candle's casts), so f32 gradients of a bf16 unit cross the link as bf16.
+pub(super) fn tensor_bytes(t: &Tensor, dtype: DType) -> Result<Vec<u8>> {
+    let t = t.flatten_all()?.to_dtype(candle_dtype(dtype)?)?;
+    Ok(match dtype {
+        DType::F32 => bytemuck::cast_slice(&t.to_vec1::<f32>()?).to_vec(),
+        DType::BF16 => bytemuck::cast_slice(&t.to_vec1::<bf16>()?).to_vec(),
+        DType::F16 => bytemuck::cast_slice(&t.to_vec1::<f16>()?).to_vec(),
+        DType::U8 => return Err(RuntimeError::Usage("compute copies are f32, bf16 or f16, not u8".into())),
+    })
+}
