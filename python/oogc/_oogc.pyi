@@ -1,7 +1,15 @@
 """Type stubs of the extension module ``oogc._oogc`` (the Rust ``Runtime`` through PyO3).
 
-Units: sizes in bytes unless named otherwise; ``numel`` counts float32 elements; times in
+Units: sizes in bytes unless named otherwise; ``numel`` counts elements (of the compute dtype
+for compute copies and gradients, float32 for master weights and Adam moments: a unit of
+``numel`` parameters moves ``2 * numel`` bytes per copy in bf16, ``4 * numel`` in fp32); times in
 seconds; link rates in GB/s (10⁹ bytes per second).
+
+Dtypes: a runtime's compute dtype (``Runtime.compute_dtype``: ``"f32"``, ``"bf16"`` or
+``"f16"``) is the element type of every unit's compute copy in every tier — the tensors
+``Fetched.tensor`` returns are ``torch.float32``, ``torch.bfloat16`` or ``torch.float16``
+(DLPack ``kDLFloat`` 32, ``kDLBfloat`` 16, ``kDLFloat`` 16) — and of the gradients sent D2H; the
+master weights and Adam state are float32 with the CPU optimizer.
 """
 
 from os import PathLike
@@ -11,6 +19,7 @@ from typing import Any, Dict, List, Literal, Mapping, Optional, Tuple, Type, Uni
 import torch
 
 Phase = Literal["forward", "backward", "eval"]
+ComputeDType = Literal["f32", "bf16", "f16"]
 UnitRef = Union[int, str]
 
 class OogcError(Exception):
@@ -51,7 +60,10 @@ class Fetched:
         """The unit's id."""
     @property
     def numel(self) -> int:
-        """float32 elements of the unit."""
+        """Elements (parameters) of the unit."""
+    @property
+    def dtype(self) -> ComputeDType:
+        """The compute copy's element type (the runtime's compute dtype)."""
     @property
     def writable(self) -> bool:
         """Fetched with ``writable=True``: writes through the tensor are the unit's compute
@@ -63,7 +75,8 @@ class Fetched:
     def pinned(self) -> bool:
         """The unit is still pinned (after release: while a borrowed export lives)."""
     def tensor(self) -> torch.Tensor:
-        """The unit's flat parameters, ``[numel]`` float32, on the CPU for the sim device:
+        """The unit's flat parameters, ``[numel]`` of :attr:`dtype` (``torch.float32``,
+        ``torch.bfloat16`` or ``torch.float16``), on the CPU for the sim device:
         the pinned compute copy itself, not a copy (the same tensor on every call). A read
         fetch's tensor refuses in-place writes and ``data_ptr()`` (torch's mutable accessor).
 
@@ -87,7 +100,8 @@ class Fetched:
         dl_device: Optional[Tuple[int, int]] = None,
         copy: Optional[bool] = None,
     ) -> Any:
-        """A borrowed DLPack capsule (keeps the unit pinned until the consumer frees it).
+        """A borrowed DLPack capsule of :attr:`dtype` (``kDLBfloat`` 16 bits for bf16; keeps the
+        unit pinned until the consumer frees it).
 
         Raises:
             UsageError: after release; ``copy=True``; a ``dl_device`` other than the CPU.
@@ -98,9 +112,10 @@ class Fetched:
 class Runtime:
     """The out-of-GPU-core runtime for one model on one device (the Rust ``Runtime``).
 
-    Units of flat float32 parameters move between the (sim) GPU, pinned host memory and NVMe;
-    a pipelined CPU AdamW keeps their fp32 master weights and Adam moments (host or NVMe) and
-    updates each unit as soon as its gradients arrive.
+    Units of flat parameters move between the (sim) GPU, pinned host memory and NVMe as compute
+    copies in the compute dtype (f32, or bf16 for mixed precision); a pipelined CPU AdamW keeps
+    their fp32 master weights and Adam moments (host or NVMe), updates each unit as soon as its
+    gradients arrive and writes the new compute copy (the masters rounded to nearest even).
 
     A step: ``begin_step(t, lr)``; per unit in forward order ``fetch(u, "forward")``; per unit
     in reverse ``fetch(u, "backward")`` then ``push_grads(u, g)``; ``finish_step()``. The first
@@ -114,19 +129,34 @@ class Runtime:
             ``nvme_size``, required with NVMe), ``optimizer`` (``kind`` = ``"adamw"``,
             ``betas`` = ``[0.9, 0.95]``, ``eps`` = 1e-8, ``weight_decay`` = 0.1,
             ``clip_norm`` = 1.0 with 0 for none, ``threads`` = 1), ``prefetch`` (``depth`` = 2,
-            ``host_depth`` = 4, ``overlap_optimizer`` = true), ``lock_host_memory`` = false.
+            ``host_depth`` = 4, ``overlap_optimizer`` = true), ``lock_host_memory`` = false,
+            ``compute_dtype`` (``oogc train``'s ``[train] compute_dtype``, at the top level:
+            ``"f32"``, ``"bf16"`` or ``"f16"``, also spelled ``"float32"``, ``"bfloat16"``,
+            ``"float16"``; default ``default_compute_dtype``, else ``"f32"``).
+        default_compute_dtype: the compute dtype when the config has no ``compute_dtype``
+            (``oogc.torch.offload`` passes the model's).
 
     Raises:
-        ConfigError: an unknown, missing or mistyped key (named).
+        ConfigError: an unknown, missing or mistyped key (named); an unknown dtype name.
         StorageError: an NVMe directory missing or too small.
         DeviceError: a CUDA device asked for and absent or not compiled in.
     """
 
-    def __init__(self, config: Union[Mapping[str, Any], str, PathLike[str]]) -> None: ...
+    def __init__(
+        self,
+        config: Union[Mapping[str, Any], str, PathLike[str]],
+        *,
+        default_compute_dtype: Optional[str] = None,
+    ) -> None: ...
+    @property
+    def compute_dtype(self) -> ComputeDType:
+        """The compute copies' and gradients' element type."""
     def add_unit(self, name: str, numel: int, init: Optional[Any] = None) -> int:
-        """Registers a unit of ``numel`` float32 parameters, before the first step; returns its
-        id (0, 1, ... in order). ``init``: its initial values, a 1-D contiguous float32 CPU
-        tensor or array of ``numel`` elements, read in place through DLPack; zeros without.
+        """Registers a unit of ``numel`` parameters, before the first step; returns its id
+        (0, 1, ... in order). ``init``: its initial values, a 1-D contiguous float32 CPU tensor
+        or array of ``numel`` elements (bfloat16 or float16 are up-cast exactly), read in place
+        through DLPack; zeros without. They are the fp32 master weights; the compute copy is
+        them in the compute dtype (rounded to nearest even).
 
         Raises:
             UsageError: a duplicate name, ``numel == 0``, ``init`` of another length, dtype,
@@ -152,12 +182,15 @@ class Runtime:
             StorageError: an NVMe read failed.
         """
     def push_grads(self, unit: UnitRef, grads: Any) -> None:
-        """Hands ``unit``'s gradients (``[numel]`` float32, contiguous, CPU on the sim device;
-        read in place through DLPack, copied D2H into staging) to the optimizer, once per unit
-        per step; the update runs on the CPU while the caller goes on.
+        """Hands ``unit``'s gradients (``[numel]`` float32, bfloat16 or float16, contiguous, CPU
+        on the sim device; read in place through DLPack, converted to the compute dtype —
+        rounded to nearest even — if they are not in it, copied D2H into staging: ``2 * numel``
+        bytes in bf16, ``4 * numel`` in f32) to the optimizer, once per unit per step; the
+        update runs on the CPU (in fp32) while the caller goes on.
 
         Raises:
-            UsageError: an unknown unit, a wrong length, dtype, rank or device, no step running.
+            UsageError: an unknown unit, a wrong length, a dtype other than float32, bfloat16
+                or float16, a wrong rank or device, no step running.
         """
     def end_forward(self) -> None:
         """Marks the turn from forward to backward (optional; for the per-phase stats)."""
@@ -165,7 +198,8 @@ class Runtime:
         """Ends the step: every unit's gradients submitted, the global norm computed, the
         updates committed (or redone with the clip scale, or discarded when the norm is not
         finite). Returns the stats: ``step``, ``step_s``, ``stall_transfer_s``,
-        ``stall_optimizer_s``, ``h2d_bytes``, ``d2h_bytes``, ``nvme_read_bytes``,
+        ``stall_optimizer_s``, ``h2d_bytes`` (compute copies fetched), ``d2h_bytes``
+        (gradients, in the compute dtype), ``nvme_read_bytes``,
         ``nvme_write_bytes``, ``grad_norm``, ``clip_scale``, ``skipped``, ``forward`` (a dict
         of the forward phase's ``wall_s``, ``stall_s``, ``h2d_bytes``, ``d2h_bytes``).
 
@@ -199,9 +233,13 @@ class Runtime:
         """Peak bytes held per tier: ``device``, ``host``, ``nvme``, ``host_ledger``."""
     def unit_state(self, unit: UnitRef) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Copies of ``unit``'s master weights, ``exp_avg`` and ``exp_avg_sq`` (``[numel]``
-        float32 each), after its pending update."""
+        float32 each, whatever the compute dtype), after its pending update."""
     def load_unit_state(self, unit: UnitRef, master: Any, exp_avg: Any, exp_avg_sq: Any) -> None:
-        """Replaces ``unit``'s master weights and moments (``[numel]`` float32 each)."""
+        """Replaces ``unit``'s master weights and moments (``[numel]`` float32 each; the
+        compute copy becomes ``master`` in the compute dtype).
+
+        Raises:
+            UsageError: a wrong length; a dtype other than float32."""
     def state_dict(self) -> Dict[str, Any]:
         """``{"step": int, "units": {name: {"master", "exp_avg", "exp_avg_sq"}}}``, tensors
         ``[numel]`` float32 (copies). Waits for pending updates."""

@@ -2,9 +2,8 @@
 
 The submodules given as ``units`` (a Hugging Face model's embedding, each decoder layer, the
 final norm with the head) become the runtime's units: their parameters are flattened into one
-float32 vector per unit, handed to the runtime (which keeps the fp32 master weights and the
-AdamW state in host memory or on NVMe) and dropped from the module. Then, for each call of a
-unit's module:
+vector per unit, handed to the runtime (which keeps the fp32 master weights and the AdamW state
+in host memory or on NVMe) and dropped from the module. Then, for each call of a unit's module:
 
 * **forward** (grad enabled): the unit is fetched (``Runtime.fetch(unit, "forward")``), its
   parameters are bound as views into the fetched buffer (``torch.func.functional_call``), the
@@ -20,12 +19,22 @@ unit's module:
 ``engine.zero_grad()`` is a no-op kept for loops that call it. Prefetch follows the schedule
 the runtime recorded in the first step, as in Rust.
 
+**Precision.** The units' compute copies — the tensors the modules run with, in every tier —
+and the gradients pushed are in the runtime's compute dtype, which is the model's parameter
+dtype: a float32 model trains in fp32; a bfloat16 model (``model.to(torch.bfloat16)``) in mixed
+precision, with bf16 unit tensors and bf16 gradients (half of fp32's bytes on every link) over
+fp32 master weights and AdamW state, each update rounding the new masters to bf16 (nearest
+even) for the next forward. Without ``compute_dtype`` in the config, :func:`offload` takes the
+model's; a config that names another is refused. The masters start as the model's values,
+up-cast exactly. (A float16 model works the same way, without loss scaling: gradients below
+float16's range are lost; bfloat16 is the mixed precision to use.)
+
 Limits (each raises :class:`oogc.UsageError` naming what to change): one forward and one
 backward per step (no gradient accumulation across micro-batches yet); every trainable
 parameter of the model belongs to exactly one unit (a parameter shared by two units, e.g. tied
-embeddings, puts both modules in one unit); no frozen parameters inside a unit; float32
-parameters; the sim device (CPU tensors) — a CUDA device's memory is not shared through DLPack
-yet.
+embeddings, puts both modules in one unit); no frozen parameters inside a unit; float32,
+bfloat16 or float16 parameters, one dtype for every unit; the sim device (CPU tensors) — a CUDA
+device's memory is not shared through DLPack yet.
 """
 
 from __future__ import annotations
@@ -42,6 +51,10 @@ from torch.utils import _pytree as pytree
 from oogc._oogc import Runtime, UsageError
 
 __all__ = ["Engine", "offload"]
+
+# The runtime's compute dtypes (``Runtime.compute_dtype``) and torch's.
+_TORCH_DTYPE = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
+_OOGC_DTYPE = {v: k for k, v in _TORCH_DTYPE.items()}
 
 UnitSpec = Union[nn.Module, Sequence[nn.Module]]
 LrSpec = Union[float, Callable[[int], float]]
@@ -61,7 +74,7 @@ class _Slot:
 
 
 class _Unit:
-    """A unit: modules whose parameters form one flat float32 vector in the runtime."""
+    """A unit: modules whose parameters form one flat vector (of ``dtype``) in the runtime."""
 
     def __init__(self, index: int, name: str, modules: List[nn.Module]):
         self.index = index
@@ -69,6 +82,10 @@ class _Unit:
         self.modules = modules
         self.slots: List[_Slot] = []
         self.numel = 0
+        # The parameters' dtype (one per unit) and the qualified name of the first parameter
+        # that has it (for messages).
+        self.dtype: Optional[torch.dtype] = None
+        self.dtype_of = ""
         # This step: calls whose backward is still to come, and the gradient summed so far.
         self.pending = 0
         self.grad: Optional[torch.Tensor] = None
@@ -189,6 +206,8 @@ class Engine:
         model: the wrapped module (its units' parameters are empty placeholders between calls).
         runtime: the :class:`oogc.Runtime` holding the units.
         lr: the learning rate, a float or a function of the 1-based step.
+        dtype: the units' compute dtype (``torch.float32``, ``torch.bfloat16`` or
+            ``torch.float16``): the model's parameter dtype, the unit tensors' and the gradients'.
         last_stats: the last finished step's stats (``Runtime.finish_step``), or ``None``.
     """
 
@@ -196,6 +215,7 @@ class Engine:
         self.model = model
         self.runtime = runtime
         self.lr = lr
+        self.dtype = _TORCH_DTYPE[runtime.compute_dtype]
         self.last_stats: Optional[Dict[str, Any]] = None
         self._units = units
         self._step = runtime.step
@@ -235,7 +255,7 @@ class Engine:
 
     def _unit_grad(self, unit: _Unit, grad: Optional[torch.Tensor]) -> None:
         if grad is None:
-            grad = torch.zeros(unit.numel)
+            grad = torch.zeros(unit.numel, dtype=self.dtype)
         if unit.grad is None:
             unit.grad = grad
         else:
@@ -264,7 +284,8 @@ class Engine:
         """Ends the step: waits until every unit's gradients went to the optimizer, then
         commits the updates (or skips the step on a non-finite gradient norm). Returns the
         step's stats (``Runtime.finish_step``: ``step``, ``step_s``, ``h2d_bytes``,
-        ``d2h_bytes``, ``nvme_read_bytes``, ``nvme_write_bytes``, ``grad_norm``, ...).
+        ``d2h_bytes`` — the gradients pushed, in the compute dtype: 2 bytes a parameter in
+        bf16, 4 in fp32 —, ``nvme_read_bytes``, ``nvme_write_bytes``, ``grad_norm``, ...).
 
         Raises:
             UsageError: no step is running (no forward since the last ``step()``), or a unit's
@@ -291,7 +312,7 @@ class Engine:
 
     def state_dict(self) -> Dict[str, Any]:
         """The runtime's state (``Runtime.state_dict``: per unit the master weights and AdamW
-        moments, flat float32) with the step count."""
+        moments, flat float32 whatever the compute dtype) with the step count."""
         return self.runtime.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -300,8 +321,9 @@ class Engine:
         self._step = self.runtime.step
 
     def unit_parameters(self, unit: Union[int, str]) -> Dict[str, torch.Tensor]:
-        """A unit's master weights as ``{qualified parameter name: tensor}`` (copies; after
-        the pending updates are done)."""
+        """A unit's fp32 master weights as ``{qualified parameter name: tensor}`` (float32
+        copies whatever the compute dtype; after the pending updates are done). In bf16 the
+        tensors the modules run with are these rounded to nearest even."""
         u = self._units[self.runtime.unit_id(unit)]
         master, _, _ = self.runtime.unit_state(u.index)
         out = {}
@@ -311,7 +333,7 @@ class Engine:
         return out
 
     def parameters(self) -> Dict[str, torch.Tensor]:
-        """Every unit's master weights by qualified name (see :meth:`unit_parameters`)."""
+        """Every unit's fp32 master weights by qualified name (see :meth:`unit_parameters`)."""
         out: Dict[str, torch.Tensor] = {}
         for u in self._units:
             out.update(self.unit_parameters(u.index))
@@ -347,27 +369,35 @@ def offload(
     """Offloads ``model``'s given submodules through an oogc runtime.
 
     Args:
-        model: the model; its parameters must be float32 on the CPU (the sim device).
+        model: the model; its parameters must be on the CPU (the sim device) and of one dtype,
+            float32, bfloat16 or float16, which becomes the runtime's compute dtype: the unit
+            tensors the modules run with and the gradients pushed are in it, the master weights
+            and AdamW state are fp32 (for mixed precision, ``model.to(torch.bfloat16)``).
         units: one entry per unit, in the order the forward runs them: a submodule, or a
             sequence of submodules sharing one unit (e.g. ``(model.model.norm, model.lm_head)``).
             Every trainable parameter of ``model`` must be in exactly one unit.
-        config: the runtime's config (a dict or a TOML path; see :class:`oogc.Runtime`).
+        config: the runtime's config (a dict or a TOML path; see :class:`oogc.Runtime`). Its
+            ``compute_dtype``, if given, must be the model's (``"f32"`` for float32, ``"bf16"``
+            for bfloat16, ``"f16"`` for float16); without it the model's is taken.
         lr: the learning rate: a float, or a function of the 1-based step returning one (the
             step's lr is taken when its first forward begins).
 
     Returns:
         The :class:`Engine`. The units' parameters are moved into the runtime: ``model``'s
         parameters are left as empty placeholders (``numel() == 0``), so a torch optimizer
-        over them does nothing; read the trained weights with ``engine.parameters()``.
+        over them does nothing; read the trained weights (fp32 masters) with
+        ``engine.parameters()``.
 
     Raises:
         UsageError: a unit's module is not in ``model``, a parameter is in two units, a
-            trainable parameter is in no unit, a unit has a frozen or non-float32 parameter.
+            trainable parameter is in no unit, a unit has a frozen parameter or one of another
+            dtype than float32, bfloat16 or float16, or not on the CPU; a unit mixes dtypes, or
+            two units have different ones; the config's ``compute_dtype`` is not the model's.
         ConfigError, OutOfMemoryError, StorageError: from ``Runtime(config)`` and ``add_unit``.
     """
-    runtime = Runtime(config)
     owner: Dict[int, int] = {}
     built: List[_Unit] = []
+    inits: List[torch.Tensor] = []
     for index, spec in enumerate(units):
         modules = [spec] if isinstance(spec, nn.Module) else list(spec)
         unit = _Unit(index, _unit_name(model, modules), modules)
@@ -383,9 +413,18 @@ def offload(
                     )
                 if not p.requires_grad:
                     raise UsageError(f"offload: {unit.name}.{qualified} is frozen; frozen parameters in a unit are not supported yet")
-                if p.dtype != torch.float32 or p.device.type != "cpu":
+                if p.dtype not in _OOGC_DTYPE or p.device.type != "cpu":
                     raise UsageError(
-                        f"offload: {unit.name}.{qualified} is {p.dtype} on {p.device}; units take float32 CPU parameters"
+                        f"offload: {unit.name}.{qualified} is {p.dtype} on {p.device}; units take float32, "
+                        "bfloat16 or float16 CPU parameters"
+                    )
+                if unit.dtype is None:
+                    unit.dtype, unit.dtype_of = p.dtype, _qualified(model, module, qualified)
+                elif p.dtype != unit.dtype:
+                    raise UsageError(
+                        f"offload: unit {unit.name!r} mixes dtypes: {unit.dtype_of} is {unit.dtype} but "
+                        f"{_qualified(model, module, qualified)} is {p.dtype}; a unit is one flat tensor of one "
+                        f"dtype: convert the model to one dtype (e.g. model.to({unit.dtype}))"
                     )
                 owner[pid] = index
                 slot = by_param.get(pid)
@@ -398,7 +437,14 @@ def offload(
                 slot.holders.append((module, qualified))
         if unit.numel == 0:
             raise UsageError(f"offload: unit {unit.name!r} has no parameters")
-        runtime.add_unit(unit.name, unit.numel, torch.cat(values))
+        if built and unit.dtype != built[0].dtype:
+            first = built[0]
+            raise UsageError(
+                f"offload: unit {unit.name!r} is {unit.dtype} ({unit.dtype_of}) but unit {first.name!r} is "
+                f"{first.dtype} ({first.dtype_of}); the runtime has one compute dtype: convert the model to "
+                f"one dtype (e.g. model.to({first.dtype}))"
+            )
+        inits.append(torch.cat(values))
         built.append(unit)
     stray = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owner]
     if stray:
@@ -406,10 +452,26 @@ def offload(
             f"offload: trainable parameters in no unit: {stray[:8]}{' ...' if len(stray) > 8 else ''} "
             "(add their modules to a unit, or freeze them with requires_grad_(False))"
         )
+    if not built:
+        raise UsageError("offload: no units given")
+    model_dtype = built[0].dtype
+    assert model_dtype is not None
+    runtime = Runtime(config, default_compute_dtype=_OOGC_DTYPE[model_dtype])
+    if _TORCH_DTYPE[runtime.compute_dtype] != model_dtype:
+        want = _OOGC_DTYPE[model_dtype]
+        raise UsageError(
+            f"offload: the model's parameters are {model_dtype} ({built[0].dtype_of}) but the config's "
+            f"compute_dtype is {runtime.compute_dtype!r}, and the units' tensors the modules run with are "
+            f"in the compute dtype: set compute_dtype = {want!r} in the config (or leave it out to follow "
+            f"the model), or convert the model with model.to({_TORCH_DTYPE[runtime.compute_dtype]})"
+        )
+    for unit, init in zip(built, inits):
+        # The fp32 masters are the values up-cast exactly; the compute copy is the values.
+        runtime.add_unit(unit.name, unit.numel, init)
     engine = Engine(model, built, runtime, lr)
     placeholder_params = {id(p): p for u in built for m in u.modules for p in m.parameters()}
     for p in placeholder_params.values():
-        # The runtime holds the values now; the module keeps an empty float32 placeholder.
+        # The runtime holds the values now; the module keeps an empty placeholder of its dtype.
         p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     for unit in built:
         for module in unit.modules:

@@ -3,7 +3,9 @@
 //!
 //! The tables are the `oogc train` config's where they mean the same (`device`, `budgets`,
 //! `prefetch`, with the same keys and defaults); `optimizer` has no learning rate (it is given
-//! per step to `begin_step`) and carries the optimizer's thread count.
+//! per step to `begin_step`) and carries the optimizer's thread count. `compute_dtype` is
+//! `oogc train`'s `[train] compute_dtype` (same values, same default), at the top level: the
+//! Python config has no `[train]` table, the training loop being the caller's.
 //!
 //! | key | type | default |
 //! |---|---|---|
@@ -26,10 +28,14 @@
 //! | `prefetch.host_depth` | units read NVMe → host ahead (`params = "nvme"`) | 4 |
 //! | `prefetch.overlap_optimizer` | update units during the backward | true |
 //! | `lock_host_memory` | `mlock` the pinned host pool | false |
+//! | `compute_dtype` | `"f32"`, `"bf16"` or `"f16"` (or torch's names `"float32"`, `"bfloat16"`, `"float16"`): the compute copies' and gradients' element type | `"f32"`, or the caller's default ([`Config::runtime_config`]) |
+//!
+//! `device.ops` (`oogc train`'s choice of op sequence) is accepted as `"auto"` only: torch
+//! computes the units here.
 
 use std::path::{Path, PathBuf};
 
-use oogc::config::{BudgetsConfig, DeviceConfig, DeviceKind, PrefetchSection};
+use oogc::config::{BudgetsConfig, DeviceConfig, DeviceKind, OpsPath, PrefetchSection};
 use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
 use oogc::runtime::{DeviceSpec, RuntimeConfig};
 use oogc::swapper::{DType, NvmeConfig, StatePlacement};
@@ -55,6 +61,47 @@ pub struct Config {
     /// Page-lock the pinned host pool (falls back with a warning when RLIMIT_MEMLOCK is low).
     #[serde(default)]
     pub lock_host_memory: bool,
+    /// The compute copies' and gradients' element type (`oogc train`'s `[train]
+    /// compute_dtype`); `None` when the config does not say.
+    #[serde(default)]
+    pub compute_dtype: Option<ComputeDType>,
+}
+
+/// `compute_dtype`: the element type of the units' compute copies in every tier and of the
+/// gradients on every link; the master weights and Adam state stay fp32 with the optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub enum ComputeDType {
+    /// fp32 everywhere.
+    #[serde(rename = "f32", alias = "float32")]
+    F32,
+    /// bf16 compute copies and gradients over fp32 master weights (mixed precision).
+    #[serde(rename = "bf16", alias = "bfloat16")]
+    Bf16,
+    /// IEEE half compute copies and gradients over fp32 master weights (no loss scaling: small
+    /// gradients underflow; bf16 is the mixed precision to use).
+    #[serde(rename = "f16", alias = "float16")]
+    F16,
+}
+
+impl ComputeDType {
+    /// The runtime's element type.
+    pub fn dtype(self) -> DType {
+        match self {
+            ComputeDType::F32 => DType::F32,
+            ComputeDType::Bf16 => DType::BF16,
+            ComputeDType::F16 => DType::F16,
+        }
+    }
+
+    /// From a name as the config spells it (`"bf16"`, `"bfloat16"`, ...).
+    ///
+    /// # Errors
+    /// [`Error::Config`] for another name.
+    pub fn parse(name: &str) -> Result<Self> {
+        serde_json::from_value(serde_json::Value::String(name.to_string())).map_err(|_| {
+            Error::Config(format!("compute_dtype: {name:?} is not a compute dtype: use \"f32\", \"bf16\" or \"f16\""))
+        })
+    }
 }
 
 /// `optimizer`: AdamW (Loshchilov & Hutter 2019) or Adam with L2; f64 as torch's floats, so the
@@ -115,12 +162,18 @@ impl Config {
         Ok(config)
     }
 
-    /// The library's runtime config.
+    /// The library's runtime config; `default_dtype` is the compute dtype when the config has
+    /// no `compute_dtype` (`None`: f32, as `oogc train`).
     ///
     /// # Errors
-    /// [`Error::Config`] when optimizer state on NVMe lacks `nvme_dirs` or `nvme_size`, or a
-    /// count is zero.
-    pub fn runtime_config(&self) -> Result<RuntimeConfig> {
+    /// [`Error::Config`] when optimizer state on NVMe lacks `nvme_dirs` or `nvme_size`, a count
+    /// is zero, or `device.ops` is not `"auto"`.
+    pub fn runtime_config(&self, default_dtype: Option<ComputeDType>) -> Result<RuntimeConfig> {
+        if self.device.ops != OpsPath::Auto {
+            return Err(Error::Config(
+                "device.ops: torch computes the units of a Python runtime; only \"auto\" applies here".into(),
+            ));
+        }
         let device = match self.device.kind {
             DeviceKind::Sim => DeviceSpec::Sim { link_gbps: self.device.link_gbps, latency_us: self.device.latency_us },
             DeviceKind::Cuda(ordinal) => DeviceSpec::Cuda { ordinal },
@@ -140,7 +193,8 @@ impl Config {
                 let Some(size) = self.budgets.nvme_size else {
                     return Err(Error::Config(
                         "budgets.nvme_size: needed with optimizer_state or params = \"nvme\" (the state takes 12 \
-                         bytes per parameter, parameters 4; allow about 3x that, e.g. \"1 GiB\" for 25M parameters)"
+                         bytes per parameter, parameters 4 in f32 or 2 in bf16; allow about 3x that, e.g. \"1 GiB\" \
+                         for 25M parameters)"
                             .into(),
                     ));
                 };
@@ -162,7 +216,7 @@ impl Config {
                 weight_decay: o.weight_decay,
             },
             clip_norm: (o.clip_norm > 0.0).then_some(o.clip_norm),
-            compute_dtype: DType::F32,
+            compute_dtype: self.compute_dtype.or(default_dtype).unwrap_or(ComputeDType::F32).dtype(),
             ..OptimizerConfig::default()
         };
         Ok(RuntimeConfig {

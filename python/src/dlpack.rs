@@ -3,10 +3,14 @@
 //!
 //! | direction | what | who owns the memory |
 //! |---|---|---|
-//! | out, revocable | [`Lease::torch_tensor`]: a torch tensor over the pinned compute copy | the [`Lease`]; at [`Lease::release`] every such tensor's storage is made to raise on any data access (torch's `_set_storage_data_ptr_access_error_msg`, what cudagraph trees use for outputs whose memory was reused), then the unit is unpinned |
+//! | out, revocable | [`Lease::torch_tensor`]: a torch tensor over the pinned compute copy (in the unit's dtype) | the [`Lease`]; at [`Lease::release`] every such tensor's storage is made to raise on any data access (torch's `_set_storage_data_ptr_access_error_msg`, what cudagraph trees use for outputs whose memory was reused), then the unit is unpinned |
 //! | out, borrowed | [`Lease::export`] (`Fetched.__dlpack__`): any DLPack consumer (numpy, jax, `torch.from_dlpack(fetched)`) | the consumer holds a borrow: the unit stays pinned until the consumer frees the array, even past release |
 //! | out, owned | [`export_values`]: a `Vec<f32>` handed to the consumer (`unit_state`) | the consumer |
-//! | in | [`read_f32`]: a 1-D float32 CPU tensor or array read in place through `__dlpack__` | the producer, kept alive until the read returns |
+//! | in | [`read_floats`]: a 1-D float32, bfloat16 or float16 CPU tensor or array read in place through `__dlpack__` as a [`GradSlice`] ([`read_f32`]: float32 only) | the producer, kept alive until the read returns |
+//!
+//! Dtypes: a unit's compute copy is exported in its dtype ([`PinnedUnit::dtype`], the runtime's
+//! compute dtype): f32 as `kDLFloat` 32 bits, f16 as `kDLFloat` 16 bits, bf16 as `kDLBfloat`
+//! 16 bits; the element count is the copy's bytes over the dtype's size.
 //!
 //! The layouts are DLPack 0.8's `DLTensor` / `DLManagedTensor` (the "legacy" capsule, named
 //! `dltensor`, that every consumer accepts); `__dlpack__` is called without `max_version`, so
@@ -18,6 +22,7 @@ use std::any::Any;
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 
+use oogc::optimizer::{DType, GradSlice};
 use oogc::runtime::{DeviceMemory, PinnedUnit};
 use parking_lot::Mutex;
 use pyo3::ffi;
@@ -31,6 +36,8 @@ const DL_CPU: i32 = 1;
 const DL_CUDA_HOST: i32 = 3;
 /// `kDLFloat`.
 const DL_FLOAT: u8 = 2;
+/// `kDLBfloat`.
+const DL_BFLOAT: u8 = 4;
 const DLTENSOR: &CStr = c"dltensor";
 const USED_DLTENSOR: &CStr = c"used_dltensor";
 
@@ -42,11 +49,60 @@ struct DlDevice {
 }
 
 #[repr(C)]
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct DlDataType {
     code: u8,
     bits: u8,
     lanes: u16,
+}
+
+impl DlDataType {
+    const F32: Self = Self { code: DL_FLOAT, bits: 32, lanes: 1 };
+    const F16: Self = Self { code: DL_FLOAT, bits: 16, lanes: 1 };
+    const BF16: Self = Self { code: DL_BFLOAT, bits: 16, lanes: 1 };
+
+    /// A float dtype of the runtime as DLPack spells it (`None` for a non-float).
+    fn of(dtype: DType) -> Option<Self> {
+        match dtype {
+            DType::F32 => Some(Self::F32),
+            DType::BF16 => Some(Self::BF16),
+            DType::F16 => Some(Self::F16),
+            _ => None,
+        }
+    }
+
+    /// The runtime's dtype of a DLPack float dtype it handles (`None` for any other).
+    fn float(self) -> Option<DType> {
+        [DType::F32, DType::BF16, DType::F16].into_iter().find(|&d| Self::of(d) == Some(self))
+    }
+
+    /// For messages: torch's name where there is one (`bfloat16`), else the codes.
+    fn describe(self) -> String {
+        let name = match (self.code, self.bits, self.lanes) {
+            (DL_FLOAT, 16, 1) => "float16",
+            (DL_FLOAT, 32, 1) => "float32",
+            (DL_FLOAT, 64, 1) => "float64",
+            (DL_BFLOAT, 16, 1) => "bfloat16",
+            (0, 8, 1) => "int8",
+            (0, 16, 1) => "int16",
+            (0, 32, 1) => "int32",
+            (0, 64, 1) => "int64",
+            (1, 8, 1) => "uint8",
+            (6, 8, 1) => "bool",
+            _ => return format!("DLPack dtype code {} with {} bits and {} lanes", self.code, self.bits, self.lanes),
+        };
+        name.to_string()
+    }
+}
+
+/// torch's name of a float dtype of the runtime (`float32`, `bfloat16`, `float16`).
+fn torch_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        other => other.name(),
+    }
 }
 
 #[repr(C)]
@@ -110,25 +166,26 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     }
 }
 
-/// A `dltensor` capsule over `numel` f32 at `data` (1-D, contiguous, CPU), keeping `keep` alive
-/// until the consumer's deleter runs.
+/// A `dltensor` capsule over `numel` elements of `dtype` at `data` (1-D, contiguous, CPU),
+/// keeping `keep` alive until the consumer's deleter runs.
 ///
-/// The caller guarantees that `data` stays valid for reads and writes of `numel` f32 for as
-/// long as the consumer may touch it: while `keep` lives, or until a [`Lease`] revokes the
-/// consumer's access before the memory goes.
+/// The caller guarantees that `data` is aligned for `dtype` and stays valid for reads and
+/// writes of `numel` elements of it for as long as the consumer may touch it: while `keep`
+/// lives, or until a [`Lease`] revokes the consumer's access before the memory goes.
 fn capsule<'py>(
     py: Python<'py>,
-    data: *mut f32,
+    data: *mut c_void,
     numel: usize,
+    dtype: DlDataType,
     keep: Option<Box<dyn Any + Send>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     let mut export = Box::new(Export {
         managed: DlManagedTensor {
             dl_tensor: DlTensor {
-                data: data.cast::<c_void>(),
+                data,
                 device: DlDevice { device_type: DL_CPU, device_id: 0 },
                 ndim: 1,
-                dtype: DlDataType { code: DL_FLOAT, bits: 32, lanes: 1 },
+                dtype,
                 shape: std::ptr::null_mut(),
                 strides: std::ptr::null_mut(),
                 byte_offset: 0,
@@ -164,7 +221,7 @@ fn capsule<'py>(
 pub fn export_values(py: Python<'_>, mut values: Vec<f32>) -> PyResult<Bound<'_, PyAny>> {
     let (data, numel) = (values.as_mut_ptr(), values.len());
     // The vector's heap block does not move when the vector does; the capsule keeps it.
-    capsule(py, data, numel, Some(Box::new(values)))
+    capsule(py, data.cast::<c_void>(), numel, DlDataType::F32, Some(Box::new(values)))
 }
 
 /// A fetched unit's pin, shared by the `Fetched` object and the DLPack exports of its memory.
@@ -236,20 +293,29 @@ impl Lease {
         self.state.lock().pinned.is_some()
     }
 
-    /// The pinned memory: address and element count.
-    fn memory(st: &LeaseState, label: &str) -> Result<(*mut f32, usize, bool)> {
+    /// The pinned memory: address, element count, DLPack dtype (the unit's), writable.
+    fn memory(st: &LeaseState, label: &str) -> Result<(*mut c_void, usize, DlDataType, bool)> {
         let pinned = st.pinned.as_ref().filter(|_| !st.released).ok_or_else(|| released_error(label))?;
         match pinned.memory()? {
-            DeviceMemory::Host { ptr, num_bytes } => Ok((ptr.cast::<f32>(), num_bytes / 4, pinned.is_writable())),
+            DeviceMemory::Host { ptr, num_bytes, dtype } => {
+                let dl = DlDataType::of(dtype).ok_or_else(|| {
+                    Error::Usage(format!("{label}: its compute copy is {dtype}, not a float type DLPack shares"))
+                })?;
+                // The runtime hands out 8-byte-aligned host memory of whole elements.
+                debug_assert_eq!(num_bytes % dtype.size_in_bytes(), 0);
+                debug_assert_eq!(ptr.addr() % dtype.size_in_bytes(), 0);
+                Ok((ptr.cast::<c_void>(), num_bytes / dtype.size_in_bytes(), dl, pinned.is_writable()))
+            }
             #[allow(unreachable_patterns)]
             _ => Err(Error::Usage(format!("{label}: only host (sim device) memory is shared through DLPack yet"))),
         }
     }
 
-    /// The unit's flat parameters as a torch tensor (`[numel]` float32, CPU) over the pinned
-    /// compute copy, without a copy. The same tensor on every call. A read lease's tensor
-    /// refuses in-place writes (torch's `_set_throw_on_mutable_data_ptr`); after
-    /// [`Lease::release`] any access to its data, or to a view's, raises `RuntimeError`.
+    /// The unit's flat parameters as a torch tensor (`[numel]` in the unit's dtype: float32,
+    /// bfloat16 or float16; CPU) over the pinned compute copy, without a copy. The same tensor
+    /// on every call. A read lease's tensor refuses in-place writes (torch's
+    /// `_set_throw_on_mutable_data_ptr`); after [`Lease::release`] any access to its data, or
+    /// to a view's, raises `RuntimeError`.
     ///
     /// # Errors
     /// [`Error::Usage`] after release or without torch (or a torch without the two private
@@ -257,7 +323,7 @@ impl Lease {
     pub fn torch_tensor(self: &Arc<Self>, py: Python<'_>) -> Result<Py<PyAny>> {
         // The lock is never held across a call into Python: a garbage collection there may free
         // a borrowed export, whose deleter takes it.
-        let (data, numel, writable) = {
+        let (data, numel, dtype, writable) = {
             let st = self.state.lock();
             if let (Some(t), false) = (st.tensors.first(), st.released) {
                 return Ok(t.tensor.clone_ref(py));
@@ -274,7 +340,7 @@ impl Lease {
             }
         }
         // Revocable: the capsule keeps nothing; `release` makes the tensor raise before it unpins.
-        let cap = capsule(py, data, numel, None)?;
+        let cap = capsule(py, data, numel, dtype, None)?;
         let tensor = torch.call_method1("from_dlpack", (cap,))?;
         if !writable {
             c.call_method1("_set_throw_on_mutable_data_ptr", (&tensor,))?;
@@ -304,11 +370,11 @@ impl Lease {
     /// [`Error::Usage`] after release.
     pub fn export<'py>(self: &Arc<Self>, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
         let mut st = self.state.lock();
-        let (data, numel, _) = Self::memory(&st, &self.label)?;
+        let (data, numel, dtype, _) = Self::memory(&st, &self.label)?;
         st.borrowers += 1;
         drop(st);
         // The borrow keeps the pin (and so `data`) until the consumer's deleter drops it.
-        Ok(capsule(py, data, numel, Some(Box::new(Borrow(Arc::clone(self)))))?)
+        Ok(capsule(py, data, numel, dtype, Some(Box::new(Borrow(Arc::clone(self)))))?)
     }
 
     /// Releases the unit: every revocable torch tensor made from it is invalidated (any access
@@ -385,21 +451,23 @@ impl Drop for Consumed {
     }
 }
 
-/// Reads `obj` (a 1-D contiguous float32 CPU tensor or array with `__dlpack__`: torch, numpy)
-/// in place and calls `f` with its values; `what` names the argument in errors. A torch tensor
-/// that requires grad is detached first (no copy). The GIL may be released inside `f` (the
-/// producer's object is kept alive by the capsule until this returns); the caller must not write
-/// the tensor from another thread meanwhile.
+/// Reads `obj` (a 1-D contiguous float32, bfloat16 or float16 CPU tensor or array with
+/// `__dlpack__`: torch, numpy) in place and calls `f` with its values, a [`GradSlice`] of its
+/// dtype; `what` names the argument in errors. A torch tensor that requires grad is detached
+/// first (no copy). The GIL may be released inside `f` (the producer's object is kept alive by
+/// the capsule until this returns); the caller must not write the tensor from another thread
+/// meanwhile.
 ///
 /// # Errors
 /// [`Error::Usage`] naming `what` for an object without `__dlpack__`, another dtype, device,
-/// rank or stride; the producer's own errors.
-pub fn read_f32<R>(obj: &Bound<'_, PyAny>, what: &str, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+/// rank or stride, a misaligned pointer; the producer's own errors.
+pub fn read_floats<R>(obj: &Bound<'_, PyAny>, what: &str, f: impl FnOnce(GradSlice<'_>) -> R) -> Result<R> {
     let py = obj.py();
     let mut obj = obj.clone();
     if !obj.hasattr("__dlpack__")? {
         return Err(Error::Usage(format!(
-            "{what}: expected a 1-D float32 tensor or array with __dlpack__ (torch.Tensor, numpy.ndarray), got {}",
+            "{what}: expected a 1-D float32, bfloat16 or float16 tensor or array with __dlpack__ (torch.Tensor, \
+             numpy.ndarray), got {}",
             obj.get_type().name()?
         )));
     }
@@ -422,13 +490,9 @@ pub fn read_f32<R>(obj: &Bound<'_, PyAny>, what: &str, f: impl FnOnce(&[f32]) ->
     // SAFETY: the producer's tensor lives until its deleter runs (when `consumed` drops, after
     // the last use of this reference).
     let t = unsafe { &(*consumed.0).dl_tensor };
-    let dtype = t.dtype;
-    if (dtype.code, dtype.bits, dtype.lanes) != (DL_FLOAT, 32, 1) {
-        return Err(Error::Usage(format!(
-            "{what}: expected float32, got DLPack dtype code {} with {} bits and {} lanes",
-            dtype.code, dtype.bits, dtype.lanes
-        )));
-    }
+    let Some(dtype) = t.dtype.float() else {
+        return Err(Error::Usage(format!("{what}: expected float32, bfloat16 or float16, got {}", t.dtype.describe())));
+    };
     if !matches!(t.device.device_type, DL_CPU | DL_CUDA_HOST) {
         return Err(Error::Usage(format!(
             "{what}: expected a CPU tensor on the sim device, got DLPack device type {} (move it with .cpu())",
@@ -447,17 +511,46 @@ pub fn read_f32<R>(obj: &Bound<'_, PyAny>, what: &str, f: impl FnOnce(&[f32]) ->
             "{what}: expected a contiguous tensor, got stride {stride} (call .contiguous())"
         )));
     }
-    if numel == 0 {
-        return Ok(f(&[]));
-    }
-    let data = t.data.cast::<u8>().wrapping_add(t.byte_offset as usize).cast::<f32>();
-    if data.is_null() || !data.is_aligned() {
-        return Err(Error::Usage(format!("{what}: the tensor's data pointer is null or not 4-byte aligned")));
-    }
-    // SAFETY: a contiguous, aligned float32 CPU tensor of `numel` elements at `data`, kept alive
-    // (and not freed) by the producer until `consumed` calls its deleter below.
-    let values = unsafe { std::slice::from_raw_parts(data, numel) };
-    let r = f(values);
+    let data = t.data.cast::<u8>().wrapping_add(t.byte_offset as usize).cast_const();
+    let size = dtype.size_in_bytes();
+    let r = if numel == 0 {
+        f(match dtype {
+            DType::BF16 => GradSlice::BF16(&[]),
+            DType::F16 => GradSlice::F16(&[]),
+            _ => GradSlice::F32(&[]),
+        })
+    } else {
+        if data.is_null() || data.addr() % size != 0 {
+            return Err(Error::Usage(format!("{what}: the tensor's data pointer is null or not {size}-byte aligned")));
+        }
+        // SAFETY: a contiguous CPU tensor of `numel` elements of `dtype` at `data`, aligned to
+        // the element's size (checked above; the alignment of f32, bf16 and f16), kept alive
+        // (and not freed) by the producer until `consumed` calls its deleter below. Each slice's
+        // element type is the variant's (f32, half's bf16 or f16), of that size and alignment.
+        let values = unsafe {
+            match dtype {
+                DType::BF16 => GradSlice::BF16(std::slice::from_raw_parts(data.cast(), numel)),
+                DType::F16 => GradSlice::F16(std::slice::from_raw_parts(data.cast(), numel)),
+                _ => GradSlice::F32(std::slice::from_raw_parts(data.cast(), numel)),
+            }
+        };
+        f(values)
+    };
     drop(consumed);
     Ok(r)
+}
+
+/// [`read_floats`] for a float32 argument (master weights, Adam moments): calls `f` with its
+/// values.
+///
+/// # Errors
+/// As [`read_floats`]; [`Error::Usage`] naming `what` for bfloat16 or float16.
+pub fn read_f32<R>(obj: &Bound<'_, PyAny>, what: &str, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    read_floats(obj, what, |values| match values {
+        GradSlice::F32(values) => Ok(f(values)),
+        other => Err(Error::Usage(format!(
+            "{what}: expected float32, got {} (these values are fp32: convert with .float())",
+            torch_name(other.dtype())
+        ))),
+    })?
 }

@@ -72,7 +72,8 @@ fn swapper_kind(e: &SwapperError) -> Kind {
         SwapperError::NotCompiledWithCuda
         | SwapperError::NoCudaDevice { .. }
         | SwapperError::Cuda { .. }
-        | SwapperError::Device(_) => Kind::Device,
+        | SwapperError::Device(_)
+        | SwapperError::Ordering { .. } => Kind::Device,
         SwapperError::NvmeDir { .. }
         | SwapperError::Io { .. }
         | SwapperError::Corrupt { .. }

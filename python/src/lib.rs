@@ -4,10 +4,11 @@
 //!
 //! | Python | Rust |
 //! |---|---|
-//! | `Runtime(config)` | [`Runtime::new`] from a dict or a TOML path ([`config::Config`]) |
-//! | `Runtime.add_unit(name, numel, init=None)` | [`Runtime::add_unit`], `init` read in place through DLPack (zeros without) |
-//! | `Runtime.fetch(unit, phase, writable=False)` → `Fetched` | [`Runtime::fetch_pinned`]; the pinned compute copy shared as a torch tensor without a copy ([`dlpack::Lease`]) |
-//! | `Runtime.push_grads(unit, grads)` | [`Runtime::push_grads`], `grads` read in place through DLPack |
+//! | `Runtime(config, default_compute_dtype=None)` | [`Runtime::new`] from a dict or a TOML path ([`config::Config`]) |
+//! | `Runtime.compute_dtype` | [`Runtime::compute_dtype`]'s name (`"f32"`, `"bf16"`, `"f16"`) |
+//! | `Runtime.add_unit(name, numel, init=None)` | [`Runtime::add_unit`], `init` read in place through DLPack (zeros without; bf16 or f16 up-cast exactly) |
+//! | `Runtime.fetch(unit, phase, writable=False)` → `Fetched` | [`Runtime::fetch_pinned`]; the pinned compute copy shared as a torch tensor of its dtype without a copy ([`dlpack::Lease`]) |
+//! | `Runtime.push_grads(unit, grads)` | [`Runtime::push_grads_slice`], `grads` (f32, bf16 or f16) read in place through DLPack, converted to the compute dtype if they are not in it |
 //! | `Runtime.finish_step()` → dict | [`Runtime::finish_step`]'s [`oogc::runtime::StepStats`] |
 //! | `Runtime.state_dict()` / `load_state_dict()` | [`Runtime::unit_state`] / [`Runtime::load_unit_state`] |
 //! | `OogcError` and subclasses | [`error::Error`] |
@@ -20,6 +21,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use oogc::optimizer::{DType, GradSlice, Grads};
 use oogc::runtime::{Phase, Runtime, UnitId};
 use oogc::swapper::Access;
 use parking_lot::Mutex;
@@ -42,9 +44,9 @@ struct State {
     adam_step: u64,
 }
 
-/// The out-of-GPU-core runtime for one model on one device: units of flat float32 parameters
-/// whose compute copies move between the (sim) GPU, pinned host memory and NVMe, updated by a
-/// pipelined CPU AdamW.
+/// The out-of-GPU-core runtime for one model on one device: units of flat parameters whose
+/// compute copies (in the compute dtype: f32, bf16 or f16) move between the (sim) GPU, pinned
+/// host memory and NVMe, updated from fp32 master weights by a pipelined CPU AdamW.
 #[pyclass(module = "oogc._oogc", name = "Runtime", frozen)]
 struct PyRuntime {
     state: Mutex<State>,
@@ -104,7 +106,9 @@ impl PyRuntime {
 #[pymethods]
 impl PyRuntime {
     #[new]
-    fn new(py: Python<'_>, config: &Bound<'_, PyAny>) -> Result<Self> {
+    #[pyo3(signature = (config, *, default_compute_dtype = None))]
+    fn new(py: Python<'_>, config: &Bound<'_, PyAny>, default_compute_dtype: Option<&str>) -> Result<Self> {
+        let default_dtype = default_compute_dtype.map(config::ComputeDType::parse).transpose()?;
         let config = if config.is_instance_of::<PyDict>() {
             let json = py.import("json")?;
             let kwargs = PyDict::new(py);
@@ -119,12 +123,13 @@ impl PyRuntime {
                 config.get_type().name()?
             )));
         };
-        let rc = config.runtime_config()?;
+        let rc = config.runtime_config(default_dtype)?;
         let rt = py.detach(|| Runtime::new(rc))?;
         Ok(Self { state: Mutex::new(State { rt, ids: HashMap::new(), adam_step: 0 }) })
     }
 
     /// Registers a unit and returns its id (units are numbered 0, 1, ... in registration order).
+    /// `init` is its fp32 master weights (bf16 or f16 are up-cast exactly).
     #[pyo3(signature = (name, numel, init = None))]
     fn add_unit(&self, py: Python<'_>, name: &str, numel: usize, init: Option<&Bound<'_, PyAny>>) -> Result<usize> {
         if self.state.lock().ids.contains_key(name) {
@@ -138,14 +143,21 @@ impl PyRuntime {
         let add = |values: &[f32]| self.with(py, |st| Ok(st.rt.add_unit(name, values)?.0));
         let id = match init {
             None => add(&vec![0.0; numel])?,
-            Some(init) => dlpack::read_f32(init, &format!("add_unit({name:?}) init"), |values| {
+            Some(init) => dlpack::read_floats(init, &format!("add_unit({name:?}) init"), |values| {
                 if values.len() != numel {
                     return Err(Error::Usage(format!(
                         "add_unit({name:?}): init has {} elements, numel is {numel}",
                         values.len()
                     )));
                 }
-                add(values)
+                match values {
+                    GradSlice::F32(values) => add(values),
+                    // Every bf16 and f16 value is an f32: the master weights are the init exactly.
+                    other => match Grads::converted(other, DType::F32) {
+                        Grads::F32(values) => add(&values),
+                        _ => unreachable!("converted to f32"),
+                    },
+                }
             })??,
         };
         self.state.lock().ids.insert(name.to_string(), id);
@@ -165,9 +177,9 @@ impl PyRuntime {
     }
 
     /// Pins `unit` (id or name) on the device for `phase` ("forward", "backward" or "eval")
-    /// and returns a `Fetched`: `with rt.fetch(u) as t:` yields its `[numel]` float32 parameters
-    /// as a torch tensor over the pinned copy (no copy), revoked and unpinned on exit. Raises
-    /// UsageError, OutOfMemoryError, StorageError.
+    /// and returns a `Fetched`: `with rt.fetch(u) as t:` yields its `[numel]` parameters in the
+    /// compute dtype as a torch tensor over the pinned copy (no copy), revoked and unpinned on
+    /// exit. Raises UsageError, OutOfMemoryError, StorageError.
     #[pyo3(signature = (unit, phase = "forward", writable = false))]
     fn fetch(&self, py: Python<'_>, unit: &Bound<'_, PyAny>, phase: &str, writable: bool) -> Result<Fetched> {
         let ph = self::phase(phase)?;
@@ -178,19 +190,21 @@ impl PyRuntime {
         };
         let access = if writable { Access::Write } else { Access::Read };
         let pinned = self.with(py, |st| Ok(st.rt.fetch_pinned(unit, ph, access)?))?;
-        Ok(Fetched { lease: Lease::new(pinned, label), unit: unit.0, numel, writable })
+        let dtype = pinned.dtype().name();
+        Ok(Fetched { lease: Lease::new(pinned, label), unit: unit.0, numel, dtype, writable })
     }
 
-    /// Hands `unit`'s gradients (`[numel]` float32, contiguous, CPU; read in place through
-    /// DLPack) to the CPU optimizer, once per unit per step. Raises UsageError.
+    /// Hands `unit`'s gradients (`[numel]` float32, bfloat16 or float16, contiguous, CPU; read in
+    /// place through DLPack, converted to the compute dtype, rounded to nearest even, if they are
+    /// not in it) to the CPU optimizer, once per unit per step. Raises UsageError.
     fn push_grads(&self, py: Python<'_>, unit: &Bound<'_, PyAny>, grads: &Bound<'_, PyAny>) -> Result<()> {
         let (unit, label) = {
             let st = self.state.lock();
             let u = unit_id(&st, unit)?;
             (u, label(&st, u))
         };
-        dlpack::read_f32(grads, &format!("push_grads({label})"), |values| {
-            self.with(py, |st| Ok(st.rt.push_grads(unit, values)?))
+        dlpack::read_floats(grads, &format!("push_grads({label})"), |values| {
+            self.with(py, |st| Ok(st.rt.push_grads_slice(unit, values)?))
         })?
     }
 
@@ -235,6 +249,12 @@ impl PyRuntime {
     /// How many units the trainer keeps pinned at once (for the working-set check).
     fn set_max_units_in_use(&self, units: usize) {
         self.state.lock().rt.set_max_units_in_use(units);
+    }
+
+    /// The compute copies' and gradients' element type: `"f32"`, `"bf16"` or `"f16"`.
+    #[getter]
+    fn compute_dtype(&self) -> &'static str {
+        self.state.lock().rt.compute_dtype().name()
     }
 
     /// Units registered.
@@ -377,7 +397,12 @@ impl PyRuntime {
 
     fn __repr__(&self) -> String {
         let st = self.state.lock();
-        format!("Runtime(units={}, step={})", st.rt.num_units(), st.adam_step)
+        format!(
+            "Runtime(units={}, step={}, compute_dtype={:?})",
+            st.rt.num_units(),
+            st.adam_step,
+            st.rt.compute_dtype().name()
+        )
     }
 }
 
@@ -390,15 +415,18 @@ struct Fetched {
     unit: usize,
     #[pyo3(get)]
     numel: usize,
+    /// The compute copy's element type (`"f32"`, `"bf16"`, `"f16"`).
+    #[pyo3(get)]
+    dtype: &'static str,
     #[pyo3(get)]
     writable: bool,
 }
 
 #[pymethods]
 impl Fetched {
-    /// The unit's `[numel]` float32 parameters as a torch tensor over the pinned copy (the same
-    /// tensor on every call); a read fetch's tensor refuses in-place writes. Raises UsageError
-    /// after release.
+    /// The unit's `[numel]` parameters, in the unit's dtype, as a torch tensor over the pinned
+    /// copy (the same tensor on every call); a read fetch's tensor refuses in-place writes.
+    /// Raises UsageError after release.
     fn tensor(&self, py: Python<'_>) -> Result<Py<PyAny>> {
         self.lease.torch_tensor(py)
     }
@@ -464,7 +492,10 @@ impl Fetched {
 
     fn __repr__(&self) -> String {
         let state = if self.lease.is_released() { "released" } else { "pinned" };
-        format!("Fetched(unit={}, numel={}, writable={}, {state})", self.unit, self.numel, self.writable)
+        format!(
+            "Fetched(unit={}, numel={}, dtype={:?}, writable={}, {state})",
+            self.unit, self.numel, self.dtype, self.writable
+        )
     }
 }
 
