@@ -1,8 +1,10 @@
 #!/bin/bash
 # Builds `oogc --features cuda` (the swapper's CUDA backend + candle's CUDA backend) on a machine
 # WITHOUT a GPU, into dist/oogc-cuda/: the stripped binary (about 24 MB, small enough to carry to
-# the GPU machine) and run.sh, which finds the CUDA 13 user-space libraries the binary links
-# (cuBLAS, cuBLASLt, cuRAND, cudart) and starts it. The GPU machine needs no Rust toolchain.
+# the GPU machine), run.sh, which finds the CUDA 13 user-space libraries the binary links
+# (cuBLAS, cuBLASLt, cuRAND, cudart) and starts it, the swapper's tests, and data/ (the text and
+# fixtures `oogc gpu-check` reads; scripts/gpu-check.sh runs it). At most 56 MiB in all (checked).
+# The GPU machine needs no Rust toolchain.
 #
 #   scripts/build-cuda.sh [--bundle-libs] [CUDA_ROOT]    # default CUDA_ROOT: target/cuda13 (1.2 GB)
 #   scripts/build-cuda.sh --clippy [CUDA_ROOT]           # lint instead: clippy -D warnings on every
@@ -50,6 +52,8 @@ for l in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == "oogc_swapper":
         print(m["executable"])')
 DIST=dist/oogc-cuda
+# (The data copied below keeps the read-only modes of ../shared in an older dist: make it removable.)
+[ -d "$DIST" ] && chmod -R u+w "$DIST"
 rm -rf "$DIST" && mkdir -p "$DIST/lib"
 cp "$CARGO_TARGET_DIR/release/oogc" "$DIST/"
 cp "$TESTS" "$DIST/swapper-tests"
@@ -82,5 +86,29 @@ echo "fix: install the NVIDIA driver (libcuda.so.1) and CUDA 13 cuBLAS/cuRAND/cu
 exit 1
 RUN
 chmod +x "$DIST/run.sh"
-echo "built $DIST/oogc ($(du -h "$DIST/oogc" | cut -f1)) and $DIST/swapper-tests; start them with $DIST/run.sh [--tests]"
+# The data of `oogc gpu-check` (its default --shared directory when run from dist: data/ beside the
+# binary): the training text and the Llama-family fixtures its checks read.
+SHARED=../shared
+for f in "$SHARED/data/tinyshakespeare.txt" "$SHARED/fixtures/llama/tokenizer.json"; do
+  [ -f "$f" ] || { echo "error: $f not found (the shared data beside the repository)" >&2; exit 1; }
+done
+mkdir -p "$DIST/data/data" "$DIST/data/fixtures/llama"
+cp "$SHARED/data/tinyshakespeare.txt" "$SHARED/data/README.md" "$DIST/data/data/"
+cp "$SHARED/fixtures/llama/tokenizer.json" "$SHARED/fixtures/llama/cases.json" "$SHARED/fixtures/llama/README.md" \
+   "$DIST/data/fixtures/llama/"
+cp -r "$SHARED/fixtures/llama/llama_gqa" "$SHARED/fixtures/llama/qwen2_tied" "$SHARED/fixtures/llama/mixtral_moe" \
+   "$DIST/data/fixtures/llama/"
+chmod -R u+w "$DIST/data"
+# dist/oogc-cuda is carried to the GPU machine, which takes at most 64 MiB: keep it within 56 MiB
+# (the bundled libraries of --bundle-libs are for a machine without the wheels, not this limit).
+SIZE=$(du -sb "$DIST" | cut -f1)
+LIMIT=$((56 << 20))
+if [ "$BUNDLE" = 1 ]; then
+  echo "note: $DIST is $((SIZE >> 20)) MiB with the bundled libraries (over the 56 MiB a carry to the GPU machine allows)"
+elif [ "$SIZE" -gt "$LIMIT" ]; then
+  echo "error: $DIST is $SIZE bytes ($((SIZE >> 20)) MiB), over the limit of $LIMIT bytes (56 MiB):" >&2
+  du -ab --max-depth=4 "$DIST" | sort -rn | head -15 >&2
+  exit 1
+fi
+echo "built $DIST/oogc ($(du -h "$DIST/oogc" | cut -f1)), $DIST/swapper-tests and $DIST/data ($(du -sh "$DIST/data" | cut -f1)): $((SIZE >> 20)) MiB in all; start them with $DIST/run.sh [--tests], or scripts/gpu-check.sh OUT_DIR"
 echo "needs: GLIBC up to $(objdump -T "$DIST/oogc" | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1), libcuda.so.1 (driver), CUDA 13 cuBLAS/cuRAND/cudart"

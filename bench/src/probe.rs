@@ -1,6 +1,6 @@
 //! The machine's figures for the planner: the compute probe behind `oogc plan --probe-compute`
-//! (candle's forward and backward of one block of the model on this CPU, the sim device:
-//! `device_gflops` and `backward_flops_ratio`) and the hardware probe behind `oogc plan
+//! (candle's forward and backward of one block of the model on this CPU, the sim device, or with
+//! `--device cuda:N` on that GPU: `device_gflops` and `backward_flops_ratio`) and the hardware probe behind `oogc plan
 //! --hardware-probe` (STREAM triad, the NVMe store's write and read on a directory, a scalar fp32
 //! Adam loop, and the compute probe) into a [`HardwareProfile`].
 //!
@@ -21,9 +21,11 @@ use oogc_swapper::{EngineChoice, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolCo
 use serde::Serialize;
 
 use crate::error::{Context, Error, Result};
+use crate::swap::BenchDevice;
 
 /// The shape the compute probe times: the first block of `model` (its trunk and experts for
-/// MoE) over a batch of `batch` sequences of `seq_len` tokens, on `threads` CPU threads.
+/// MoE) over a batch of `batch` sequences of `seq_len` tokens, on `threads` CPU threads (or on a
+/// CUDA GPU: `device`).
 #[derive(Debug, Clone)]
 pub struct ComputeShape {
     /// The model (only its embedding and first block get parameters).
@@ -38,6 +40,9 @@ pub struct ComputeShape {
     pub batch: usize,
     /// candle's CPU compute threads (the sim device's; [`oogc::run::compute_threads`]).
     pub threads: usize,
+    /// Where candle runs the block: [`BenchDevice::Sim`] (the CPU, the default) or
+    /// [`BenchDevice::Cuda`] (`candle_core::Device::new_cuda`; needs the `cuda` feature).
+    pub device: BenchDevice,
 }
 
 impl ComputeShape {
@@ -55,6 +60,7 @@ impl ComputeShape {
             seq_len: cfg.train.seq_len,
             batch: cfg.train.batch_size,
             threads: oogc::run::compute_threads(cfg),
+            device: BenchDevice::Sim,
         })
     }
 
@@ -70,6 +76,7 @@ impl ComputeShape {
             seq_len: 128,
             batch: 16,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            device: BenchDevice::Sim,
         }
     }
 
@@ -99,7 +106,7 @@ impl ComputeShape {
     }
 
     /// `gpt: dense block of 443,328 params, seq 128 x batch 16, 2 threads` (or `MoE block ...,
-    /// 8 experts top-2`).
+    /// 8 experts top-2`; `..., on cuda:0` on a GPU).
     pub fn describe(&self) -> String {
         let Ok((block, experts)) = self.block() else { return format!("{}: no block", self.family) };
         let params = self.model.units()[block].numel;
@@ -109,7 +116,11 @@ impl ComputeShape {
             let e = self.model.units()[experts[0]].numel;
             format!("MoE block of {params} params, {} experts top-{} of {e} params", experts.len(), self.top_k)
         };
-        format!("{}: {kind}, seq {} x batch {}, {} threads", self.family, self.seq_len, self.batch, self.threads)
+        let on = match self.device {
+            BenchDevice::Sim => String::new(),
+            d @ BenchDevice::Cuda(_) => format!(", on {d}"),
+        };
+        format!("{}: {kind}, seq {} x batch {}, {} threads{on}", self.family, self.seq_len, self.batch, self.threads)
     }
 }
 
@@ -190,7 +201,8 @@ pub fn with_compute_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Sen
 }
 
 /// Times candle's forward and backward of one block of `shape` on the CPU (the sim device's
-/// compute) on `shape.threads` threads, the way the trainer calls them: the dense block's
+/// compute) on `shape.threads` threads, or on the CUDA GPU `shape.device` names (the device
+/// synchronised before each time is read), the way the trainer calls them: the dense block's
 /// [`Gpt::forward`] and [`Gpt::backward`] (recompute + VJP), or the MoE block's trunk, routed
 /// experts and combine, and their backward as `Trainer::train_step` runs it; gradients copied
 /// out to host vectors as the trainer pushes them. Input: the embedding of pseudo-random bytes.
@@ -199,7 +211,8 @@ pub fn with_compute_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Sen
 ///
 /// # Errors
 /// A shape the model refuses (heads not dividing the width, ...); candle failures; a pool that
-/// cannot be built.
+/// cannot be built; on CUDA, candle's `NotCompiledWithCudaSupport` without the `cuda` feature or
+/// its driver error without a GPU.
 pub fn probe_compute(shape: &ComputeShape) -> Result<ComputeProbe> {
     with_compute_threads(shape.threads, || probe_compute_on_current_pool(shape))?
 }
@@ -209,7 +222,12 @@ pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> Result<Comp
     let started = Instant::now();
     let model = &*shape.model;
     let (block, experts) = shape.block()?;
-    let dev = Device::Cpu;
+    let dev = match shape.device {
+        BenchDevice::Sim => Device::Cpu,
+        BenchDevice::Cuda(n) => {
+            Device::new_cuda(n).with_context(|| format!("opening cuda:{n} for the compute probe"))?
+        }
+    };
     let tensor = |unit: usize| {
         let flat = init_unit_from_seed(&model.units()[unit], 1);
         Tensor::from_slice(&flat, flat.len(), &dev)
@@ -264,13 +282,16 @@ pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> Result<Comp
     };
     forward()?;
     backward()?;
+    dev.synchronize()?;
     let (mut fwd, mut bwd) = (Vec::new(), Vec::new());
     let timed = Instant::now();
     loop {
         let t0 = Instant::now();
         forward()?;
+        dev.synchronize()?; // CUDA kernels run asynchronously; the CPU's returns at once
         let t1 = Instant::now();
         backward()?;
+        dev.synchronize()?;
         fwd.push((t1 - t0).as_secs_f64());
         bwd.push(t1.elapsed().as_secs_f64());
         let elapsed = timed.elapsed().as_secs_f64();
@@ -458,6 +479,7 @@ mod tests {
             seq_len: 16,
             batch: 2,
             threads: 1,
+            device: BenchDevice::Sim,
         }
     }
 

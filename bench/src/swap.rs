@@ -7,6 +7,7 @@
 //! | `sim-htod-throttled`, `sim-dtoh-throttled` | the same with the link throttled to `link_gbps` (only when given) | `link_gbps`, or memcpy where that is lower |
 //! | `residency-htod` | [`ResidencyManager`]: `tensors` host-homed tensors, a device budget of half of them, acquired on the device in order (LRU evicts each before its next use) | the `sim-htod` row's GB/s |
 //! | `residency-htod-throttled` | the same on the throttled device (only when `link_gbps` is given) | `link_gbps`, or the `sim-htod` row's GB/s where that is lower |
+//! | `cuda-htod`, `cuda-dtoh` | [`run_cuda`] only: the swapper's [`CudaDevice`] copies (`Device::htod`/`dtoh` on its copy stream, each timed to its `Transfer::wait`) of one driver-pinned [`HostBuffer`] of `size_bytes`, one at a time | `cudaMemcpyAsync`: the best of two runs (before and after the swapper's) of a plain async copy of the same size between another driver-pinned buffer and a `CudaSlice`, on a stream of its own through cudarc, each copy followed by a stream synchronize |
 //!
 //! GB/s are 10⁹ bytes per second of wall time, from the first submission to the last completion;
 //! one warm-up copy (page faults of fresh device memory) precedes each timed loop.
@@ -15,9 +16,11 @@ use std::time::Instant;
 
 use oogc_swapper::host::size_class;
 use oogc_swapper::{
-    Access, DType, Device, HostBuffer, LruPolicy, PinnedPool, PinnedPoolConfig, ResidencyConfig, ResidencyManager,
-    SimDevice, SimDeviceConfig, TensorId, TensorMeta, Tier,
+    Access, DType, Device, DeviceBuffer, HostBuffer, LruPolicy, PinnedPool, PinnedPoolConfig, ResidencyConfig,
+    ResidencyManager, SimDevice, SimDeviceConfig, TensorId, TensorMeta, Tier,
 };
+#[cfg(feature = "cuda")]
+use oogc_swapper::{CudaDevice, DeviceBackend};
 use serde::Serialize;
 
 use crate::error::{Context, Error, Result};
@@ -44,11 +47,47 @@ impl Default for SwapBenchArgs {
     }
 }
 
+/// The device a benchmark measures: the sim device (its compute: candle on the CPU), or CUDA GPU
+/// `N`. Parsed from `sim` (or `cpu`), `cuda` (GPU 0) or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BenchDevice {
+    /// The sim device (host memory, copy-engine threads; compute on the CPU).
+    #[default]
+    Sim,
+    /// CUDA GPU of this ordinal (needs the `cuda` feature).
+    Cuda(usize),
+}
+
+impl std::str::FromStr for BenchDevice {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "sim" | "cpu" => Ok(Self::Sim),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Self::Cuda)
+                .ok_or_else(|| format!("`{s}`: expected sim, cpu, cuda or cuda:N (N a GPU ordinal)")),
+        }
+    }
+}
+
+impl std::fmt::Display for BenchDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Sim => f.write_str("sim"),
+            Self::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
 /// One row of results.
 #[derive(Debug, Clone, Serialize)]
 pub struct SwapBenchRow {
     /// `sim-htod`, `sim-dtoh`, `sim-htod-throttled`, `sim-dtoh-throttled`, `residency-htod`,
-    /// `residency-htod-throttled`.
+    /// `residency-htod-throttled`; `cuda-htod`, `cuda-dtoh` ([`run_cuda`]).
     pub name: String,
     /// Bytes copied in the timed part.
     pub bytes: u64,
@@ -58,7 +97,7 @@ pub struct SwapBenchRow {
     pub ops: u64,
     /// The row's limit, GB/s (10⁹ B/s): measured in this run or the throttle (see `limit`).
     pub limit_gbps: f64,
-    /// What `limit_gbps` is: `memcpy`, `link throttle`, `sim-htod`.
+    /// What `limit_gbps` is: `memcpy`, `link throttle`, `sim-htod`, `cudaMemcpyAsync`.
     pub limit: String,
     /// Evictions during the timed part (residency rows only).
     pub evictions: Option<u64>,
@@ -125,21 +164,8 @@ fn raw_rows(pool: &PinnedPool, args: &SwapBenchArgs, link_gbps: Option<f64>) -> 
         chunk.fill(i as u8);
     }
     let note = format!("{n} B per copy, {}", lock_note(&host));
-    let mut dbuf = dev.alloc(n).context("allocating sim device memory")?;
-    // Warm-up: faults in the device buffer's pages.
-    (host, dbuf) = dev.htod(host, dbuf)?.wait().context("warm-up H2D copy")?;
-
-    let t = Instant::now();
-    for _ in 0..args.repeats {
-        (host, dbuf) = dev.htod(host, dbuf)?.wait().context("H2D copy")?;
-    }
-    let htod_s = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    for _ in 0..args.repeats {
-        (host, dbuf) = dev.dtoh(dbuf, host)?.wait().context("D2H copy")?;
-    }
-    let dtoh_s = t.elapsed().as_secs_f64();
-    dev.synchronize()?;
+    let dbuf = dev.alloc(n).context("allocating sim device memory")?;
+    let (htod_s, dtoh_s) = time_copies(&dev, host, dbuf, args.repeats)?;
 
     let bytes = (n * args.repeats) as u64;
     let suffix = if link_gbps.is_some() { "-throttled" } else { "" };
@@ -155,6 +181,25 @@ fn raw_rows(pool: &PinnedPool, args: &SwapBenchArgs, link_gbps: Option<f64>) -> 
         note: note.clone(),
     };
     Ok([row("htod", htod_s), row("dtoh", dtoh_s)])
+}
+
+/// Seconds of `repeats` H2D copies of `host` into `dbuf`, then of `repeats` D2H copies back, one
+/// at a time (each waited for), after one warm-up H2D (page faults of fresh device memory).
+fn time_copies(dev: &Device, mut host: HostBuffer, mut dbuf: DeviceBuffer, repeats: usize) -> Result<(f64, f64)> {
+    (host, dbuf) = dev.htod(host, dbuf)?.wait().context("warm-up H2D copy")?;
+    let t = Instant::now();
+    for _ in 0..repeats {
+        (host, dbuf) = dev.htod(host, dbuf)?.wait().context("H2D copy")?;
+    }
+    let htod_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    for _ in 0..repeats {
+        (host, dbuf) = dev.dtoh(dbuf, host)?.wait().context("D2H copy")?;
+    }
+    let dtoh_s = t.elapsed().as_secs_f64();
+    dev.synchronize()?;
+    drop((host, dbuf));
+    Ok((htod_s, dtoh_s))
 }
 
 /// The residency row: `args.tensors` host-homed tensors cycled through a device budget of half.
@@ -260,6 +305,100 @@ pub fn run(args: &SwapBenchArgs) -> Result<Vec<SwapBenchRow>> {
         rows.push(with_limit(row, (sim_htod, "sim-htod"), Some(g)));
     }
     Ok(rows)
+}
+
+/// Runs the CUDA rows on GPU `ordinal`: `cuda-htod` and `cuda-dtoh`, the swapper's copies beside
+/// a plain pinned async copy of the same size in the same run (`limit` `cudaMemcpyAsync`). Uses
+/// `size_bytes` and `repeats` (`link_gbps`, `tensors` and `lock` do not apply: the host buffers
+/// are driver-pinned).
+///
+/// # Errors
+/// `size_bytes` or `repeats` is zero; [`oogc_swapper::Error::NotCompiledWithCuda`] when built
+/// without the `cuda` feature; [`oogc_swapper::Error::NoCudaDevice`] when there is no driver or
+/// no GPU `ordinal`; device or pinned memory could not be allocated; a copy failed.
+pub fn run_cuda(ordinal: usize, args: &SwapBenchArgs) -> Result<Vec<SwapBenchRow>> {
+    if args.size_bytes == 0 || args.repeats == 0 {
+        return Err(Error::invalid("size_bytes and repeats", "must be positive"));
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let dev = CudaDevice::new(ordinal, None).with_context(|| format!("opening cuda:{ordinal}"))?;
+        cuda_rows(dev, args)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        Err(oogc_swapper::Error::NotCompiledWithCuda).with_context(|| format!("opening cuda:{ordinal}"))
+    }
+}
+
+/// A cudarc driver error as the swapper's [`oogc_swapper::Error::Cuda`] (bench names no cudarc
+/// type: the calls go through the swapper's context).
+#[cfg(feature = "cuda")]
+fn cuda_err<E: std::fmt::Display>(op: &'static str) -> impl FnOnce(E) -> Error {
+    move |e| oogc_swapper::Error::Cuda { op, message: e.to_string() }.into()
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_rows(dev: CudaDevice, args: &SwapBenchArgs) -> Result<Vec<SwapBenchRow>> {
+    let n = args.size_bytes;
+    let pinned = dev.host_allocator(true);
+    let pinned_buffer = |what: &'static str| -> Result<HostBuffer> {
+        let mem = pinned.allocate(n).map_err(|source| Error::Mmap { bytes: n, source }).context(what)?;
+        Ok(HostBuffer::unpooled(mem, n))
+    };
+    let name = dev.name();
+
+    // The baseline: cudarc's async copies on a stream of their own, between driver-pinned host
+    // memory and a plain `CudaSlice`, each followed by a stream synchronize (as each of the
+    // swapper's copies is waited for).
+    let stream = dev.context().new_stream().map_err(cuda_err("creating the baseline stream"))?;
+    let mut base_host = pinned_buffer("allocating the baseline's pinned host buffer")?;
+    for (i, chunk) in base_host.as_mut_slice().chunks_mut(4096).enumerate() {
+        chunk.fill(i as u8);
+    }
+    let mut base_dev = stream.alloc_zeros::<u8>(n).map_err(cuda_err("allocating the baseline's device memory"))?;
+    let mut baseline = || -> Result<(f64, f64)> {
+        stream.memcpy_htod(base_host.as_slice(), &mut base_dev).map_err(cuda_err("baseline warm-up H2D"))?;
+        stream.synchronize().map_err(cuda_err("baseline synchronize"))?;
+        let t = Instant::now();
+        for _ in 0..args.repeats {
+            stream.memcpy_htod(base_host.as_slice(), &mut base_dev).map_err(cuda_err("baseline H2D"))?;
+            stream.synchronize().map_err(cuda_err("baseline synchronize"))?;
+        }
+        let htod_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        for _ in 0..args.repeats {
+            stream.memcpy_dtoh(&base_dev, base_host.as_mut_slice()).map_err(cuda_err("baseline D2H"))?;
+            stream.synchronize().map_err(cuda_err("baseline synchronize"))?;
+        }
+        Ok((htod_s, t.elapsed().as_secs_f64()))
+    };
+    let before = baseline().context("the cudaMemcpyAsync baseline, before")?;
+
+    // The swapper's copies: `Device::htod`/`dtoh` on its copy stream, each waited for.
+    let mut host = pinned_buffer("allocating the swapper's pinned host buffer")?;
+    for (i, chunk) in host.as_mut_slice().chunks_mut(4096).enumerate() {
+        chunk.fill(i as u8);
+    }
+    let note = format!("{n} B per copy, {name}, {}", lock_note(&host));
+    let dev = Device::Cuda(dev);
+    let dbuf = dev.alloc(n).context("allocating CUDA device memory")?;
+    let (htod_s, dtoh_s) = time_copies(&dev, host, dbuf, args.repeats).context("the swapper's copies")?;
+
+    let after = baseline().context("the cudaMemcpyAsync baseline, after")?;
+    let bytes = (n * args.repeats) as u64;
+    let row = |dir: &str, secs: f64, base_s: f64| SwapBenchRow {
+        name: format!("cuda-{dir}"),
+        bytes,
+        gbps: gbps(bytes, secs),
+        ops: args.repeats as u64,
+        limit_gbps: gbps(bytes, base_s),
+        limit: "cudaMemcpyAsync".into(),
+        evictions: None,
+        stall_s: None,
+        note: note.clone(),
+    };
+    Ok(vec![row("htod", htod_s, before.0.min(after.0)), row("dtoh", dtoh_s, before.1.min(after.1))])
 }
 
 /// Prints the rows as a table for humans, with each row's ratio to its limit.

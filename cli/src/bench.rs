@@ -20,7 +20,8 @@ pub(crate) enum BenchCommand {
     /// Write then read N GiB through the NVMe store per engine, beside fio (io_uring, O_DIRECT)
     /// in the same run. GB/s are 10^9 bytes per second.
     Nvme(NvmeCmd),
-    /// Host<->device copies on the sim device (raw and through the residency manager), each row
+    /// Host<->device copies on the sim device (raw and through the residency manager), or with
+    /// --device cuda:N the swapper's CUDA copies beside a plain pinned cudaMemcpyAsync, each row
     /// beside a limit measured or set in the same run. GB/s are 10^9 bytes per second.
     Swap(SwapCmd),
     /// Bytes moved and stall of the eviction policies (next-use, LRU, FIFO, offline MIN) over a
@@ -340,6 +341,12 @@ pub(crate) struct SwapCmd {
     /// budget holds half of them.
     #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u64).range(2..))]
     pub(crate) tensors: u64,
+    /// `sim`: the rows above. `cuda:N`: GPU N instead, rows cuda-htod and cuda-dtoh (the
+    /// swapper's copies of driver-pinned memory) beside a plain pinned cudaMemcpyAsync of the
+    /// same size in the same run (--link-gbps and --tensors do not apply). Needs a build with
+    /// the `cuda` feature (scripts/build-cuda.sh) and a GPU; fails otherwise.
+    #[arg(long, value_name = "DEVICE", default_value = "sim")]
+    pub(crate) device: swap::BenchDevice,
     /// Print JSON Lines on stdout: one object per row per line, with fields name, bytes, gbps,
     /// ops, limit_gbps, limit, evictions, stall_s (null for raw rows), note.
     #[arg(long)]
@@ -406,7 +413,11 @@ pub(crate) fn bench_swap(cmd: SwapCmd) -> anyhow::Result<()> {
         tensors: cmd.tensors as usize,
         ..swap::SwapBenchArgs::default()
     };
-    let rows = swap::run(&args).context("oogc bench swap")?;
+    let rows = match cmd.device {
+        swap::BenchDevice::Sim => swap::run(&args),
+        swap::BenchDevice::Cuda(ordinal) => swap::run_cuda(ordinal, &args),
+    }
+    .context("oogc bench swap")?;
     if cmd.json {
         print_bench_json(&rows, None)
     } else {

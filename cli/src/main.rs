@@ -1,6 +1,6 @@
 //! The `oogc` command line: `oogc train`, `oogc inspect`, `oogc plan`, `oogc bench nvme`,
 //! `oogc bench swap`, `oogc bench evict`, `oogc bench adam`, `oogc bench moe`, `oogc bench step`,
-//! `oogc bench all`.
+//! `oogc bench all`, `oogc gpu-check`.
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`); results go to stdout, as a table
 //! or, with `--json`, as JSON Lines (one object per row per line). Errors print the whole cause
@@ -12,6 +12,7 @@
 mod args;
 mod bench;
 mod export;
+mod gpu_check;
 mod inspect;
 mod plan;
 mod train;
@@ -25,6 +26,7 @@ use tracing_subscriber::EnvFilter;
 
 use crate::bench::BenchCommand;
 use crate::export::ExportCmd;
+use crate::gpu_check::GpuCheckCmd;
 use crate::inspect::InspectCmd;
 use crate::plan::PlanCmd;
 use crate::train::TrainCmd;
@@ -56,6 +58,10 @@ pub(crate) enum Command {
     /// time (compute, exposed transfer, exposed optimizer) from the step simulator; or, with
     /// --hardware-probe, measure this machine into a hardware profile (TOML).
     Plan(PlanCmd),
+    /// Every GPU check in one run (`--device cuda:N` on the GPU machine, `sim` in CI): one JSON
+    /// row per check in OUT/gpu-check.jsonl and a Markdown report in OUT/gpu-check.md, written
+    /// as each check finishes; exit status 0 only when no check failed.
+    GpuCheck(GpuCheckCmd),
 }
 
 /// The error's cause chain as one line, leaving out a cause whose text the previous message
@@ -129,7 +135,8 @@ fn main() -> ExitCode {
                 return ExitCode::FAILURE;
             }
         }
-    } else {
+    } else if !matches!(cli.command, Command::GpuCheck(_)) {
+        // gpu-check sets up its own (a child may write a trace).
         init_tracing(None);
     }
     let result = match cli.command {
@@ -138,6 +145,7 @@ fn main() -> ExitCode {
         Command::Export(cmd) => export::export(cmd).map(|()| ExitCode::SUCCESS),
         Command::Bench(cmd) => bench::run(cmd).map(|()| ExitCode::SUCCESS),
         Command::Plan(cmd) => plan::plan(cmd).map(|()| ExitCode::SUCCESS),
+        Command::GpuCheck(cmd) => gpu_check::run(cmd),
     };
     match result {
         Ok(code) => code,

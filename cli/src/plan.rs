@@ -97,6 +97,11 @@ pub(crate) struct PlanCmd {
     /// profile's.
     #[arg(long, requires = "config", conflicts_with = "hardware_probe")]
     pub(crate) probe_compute: bool,
+    /// Where --probe-compute and --hardware-probe time the block: `sim` (this CPU, the sim
+    /// device's compute) or `cuda:N` (candle on GPU N, so the plan predicts GPU steps; needs a
+    /// build with the `cuda` feature and a GPU).
+    #[arg(long, value_name = "DEVICE", default_value = "sim")]
+    pub(crate) device: oogc_bench::swap::BenchDevice,
     /// With --hardware-probe: write the profile (TOML) to this file.
     #[arg(long, value_name = "FILE", requires = "hardware_probe")]
     pub(crate) out: Option<PathBuf>,
@@ -133,9 +138,12 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
             nvme_bytes: cmd.probe_mib << 20,
             triad_elems: cmd.probe_triad_elems.max(1),
             adam_params: cmd.probe_adam_params.max(1),
-            compute: Some(match &cmd.config {
-                Some(path) => probe::ComputeShape::for_config(&TrainConfig::load(path)?)?,
-                None => probe::ComputeShape::representative(),
+            compute: Some(probe::ComputeShape {
+                device: cmd.device,
+                ..match &cmd.config {
+                    Some(path) => probe::ComputeShape::for_config(&TrainConfig::load(path)?)?,
+                    None => probe::ComputeShape::representative(),
+                }
             }),
         };
         let profile = probe::probe(&args).context("oogc plan --hardware-probe")?;
@@ -153,7 +161,8 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         let cfg = TrainConfig::load(path)?;
         let mut hardware = load_hardware(cmd.hardware.as_ref())?;
         if cmd.probe_compute {
-            let probe = probe::probe_compute(&probe::ComputeShape::for_config(&cfg)?).context("--probe-compute")?;
+            let shape = probe::ComputeShape { device: cmd.device, ..probe::ComputeShape::for_config(&cfg)? };
+            let probe = probe::probe_compute(&shape).context("--probe-compute")?;
             probe.apply(&mut hardware);
         }
         let args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some())?;
@@ -172,7 +181,14 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
             StateArg::Nvme => StatePlacement::Nvme,
             StateArg::Host | StateArg::Auto => StatePlacement::Host,
         },
-        optimizer: oogc::optimizer::OptimizerConfig::default(),
+        // The compute copies' dtype is the shape's (`--dtype-bytes`): it sizes the host plan.
+        optimizer: oogc::optimizer::OptimizerConfig {
+            compute_dtype: match cmd.model.dtype_bytes {
+                2 => oogc::optimizer::DType::BF16,
+                _ => oogc::optimizer::DType::F32,
+            },
+            ..oogc::optimizer::OptimizerConfig::default()
+        },
         max_units_in_use: 1,
         max_depth: cmd.max_depth as usize,
         host_depth: oogc::config::PrefetchSection::default().host_depth,
