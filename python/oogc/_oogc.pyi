@@ -53,6 +53,16 @@ class Fetched:
     (``torch.from_dlpack(fetched)``, ``numpy.from_dlpack(fetched)``) instead keeps the unit
     pinned until the consumer frees the array, even past release. Collected without
     ``release()``, a ``Fetched`` releases itself.
+
+    On a CUDA runtime (the wheel built with the ``cuda`` feature) the unit's memory is on the
+    GPU: :meth:`tensor` is a CUDA tensor on the runtime's GPU and the DLPack device is
+    ``kDLCUDA`` (``(2, ordinal)``). The unit's H2D was waited for before :meth:`Runtime.fetch`
+    returned, so the memory is ready for any stream (``__dlpack__``'s ``stream`` needs no
+    event). Release synchronises torch's current stream of that GPU before unpinning (kernels
+    torch queued on the unit, writes through a writable fetch included, are done before the
+    runtime touches the memory again); work queued on other streams is the caller's to
+    synchronise first, and a borrowed export freed after release unpins at once, so its
+    consumer synchronises before freeing it.
     """
 
     @property
@@ -76,8 +86,8 @@ class Fetched:
         """The unit is still pinned (after release: while a borrowed export lives)."""
     def tensor(self) -> torch.Tensor:
         """The unit's flat parameters, ``[numel]`` of :attr:`dtype` (``torch.float32``,
-        ``torch.bfloat16`` or ``torch.float16``), on the CPU for the sim device:
-        the pinned compute copy itself, not a copy (the same tensor on every call). A read
+        ``torch.bfloat16`` or ``torch.float16``), on the CPU for the sim device, on the GPU
+        (CUDA) for a CUDA runtime: the pinned compute copy itself, not a copy (the same tensor on every call). A read
         fetch's tensor refuses in-place writes and ``data_ptr()`` (torch's mutable accessor).
 
         Raises:
@@ -101,13 +111,19 @@ class Fetched:
         copy: Optional[bool] = None,
     ) -> Any:
         """A borrowed DLPack capsule of :attr:`dtype` (``kDLBfloat`` 16 bits for bf16; keeps the
-        unit pinned until the consumer frees it).
+        unit pinned until the consumer frees it), on :meth:`__dlpack_device__`. ``stream`` is
+        ignored: the memory is ready for any stream when the fetch returns.
 
         Raises:
-            UsageError: after release; ``copy=True``; a ``dl_device`` other than the CPU.
+            UsageError: after release; ``copy=True``; a ``dl_device`` other than the unit's.
         """
     def __dlpack_device__(self) -> Tuple[int, int]:
-        """``(1, 0)``: the CPU (the sim device's memory)."""
+        """``(1, 0)`` (``kDLCPU``) for the sim device's memory, ``(2, ordinal)``
+        (``kDLCUDA``) for a CUDA runtime's GPU.
+
+        Raises:
+            UsageError: after release, unless asked or exported before it.
+        """
 
 class Runtime:
     """The out-of-GPU-core runtime for one model on one device (the Rust ``Runtime``).
@@ -183,7 +199,9 @@ class Runtime:
         """
     def push_grads(self, unit: UnitRef, grads: Any) -> None:
         """Hands ``unit``'s gradients (``[numel]`` float32, bfloat16 or float16, contiguous, CPU
-        on the sim device; read in place through DLPack, converted to the compute dtype —
+        or CUDA; read in place through DLPack — a CUDA tensor is first copied to the host with
+        ``.cpu()``, which waits for torch's current stream (a device-to-device path without the
+        host hop is future work) —, converted to the compute dtype —
         rounded to nearest even — if they are not in it, copied D2H into staging: ``2 * numel``
         bytes in bf16, ``4 * numel`` in f32) to the optimizer, once per unit per step; the
         update runs on the CPU (in fp32) while the caller goes on.

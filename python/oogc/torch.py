@@ -33,8 +33,11 @@ Limits (each raises :class:`oogc.UsageError` naming what to change): one forward
 backward per step (no gradient accumulation across micro-batches yet); every trainable
 parameter of the model belongs to exactly one unit (a parameter shared by two units, e.g. tied
 embeddings, puts both modules in one unit); no frozen parameters inside a unit; float32,
-bfloat16 or float16 parameters, one dtype for every unit; the sim device (CPU tensors) — a CUDA
-device's memory is not shared through DLPack yet.
+bfloat16 or float16 parameters, one dtype for every unit; the sim device (CPU tensors): the
+``cuda`` build of the wheel shares units as CUDA tensors through :class:`oogc.Runtime` (and its
+``push_grads`` takes CUDA gradients, copied to the host), but ``offload`` does not drive a CUDA
+model yet. Fetches here are read-only, so no write pin is released from this module; the
+binding's release synchronises torch's current stream on CUDA before unpinning.
 """
 
 from __future__ import annotations

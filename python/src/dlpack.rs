@@ -3,14 +3,30 @@
 //!
 //! | direction | what | who owns the memory |
 //! |---|---|---|
-//! | out, revocable | [`Lease::torch_tensor`]: a torch tensor over the pinned compute copy (in the unit's dtype) | the [`Lease`]; at [`Lease::release`] every such tensor's storage is made to raise on any data access (torch's `_set_storage_data_ptr_access_error_msg`, what cudagraph trees use for outputs whose memory was reused), then the unit is unpinned |
+//! | out, revocable | [`Lease::torch_tensor`]: a torch tensor over the pinned compute copy (in the unit's dtype; a CPU tensor on the sim device, a CUDA tensor on a CUDA runtime) | the [`Lease`]; at [`Lease::release`] every such tensor's storage is made to raise on any data access (torch's `_set_storage_data_ptr_access_error_msg`, what cudagraph trees use for outputs whose memory was reused), then the unit is unpinned |
 //! | out, borrowed | [`Lease::export`] (`Fetched.__dlpack__`): any DLPack consumer (numpy, jax, `torch.from_dlpack(fetched)`) | the consumer holds a borrow: the unit stays pinned until the consumer frees the array, even past release |
 //! | out, owned | [`export_values`]: a `Vec<f32>` handed to the consumer (`unit_state`) | the consumer |
-//! | in | [`read_floats`]: a 1-D float32, bfloat16 or float16 CPU tensor or array read in place through `__dlpack__` as a [`GradSlice`] ([`read_f32`]: float32 only) | the producer, kept alive until the read returns |
+//! | in | [`read_floats`]: a 1-D float32, bfloat16 or float16 CPU tensor or array read in place through `__dlpack__` as a [`GradSlice`] ([`read_f32`]: float32 only); a CUDA torch tensor is first copied to the host (`.cpu()`) | the producer, kept alive until the read returns |
 //!
 //! Dtypes: a unit's compute copy is exported in its dtype ([`PinnedUnit::dtype`], the runtime's
 //! compute dtype): f32 as `kDLFloat` 32 bits, f16 as `kDLFloat` 16 bits, bf16 as `kDLBfloat`
 //! 16 bits; the element count is the copy's bytes over the dtype's size.
+//!
+//! Devices: a [`DeviceMemory::Host`] unit (the sim device) is exported as `kDLCPU` memory; a
+//! [`DeviceMemory::Cuda`] unit as `kDLCUDA` memory (device type 2) on its GPU's ordinal, the data
+//! pointer being the device address, in the same dtype and shape. Both kinds of export work
+//! alike for CUDA memory (torch's storage access-error hook is device-agnostic: cudagraph trees
+//! use it on CUDA storages).
+//!
+//! Streams, out: the runtime waits on the host for a unit's H2D before it hands out the pin, so
+//! the memory is ready for any stream when it is exported: `__dlpack__(stream=...)` needs no
+//! event and ignores the consumer's stream. Back: torch's kernels that read or write a unit are
+//! queued on torch's stream and may still run when the Python call that launched them returns,
+//! so before [`Lease::release`] unpins a CUDA unit (which lets the runtime write it, evict it or
+//! reuse its memory on its own streams) it synchronises torch's current stream of that GPU
+//! (`torch.cuda.current_stream(ordinal).synchronize()`, when torch is imported). Work the caller
+//! queued on other streams is theirs to synchronise before the release; a borrowed export freed
+//! after the release unpins at once, so its consumer synchronises before freeing it.
 //!
 //! The layouts are DLPack 0.8's `DLTensor` / `DLManagedTensor` (the "legacy" capsule, named
 //! `dltensor`, that every consumer accepts); `__dlpack__` is called without `max_version`, so
@@ -32,6 +48,8 @@ use crate::error::{Error, Result};
 
 /// `kDLCPU`.
 const DL_CPU: i32 = 1;
+/// `kDLCUDA`: GPU memory.
+const DL_CUDA: i32 = 2;
 /// `kDLCUDAHost`: page-locked host memory, readable by the CPU.
 const DL_CUDA_HOST: i32 = 3;
 /// `kDLFloat`.
@@ -42,10 +60,73 @@ const DLTENSOR: &CStr = c"dltensor";
 const USED_DLTENSOR: &CStr = c"used_dltensor";
 
 #[repr(C)]
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct DlDevice {
     device_type: i32,
     device_id: i32,
+}
+
+impl DlDevice {
+    const CPU: Self = Self { device_type: DL_CPU, device_id: 0 };
+
+    /// `(device_type, device_id)`, what `__dlpack_device__` returns.
+    fn pair(self) -> (i32, i32) {
+        (self.device_type, self.device_id)
+    }
+}
+
+/// A pinned unit's memory as DLPack describes it: 1-D, contiguous, `numel` elements of `dtype`
+/// at `data` on `device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct DlView {
+    data: *mut c_void,
+    numel: usize,
+    dtype: DlDataType,
+    device: DlDevice,
+}
+
+impl DlView {
+    /// The DLPack view of a unit's memory: host memory (the sim device) as `kDLCPU`, a CUDA
+    /// GPU's as `kDLCUDA` on its ordinal (the device address as the data pointer); `label`
+    /// names the unit in errors.
+    fn of(memory: DeviceMemory, label: &str) -> Result<Self> {
+        let float = |dtype: DType| {
+            DlDataType::of(dtype).ok_or_else(|| {
+                Error::Usage(format!("{label}: its compute copy is {dtype}, not a float type DLPack shares"))
+            })
+        };
+        match memory {
+            DeviceMemory::Host { ptr, num_bytes, dtype } => {
+                // The runtime hands out 8-byte-aligned host memory of whole elements.
+                debug_assert_eq!(num_bytes % dtype.size_in_bytes(), 0);
+                debug_assert_eq!(ptr.addr() % dtype.size_in_bytes(), 0);
+                Ok(Self {
+                    data: ptr.cast::<c_void>(),
+                    numel: num_bytes / dtype.size_in_bytes(),
+                    dtype: float(dtype)?,
+                    device: DlDevice::CPU,
+                })
+            }
+            DeviceMemory::Cuda { ptr, num_bytes, dtype, ordinal } => {
+                // Device allocations are at least 256-byte aligned, of whole elements.
+                debug_assert_eq!(num_bytes % dtype.size_in_bytes(), 0);
+                debug_assert_eq!(ptr % dtype.size_in_bytes() as u64, 0);
+                let device_id = i32::try_from(ordinal)
+                    .map_err(|_| Error::Usage(format!("{label}: GPU ordinal {ordinal} does not fit DLPack")))?;
+                Ok(Self {
+                    // A device address, never dereferenced here: DLPack carries it as a pointer.
+                    data: std::ptr::without_provenance_mut(usize::try_from(ptr).map_err(|_| {
+                        Error::Usage(format!("{label}: device address {ptr:#x} does not fit a pointer"))
+                    })?),
+                    numel: num_bytes / dtype.size_in_bytes(),
+                    dtype: float(dtype)?,
+                    device: DlDevice { device_type: DL_CUDA, device_id },
+                })
+            }
+            #[allow(unreachable_patterns)]
+            _ => Err(Error::Usage(format!("{label}: its memory is on a device DLPack is not given yet"))),
+        }
+    }
 }
 
 #[repr(C)]
@@ -166,24 +247,19 @@ unsafe extern "C" fn capsule_destructor(capsule: *mut ffi::PyObject) {
     }
 }
 
-/// A `dltensor` capsule over `numel` elements of `dtype` at `data` (1-D, contiguous, CPU),
-/// keeping `keep` alive until the consumer's deleter runs.
+/// A `dltensor` capsule over `view` (1-D, contiguous, on its device), keeping `keep` alive
+/// until the consumer's deleter runs.
 ///
-/// The caller guarantees that `data` is aligned for `dtype` and stays valid for reads and
-/// writes of `numel` elements of it for as long as the consumer may touch it: while `keep`
+/// The caller guarantees that the view's data is aligned for its dtype and stays valid for
+/// reads and writes of its elements for as long as the consumer may touch them: while `keep`
 /// lives, or until a [`Lease`] revokes the consumer's access before the memory goes.
-fn capsule<'py>(
-    py: Python<'py>,
-    data: *mut c_void,
-    numel: usize,
-    dtype: DlDataType,
-    keep: Option<Box<dyn Any + Send>>,
-) -> PyResult<Bound<'py, PyAny>> {
+fn capsule<'py>(py: Python<'py>, view: DlView, keep: Option<Box<dyn Any + Send>>) -> PyResult<Bound<'py, PyAny>> {
+    let DlView { data, numel, dtype, device } = view;
     let mut export = Box::new(Export {
         managed: DlManagedTensor {
             dl_tensor: DlTensor {
                 data,
-                device: DlDevice { device_type: DL_CPU, device_id: 0 },
+                device,
                 ndim: 1,
                 dtype,
                 shape: std::ptr::null_mut(),
@@ -221,7 +297,8 @@ fn capsule<'py>(
 pub fn export_values(py: Python<'_>, mut values: Vec<f32>) -> PyResult<Bound<'_, PyAny>> {
     let (data, numel) = (values.as_mut_ptr(), values.len());
     // The vector's heap block does not move when the vector does; the capsule keeps it.
-    capsule(py, data.cast::<c_void>(), numel, DlDataType::F32, Some(Box::new(values)))
+    let view = DlView { data: data.cast::<c_void>(), numel, dtype: DlDataType::F32, device: DlDevice::CPU };
+    capsule(py, view, Some(Box::new(values)))
 }
 
 /// A fetched unit's pin, shared by the `Fetched` object and the DLPack exports of its memory.
@@ -241,6 +318,9 @@ struct LeaseState {
     borrowers: usize,
     /// The revocable torch tensors made so far (invalidated at release).
     tensors: Vec<Revocable>,
+    /// Where the memory is (`kDLCPU` for the sim device, `kDLCUDA` and the ordinal for a GPU),
+    /// once asked or exported: a unit never exported had no consumer to synchronise with.
+    device: Option<DlDevice>,
     /// `torch._C._set_storage_data_ptr_access_error_msg`, taken with the first tensor: release
     /// calls it without importing anything (it may run at interpreter exit, from a collected
     /// `Fetched`).
@@ -277,10 +357,24 @@ impl Lease {
                 released: false,
                 borrowers: 0,
                 tensors: Vec::new(),
+                device: None,
                 revoke: None,
             }),
             label,
         })
+    }
+
+    /// `(device_type, device_id)` of the memory as DLPack spells it: `(1, 0)` for the sim
+    /// device's host memory, `(2, ordinal)` for a CUDA GPU's.
+    ///
+    /// # Errors
+    /// [`Error::Usage`] after release when it was never asked nor exported before.
+    pub fn device(&self) -> Result<(i32, i32)> {
+        let mut st = self.state.lock();
+        match st.device {
+            Some(device) => Ok(device.pair()),
+            None => Ok(Self::memory(&mut st, &self.label)?.0.device.pair()),
+        }
     }
 
     /// Whether [`Lease::release`] was called.
@@ -293,29 +387,21 @@ impl Lease {
         self.state.lock().pinned.is_some()
     }
 
-    /// The pinned memory: address, element count, DLPack dtype (the unit's), writable.
-    fn memory(st: &LeaseState, label: &str) -> Result<(*mut c_void, usize, DlDataType, bool)> {
+    /// The pinned memory as DLPack sees it, and whether it is writable; the device is
+    /// remembered (for [`Lease::release`]'s synchronisation).
+    fn memory(st: &mut LeaseState, label: &str) -> Result<(DlView, bool)> {
         let pinned = st.pinned.as_ref().filter(|_| !st.released).ok_or_else(|| released_error(label))?;
-        match pinned.memory()? {
-            DeviceMemory::Host { ptr, num_bytes, dtype } => {
-                let dl = DlDataType::of(dtype).ok_or_else(|| {
-                    Error::Usage(format!("{label}: its compute copy is {dtype}, not a float type DLPack shares"))
-                })?;
-                // The runtime hands out 8-byte-aligned host memory of whole elements.
-                debug_assert_eq!(num_bytes % dtype.size_in_bytes(), 0);
-                debug_assert_eq!(ptr.addr() % dtype.size_in_bytes(), 0);
-                Ok((ptr.cast::<c_void>(), num_bytes / dtype.size_in_bytes(), dl, pinned.is_writable()))
-            }
-            #[allow(unreachable_patterns)]
-            _ => Err(Error::Usage(format!("{label}: only host (sim device) memory is shared through DLPack yet"))),
-        }
+        let view = DlView::of(pinned.memory()?, label)?;
+        let writable = pinned.is_writable();
+        st.device = Some(view.device);
+        Ok((view, writable))
     }
 
     /// The unit's flat parameters as a torch tensor (`[numel]` in the unit's dtype: float32,
-    /// bfloat16 or float16; CPU) over the pinned compute copy, without a copy. The same tensor
-    /// on every call. A read lease's tensor refuses in-place writes (torch's
-    /// `_set_throw_on_mutable_data_ptr`); after [`Lease::release`] any access to its data, or
-    /// to a view's, raises `RuntimeError`.
+    /// bfloat16 or float16; CPU on the sim device, CUDA on a GPU) over the pinned compute copy,
+    /// without a copy. The same tensor on every call. A read lease's tensor refuses in-place
+    /// writes (torch's `_set_throw_on_mutable_data_ptr`); after [`Lease::release`] any access to
+    /// its data, or to a view's, raises `RuntimeError`.
     ///
     /// # Errors
     /// [`Error::Usage`] after release or without torch (or a torch without the two private
@@ -323,12 +409,12 @@ impl Lease {
     pub fn torch_tensor(self: &Arc<Self>, py: Python<'_>) -> Result<Py<PyAny>> {
         // The lock is never held across a call into Python: a garbage collection there may free
         // a borrowed export, whose deleter takes it.
-        let (data, numel, dtype, writable) = {
-            let st = self.state.lock();
+        let (view, writable) = {
+            let mut st = self.state.lock();
             if let (Some(t), false) = (st.tensors.first(), st.released) {
                 return Ok(t.tensor.clone_ref(py));
             }
-            Self::memory(&st, &self.label)?
+            Self::memory(&mut st, &self.label)?
         };
         let torch = import_torch(py)?;
         let c = torch.getattr("_C")?;
@@ -340,7 +426,7 @@ impl Lease {
             }
         }
         // Revocable: the capsule keeps nothing; `release` makes the tensor raise before it unpins.
-        let cap = capsule(py, data, numel, dtype, None)?;
+        let cap = capsule(py, view, None)?;
         let tensor = torch.call_method1("from_dlpack", (cap,))?;
         if !writable {
             c.call_method1("_set_throw_on_mutable_data_ptr", (&tensor,))?;
@@ -364,37 +450,45 @@ impl Lease {
     }
 
     /// A borrowed `dltensor` capsule over the pinned memory for any DLPack consumer: the unit
-    /// stays pinned until the consumer frees it, even past [`Lease::release`].
+    /// stays pinned until the consumer frees it, even past [`Lease::release`]. For CUDA memory
+    /// the consumer must synchronise its stream before it frees the array after a release (the
+    /// unit is unpinned at once then; see the module docs).
     ///
     /// # Errors
     /// [`Error::Usage`] after release.
     pub fn export<'py>(self: &Arc<Self>, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
         let mut st = self.state.lock();
-        let (data, numel, dtype, _) = Self::memory(&st, &self.label)?;
+        let (view, _) = Self::memory(&mut st, &self.label)?;
         st.borrowers += 1;
         drop(st);
-        // The borrow keeps the pin (and so `data`) until the consumer's deleter drops it.
-        Ok(capsule(py, data, numel, dtype, Some(Box::new(Borrow(Arc::clone(self)))))?)
+        // The borrow keeps the pin (and so the memory) until the consumer's deleter drops it.
+        Ok(capsule(py, view, Some(Box::new(Borrow(Arc::clone(self)))))?)
     }
 
     /// Releases the unit: every revocable torch tensor made from it is invalidated (any access
-    /// to its data raises `RuntimeError` naming the unit), then the unit is unpinned, or, while
-    /// borrowed exports live, when the last is freed. Idempotent.
+    /// to its data raises `RuntimeError` naming the unit); for CUDA memory torch's current
+    /// stream of the GPU is synchronised (its queued kernels on the unit are done, writes
+    /// through a write pin included); then the unit is unpinned, or, while borrowed exports
+    /// live, when the last is freed. Idempotent.
     ///
     /// # Errors
-    /// torch refused to invalidate a tensor: the unit then stays pinned for good (never freed
-    /// under a live tensor).
+    /// torch refused to invalidate a tensor or to synchronise: the unit then stays pinned for
+    /// good (never freed under a live tensor or a queued kernel).
     pub fn release(&self, py: Python<'_>) -> Result<()> {
-        let (revoke, tensors) = {
+        let (revoke, tensors, device) = {
             let mut st = self.state.lock();
             if st.released {
                 return Ok(());
             }
             // From here no new export or tensor is made.
             st.released = true;
-            (st.revoke.take(), std::mem::take(&mut st.tensors))
+            (st.revoke.take(), std::mem::take(&mut st.tensors), st.device)
         };
-        if let Err(e) = self.invalidate(py, revoke, tensors) {
+        let done = self.invalidate(py, revoke, tensors).and_then(|()| match device {
+            Some(DlDevice { device_type: DL_CUDA, device_id }) => sync_torch_stream(py, device_id),
+            _ => Ok(()),
+        });
+        if let Err(e) = done {
             // A tensor may still read the memory: keep the pin for the process's life.
             std::mem::forget(self.state.lock().pinned.take());
             return Err(e);
@@ -422,6 +516,22 @@ impl Lease {
         }
         Ok(())
     }
+}
+
+/// Waits on the host for torch's current stream of GPU `ordinal` (every kernel torch queued
+/// there, on a unit's tensor among them), when torch is imported and its CUDA is initialised
+/// (else torch queued nothing). Imports nothing: it may run at interpreter exit.
+fn sync_torch_stream(py: Python<'_>, ordinal: i32) -> Result<()> {
+    let torch = py.import("sys")?.getattr("modules")?.call_method1("get", ("torch",))?;
+    if torch.is_none() {
+        return Ok(());
+    }
+    let cuda = torch.getattr("cuda")?;
+    if !cuda.call_method0("is_initialized")?.is_truthy()? {
+        return Ok(());
+    }
+    cuda.call_method1("current_stream", (ordinal,))?.call_method0("synchronize")?;
+    Ok(())
 }
 
 fn released_error(label: &str) -> Error {
@@ -454,7 +564,10 @@ impl Drop for Consumed {
 /// Reads `obj` (a 1-D contiguous float32, bfloat16 or float16 CPU tensor or array with
 /// `__dlpack__`: torch, numpy) in place and calls `f` with its values, a [`GradSlice`] of its
 /// dtype; `what` names the argument in errors. A torch tensor that requires grad is detached
-/// first (no copy). The GIL may be released inside `f` (the producer's object is kept alive by
+/// first (no copy). A CUDA tensor (`__dlpack_device__` `kDLCUDA`) with a `.cpu()` method (torch)
+/// is copied to the host first, with `.cpu()`, which waits for torch's current stream: the
+/// values are the ones its queued kernels wrote (a device-to-device path, without the host hop,
+/// is future work). The GIL may be released inside `f` (the producer's object is kept alive by
 /// the capsule until this returns); the caller must not write the tensor from another thread
 /// meanwhile.
 ///
@@ -473,6 +586,12 @@ pub fn read_floats<R>(obj: &Bound<'_, PyAny>, what: &str, f: impl FnOnce(GradSli
     }
     if obj.hasattr("requires_grad")? && obj.getattr("requires_grad")?.is_truthy()? {
         obj = obj.call_method0("detach")?;
+    }
+    if obj.hasattr("__dlpack_device__")? && obj.hasattr("cpu")? {
+        let (device_type, _): (i32, i32) = obj.call_method0("__dlpack_device__")?.extract()?;
+        if device_type == DL_CUDA {
+            obj = obj.call_method0("cpu")?;
+        }
     }
     let cap = obj.call_method0("__dlpack__")?;
     // SAFETY: `cap` is a live object and the GIL is held; `PyCapsule_IsValid` sets no error.
@@ -495,7 +614,7 @@ pub fn read_floats<R>(obj: &Bound<'_, PyAny>, what: &str, f: impl FnOnce(GradSli
     };
     if !matches!(t.device.device_type, DL_CPU | DL_CUDA_HOST) {
         return Err(Error::Usage(format!(
-            "{what}: expected a CPU tensor on the sim device, got DLPack device type {} (move it with .cpu())",
+            "{what}: expected a CPU (or CUDA torch) tensor, got DLPack device type {} (move it with .cpu())",
             t.device.device_type
         )));
     }

@@ -7,8 +7,8 @@
 //! | `Runtime(config, default_compute_dtype=None)` | [`Runtime::new`] from a dict or a TOML path ([`config::Config`]) |
 //! | `Runtime.compute_dtype` | [`Runtime::compute_dtype`]'s name (`"f32"`, `"bf16"`, `"f16"`) |
 //! | `Runtime.add_unit(name, numel, init=None)` | [`Runtime::add_unit`], `init` read in place through DLPack (zeros without; bf16 or f16 up-cast exactly) |
-//! | `Runtime.fetch(unit, phase, writable=False)` → `Fetched` | [`Runtime::fetch_pinned`]; the pinned compute copy shared as a torch tensor of its dtype without a copy ([`dlpack::Lease`]) |
-//! | `Runtime.push_grads(unit, grads)` | [`Runtime::push_grads_slice`], `grads` (f32, bf16 or f16) read in place through DLPack, converted to the compute dtype if they are not in it |
+//! | `Runtime.fetch(unit, phase, writable=False)` → `Fetched` | [`Runtime::fetch_pinned`]; the pinned compute copy shared as a torch tensor of its dtype without a copy ([`dlpack::Lease`]): a CPU tensor on the sim device, a CUDA tensor on a CUDA runtime (the `cuda` feature) |
+//! | `Runtime.push_grads(unit, grads)` | [`Runtime::push_grads_slice`], `grads` (f32, bf16 or f16) read in place through DLPack (a CUDA tensor copied to the host first), converted to the compute dtype if they are not in it |
 //! | `Runtime.finish_step()` → dict | [`Runtime::finish_step`]'s [`oogc::runtime::StepStats`] |
 //! | `Runtime.state_dict()` / `load_state_dict()` | [`Runtime::unit_state`] / [`Runtime::load_unit_state`] |
 //! | `OogcError` and subclasses | [`error::Error`] |
@@ -178,8 +178,8 @@ impl PyRuntime {
 
     /// Pins `unit` (id or name) on the device for `phase` ("forward", "backward" or "eval")
     /// and returns a `Fetched`: `with rt.fetch(u) as t:` yields its `[numel]` parameters in the
-    /// compute dtype as a torch tensor over the pinned copy (no copy), revoked and unpinned on
-    /// exit. Raises UsageError, OutOfMemoryError, StorageError.
+    /// compute dtype as a torch tensor over the pinned copy (no copy; a CUDA tensor on a CUDA
+    /// runtime), revoked and unpinned on exit. Raises UsageError, OutOfMemoryError, StorageError.
     #[pyo3(signature = (unit, phase = "forward", writable = false))]
     fn fetch(&self, py: Python<'_>, unit: &Bound<'_, PyAny>, phase: &str, writable: bool) -> Result<Fetched> {
         let ph = self::phase(phase)?;
@@ -196,7 +196,9 @@ impl PyRuntime {
 
     /// Hands `unit`'s gradients (`[numel]` float32, bfloat16 or float16, contiguous, CPU; read in
     /// place through DLPack, converted to the compute dtype, rounded to nearest even, if they are
-    /// not in it) to the CPU optimizer, once per unit per step. Raises UsageError.
+    /// not in it) to the CPU optimizer, once per unit per step. A CUDA torch tensor is copied to
+    /// the host first (`.cpu()`, after torch's current stream) and pushed from there; a
+    /// device-to-device path (no host hop) is future work. Raises UsageError.
     fn push_grads(&self, py: Python<'_>, unit: &Bound<'_, PyAny>, grads: &Bound<'_, PyAny>) -> Result<()> {
         let (unit, label) = {
             let st = self.state.lock();
@@ -459,8 +461,9 @@ impl Fetched {
         Ok(false)
     }
 
-    /// A borrowed DLPack capsule over the pinned copy: the unit stays pinned until the consumer
-    /// frees it.
+    /// A borrowed DLPack capsule over the pinned copy (`kDLCPU` on the sim device, `kDLCUDA` on a
+    /// GPU): the unit stays pinned until the consumer frees it. `stream` is ignored: the unit's
+    /// H2D was waited for before the fetch returned, so the memory is ready for any stream.
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__<'py>(
         &self,
@@ -472,9 +475,11 @@ impl Fetched {
     ) -> Result<Bound<'py, PyAny>> {
         let _ = (stream, max_version);
         if let Some(dev) = dl_device {
-            if dev != (1, 0) {
+            let here = self.lease.device()?;
+            if dev != here {
                 return Err(Error::Usage(format!(
-                    "__dlpack__: the sim device's memory is on the CPU (1, 0), not {dev:?}"
+                    "__dlpack__: the unit's memory is on DLPack device {here:?}, not {dev:?} (a fetch is shared, not \
+                     copied)"
                 )));
             }
         }
@@ -486,8 +491,10 @@ impl Fetched {
         self.lease.export(py)
     }
 
-    fn __dlpack_device__(&self) -> (i32, i32) {
-        (1, 0)
+    /// `(1, 0)` (`kDLCPU`) on the sim device, `(2, ordinal)` (`kDLCUDA`) on a GPU.
+    /// Raises UsageError after release (unless asked or exported before).
+    fn __dlpack_device__(&self) -> Result<(i32, i32)> {
+        self.lease.device()
     }
 
     fn __repr__(&self) -> String {

@@ -59,6 +59,42 @@ def test_borrowed_dlpack_export_is_the_same_memory():
     finish(rt)
 
 
+def test_dlpack_device_is_the_units_and_device_gradients_go_through_cpu():
+    """The sim device's units are kDLCPU memory (a CUDA runtime's are kDLCUDA: not testable
+    here). A gradient whose DLPack device is kDLCUDA is read through its ``.cpu()``: this checks
+    that dispatch with a stand-in producer, not a GPU."""
+    rt, _ = one_unit()
+    rt.begin_step(1, 0.0)
+    with rt.fetch("a"):
+        f = rt.fetch("a")
+        assert f.__dlpack_device__() == (1, 0)
+        with pytest.raises(oogc.UsageError, match=r"DLPack device \(1, 0\), not \(2, 0\)"):
+            f.__dlpack__(dl_device=(2, 0))
+        f.release()
+
+    class DeviceGrads:
+        """Reports kDLCUDA; its ``cpu()`` is the host copy (what a CUDA torch tensor's is)."""
+
+        def __init__(self, host):
+            self.host = host
+            self.copied = False
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+        def __dlpack__(self, **_):
+            raise AssertionError("a device tensor is not read in place")
+
+        def cpu(self):
+            self.copied = True
+            return self.host
+
+    grads = DeviceGrads(torch.zeros(1000))
+    rt.push_grads("a", grads)
+    assert grads.copied
+    rt.finish_step()
+
+
 def test_a_released_tensor_cannot_be_read():
     rt, _ = one_unit()
     rt.begin_step(1, 0.0)
