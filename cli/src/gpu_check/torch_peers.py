@@ -136,7 +136,10 @@ def train(a):
         except Exception as e:  # the wheel is not carried in dist/oogc-cuda
             out["skipped"] = f"oogc's Python module is not importable here: {type(e).__name__}: {e}"
             return out
-        out["skipped"] = "oogc.torch.offload runs on the sim device only (CUDA tensors through DLPack are not wired)"
+        out["skipped"] = (
+            "oogc.torch.offload takes CPU models: its CUDA path (kDLCUDA unit tensors, the wheel's cuda "
+            "feature) is built but the peer run through it is not written yet"
+        )
         return out
     torch.manual_seed(1)
     dev = torch.device("cuda")
