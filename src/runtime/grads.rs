@@ -13,7 +13,7 @@ use oogc_optimizer::{Grads, PipelinedOptimizer, UpdateHandle};
 use oogc_swapper::{DType, Device, DeviceBuffer, HostClaim, HostLedger, HostUse, PinnedPool, Transfer};
 use parking_lot::{Condvar, Mutex};
 
-use super::tensor::write_to_device;
+use super::tensor::{write_bytes_to_sim, write_to_device};
 use super::{Result, RuntimeError, UnitId};
 
 /// Where a unit's gradients come from: a tensor on the compute device (the trainer's), or bytes
@@ -137,17 +137,7 @@ impl GradPipe {
         let early = if stale { Some(device.record_compute_event()?) } else { None };
         let written = match (src, &mut dev) {
             (GradSource::Tensor(t), dev) => write_to_device(t, dtype, dev),
-            (GradSource::Bytes(bytes), DeviceBuffer::Sim(b)) => b
-                .compute_write()
-                .map_err(RuntimeError::from)
-                .and_then(|s| {
-                    s.get_mut(..bytes.len())
-                        .ok_or_else(|| RuntimeError::Usage("gradients larger than the staging buffer".into()))
-                })
-                .map(|s| {
-                    s.copy_from_slice(bytes);
-                    bytes.len()
-                }),
+            (GradSource::Bytes(bytes), DeviceBuffer::Sim(b)) => write_bytes_to_sim(bytes, b),
             (GradSource::Bytes(_), DeviceBuffer::Cuda(_)) => Err(RuntimeError::Usage(
                 "gradients in host memory on a CUDA device go to the optimizer directly".into(),
             )),

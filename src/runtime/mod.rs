@@ -520,13 +520,17 @@ impl Runtime {
     /// Bytes the device must hold at once: the `max_units_in_use` largest units plus gradient
     /// staging (one buffer of the largest unit's gradients).
     pub fn min_working_set_bytes(&self, max_units_in_use: usize) -> u64 {
-        let mut sizes: Vec<u64> = self.units.iter().map(Unit::bytes).collect();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        let largest = sizes.first().copied().unwrap_or(0);
-        sizes.iter().take(max_units_in_use.max(1)).sum::<u64>()
-            + STAGING_BUFFERS as u64 * largest
+        self.largest_units_bytes(max_units_in_use)
+            + STAGING_BUFFERS as u64 * self.largest_units_bytes(1)
             + self.activation_staging_bytes()
             + self.compute_side_copies_bytes()
+    }
+
+    /// Bytes of the `k` (at least 1) largest units' compute copies together.
+    fn largest_units_bytes(&self, k: usize) -> u64 {
+        let mut sizes: Vec<u64> = self.units.iter().map(Unit::bytes).collect();
+        sizes.sort_unstable_by(|a, b| b.cmp(a));
+        sizes.iter().take(k.max(1)).sum()
     }
 
     /// Device bytes of candle's own copies of the units in use on CUDA (`max_units_in_use` of the
@@ -534,11 +538,7 @@ impl Runtime {
     /// (`runtime/cuda.rs`). 0 on the sim device, whose tensors are CPU tensors.
     fn compute_side_copies_bytes(&self) -> u64 {
         match self.residency.device() {
-            Device::Cuda(_) => {
-                let mut sizes: Vec<u64> = self.units.iter().map(Unit::bytes).collect();
-                sizes.sort_unstable_by(|a, b| b.cmp(a));
-                sizes.iter().take(self.max_units_in_use.max(1)).sum()
-            }
+            Device::Cuda(_) => self.largest_units_bytes(self.max_units_in_use),
             Device::Sim(_) => 0,
         }
     }
@@ -837,13 +837,7 @@ impl Runtime {
         self.check_grads_len(unit, grads.len(), "push_grads_slice")?;
         let dtype = self.units[unit.0].dtype;
         if matches!(self.residency.device(), Device::Cuda(_)) {
-            self.grads.check()?;
-            let handle =
-                self.grads.submit_host(unit, dtype.num_bytes(grads.len()), || Ok(Grads::converted(grads, dtype)))?;
-            self.units[unit.0].handle = Some(handle);
-            self.units[unit.0].update = Update::Pushed;
-            self.record_optimizer_write(unit);
-            return Ok(());
+            return self.submit_from_host(unit, || Ok(Grads::converted(grads, dtype)));
         }
         if grads.dtype() == dtype {
             return self.push_to_device(unit, GradSource::Bytes(grads.as_bytes()));
@@ -901,11 +895,17 @@ impl Runtime {
     pub fn push_grads_host(&mut self, unit: UnitId, grads: &candle_core::Tensor) -> Result<()> {
         self.check_grads_len(unit, grads.elem_count(), "push_grads_host")?;
         swapper_dtype(grads.dtype())?;
-        self.grads.check()?;
         let dtype = self.units[unit.0].dtype;
-        let handle = self.grads.submit_host(unit, dtype.num_bytes(grads.elem_count()), || {
-            Ok(Grads::from_bytes(dtype, &tensor_bytes(grads, dtype)?)?)
-        })?;
+        self.submit_from_host(unit, || Ok(Grads::from_bytes(dtype, &tensor_bytes(grads, dtype)?)?))
+    }
+
+    /// Submits `unit`'s gradients from host memory straight to the CPU optimizer (`make` builds
+    /// them in the compute dtype once their bytes are claimed from the ledger): no staging, no
+    /// copy over the link.
+    fn submit_from_host(&mut self, unit: UnitId, make: impl FnOnce() -> Result<Grads>) -> Result<()> {
+        self.grads.check()?;
+        let num_bytes = self.units[unit.0].bytes() as usize;
+        let handle = self.grads.submit_host(unit, num_bytes, make)?;
         let u = &mut self.units[unit.0];
         u.handle = Some(handle);
         u.update = Update::Pushed;

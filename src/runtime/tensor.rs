@@ -61,20 +61,20 @@ pub(super) fn device_tensor(
 /// Record a compute event after it to order a D2H of `buf`.
 pub(super) fn write_to_device(t: &Tensor, dtype: DType, buf: &mut DeviceBuffer) -> Result<usize> {
     match buf {
-        DeviceBuffer::Sim(b) => {
-            let bytes = tensor_bytes(t, dtype)?;
-            let n = bytes.len();
-            if n > b.num_bytes() {
-                return Err(RuntimeError::Usage(format!(
-                    "{n} bytes into a device staging buffer of {} bytes",
-                    b.num_bytes()
-                )));
-            }
-            b.compute_write()?[..n].copy_from_slice(&bytes);
-            Ok(n)
-        }
+        DeviceBuffer::Sim(b) => write_bytes_to_sim(&tensor_bytes(t, dtype)?, b),
         DeviceBuffer::Cuda(b) => super::cuda::write_tensor(t, dtype, b),
     }
+}
+
+/// Writes `bytes` (already in host memory) into the front of the sim buffer `b`, as compute
+/// does (the ordering checker records a compute write); returns the bytes written.
+pub(super) fn write_bytes_to_sim(bytes: &[u8], b: &mut oogc_swapper::SimBuffer) -> Result<usize> {
+    let n = bytes.len();
+    if n > b.num_bytes() {
+        return Err(RuntimeError::Usage(format!("{n} bytes into a device staging buffer of {} bytes", b.num_bytes())));
+    }
+    b.compute_write()?[..n].copy_from_slice(bytes);
+    Ok(n)
 }
 
 /// A tensor of `shape` and `dtype` from its little-endian bytes, on `device`.
