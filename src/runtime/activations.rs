@@ -43,8 +43,8 @@ struct StashMeta {
 pub(super) struct ActivationPipe {
     pool: PinnedPool,
     staging: Vec<DeviceBuffer>,
-    stashes: HashMap<ActivationId, Stash>,
-    metas: HashMap<ActivationId, StashMeta>,
+    /// Each checkpoint's copy state, with what it was stashed as.
+    stashes: HashMap<ActivationId, (Stash, StashMeta)>,
     /// Checkpoints whose D2H is in flight, oldest first.
     landing: VecDeque<ActivationId>,
     next: u64,
@@ -54,14 +54,7 @@ impl ActivationPipe {
     /// A pipe whose host buffers come from `pool` (claimed as [`oogc_swapper::HostUse::Activations`]);
     /// it copies through the staging buffers given by [`set_staging`](Self::set_staging).
     pub(super) fn new(pool: PinnedPool) -> Self {
-        Self {
-            pool,
-            staging: Vec::new(),
-            stashes: HashMap::new(),
-            metas: HashMap::new(),
-            landing: VecDeque::new(),
-            next: 0,
-        }
+        Self { pool, staging: Vec::new(), stashes: HashMap::new(), landing: VecDeque::new(), next: 0 }
     }
 
     /// The device staging buffers ([`STAGING`] of the largest checkpoint's bytes).
@@ -95,10 +88,10 @@ impl ActivationPipe {
 
     /// Waits for `id`'s D2H copy; its staging buffer goes back to the free list.
     fn land(&mut self, id: ActivationId) -> Result<()> {
-        if let Some(Stash::Landing(t)) = self.stashes.remove(&id) {
+        if let Some((Stash::Landing(t), meta)) = self.stashes.remove(&id) {
             let (host, dev) = t.wait()?;
             self.staging.push(dev);
-            self.stashes.insert(id, Stash::Host(host));
+            self.stashes.insert(id, (Stash::Host(host), meta));
         }
         Ok(())
     }
@@ -128,8 +121,7 @@ impl ActivationPipe {
         let (transfer, _) = device.dtoh_after(dev, host, Some(&after))?;
         let id = ActivationId(self.next);
         self.next += 1;
-        self.stashes.insert(id, Stash::Landing(transfer));
-        self.metas.insert(id, StashMeta { shape: data.shape().clone(), dtype });
+        self.stashes.insert(id, (Stash::Landing(transfer), StashMeta { shape: data.shape().clone(), dtype }));
         self.landing.push_back(id);
         Ok(id)
     }
@@ -143,15 +135,15 @@ impl ActivationPipe {
             self.landing.remove(pos);
             self.land(id)?;
         }
-        if matches!(self.stashes.get(&id), Some(Stash::Loading(_))) {
+        if matches!(self.stashes.get(&id), Some((Stash::Loading(_), _))) {
             return Ok(());
         }
         let dev = self.staging()?;
-        let Some(Stash::Host(host)) = self.stashes.remove(&id) else { unreachable!("landed above") };
+        let Some((Stash::Host(host), meta)) = self.stashes.remove(&id) else { unreachable!("landed above") };
         // The H2D overwrites a staging buffer compute may have read (an earlier take): after it.
         let after = device.record_compute_event()?;
         let (transfer, _) = device.htod_after(host, dev, Some(&after))?;
-        self.stashes.insert(id, Stash::Loading(transfer));
+        self.stashes.insert(id, (Stash::Loading(transfer), meta));
         Ok(())
     }
 
@@ -159,8 +151,7 @@ impl ActivationPipe {
     /// bytes), on `compute`; its host buffer goes back to the pool and its claim to the ledger.
     pub(super) fn take(&mut self, device: &Device, compute: &candle_core::Device, id: ActivationId) -> Result<Tensor> {
         self.prefetch(device, id)?;
-        let Some(Stash::Loading(t)) = self.stashes.remove(&id) else { unreachable!("prefetched above") };
-        let meta = self.metas.remove(&id).expect("every stash has its meta");
+        let Some((Stash::Loading(t), meta)) = self.stashes.remove(&id) else { unreachable!("prefetched above") };
         // Waited on the host: the H2D is complete before compute reads the staging buffer.
         let (host, dev) = t.wait()?;
         drop(host);
