@@ -76,7 +76,7 @@ pub use unit::{DeviceMemory, PinnedUnit, UnitParams};
 use activations::ActivationPipe;
 use grads::{GradPipe, GradSource, STAGING_BUFFERS};
 use home::ResidencyHome;
-use tensor::{device_tensor, swapper_dtype, tensor_bytes, tensor_from_bytes};
+use tensor::{device_tensor, swapper_dtype, tensor_from_bytes, tensor_values};
 use unit::{Scheduling, Unit, Update};
 
 /// What can go wrong in the runtime.
@@ -896,7 +896,7 @@ impl Runtime {
         self.check_grads_len(unit, grads.elem_count(), "push_grads_host")?;
         swapper_dtype(grads.dtype())?;
         let dtype = self.units[unit.0].dtype;
-        self.submit_from_host(unit, || Ok(Grads::from_bytes(dtype, &tensor_bytes(grads, dtype)?)?))
+        self.submit_from_host(unit, || tensor_values(grads, dtype))
     }
 
     /// Submits `unit`'s gradients from host memory straight to the CPU optimizer (`make` builds

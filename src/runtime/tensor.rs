@@ -1,10 +1,10 @@
 //! Between candle's tensors and the swapper's buffers: the dtype mapping ([`candle_dtype`]), a
 //! device buffer as a typed tensor ([`device_tensor`]), a tensor's bytes for a copy into a
-//! staging buffer ([`tensor_bytes`]) and back ([`tensor_from_bytes`]). One `match` per direction
+//! staging buffer ([`tensor_values`]) and back ([`tensor_from_bytes`]). One `match` per direction
 //! over the device kinds (the CUDA arms come with the CUDA path).
 
 use candle_core::{Device as CandleDevice, Shape, Tensor};
-use half::{bf16, f16};
+use oogc_optimizer::Grads;
 use oogc_swapper::{DType, DeviceBuffer};
 
 use super::{Result, RuntimeError};
@@ -61,7 +61,7 @@ pub(super) fn device_tensor(
 /// Record a compute event after it to order a D2H of `buf`.
 pub(super) fn write_to_device(t: &Tensor, dtype: DType, buf: &mut DeviceBuffer) -> Result<usize> {
     match buf {
-        DeviceBuffer::Sim(b) => write_bytes_to_sim(&tensor_bytes(t, dtype)?, b),
+        DeviceBuffer::Sim(b) => write_bytes_to_sim(tensor_values(t, dtype)?.as_slice().as_bytes(), b),
         DeviceBuffer::Cuda(b) => super::cuda::write_tensor(t, dtype, b),
     }
 }
@@ -87,15 +87,16 @@ pub(super) fn tensor_from_bytes(
     Ok(Tensor::from_raw_buffer(bytes, candle_dtype(dtype)?, shape.into().dims(), device)?)
 }
 
-/// The elements of `t` (any shape, flattened in row-major order) converted to `dtype`, as
-/// little-endian bytes in host memory (`dtype.num_bytes(t.elem_count())`). Converting rounds to
-/// nearest even (candle's casts), so f32 gradients of a bf16 unit cross the link as bf16.
-pub(super) fn tensor_bytes(t: &Tensor, dtype: DType) -> Result<Vec<u8>> {
+/// The elements of `t` (any shape, flattened in row-major order) converted to `dtype`, in host
+/// memory (`as_slice().as_bytes()` are their little-endian bytes, `dtype.num_bytes(t.elem_count())`
+/// of them). Converting rounds to nearest even (candle's casts), so f32 gradients of a bf16 unit
+/// cross the link as bf16. One copy out of candle.
+pub(super) fn tensor_values(t: &Tensor, dtype: DType) -> Result<Grads> {
     let t = t.flatten_all()?.to_dtype(candle_dtype(dtype)?)?;
     Ok(match dtype {
-        DType::F32 => bytemuck::cast_slice(&t.to_vec1::<f32>()?).to_vec(),
-        DType::BF16 => bytemuck::cast_slice(&t.to_vec1::<bf16>()?).to_vec(),
-        DType::F16 => bytemuck::cast_slice(&t.to_vec1::<f16>()?).to_vec(),
+        DType::F32 => Grads::F32(t.to_vec1()?),
+        DType::BF16 => Grads::BF16(t.to_vec1()?),
+        DType::F16 => Grads::F16(t.to_vec1()?),
         DType::U8 => return Err(RuntimeError::Usage("compute copies are f32, bf16 or f16, not u8".into())),
     })
 }
