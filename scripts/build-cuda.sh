@@ -3,7 +3,9 @@
 # WITHOUT a GPU, into dist/oogc-cuda/: the stripped binary (about 24 MB, small enough to carry to
 # the GPU machine), run.sh, which finds the CUDA 13 user-space libraries the binary links
 # (cuBLAS, cuBLASLt, cuRAND, cudart) and starts it, the swapper's tests, and data/ (the text and
-# fixtures `oogc gpu-check` reads; scripts/gpu-check.sh runs it). At most 56 MiB in all (checked).
+# fixtures `oogc gpu-check` reads; scripts/gpu-check.sh runs it), and wheels/: the Python module
+# built with `--features cuda` (maturin; abi3, any CPython >= 3.9), which gpu-check's check 10
+# installs to run oogc.torch.offload beside the PyTorch peers. At most 56 MiB in all (checked).
 # The GPU machine needs no Rust toolchain.
 #
 #   scripts/build-cuda.sh [--bundle-libs] [CUDA_ROOT]    # default CUDA_ROOT: target/cuda13 (1.2 GB)
@@ -96,6 +98,21 @@ mkdir -p "$DIST/data/data" "$DIST/data/fixtures/llama"
 cp "$SHARED/data/tinyshakespeare.txt" "$SHARED/data/README.md" "$DIST/data/data/"
 cp "$SHARED/fixtures/llama/tokenizer.json" "$SHARED/fixtures/llama/cases.json" "$SHARED/fixtures/llama/README.md" \
    "$DIST/data/fixtures/llama/"
+# The CUDA wheel of the Python module (check 10's oogc.torch.offload peer). maturin from the
+# Python tests' venv, else a venv of its own (pip, network).
+MATURIN=${MATURIN:-}
+if [ -z "$MATURIN" ]; then
+  if [ -x target/python-venv/bin/maturin ]; then MATURIN=target/python-venv/bin/maturin
+  else
+    [ -x target/maturin-venv/bin/maturin ] || { python3 -m venv target/maturin-venv && \
+      target/maturin-venv/bin/python -m pip -q --disable-pip-version-check install 'maturin>=1.9.4,<2'; }
+    MATURIN=target/maturin-venv/bin/maturin
+  fi
+fi
+# A plain linux tag, no auditwheel: the module links the CUDA libraries the GPU machine's torch
+# brings (check 10 runs it there, beside torch), which no manylinux policy allows.
+"$MATURIN" build --release --locked -m python/Cargo.toml --features cuda --compatibility linux --auditwheel skip \
+  --out "$DIST/wheels" --strip --quiet
 cp -r "$SHARED/fixtures/llama/llama_gqa" "$SHARED/fixtures/llama/qwen2_tied" "$SHARED/fixtures/llama/mixtral_moe" \
    "$DIST/data/fixtures/llama/"
 chmod -R u+w "$DIST/data"
@@ -110,5 +127,5 @@ elif [ "$SIZE" -gt "$LIMIT" ]; then
   du -ab --max-depth=4 "$DIST" | sort -rn | head -15 >&2
   exit 1
 fi
-echo "built $DIST/oogc ($(du -h "$DIST/oogc" | cut -f1)), $DIST/swapper-tests and $DIST/data ($(du -sh "$DIST/data" | cut -f1)): $((SIZE >> 20)) MiB in all; start them with $DIST/run.sh [--tests], or scripts/gpu-check.sh OUT_DIR"
+echo "built $DIST/oogc ($(du -h "$DIST/oogc" | cut -f1)), $DIST/swapper-tests, $DIST/wheels ($(du -sh "$DIST/wheels" | cut -f1)) and $DIST/data ($(du -sh "$DIST/data" | cut -f1)): $((SIZE >> 20)) MiB in all; start them with $DIST/run.sh [--tests], or scripts/gpu-check.sh OUT_DIR"
 echo "needs: GLIBC up to $(objdump -T "$DIST/oogc" | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1), libcuda.so.1 (driver), CUDA 13 cuBLAS/cuRAND/cudart"

@@ -528,6 +528,13 @@ pub struct DeviceConfig {
     /// sim device rehearses its numerics, in f32 and bf16). Default: `"auto"`.
     #[serde(default)]
     pub ops: OpsPath,
+    /// CUDA: cudarc's per-slice event tracking (an event recorded at every use of a device
+    /// buffer, waited for at its next use from another stream). The runtime orders its compute
+    /// and copy streams with its own events, so `false` is safe and saves those events; whether
+    /// it saves time is measured by `oogc gpu-check` (check 9). Ignored on the sim device.
+    /// Default: `true`.
+    #[serde(default = "default_true")]
+    pub event_tracking: bool,
 }
 
 /// `[device] ops`: the fused CPU kernels or the candle op compositions.
@@ -594,7 +601,13 @@ fn default_link_gbps() -> f64 {
 
 impl Default for DeviceConfig {
     fn default() -> Self {
-        Self { kind: DeviceKind::Sim, link_gbps: default_link_gbps(), latency_us: 0.0, ops: OpsPath::Auto }
+        Self {
+            kind: DeviceKind::Sim,
+            link_gbps: default_link_gbps(),
+            latency_us: 0.0,
+            ops: OpsPath::Auto,
+            event_tracking: true,
+        }
     }
 }
 

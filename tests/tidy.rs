@@ -35,6 +35,10 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
         "memory-maps the token cache read-only (memmap2::Mmap::map: the file must not shrink while mapped)",
     ),
     (
+        "src/runtime/cuda.rs",
+        "turns cudarc's per-slice event tracking off when `[device] event_tracking = false` (the runtime orders its streams itself)",
+    ),
+    (
         "python/src/dlpack.rs",
         "DLPack FFI: DLManagedTensor structs and Python capsules handing pinned unit memory to torch and reading tensors in place",
     ),

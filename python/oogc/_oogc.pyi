@@ -165,6 +165,10 @@ class Runtime:
         default_compute_dtype: Optional[str] = None,
     ) -> None: ...
     @property
+    def device(self) -> str:
+        """Where the units' tensors live: ``"sim"`` (CPU tensors) or ``"cuda:N"``."""
+        ...
+    @property
     def compute_dtype(self) -> ComputeDType:
         """The compute copies' and gradients' element type."""
     def add_unit(self, name: str, numel: int, init: Optional[Any] = None) -> int:

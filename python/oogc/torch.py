@@ -33,11 +33,14 @@ Limits (each raises :class:`oogc.UsageError` naming what to change): one forward
 backward per step (no gradient accumulation across micro-batches yet); every trainable
 parameter of the model belongs to exactly one unit (a parameter shared by two units, e.g. tied
 embeddings, puts both modules in one unit); no frozen parameters inside a unit; float32,
-bfloat16 or float16 parameters, one dtype for every unit; the sim device (CPU tensors): the
-``cuda`` build of the wheel shares units as CUDA tensors through :class:`oogc.Runtime` (and its
-``push_grads`` takes CUDA gradients, copied to the host), but ``offload`` does not drive a CUDA
-model yet. Fetches here are read-only, so no write pin is released from this module; the
-binding's release synchronises torch's current stream on CUDA before unpinning.
+bfloat16 or float16 parameters, one dtype for every unit. On CUDA (the ``cuda`` build of the
+wheel, ``device = {"kind": "cuda:0"}``) the model's parameters are still given on the CPU; the
+unit tensors the modules run with are CUDA tensors shared through DLPack, the inputs must be
+CUDA tensors, the recompute replays the CUDA generator too, and the gradients pushed are CUDA
+tensors (copied to the host by the binding). That path is what ``oogc gpu-check``'s check 10
+runs on a GPU; CI runs the same script on the sim device. Fetches here are read-only, so no
+write pin is released from this module; the binding's release synchronises torch's current
+stream on CUDA before unpinning.
 """
 
 from __future__ import annotations
@@ -112,6 +115,8 @@ class _UnitCall(torch.autograd.Function):
         ctx.call = call
         ctx.save_for_backward(*tensors)
         ctx.rng = torch.get_rng_state()
+        cuda = [t.device for t in tensors if t.is_cuda][:1]
+        ctx.cuda_rng = torch.cuda.get_rng_state(cuda[0]) if cuda else None
         outs = call.run(tensors, "forward", grad=False)
         leaves, call.out_spec = pytree.tree_flatten(outs)
         call.out_is_tensor = [isinstance(x, torch.Tensor) for x in leaves]
@@ -127,8 +132,13 @@ class _UnitCall(torch.autograd.Function):
         engine._begin_backward()
         saved = ctx.saved_tensors
         inputs = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
-        with torch.random.fork_rng(devices=[]):
+        # The recompute replays the forward's random numbers: the CPU generator's, and the
+        # current CUDA device's when the call's tensors are CUDA tensors.
+        cuda = [t.device for t in saved if t.is_cuda][:1]
+        with torch.random.fork_rng(devices=cuda):
             torch.set_rng_state(ctx.rng)
+            if cuda:
+                torch.cuda.set_rng_state(ctx.cuda_rng, cuda[0])
             with torch.enable_grad():
                 outs, flat = call.run(inputs, "backward", grad=True)
                 leaves = [x for x in pytree.tree_leaves(outs) if isinstance(x, torch.Tensor)]
@@ -225,6 +235,9 @@ class Engine:
         self._in_step = False
         self._in_backward = False
         self._anchor = torch.zeros((), requires_grad=True)
+        # Where the units' tensors are: the CPU on the sim device, the GPU on CUDA.
+        kind = runtime.device
+        self._device = torch.device("cuda", int(kind.split(":")[1])) if kind.startswith("cuda:") else torch.device("cpu")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward (``model(*args, **kwargs)`` does the same)."""
@@ -258,7 +271,9 @@ class Engine:
 
     def _unit_grad(self, unit: _Unit, grad: Optional[torch.Tensor]) -> None:
         if grad is None:
-            grad = torch.zeros(unit.numel, dtype=self.dtype)
+            # On the device the unit's tensors live on (the runtime's CPU or CUDA tensors).
+            device = unit.grad.device if unit.grad is not None else self._device
+            grad = torch.zeros(unit.numel, dtype=self.dtype, device=device)
         if unit.grad is None:
             unit.grad = grad
         else:
@@ -372,7 +387,7 @@ def offload(
     """Offloads ``model``'s given submodules through an oogc runtime.
 
     Args:
-        model: the model; its parameters must be on the CPU (the sim device) and of one dtype,
+        model: the model; its parameters must be on the CPU (on the sim device and on CUDA) and of one dtype,
             float32, bfloat16 or float16, which becomes the runtime's compute dtype: the unit
             tensors the modules run with and the gradients pushed are in it, the master weights
             and AdamW state are fp32 (for mixed precision, ``model.to(torch.bfloat16)``).

@@ -12,6 +12,7 @@
 //! | `device.kind` | `"sim"` or `"cuda:N"` | `"sim"` |
 //! | `device.link_gbps` | sim H2D/D2H GB/s (10⁹ B/s), 0 = unthrottled | 16 |
 //! | `device.latency_us` | sim per-copy latency, µs | 0 |
+//! | `device.event_tracking` | CUDA: cudarc's per-slice event tracking (the runtime orders its streams itself) | true |
 //! | `budgets.gpu` | bytes or a size string (`"64 MiB"`) | required |
 //! | `budgets.host` | bytes or a size string | `"4 GiB"` |
 //! | `budgets.optimizer_state` | `"host"` or `"nvme"`: where master weights and Adam state live | `"host"` |
@@ -176,7 +177,7 @@ impl Config {
         }
         let device = match self.device.kind {
             DeviceKind::Sim => DeviceSpec::Sim { link_gbps: self.device.link_gbps, latency_us: self.device.latency_us },
-            DeviceKind::Cuda(ordinal) => DeviceSpec::Cuda { ordinal },
+            DeviceKind::Cuda(ordinal) => DeviceSpec::Cuda { ordinal, event_tracking: self.device.event_tracking },
         };
         let on_nvme =
             self.budgets.optimizer_state == StatePlacement::Nvme || self.budgets.params == StatePlacement::Nvme;

@@ -253,6 +253,13 @@ impl PyRuntime {
         self.state.lock().rt.set_max_units_in_use(units);
     }
 
+    /// Where the units' tensors live: `"sim"` (CPU tensors) or `"cuda:N"` (CUDA tensors on GPU
+    /// `N`).
+    #[getter]
+    fn device(&self) -> String {
+        self.state.lock().rt.device_kind().into()
+    }
+
     /// The compute copies' and gradients' element type: `"f32"`, `"bf16"` or `"f16"`.
     #[getter]
     fn compute_dtype(&self) -> &'static str {

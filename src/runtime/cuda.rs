@@ -20,6 +20,8 @@
 //! Nothing here runs without a GPU; it is compiled and linted by `scripts/build-cuda.sh` and
 //! exercised by `oogc gpu-check` on a GPU machine.
 
+#![allow(unsafe_code)]
+
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, Shape, Storage, Tensor};
 use half::{bf16, f16};
@@ -30,15 +32,25 @@ use super::{Result, RuntimeError};
 
 /// Opens GPU `ordinal`: candle's device with a stream of its own, and the swapper's device
 /// (`capacity_bytes` of device memory for the residency manager) on candle's context and
-/// stream.
+/// stream. With `event_tracking` false, cudarc's per-slice event tracking is turned off for the
+/// slices allocated from then on (`[device] event_tracking`).
 ///
 /// # Errors
 /// candle failing to open the device (no driver, no such ordinal); the swapper's
 /// [`oogc_swapper::Error::Cuda`] creating the copy stream.
-pub(super) fn open(ordinal: usize, capacity_bytes: u64) -> Result<(Device, candle_core::Device)> {
+pub(super) fn open(ordinal: usize, capacity_bytes: u64, event_tracking: bool) -> Result<(Device, candle_core::Device)> {
     let candle = candle_core::Device::new_cuda_with_stream(ordinal)?;
     let stream = candle.as_cuda_device()?.cuda_stream();
     let ctx = stream.context().clone();
+    if !event_tracking {
+        // SAFETY: without tracking, cudarc no longer orders a slice's uses on different streams;
+        // the caller must. In this process a device slice is used on two streams only through
+        // the swapper's `CudaDevice` (a unit buffer filled on the copy stream and read by the
+        // compute stream; a staging buffer written by compute and read by a D2H), which orders
+        // every such use with its own events (its ordering contract, checked by the sim's
+        // happens-before checker); candle's tensors live on its one stream.
+        unsafe { ctx.disable_event_tracking() };
+    }
     let cuda = CudaDevice::with_context(ctx, stream, Some(capacity_bytes))?;
     Ok((Device::Cuda(cuda), candle))
 }

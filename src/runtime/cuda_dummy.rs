@@ -11,7 +11,11 @@ use super::{Result, RuntimeError};
 ///
 /// # Errors
 /// Always [`oogc_swapper::Error::NotCompiledWithCuda`].
-pub(super) fn open(ordinal: usize, capacity_bytes: u64) -> Result<(Device, candle_core::Device)> {
+pub(super) fn open(
+    ordinal: usize,
+    capacity_bytes: u64,
+    _event_tracking: bool,
+) -> Result<(Device, candle_core::Device)> {
     let cuda = CudaDevice::new(ordinal, Some(capacity_bytes))?;
     Ok((Device::Cuda(cuda), candle_core::Device::new_cuda(ordinal)?))
 }

@@ -165,6 +165,11 @@ pub enum DeviceSpec {
     Cuda {
         /// Device index.
         ordinal: usize,
+        /// cudarc's per-slice event tracking (an event recorded at each use of a device slice
+        /// and waited for at the next use from another stream). The runtime orders its streams
+        /// with events of its own (swapper's `CudaDevice`), so it does not rely on it; `false`
+        /// turns it off for every slice allocated after the device is opened.
+        event_tracking: bool,
     },
 }
 
@@ -302,7 +307,9 @@ impl Runtime {
                 (Device::Sim(sim), candle_core::Device::Cpu)
             }
             // One compute stream, candle's: the swapper's device is built on it.
-            DeviceSpec::Cuda { ordinal } => cuda::open(*ordinal, config.gpu_budget_bytes)?,
+            DeviceSpec::Cuda { ordinal, event_tracking } => {
+                cuda::open(*ordinal, config.gpu_budget_bytes, *event_tracking)?
+            }
         };
         let on_nvme = config.state_placement == StatePlacement::Nvme || config.params_placement == StatePlacement::Nvme;
         let nvme = match (on_nvme, &config.nvme) {
@@ -438,6 +445,14 @@ impl Runtime {
     pub fn unit_info(&self, unit: UnitId) -> (&str, usize) {
         let u = &self.units[unit.0];
         (&u.name, u.numel)
+    }
+
+    /// The device the runtime was opened on: `sim`, or `cuda:N`.
+    pub fn device_kind(&self) -> crate::config::DeviceKind {
+        match self.config.device {
+            DeviceSpec::Sim { .. } => crate::config::DeviceKind::Sim,
+            DeviceSpec::Cuda { ordinal, .. } => crate::config::DeviceKind::Cuda(ordinal),
+        }
     }
 
     /// candle's device the units' tensors live on ([`UnitParams::tensor`]): the CPU for the
@@ -1049,15 +1064,16 @@ impl Runtime {
         Ok(())
     }
 
-    /// Traffic counters since the runtime began: the device's H2D/D2H links (gradients and
-    /// fetches) and the NVMe reads and writes of the store (optimizer state and compute copies).
+    /// Traffic counters since the runtime began: the device's H2D/D2H links, every copy on them
+    /// (fetches, write-backs, gradients, activation checkpoints; on CUDA, busy time from events
+    /// around each copy on the copy stream), and the NVMe reads and writes of the store
+    /// (optimizer state and compute copies).
     pub fn traffic(&self) -> oogc_swapper::MetricsSnapshot {
         let mut m = self.residency.metrics();
-        if let Device::Sim(sim) = self.residency.device() {
-            let (h2d, d2h) = sim.link_stats();
-            m.htod = h2d.snapshot();
-            m.dtoh = d2h.snapshot();
-        }
+        // The device counts every copy it made; the residency manager only its own.
+        let (h2d, d2h) = self.residency.device().link_stats();
+        m.htod = h2d.snapshot();
+        m.dtoh = d2h.snapshot();
         if let Some(store) = &self.nvme {
             let (read, write) = store.link_stats();
             let (read, write) = (read.snapshot(), write.snapshot());

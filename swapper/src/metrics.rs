@@ -45,6 +45,19 @@ impl LinkStats {
         self.busy_ns.fetch_add(busy.as_nanos() as u64, Ordering::Relaxed);
     }
 
+    /// Counts one operation of `bytes` whose busy time is recorded later
+    /// ([`LinkStats::record_busy`]), when its completion is seen (a CUDA copy timed by events).
+    pub fn record_bytes(&self, bytes: u64) {
+        self.bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.ops.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Adds `busy` to the link's busy time (of an operation counted by
+    /// [`LinkStats::record_bytes`]).
+    pub fn record_busy(&self, busy: Duration) {
+        self.busy_ns.fetch_add(busy.as_nanos() as u64, Ordering::Relaxed);
+    }
+
     /// A copy of the counters.
     pub fn snapshot(&self) -> LinkSnapshot {
         LinkSnapshot {

@@ -126,7 +126,7 @@ pub(crate) fn environment(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict>
         Err(e) => failures.push(format!("candle on cuda:{ordinal}: {}", crate::error_line(&e))),
     }
     let mut rc = RuntimeConfig::sim(64 << 20);
-    rc.device = DeviceSpec::Cuda { ordinal };
+    rc.device = DeviceSpec::Cuda { ordinal, event_tracking: true };
     rc.host_budget_bytes = 1 << 30;
     match Runtime::new(rc) {
         Ok(_) => f.set("runtime", "opened"),

@@ -263,7 +263,7 @@ fn runtime_for(ctx: &Ctx, model: &dyn CausalLm, dtype: oogc::swapper::DType, in_
     let largest = model.units().iter().map(|u| dtype.num_bytes(u.numel) as u64).max().unwrap_or(0);
     let mut rc = RuntimeConfig::sim((in_use + 2) * largest);
     if let Some(ordinal) = ctx.cuda_ordinal() {
-        rc.device = DeviceSpec::Cuda { ordinal };
+        rc.device = DeviceSpec::Cuda { ordinal, event_tracking: true };
     }
     rc.host_budget_bytes = 1 << 30;
     rc.optimizer = OptimizerConfig { threads: 1, clip_norm: None, compute_dtype: dtype, ..OptimizerConfig::default() };

@@ -1,7 +1,10 @@
 //! Check 10: the peers on the model of check 9, tokens/s side by side — PyTorch resident with
 //! AdamW(fused), PyTorch FSDP2 with CPUOffloadPolicy at world size 1, oogc.torch.offload — and
 //! oogc's own figures from check 9's row. Each peer runs in its own `python3` process
-//! (`torch_peers.py`, embedded in this binary) within what is left of the budget.
+//! (`torch_peers.py`, embedded in this binary) within what is left of the budget. The oogc
+//! peer's wheel (the Python module built with the `cuda` feature by `scripts/build-cuda.sh`
+//! into `wheels/` beside this binary) is installed into the check's scratch directory
+//! (`pip install --no-deps --no-index --target`: no network) and found through `PYTHONPATH`.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -49,6 +52,13 @@ pub(crate) fn peers(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
         ("steps", 4),
         ("warmup", 2),
     ];
+    let pythonpath = match install_wheel(ctx) {
+        Ok(dir) => Some(dir),
+        Err(why) => {
+            f.note(format!("oogc.torch.offload: {why}"));
+            None
+        }
+    };
     let mut results = serde_json::Map::new();
     for peer in ["resident", "fsdp2", "oogc"] {
         let left = ctx.left_s() - 5.0;
@@ -60,6 +70,14 @@ pub(crate) fn peers(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
         cmd.arg(&script).args(["train", "--peer", peer]);
         for (k, v) in shape {
             cmd.arg(format!("--{k}")).arg(v.to_string());
+        }
+        if peer == "oogc" {
+            match &pythonpath {
+                Some(dir) => {
+                    cmd.env("PYTHONPATH", dir);
+                }
+                None => continue,
+            }
         }
         let r =
             run_with_timeout(&mut cmd, Duration::from_secs_f64(left.min(150.0)), &ctx.work, &format!("peer-{peer}"))?;
@@ -73,6 +91,9 @@ pub(crate) fn peers(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
         results.insert(peer.to_string(), v);
     }
     let tps = |k: &str| results.get(k).and_then(|v| v["tokens_per_s"].as_f64());
+    if let (Some(o), Some(fs)) = (tps("oogc"), tps("fsdp2")) {
+        f.set("oogc_torch_vs_fsdp2", o / fs);
+    }
     let row9 = crate::gpu_check::read_row(&ctx.out, 9);
     let ours =
         row9.as_ref().filter(|r| r["status"] == "pass").and_then(|r| r["figures"]["tokens_per_s_offloaded"].as_f64());
@@ -104,4 +125,29 @@ pub(crate) fn peers(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
         show(tps("oogc"))
     ));
     Ok(super::common::verdict(failures))
+}
+
+/// Installs the CUDA wheel beside this binary (`wheels/oogc-*.whl`) into the check's scratch
+/// directory; returns the directory to put on `PYTHONPATH`.
+///
+/// # Errors
+/// A message when there is no wheel (built without it) or pip refuses it.
+fn install_wheel(ctx: &Ctx) -> Result<PathBuf, String> {
+    let wheels = ctx.exe_dir.join("wheels");
+    let wheel = std::fs::read_dir(&wheels)
+        .map_err(|e| format!("no wheel: {} unreadable ({e}); scripts/build-cuda.sh builds it there", wheels.display()))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .ok_or_else(|| format!("no wheel in {}; scripts/build-cuda.sh builds it there", wheels.display()))?;
+    let target = ctx.work.join("py");
+    let mut cmd = Command::new("python3");
+    cmd.args(["-m", "pip", "install", "--no-deps", "--no-index", "--disable-pip-version-check", "-q", "--target"])
+        .arg(&target)
+        .arg(&wheel);
+    let r = run_with_timeout(&mut cmd, Duration::from_secs(60), &ctx.work, "pip-install")
+        .map_err(|e| format!("pip install {}: {e}", wheel.display()))?;
+    if r.code != Some(0) {
+        return Err(format!("pip install {} failed: {}", wheel.display(), tail(&r.stderr, 3)));
+    }
+    Ok(target)
 }

@@ -6,13 +6,19 @@ object on its last stdout line.
       H2D and D2H GB/s of a pinned host tensor's copy_(non_blocking=True), timed with CUDA events.
   torch_peers.py train --peer resident|fsdp2|oogc --hidden .. --intermediate .. --layers ..
                    --heads .. --kv-heads .. --vocab .. --batch .. --seq .. --steps .. --warmup ..
+                   [--device cuda|cpu] [--gpu-budget BYTES]
       tokens/s of a Llama (RMSNorm, RoPE, GQA attention through SDPA, SwiGLU; bf16 compute,
       activation checkpointing per layer as oogc recomputes) trained with AdamW:
       resident  — fp32 parameters on the GPU, autocast bf16, torch.optim.AdamW(fused=True);
       fsdp2     — FSDP2 (fully_shard per layer and the root) at world size 1 with
                   CPUOffloadPolicy and MixedPrecisionPolicy(bf16 params, fp32 reduce), AdamW on
                   the CPU parameters (fused where torch allows it);
-      oogc      — oogc.torch.offload, when the oogc wheel is installed and runs on CUDA.
+      oogc      — oogc.torch.offload (the wheel built with the `cuda` feature, which gpu-check
+                  installs from dist/oogc-cuda/wheels into its scratch directory): the same
+                  model in bf16 with its embedding, each layer and the norm with the head as
+                  units, GPU budget --gpu-budget (default: a quarter of parameters + state, as
+                  check 9), AdamW in oogc's CPU optimizer.
+  --device cpu runs the same code on the CPU (oogc's sim device): how CI rehearses the oogc peer.
 """
 
 import argparse
@@ -55,7 +61,9 @@ def bandwidth(args):
     }
 
 
-def build_model(a, torch):
+def build_model(a, torch, recompute=True):
+    """The Llama of the peers; ``recompute`` checkpoints each layer with torch's checkpoint
+    (oogc recomputes at unit boundaries itself, so its peer runs without it)."""
     nn, F = torch.nn, torch.nn.functional
     head_dim = a.hidden // a.heads
 
@@ -119,9 +127,9 @@ def build_model(a, torch):
             cos, sin = ang.cos()[None, None], ang.sin()[None, None]
             x = self.embed_tokens(ids)
             for layer in self.layers:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False) if recompute else layer(x, cos, sin)
             logits = self.lm_head(self.norm(x)).float()
-            return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
     return Llama()
 
@@ -130,23 +138,14 @@ def train(a):
     import torch
 
     out = {"peer": a.peer, "torch": torch.__version__}
-    if a.peer == "oogc":
-        try:
-            import oogc.torch  # noqa: F401
-        except Exception as e:  # the wheel is not carried in dist/oogc-cuda
-            out["skipped"] = f"oogc's Python module is not importable here: {type(e).__name__}: {e}"
-            return out
-        out["skipped"] = (
-            "oogc.torch.offload takes CPU models: its CUDA path (kDLCUDA unit tensors, the wheel's cuda "
-            "feature) is built but the peer run through it is not written yet"
-        )
-        return out
     torch.manual_seed(1)
-    dev = torch.device("cuda")
+    dev = torch.device(a.device)
+    if a.peer == "oogc":
+        return train_oogc(a, torch, out)
     if a.peer == "resident":
         model = build_model(a, torch).to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-        autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+        autocast = lambda: torch.autocast(a.device, dtype=torch.bfloat16)  # noqa: E731
     elif a.peer == "fsdp2":
         import torch.distributed as dist
 
@@ -178,9 +177,10 @@ def train(a):
         raise SystemExit(f"unknown peer {a.peer}")
     out["params"] = sum(p.numel() for p in model.parameters())
     times = []
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     for step in range(a.warmup + a.steps):
         ids = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device=dev)
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         with autocast():
             loss = model(ids[:, :-1], ids[:, 1:])
@@ -195,12 +195,63 @@ def train(a):
             out["optimizer"] = f"AdamW (foreach) on the CPU; fused failed: {type(e).__name__}: {e}"
             opt.step()
         opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
+        sync()
         if step >= a.warmup:
             times.append(time.perf_counter() - t0)
-        out["loss"] = float(loss)
+        out["loss"] = float(loss.detach())
     step_s = statistics.median(times)
-    out.update(step_s=step_s, tokens_per_s=a.batch * a.seq / step_s, peak_gpu_bytes=torch.cuda.max_memory_allocated())
+    out.update(step_s=step_s, tokens_per_s=a.batch * a.seq / step_s)
+    if dev.type == "cuda":
+        out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    if not math.isfinite(out["loss"]):
+        out["error"] = "non-finite loss"
+    return out
+
+
+def train_oogc(a, torch, out):
+    """The oogc peer: the model's units offloaded by ``oogc.torch.offload``."""
+    try:
+        import oogc.torch
+    except Exception as e:  # the wheel is not installed where this python looks
+        out["skipped"] = f"oogc's Python module is not importable here: {type(e).__name__}: {e}"
+        return out
+    out["oogc"] = getattr(oogc, "__file__", "?")
+    cuda = a.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    # The parameters start on the CPU (offload moves them into the runtime), in the compute dtype.
+    model = build_model(a, torch, recompute=False).to(dtype)
+    params = sum(p.numel() for p in model.parameters())
+    out["params"] = params
+    units = [model.embed_tokens, *model.layers, (model.norm, model.lm_head)]
+    width = 2 if cuda else 4
+    budget = a.gpu_budget or params * (width + 12) // 4
+    out["gpu_budget_bytes"] = budget
+    config = {
+        "device": {"kind": "cuda:0" if cuda else "sim", "link_gbps": 0.0},
+        "budgets": {"gpu": budget, "host": params * 16 + (8 << 30)},
+        "optimizer": {"betas": [0.9, 0.95], "weight_decay": 0.1, "clip_norm": 1.0},
+        "compute_dtype": "bf16" if cuda else "f32",
+    }
+    engine = oogc.torch.offload(model, units, config, lr=3e-4)
+    times = []
+    dev = torch.device(a.device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    for step in range(a.warmup + a.steps):
+        ids = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device=dev)
+        sync()
+        t0 = time.perf_counter()
+        loss = engine(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        stats = engine.step()
+        sync()
+        if step >= a.warmup:
+            times.append(time.perf_counter() - t0)
+        out["loss"] = float(loss.detach())
+        out["h2d_bytes"], out["d2h_bytes"] = stats.get("h2d_bytes"), stats.get("d2h_bytes")
+    step_s = statistics.median(times)
+    out.update(step_s=step_s, tokens_per_s=a.batch * a.seq / step_s)
+    if cuda:
+        out["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     if not math.isfinite(out["loss"]):
         out["error"] = "non-finite loss"
     return out
@@ -216,6 +267,8 @@ def main():
     t.add_argument("--peer", required=True)
     for name in ["hidden", "intermediate", "layers", "heads", "kv-heads", "vocab", "batch", "seq", "steps", "warmup"]:
         t.add_argument(f"--{name}", type=int, required=True)
+    t.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    t.add_argument("--gpu-budget", type=int, default=0)
     a = p.parse_args()
     result = bandwidth(a) if a.mode == "bandwidth" else train(a)
     sys.stdout.write(json.dumps(result) + "\n")

@@ -50,6 +50,8 @@ struct Run {
     bf16: bool,
     device: String,
     composed: bool,
+    /// CUDA: cudarc's per-slice event tracking (`[device] event_tracking`).
+    event_tracking: bool,
     gpu_bytes: u64,
     host_bytes: u64,
     /// NVMe directory for the optimizer state and (with `params_nvme`) the parameters.
@@ -83,6 +85,7 @@ impl Run {
             bf16: false,
             device: ctx.device_name(),
             composed: true,
+            event_tracking: true,
             gpu_bytes: 256 << 20,
             host_bytes: 2 << 30,
             nvme: None,
@@ -132,9 +135,10 @@ impl Run {
             if self.bf16 { "bf16" } else { "f32" }
         );
         s += &format!(
-            "\n[device]\nkind = \"{}\"\nlink_gbps = 0.0\nops = \"{}\"\n",
+            "\n[device]\nkind = \"{}\"\nlink_gbps = 0.0\nops = \"{}\"\nevent_tracking = {}\n",
             self.device,
-            if self.composed { "composed" } else { "auto" }
+            if self.composed { "composed" } else { "auto" },
+            self.event_tracking
         );
         s += &format!("\n[budgets]\ngpu = {}\nhost = {}\n", self.gpu_bytes, self.host_bytes);
         if let Some(dir) = &self.nvme {
@@ -455,7 +459,9 @@ pub(crate) fn throughput(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> 
     let offloaded_budget = state_bytes / 4;
     f.set("gpu_budget_bytes", offloaded_budget);
     f.set("budget_fraction", offloaded_budget as f64 / state_bytes as f64);
+    let started = std::time::Instant::now();
     let offloaded = train(&Run { gpu_bytes: offloaded_budget, ..run.clone() }, false)?;
+    let offloaded_s = started.elapsed().as_secs_f64();
     let tps =
         |r: &RunOut| r.tokens_per_step as f64 / median(&r.stats[WARMUP..].iter().map(|s| s.step_s).collect::<Vec<_>>());
     let (tr, to) = (tps(&resident), tps(&offloaded));
@@ -463,6 +469,18 @@ pub(crate) fn throughput(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> 
     f.set("tokens_per_s_resident", tr);
     f.set("tokens_per_s_offloaded", to);
     f.set("ratio", ratio);
+    // Does cudarc's per-slice event tracking cost anything (issue 25, item 1)? The offloaded run
+    // again with it off, when the time is there; the figure decides `[device] event_tracking`'s
+    // default.
+    if ctx.left_s() > 1.5 * offloaded_s + 10.0 {
+        let untracked = train(&Run { gpu_bytes: offloaded_budget, event_tracking: false, ..run.clone() }, false)?;
+        let tu = tps(&untracked);
+        f.set("tokens_per_s_offloaded_event_tracking_off", tu);
+        f.set("event_tracking_off_vs_on", tu / to);
+        f.note(format!("event tracking off: {tu:.0} tokens/s, {:.3} × with it on", tu / to));
+    } else {
+        f.note(format!("event tracking off: not run ({:.0} s left, the run takes ~{offloaded_s:.0} s)", ctx.left_s()));
+    }
     let split = |r: &RunOut| {
         let s = &r.stats[WARMUP..];
         let m = |g: &dyn Fn(&StepStats) -> f64| median(&s.iter().map(g).collect::<Vec<_>>());

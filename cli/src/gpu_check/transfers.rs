@@ -79,7 +79,7 @@ fn round_trip_run(ctx: &Ctx, dtype: oogc::swapper::DType, f: &mut Figures) -> an
     // activation staging.
     let mut rc = RuntimeConfig::sim(4 * unit_bytes + 2 * act_bytes as u64);
     if let Some(ordinal) = ctx.cuda_ordinal() {
-        rc.device = DeviceSpec::Cuda { ordinal };
+        rc.device = DeviceSpec::Cuda { ordinal, event_tracking: true };
     }
     rc.host_budget_bytes = 4 << 30;
     rc.activation_offload = Some(ActivationOffload { checkpoints: s.units, checkpoint_bytes: act_bytes });
@@ -161,6 +161,7 @@ fn round_trip_run(ctx: &Ctx, dtype: oogc::swapper::DType, f: &mut Figures) -> an
         json!({
             "units": s.units, "unit_bytes": unit_bytes, "activation_bytes": act_bytes,
             "h2d_bytes": traffic.htod.bytes, "d2h_bytes": traffic.dtoh.bytes,
+            "h2d_busy_s": traffic.htod.busy_s, "d2h_busy_s": traffic.dtoh.busy_s,
             "fetch_mismatches": fetch_bad, "gradient_mismatches": grad_bad, "activation_mismatches": act_bad,
             "seconds": started.elapsed().as_secs_f64(),
         }),
@@ -169,6 +170,23 @@ fn round_trip_run(ctx: &Ctx, dtype: oogc::swapper::DType, f: &mut Figures) -> an
         if n > 0 {
             failures.push(format!("{dtype}: {n} {what} elements differ after the round trip"));
         }
+    }
+    // The device counts every copy on its links: the gradients and the activation checkpoints
+    // went D2H outside the residency manager, and must be in the runtime's traffic, with busy
+    // time (on CUDA, from the events around each copy).
+    let pushed = 2 * s.units as u64 * (unit_bytes + act_bytes as u64);
+    if traffic.dtoh.bytes < pushed {
+        failures.push(format!(
+            "{dtype}: the runtime's traffic counts {} bytes D2H, fewer than the {pushed} bytes of gradients and \
+             activation checkpoints copied out",
+            traffic.dtoh.bytes
+        ));
+    }
+    if traffic.htod.busy_s <= 0.0 || traffic.dtoh.busy_s <= 0.0 {
+        failures.push(format!(
+            "{dtype}: no busy time on the links (H2D {} s, D2H {} s)",
+            traffic.htod.busy_s, traffic.dtoh.busy_s
+        ));
     }
     if traffic.htod.bytes < (s.units as u64 + 1) * unit_bytes {
         failures

@@ -38,6 +38,7 @@ pub use cudarc::driver::CudaEvent;
 use super::{CopyEvent, DeviceBackend, DeviceBuffer, Direction, Transfer};
 use crate::error::{Error, Result};
 use crate::host::{HostAllocator, HostBuffer, HostMemory, PAGE_BYTES};
+use crate::metrics::LinkStats;
 use crate::tier::Tier;
 
 /// Bytes of free device memory left to the compute side (kernels, cuBLAS workspace, candle's own
@@ -54,15 +55,59 @@ fn io_err(op: &'static str) -> impl FnOnce(DriverError) -> io::Error {
 
 /// The completion of a copy: the event recorded on the copy stream right after it, shared by the
 /// [`Transfer`] that guards the copy's buffers and by whoever orders the compute stream after it.
-struct CopyDone(Arc<CudaEvent>);
+/// With the timing event recorded just before the copy, it gives the link's busy time: once the
+/// copy is seen complete (queried, waited for, or at the latest when dropped), the time between
+/// the two events goes to the link's [`LinkStats`], once.
+struct CopyDone {
+    end: Arc<CudaEvent>,
+    timing: Option<CopyTiming>,
+}
+
+/// The start of a copy on the copy stream (a timing event) and the link it counts on.
+struct CopyTiming {
+    start: CudaEvent,
+    stats: Arc<LinkStats>,
+    counted: AtomicBool,
+}
+
+impl CopyDone {
+    /// Adds the copy's busy time (end event − start event, measured by the GPU) to its link,
+    /// the first time it is called after the copy completed.
+    fn count_busy(&self) {
+        let Some(t) = &self.timing else { return };
+        if t.counted.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        match t.start.elapsed_ms(&self.end) {
+            Ok(ms) => t.stats.record_busy(std::time::Duration::from_secs_f64(f64::from(ms.max(0.0)) * 1e-3)),
+            Err(e) => tracing::warn!(error = %e, "CUDA: a copy's busy time could not be read from its events"),
+        }
+    }
+}
 
 impl CopyEvent for CopyDone {
     fn query(&self) -> Result<bool> {
-        self.0.try_is_complete().map_err(cuda_err("event query"))
+        let done = self.end.try_is_complete().map_err(cuda_err("event query"))?;
+        if done {
+            self.count_busy();
+        }
+        Ok(done)
     }
 
     fn synchronize(&self) -> Result<()> {
-        self.0.synchronize().map_err(cuda_err("event synchronize"))
+        self.end.synchronize().map_err(cuda_err("event synchronize"))?;
+        self.count_busy();
+        Ok(())
+    }
+}
+
+impl Drop for CopyDone {
+    fn drop(&mut self) {
+        // The transfer synchronised before dropping it (or its copy failed: then nothing is
+        // counted, as `elapsed_ms` fails).
+        if matches!(self.end.try_is_complete(), Ok(true)) {
+            self.count_busy();
+        }
     }
 }
 
@@ -289,6 +334,8 @@ pub struct CudaDevice {
     allocated: Arc<AtomicU64>,
     device_name: String,
     pinned: Arc<CudaPinnedAllocator>,
+    htod_stats: Arc<LinkStats>,
+    dtoh_stats: Arc<LinkStats>,
 }
 
 impl CudaDevice {
@@ -373,7 +420,18 @@ impl CudaDevice {
             allocated: Arc::new(AtomicU64::new(0)),
             device_name,
             pinned,
+            htod_stats: Arc::new(LinkStats::default()),
+            dtoh_stats: Arc::new(LinkStats::default()),
         })
+    }
+
+    /// Bytes, copies and busy time of the copy stream: `(htod, dtoh)`. Every copy of this
+    /// device counts (the residency manager's fetches and write-backs, gradients, activation
+    /// checkpoints, direct calls): its bytes when submitted, its busy time — the time between
+    /// timing events recorded on the copy stream just before and just after it, measured by the
+    /// GPU, so waits for compute before a copy are not counted — once it is seen complete.
+    pub fn link_stats(&self) -> (&LinkStats, &LinkStats) {
+        (&self.htod_stats, &self.dtoh_stats)
     }
 
     /// The CUDA context.
@@ -488,6 +546,23 @@ impl CudaDevice {
         Ok(())
     }
 
+    /// A timing event on the copy stream, recorded just before a copy (after its waits). `None`
+    /// (the copy's busy time not counted, its bytes still are) when the driver refuses it.
+    fn start_timing(&self, direction: Direction, bytes: usize) -> Option<CopyTiming> {
+        let stats = match direction {
+            Direction::Htod => &self.htod_stats,
+            Direction::Dtoh => &self.dtoh_stats,
+        };
+        stats.record_bytes(bytes as u64);
+        match self.copy.record_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)) {
+            Ok(start) => Some(CopyTiming { start, stats: stats.clone(), counted: AtomicBool::new(false) }),
+            Err(e) => {
+                tracing::warn!(error = %e, "CUDA: no timing event for a copy; its busy time is not counted");
+                None
+            }
+        }
+    }
+
     /// Records the copy's event, or, when that fails, waits for the copy stream so the buffers
     /// can be dropped safely with the error.
     fn finish_copy(&self, copied: std::result::Result<(), DriverError>, op: &'static str) -> Result<Arc<CudaEvent>> {
@@ -535,12 +610,13 @@ impl CudaDevice {
         // Safe cudarc call on a plain `&[u8]`: the slice borrow ends when the call returns, while
         // the DMA from pinned memory may go on; the transfer below owns `src` until the event.
         // An empty copy makes no driver call; its event still orders after earlier copies.
+        let timing = self.start_timing(Direction::Htod, bytes);
         let copied = if bytes == 0 { Ok(()) } else { self.copy.memcpy_htod(src.as_slice(), &mut dst.slice) };
         let event = self.finish_copy(copied, "htod")?;
         let transfer = Transfer::from_event(
             Direction::Htod,
             bytes,
-            Box::new(CopyDone(event.clone())),
+            Box::new(CopyDone { end: event.clone(), timing }),
             src,
             DeviceBuffer::Cuda(dst),
         );
@@ -570,13 +646,14 @@ impl CudaDevice {
         let span = tracing::trace_span!("swapper::dtoh", bytes, tier = "host");
         let _enter = span.enter();
         // As in `htod_after`: the transfer owns `dst` until the event, the borrow ends here.
+        let timing = self.start_timing(Direction::Dtoh, bytes);
         let copied =
             if bytes == 0 { Ok(()) } else { self.copy.memcpy_dtoh(&src.slice.slice(0..bytes), dst.as_mut_slice()) };
         let event = self.finish_copy(copied, "dtoh")?;
         let transfer = Transfer::from_event(
             Direction::Dtoh,
             bytes,
-            Box::new(CopyDone(event.clone())),
+            Box::new(CopyDone { end: event.clone(), timing }),
             dst,
             DeviceBuffer::Cuda(src),
         );

@@ -44,6 +44,11 @@ impl CudaDevice {
     }
 
     /// Uninhabited.
+    pub fn link_stats(&self) -> (&crate::metrics::LinkStats, &crate::metrics::LinkStats) {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
     ///
     /// # Errors
     /// Never returns.

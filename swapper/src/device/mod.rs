@@ -432,6 +432,16 @@ impl Device {
         }
     }
 
+    /// Bytes, copies and busy time of the device's links, `(htod, dtoh)`, counting every copy it
+    /// made: the sim's copy engines ([`SimDevice::link_stats`]), or the CUDA copy stream timed by
+    /// events ([`CudaDevice::link_stats`]).
+    pub fn link_stats(&self) -> (&crate::metrics::LinkStats, &crate::metrics::LinkStats) {
+        match self {
+            Device::Sim(d) => d.link_stats(),
+            Device::Cuda(d) => d.link_stats(),
+        }
+    }
+
     /// The host allocator this device copies from fastest.
     pub fn host_allocator(&self, lock: bool) -> Arc<dyn HostAllocator> {
         match self {
