@@ -25,6 +25,7 @@ pub mod checkpoint;
 pub use oogc_models::checksum;
 pub mod config;
 pub mod data;
+pub mod dist;
 pub mod export;
 pub mod hooks;
 pub mod lock;

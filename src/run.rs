@@ -14,9 +14,15 @@ use crate::config::TrainConfig;
 use crate::train::{Result, TrainError, Trainer};
 
 /// candle's CPU compute threads of a run (sim device): `[threads] compute`, else every core
-/// available to the process.
+/// available to the process shared by the ranks on this node (`OMPI_COMM_WORLD_LOCAL_SIZE`
+/// under mpirun), at least one.
 pub fn compute_threads(cfg: &TrainConfig) -> usize {
-    cfg.threads.compute.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
+    cfg.threads.compute.unwrap_or_else(|| {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let local_ranks =
+            std::env::var("OMPI_COMM_WORLD_LOCAL_SIZE").ok().and_then(|s| s.parse::<usize>().ok()).unwrap_or(1);
+        (cores / local_ranks.max(1)).max(1)
+    })
 }
 
 /// Sizes candle's CPU compute pool (sim device) from `[threads] compute` ([`compute_threads`]):
@@ -135,6 +141,10 @@ pub struct StepRecord {
     /// (a copy already on the device, or CPU compute from the host copy).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expert_hit_rate: Option<f64>,
+    /// Data-parallel ranks: each rank's step time, seconds, in rank order (the step's
+    /// `step_s` is rank 0's; `tokens_per_s` counts the global batch over rank 0's time).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rank_step_s: Option<Vec<f64>>,
 }
 
 /// What a run did, printed at the end.
@@ -226,7 +236,17 @@ pub fn gb(bytes: u64) -> String {
 /// # Errors
 /// Whatever [`Trainer`] returns; I/O errors of the metrics file (named).
 pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) -> Result<RunSummary> {
-    let stop_requested = || opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
+    // With ranks, a stop is decided together: any rank's request stops every rank after the
+    // same step (mpirun forwards the signal, but the ranks may see it at different steps).
+    let stop_requested = || {
+        let local = opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
+        if crate::dist::world().size == 1 {
+            return local;
+        }
+        let mut any = [f64::from(u8::from(local))];
+        crate::dist::all_reduce_sum_f64(&mut any);
+        any[0] > 0.0
+    };
     let mut resumed_from = None;
     let mut trainer = match &opts.resume {
         Some(dir) => {
@@ -257,7 +277,9 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
     };
     let last = opts.steps.unwrap_or(cfg.train.steps);
     let first = trainer.step() + 1;
-    let mut metrics = match &cfg.output.metrics {
+    // Data-parallel ranks: rank 0 writes the metrics (with every rank's step time).
+    let world = crate::dist::world();
+    let mut metrics = match cfg.output.metrics.as_ref().filter(|_| world.is_root()) {
         Some(path) => {
             let io =
                 |source| TrainError::Checkpoint(crate::checkpoint::CheckpointError::Io { path: path.clone(), source });
@@ -360,6 +382,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
             expert_h2d_bytes: (!out.routed_tokens.is_empty()).then_some(out.expert_traffic.h2d_bytes),
             expert_hit_rate: (!out.routed_tokens.is_empty())
                 .then(|| out.expert_traffic.hits as f64 / out.expert_traffic.uses.max(1) as f64),
+            rank_step_s: (world.size > 1).then(|| crate::dist::all_gather_f64(s.step_s)),
         };
         if s.skipped {
             observer.line(&format!("step {step}: skipped, a gradient was not finite (norm {})", s.grad_norm));
@@ -607,6 +630,7 @@ mod tests {
             cpu_tokens: None,
             expert_h2d_bytes: None,
             expert_hit_rate: None,
+            rank_step_s: None,
         };
         serde_json::to_string(&r).unwrap() + "\n"
     }

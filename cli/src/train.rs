@@ -70,6 +70,9 @@ fn install_stop_handlers(stop: &Arc<AtomicBool>) -> anyhow::Result<()> {
 }
 
 pub(crate) fn train(cmd: TrainCmd, cfg: TrainConfig) -> anyhow::Result<ExitCode> {
+    // Started by mpirun: MPI is initialised here and finalised when this returns.
+    let _mpi = oogc::dist::init().context("oogc train: setting up the ranks")?;
+    let world = oogc::dist::world();
     let mut cfg = cfg;
     oogc::run::size_compute_threads(&cfg)?;
     if let Some(data) = &cmd.data {
@@ -83,10 +86,22 @@ pub(crate) fn train(cmd: TrainCmd, cfg: TrainConfig) -> anyhow::Result<ExitCode>
         fallback: cmd.fallback,
         stop: Some(stop),
     };
-    let progress = !cmd.no_progress && std::io::IsTerminal::is_terminal(&std::io::stderr());
+    // Rank 0 reports (the progress bar, the summary); the other ranks train quietly.
+    let progress = !cmd.no_progress && world.is_root() && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut bar = ProgressObserver::new(progress);
     let ckpt_dir = cfg.checkpoint.dir.clone();
-    let summary = oogc::run::run(cfg, &opts, &mut bar).context("oogc train")?;
+    let summary = match oogc::run::run(cfg, &opts, &mut bar).context("oogc train") {
+        Ok(s) => s,
+        Err(e) if world.size > 1 => {
+            // The other ranks would wait for this one in their next collective: end them all.
+            eprintln!("rank {} of {}: error: {e:#}", world.rank, world.size);
+            oogc::dist::abort(1)
+        }
+        Err(e) => return Err(e),
+    };
+    if !world.is_root() {
+        return Ok(if summary.stopped { ExitCode::from(EXIT_STOPPED) } else { ExitCode::SUCCESS });
+    }
     if cmd.json {
         println!("{}", serde_json::to_string(&summary)?);
     } else {

@@ -402,12 +402,29 @@ impl<'a> Split<'a> {
     /// Fixed validation batches: evenly spaced windows, the same every evaluation so the losses
     /// are comparable across steps.
     pub fn validation_batches(&self, batches: usize, batch_size: usize, seq_len: usize) -> Vec<Batch> {
-        let windows = batches * batch_size;
+        self.validation_batches_shard(batches, batch_size, seq_len, Shard::WHOLE)
+    }
+
+    /// Shard `shard.rank` of the validation batches of a data-parallel run: the batches of
+    /// `batch_size × shard.ranks` windows one process would evaluate
+    /// ([`Split::validation_batches`]), each cut into `shard.ranks` pieces of `batch_size`
+    /// windows, of which the rank takes piece `shard.rank`.
+    pub fn validation_batches_shard(
+        &self,
+        batches: usize,
+        batch_size: usize,
+        seq_len: usize,
+        shard: Shard,
+    ) -> Vec<Batch> {
+        let (rank, world_size) = (shard.rank, shard.ranks);
+        let global = batch_size * world_size;
+        let windows = batches * global;
         let span = self.len() - seq_len;
         (0..batches)
             .map(|b| {
-                let starts: Vec<usize> =
-                    (0..batch_size).map(|i| ((b * batch_size + i) * span) / windows.max(1)).collect();
+                let starts: Vec<usize> = (rank * batch_size..(rank + 1) * batch_size)
+                    .map(|i| ((b * global + i) * span) / windows.max(1))
+                    .collect();
                 self.batch_at(&starts, seq_len)
             })
             .collect()
@@ -430,6 +447,20 @@ fn overflow_bytes(table: &[u8], index: u64) -> u64 {
         }
     }
     panic!("token {index} has no entry in the token file's overflow table (the file passed its checksum)")
+}
+
+/// Which slice of a global batch a data-parallel rank takes: shard `rank` of `ranks` equal ones.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shard {
+    /// This rank, `0..ranks`.
+    pub rank: usize,
+    /// The world size.
+    pub ranks: usize,
+}
+
+impl Shard {
+    /// The whole batch (a world of one).
+    pub const WHOLE: Shard = Shard { rank: 0, ranks: 1 };
 }
 
 /// Samples random windows of a split with a ChaCha8 generator; its state is serializable so a
@@ -459,9 +490,25 @@ impl Sampler {
     /// # Panics
     /// If `split.len() < seq_len + 1` ([`TextData`] and [`TokenData`] guarantee it is not).
     pub fn sample(&mut self, split: &Split<'_>, batch_size: usize, seq_len: usize) -> Batch {
+        self.sample_shard(split, batch_size, seq_len, Shard::WHOLE)
+    }
+
+    /// Shard `shard.rank` of the next global batch of a data-parallel run: `batch_size ×
+    /// shard.ranks` windows drawn as [`Sampler::sample`] draws them (so every rank's sampler
+    /// stays in the same state, and a checkpoint's sampler is the run's), of which the rank takes
+    /// windows `rank × batch_size .. (rank + 1) × batch_size`. With [`Shard::WHOLE`], the batch
+    /// [`Sampler::sample`] gives; the ranks' shards together are the batch of `batch_size ×
+    /// shard.ranks` that one process would draw.
+    ///
+    /// # Panics
+    /// If `split.len() < seq_len + 1`, or `shard.rank >= shard.ranks`.
+    pub fn sample_shard(&mut self, split: &Split<'_>, batch_size: usize, seq_len: usize, shard: Shard) -> Batch {
+        let (rank, world_size) = (shard.rank, shard.ranks);
         assert!(split.len() > seq_len, "text of {} tokens is shorter than seq_len + 1", split.len());
-        let starts: Vec<usize> = (0..batch_size).map(|_| self.rng.random_range(0..split.len() - seq_len)).collect();
-        split.batch_at(&starts, seq_len)
+        assert!(rank < world_size, "rank {rank} of a world of {world_size}");
+        let starts: Vec<usize> =
+            (0..batch_size * world_size).map(|_| self.rng.random_range(0..split.len() - seq_len)).collect();
+        split.batch_at(&starts[rank * batch_size..(rank + 1) * batch_size], seq_len)
     }
 }
 
@@ -633,6 +680,12 @@ impl Corpus {
         sampler.sample(&self.train(), batch_size, seq_len)
     }
 
+    /// Shard `shard.rank`'s `batch_size` windows of the next global batch of `batch_size ×
+    /// shard.ranks` ([`Sampler::sample_shard`]).
+    pub fn next_batch_shard(&self, sampler: &mut Sampler, batch_size: usize, seq_len: usize, shard: Shard) -> Batch {
+        sampler.sample_shard(&self.train(), batch_size, seq_len, shard)
+    }
+
     /// Fixed validation batches (for bytes, those of [`validation_batches`]).
     pub fn validation_batches(&self, batches: usize, batch_size: usize, seq_len: usize) -> Vec<Batch> {
         self.val().validation_batches(batches, batch_size, seq_len)
@@ -696,6 +749,29 @@ mod tests {
         let v = validation_batches(&data, 2, 3, 8);
         assert_eq!(v.len(), 2);
         assert!(v.iter().all(|b| b.targets.len() == 24));
+    }
+
+    #[test]
+    fn the_ranks_shards_together_are_the_global_batch_and_the_sampler_moves_the_same() {
+        let text: Vec<u8> = (0..1000u32).map(|i| (i * 13 % 251) as u8).collect();
+        let data = TextData::from_bytes(Path::new("t"), text, 0.1, 8).unwrap();
+        let split = Split::bytes(data.train());
+        let mut one = Sampler::new(3);
+        let whole = one.sample(&split, 6, 8);
+        let shards: Vec<(Batch, Sampler)> = (0..3)
+            .map(|rank| {
+                let mut s = Sampler::new(3);
+                (s.sample_shard(&split, 2, 8, Shard { rank, ranks: 3 }), s)
+            })
+            .collect();
+        let inputs: Vec<u32> = shards.iter().flat_map(|(b, _)| b.inputs.clone()).collect();
+        let targets: Vec<u32> = shards.iter().flat_map(|(b, _)| b.targets.clone()).collect();
+        assert_eq!((inputs, targets), (whole.inputs, whole.targets));
+        assert_eq!(shards.iter().map(|(b, _)| b.target_bytes).sum::<u64>(), whole.target_bytes);
+        // Every rank's sampler is where the single process's is: the next global batch agrees.
+        for (_, s) in shards {
+            assert_eq!(s, one);
+        }
     }
 
     #[test]

@@ -173,9 +173,15 @@ impl GradPipe {
         num_bytes: usize,
         make: impl FnOnce() -> Result<Grads>,
     ) -> Result<UpdateHandle> {
+        if crate::dist::world().size > 1 {
+            // The drain thread's reductions of earlier units first: every rank reduces the
+            // units in push order.
+            self.wait_submitted()?;
+        }
         self.shared.optimizer.wait_for_gradient_room();
         let claim = self.shared.ledger.claim(HostUse::Gradients, num_bytes as u64)?;
-        Ok(self.shared.optimizer.submit_claimed(unit.tensor(), make()?, claim)?)
+        let grads = crate::dist::all_reduce_mean_grads(make()?);
+        Ok(self.shared.optimizer.submit_claimed(unit.tensor(), grads, claim)?)
     }
 
     /// Blocks until every queued copy has been submitted (or held), then reports the drain
@@ -251,7 +257,9 @@ fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
         };
         let grads = Grads::from_bytes(job.dtype, host.as_slice());
         drop(host);
-        let grads = match grads {
+        // Data-parallel ranks: the unit's gradients averaged over them before anything sees
+        // them (one reduction per unit, in push order: the same order on every rank).
+        let grads = match grads.map(crate::dist::all_reduce_mean_grads) {
             Ok(g) => g,
             Err(e) => {
                 shared.drain_error.lock().get_or_insert(e.into());

@@ -157,6 +157,29 @@ pub fn lr_schedule(cfg: &TrainConfig) -> oogc_optimizer::LrSchedule {
     }
 }
 
+/// The config of this process's rank: `{rank}` and `{local_rank}` in `[budgets] nvme_dirs`
+/// replaced by its own (DeepSpeed's `nvme_path_per_local_rank`); with several ranks, an NVMe
+/// directory without either gets a `rank{r}` subdirectory, so ranks never share store files,
+/// and only rank 0 keeps `[checkpoint] dir` and `[output] metrics` (the state is the same on
+/// every rank: rank 0's checkpoint is the run's). A world of one is unchanged but for the
+/// placeholders.
+pub fn for_rank(mut cfg: TrainConfig, world: crate::dist::World) -> TrainConfig {
+    for dir in &mut cfg.budgets.nvme_dirs {
+        let s = dir.to_string_lossy().into_owned();
+        let expanded = world.expand(&s);
+        *dir = if expanded != s || world.size == 1 {
+            PathBuf::from(expanded)
+        } else {
+            dir.join(format!("rank{}", world.rank))
+        };
+    }
+    if !world.is_root() {
+        cfg.checkpoint.dir = None;
+        cfg.output.metrics = None;
+    }
+    cfg
+}
+
 /// The runtime's config from the run's config and its model: device, budgets, where the
 /// optimizer state and the parameters live (the NVMe store sized `[budgets] nvme_size`, else by
 /// [`NvmePlan`] over the model's units), prefetch depths, the CPU optimizer, the activation
@@ -407,6 +430,8 @@ pub struct Trainer {
     updates: u64,
     /// MoE: placement, popularity and the routing trace; `None` for a dense model.
     moe: Option<moe::MoeState>,
+    /// This process's rank in a data-parallel run ([`crate::dist::world`]).
+    world: crate::dist::World,
     /// The run's exclusive hold on its checkpoint and NVMe directories (released on drop, after
     /// the runtime has removed its store files).
     _lock: crate::lock::RunLock,
@@ -437,9 +462,23 @@ impl Trainer {
 
     fn build(cfg: TrainConfig, resuming: bool, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
         cfg.validate()?;
+        let world = crate::dist::world();
+        let cfg = for_rank(cfg, world);
         // The model (its shape read, nothing allocated) and the budgets it needs: too small ones
         // are refused before anything is written.
         let model = build_model(&cfg, vocab_size(&cfg)?)?;
+        if world.size > 1 && model.moe().is_some() {
+            return Err(crate::config::ConfigError::Invalid {
+                key: "model".into(),
+                reason: format!(
+                    "a Mixture-of-Experts model over {} ranks: experts across ranks are not supported yet (a rank \
+                     whose expert got no tokens would skip a gradient reduction the others make); run it on \
+                     one process",
+                    world.size
+                ),
+            }
+            .into());
+        }
         // The config's validation refuses micro-batches for MoE-GPT; a Mixtral's experts (from
         // its keys or an init checkpoint's config.json) are known only once the model is.
         cfg.check_moe_support(model.moe().is_some())?;
@@ -513,9 +552,12 @@ impl Trainer {
         // A trunk stays pinned while its experts run (MoE); a tied head uses the embedding.
         rt.set_max_units_in_use(max_units_in_use(&*model));
         rt.check_working_set()?;
-        let val = data.validation_batches(cfg.train.eval_batches, cfg.train.batch_size, cfg.train.seq_len);
+        // This rank's shard of each validation batch (the whole batches in a world of one).
+        let shard = crate::data::Shard { rank: world.rank, ranks: world.size };
+        let val =
+            data.val().validation_batches_shard(cfg.train.eval_batches, cfg.train.batch_size, cfg.train.seq_len, shard);
         let sampler = Sampler::new(cfg.train.seed);
-        Ok(Self { cfg, model, layout, rt, data, sampler, val, step: 0, updates: 0, moe, _lock: lock })
+        Ok(Self { cfg, model, layout, rt, data, sampler, val, step: 0, updates: 0, moe, world, _lock: lock })
     }
 
     /// Resumes from the newest checkpoint in `dir` (or a checkpoint file): parameters, optimizer
@@ -702,7 +744,10 @@ impl Trainer {
         let step = self.step + 1;
         let lr = lr_schedule(&self.cfg).lr(step);
         let (micro, k) = (self.cfg.train.batch_size, self.cfg.train.micro_batches.max(1));
-        let batch = self.data.next_batch(&mut self.sampler, micro * k, self.cfg.train.seq_len);
+        // This rank's windows of the step's global batch (all of it in a world of one).
+        let (rank, ranks) = (self.world.rank, self.world.size);
+        let shard = crate::data::Shard { rank, ranks };
+        let batch = self.data.next_batch_shard(&mut self.sampler, micro * k, self.cfg.train.seq_len, shard);
         let per_micro = batch.inputs.len() / k;
         let split = |ids: &[u32]| ids.chunks(per_micro).map(|c| self.tokens(c)).collect::<Result<Vec<_>>>();
         let inputs = split(&batch.inputs)?;
@@ -803,10 +848,19 @@ impl Trainer {
         if let Some(m) = &mut self.moe {
             m.after_step(step, &routed)?;
         }
+        // The step's loss over the global batch: the ranks' means averaged (equal shards).
+        // Every gradient reduction of the step is done (finish_step waited for them).
+        let loss = if ranks > 1 {
+            let mut l = [loss];
+            crate::dist::all_reduce_sum_f64(&mut l);
+            l[0] / ranks as f64
+        } else {
+            loss
+        };
         Ok(StepOutcome {
             loss,
             lr,
-            tokens: batch.inputs.len(),
+            tokens: batch.inputs.len() * ranks,
             stats,
             aux_loss: aux,
             routed_tokens: routed,
@@ -824,6 +878,8 @@ impl Trainer {
         let model = Arc::clone(&self.model);
         let (embed, head) = (self.layout.embed, self.layout.head);
         let (mut nats, mut targets, mut bytes) = (0.0, 0u64, 0u64);
+        // Each rank evaluates its shard of every validation batch; the sums are the run's.
+        let ranks = self.world.size;
         for b in self.val.clone() {
             let inputs = self.tokens(&b.inputs)?;
             let target_ids = self.tokens(&b.targets)?;
@@ -837,6 +893,11 @@ impl Trainer {
             nats += mean * b.targets.len() as f64;
             targets += b.targets.len() as u64;
             bytes += b.target_bytes;
+        }
+        if ranks > 1 {
+            let mut sums = [nats, targets as f64, bytes as f64];
+            crate::dist::all_reduce_sum_f64(&mut sums);
+            (nats, targets, bytes) = (sums[0], sums[1] as u64, sums[2] as u64);
         }
         Ok(Evaluation {
             nats_per_token: nats / targets.max(1) as f64,

@@ -1,0 +1,288 @@
+//! Data-parallel ranks over MPI (feature `mpi`): the process's place in the run ([`World`]) and
+//! the few host-buffer collectives the trainer needs, through the `mpi` crate (rsmpi) over the
+//! system's Open MPI. A run started without `mpirun` is a world of one, exactly as before, and
+//! every collective is then a no-op.
+//!
+//! | piece | what it is |
+//! |---|---|
+//! | [`init`] | initialises MPI once per process when `mpirun` started it (`MPI_THREAD_MULTIPLE`); keep the returned [`MpiGuard`] alive until the end (dropping it finalises MPI) |
+//! | [`world`] | rank, world size, local rank (`OMPI_COMM_WORLD_*`): a world of one without [`init`] |
+//! | [`all_reduce_mean_grads`] | a unit's gradients averaged over the ranks (summed in f32, divided by the world size, back in their dtype) |
+//! | [`all_reduce_sum_f64`], [`all_gather_f64`], [`barrier`] | the trainer's scalars: losses, validation sums, per-rank figures |
+//!
+//! **Ordering.** MPI collectives on one communicator must be called in the same order on every
+//! rank. Two threads call them: the runtime's gradient drain thread (one reduction per unit, in
+//! the order the backward pushes them, the same on every rank) and the trainer's thread (between
+//! steps only: after `finish_step`, which waits until the drain thread submitted every gradient
+//! of the step). A process-wide lock keeps any two calls from overlapping.
+//!
+//! Without the `mpi` feature the binary needs no MPI library (the CUDA bundle, a machine without
+//! Open MPI); started by `mpirun` with more than one rank it refuses to run ([`DistError`]),
+//! naming the rebuild that fixes it.
+
+use std::sync::OnceLock;
+
+use oogc_optimizer::Grads;
+use serde::Serialize;
+
+/// This process's place in a data-parallel run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct World {
+    /// This process's rank, `0..size`.
+    pub rank: usize,
+    /// Ranks in the run (the world size).
+    pub size: usize,
+    /// The rank among the ranks on this node (picks `cuda:{local_rank}` and `{local_rank}` in
+    /// NVMe paths).
+    pub local_rank: usize,
+}
+
+impl World {
+    /// A run of one process.
+    pub const SINGLE: World = World { rank: 0, size: 1, local_rank: 0 };
+
+    /// Whether this is rank 0, the one that writes metrics and checkpoints.
+    pub fn is_root(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// `path` with `{rank}` and `{local_rank}` replaced by this process's (per-rank NVMe
+    /// directories, as DeepSpeed's `nvme_path_per_local_rank`).
+    pub fn expand(&self, path: &str) -> String {
+        path.replace("{rank}", &self.rank.to_string()).replace("{local_rank}", &self.local_rank.to_string())
+    }
+}
+
+/// Why the ranks could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    /// Started by `mpirun` with several ranks, without MPI compiled in.
+    #[error(
+        "started by mpirun as rank {rank} of {size}, but this oogc was built without the `mpi` feature, so \
+         every rank would train alone: rebuild with `cargo build --release --features mpi` (needs Open MPI \
+         and libclang: `apt-get install openmpi-bin libopenmpi-dev libclang-dev`), or run one process"
+    )]
+    NotBuiltWithMpi {
+        /// This process's rank.
+        rank: usize,
+        /// The world size mpirun announced.
+        size: usize,
+    },
+    /// MPI was initialised already (by another library, or [`init`] called twice).
+    #[error("MPI is already initialised in this process: call oogc::dist::init once, before any other MPI use")]
+    AlreadyInitialized,
+    /// The MPI library cannot give the thread support the runtime needs.
+    #[error(
+        "the MPI library grants thread level {granted}, the runtime needs MPI_THREAD_SERIALIZED at least \
+         (its gradient thread and the trainer call collectives): use an MPI built with thread support \
+         (Open MPI does)"
+    )]
+    ThreadLevel {
+        /// The level granted.
+        granted: String,
+    },
+    /// `OMPI_COMM_WORLD_*` and what MPI reports disagree.
+    #[error("mpirun's environment says rank {env_rank} of {env_size}, MPI says rank {rank} of {size}")]
+    Mismatch {
+        /// From the environment.
+        env_rank: usize,
+        /// From the environment.
+        env_size: usize,
+        /// From MPI.
+        rank: usize,
+        /// From MPI.
+        size: usize,
+    },
+}
+
+static WORLD: OnceLock<World> = OnceLock::new();
+
+/// Serialises this process's collectives (see the module docs).
+#[cfg(feature = "mpi")]
+static COLLECTIVE: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+/// This process's world: the one [`init`] set up, else a world of one.
+pub fn world() -> World {
+    WORLD.get().copied().unwrap_or(World::SINGLE)
+}
+
+/// What `mpirun` (Open MPI) announced in this process's environment — `OMPI_COMM_WORLD_RANK`,
+/// `OMPI_COMM_WORLD_SIZE`, `OMPI_COMM_WORLD_LOCAL_RANK` — without initialising MPI; `None` when
+/// not started by it.
+pub fn launched_by_mpirun() -> Option<World> {
+    let var = |k: &str| std::env::var(k).ok()?.parse::<usize>().ok();
+    let size = var("OMPI_COMM_WORLD_SIZE")?;
+    let rank = var("OMPI_COMM_WORLD_RANK")?;
+    Some(World { rank, size, local_rank: var("OMPI_COMM_WORLD_LOCAL_RANK").unwrap_or(rank) })
+}
+
+/// Keeps MPI initialised; finalises it when dropped. Hold it for the whole run, on the thread
+/// that called [`init`] (it is neither `Send` nor `Sync`).
+pub struct MpiGuard {
+    #[cfg(feature = "mpi")]
+    _universe: Option<mpi::environment::Universe>,
+    _not_send: std::marker::PhantomData<*const ()>,
+}
+
+impl std::fmt::Debug for MpiGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MpiGuard").field("world", &world()).finish()
+    }
+}
+
+/// Sets up this process's world: when `mpirun` started it (with the `mpi` feature), initialises
+/// MPI with `MPI_THREAD_MULTIPLE` and reads rank and size from it; otherwise a world of one (no
+/// MPI call at all). Call once, first thing, and keep the guard until the end of `main`.
+///
+/// # Errors
+/// [`DistError::NotBuiltWithMpi`] when started by `mpirun` with more than one rank without the
+/// `mpi` feature; [`DistError::AlreadyInitialized`], [`DistError::ThreadLevel`],
+/// [`DistError::Mismatch`] from MPI.
+pub fn init() -> Result<MpiGuard, DistError> {
+    let none = || MpiGuard {
+        #[cfg(feature = "mpi")]
+        _universe: None,
+        _not_send: std::marker::PhantomData,
+    };
+    let Some(env) = launched_by_mpirun() else { return Ok(none()) };
+    #[cfg(not(feature = "mpi"))]
+    {
+        if env.size > 1 {
+            return Err(DistError::NotBuiltWithMpi { rank: env.rank, size: env.size });
+        }
+        Ok(none())
+    }
+    #[cfg(feature = "mpi")]
+    {
+        use mpi::traits::Communicator;
+        let (universe, granted) =
+            mpi::initialize_with_threading(mpi::Threading::Multiple).ok_or(DistError::AlreadyInitialized)?;
+        if granted < mpi::Threading::Serialized {
+            return Err(DistError::ThreadLevel { granted: format!("{granted:?}") });
+        }
+        let comm = universe.world();
+        let (rank, size) = (comm.rank() as usize, comm.size() as usize);
+        if rank != env.rank || size != env.size {
+            return Err(DistError::Mismatch { env_rank: env.rank, env_size: env.size, rank, size });
+        }
+        let world = World { rank, size, local_rank: env.local_rank };
+        WORLD.set(world).map_err(|_| DistError::AlreadyInitialized)?;
+        tracing::info!(rank, size, local_rank = world.local_rank, "MPI initialised");
+        Ok(MpiGuard { _universe: Some(universe), _not_send: std::marker::PhantomData })
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn comm() -> mpi::topology::SimpleCommunicator {
+    mpi::topology::SimpleCommunicator::world()
+}
+
+/// `values` summed over the ranks, in place (f64). A no-op in a world of one.
+pub fn all_reduce_sum_f64(values: &mut [f64]) {
+    #[cfg(feature = "mpi")]
+    if world().size > 1 && !values.is_empty() {
+        use mpi::collective::SystemOperation;
+        use mpi::traits::CommunicatorCollectives;
+        let _one = COLLECTIVE.lock();
+        let send = values.to_vec();
+        comm().all_reduce_into(&send[..], values, SystemOperation::sum());
+    }
+    #[cfg(not(feature = "mpi"))]
+    let _ = values;
+}
+
+/// `value` of every rank, in rank order (`[value]` in a world of one).
+pub fn all_gather_f64(value: f64) -> Vec<f64> {
+    let size = world().size;
+    if size == 1 {
+        return vec![value];
+    }
+    #[cfg_attr(not(feature = "mpi"), allow(unused_mut))]
+    let mut out = vec![0.0; size];
+    #[cfg(feature = "mpi")]
+    {
+        use mpi::traits::CommunicatorCollectives;
+        let _one = COLLECTIVE.lock();
+        comm().all_gather_into(&value, &mut out[..]);
+    }
+    out
+}
+
+/// Ends every rank of the run now (`MPI_Abort` with `code`): what a rank that failed does, so
+/// that the others do not wait forever in their next collective (nor in `MPI_Finalize`). In a
+/// world of one, exits the process with `code`.
+pub fn abort(code: i32) -> ! {
+    #[cfg(feature = "mpi")]
+    if world().size > 1 {
+        use mpi::traits::Communicator;
+        comm().abort(code)
+    }
+    std::process::exit(code)
+}
+
+/// Waits until every rank got here. A no-op in a world of one.
+pub fn barrier() {
+    #[cfg(feature = "mpi")]
+    if world().size > 1 {
+        use mpi::traits::CommunicatorCollectives;
+        let _one = COLLECTIVE.lock();
+        comm().barrier();
+    }
+}
+
+/// A unit's gradients averaged over the ranks: summed in f32 (whatever their dtype, as FSDP's
+/// `reduce_dtype = float32`), divided by the world size, and returned in their own dtype
+/// (rounded to nearest even for bf16/f16), so every rank submits the same values to its
+/// optimizer and takes the same clipping and skip decisions. Unchanged in a world of one.
+pub fn all_reduce_mean_grads(grads: Grads) -> Grads {
+    let size = world().size;
+    if size == 1 {
+        return grads;
+    }
+    let dtype = grads.dtype();
+    let mut sum = match Grads::converted(grads.as_slice(), oogc_swapper::DType::F32) {
+        Grads::F32(v) => v,
+        _ => unreachable!("converted to f32"),
+    };
+    #[cfg(feature = "mpi")]
+    {
+        use mpi::collective::SystemOperation;
+        use mpi::traits::CommunicatorCollectives;
+        let _one = COLLECTIVE.lock();
+        let send = std::mem::take(&mut sum);
+        sum = vec![0.0f32; send.len()];
+        comm().all_reduce_into(&send[..], &mut sum[..], SystemOperation::sum());
+    }
+    let inv = 1.0 / size as f32;
+    sum.iter_mut().for_each(|g| *g *= inv);
+    let mean = Grads::F32(sum);
+    if dtype == oogc_swapper::DType::F32 {
+        mean
+    } else {
+        Grads::converted(mean.as_slice(), dtype)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_world_of_one_leaves_everything_as_it_is() {
+        // No mpirun in the test's environment: no MPI call is made.
+        assert_eq!(world(), World::SINGLE);
+        let g = Grads::F32(vec![1.5, -2.0]);
+        assert_eq!(all_reduce_mean_grads(g.clone()), g);
+        let mut v = [3.0, 4.0];
+        all_reduce_sum_f64(&mut v);
+        assert_eq!(v, [3.0, 4.0]);
+        assert_eq!(all_gather_f64(7.0), vec![7.0]);
+    }
+
+    #[test]
+    fn rank_placeholders_expand_in_paths() {
+        let w = World { rank: 3, size: 4, local_rank: 1 };
+        assert_eq!(w.expand("/nvme{local_rank}/oogc/rank{rank}"), "/nvme1/oogc/rank3");
+        assert_eq!(World::SINGLE.expand("/nvme/oogc"), "/nvme/oogc");
+    }
+}

@@ -1,0 +1,126 @@
+//! Data-parallel ranks over MPI (`src/dist.rs`) against their oracle: one process with the whole
+//! batch. The test starts itself under `mpirun -np 2` (each rank runs this test binary filtered
+//! to the test, sees `OMPI_COMM_WORLD_*` and trains its half of every batch), then compares
+//! what the ranks wrote with a single process trained on the global batch. Needs the `mpi`
+//! feature and Open MPI (`.ci/run` installs it and runs `cargo test -p oogc --features mpi --test
+//! ranks`); without the feature the test says it skipped and why.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use oogc::config::TrainConfig;
+use oogc::train::Trainer;
+
+const STEPS: u64 = 8;
+const RANKS: usize = 2;
+
+/// The tiny Llama with state on NVMe and a clip norm the gradients exceed (so the global norm
+/// decides every step's scale), `batch_size` windows per rank.
+fn config(dir: &Path, batch_size: usize) -> TrainConfig {
+    let text = common::tiny_llama(&dir.join("nvme"), &dir.join("cache"))
+        .replace("batch_size = 4", &format!("batch_size = {batch_size}"))
+        .replace("steps = 12", &format!("steps = {STEPS}"));
+    TrainConfig::from_toml_str(&text).expect("config")
+}
+
+/// What a run gave: each step's loss and grad norm, the validation loss, the master weights.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Outcome {
+    losses: Vec<f64>,
+    grad_norms: Vec<f64>,
+    val: f64,
+    masters: Vec<Vec<f32>>,
+}
+
+fn train(cfg: TrainConfig) -> Outcome {
+    let mut t = Trainer::new(cfg).expect("trainer");
+    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
+    for _ in 0..STEPS {
+        let o = t.train_step().expect("step");
+        losses.push(o.loss);
+        grad_norms.push(o.stats.grad_norm);
+    }
+    let val = t.evaluate().expect("evaluate").nats_per_token;
+    Outcome { losses, grad_norms, val, masters: t.master_weights().expect("masters") }
+}
+
+/// One rank of the `mpirun` run: trains its shard and writes its outcome.
+fn rank_main(out: &Path) {
+    let _mpi = oogc::dist::init().expect("MPI");
+    let world = oogc::dist::world();
+    assert_eq!(world.size, RANKS, "started with -np {RANKS}");
+    let outcome = train(config(out, 4 / RANKS));
+    let path = out.join(format!("rank{}.json", world.rank));
+    std::fs::write(path, serde_json::to_vec(&outcome).unwrap()).unwrap();
+}
+
+fn mpirun() -> Option<PathBuf> {
+    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join("mpirun")).find(|p| p.exists())
+}
+
+#[test]
+fn two_ranks_train_as_one_process_with_the_whole_batch() {
+    if oogc::dist::launched_by_mpirun().is_some() {
+        let out = PathBuf::from(std::env::var("OOGC_RANKS_OUT").expect("OOGC_RANKS_OUT set by the parent"));
+        rank_main(&out);
+        return;
+    }
+    if !cfg!(feature = "mpi") {
+        eprintln!(
+            "SKIPPED two_ranks_train_as_one_process_with_the_whole_batch: built without the `mpi` feature \
+             (run `cargo test -p oogc --features mpi --test ranks`, with Open MPI installed, as .ci/run does)"
+        );
+        return;
+    }
+    let mpirun = mpirun().expect("mpirun not on PATH: install Open MPI (apt-get install openmpi-bin libopenmpi-dev)");
+    let dir = tempfile::tempdir().unwrap();
+    let ranks_dir = dir.path().join("ranks");
+    std::fs::create_dir_all(&ranks_dir).unwrap();
+    let status = std::process::Command::new(mpirun)
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", &RANKS.to_string()])
+        .args(["-x", "OOGC_RANKS_OUT", "-x", "RAYON_NUM_THREADS=1", "-x", "OMPI_MCA_plm=isolated"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--exact", "two_ranks_train_as_one_process_with_the_whole_batch", "--nocapture", "--test-threads=1"])
+        .env("OOGC_RANKS_OUT", &ranks_dir)
+        .env("OMPI_MCA_plm", "isolated")
+        .status()
+        .expect("mpirun starts");
+    assert!(status.success(), "mpirun -np {RANKS}: {status}");
+    let read = |r: usize| -> Outcome {
+        serde_json::from_slice(&std::fs::read(ranks_dir.join(format!("rank{r}.json"))).expect("rank wrote its outcome"))
+            .unwrap()
+    };
+    let ranks: Vec<Outcome> = (0..RANKS).map(read).collect();
+    // Every rank ends with the same parameters: the same averaged gradients, the same clip scale.
+    for (r, o) in ranks.iter().enumerate().skip(1) {
+        assert!(o.masters == ranks[0].masters, "rank {r}'s master weights differ from rank 0's");
+        assert_eq!(o.losses, ranks[0].losses, "rank {r} reports other losses");
+        assert_eq!(o.val, ranks[0].val);
+    }
+    // The oracle: one process, the whole batch (the ranks' shards together), the same steps.
+    let one = train(config(&dir.path().join("one"), 4));
+    let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-12);
+    for (s, (a, b)) in ranks[0].losses.iter().zip(&one.losses).enumerate() {
+        assert!(rel(*a, *b) < 1e-5, "step {}: loss {a} over 2 ranks, {b} in one process", s + 1);
+    }
+    for (s, (a, b)) in ranks[0].grad_norms.iter().zip(&one.grad_norms).enumerate() {
+        assert!(rel(*a, *b) < 1e-4, "step {}: grad norm {a} over 2 ranks, {b} in one process", s + 1);
+    }
+    assert!(rel(ranks[0].val, one.val) < 1e-5, "validation {} vs {}", ranks[0].val, one.val);
+    // Parameters: the reductions sum in another order (rank means, then their mean), so not
+    // bitwise; within Adam's amplification of float rounding over STEPS steps.
+    let mut worst = 0f32;
+    for (a, b) in ranks[0].masters.iter().flatten().zip(one.masters.iter().flatten()) {
+        worst = worst.max((a - b).abs());
+    }
+    assert!(worst < 1e-4, "master weights differ by up to {worst}");
+    // And the run moved them: the comparison is not between two untouched initialisations.
+    let init = train_zero_steps(&dir.path().join("init"));
+    let moved = one.masters.iter().flatten().zip(init.iter().flatten()).filter(|(a, b)| a != b).count();
+    assert!(moved > 0, "training changed no parameter");
+}
+
+fn train_zero_steps(dir: &Path) -> Vec<Vec<f32>> {
+    Trainer::new(config(dir, 4)).unwrap().master_weights().unwrap()
+}
