@@ -7,14 +7,26 @@
 //! |---|---|
 //! | [`init`] | initialises MPI once per process when `mpirun` started it (`MPI_THREAD_MULTIPLE`); keep the returned [`MpiGuard`] alive until the end (dropping it finalises MPI) |
 //! | [`world`] | rank, world size, local rank (`OMPI_COMM_WORLD_*`): a world of one without [`init`] |
-//! | [`all_reduce_mean_grads`] | a unit's gradients averaged over the ranks (summed in f32, divided by the world size, back in their dtype) |
-//! | [`all_reduce_sum_f64`], [`all_gather_f64`], [`barrier`] | the trainer's scalars: losses, validation sums, per-rank figures |
+//! | [`shard_range`] | the elements of a unit whose master weights and Adam state a rank holds (ZeRO-style: `⌈numel / ranks⌉` each, in rank order) |
+//! | [`reduce_scatter_mean_grads`] | this rank's shard of a unit's gradients averaged over the ranks (summed in f32, divided by the world size, back in their dtype) |
+//! | [`all_gather_shards`] | a unit's bytes (a compute copy, master weights) from every rank's shard |
+//! | [`all_reduce_sum_f64`], [`all_gather_f64`], [`barrier`] | the trainer's scalars: losses, validation sums, per-rank figures, the global norm |
+//!
+//! **Sharding (ZeRO-style).** With more than one rank the runtime's optimizer holds only this
+//! rank's [`shard_range`] of every unit: its fp32 master weights and Adam state (host or NVMe),
+//! its gradients (a reduce-scatter of each unit's), its update. The compute copies stay whole on
+//! every rank: `Runtime::finish_step` all-gathers each updated unit's new compute copy from the
+//! ranks' shards, and the global norm is an all-reduce of the shards' sums of squares
+//! (`PipelinedOptimizer::set_norm_reduce`), so clipping and the non-finite skip are the same
+//! everywhere. A checkpoint gathers the state (every rank takes part, rank 0 writes it); a
+//! checkpoint of any world size loads, each rank taking its shard.
 //!
 //! **Ordering.** MPI collectives on one communicator must be called in the same order on every
-//! rank. Two threads call them: the runtime's gradient drain thread (one reduction per unit, in
-//! the order the backward pushes them, the same on every rank) and the trainer's thread (between
-//! steps only: after `finish_step`, which waits until the drain thread submitted every gradient
-//! of the step). A process-wide lock keeps any two calls from overlapping.
+//! rank. Two threads call them: the runtime's gradient drain thread (one reduce-scatter per unit,
+//! in the order the backward pushes them, the same on every rank) and the trainer's thread (the
+//! norm and the all-gathers in `finish_step`, after it waited until the drain thread submitted
+//! every gradient of the step; the loss, validation and checkpoint gathers between steps). A
+//! process-wide lock keeps any two calls from overlapping.
 //!
 //! Without the `mpi` feature the binary needs no MPI library (the CUDA bundle, a machine without
 //! Open MPI); started by `mpirun` with more than one rank it refuses to run ([`DistError`]),
@@ -230,37 +242,78 @@ pub fn barrier() {
     }
 }
 
-/// A unit's gradients averaged over the ranks: summed in f32 (whatever their dtype, as FSDP's
-/// `reduce_dtype = float32`), divided by the world size, and returned in their own dtype
-/// (rounded to nearest even for bf16/f16), so every rank submits the same values to its
-/// optimizer and takes the same clipping and skip decisions. Unchanged in a world of one.
-pub fn all_reduce_mean_grads(grads: Grads) -> Grads {
-    let size = world().size;
-    if size == 1 {
+/// The elements of a flat unit of `numel` that rank `rank` of `ranks` owns (its master
+/// weights, Adam state and update, ZeRO-style): `⌈numel / ranks⌉` per rank, the last ones
+/// shorter (or empty), together the whole unit in rank order.
+pub fn shard_range(numel: usize, rank: usize, ranks: usize) -> std::ops::Range<usize> {
+    let per = numel.div_ceil(ranks.max(1));
+    (rank * per).min(numel)..((rank + 1) * per).min(numel)
+}
+
+/// This rank's shard ([`shard_range`]) of a unit's gradients averaged over the ranks: a
+/// reduce-scatter (`MPI_Reduce_scatter_block`, summed in f32, the unit padded to equal blocks),
+/// divided by the world size, returned in the gradients' dtype. The whole gradients, unchanged,
+/// in a world of one.
+pub fn reduce_scatter_mean_grads(grads: Grads) -> Grads {
+    let world = world();
+    if world.size == 1 {
         return grads;
     }
     let dtype = grads.dtype();
-    let mut sum = match Grads::converted(grads.as_slice(), oogc_swapper::DType::F32) {
+    let numel = grads.len();
+    let per = numel.div_ceil(world.size);
+    let mut send = match Grads::converted(grads.as_slice(), oogc_swapper::DType::F32) {
         Grads::F32(v) => v,
         _ => unreachable!("converted to f32"),
     };
+    send.resize(per * world.size, 0.0);
+    #[cfg_attr(not(feature = "mpi"), allow(unused_mut))]
+    let mut mine = vec![0.0f32; per];
     #[cfg(feature = "mpi")]
     {
         use mpi::collective::SystemOperation;
         use mpi::traits::CommunicatorCollectives;
         let _one = COLLECTIVE.lock();
-        let send = std::mem::take(&mut sum);
-        sum = vec![0.0f32; send.len()];
-        comm().all_reduce_into(&send[..], &mut sum[..], SystemOperation::sum());
+        comm().reduce_scatter_block_into(&send[..], &mut mine[..], SystemOperation::sum());
     }
-    let inv = 1.0 / size as f32;
-    sum.iter_mut().for_each(|g| *g *= inv);
-    let mean = Grads::F32(sum);
+    mine.truncate(shard_range(numel, world.rank, world.size).len());
+    let inv = 1.0 / world.size as f32;
+    mine.iter_mut().for_each(|g| *g *= inv);
+    let mean = Grads::F32(mine);
     if dtype == oogc_swapper::DType::F32 {
         mean
     } else {
         Grads::converted(mean.as_slice(), dtype)
     }
+}
+
+/// A unit of `numel` elements of `elem_bytes` bytes each, gathered from every rank's shard
+/// ([`shard_range`]; `shard` is this rank's, `shard.len() == range.len() × elem_bytes`): an
+/// all-gather of equal padded blocks, `numel × elem_bytes` bytes in rank order. `shard` itself
+/// in a world of one.
+///
+/// # Panics
+/// When `shard` is not this rank's shard's size.
+pub fn all_gather_shards(shard: &[u8], numel: usize, elem_bytes: usize) -> Vec<u8> {
+    let world = world();
+    let range = shard_range(numel, world.rank, world.size);
+    assert_eq!(shard.len(), range.len() * elem_bytes, "rank {}'s shard of a unit of {numel}", world.rank);
+    if world.size == 1 {
+        return shard.to_vec();
+    }
+    let block = numel.div_ceil(world.size) * elem_bytes;
+    let mut send = shard.to_vec();
+    send.resize(block, 0);
+    #[cfg_attr(not(feature = "mpi"), allow(unused_mut))]
+    let mut all = vec![0u8; block * world.size];
+    #[cfg(feature = "mpi")]
+    {
+        use mpi::traits::CommunicatorCollectives;
+        let _one = COLLECTIVE.lock();
+        comm().all_gather_into(&send[..], &mut all[..]);
+    }
+    all.truncate(numel * elem_bytes);
+    all
 }
 
 #[cfg(test)]
@@ -272,11 +325,26 @@ mod tests {
         // No mpirun in the test's environment: no MPI call is made.
         assert_eq!(world(), World::SINGLE);
         let g = Grads::F32(vec![1.5, -2.0]);
-        assert_eq!(all_reduce_mean_grads(g.clone()), g);
+        assert_eq!(reduce_scatter_mean_grads(g.clone()), g);
+        assert_eq!(all_gather_shards(&[1, 2, 3, 4], 2, 2), vec![1, 2, 3, 4]);
         let mut v = [3.0, 4.0];
         all_reduce_sum_f64(&mut v);
         assert_eq!(v, [3.0, 4.0]);
         assert_eq!(all_gather_f64(7.0), vec![7.0]);
+    }
+
+    #[test]
+    fn the_shards_cover_a_unit_once_in_rank_order() {
+        for (numel, ranks) in [(10, 3), (9, 3), (1, 4), (0, 2), (7, 1), (5, 8)] {
+            let mut next = 0;
+            for rank in 0..ranks {
+                let r = shard_range(numel, rank, ranks);
+                assert_eq!(r.start, next, "numel {numel}, rank {rank} of {ranks}");
+                assert!(r.len() <= numel.div_ceil(ranks));
+                next = r.end;
+            }
+            assert_eq!(next, numel, "numel {numel} over {ranks} ranks");
+        }
     }
 
     #[test]

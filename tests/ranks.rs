@@ -24,13 +24,39 @@ fn config(dir: &Path, batch_size: usize) -> TrainConfig {
     TrainConfig::from_toml_str(&text).expect("config")
 }
 
-/// What a run gave: each step's loss and grad norm, the validation loss, the master weights.
+/// [`config`] writing checkpoints into `ckpt`.
+fn config_with_checkpoints(dir: &Path, batch_size: usize, ckpt: &Path) -> TrainConfig {
+    let mut cfg = config(dir, batch_size);
+    cfg.checkpoint.dir = Some(ckpt.to_path_buf());
+    cfg
+}
+
+/// The second half of a run resumed from `from` (a checkpoint of step STEPS / 2), with a
+/// checkpoint of its own written at its end into `ckpt`.
+fn train_resumed(cfg: TrainConfig, from: &Path) -> Outcome {
+    let mut t = Trainer::resume(cfg, from).expect("resume");
+    assert_eq!(t.step(), STEPS / 2);
+    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
+    while t.step() < STEPS {
+        let o = t.train_step().expect("step");
+        losses.push(o.loss);
+        grad_norms.push(o.stats.grad_norm);
+    }
+    t.save_checkpoint().expect("checkpoint");
+    let val = t.evaluate().expect("evaluate").nats_per_token;
+    let state_nvme_bytes = t.runtime().optimizer_nvme_bytes();
+    Outcome { losses, grad_norms, val, masters: t.master_weights().expect("masters"), state_nvme_bytes }
+}
+
+/// What a run gave: each step's loss and grad norm, the validation loss, the master weights
+/// (gathered from the ranks' shards), the NVMe bytes of this process's optimizer state.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Outcome {
     losses: Vec<f64>,
     grad_norms: Vec<f64>,
     val: f64,
     masters: Vec<Vec<f32>>,
+    state_nvme_bytes: u64,
 }
 
 fn train(cfg: TrainConfig) -> Outcome {
@@ -42,7 +68,8 @@ fn train(cfg: TrainConfig) -> Outcome {
         grad_norms.push(o.stats.grad_norm);
     }
     let val = t.evaluate().expect("evaluate").nats_per_token;
-    Outcome { losses, grad_norms, val, masters: t.master_weights().expect("masters") }
+    let state_nvme_bytes = t.runtime().optimizer_nvme_bytes();
+    Outcome { losses, grad_norms, val, masters: t.master_weights().expect("masters"), state_nvme_bytes }
 }
 
 /// One rank of the `mpirun` run: trains its shard and writes its outcome.
@@ -52,6 +79,11 @@ fn rank_main(out: &Path) {
     assert_eq!(world.size, RANKS, "started with -np {RANKS}");
     let outcome = train(config(out, 4 / RANKS));
     let path = out.join(format!("rank{}.json", world.rank));
+    std::fs::write(path, serde_json::to_vec(&outcome).unwrap()).unwrap();
+    // Resumed at another world size: the one process's checkpoint of step STEPS / 2, re-sharded.
+    let cfg = config_with_checkpoints(&out.join("resumed"), 4 / RANKS, &out.join("ckpt-ranks"));
+    let outcome = train_resumed(cfg, &out.join("ckpt-one"));
+    let path = out.join(format!("rank{}-resumed.json", world.rank));
     std::fs::write(path, serde_json::to_vec(&outcome).unwrap()).unwrap();
 }
 
@@ -77,6 +109,15 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     let dir = tempfile::tempdir().unwrap();
     let ranks_dir = dir.path().join("ranks");
     std::fs::create_dir_all(&ranks_dir).unwrap();
+    // A checkpoint of step STEPS / 2 from one process, for the ranks to resume from.
+    {
+        let mut t = Trainer::new(config_with_checkpoints(&dir.path().join("half"), 4, &ranks_dir.join("ckpt-one")))
+            .expect("trainer");
+        for _ in 0..STEPS / 2 {
+            t.train_step().expect("step");
+        }
+        t.save_checkpoint().expect("checkpoint");
+    }
     let status = std::process::Command::new(mpirun)
         .args(["--allow-run-as-root", "--oversubscribe", "-np", &RANKS.to_string()])
         .args(["-x", "OOGC_RANKS_OUT", "-x", "RAYON_NUM_THREADS=1", "-x", "OMPI_MCA_plm=isolated"])
@@ -115,6 +156,52 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
         worst = worst.max((a - b).abs());
     }
     assert!(worst < 1e-4, "master weights differ by up to {worst}");
+    // ZeRO-style sharding: each rank's optimizer state (on NVMe here) is its share of the
+    // one process's, not all of it.
+    for (r, o) in ranks.iter().enumerate() {
+        let share = o.state_nvme_bytes as f64 / one.state_nvme_bytes as f64;
+        assert!(
+            share < 0.6,
+            "rank {r} holds {} bytes of optimizer state on NVMe, {share:.2} × the one process's {}",
+            o.state_nvme_bytes,
+            one.state_nvme_bytes
+        );
+    }
+    let max_rel = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| rel(*x, *y)).fold(0.0, f64::max);
+    eprintln!(
+        "{RANKS} ranks vs one process, {STEPS} steps: losses ≤ {:.1e} rel., grad norms ≤ {:.1e} rel., \
+         validation {:.1e} rel., master weights ≤ {worst:.1e}; optimizer state on NVMe per rank {:?} of {} bytes",
+        max_rel(&ranks[0].losses, &one.losses),
+        max_rel(&ranks[0].grad_norms, &one.grad_norms),
+        rel(ranks[0].val, one.val),
+        ranks.iter().map(|o| o.state_nvme_bytes).collect::<Vec<_>>(),
+        one.state_nvme_bytes
+    );
+    // Resumed on 2 ranks from one process's checkpoint: the second half of the one process's
+    // run; and the checkpoint rank 0 wrote holds the state the ranks gathered, bit for bit.
+    let resumed: Vec<Outcome> = (0..RANKS)
+        .map(|r| {
+            serde_json::from_slice(&std::fs::read(ranks_dir.join(format!("rank{r}-resumed.json"))).unwrap()).unwrap()
+        })
+        .collect();
+    assert!(resumed[1].masters == resumed[0].masters, "resumed ranks differ");
+    for (s, (a, b)) in resumed[0].losses.iter().zip(&one.losses[STEPS as usize / 2..]).enumerate() {
+        assert!(
+            rel(*a, *b) < 1e-5,
+            "resumed step {}: loss {a} over 2 ranks, {b} in one process",
+            s as u64 + 1 + STEPS / 2
+        );
+    }
+    let mut worst_resumed = 0f32;
+    for (a, b) in resumed[0].masters.iter().flatten().zip(one.masters.iter().flatten()) {
+        worst_resumed = worst_resumed.max((a - b).abs());
+    }
+    assert!(worst_resumed < 1e-4, "resumed master weights differ by up to {worst_resumed}");
+    let written = Trainer::resume(config(&dir.path().join("reload"), 4), &ranks_dir.join("ckpt-ranks"))
+        .expect("the ranks' checkpoint loads in one process")
+        .master_weights()
+        .unwrap();
+    assert!(written == resumed[0].masters, "the ranks' checkpoint is not the state they gathered");
     // And the run moved them: the comparison is not between two untouched initialisations.
     let init = train_zero_steps(&dir.path().join("init"));
     let moved = one.masters.iter().flatten().zip(init.iter().flatten()).filter(|(a, b)| a != b).count();

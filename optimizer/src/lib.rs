@@ -36,8 +36,8 @@ pub use kernel::{
 };
 pub use oogc_swapper::{DType, StatePlacement};
 pub use pipeline::{
-    compute_copy, speculation_cost, state_host_bytes, stream_host_bytes, Grads, PipelinedOptimizer, SpeculationReport,
-    StepReport, UnitState, UpdateHandle,
+    compute_copy, speculation_cost, state_host_bytes, stream_host_bytes, Grads, NormReduce, PipelinedOptimizer,
+    SpeculationReport, StepReport, UnitState, UpdateHandle,
 };
 pub use simd::Isa;
 pub use stream::{state_nvme_bytes, stream_update, NvmeState, StreamConfig, StreamStats};

@@ -440,7 +440,16 @@ struct Shared {
     /// Submit jobs spawned and not yet finished (they hold their unit's gradients).
     jobs_in_flight: Mutex<usize>,
     job_done: Condvar,
+    /// Turns this optimizer's sum of squared gradients into the run's ([`NormReduce`]).
+    norm_reduce: Mutex<Option<NormReduce>>,
 }
+
+/// Turns the sum of squared gradients of the units this optimizer holds into the sum over the
+/// whole model, for optimizers that each hold a shard of it (data-parallel ranks sharding the
+/// optimizer state, ZeRO-style: an all-reduce of the partial sums). Every shard's optimizer then
+/// takes the same norm, clip scale and non-finite skip. Called once per step, from
+/// [`PipelinedOptimizer::finish_step`]'s thread.
+pub type NormReduce = Arc<dyn Fn(f64) -> f64 + Send + Sync>;
 
 /// The pipelined optimizer: per-unit AdamW/Adam updates submitted during the backward, with
 /// exact global-norm clipping and non-finite skips (see the module docs for the scheme).
@@ -602,6 +611,7 @@ impl PipelinedOptimizer {
                 }),
                 jobs_in_flight: Mutex::new(0),
                 job_done: Condvar::new(),
+                norm_reduce: Mutex::new(None),
                 config,
             }),
         })
@@ -610,6 +620,12 @@ impl PipelinedOptimizer {
     /// The configuration.
     pub fn config(&self) -> &OptimizerConfig {
         &self.shared.config
+    }
+
+    /// Makes the global norm the run's when this optimizer holds a shard of the model's state
+    /// ([`NormReduce`]); without it the norm is over this optimizer's units.
+    pub fn set_norm_reduce(&self, reduce: NormReduce) {
+        *self.shared.norm_reduce.lock() = Some(reduce);
     }
 
     /// The dispatch path in use.
@@ -1008,7 +1024,11 @@ impl PipelinedOptimizer {
             debug_assert_eq!(p.epoch, open.epoch);
             norms.insert(cell.id, p);
         }
-        let grad_norm = global_norm(norms.values().map(|p| p.sumsq));
+        let grad_norm = match self.shared.norm_reduce.lock().clone() {
+            // The partial sum of squares made the run's (in the same order as `global_norm`).
+            Some(reduce) => reduce(norms.values().fold(0.0f64, |a, p| a + p.sumsq)).sqrt(),
+            None => global_norm(norms.values().map(|p| p.sumsq)),
+        };
         let skipped = !grad_norm.is_finite() || first_error.is_some();
         let scale = if skipped { 1.0 } else { clip_scale(grad_norm, sh.config.clip_norm) };
         let mut report = StepReport {

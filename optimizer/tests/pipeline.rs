@@ -436,3 +436,67 @@ fn one_home_per_compute_copy_and_every_host_byte_claimed() {
     assert!(ledger.used_bytes_of(HostUse::NvmeStream) <= cfg.stream_host_budget_bytes);
     assert!(ledger.peak_bytes() >= state + room);
 }
+
+#[test]
+fn shards_of_a_model_joined_by_a_norm_reduce_update_as_the_whole_model() {
+    // Two optimizers each hold half of the units (as two data-parallel ranks hold their shards);
+    // each one's norm reduce adds the other half's sum of squares (an all-reduce of two). With
+    // clipping that triggers, every unit must update as the one optimizer of the reference.
+    let cfg = config(Some(1.0), 2);
+    let isa = Isa::detect();
+    let halves: [Vec<usize>; 2] = [vec![0, 1, 2], vec![3, 4, 5]];
+    let mut reference = Reference::new(&cfg);
+    let mut shards = Vec::new();
+    for half in &halves {
+        let opt = PipelinedOptimizer::new(cfg.clone(), None).unwrap();
+        let other = Arc::new(parking_lot::Mutex::new(0.0f64));
+        let o = other.clone();
+        opt.set_norm_reduce(Arc::new(move |sumsq| sumsq + *o.lock()));
+        for &i in half {
+            let master = noise(77 + i as u64, SIZES[i], 2.0);
+            opt.add_unit(TensorId(i as u64), &master, StatePlacement::Host).unwrap();
+            reference.add(TensorId(i as u64), &master);
+        }
+        shards.push((opt, other));
+    }
+    let mut scales = Vec::new();
+    for (t, gscale) in [(1u64, 1.0f32), (2, 1e-5), (3, 1.0)] {
+        let all: Vec<(TensorId, Vec<bf16>)> =
+            (0..SIZES.len()).rev().map(|i| (TensorId(i as u64), grads(i as u64, t, SIZES[i], gscale))).collect();
+        let sumsq = |half: &[usize]| -> f64 {
+            half.iter()
+                .map(|&i| {
+                    grad_sumsq(isa, GradSlice::BF16(&all.iter().find(|g| g.0 .0 == i as u64).unwrap().1)).unwrap()
+                })
+                .sum()
+        };
+        let partial = [sumsq(&halves[0]), sumsq(&halves[1])];
+        let mut reports = Vec::new();
+        for (k, (opt, other)) in shards.iter().enumerate() {
+            *other.lock() = partial[1 - k];
+            opt.begin_step(t, 1e-3).unwrap();
+            for (id, g) in all.iter().filter(|(id, _)| halves[k].contains(&(id.0 as usize))) {
+                opt.submit(*id, Grads::BF16(g.clone())).unwrap();
+            }
+            reports.push(opt.finish_step().unwrap());
+        }
+        let (norm, scale, _) = reference.step(t, 1e-3, &all);
+        scales.push(scale);
+        for r in &reports {
+            assert!((r.grad_norm - norm).abs() <= 1e-12 * norm, "step {t}: norm {} vs {norm}", r.grad_norm);
+            assert_eq!(r.clip_scale.to_bits(), scale.to_bits(), "step {t}: the shards clip as the whole model");
+        }
+        for (k, (opt, _)) in shards.iter().enumerate() {
+            for &i in &halves[k] {
+                let id = TensorId(i as u64);
+                opt.wait_unit(id).unwrap();
+                let got = opt.export_state(id).unwrap();
+                let (_, want, _) = reference.units.iter().find(|u| u.0 == id).unwrap();
+                assert!(bits(&got.master) == bits(&want.master), "step {t}: unit {i} master differs");
+                assert!(bits(&got.v) == bits(&want.v), "step {t}: unit {i} v differs");
+            }
+        }
+    }
+    // Steps 1 and 3 clipped (a shard alone would have clipped less), step 2 did not.
+    assert!(scales[0] < 0.1 && scales[1] == 1.0 && scales[2] < 0.1, "{scales:?}");
+}

@@ -180,7 +180,7 @@ impl GradPipe {
         }
         self.shared.optimizer.wait_for_gradient_room();
         let claim = self.shared.ledger.claim(HostUse::Gradients, num_bytes as u64)?;
-        let grads = crate::dist::all_reduce_mean_grads(make()?);
+        let grads = crate::dist::reduce_scatter_mean_grads(make()?);
         Ok(self.shared.optimizer.submit_claimed(unit.tensor(), grads, claim)?)
     }
 
@@ -257,9 +257,10 @@ fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
         };
         let grads = Grads::from_bytes(job.dtype, host.as_slice());
         drop(host);
-        // Data-parallel ranks: the unit's gradients averaged over them before anything sees
-        // them (one reduction per unit, in push order: the same order on every rank).
-        let grads = match grads.map(crate::dist::all_reduce_mean_grads) {
+        // Data-parallel ranks: this rank's shard of the unit's gradients averaged over them, for
+        // its shard of the optimizer (one reduce-scatter per unit, in push order: the same
+        // order on every rank).
+        let grads = match grads.map(crate::dist::reduce_scatter_mean_grads) {
             Ok(g) => g,
             Err(e) => {
                 shared.drain_error.lock().get_or_insert(e.into());

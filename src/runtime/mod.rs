@@ -245,6 +245,9 @@ impl RuntimeConfig {
 
 /// The out-of-GPU-core runtime for one model on one device. See the module docs.
 pub struct Runtime {
+    /// This process's rank: with more than one, the optimizer holds this rank's shard of every
+    /// unit ([`crate::dist::shard_range`]).
+    world: crate::dist::World,
     config: RuntimeConfig,
     /// candle's device for the units' tensors (the CPU for the sim device).
     compute_device: candle_core::Device,
@@ -338,12 +341,24 @@ impl Runtime {
             },
             Box::new(oogc_swapper::LruPolicy),
         )?);
-        let optimizer = PipelinedOptimizer::with_home(
-            config.optimizer.clone(),
-            nvme.clone(),
-            ledger.clone(),
-            Arc::new(ResidencyHome::new(residency.clone())),
-        )?;
+        // Data-parallel ranks shard the optimizer (ZeRO-style): this rank's optimizer holds its
+        // shard of every unit's master weights and Adam state, and writes its shard's compute
+        // copy into a home of its own; `finish_step` all-gathers the shards into the residency
+        // manager's copies. The norm it clips with is the run's.
+        let world = crate::dist::world();
+        let home: Arc<dyn oogc_optimizer::ComputeCopyHome> = if world.size > 1 {
+            Arc::new(oogc_optimizer::MemoryHome::new())
+        } else {
+            Arc::new(ResidencyHome::new(residency.clone()))
+        };
+        let optimizer = PipelinedOptimizer::with_home(config.optimizer.clone(), nvme.clone(), ledger.clone(), home)?;
+        if world.size > 1 {
+            optimizer.set_norm_reduce(Arc::new(|sumsq| {
+                let mut s = [sumsq];
+                crate::dist::all_reduce_sum_f64(&mut s);
+                s[0]
+            }));
+        }
         let activation_pool = PinnedPool::with_ledger(
             &oogc_swapper::PinnedPoolConfig { budget_bytes: config.host_budget_bytes, lock: config.lock_host_memory },
             host_allocator.clone(),
@@ -358,6 +373,7 @@ impl Runtime {
         );
         let grads = GradPipe::new(optimizer, grad_pool, ledger.clone(), !config.overlap_optimizer);
         Ok(Self {
+            world,
             activations: ActivationPipe::new(activation_pool),
             config,
             compute_device,
@@ -404,7 +420,8 @@ impl Runtime {
             self.residency.drop_host_copy(unit.tensor())?;
             self.residency.host_pool().trim();
         }
-        self.grads.optimizer().add_unit(unit.tensor(), master, self.config.state_placement)?;
+        let shard = crate::dist::shard_range(master.len(), self.world.rank, self.world.size);
+        self.grads.optimizer().add_unit(unit.tensor(), &master[shard], self.config.state_placement)?;
         self.units.push(Unit::new(name, master.len(), dtype));
         Ok(unit)
     }
@@ -950,6 +967,9 @@ impl Runtime {
                 u.update = Update::StepFinished;
             }
         }
+        if self.world.size > 1 && !report.skipped {
+            self.gather_updates()?;
+        }
         self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
         if !self.config.overlap_optimizer {
             // `publish` adds its own wait to `stall_optimizer_s`.
@@ -971,6 +991,28 @@ impl Runtime {
         // (the sim device's happens-before checker; on CUDA, an error the driver recorded).
         self.residency.device().check_ordering()?;
         Ok(self.stats.clone())
+    }
+
+    /// Data-parallel ranks: every unit updated this step gets its new compute copy from all
+    /// ranks' shards (each rank's optimizer updated its own), in unit order on every rank, and
+    /// is current from here (its fetches publish nothing). Waits for the updates.
+    fn gather_updates(&mut self) -> Result<()> {
+        let optimizer = self.grads.optimizer();
+        for (k, u) in self.units.iter_mut().enumerate() {
+            if u.update != Update::StepFinished {
+                continue;
+            }
+            let unit = UnitId(k).tensor();
+            optimizer.publish(unit)?;
+            let mut shard = Vec::new();
+            optimizer.read_compute_copy(unit, |bytes| shard = bytes.to_vec())?;
+            let full = crate::dist::all_gather_shards(&shard, u.numel, u.dtype.size_in_bytes());
+            let pin = self.residency.acquire(unit, Tier::Host, Access::Overwrite)?;
+            pin.host_bytes_mut()[..full.len()].copy_from_slice(&full);
+            drop(pin);
+            u.update = Update::Current;
+        }
+        Ok(())
     }
 
     /// The step's trace becomes the schedule when it differs from the one in force: the policy
@@ -1036,13 +1078,21 @@ impl Runtime {
     }
 
     /// The unit's fp32 master weights, Adam `m` and `v` (each `[numel]`). Call [`Runtime::sync`]
-    /// first to see the latest update.
+    /// first to see the latest update. With data-parallel ranks each holds a shard: the three are
+    /// all-gathered (a collective: every rank calls this for the same units in the same order).
     ///
     /// # Errors
     /// Optimizer failures (NVMe read).
     pub fn unit_state(&self, unit: UnitId) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         let s = self.grads.optimizer().export_state(unit.tensor())?;
-        Ok((s.master, s.m, s.v))
+        if self.world.size == 1 {
+            return Ok((s.master, s.m, s.v));
+        }
+        let numel = self.units[unit.0].numel;
+        let gather = |shard: Vec<f32>| -> Vec<f32> {
+            bytemuck::pod_collect_to_vec(&crate::dist::all_gather_shards(bytemuck::cast_slice(&shard), numel, 4))
+        };
+        Ok((gather(s.master), gather(s.m), gather(s.v)))
     }
 
     /// Replaces the unit's master weights and Adam state (a checkpoint being restored) and its
@@ -1059,6 +1109,23 @@ impl Runtime {
             )));
         }
         self.publish(unit)?;
+        if self.world.size > 1 {
+            // This rank's shard to its optimizer (a checkpoint of any world size re-shards), the
+            // whole compute copy to the residency manager.
+            let dtype = self.units[unit.0].dtype;
+            let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Overwrite)?;
+            pin.host_bytes_mut()[..dtype.num_bytes(numel)]
+                .copy_from_slice(&oogc_optimizer::compute_copy(&master, dtype));
+            drop(pin);
+            let r = crate::dist::shard_range(numel, self.world.rank, self.world.size);
+            let state = oogc_optimizer::UnitState {
+                master: master[r.clone()].to_vec(),
+                m: m[r.clone()].to_vec(),
+                v: v[r].to_vec(),
+            };
+            self.grads.optimizer().import_state(unit.tensor(), state)?;
+            return Ok(());
+        }
         // The optimizer writes the compute copy into its home (the host copy) from `master`.
         self.grads.optimizer().import_state(unit.tensor(), oogc_optimizer::UnitState { master, m, v })?;
         Ok(())

@@ -432,6 +432,9 @@ pub struct Trainer {
     moe: Option<moe::MoeState>,
     /// This process's rank in a data-parallel run ([`crate::dist::world`]).
     world: crate::dist::World,
+    /// Whether the run writes checkpoints (`[checkpoint] dir`, which only rank 0 keeps): every
+    /// rank gathers the state for them.
+    checkpoints: bool,
     /// The run's exclusive hold on its checkpoint and NVMe directories (released on drop, after
     /// the runtime has removed its store files).
     _lock: crate::lock::RunLock,
@@ -463,6 +466,9 @@ impl Trainer {
     fn build(cfg: TrainConfig, resuming: bool, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
         cfg.validate()?;
         let world = crate::dist::world();
+        // Every rank takes part in a checkpoint (the state is gathered from its shards); rank 0
+        // writes it.
+        let checkpoints = cfg.checkpoint.dir.is_some();
         let cfg = for_rank(cfg, world);
         // The model (its shape read, nothing allocated) and the budgets it needs: too small ones
         // are refused before anything is written.
@@ -557,7 +563,21 @@ impl Trainer {
         let val =
             data.val().validation_batches_shard(cfg.train.eval_batches, cfg.train.batch_size, cfg.train.seq_len, shard);
         let sampler = Sampler::new(cfg.train.seed);
-        Ok(Self { cfg, model, layout, rt, data, sampler, val, step: 0, updates: 0, moe, world, _lock: lock })
+        Ok(Self {
+            cfg,
+            model,
+            layout,
+            rt,
+            data,
+            sampler,
+            val,
+            step: 0,
+            updates: 0,
+            moe,
+            world,
+            checkpoints,
+            _lock: lock,
+        })
     }
 
     /// Resumes from the newest checkpoint in `dir` (or a checkpoint file): parameters, optimizer
@@ -920,7 +940,9 @@ impl Trainer {
     /// # Errors
     /// Runtime or checkpoint I/O failures (the previous checkpoint stays intact).
     pub fn save_checkpoint(&mut self) -> Result<Option<PathBuf>> {
-        let Some(dir) = self.cfg.checkpoint.dir.clone() else { return Ok(None) };
+        if !self.checkpoints {
+            return Ok(None);
+        }
         self.rt.sync()?;
         let mut tensors = Vec::new();
         for (k, spec) in self.model.units().iter().enumerate() {
@@ -936,6 +958,8 @@ impl Trainer {
                 }
             }
         }
+        // The other ranks took part in gathering the state; rank 0 writes it.
+        let Some(dir) = self.cfg.checkpoint.dir.clone() else { return Ok(None) };
         let mut metadata = BTreeMap::new();
         metadata.insert("format".into(), "oogc-gpt-1".into());
         metadata.insert("optimizer_updates".into(), self.updates.to_string());
