@@ -6,10 +6,11 @@
 //! |---|---|
 //! | `OOGC_CRASH_AT=<point>:<n>` | the `n`-th time (1-based) this process reaches `<point>`, it aborts (SIGABRT, no core file): as abrupt as SIGKILL |
 //! | `OOGC_PAUSE_AT=<point>:<ms>` | every time this process reaches `<point>`, it sleeps `ms` milliseconds (a wide window for an outside SIGKILL) |
+//! | `OOGC_NAN_GRADS=<step>` | the trainer makes the head's gradients NaN at step `<step>` in this process (under `mpirun`, on the ranks whose environment has it): the step must be skipped on every rank |
 //! | `OOGC_DROP_ORDERING=<call>` | the runtime leaves out one ordering call between compute and copies: `grads` orders each gradient's D2H after an event recorded *before* the backward wrote its staging buffer (what a forgotten event does on a GPU: the copy may read stale bytes); the sim device's happens-before checker must catch it |
 //!
 //! Points: `checkpoint` — half-way through writing a checkpoint's temp file (before its fsync and
-//! rename). The NVMe store has its own hook, `OOGC_FAULT_NVME` (`oogc_swapper::FaultPlan`), that
+//! rename); `step` — the start of each training step (`Trainer::train_step`). The NVMe store has its own hook, `OOGC_FAULT_NVME` (`oogc_swapper::FaultPlan`), that
 //! fails or aborts inside a store write.
 
 use std::collections::HashMap;
@@ -21,6 +22,16 @@ pub const CRASH_ENV: &str = "OOGC_CRASH_AT";
 pub const PAUSE_ENV: &str = "OOGC_PAUSE_AT";
 /// `OOGC_DROP_ORDERING`: `<call>`.
 pub const DROP_ORDERING_ENV: &str = "OOGC_DROP_ORDERING";
+
+/// `OOGC_NAN_GRADS`: `<step>`.
+pub const NAN_GRADS_ENV: &str = "OOGC_NAN_GRADS";
+
+/// Whether `OOGC_NAN_GRADS` names `step` (the trainer then poisons that step's head gradients
+/// in this process). Read once per process.
+pub fn nan_grads_at(step: u64) -> bool {
+    static STEP: OnceLock<Option<u64>> = OnceLock::new();
+    *STEP.get_or_init(|| std::env::var(NAN_GRADS_ENV).ok().and_then(|s| s.parse().ok())) == Some(step)
+}
 
 /// Whether `OOGC_DROP_ORDERING` names `call`: the runtime then leaves that ordering call out
 /// (a negative control for the sim device's happens-before checker). Read once per process.

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use oogc::config::TrainConfig;
 use oogc::train::Trainer;
 
-const STEPS: u64 = 8;
+const STEPS: u64 = 20;
 const RANKS: usize = 2;
 
 /// The tiny Llama with state on NVMe and a clip norm the gradients exceed (so the global norm
@@ -33,50 +33,119 @@ fn config_with_checkpoints(dir: &Path, batch_size: usize, ckpt: &Path) -> TrainC
 
 /// The second half of a run resumed from `from` (a checkpoint of step STEPS / 2), with a
 /// checkpoint of its own written at its end into `ckpt`.
-fn train_resumed(cfg: TrainConfig, from: &Path) -> Outcome {
-    let mut t = Trainer::resume(cfg, from).expect("resume");
-    assert_eq!(t.step(), STEPS / 2);
-    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
-    while t.step() < STEPS {
-        let o = t.train_step().expect("step");
-        losses.push(o.loss);
-        grad_norms.push(o.stats.grad_norm);
-    }
-    t.save_checkpoint().expect("checkpoint");
-    let val = t.evaluate().expect("evaluate").nats_per_token;
-    let state_nvme_bytes = t.runtime().optimizer_nvme_bytes();
-    Outcome { losses, grad_norms, val, masters: t.master_weights().expect("masters"), state_nvme_bytes }
-}
-
-/// What a run gave: each step's loss and grad norm, the validation loss, the master weights
-/// (gathered from the ranks' shards), the NVMe bytes of this process's optimizer state.
+/// What a run gave: each step's loss, grad norm (-1 when not finite) and whether it was skipped, the validation loss,
+/// the master weights (gathered from the ranks' shards), the NVMe bytes of this process's
+/// optimizer state.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Outcome {
     losses: Vec<f64>,
     grad_norms: Vec<f64>,
+    skipped: Vec<bool>,
     val: f64,
     masters: Vec<Vec<f32>>,
     state_nvme_bytes: u64,
 }
 
-fn train(cfg: TrainConfig) -> Outcome {
-    let mut t = Trainer::new(cfg).expect("trainer");
-    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
-    for _ in 0..STEPS {
+fn train_resumed(cfg: TrainConfig, from: &Path) -> Outcome {
+    let t = Trainer::resume(cfg, from).expect("resume");
+    assert_eq!(t.step(), STEPS / 2);
+    run_to(t, STEPS, true)
+}
+
+/// Trains `t` to step `last`, writes a checkpoint when `save`, evaluates.
+fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
+    let (mut losses, mut grad_norms, mut skipped) = (Vec::new(), Vec::new(), Vec::new());
+    while t.step() < last {
         let o = t.train_step().expect("step");
         losses.push(o.loss);
-        grad_norms.push(o.stats.grad_norm);
+        // JSON has no NaN: a non-finite norm is written as -1.
+        grad_norms.push(if o.stats.grad_norm.is_finite() { o.stats.grad_norm } else { -1.0 });
+        skipped.push(o.stats.skipped);
+    }
+    if save {
+        t.save_checkpoint().expect("checkpoint");
     }
     let val = t.evaluate().expect("evaluate").nats_per_token;
     let state_nvme_bytes = t.runtime().optimizer_nvme_bytes();
-    Outcome { losses, grad_norms, val, masters: t.master_weights().expect("masters"), state_nvme_bytes }
+    Outcome { losses, grad_norms, skipped, val, masters: t.master_weights().expect("masters"), state_nvme_bytes }
 }
 
-/// One rank of the `mpirun` run: trains its shard and writes its outcome.
-fn rank_main(out: &Path) {
+fn train(cfg: TrainConfig) -> Outcome {
+    train_steps(cfg, STEPS)
+}
+
+fn train_steps(cfg: TrainConfig, steps: u64) -> Outcome {
+    run_to(Trainer::new(cfg).expect("trainer"), steps, false)
+}
+
+/// One rank of an `mpirun` run of this test binary: what `OOGC_RANKS_MODE` asks, its outcome
+/// written to `OOGC_RANKS_OUT`.
+fn rank_main() {
+    let out = PathBuf::from(std::env::var("OOGC_RANKS_OUT").expect("OOGC_RANKS_OUT set by the parent"));
     let _mpi = oogc::dist::init().expect("MPI");
     let world = oogc::dist::world();
     assert_eq!(world.size, RANKS, "started with -np {RANKS}");
+    match std::env::var("OOGC_RANKS_MODE").as_deref() {
+        Ok("train") => rank_train(&out, world),
+        // Rank 1 poisons its gradients at step 2 (OOGC_NAN_GRADS), or aborts at step 3
+        // (OOGC_CRASH_AT): 4 steps.
+        Ok("faults") => {
+            let outcome = train_steps(config(&out, 4 / RANKS), 4);
+            std::fs::write(out.join(format!("rank{}.json", world.rank)), serde_json::to_vec(&outcome).unwrap())
+                .unwrap();
+        }
+        other => panic!("OOGC_RANKS_MODE {other:?}"),
+    }
+}
+
+/// Starts `RANKS` copies of this test binary filtered to `test` under mpirun, `rank1_env` set
+/// for rank 1 only (Open MPI's MPMD form `-np 1 A : -np 1 A`); returns its status and output.
+fn launch(test: &str, mode: &str, out: &Path, rank1_env: &[(&str, &str)]) -> std::process::Output {
+    let mpirun = mpirun().expect("mpirun not on PATH: install Open MPI (apt-get install openmpi-bin libopenmpi-dev)");
+    let exe = std::env::current_exe().unwrap();
+    let args = ["--exact", test, "--nocapture", "--test-threads=1"];
+    let mut cmd = std::process::Command::new(mpirun);
+    cmd.args(["--allow-run-as-root", "--oversubscribe"])
+        .args([
+            "-x",
+            "OOGC_RANKS_OUT",
+            "-x",
+            "OOGC_RANKS_MODE",
+            "-x",
+            "RAYON_NUM_THREADS=1",
+            "-x",
+            "OMPI_MCA_plm=isolated",
+        ])
+        .args(["-np", "1"])
+        .arg(&exe)
+        .args(args)
+        .arg(":")
+        .args(["-np", "1"]);
+    for (k, v) in rank1_env {
+        cmd.args(["-x", &format!("{k}={v}")]);
+    }
+    cmd.arg(&exe).args(args).env("OOGC_RANKS_OUT", out).env("OOGC_RANKS_MODE", mode).env("OMPI_MCA_plm", "isolated");
+    cmd.output().expect("mpirun starts")
+}
+
+/// Whether this process is a rank (then it ran [`rank_main`]), or the test cannot run here (it
+/// said why).
+fn as_rank_or_skipped(test: &str) -> bool {
+    if oogc::dist::launched_by_mpirun().is_some() {
+        rank_main();
+        return true;
+    }
+    if !cfg!(feature = "mpi") {
+        eprintln!(
+            "SKIPPED {test}: built without the `mpi` feature (run `cargo test -p oogc --features mpi --test \
+             ranks`, with Open MPI installed, as .ci/run does)"
+        );
+        return true;
+    }
+    false
+}
+
+fn rank_train(out: &Path, world: oogc::dist::World) {
     let outcome = train(config(out, 4 / RANKS));
     let path = out.join(format!("rank{}.json", world.rank));
     std::fs::write(path, serde_json::to_vec(&outcome).unwrap()).unwrap();
@@ -93,19 +162,10 @@ fn mpirun() -> Option<PathBuf> {
 
 #[test]
 fn two_ranks_train_as_one_process_with_the_whole_batch() {
-    if oogc::dist::launched_by_mpirun().is_some() {
-        let out = PathBuf::from(std::env::var("OOGC_RANKS_OUT").expect("OOGC_RANKS_OUT set by the parent"));
-        rank_main(&out);
+    const TEST: &str = "two_ranks_train_as_one_process_with_the_whole_batch";
+    if as_rank_or_skipped(TEST) {
         return;
     }
-    if !cfg!(feature = "mpi") {
-        eprintln!(
-            "SKIPPED two_ranks_train_as_one_process_with_the_whole_batch: built without the `mpi` feature \
-             (run `cargo test -p oogc --features mpi --test ranks`, with Open MPI installed, as .ci/run does)"
-        );
-        return;
-    }
-    let mpirun = mpirun().expect("mpirun not on PATH: install Open MPI (apt-get install openmpi-bin libopenmpi-dev)");
     let dir = tempfile::tempdir().unwrap();
     let ranks_dir = dir.path().join("ranks");
     std::fs::create_dir_all(&ranks_dir).unwrap();
@@ -118,16 +178,8 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
         }
         t.save_checkpoint().expect("checkpoint");
     }
-    let status = std::process::Command::new(mpirun)
-        .args(["--allow-run-as-root", "--oversubscribe", "-np", &RANKS.to_string()])
-        .args(["-x", "OOGC_RANKS_OUT", "-x", "RAYON_NUM_THREADS=1", "-x", "OMPI_MCA_plm=isolated"])
-        .arg(std::env::current_exe().unwrap())
-        .args(["--exact", "two_ranks_train_as_one_process_with_the_whole_batch", "--nocapture", "--test-threads=1"])
-        .env("OOGC_RANKS_OUT", &ranks_dir)
-        .env("OMPI_MCA_plm", "isolated")
-        .status()
-        .expect("mpirun starts");
-    assert!(status.success(), "mpirun -np {RANKS}: {status}");
+    let ran = launch(TEST, "train", &ranks_dir, &[]);
+    assert!(ran.status.success(), "mpirun -np {RANKS}: {}\n{}", ran.status, String::from_utf8_lossy(&ran.stderr));
     let read = |r: usize| -> Outcome {
         serde_json::from_slice(&std::fs::read(ranks_dir.join(format!("rank{r}.json"))).expect("rank wrote its outcome"))
             .unwrap()
@@ -210,4 +262,44 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
 
 fn train_zero_steps(dir: &Path) -> Vec<Vec<f32>> {
     Trainer::new(config(dir, 4)).unwrap().master_weights().unwrap()
+}
+
+#[test]
+fn a_nan_on_one_rank_skips_the_step_on_every_rank() {
+    const TEST: &str = "a_nan_on_one_rank_skips_the_step_on_every_rank";
+    if as_rank_or_skipped(TEST) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ran = launch(TEST, "faults", dir.path(), &[("OOGC_NAN_GRADS", "2")]);
+    assert!(ran.status.success(), "mpirun: {}\n{}", ran.status, String::from_utf8_lossy(&ran.stderr));
+    let ranks: Vec<Outcome> = (0..RANKS)
+        .map(|r| serde_json::from_slice(&std::fs::read(dir.path().join(format!("rank{r}.json"))).unwrap()).unwrap())
+        .collect();
+    for (r, o) in ranks.iter().enumerate() {
+        // Only rank 1's gradients were poisoned; the all-reduced norm is NaN on both.
+        assert_eq!(o.skipped, [false, true, false, false], "rank {r}'s skipped steps");
+        assert_eq!(o.grad_norms[1], -1.0, "rank {r}: step 2's norm is finite");
+        assert!(o.grad_norms.iter().enumerate().all(|(s, g)| s == 1 || *g > 0.0), "rank {r}: {:?}", o.grad_norms);
+    }
+    assert!(ranks[0].masters == ranks[1].masters, "the ranks' parameters differ after the skip");
+}
+
+#[test]
+fn a_rank_that_dies_ends_the_run_naming_it() {
+    const TEST: &str = "a_rank_that_dies_ends_the_run_naming_it";
+    if as_rank_or_skipped(TEST) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let started = std::time::Instant::now();
+    // Rank 1 aborts (SIGABRT, as abrupt as a kill) at the start of its third step; rank 0 is
+    // then waiting for it in a collective.
+    let ran = launch(TEST, "faults", dir.path(), &[("OOGC_CRASH_AT", "step:3")]);
+    let took = started.elapsed();
+    let said = String::from_utf8_lossy(&ran.stderr).into_owned() + &String::from_utf8_lossy(&ran.stdout);
+    assert!(!ran.status.success(), "mpirun succeeded with a dead rank:\n{said}");
+    assert!(took < std::time::Duration::from_secs(30), "the run took {took:?} to end");
+    assert!(said.contains("rank 1"), "the launcher's output does not name rank 1:\n{said}");
+    assert!(!dir.path().join("rank0.json").exists(), "rank 0 finished its run alone");
 }

@@ -761,6 +761,7 @@ impl Trainer {
     /// # Errors
     /// Runtime, model or candle failures.
     pub fn train_step(&mut self) -> Result<StepOutcome> {
+        crate::hooks::crash_point("step");
         let step = self.step + 1;
         let lr = lr_schedule(&self.cfg).lr(step);
         let (micro, k) = (self.cfg.train.batch_size, self.cfg.train.micro_batches.max(1));
@@ -808,7 +809,10 @@ impl Trainer {
                 acc.add(model.head_loss_backward(p.tensor(), x, emb.as_ref().map(|e| e.tensor()), t)?)?;
             }
             drop((p, emb));
-            let grads = acc.grads.expect("at least one micro-batch");
+            let mut grads = acc.grads.expect("at least one micro-batch");
+            if crate::hooks::nan_grads_at(step) {
+                grads = grads.affine(f64::NAN, 0.0)?;
+            }
             self.rt.push_grads(head, &grads)?;
             (acc.loss, acc.grad_inputs, acc.tied)
         };
