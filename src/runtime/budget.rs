@@ -115,6 +115,9 @@ impl HostPlan {
         let opt = &config.optimizer;
         let dtype = opt.compute_dtype;
         let largest = units.iter().copied().max().unwrap_or(0);
+        // What this rank's optimizer holds of each unit (its shard with data-parallel ranks).
+        let shards = optimizer_units(units);
+        let largest_shard = shards.iter().copied().max().unwrap_or(0);
         // A unit's compute copy and its gradients have the compute dtype.
         let bytes = |n: usize| dtype.num_bytes(n) as u64;
         let copy_class = |n: usize| size_class(dtype.num_bytes(n)) as u64;
@@ -128,21 +131,21 @@ impl HostPlan {
                 classes.iter().take(k).sum()
             }
         };
-        let optimizer_state_bytes: u64 = units.iter().map(|&n| state_host_bytes(n, config.state_placement)).sum();
+        let optimizer_state_bytes: u64 = shards.iter().map(|&n| state_host_bytes(n, config.state_placement)).sum();
         let gradient_landing_bytes = GRAD_LANDING_BUFFERS as u64 * copy_class(largest.max(1));
         // One more unit's gradients from the drain thread and one from a CPU-computed unit may
         // arrive while their unit's previous update still holds its own. Immediate updates
         // hold only the units whose update runs or waits to run, not every unit's.
         let held: u64 = if opt.updates_immediately() {
-            opt.gradients_in_flight() as u64 * bytes(largest)
+            opt.gradients_in_flight() as u64 * bytes(largest_shard)
         } else {
-            units.iter().map(|&n| bytes(n)).sum()
+            shards.iter().map(|&n| bytes(n)).sum()
         };
         let gradients_bytes = held + 2 * bytes(largest) + gradient_landing_bytes;
         let (stream_min, stream_want) = match config.state_placement {
             StatePlacement::Host => (0, 0),
             StatePlacement::Nvme => {
-                let one = stream_host_bytes(largest, opt.stream_chunk_params());
+                let one = stream_host_bytes(largest_shard, opt.stream_chunk_params());
                 let want = (opt.threads as u64 * one).min(opt.stream_host_budget_bytes).max(one);
                 (one, want)
             }
@@ -162,7 +165,7 @@ impl HostPlan {
         left -= extra_copies;
         let speculation_budget_bytes = opt.rollback_budget_bytes.map_or(left, |b| b.min(left));
         let (speculation_bytes, speculative_units) =
-            speculation_fit(units, config.state_placement, opt, speculation_budget_bytes, nvme_speculation_bytes);
+            speculation_fit(&shards, config.state_placement, opt, speculation_budget_bytes, nvme_speculation_bytes);
         HostPlan {
             budget_bytes: budget,
             min_bytes,
@@ -297,14 +300,17 @@ impl NvmePlan {
         }
         let chunk = opt.stream_chunk_params();
         let largest = units.iter().copied().max().unwrap_or(0);
+        // This rank's optimizer state: its shard of each unit with data-parallel ranks.
+        let shards = optimizer_units(units);
+        let largest_shard = shards.iter().copied().max().unwrap_or(0);
         let pad = |b: u64| b.next_multiple_of(PAGE_BYTES as u64);
         let on = |p: StatePlacement| p == StatePlacement::Nvme;
-        let state_bytes: u64 = if on(state) { units.iter().map(|&n| state_nvme_bytes(n, chunk)).sum() } else { 0 };
+        let state_bytes: u64 = if on(state) { shards.iter().map(|&n| state_nvme_bytes(n, chunk)).sum() } else { 0 };
         let params_bytes: u64 =
             if on(params) { units.iter().map(|&n| pad(opt.compute_dtype.num_bytes(n) as u64)).sum() } else { 0 };
         let threads = opt.threads as u64;
         let frag = FRAGMENTATION_EXTENTS;
-        let slack_bytes = if on(state) { (threads + frag) * state_nvme_bytes(largest, chunk) } else { 0 }
+        let slack_bytes = if on(state) { (threads + frag) * state_nvme_bytes(largest_shard, chunk) } else { 0 }
             + if on(params) {
                 (PREFETCH_THREADS + threads + 1 + frag) * pad(opt.compute_dtype.num_bytes(largest) as u64)
             } else {
@@ -459,6 +465,15 @@ fn proc_status_kib(key: &str) -> Option<u64> {
 /// (`activation_bytes`, [`activation_overhead_bytes`]). Bytes.
 pub fn fixed_overhead_bytes(data_bytes: u64, sim_device_bytes: u64, activation_bytes: u64) -> u64 {
     BASE_OVERHEAD_BYTES + data_bytes + sim_device_bytes + activation_bytes
+}
+
+/// The elements of each unit (`units`, whole sizes) that this rank's optimizer holds: its shard
+/// with data-parallel ranks ([`crate::dist::shard_range`] of [`crate::dist::world`]), the whole
+/// unit in a world of one. The state, held gradients, streams and speculation are planned on
+/// these; compute copies on the whole units.
+fn optimizer_units(units: &[usize]) -> Vec<usize> {
+    let w = crate::dist::world();
+    units.iter().map(|&n| crate::dist::shard_range(n, w.rank, w.size).len()).collect()
 }
 
 #[cfg(test)]
