@@ -336,6 +336,9 @@ pub struct PlanArgs {
     pub hardware: HardwareProfile,
     /// Build the Perfetto trace of the simulated step.
     pub trace: bool,
+    /// Data-parallel ranks (`mpirun -np N`): the host and NVMe figures are one rank's (rank 0,
+    /// the largest shard of each unit's optimizer state); 1 for a single process.
+    pub world_size: usize,
 }
 
 /// The plan of an `oogc train` config: its model ([`PlannedModel::of_model`]: the model the
@@ -377,6 +380,7 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
         host_depth: cfg.prefetch.host_depth,
         hardware,
         trace,
+        world_size: 1,
     })
 }
 
@@ -444,16 +448,19 @@ pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &Hardwar
 /// there). Without a host budget, an unlimited one.
 pub fn host_and_nvme_plan(args: &PlanArgs, report: &PlanReport) -> (HostPlan, Option<NvmePlan>) {
     let units: Vec<usize> = args.model.units.iter().map(|u| u.numel as usize).collect();
+    // Rank 0's shards (the largest) of each unit's optimizer state.
+    let shards: Vec<usize> =
+        units.iter().map(|&n| crate::dist::shard_range(n, 0, args.world_size.max(1)).len()).collect();
     let state = if report.optimizer_state_on_nvme { StatePlacement::Nvme } else { StatePlacement::Host };
     let optimizer = args.optimizer.clone();
-    let nvme = NvmePlan::new(&units, state, args.params, &optimizer, None);
+    let nvme = NvmePlan::with_shards(&units, &shards, state, args.params, &optimizer, None);
     let mut rc = RuntimeConfig::sim(args.gpu_budget_bytes);
     rc.host_budget_bytes = args.host_budget_bytes.unwrap_or(u64::MAX);
     rc.state_placement = state;
     rc.params_placement = args.params;
     rc.optimizer = optimizer;
     let room = nvme.as_ref().map_or(0, |p| p.speculation_room_bytes());
-    (HostPlan::new(&rc, &units, args.max_units_in_use, room), nvme)
+    (HostPlan::with_shards(&rc, &units, &shards, args.max_units_in_use, room), nvme)
 }
 
 /// Plans a model: its units through [`oogc_prefetch::plan::plan`] (the step simulator with the
@@ -530,6 +537,21 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
             m.count(Placement::Fetch),
             m.count(Placement::Cpu),
             m.count(Placement::Skip)
+        )
+        .expect("writing to a String");
+    }
+    if args.world_size > 1 {
+        // Per step each rank reduce-scatters the gradients (f32) and all-gathers the new compute
+        // copies: (N − 1) / N of each, sent and received, in a ring.
+        let n = args.world_size as u64;
+        let params: u64 = args.model.units.iter().map(|u| u.numel).sum();
+        let copies: u64 = args.model.units.iter().map(|u| u.compute_bytes).sum();
+        let (rs, ag) = (4 * params * (n - 1) / n, copies * (n - 1) / n);
+        writeln!(
+            out,
+            "ranks: {n} (host, NVMe and optimizer figures are one rank's: its 1/{n} of the optimizer state); per \
+             step each rank sends and receives {rs} B reducing its gradients (f32 reduce-scatter) and {ag} B \
+             gathering the new compute copies (all-gather), not in the predicted step"
         )
         .expect("writing to a String");
     }
@@ -669,6 +691,26 @@ mod tests {
             assert_eq!((a.numel, a.compute_bytes), (b.numel, b.compute_bytes), "{}", a.name);
             assert!((b.forward_flops - 4.0 * a.forward_flops).abs() <= 1e-9 * b.forward_flops.max(1.0), "{}", a.name);
         }
+    }
+
+    #[test]
+    fn a_rank_of_two_plans_half_the_optimizer_state_and_all_of_the_compute_copies() {
+        let mut cfg = example("llama-shakespeare.toml");
+        cfg.budgets.host = bytesize::ByteSize::gib(1);
+        let hw = HardwareProfile::default();
+        let one = plan_args_for_config(&cfg, &hw, false).unwrap();
+        let two = PlanArgs { world_size: 2, ..one.clone() };
+        let ((h1, n1), (h2, n2)) = (
+            host_and_nvme_plan(&one, &plan_model(&one).unwrap()),
+            host_and_nvme_plan(&two, &plan_model(&two).unwrap()),
+        );
+        assert_eq!(h2.compute_copies_bytes, h1.compute_copies_bytes);
+        // The shards are ⌈numel / 2⌉: half, or half an element more, per unit.
+        let units: u64 = one.model.units.iter().map(|u| u.numel).sum();
+        let (s1, s2) = (n1.unwrap().state_bytes, n2.unwrap().state_bytes);
+        assert!(s2 * 2 >= s1 && s2 * 2 <= s1 + 24 * one.model.units.len() as u64 + 2 * 4096, "{s1} vs {s2}");
+        assert!(h2.speculation_bytes * 2 <= h1.speculation_bytes + 8 * one.model.units.len() as u64);
+        assert!(units > 0 && h2.min_bytes < h1.min_bytes);
     }
 
     #[test]

@@ -83,6 +83,10 @@ pub(crate) struct PlanCmd {
     /// Hardware profile (TOML; see `--hardware-probe`); defaults: the sim device.
     #[arg(long, value_name = "FILE")]
     pub(crate) hardware: Option<PathBuf>,
+    /// Data-parallel ranks (`mpirun -np N oogc train`): the host and NVMe figures are one rank's,
+    /// holding 1/N of the optimizer state; the bytes each rank moves over MPI per step are added.
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) world_size: u64,
     /// Write the simulated step's Chrome/Perfetto trace (JSON) here.
     #[arg(long, value_name = "FILE")]
     pub(crate) trace: Option<PathBuf>,
@@ -165,7 +169,8 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
             let probe = probe::probe_compute(&shape).context("--probe-compute")?;
             probe.apply(&mut hardware);
         }
-        let args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some())?;
+        let mut args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some())?;
+        args.world_size = cmd.world_size as usize;
         return finish_plan(&cmd, args);
     }
     let args = planner::PlanArgs {
@@ -194,6 +199,7 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         host_depth: oogc::config::PrefetchSection::default().host_depth,
         hardware: load_hardware(cmd.hardware.as_ref())?,
         trace: cmd.trace.is_some(),
+        world_size: cmd.world_size as usize,
     };
     finish_plan(&cmd, args)
 }

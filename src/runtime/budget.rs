@@ -112,11 +112,22 @@ impl HostPlan {
     /// `max_units_in_use` units pinned at once by the trainer and `nvme_speculation_bytes` of
     /// NVMe room for speculated NVMe units' second extents (see [`NvmePlan`]).
     pub fn new(config: &RuntimeConfig, units: &[usize], max_units_in_use: usize, nvme_speculation_bytes: u64) -> Self {
+        Self::with_shards(config, units, &optimizer_units(units), max_units_in_use, nvme_speculation_bytes)
+    }
+
+    /// [`HostPlan::new`] for a rank whose optimizer holds `shards[k]` elements of unit `k` (of
+    /// `units[k]`): the state, held gradients, streams and speculation on the shards, the compute
+    /// copies on the whole units (`oogc plan --world-size`).
+    pub fn with_shards(
+        config: &RuntimeConfig,
+        units: &[usize],
+        shards: &[usize],
+        max_units_in_use: usize,
+        nvme_speculation_bytes: u64,
+    ) -> Self {
         let opt = &config.optimizer;
         let dtype = opt.compute_dtype;
         let largest = units.iter().copied().max().unwrap_or(0);
-        // What this rank's optimizer holds of each unit (its shard with data-parallel ranks).
-        let shards = optimizer_units(units);
         let largest_shard = shards.iter().copied().max().unwrap_or(0);
         // A unit's compute copy and its gradients have the compute dtype.
         let bytes = |n: usize| dtype.num_bytes(n) as u64;
@@ -165,7 +176,7 @@ impl HostPlan {
         left -= extra_copies;
         let speculation_budget_bytes = opt.rollback_budget_bytes.map_or(left, |b| b.min(left));
         let (speculation_bytes, speculative_units) =
-            speculation_fit(&shards, config.state_placement, opt, speculation_budget_bytes, nvme_speculation_bytes);
+            speculation_fit(shards, config.state_placement, opt, speculation_budget_bytes, nvme_speculation_bytes);
         HostPlan {
             budget_bytes: budget,
             min_bytes,
@@ -295,13 +306,24 @@ impl NvmePlan {
         opt: &OptimizerConfig,
         nvme_size: Option<u64>,
     ) -> Option<Self> {
+        Self::with_shards(units, &optimizer_units(units), state, params, opt, nvme_size)
+    }
+
+    /// [`NvmePlan::new`] for a rank whose optimizer holds `shards[k]` elements of unit `k`: the
+    /// state on the shards, the compute copies on the whole units.
+    pub fn with_shards(
+        units: &[usize],
+        shards: &[usize],
+        state: StatePlacement,
+        params: StatePlacement,
+        opt: &OptimizerConfig,
+        nvme_size: Option<u64>,
+    ) -> Option<Self> {
         if state == StatePlacement::Host && params == StatePlacement::Host {
             return None;
         }
         let chunk = opt.stream_chunk_params();
         let largest = units.iter().copied().max().unwrap_or(0);
-        // This rank's optimizer state: its shard of each unit with data-parallel ranks.
-        let shards = optimizer_units(units);
         let largest_shard = shards.iter().copied().max().unwrap_or(0);
         let pad = |b: u64| b.next_multiple_of(PAGE_BYTES as u64);
         let on = |p: StatePlacement| p == StatePlacement::Nvme;
