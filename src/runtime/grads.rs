@@ -246,8 +246,13 @@ fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
         shared.staging.lock().push(dev);
         shared.staging_returned.notify_all();
         let _span = tracing::info_span!("runtime::submit", unit = job.unit.0).entered();
-        // Claimed before the vector is made; held with it until the step's update is final.
-        let claim = match shared.ledger.claim(HostUse::Gradients, host.len() as u64) {
+        // Claimed before the vector is made; held with it until the step's update is final. With
+        // data-parallel ranks the optimizer holds this rank's shard of them (the whole vector
+        // lives only until its reduce-scatter).
+        let world = crate::dist::world();
+        let elem = job.dtype.size_in_bytes().max(1);
+        let held = job.dtype.num_bytes(crate::dist::shard_range(host.len() / elem, world.rank, world.size).len());
+        let claim = match shared.ledger.claim(HostUse::Gradients, held as u64) {
             Ok(c) => c,
             Err(e) => {
                 shared.drain_error.lock().get_or_insert(e.into());
