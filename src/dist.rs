@@ -10,7 +10,7 @@
 //! | [`shard_range`] | the elements of a unit whose master weights and Adam state a rank holds (ZeRO-style: `⌈numel / ranks⌉` each, in rank order) |
 //! | [`reduce_scatter_mean_grads`] | this rank's shard of a unit's gradients averaged over the ranks (summed in f32, divided by the world size, back in their dtype) |
 //! | [`all_gather_shards`] | a unit's bytes (a compute copy, master weights) from every rank's shard |
-//! | [`all_reduce_sum_f64`], [`all_gather_f64`], [`barrier`] | the trainer's scalars: losses, validation sums, per-rank figures, the global norm |
+//! | [`all_reduce_sum_f64`], [`all_gather_f64`] | the trainer's scalars: losses, validation sums, per-rank figures, the global norm |
 //!
 //! **Sharding (ZeRO-style).** With more than one rank the runtime's optimizer holds only this
 //! rank's [`shard_range`] of every unit: its fp32 master weights and Adam state (host or NVMe),
@@ -230,16 +230,6 @@ pub fn abort(code: i32) -> ! {
         comm().abort(code)
     }
     std::process::exit(code)
-}
-
-/// Waits until every rank got here. A no-op in a world of one.
-pub fn barrier() {
-    #[cfg(feature = "mpi")]
-    if world().size > 1 {
-        use mpi::traits::CommunicatorCollectives;
-        let _one = COLLECTIVE.lock();
-        comm().barrier();
-    }
 }
 
 /// The elements of a flat unit of `numel` that rank `rank` of `ranks` owns (its master

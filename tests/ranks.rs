@@ -90,9 +90,7 @@ fn rank_main() {
         // Rank 1 poisons its gradients at step 2 (OOGC_NAN_GRADS), or aborts at step 3
         // (OOGC_CRASH_AT): 4 steps.
         Ok("faults") => {
-            let outcome = train_steps(config(&out, 4 / RANKS), 4);
-            std::fs::write(out.join(format!("rank{}.json", world.rank)), serde_json::to_vec(&outcome).unwrap())
-                .unwrap();
+            write_outcome(&out, world.rank, "", &train_steps(config(&out, 4 / RANKS), 4));
         }
         other => panic!("OOGC_RANKS_MODE {other:?}"),
     }
@@ -146,14 +144,25 @@ fn as_rank_or_skipped(test: &str) -> bool {
 }
 
 fn rank_train(out: &Path, world: oogc::dist::World) {
-    let outcome = train(config(out, 4 / RANKS));
-    let path = out.join(format!("rank{}.json", world.rank));
-    std::fs::write(path, serde_json::to_vec(&outcome).unwrap()).unwrap();
+    write_outcome(out, world.rank, "", &train(config(out, 4 / RANKS)));
     // Resumed at another world size: the one process's checkpoint of step STEPS / 2, re-sharded.
     let cfg = config_with_checkpoints(&out.join("resumed"), 4 / RANKS, &out.join("ckpt-ranks"));
-    let outcome = train_resumed(cfg, &out.join("ckpt-one"));
-    let path = out.join(format!("rank{}-resumed.json", world.rank));
-    std::fs::write(path, serde_json::to_vec(&outcome).unwrap()).unwrap();
+    write_outcome(out, world.rank, "-resumed", &train_resumed(cfg, &out.join("ckpt-one")));
+}
+
+/// A rank's outcome, as `dir/rank{rank}{suffix}.json`.
+fn write_outcome(dir: &Path, rank: usize, suffix: &str, outcome: &Outcome) {
+    std::fs::write(dir.join(format!("rank{rank}{suffix}.json")), serde_json::to_vec(outcome).unwrap()).unwrap();
+}
+
+/// Every rank's outcome written by [`write_outcome`], in rank order.
+fn read_outcomes(dir: &Path, suffix: &str) -> Vec<Outcome> {
+    (0..RANKS)
+        .map(|r| {
+            let path = dir.join(format!("rank{r}{suffix}.json"));
+            serde_json::from_slice(&std::fs::read(&path).expect("the rank wrote its outcome")).unwrap()
+        })
+        .collect()
 }
 
 fn mpirun() -> Option<PathBuf> {
@@ -180,11 +189,7 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     }
     let ran = launch(TEST, "train", &ranks_dir, &[]);
     assert!(ran.status.success(), "mpirun -np {RANKS}: {}\n{}", ran.status, String::from_utf8_lossy(&ran.stderr));
-    let read = |r: usize| -> Outcome {
-        serde_json::from_slice(&std::fs::read(ranks_dir.join(format!("rank{r}.json"))).expect("rank wrote its outcome"))
-            .unwrap()
-    };
-    let ranks: Vec<Outcome> = (0..RANKS).map(read).collect();
+    let ranks = read_outcomes(&ranks_dir, "");
     // Every rank ends with the same parameters: the same averaged gradients, the same clip scale.
     for (r, o) in ranks.iter().enumerate().skip(1) {
         assert!(o.masters == ranks[0].masters, "rank {r}'s master weights differ from rank 0's");
@@ -231,11 +236,7 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     );
     // Resumed on 2 ranks from one process's checkpoint: the second half of the one process's
     // run; and the checkpoint rank 0 wrote holds the state the ranks gathered, bit for bit.
-    let resumed: Vec<Outcome> = (0..RANKS)
-        .map(|r| {
-            serde_json::from_slice(&std::fs::read(ranks_dir.join(format!("rank{r}-resumed.json"))).unwrap()).unwrap()
-        })
-        .collect();
+    let resumed = read_outcomes(&ranks_dir, "-resumed");
     assert!(resumed[1].masters == resumed[0].masters, "resumed ranks differ");
     for (s, (a, b)) in resumed[0].losses.iter().zip(&one.losses[STEPS as usize / 2..]).enumerate() {
         assert!(
@@ -273,9 +274,7 @@ fn a_nan_on_one_rank_skips_the_step_on_every_rank() {
     let dir = tempfile::tempdir().unwrap();
     let ran = launch(TEST, "faults", dir.path(), &[("OOGC_NAN_GRADS", "2")]);
     assert!(ran.status.success(), "mpirun: {}\n{}", ran.status, String::from_utf8_lossy(&ran.stderr));
-    let ranks: Vec<Outcome> = (0..RANKS)
-        .map(|r| serde_json::from_slice(&std::fs::read(dir.path().join(format!("rank{r}.json"))).unwrap()).unwrap())
-        .collect();
+    let ranks = read_outcomes(dir.path(), "");
     for (r, o) in ranks.iter().enumerate() {
         // Only rank 1's gradients were poisoned; the all-reduced norm is NaN on both.
         assert_eq!(o.skipped, [false, true, false, false], "rank {r}'s skipped steps");

@@ -7,6 +7,23 @@ use std::sync::Arc;
 use oogc_optimizer::ComputeCopyHome;
 use oogc_swapper::{Access, ResidencyManager, TensorId, Tier};
 
+/// Calls `f` with `unit`'s host copy to overwrite every byte of it: pinned for
+/// [`Access::Overwrite`], made without reading NVMe when absent, the stale device copy dropped,
+/// written back to NVMe from this buffer when evicted. How every new compute copy enters the
+/// tiers: the optimizer's (through [`ResidencyHome`]), or one gathered from the ranks' shards.
+///
+/// # Errors
+/// The residency manager could not make the host copy (host budget, unknown unit).
+pub(super) fn overwrite_host_copy(
+    residency: &ResidencyManager,
+    unit: TensorId,
+    f: &mut dyn FnMut(&mut [u8]),
+) -> oogc_swapper::Result<()> {
+    let pin = residency.acquire(unit, Tier::Host, Access::Overwrite)?;
+    f(&mut pin.host_bytes_mut());
+    Ok(())
+}
+
 /// The residency manager as the optimizer's compute-copy home.
 pub(super) struct ResidencyHome {
     residency: Arc<ResidencyManager>,
@@ -33,12 +50,9 @@ impl ComputeCopyHome for ResidencyHome {
         Ok(())
     }
 
-    /// The host copy, pinned for [`Access::Overwrite`]: made without reading NVMe when absent,
-    /// the stale device copy dropped, written back to NVMe from this buffer when evicted.
+    /// [`overwrite_host_copy`].
     fn write(&self, unit: TensorId, f: &mut dyn FnMut(&mut [u8])) -> oogc_swapper::Result<()> {
-        let pin = self.residency.acquire(unit, Tier::Host, Access::Overwrite)?;
-        f(&mut pin.host_bytes_mut());
-        Ok(())
+        overwrite_host_copy(&self.residency, unit, f)
     }
 
     fn read(&self, unit: TensorId, f: &mut dyn FnMut(&[u8])) -> oogc_swapper::Result<()> {

@@ -1007,9 +1007,7 @@ impl Runtime {
             let mut shard = Vec::new();
             optimizer.read_compute_copy(unit, |bytes| shard = bytes.to_vec())?;
             let full = crate::dist::all_gather_shards(&shard, u.numel, u.dtype.size_in_bytes());
-            let pin = self.residency.acquire(unit, Tier::Host, Access::Overwrite)?;
-            pin.host_bytes_mut()[..full.len()].copy_from_slice(&full);
-            drop(pin);
+            home::overwrite_host_copy(&self.residency, unit, &mut |b| b[..full.len()].copy_from_slice(&full))?;
             u.update = Update::Current;
         }
         Ok(())
@@ -1112,11 +1110,8 @@ impl Runtime {
         if self.world.size > 1 {
             // This rank's shard to its optimizer (a checkpoint of any world size re-shards), the
             // whole compute copy to the residency manager.
-            let dtype = self.units[unit.0].dtype;
-            let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Overwrite)?;
-            pin.host_bytes_mut()[..dtype.num_bytes(numel)]
-                .copy_from_slice(&oogc_optimizer::compute_copy(&master, dtype));
-            drop(pin);
+            let copy = oogc_optimizer::compute_copy(&master, self.units[unit.0].dtype);
+            home::overwrite_host_copy(&self.residency, unit.tensor(), &mut |b| b[..copy.len()].copy_from_slice(&copy))?;
             let r = crate::dist::shard_range(numel, self.world.rank, self.world.size);
             let state = oogc_optimizer::UnitState {
                 master: master[r.clone()].to_vec(),

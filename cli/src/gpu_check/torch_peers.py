@@ -141,7 +141,7 @@ def train(a):
     torch.manual_seed(1)
     dev = torch.device(a.device)
     if a.peer == "oogc":
-        return train_oogc(a, torch, out)
+        return train_oogc(a, torch, dev, out)
     if a.peer == "resident":
         model = build_model(a, torch).to(dev)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
@@ -177,7 +177,7 @@ def train(a):
         raise SystemExit(f"unknown peer {a.peer}")
     out["params"] = sum(p.numel() for p in model.parameters())
     times = []
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    sync = synchronizer(torch, dev)
     for step in range(a.warmup + a.steps):
         ids = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device=dev)
         sync()
@@ -208,7 +208,12 @@ def train(a):
     return out
 
 
-def train_oogc(a, torch, out):
+def synchronizer(torch, dev):
+    """What waits for the device's queued work before a step is timed (nothing on the CPU)."""
+    return torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+
+def train_oogc(a, torch, dev, out):
     """The oogc peer: the model's units offloaded by ``oogc.torch.offload``."""
     try:
         import oogc.torch
@@ -234,8 +239,7 @@ def train_oogc(a, torch, out):
     }
     engine = oogc.torch.offload(model, units, config, lr=3e-4)
     times = []
-    dev = torch.device(a.device)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = synchronizer(torch, dev)
     for step in range(a.warmup + a.steps):
         ids = torch.randint(0, a.vocab, (a.batch, a.seq + 1), device=dev)
         sync()

@@ -447,12 +447,8 @@ pub(crate) fn throughput(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> 
     f.set("params", params);
     f.set("model", json!({"hidden": run.hidden, "intermediate": run.intermediate, "layers": run.layers, "heads": run.heads, "kv_heads": run.kv_heads, "batch": run.batch, "seq": run.seq}));
     run.host_bytes = params as u64 * 16 + (8 << 30);
-    if run.host_bytes > memory_bytes() * 9 / 10 {
-        return Ok(Verdict::Skip(format!(
-            "host memory: the run needs {} bytes, this machine has {}",
-            run.host_bytes,
-            memory_bytes()
-        )));
+    if let Some(skip) = host_memory_skip(run.host_bytes) {
+        return Ok(skip);
     }
     // All-resident first (the trace's last steps are then the offloaded run's).
     let resident = train(&Run { gpu_bytes: params as u64 * 2 + (4 << 30), ..run.clone() }, false)?;
@@ -510,6 +506,13 @@ pub(crate) fn throughput(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> 
     })
 }
 
+/// A skip when a run needs more than 90 % of this machine's memory (`host_bytes`).
+fn host_memory_skip(host_bytes: u64) -> Option<Verdict> {
+    (host_bytes > memory_bytes() * 9 / 10).then(|| {
+        Verdict::Skip(format!("host memory: the run needs {host_bytes} bytes, this machine has {}", memory_bytes()))
+    })
+}
+
 /// Check 11.
 pub(crate) fn six_b(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
     if ctx.is_sim() {
@@ -525,12 +528,8 @@ pub(crate) fn six_b(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
     let params: usize = model.units().iter().map(|u| u.numel).sum();
     f.set("params", params);
     run.host_bytes = params as u64 * 15 + (6 << 30);
-    if run.host_bytes > memory_bytes() * 9 / 10 {
-        return Ok(Verdict::Skip(format!(
-            "host memory: the run needs {} bytes, this machine has {}",
-            run.host_bytes,
-            memory_bytes()
-        )));
+    if let Some(skip) = host_memory_skip(run.host_bytes) {
+        return Ok(skip);
     }
     let out = train(&run, false)?;
     let step_s = median(&out.stats[1..].iter().map(|s| s.step_s).collect::<Vec<_>>());
