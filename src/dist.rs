@@ -6,6 +6,7 @@
 //! | piece | what it is |
 //! |---|---|
 //! | [`init`] | initialises MPI once per process when `mpirun` started it (`MPI_THREAD_MULTIPLE`); keep the returned [`MpiGuard`] alive until the end (dropping it finalises MPI) |
+//! | [`init_with`] | the ranks of another engine instead: a [`Collectives`] (the Python module's over torch.distributed, for `torchrun`) |
 //! | [`world`] | rank, world size, local rank (`OMPI_COMM_WORLD_*`): a world of one without [`init`] |
 //! | [`shard_range`] | the elements of a unit whose master weights and Adam state a rank holds (ZeRO-style: `⌈numel / ranks⌉` each, in rank order) |
 //! | [`reduce_scatter_mean_grads`] | this rank's shard of a unit's gradients averaged over the ranks (summed in f32, divided by the world size, back in their dtype) |
@@ -27,6 +28,14 @@
 //! norm and the all-gathers in `finish_step`, after it waited until the drain thread submitted
 //! every gradient of the step; the loss, validation and checkpoint gathers between steps). A
 //! process-wide lock keeps any two calls from overlapping.
+//!
+//! **Engines.** The collectives go to one backend per process: MPI ([`init`], feature `mpi`) or
+//! a [`Collectives`] given to [`init_with`] by the program that set the ranks up (the Python
+//! module's `oogc.torch.offload(..., process_group=...)` under `torchrun`: gloo on the CPU, NCCL
+//! on GPUs). Both run under the same lock in the same order. A collective that fails ends the
+//! process with the cause (as MPI's default error handler does): the ranks are out of step and
+//! nothing can be resumed but a checkpoint; the launcher (`mpirun`, `torchrun`) then stops the
+//! others.
 //!
 //! Without the `mpi` feature the binary needs no MPI library (the CUDA bundle, a machine without
 //! Open MPI); started by `mpirun` with more than one rank it refuses to run ([`DistError`]),
@@ -63,6 +72,20 @@ impl World {
     pub fn expand(&self, path: &str) -> String {
         path.replace("{rank}", &self.rank.to_string()).replace("{local_rank}", &self.local_rank.to_string())
     }
+
+    /// This rank's NVMe directory for `dir` (`[budgets] nvme_dirs`): `{rank}` and
+    /// `{local_rank}` replaced ([`World::expand`]); with several ranks, a directory that names
+    /// neither gets a `rank{r}` subdirectory, so ranks never share store files. A world of one
+    /// only expands.
+    pub fn rank_dir(&self, dir: &std::path::Path) -> std::path::PathBuf {
+        let s = dir.to_string_lossy();
+        let expanded = self.expand(&s);
+        if expanded != s || self.size == 1 {
+            std::path::PathBuf::from(expanded)
+        } else {
+            dir.join(format!("rank{}", self.rank))
+        }
+    }
 }
 
 /// Why the ranks could not be set up.
@@ -93,6 +116,14 @@ pub enum DistError {
         /// The level granted.
         granted: String,
     },
+    /// [`init_with`] was given a rank outside its world.
+    #[error("rank {rank} of a world of {size}: a rank is 0..size, and a world has at least one rank")]
+    BadWorld {
+        /// The rank given.
+        rank: usize,
+        /// The world size given.
+        size: usize,
+    },
     /// `OMPI_COMM_WORLD_*` and what MPI reports disagree.
     #[error("mpirun's environment says rank {env_rank} of {env_size}, MPI says rank {rank} of {size}")]
     Mismatch {
@@ -109,9 +140,44 @@ pub enum DistError {
 
 static WORLD: OnceLock<World> = OnceLock::new();
 
+/// Where this process's collectives go (set once, with [`WORLD`]).
+static BACKEND: OnceLock<Backend> = OnceLock::new();
+
+enum Backend {
+    #[cfg(feature = "mpi")]
+    Mpi,
+    External(Box<dyn Collectives>),
+}
+
 /// Serialises this process's collectives (see the module docs).
-#[cfg(feature = "mpi")]
 static COLLECTIVE: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
+
+/// The collectives of ranks that another engine set up (torch.distributed's process group under
+/// `torchrun`, ...), for [`init_with`]. Every rank calls the same methods in the same order
+/// (the runtime guarantees it, and never calls two at once); buffers are host memory.
+///
+/// An `Err` is the engine's message; the run cannot go on after it (see the module docs).
+pub trait Collectives: Send + Sync {
+    /// `values` (f64) summed over the ranks, in place.
+    ///
+    /// # Errors
+    /// The engine's failure (a rank died, a timeout), as text.
+    fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), String>;
+
+    /// A reduce-scatter of f32 blocks: `send` holds `world size` blocks of `recv.len()` (block
+    /// r for rank r); block `rank` summed over the ranks lands in `recv`.
+    ///
+    /// # Errors
+    /// The engine's failure, as text.
+    fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String>;
+
+    /// An all-gather of equal blocks of bytes: every rank's `send` into `recv`
+    /// (`send.len() × world size` bytes) in rank order.
+    ///
+    /// # Errors
+    /// The engine's failure, as text.
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<(), String>;
+}
 
 /// This process's world: the one [`init`] set up, else a world of one.
 pub fn world() -> World {
@@ -179,9 +245,64 @@ pub fn init() -> Result<MpiGuard, DistError> {
         }
         let world = World { rank, size, local_rank: env.local_rank };
         WORLD.set(world).map_err(|_| DistError::AlreadyInitialized)?;
+        BACKEND.set(Backend::Mpi).map_err(|_| DistError::AlreadyInitialized)?;
         tracing::info!(rank, size, local_rank = world.local_rank, "MPI initialised");
         Ok(MpiGuard { _universe: Some(universe), _not_send: std::marker::PhantomData })
     }
+}
+
+/// The backend, locked for one collective; `None` in a world of one.
+fn backend() -> Option<(&'static Backend, parking_lot::MutexGuard<'static, ()>)> {
+    if world().size == 1 {
+        return None;
+    }
+    let backend = BACKEND.get()?;
+    Some((backend, COLLECTIVE.lock()))
+}
+
+/// An external collective's result, or the end of the process when it failed (see the module
+/// docs).
+fn or_exit<T>(op: &str, result: Result<T, String>) -> T {
+    result.unwrap_or_else(|e| {
+        let w = world();
+        eprintln!(
+            "oogc: rank {} of {}: the collective {op} failed: {e}; this rank stops (the ranks are out of step; \
+             the launcher stops the others; resume from the last checkpoint)",
+            w.rank, w.size
+        );
+        tracing::error!(rank = w.rank, op, error = %e, "collective failed");
+        std::process::exit(1)
+    })
+}
+
+/// Sets up this process's world from another engine's ranks: `world` and the [`Collectives`]
+/// every later collective goes to (the Python module's over torch.distributed). A `world` of one
+/// changes nothing (no collective is ever called).
+///
+/// # Errors
+/// [`DistError::AlreadyInitialized`] when this process's world was set already (by [`init`]
+/// under `mpirun`, or an earlier call with another world); calling it again with the same world
+/// keeps the first backend and is not an error. [`DistError::BadWorld`] when `world` is not a
+/// world (rank beyond the size, size 0).
+pub fn init_with(world: World, collectives: Box<dyn Collectives>) -> Result<(), DistError> {
+    if world.size == 0 || world.rank >= world.size {
+        return Err(DistError::BadWorld { rank: world.rank, size: world.size });
+    }
+    if let Some(have) = WORLD.get() {
+        return if *have == world { Ok(()) } else { Err(DistError::AlreadyInitialized) };
+    }
+    if world.size == 1 {
+        return Ok(());
+    }
+    WORLD.set(world).map_err(|_| DistError::AlreadyInitialized)?;
+    BACKEND.set(Backend::External(collectives)).map_err(|_| DistError::AlreadyInitialized)?;
+    tracing::info!(
+        rank = world.rank,
+        size = world.size,
+        local_rank = world.local_rank,
+        "ranks set up by another engine"
+    );
+    Ok(())
 }
 
 #[cfg(feature = "mpi")]
@@ -191,41 +312,50 @@ fn comm() -> mpi::topology::SimpleCommunicator {
 
 /// `values` summed over the ranks, in place (f64). A no-op in a world of one.
 pub fn all_reduce_sum_f64(values: &mut [f64]) {
-    #[cfg(feature = "mpi")]
-    if world().size > 1 && !values.is_empty() {
-        use mpi::collective::SystemOperation;
-        use mpi::traits::CommunicatorCollectives;
-        let _one = COLLECTIVE.lock();
-        let send = values.to_vec();
-        comm().all_reduce_into(&send[..], values, SystemOperation::sum());
+    if values.is_empty() {
+        return;
     }
-    #[cfg(not(feature = "mpi"))]
-    let _ = values;
+    let Some((backend, _one)) = backend() else { return };
+    match backend {
+        #[cfg(feature = "mpi")]
+        Backend::Mpi => {
+            use mpi::collective::SystemOperation;
+            use mpi::traits::CommunicatorCollectives;
+            let send = values.to_vec();
+            comm().all_reduce_into(&send[..], values, SystemOperation::sum());
+        }
+        Backend::External(c) => or_exit("all-reduce (sum, f64)", c.all_reduce_sum_f64(values)),
+    }
 }
 
 /// `value` of every rank, in rank order (`[value]` in a world of one).
 pub fn all_gather_f64(value: f64) -> Vec<f64> {
-    let size = world().size;
-    if size == 1 {
-        return vec![value];
-    }
-    #[cfg_attr(not(feature = "mpi"), allow(unused_mut))]
-    let mut out = vec![0.0; size];
-    #[cfg(feature = "mpi")]
-    {
-        use mpi::traits::CommunicatorCollectives;
-        let _one = COLLECTIVE.lock();
-        comm().all_gather_into(&value, &mut out[..]);
+    let Some((backend, _one)) = backend() else { return vec![value] };
+    let mut out = vec![0.0; world().size];
+    match backend {
+        #[cfg(feature = "mpi")]
+        Backend::Mpi => {
+            use mpi::traits::CommunicatorCollectives;
+            comm().all_gather_into(&value, &mut out[..]);
+        }
+        Backend::External(c) => {
+            let mut bytes = vec![0u8; 8 * out.len()];
+            or_exit("all-gather (f64)", c.all_gather_bytes(&value.to_ne_bytes(), &mut bytes));
+            for (v, b) in out.iter_mut().zip(bytes.chunks_exact(8)) {
+                *v = f64::from_ne_bytes(b.try_into().expect("8 bytes"));
+            }
+        }
     }
     out
 }
 
 /// Ends every rank of the run now (`MPI_Abort` with `code`): what a rank that failed does, so
 /// that the others do not wait forever in their next collective (nor in `MPI_Finalize`). In a
-/// world of one, exits the process with `code`.
+/// world of one, or with another engine's ranks (whose launcher stops the others when this
+/// process ends), exits the process with `code`.
 pub fn abort(code: i32) -> ! {
     #[cfg(feature = "mpi")]
-    if world().size > 1 {
+    if world().size > 1 && matches!(BACKEND.get(), Some(Backend::Mpi)) {
         use mpi::traits::Communicator;
         comm().abort(code)
     }
@@ -257,14 +387,19 @@ pub fn reduce_scatter_mean_grads(grads: Grads) -> Grads {
         _ => unreachable!("converted to f32"),
     };
     send.resize(per * world.size, 0.0);
-    #[cfg_attr(not(feature = "mpi"), allow(unused_mut))]
     let mut mine = vec![0.0f32; per];
-    #[cfg(feature = "mpi")]
-    {
-        use mpi::collective::SystemOperation;
-        use mpi::traits::CommunicatorCollectives;
-        let _one = COLLECTIVE.lock();
-        comm().reduce_scatter_block_into(&send[..], &mut mine[..], SystemOperation::sum());
+    if let Some((backend, _one)) = backend() {
+        match backend {
+            #[cfg(feature = "mpi")]
+            Backend::Mpi => {
+                use mpi::collective::SystemOperation;
+                use mpi::traits::CommunicatorCollectives;
+                comm().reduce_scatter_block_into(&send[..], &mut mine[..], SystemOperation::sum());
+            }
+            Backend::External(c) => {
+                or_exit("reduce-scatter (sum, f32)", c.reduce_scatter_sum_f32(&send, &mut mine));
+            }
+        }
     }
     mine.truncate(shard_range(numel, world.rank, world.size).len());
     let inv = 1.0 / world.size as f32;
@@ -294,13 +429,16 @@ pub fn all_gather_shards(shard: &[u8], numel: usize, elem_bytes: usize) -> Vec<u
     let block = numel.div_ceil(world.size) * elem_bytes;
     let mut send = shard.to_vec();
     send.resize(block, 0);
-    #[cfg_attr(not(feature = "mpi"), allow(unused_mut))]
     let mut all = vec![0u8; block * world.size];
-    #[cfg(feature = "mpi")]
-    {
-        use mpi::traits::CommunicatorCollectives;
-        let _one = COLLECTIVE.lock();
-        comm().all_gather_into(&send[..], &mut all[..]);
+    if let Some((backend, _one)) = backend() {
+        match backend {
+            #[cfg(feature = "mpi")]
+            Backend::Mpi => {
+                use mpi::traits::CommunicatorCollectives;
+                comm().all_gather_into(&send[..], &mut all[..]);
+            }
+            Backend::External(c) => or_exit("all-gather (bytes)", c.all_gather_bytes(&send, &mut all)),
+        }
     }
     all.truncate(numel * elem_bytes);
     all
@@ -323,6 +461,32 @@ mod tests {
         assert_eq!(all_gather_f64(7.0), vec![7.0]);
     }
 
+    struct Unreachable;
+    impl Collectives for Unreachable {
+        fn all_reduce_sum_f64(&self, _: &mut [f64]) -> Result<(), String> {
+            unreachable!("a world of one calls no collective")
+        }
+        fn reduce_scatter_sum_f32(&self, _: &[f32], _: &mut [f32]) -> Result<(), String> {
+            unreachable!("a world of one calls no collective")
+        }
+        fn all_gather_bytes(&self, _: &[u8], _: &mut [u8]) -> Result<(), String> {
+            unreachable!("a world of one calls no collective")
+        }
+    }
+
+    #[test]
+    fn another_engine_s_world_is_checked_and_a_world_of_one_changes_nothing() {
+        let bad = init_with(World { rank: 2, size: 2, local_rank: 0 }, Box::new(Unreachable));
+        assert!(matches!(bad, Err(DistError::BadWorld { rank: 2, size: 2 })), "{bad:?}");
+        let empty = init_with(World { rank: 0, size: 0, local_rank: 0 }, Box::new(Unreachable));
+        assert!(matches!(empty, Err(DistError::BadWorld { .. })), "{empty:?}");
+        init_with(World::SINGLE, Box::new(Unreachable)).expect("a world of one");
+        assert_eq!(world(), World::SINGLE);
+        let mut v = [1.0];
+        all_reduce_sum_f64(&mut v);
+        assert_eq!(v, [1.0]);
+    }
+
     #[test]
     fn the_shards_cover_a_unit_once_in_rank_order() {
         for (numel, ranks) in [(10, 3), (9, 3), (1, 4), (0, 2), (7, 1), (5, 8)] {
@@ -342,5 +506,9 @@ mod tests {
         let w = World { rank: 3, size: 4, local_rank: 1 };
         assert_eq!(w.expand("/nvme{local_rank}/oogc/rank{rank}"), "/nvme1/oogc/rank3");
         assert_eq!(World::SINGLE.expand("/nvme/oogc"), "/nvme/oogc");
+        let dir = std::path::Path::new("/nvme/oogc");
+        assert_eq!(w.rank_dir(dir), dir.join("rank3"));
+        assert_eq!(w.rank_dir(std::path::Path::new("/nvme{local_rank}")), std::path::Path::new("/nvme1"));
+        assert_eq!(World::SINGLE.rank_dir(dir), dir);
     }
 }

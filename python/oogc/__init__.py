@@ -13,6 +13,7 @@ from oogc._oogc import (
     Runtime,
     StorageError,
     UsageError,
+    world,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "Runtime",
     "StorageError",
     "UsageError",
+    "world",
 ]

@@ -271,3 +271,28 @@ class Runtime:
         Raises:
             UsageError: a unit missing from either side, a wrong length.
         """
+
+
+def init_ranks(rank: int, world_size: int, local_rank: int, collectives: Any) -> None:
+    """Makes this process rank ``rank`` of ``world_size`` (``local_rank`` on its node) for every
+    runtime made after it: each holds this rank's shard (``ceil(numel / world_size)`` elements of
+    every unit) of the fp32 master weights and AdamW state, reduce-scatters each unit's
+    gradients (f32 sums divided by the world size), all-reduces the global norm and all-gathers
+    the new compute copies through ``collectives``: an object with
+    ``all_reduce_sum_f64(buf: bytearray) -> bytearray``,
+    ``reduce_scatter_sum_f32(buf: bytearray, block: int) -> bytearray`` (``buf``: ``world_size``
+    blocks of ``block`` f32; returns this rank's block summed) and
+    ``all_gather_bytes(buf: bytearray) -> bytearray`` (every rank's equal ``buf`` in rank
+    order), called from the runtime's gradient thread too (with the GIL), one at a time, in the
+    same order on every rank. A method that raises ends the process with its message (the ranks
+    are out of step). ``oogc.torch.offload(..., process_group=...)`` calls this with
+    ``oogc.torch._TorchCollectives``. Once per process; again with the same world, a no-op.
+
+    Raises:
+        UsageError: another world was set already, or ``rank`` is not below ``world_size``.
+    """
+
+
+def world() -> Tuple[int, int, int]:
+    """This process's ``(rank, world_size, local_rank)``; ``(0, 1, 0)`` without ranks."""
+

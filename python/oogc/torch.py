@@ -54,7 +54,7 @@ from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from oogc._oogc import Runtime, UsageError
+from oogc._oogc import Runtime, UsageError, init_ranks
 
 __all__ = ["Engine", "offload"]
 
@@ -377,12 +377,85 @@ def _unit_name(model: nn.Module, modules: List[nn.Module]) -> str:
     return "+".join(names)
 
 
+class _TorchCollectives:
+    """The runtime's collectives (``oogc::dist::Collectives``) over a torch.distributed process
+    group: what ``offload(..., process_group=...)`` hands the runtime. Each method takes a
+    ``bytearray`` (viewed with ``torch.frombuffer``) and returns one; the runtime calls them from
+    its gradient thread and from the caller's, never two at once, in the same order on every rank.
+
+    On a gloo group the reduce-scatter is an all-reduce of which this rank keeps its block (gloo
+    has no reduce-scatter of flat tensors in every torch version); on NCCL the buffers go to the
+    current CUDA device and back (``reduce_scatter_tensor``)."""
+
+    def __init__(self, group: Any):
+        import torch.distributed as dist
+
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.nccl = dist.get_backend(group) == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.nccl else torch.device("cpu")
+
+    def _tensor(self, buf: bytearray, dtype: torch.dtype) -> torch.Tensor:
+        t = torch.frombuffer(buf, dtype=dtype)
+        return t.to(self.device) if self.nccl else t
+
+    @staticmethod
+    def _bytes(t: torch.Tensor) -> bytearray:
+        out = bytearray(t.numel() * t.element_size())
+        torch.frombuffer(out, dtype=t.dtype).copy_(t.reshape(-1))
+        return out
+
+    def all_reduce_sum_f64(self, buf: bytearray) -> bytearray:
+        t = self._tensor(buf, torch.float64)
+        self._dist.all_reduce(t, group=self.group)
+        return self._bytes(t)
+
+    def reduce_scatter_sum_f32(self, buf: bytearray, block: int) -> bytearray:
+        t = self._tensor(buf, torch.float32)
+        if self.nccl:
+            out = torch.empty(block, dtype=torch.float32, device=self.device)
+            self._dist.reduce_scatter_tensor(out, t, group=self.group)
+        else:
+            self._dist.all_reduce(t, group=self.group)
+            out = t[self.rank * block : (self.rank + 1) * block]
+        return self._bytes(out)
+
+    def all_gather_bytes(self, buf: bytearray) -> bytearray:
+        t = self._tensor(buf, torch.uint8)
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        self._dist.all_gather(parts, t, group=self.group)
+        return self._bytes(torch.cat(parts))
+
+
+def _join_ranks(process_group: Any) -> None:
+    """Makes this process a rank of ``process_group`` for the runtime (``init_ranks``), over a
+    private copy of the group, so that the runtime's collectives (some from its gradient thread,
+    while the backward runs) never interleave with the trainer's own on the group."""
+    import os
+
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise UsageError(
+            "offload(process_group=...): torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group() first (under torchrun: backend 'gloo' on the CPU, 'nccl' on GPUs)"
+        )
+    ranks = dist.get_process_group_ranks(process_group)
+    private = dist.new_group(ranks=ranks, backend=dist.get_backend(process_group))
+    rank = dist.get_rank(process_group)
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    init_ranks(rank, len(ranks), local_rank, _TorchCollectives(private))
+
+
 def offload(
     model: nn.Module,
     units: Sequence[UnitSpec],
     config: Union[Mapping[str, Any], str],
     *,
     lr: LrSpec = 1e-3,
+    process_group: Any = None,
 ) -> Engine:
     """Offloads ``model``'s given submodules through an oogc runtime.
 
@@ -399,6 +472,18 @@ def offload(
             for bfloat16, ``"f16"`` for float16); without it the model's is taken.
         lr: the learning rate: a float, or a function of the 1-based step returning one (the
             step's lr is taken when its first forward begins).
+        process_group: data-parallel ranks (``torch.distributed.group.WORLD`` or a group of
+            one's own, under ``torchrun``): each rank runs the same model on its own batch; the
+            runtime averages each unit's gradients over the ranks (a reduce-scatter as the
+            backward pushes them), keeps only this rank's shard of the fp32 master weights and
+            AdamW state (ZeRO-style: ``ceil(numel / world size)`` of every unit, on the host or
+            in this rank's NVMe directory: ``{rank}``/``{local_rank}`` in ``nvme_dirs``, else a
+            ``rank{r}`` subdirectory), clips by the global norm, and all-gathers the updated
+            parameters at ``engine.step()``. The collectives run over a private copy of the
+            group (``new_group``, so every rank of the default group must call ``offload``),
+            gloo on the CPU, NCCL on GPUs. ``engine.parameters()``, ``state_dict()`` and
+            ``unit_parameters()`` gather the shards: call them on every rank. One world per
+            process. ``None`` (default): this process trains alone.
 
     Returns:
         The :class:`Engine`. The units' parameters are moved into the runtime: ``model``'s
@@ -474,6 +559,8 @@ def offload(
         raise UsageError("offload: no units given")
     model_dtype = built[0].dtype
     assert model_dtype is not None
+    if process_group is not None:
+        _join_ranks(process_group)
     runtime = Runtime(config, default_compute_dtype=_OOGC_DTYPE[model_dtype])
     if _TORCH_DTYPE[runtime.compute_dtype] != model_dtype:
         want = _OOGC_DTYPE[model_dtype]

@@ -17,7 +17,7 @@
 //! | `budgets.host` | bytes or a size string | `"4 GiB"` |
 //! | `budgets.optimizer_state` | `"host"` or `"nvme"`: where master weights and Adam state live | `"host"` |
 //! | `budgets.params` | `"host"` or `"nvme"`: the compute copies' home | `"host"` |
-//! | `budgets.nvme_dirs` | directories (relative to a TOML file's directory) | `[]` |
+//! | `budgets.nvme_dirs` | directories (relative to a TOML file's directory); with ranks, `{rank}`/`{local_rank}` expanded, else a `rank{r}` subdirectory each | `[]` |
 //! | `budgets.nvme_size` | bytes preallocated on NVMe | required with `"nvme"` |
 //! | `optimizer.kind` | `"adamw"` or `"adam"` | `"adamw"` |
 //! | `optimizer.betas` | `[β1, β2]` | `[0.9, 0.95]` |
@@ -34,7 +34,7 @@
 //! `device.ops` (`oogc train`'s choice of op sequence) is accepted as `"auto"` only: torch
 //! computes the units here.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use oogc::config::{BudgetsConfig, DeviceConfig, DeviceKind, OpsPath, PrefetchSection};
 use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
@@ -199,7 +199,24 @@ impl Config {
                             .into(),
                     ));
                 };
-                let dirs: Vec<PathBuf> = self.budgets.nvme_dirs.clone();
+                // With ranks (`oogc.torch.offload(..., process_group=...)`), each its own
+                // directories: `{rank}`/`{local_rank}` expanded, else a `rank{r}` subdirectory.
+                // The `rank{r}` subdirectory is made when the listed directory exists.
+                let world = oogc::dist::world();
+                let mut dirs = Vec::new();
+                for dir in &self.budgets.nvme_dirs {
+                    let mine = world.rank_dir(dir);
+                    if world.size > 1 && dir.is_dir() && !mine.exists() {
+                        std::fs::create_dir_all(&mine).map_err(|e| {
+                            Error::Config(format!(
+                                "budgets.nvme_dirs: cannot make rank {}'s directory {}: {e}",
+                                world.rank,
+                                mine.display()
+                            ))
+                        })?;
+                    }
+                    dirs.push(mine);
+                }
                 Some(NvmeConfig::new(dirs, size.as_u64()))
             }
         };

@@ -31,6 +31,7 @@ use pyo3::types::{PyDict, PyString};
 mod config;
 mod dlpack;
 mod error;
+mod ranks;
 
 use dlpack::Lease;
 use error::{Error, Result};
@@ -530,6 +531,8 @@ fn _oogc(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<PyRuntime>()?;
     m.add_class::<Fetched>()?;
+    m.add_function(wrap_pyfunction!(ranks::init_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(ranks::world, m)?)?;
     m.add("OogcError", py.get_type::<error::OogcError>())?;
     m.add("ConfigError", py.get_type::<error::ConfigError>())?;
     m.add("UsageError", py.get_type::<error::UsageError>())?;

@@ -20,7 +20,7 @@ import oogc.torch
 
 transformers = pytest.importorskip("transformers", reason="transformers is needed for the Llama oracle")
 
-from llama_run import BETAS, EPS, LR, STEPS, WD, batches
+from llama_run import BETAS, EPS, LR, STEPS, WD, batches, offload_config
 
 
 def load(path):
@@ -50,17 +50,7 @@ def test_offloaded_llama_matches_plain_pytorch(llama_gqa, shakespeare, tmp_path)
 
     model = load(llama_gqa)
     model_bytes = 4 * sum(p.numel() for p in model.parameters())
-    config = {
-        "device": {"kind": "sim", "link_gbps": 0},
-        "budgets": {
-            "gpu": model_bytes * 7 // 10,
-            "host": "256 MiB",
-            "optimizer_state": "nvme",
-            "nvme_dirs": [str(tmp_path)],
-            "nvme_size": "32 MiB",
-        },
-        "optimizer": {"betas": list(BETAS), "eps": EPS, "weight_decay": WD, "clip_norm": 0.0, "threads": 2},
-    }
+    config = offload_config(model_bytes, str(tmp_path))
     engine = oogc.torch.offload(model, units_of(model), config, lr=LR)
     first_grads = {}
     push = engine._unit_grad

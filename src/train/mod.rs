@@ -165,13 +165,7 @@ pub fn lr_schedule(cfg: &TrainConfig) -> oogc_optimizer::LrSchedule {
 /// placeholders.
 pub fn for_rank(mut cfg: TrainConfig, world: crate::dist::World) -> TrainConfig {
     for dir in &mut cfg.budgets.nvme_dirs {
-        let s = dir.to_string_lossy().into_owned();
-        let expanded = world.expand(&s);
-        *dir = if expanded != s || world.size == 1 {
-            PathBuf::from(expanded)
-        } else {
-            dir.join(format!("rank{}", world.rank))
-        };
+        *dir = world.rank_dir(dir);
     }
     if !world.is_root() {
         cfg.checkpoint.dir = None;

@@ -1,0 +1,102 @@
+//! Ranks set up by torch.distributed (`torchrun`): the runtime's collectives ([`oogc::dist::Collectives`])
+//! forwarded to a Python object, `oogc.torch._TorchCollectives` over a process group (gloo on
+//! the CPU, NCCL on GPUs).
+//!
+//! The runtime calls them from its gradient thread as well as from the caller's, so each call
+//! takes the GIL ([`Python::attach`]); every `Runtime` method that may wait for that thread runs
+//! without the GIL (`PyRuntime::with`), so the two never wait on each other. Buffers cross as
+//! `bytearray`s (one copy each way; the Python side views them with `torch.frombuffer`).
+
+use oogc::dist::{Collectives, World};
+use pyo3::prelude::*;
+use pyo3::types::PyByteArray;
+
+use crate::error::{Error, Result};
+
+/// A Python object with the methods `all_reduce_sum_f64(buf) -> bytearray`,
+/// `reduce_scatter_sum_f32(buf, block_len) -> bytearray` and `all_gather_bytes(buf) -> bytearray`
+/// (see `oogc.torch._TorchCollectives`).
+struct PyCollectives {
+    obj: Py<PyAny>,
+}
+
+impl PyCollectives {
+    /// Calls `method(bytearray(send), *extra)` and returns the bytes of its result, which must
+    /// be `want` bytes long.
+    fn call(
+        &self,
+        method: &str,
+        send: &[u8],
+        extra: Option<usize>,
+        want: usize,
+    ) -> std::result::Result<Vec<u8>, String> {
+        Python::attach(|py| {
+            let buf = PyByteArray::new(py, send);
+            let obj = self.obj.bind(py);
+            let out = match extra {
+                Some(n) => obj.call_method1(method, (buf, n)),
+                None => obj.call_method1(method, (buf,)),
+            }
+            .map_err(|e| format!("{method}: {e}"))?;
+            let out = out
+                .cast::<PyByteArray>()
+                .map_err(|_| format!("{method} returned {}, not a bytearray", out.get_type()))?
+                .to_vec();
+            if out.len() != want {
+                return Err(format!("{method} returned {} bytes, expected {want}", out.len()));
+            }
+            Ok(out)
+        })
+    }
+}
+
+impl Collectives for PyCollectives {
+    fn all_reduce_sum_f64(&self, values: &mut [f64]) -> std::result::Result<(), String> {
+        let bytes: &[u8] = bytemuck::cast_slice(values);
+        let out = self.call("all_reduce_sum_f64", bytes, None, bytes.len())?;
+        for (v, b) in values.iter_mut().zip(out.chunks_exact(8)) {
+            *v = f64::from_ne_bytes(b.try_into().expect("8 bytes"));
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) -> std::result::Result<(), String> {
+        let out = self.call("reduce_scatter_sum_f32", bytemuck::cast_slice(send), Some(recv.len()), 4 * recv.len())?;
+        for (v, b) in recv.iter_mut().zip(out.chunks_exact(4)) {
+            *v = f32::from_ne_bytes(b.try_into().expect("4 bytes"));
+        }
+        Ok(())
+    }
+
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> std::result::Result<(), String> {
+        let out = self.call("all_gather_bytes", send, None, recv.len())?;
+        recv.copy_from_slice(&out);
+        Ok(())
+    }
+}
+
+/// Makes this process rank `rank` of `world_size` (`local_rank` on its node) for every runtime
+/// made after it, with `collectives` (see [`PyCollectives`]) as the engine: each runtime then
+/// holds this rank's shard of the optimizer state and reduces gradients over the ranks, as
+/// `mpirun -np N oogc train` does. Once per process (again with the same world: a no-op).
+/// Called by `oogc.torch.offload(..., process_group=...)`.
+///
+/// Raises UsageError: another world was set already, or the rank is outside the world.
+#[pyfunction]
+#[pyo3(signature = (rank, world_size, local_rank, collectives))]
+pub fn init_ranks(rank: usize, world_size: usize, local_rank: usize, collectives: Py<PyAny>) -> Result<()> {
+    let world = World { rank, size: world_size, local_rank };
+    oogc::dist::init_with(world, Box::new(PyCollectives { obj: collectives })).map_err(|e| {
+        Error::Usage(format!(
+            "init_ranks(rank {rank}, world size {world_size}): {e} (this process is {:?}; one world per process)",
+            oogc::dist::world()
+        ))
+    })
+}
+
+/// This process's world: `(rank, world_size, local_rank)`, `(0, 1, 0)` without ranks.
+#[pyfunction]
+pub fn world() -> (usize, usize, usize) {
+    let w = oogc::dist::world();
+    (w.rank, w.size, w.local_rank)
+}
