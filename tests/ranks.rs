@@ -10,6 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use oogc::config::TrainConfig;
+use oogc::runtime::UnitId;
 use oogc::train::Trainer;
 
 const STEPS: u64 = 20;
@@ -35,7 +36,7 @@ fn config_with_checkpoints(dir: &Path, batch_size: usize, ckpt: &Path) -> TrainC
 /// checkpoint of its own written at its end into `ckpt`.
 /// What a run gave: each step's loss, grad norm (-1 when not finite) and whether it was skipped, the validation loss,
 /// the master weights (gathered from the ranks' shards), the NVMe bytes of this process's
-/// optimizer state.
+/// optimizer state; for a resumed run the whole state as loaded, and the state a run saved.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Outcome {
     losses: Vec<f64>,
@@ -44,12 +45,25 @@ struct Outcome {
     val: f64,
     masters: Vec<Vec<f32>>,
     state_nvme_bytes: u64,
+    loaded: Vec<UnitState>,
+    saved: Vec<UnitState>,
+}
+
+/// A unit's master weights, `m` and `v` (fp32, `[numel]` each).
+type UnitState = (Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// Every unit's whole committed state, gathered from the ranks' shards (a collective: every
+/// rank calls it).
+fn state(t: &Trainer) -> Vec<UnitState> {
+    let rt = t.runtime();
+    (0..rt.num_units()).map(|u| rt.unit_state(UnitId(u)).expect("unit state")).collect()
 }
 
 fn train_resumed(cfg: TrainConfig, from: &Path) -> Outcome {
     let t = Trainer::resume(cfg, from).expect("resume");
     assert_eq!(t.step(), STEPS / 2);
-    run_to(t, STEPS, true)
+    let loaded = state(&t);
+    Outcome { loaded, ..run_to(t, STEPS, true) }
 }
 
 /// Trains `t` to step `last`, writes a checkpoint when `save`, evaluates.
@@ -62,12 +76,15 @@ fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
         grad_norms.push(if o.stats.grad_norm.is_finite() { o.stats.grad_norm } else { -1.0 });
         skipped.push(o.stats.skipped);
     }
+    let mut saved = Vec::new();
     if save {
         t.save_checkpoint().expect("checkpoint");
+        saved = state(&t);
     }
     let val = t.evaluate().expect("evaluate").nats_per_token;
     let state_nvme_bytes = t.runtime().optimizer_nvme_bytes();
-    Outcome { losses, grad_norms, skipped, val, masters: t.master_weights().expect("masters"), state_nvme_bytes }
+    let masters = t.master_weights().expect("masters");
+    Outcome { losses, grad_norms, skipped, val, masters, state_nvme_bytes, loaded: Vec::new(), saved }
 }
 
 fn train(cfg: TrainConfig) -> Outcome {
@@ -148,6 +165,20 @@ fn rank_train(out: &Path, world: oogc::dist::World) {
     // Resumed at another world size: the one process's checkpoint of step STEPS / 2, re-sharded.
     let cfg = config_with_checkpoints(&out.join("resumed"), 4 / RANKS, &out.join("ckpt-ranks"));
     write_outcome(out, world.rank, "-resumed", &train_resumed(cfg, &out.join("ckpt-one")));
+    // Resumed at the same world size: the checkpoint these ranks just wrote, as loaded.
+    let again = Trainer::resume(config(&out.join("again"), 4 / RANKS), &out.join("ckpt-ranks")).expect("resume");
+    let loaded = state(&again);
+    let outcome = Outcome {
+        losses: Vec::new(),
+        grad_norms: Vec::new(),
+        skipped: Vec::new(),
+        val: 0.0,
+        masters: Vec::new(),
+        state_nvme_bytes: 0,
+        loaded,
+        saved: Vec::new(),
+    };
+    write_outcome(out, world.rank, "-again", &outcome);
 }
 
 /// A rank's outcome, as `dir/rank{rank}{suffix}.json`.
@@ -179,14 +210,15 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     let ranks_dir = dir.path().join("ranks");
     std::fs::create_dir_all(&ranks_dir).unwrap();
     // A checkpoint of step STEPS / 2 from one process, for the ranks to resume from.
-    {
+    let one_saved = {
         let mut t = Trainer::new(config_with_checkpoints(&dir.path().join("half"), 4, &ranks_dir.join("ckpt-one")))
             .expect("trainer");
         for _ in 0..STEPS / 2 {
             t.train_step().expect("step");
         }
         t.save_checkpoint().expect("checkpoint");
-    }
+        state(&t)
+    };
     let ran = launch(TEST, "train", &ranks_dir, &[]);
     assert!(ran.status.success(), "mpirun -np {RANKS}: {}\n{}", ran.status, String::from_utf8_lossy(&ran.stderr));
     let ranks = read_outcomes(&ranks_dir, "");
@@ -250,11 +282,23 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
         worst_resumed = worst_resumed.max((a - b).abs());
     }
     assert!(worst_resumed < 1e-4, "resumed master weights differ by up to {worst_resumed}");
-    let written = Trainer::resume(config(&dir.path().join("reload"), 4), &ranks_dir.join("ckpt-ranks"))
-        .expect("the ranks' checkpoint loads in one process")
-        .master_weights()
-        .unwrap();
-    assert!(written == resumed[0].masters, "the ranks' checkpoint is not the state they gathered");
+    // Checkpoints across world sizes, master weights and Adam state bitwise as saved: one
+    // process's at 2 ranks, the 2 ranks' at 2 ranks again and in one process.
+    assert!(
+        one_saved.len() > 1
+            && one_saved.iter().all(|(p, m, v)| !p.is_empty() && m.len() == p.len() && v.len() == p.len())
+    );
+    for (r, o) in resumed.iter().enumerate() {
+        assert!(o.loaded == one_saved, "rank {r} resumed one process's checkpoint as another state");
+    }
+    let saved = &resumed[0].saved;
+    assert!(resumed[1].saved == *saved, "the ranks gathered different states at their checkpoint");
+    for (r, again) in read_outcomes(&ranks_dir, "-again").iter().enumerate() {
+        assert!(again.loaded == *saved, "rank {r} resumed the ranks' checkpoint as another state");
+    }
+    let reloaded = Trainer::resume(config(&dir.path().join("reload"), 4), &ranks_dir.join("ckpt-ranks"))
+        .expect("the ranks' checkpoint loads in one process");
+    assert!(state(&reloaded) == *saved, "one process loaded the ranks' checkpoint as another state");
     // And the run moved them: the comparison is not between two untouched initialisations.
     let init = train_zero_steps(&dir.path().join("init"));
     let moved = one.masters.iter().flatten().zip(init.iter().flatten()).filter(|(a, b)| a != b).count();
