@@ -341,9 +341,7 @@ pub fn all_gather_f64(value: f64) -> Vec<f64> {
         Backend::External(c) => {
             let mut bytes = vec![0u8; 8 * out.len()];
             or_exit("all-gather (f64)", c.all_gather_bytes(&value.to_ne_bytes(), &mut bytes));
-            for (v, b) in out.iter_mut().zip(bytes.chunks_exact(8)) {
-                *v = f64::from_ne_bytes(b.try_into().expect("8 bytes"));
-            }
+            out = bytemuck::pod_collect_to_vec(&bytes);
         }
     }
     out

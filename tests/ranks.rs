@@ -37,7 +37,7 @@ fn config_with_checkpoints(dir: &Path, batch_size: usize, ckpt: &Path) -> TrainC
 /// What a run gave: each step's loss, grad norm (-1 when not finite) and whether it was skipped, the validation loss,
 /// the master weights (gathered from the ranks' shards), the NVMe bytes of this process's
 /// optimizer state; for a resumed run the whole state as loaded, and the state a run saved.
-#[derive(serde::Serialize, serde::Deserialize)]
+#[derive(Default, serde::Serialize, serde::Deserialize)]
 struct Outcome {
     losses: Vec<f64>,
     grad_norms: Vec<f64>,
@@ -168,16 +168,7 @@ fn rank_train(out: &Path, world: oogc::dist::World) {
     // Resumed at the same world size: the checkpoint these ranks just wrote, as loaded.
     let again = Trainer::resume(config(&out.join("again"), 4 / RANKS), &out.join("ckpt-ranks")).expect("resume");
     let loaded = state(&again);
-    let outcome = Outcome {
-        losses: Vec::new(),
-        grad_norms: Vec::new(),
-        skipped: Vec::new(),
-        val: 0.0,
-        masters: Vec::new(),
-        state_nvme_bytes: 0,
-        loaded,
-        saved: Vec::new(),
-    };
+    let outcome = Outcome { loaded, ..Outcome::default() };
     write_outcome(out, world.rank, "-again", &outcome);
 }
 

@@ -54,17 +54,13 @@ impl Collectives for PyCollectives {
     fn all_reduce_sum_f64(&self, values: &mut [f64]) -> std::result::Result<(), String> {
         let bytes: &[u8] = bytemuck::cast_slice(values);
         let out = self.call("all_reduce_sum_f64", bytes, None, bytes.len())?;
-        for (v, b) in values.iter_mut().zip(out.chunks_exact(8)) {
-            *v = f64::from_ne_bytes(b.try_into().expect("8 bytes"));
-        }
+        values.copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, f64>(&out));
         Ok(())
     }
 
     fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) -> std::result::Result<(), String> {
         let out = self.call("reduce_scatter_sum_f32", bytemuck::cast_slice(send), Some(recv.len()), 4 * recv.len())?;
-        for (v, b) in recv.iter_mut().zip(out.chunks_exact(4)) {
-            *v = f32::from_ne_bytes(b.try_into().expect("4 bytes"));
-        }
+        recv.copy_from_slice(&bytemuck::pod_collect_to_vec::<u8, f32>(&out));
         Ok(())
     }
 
