@@ -26,6 +26,7 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
     ("swapper/src/device/cuda.rs", "CUDA driver calls through cudarc, driver-pinned host memory"),
     ("swapper/src/nvme/uring.rs", "io_uring submission entries that point at owned buffers"),
     ("optimizer/src/simd.rs", "std::arch loads and stores, calls into #[target_feature] functions after detection"),
+    ("swapper/src/huge_malloc.rs", "the oogc binary's GlobalAlloc over System, madvise and mallopt"),
     (
         "models/src/hf/mmap.rs",
         "memory-maps a Hugging Face checkpoint's safetensors shards read-only for one header parse or one unit's copy",

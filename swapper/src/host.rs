@@ -283,6 +283,8 @@ struct PoolShared {
     state: Mutex<PoolState>,
     allocations: AtomicU64,
     reuses: AtomicU64,
+    /// Requests shorter than this are served at this length ([`PinnedPool::raise_min_len`]).
+    min_len: AtomicU64,
 }
 
 #[derive(Default)]
@@ -347,8 +349,9 @@ impl HostMemory for LedgerMemory {
 
 /// A pool of page-aligned, page-locked host buffers with a byte budget.
 ///
-/// Requests are rounded to a [`size_class`]; a freed buffer is cached by class and handed out
-/// again without re-allocating or re-locking. When a new allocation would exceed the budget, the
+/// Requests are rounded to a [`size_class`] (of at least [`PinnedPool::raise_min_len`]'s length);
+/// a freed buffer is cached by class and handed out again without re-allocating, re-locking or
+/// faulting its pages in. When a new allocation would exceed the budget, the
 /// pool first frees cached buffers of other classes; if it still does not fit, the request fails
 /// with [`Error::OutOfMemory`] on [`Tier::Host`]. Cloning the pool shares it.
 ///
@@ -390,6 +393,7 @@ impl PinnedPool {
                 state: Mutex::new(PoolState::default()),
                 allocations: AtomicU64::new(0),
                 reuses: AtomicU64::new(0),
+                min_len: AtomicU64::new(0),
             }),
         }
     }
@@ -402,6 +406,15 @@ impl PinnedPool {
     /// The budget in bytes.
     pub fn budget_bytes(&self) -> u64 {
         self.shared.budget_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Serves every later request shorter than `len` bytes from a buffer of `len`'s size class
+    /// (never lowers it). A pool whose requests vary in length (one per unit) and whose budget
+    /// holds a few of the largest then keeps buffers of one class: each is handed out again,
+    /// instead of cached buffers of one class being given back to the OS to make room for
+    /// another's, mapped afresh and faulted in every step.
+    pub fn raise_min_len(&self, len: usize) {
+        self.shared.min_len.fetch_max(len as u64, Ordering::Relaxed);
     }
 
     /// Changes the budget; cached free buffers are given back to the OS (largest first) until
@@ -452,7 +465,7 @@ impl PinnedPool {
     /// after releasing cached buffers; [`Error::HostBudget`] when the pool's ledger refuses the
     /// bytes; [`Error::InvalidRequest`] when the allocator fails.
     pub fn alloc(&self, len: usize) -> Result<HostBuffer> {
-        let class = size_class(len);
+        let class = size_class(len.max(self.shared.min_len.load(Ordering::Relaxed) as usize));
         let sh = &self.shared;
         let budget_bytes = self.budget_bytes();
         let claim = {
@@ -563,6 +576,23 @@ mod tests {
         drop(a);
         let _a2 = pool.alloc(3 << 20).unwrap();
         assert_eq!(pool.allocation_counts(), (2, 1));
+    }
+
+    #[test]
+    fn requests_below_the_minimum_length_share_one_class_and_reuse_its_buffers() {
+        // Room for two buffers of the larger class only, as the stream and landing pools are
+        // planned: without a minimum length the classes would give way to each other.
+        let big = size_class(3 << 20);
+        let pool = PinnedPool::with_mmap(&PinnedPoolConfig { budget_bytes: 2 * big as u64, lock: false });
+        pool.raise_min_len(3 << 20);
+        pool.raise_min_len(1 << 20); // never lowers it
+        for _ in 0..4 {
+            let a = pool.alloc(1 << 20).unwrap();
+            let b = pool.alloc(3 << 20).unwrap();
+            assert_eq!((a.len(), a.capacity(), b.capacity()), (1 << 20, big, big));
+        }
+        let (allocations, reuses) = pool.allocation_counts();
+        assert_eq!((allocations, reuses), (2, 6), "two buffers mapped, then handed out again");
     }
 
     #[test]

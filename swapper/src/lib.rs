@@ -6,6 +6,7 @@
 //! | device backend | [`Device`], [`SimDevice`], [`CudaDevice`] | enforced capacity, asynchronous H2D/D2H, events |
 //! | ordering | [`DeviceEvent`], [`Device::record_compute_event`], [`Device::dtoh_after`], [`Device::free_after`] | one compute/copy ordering API for both backends; the sim device checks it (happens-before) |
 //! | pinned pool | [`PinnedPool`], [`HostBuffer`] | page-aligned, page-locked host buffers with a byte budget |
+//! | process allocator | [`HugePageMalloc`] | malloc with large blocks advised as huge pages (`oogc train`'s) |
 //! | host ledger | [`HostLedger`], [`HostUse`] | the one host budget every host allocation is claimed from, by category, with peaks |
 //! | NVMe store | [`NvmeStore`] | files striped over directories, extents with checksums, io_uring or pread/pwrite |
 //! | residency | [`ResidencyManager`] | where each tensor lives, acquire/release (pins), prefetch, eviction by a policy |
@@ -18,6 +19,7 @@
 pub mod device;
 pub mod error;
 pub mod host;
+pub mod huge_malloc;
 pub mod ledger;
 pub mod metrics;
 pub mod nvme;
@@ -31,6 +33,7 @@ pub use device::{
 };
 pub use error::{Error, Result};
 pub use host::{HostAllocator, HostBuffer, HostMemory, MmapAllocator, PinnedPool, PinnedPoolConfig};
+pub use huge_malloc::HugePageMalloc;
 pub use ledger::{CategoryFigures, HostClaim, HostLedger, HostLedgerReport, HostUse};
 pub use metrics::{Link, LinkSnapshot, LinkStats, Metrics, MetricsSnapshot};
 pub use nvme::fault::{FaultAction, FaultPlan, FaultTrigger};
