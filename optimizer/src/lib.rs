@@ -22,6 +22,7 @@
 
 pub mod config;
 pub mod error;
+pub mod grad_pool;
 pub mod home;
 pub mod kernel;
 pub mod pipeline;
@@ -30,6 +31,7 @@ pub mod stream;
 
 pub use config::{AdamConfig, AdamKind, LrSchedule, NonFinite, OptimizerConfig};
 pub use error::{Error, Result};
+pub use grad_pool::GradPool;
 pub use home::{ComputeCopyHome, MemoryHome};
 pub use kernel::{
     adam_step, clip_scale, global_norm, grad_sumsq, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK,

@@ -89,13 +89,15 @@ use parking_lot::{Condvar, Mutex, RwLock};
 
 use crate::config::OptimizerConfig;
 use crate::error::{Error, Result};
+use crate::grad_pool::GradPool;
 use crate::home::{ComputeCopyHome, MemoryHome};
 use crate::kernel::{clip_scale, global_norm, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
 use crate::simd::Isa;
 use crate::stream::{state_nvme_bytes, stream_update, NvmeState, StreamConfig};
 use oogc_swapper::{DType, StatePlacement};
 
-/// A unit's gradients, owned (the optimizer keeps them until the step is final, then drops them).
+/// A unit's gradients, owned (the optimizer keeps them until the step is final, then gives them
+/// to its [`GradPool`] for the next step's).
 #[derive(Debug, Clone, PartialEq)]
 pub enum Grads {
     /// fp32.
@@ -133,6 +135,15 @@ impl Grads {
             Grads::F32(g) => GradSlice::F32(g),
             Grads::BF16(g) => GradSlice::BF16(g),
             Grads::F16(g) => GradSlice::F16(g),
+        }
+    }
+
+    /// The elements' bytes, writable (little-endian, [`num_bytes`](Self::num_bytes) of them).
+    pub fn as_bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Grads::F32(g) => bytemuck::cast_slice_mut(g),
+            Grads::BF16(g) => bytemuck::cast_slice_mut(g),
+            Grads::F16(g) => bytemuck::cast_slice_mut(g),
         }
     }
 
@@ -442,6 +453,8 @@ struct Shared {
     job_done: Condvar,
     /// Turns this optimizer's sum of squared gradients into the run's ([`NormReduce`]).
     norm_reduce: Mutex<Option<NormReduce>>,
+    /// Gradient vectors of updates done, for the next step's gradients ([`GradPool`]).
+    grad_pool: GradPool,
 }
 
 /// Turns the sum of squared gradients of the units this optimizer holds into the sum over the
@@ -612,6 +625,7 @@ impl PipelinedOptimizer {
                 jobs_in_flight: Mutex::new(0),
                 job_done: Condvar::new(),
                 norm_reduce: Mutex::new(None),
+                grad_pool: GradPool::new(),
                 config,
             }),
         })
@@ -631,6 +645,12 @@ impl PipelinedOptimizer {
     /// The dispatch path in use.
     pub fn isa(&self) -> Isa {
         self.shared.kernel.isa()
+    }
+
+    /// Where the gradients of finished updates wait for the next step's gradients of the same
+    /// unit size ([`GradPool`]): a caller making gradient vectors takes them from here.
+    pub fn grad_pool(&self) -> &GradPool {
+        &self.shared.grad_pool
     }
 
     /// The host ledger the optimizer claims its memory from.
@@ -721,6 +741,9 @@ impl PipelinedOptimizer {
             }
             StatePlacement::Nvme => {
                 let store = sh.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
+                // Every stream buffer at the largest unit's chunk length: one size class, each
+                // buffer reused by every unit's stream (the plan holds `threads` streams of it).
+                sh.stream_pool.raise_min_len(12 * sh.stream.chunk_params.min(n));
                 let zeros = vec![0.0f32; n];
                 let _slot = sh.slots.acquire();
                 let st = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, [master, &zeros, &zeros])?;
@@ -1054,12 +1077,12 @@ impl PipelinedOptimizer {
                 g.data = Some(data);
             } else if skipped {
                 discard(sh, &mut data);
-                data.grads = None;
+                recycle_grads(sh, &mut data);
                 g.data = Some(data);
                 g.final_epoch = open.epoch;
             } else if pending.speculated && scale == 1.0 {
                 commit(sh, &mut data);
-                data.grads = None;
+                recycle_grads(sh, &mut data);
                 g.data = Some(data);
                 g.final_epoch = open.epoch;
                 report.committed_speculative += 1;
@@ -1364,7 +1387,7 @@ fn immediate_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, step: u64, ep
         Ok(s) => (f64::NAN, Some(Error::NonFiniteGradient { step, unit: cell.id, sumsq: s })),
         Err(p) => (f64::NAN, Some(Error::WorkerPanic { unit: cell.id, message: panic_message(p) })),
     };
-    data.grads = None;
+    recycle_grads(sh, &mut data);
     if let Some(o) = sh.step.lock().open.as_mut() {
         o.partial_sumsq += sumsq;
     }
@@ -1372,11 +1395,18 @@ fn immediate_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, step: u64, ep
     cell.put_back(data, error, Some(pending), Some(epoch));
 }
 
+/// Gives the unit's gradients (its update done or skipped) to the pool for the next step's.
+fn recycle_grads(sh: &Shared, data: &mut UnitData) {
+    if let Some((grads, claim)) = data.grads.take() {
+        sh.grad_pool.give_back(grads, claim);
+    }
+}
+
 /// The job of `finish_step` for a clipped step or a deferred unit: the one real update, then commit.
 fn final_job(sh: &Shared, cell: &UnitCell, mut data: UnitData, epoch: u64, scalars: StepScalars) {
     let _span = tracing::debug_span!("optimizer::update", unit = cell.id.0, params = cell.n).entered();
     let error = update_and_commit(sh, cell, &mut data, &scalars);
-    data.grads = None;
+    recycle_grads(sh, &mut data);
     cell.put_back(data, error, None, Some(epoch));
 }
 

@@ -209,6 +209,12 @@ impl GradPipe {
         }
     }
 
+    /// Lands every later gradient copy in a buffer of at least `bytes`
+    /// ([`PinnedPool::raise_min_len`]).
+    pub(super) fn raise_landing_len(&self, bytes: usize) {
+        self.pool.raise_min_len(bytes);
+    }
+
     /// The gradients held so far (hold mode), in arrival order, with their claims.
     pub(super) fn take_held(&self) -> Vec<(UnitId, Grads, HostClaim)> {
         std::mem::take(&mut *self.shared.held.lock())
@@ -246,29 +252,12 @@ fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
         shared.staging.lock().push(dev);
         shared.staging_returned.notify_all();
         let _span = tracing::info_span!("runtime::submit", unit = job.unit.0).entered();
-        // Claimed before the vector is made; held with it until the step's update is final. With
-        // data-parallel ranks the optimizer holds this rank's shard of them (the whole vector
-        // lives only until its reduce-scatter).
-        let world = crate::dist::world();
-        let elem = job.dtype.size_in_bytes().max(1);
-        let held = job.dtype.num_bytes(crate::dist::shard_range(host.len() / elem, world.rank, world.size).len());
-        let claim = match shared.ledger.claim(HostUse::Gradients, held as u64) {
-            Ok(c) => c,
-            Err(e) => {
-                shared.drain_error.lock().get_or_insert(e.into());
-                finish_job(&shared);
-                continue;
-            }
-        };
-        let grads = Grads::from_bytes(job.dtype, host.as_slice());
+        let made = make_grads(&shared, job.unit, job.dtype, host.as_slice());
         drop(host);
-        // Data-parallel ranks: this rank's shard of the unit's gradients averaged over them, for
-        // its shard of the optimizer (one reduce-scatter per unit, in push order: the same
-        // order on every rank).
-        let grads = match grads.map(crate::dist::reduce_scatter_mean_grads) {
-            Ok(g) => g,
+        let (grads, claim) = match made {
+            Ok(pair) => pair,
             Err(e) => {
-                shared.drain_error.lock().get_or_insert(e.into());
+                shared.drain_error.lock().get_or_insert(e);
                 finish_job(&shared);
                 continue;
             }
@@ -289,6 +278,25 @@ fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
         }
         finish_job(&shared);
     }
+}
+
+/// The gradients the optimizer will hold for `unit` from the landed `bytes`, with their ledger
+/// claim ([`HostUse::Gradients`], taken before the vector is made and held with it until the
+/// step's update is final). In a world of one they land in a vector of the optimizer's
+/// [`GradPool`](oogc_optimizer::GradPool) (the one this unit's gradients used last step: no fresh
+/// pages). With data-parallel ranks the optimizer holds this rank's shard of them, averaged over
+/// the ranks (one reduce-scatter per unit, in push order: the same order on every rank); the
+/// whole vector lives only until the reduce-scatter.
+fn make_grads(shared: &Shared, unit: UnitId, dtype: DType, bytes: &[u8]) -> Result<(Grads, HostClaim)> {
+    let world = crate::dist::world();
+    if world.size == 1 {
+        return Ok(shared.optimizer.grad_pool().from_bytes(&shared.ledger, unit.tensor(), dtype, bytes)?);
+    }
+    let elem = dtype.size_in_bytes().max(1);
+    let held = dtype.num_bytes(crate::dist::shard_range(bytes.len() / elem, world.rank, world.size).len());
+    let claim = shared.ledger.claim(HostUse::Gradients, held as u64)?;
+    let grads = crate::dist::reduce_scatter_mean_grads(Grads::from_bytes(dtype, bytes)?);
+    Ok((grads, claim))
 }
 
 fn finish_job(shared: &Shared) {

@@ -422,6 +422,9 @@ impl Runtime {
         }
         let shard = crate::dist::shard_range(master.len(), self.world.rank, self.world.size);
         self.grads.optimizer().add_unit(unit.tensor(), &master[shard], self.config.state_placement)?;
+        // Gradients land in buffers of the largest unit's size (the plan's two): reused by every
+        // unit's D2H instead of one size class giving way to another every step.
+        self.grads.raise_landing_len(dtype.num_bytes(master.len()));
         self.units.push(Unit::new(name, master.len(), dtype));
         Ok(unit)
     }
