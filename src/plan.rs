@@ -26,6 +26,7 @@ use oogc_swapper::{DType, StatePlacement};
 use serde::Serialize;
 
 use crate::config::TrainConfig;
+use crate::runtime::budget::OverheadInputs;
 use crate::runtime::{param_nvme_traffic, HostPlan, NvmePlan, RuntimeConfig};
 use oogc_models::{CausalLm, UnitKind};
 
@@ -339,6 +340,9 @@ pub struct PlanArgs {
     /// Data-parallel ranks (`mpirun -np N`): the host and NVMe figures are one rank's (rank 0,
     /// the largest shard of each unit's optimizer state); 1 for a single process.
     pub world_size: usize,
+    /// The run's shape for the host overhead model (an `oogc train` config's): with it the plan
+    /// predicts the process's peak RSS ([`OverheadInputs::predicted_peak_rss_bytes`]).
+    pub overhead: Option<OverheadInputs>,
 }
 
 /// The plan of an `oogc train` config: its model ([`PlannedModel::of_model`]: the model the
@@ -381,7 +385,14 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
         hardware,
         trace,
         world_size: 1,
+        overhead: Some(crate::train::overhead_inputs(cfg, &*model, text_bytes(cfg))),
     })
+}
+
+/// The bytes of `cfg`'s training text (0 when it cannot be read): the run maps its token file,
+/// about as large (0.8 × with the fixture's BPE at 2 bytes per token).
+fn text_bytes(cfg: &TrainConfig) -> u64 {
+    std::fs::metadata(&cfg.data.path).map_or(0, |m| m.len())
 }
 
 /// Where the experts of an MoE config run in a steady-state step, `[block][expert]` (empty for a
@@ -588,6 +599,23 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
     if let Some((h, _)) = &host {
         for (name, bytes) in h.by_category() {
             writeln!(out, "{:<10} {:>14} {:>16}  host: {name}", "", bytes, gib(bytes)).expect("writing to a String");
+        }
+        if let Some(o) = &args.overhead {
+            let overhead = o.overhead(h);
+            let rss = o.predicted_peak_rss_bytes(h);
+            let parts: Vec<String> = overhead.parts().iter().map(|(n, b)| format!("{n} {b}")).collect();
+            writeln!(
+                out,
+                "{:<10} {:>14} {:>16}  predicted peak RSS: ledger {} B expected + overhead {} B ({}); budget + overhead {} B",
+                "rss",
+                rss,
+                gib(rss),
+                h.expected_peak_bytes(),
+                overhead.total_bytes(),
+                parts.join(", "),
+                h.budget_bytes.saturating_add(overhead.total_bytes())
+            )
+            .expect("writing to a String");
         }
     }
     // Immediate updates speculate nothing: the store has no room for second extents then.

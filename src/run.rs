@@ -145,6 +145,14 @@ pub struct StepRecord {
     /// `step_s` is rank 0's; `tokens_per_s` counts the global batch over rank 0's time).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rank_step_s: Option<Vec<f64>>,
+    /// The process's resident set size after the step (`VmRSS`), bytes; absent where
+    /// `/proc/self/status` cannot be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rss_bytes: Option<u64>,
+    /// Minor page faults during the step (`minflt` of `/proc/self/stat`): pages touched for the
+    /// first time, each a trip into the kernel; near zero once the step's buffers are reused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub minor_faults: Option<u64>,
 }
 
 /// What a run did, printed at the end.
@@ -208,7 +216,8 @@ pub struct RunSummary {
 }
 
 /// Host memory at the end of a run: what the plan predicted, what the runtime's ledger counted,
-/// and what the process really held (peak RSS), beside the stated fixed overhead. Bytes.
+/// and what the process really held (peak RSS), beside the stated overhead outside the ledger.
+/// Bytes.
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct HostReport {
     /// `[budgets] host`.
@@ -219,9 +228,12 @@ pub struct HostReport {
     pub ledger_peak_bytes: u64,
     /// The process's peak resident set size (`VmHWM`); 0 where it cannot be read.
     pub peak_rss_bytes: u64,
-    /// The stated overhead outside the ledger: the process, the training text, the sim device's
-    /// memory, candle's buffers.
+    /// The stated overhead outside the ledger, all parts: the process, the training text, the
+    /// sim device's memory, candle's buffers, malloc's keep
+    /// ([`crate::runtime::budget::HostOverhead::model`]).
     pub fixed_overhead_bytes: u64,
+    /// The same by part.
+    pub overhead: crate::runtime::budget::HostOverhead,
     /// Per ledger category: `(category, planned bytes, ledger peak bytes)`.
     pub categories: Vec<(String, u64, u64)>,
 }
@@ -319,6 +331,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
     );
     observer.start(first, last);
     let mut tokens = 0usize;
+    let mut rss_guard = RssGuard::default();
     let run_start = Instant::now();
     if cfg.train.eval_at_start && trainer.step() < last {
         let v = trainer.evaluate()?;
@@ -337,7 +350,13 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
             summary.stopped = true;
             break;
         }
+        let faults_before = crate::runtime::budget::minor_faults();
         let out = trainer.train_step()?;
+        let minor_faults = faults_before.zip(crate::runtime::budget::minor_faults()).map(|(a, b)| b.saturating_sub(a));
+        let rss_bytes = crate::runtime::budget::rss_bytes();
+        if let Some(rss) = rss_bytes {
+            rss_guard.check(rss, &trainer);
+        }
         let s = &out.stats;
         tokens += out.tokens;
         summary.train_s += s.step_s;
@@ -383,6 +402,8 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
             expert_hit_rate: (!out.routed_tokens.is_empty())
                 .then(|| out.expert_traffic.hits as f64 / out.expert_traffic.uses.max(1) as f64),
             rank_step_s: (world.size > 1).then(|| crate::dist::all_gather_f64(s.step_s)),
+            rss_bytes,
+            minor_faults,
         };
         if s.skipped {
             observer.line(&format!("step {step}: skipped, a gradient was not finite (norm {})", s.grad_norm));
@@ -523,6 +544,54 @@ fn trim_metrics_for_resume(path: &Path, resumed_step: u64) -> std::io::Result<()
     Ok(())
 }
 
+/// The run-time side of the host budget: the process's RSS, sampled after each step, against
+/// `[budgets] host` plus the stated overhead outside the ledger
+/// ([`Trainer::host_overhead_bytes`]). Past it, one warning names the figures and the largest
+/// categories (the ledger's, and the overhead's parts), then stays quiet.
+#[derive(Debug, Default)]
+struct RssGuard {
+    warned: bool,
+}
+
+impl RssGuard {
+    /// Samples against `trainer`'s ledger and overhead; logs the warning the first time.
+    fn check(&mut self, rss: u64, trainer: &Trainer) {
+        let ledger = trainer.runtime().host_ledger().report();
+        if let Some(msg) = self.over(rss, &ledger, &trainer.host_overhead()) {
+            tracing::warn!("{msg}");
+        }
+    }
+
+    /// The warning when `rss` is past the budget plus `overhead` for the first time, naming
+    /// the figures and the four largest parts (the ledger's categories now and the
+    /// overhead's); `None` otherwise.
+    fn over(
+        &mut self,
+        rss: u64,
+        ledger: &oogc_swapper::HostLedgerReport,
+        overhead: &crate::runtime::budget::HostOverhead,
+    ) -> Option<String> {
+        let limit = ledger.budget_bytes.saturating_add(overhead.total_bytes());
+        if self.warned || rss <= limit {
+            return None;
+        }
+        self.warned = true;
+        let mut parts: Vec<(String, u64)> =
+            ledger.categories.iter().map(|c| (format!("ledger {}", c.category.name()), c.used_bytes)).collect();
+        parts.extend(overhead.parts().iter().map(|(n, b)| (format!("overhead {n}"), *b)));
+        parts.sort_by_key(|p| std::cmp::Reverse(p.1));
+        let largest: Vec<String> = parts.iter().take(4).map(|(n, b)| format!("{n} {b} B")).collect();
+        Some(format!(
+            "host memory: the process holds {rss} B, above [budgets] host ({} B) + the stated overhead outside the \
+             ledger ({} B) = {limit} B; largest now: {}\n  fix: lower [budgets] host or the batch, or report the \
+             shape (the overhead model missed it)",
+            ledger.budget_bytes,
+            overhead.total_bytes(),
+            largest.join(", ")
+        ))
+    }
+}
+
 /// The host memory figures of `trainer`'s run so far.
 fn host_report(trainer: &Trainer) -> HostReport {
     let rt = trainer.runtime();
@@ -534,6 +603,7 @@ fn host_report(trainer: &Trainer) -> HostReport {
         ledger_peak_bytes: ledger.peak_bytes,
         peak_rss_bytes: crate::runtime::budget::peak_rss_bytes().unwrap_or(0),
         fixed_overhead_bytes: trainer.host_overhead_bytes(),
+        overhead: trainer.host_overhead(),
         categories: ledger
             .categories
             .iter()
@@ -607,6 +677,28 @@ impl RunSummary {
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_rss_guard_warns_once_past_the_budget_plus_the_overhead_naming_the_largest_parts() {
+        use oogc_swapper::{HostLedger, HostUse};
+        let ledger = HostLedger::new(100 << 20);
+        let _grads = ledger.claim(HostUse::Gradients, 60 << 20).unwrap();
+        let _copies = ledger.claim(HostUse::ComputeCopies, 30 << 20).unwrap();
+        let overhead = crate::runtime::budget::HostOverhead {
+            process_bytes: 10 << 20,
+            activation_bytes: 40 << 20,
+            ..Default::default()
+        };
+        let report = ledger.report();
+        let limit = (100 + 50) << 20;
+        let mut guard = RssGuard::default();
+        assert_eq!(guard.over(limit, &report, &overhead), None, "at the limit: quiet");
+        let msg = guard.over(limit + 1, &report, &overhead).expect("past the limit: a warning");
+        assert!(msg.contains(&format!("{limit} B")) && msg.contains("fix:"), "{msg}");
+        let (g, a, c) = (msg.find("ledger gradients"), msg.find("overhead activations"), msg.find("ledger compute"));
+        assert!(g < a && a < c && c.is_some(), "the largest first: {msg}");
+        assert_eq!(guard.over(limit * 2, &report, &overhead), None, "once");
+    }
+
     fn record(step: u64) -> String {
         let r = StepRecord {
             val_bits_per_byte: None,
@@ -631,6 +723,8 @@ mod tests {
             expert_h2d_bytes: None,
             expert_hit_rate: None,
             rank_step_s: None,
+            rss_bytes: None,
+            minor_faults: None,
         };
         serde_json::to_string(&r).unwrap() + "\n"
     }

@@ -200,6 +200,7 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         hardware: load_hardware(cmd.hardware.as_ref())?,
         trace: cmd.trace.is_some(),
         world_size: cmd.world_size as usize,
+        overhead: None,
     };
     finish_plan(&cmd, args)
 }
@@ -216,6 +217,10 @@ pub(crate) fn finish_plan(cmd: &PlanCmd, args: planner::PlanArgs) -> anyhow::Res
         let (host, nvme) = planner::host_and_nvme_plan(&args, &report);
         v["host_plan"] = serde_json::to_value(&host).context("serializing the host plan")?;
         v["nvme_plan"] = serde_json::to_value(&nvme).context("serializing the NVMe plan")?;
+        if let Some(o) = &args.overhead {
+            v["host_overhead"] = serde_json::to_value(o.overhead(&host)).context("serializing the overhead")?;
+            v["predicted_peak_rss_bytes"] = o.predicted_peak_rss_bytes(&host).into();
+        }
         println!("{}", serde_json::to_string(&v).context("serializing the plan")?);
     } else {
         print!("{}", planner::render_plan(&args, &report));

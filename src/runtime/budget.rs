@@ -12,14 +12,15 @@
 //! | speculation | second buffers of the units that fit what is left, in unit order, within `[optimizer] rollback_budget` |
 //! | NVMe stream | state on NVMe: `threads` streams of three chunk buffers of the largest unit (within `stream_host_budget_bytes`) |
 //! | gradients | every unit's gradients (compute dtype) (held until the step is final; with immediate updates — `clip_norm = 0`, `nonfinite = "stop"` — only the `threads + 1` largest units' whose update runs or waits), two more of the largest unit's (arriving while their unit's last update runs), two pinned landing buffers of the largest unit |
-//! | activations | with `[activations] offload`: every checkpoint of a step (blocks × micro-batches, pool size classes); else 0 (on the sim device the checkpoints of every micro-batch are candle's buffers: the fixed overhead below) |
+//! | activations | with `[activations] offload`: every checkpoint of a step (blocks × micro-batches, pool size classes); else 0 (on the sim device the checkpoints of every micro-batch are candle's buffers: the overhead below) |
 //!
-//! **Fixed overhead** (not in the ledger, stated): the process itself — binary, libraries,
-//! thread stacks, the allocator — measured at [`BASE_OVERHEAD_BYTES`]; the training text
-//! (read whole); on the sim device its memory (the GPU budget: the sim device's memory is host
-//! memory); and candle's buffers (activations and the temporaries of one unit's forward and
-//! backward, which live in host memory on the sim device; with `[train] micro_batches = k` the
-//! checkpoints of all `k` micro-batches): [`activation_overhead_bytes`].
+//! **Overhead** (not in the ledger, stated): the process itself (binary, libraries, thread
+//! stacks), the training text, on the sim device its memory (host memory there) and candle's
+//! buffers (activations and the temporaries of one unit's forward and backward), and what malloc
+//! keeps between blocks: [`HostOverhead::model`], from the model's shape and batch. `oogc plan`
+//! prints the predicted peak RSS ([`HostPlan::expected_peak_bytes`] + the overhead); `oogc
+//! train` samples the process's RSS after each step, warns once past `[budgets] host` + the
+//! overhead, and writes RSS and minor page faults into each metrics line.
 
 use std::path::{Path, PathBuf};
 
@@ -35,46 +36,147 @@ use super::{RuntimeConfig, RuntimeError};
 /// to NVMe at once.
 const PREFETCH_THREADS: u64 = 2;
 
-/// The process's own resident bytes besides what the ledger, the text, the sim device and
-/// candle's activations account for: binary, libraries, thread stacks (touched pages), the
-/// allocator's arenas (memory freed by candle but kept by malloc), the tracing subscriber.
-/// Measured with `oogc train` on the sim device: VmRSS 7 MiB when the run starts; peak RSS
-/// less the ledger's peak, the text and the sim device 22–26 MiB on an 8-layer d_model-128
-/// model of 4 × 16 tokens (candle's buffers small); on the main job (20 steps) peak RSS
-/// 263 MB = ledger 62 MB + 201 MB, the formula's overhead there 230 MB; on the MoE example
-/// 170 MB = 34 MB + 137 MB, the formula's 150 MB. Stated with about 2× the small run's.
-pub const BASE_OVERHEAD_BYTES: u64 = 48 << 20;
+/// The process's own resident bytes besides the ledger, the text, the sim device and candle's
+/// buffers: binary, libraries, thread stacks, the tracing subscriber, malloc's bookkeeping. Fitted
+/// with the other coefficients of [`HostOverhead::model`] (a 0.04 M-parameter run holds
+/// 16–18 MB in all).
+pub const BASE_OVERHEAD_BYTES: u64 = 18_300_000;
 
-/// candle's host buffers during a step on the sim device (not in the ledger), with
-/// `micro_batches` micro-batches of `batch` sequences (`[train] micro_batches`, 1 without
-/// gradient accumulation), activations in `dtype` (the compute dtype): the activation
-/// checkpoints of every micro-batch (one `[batch, seq, d_model]` tensor per block and
-/// micro-batch, kept from forward to backward) and, beyond the first micro-batch, each further
-/// one's output gradient `[batch, seq, d_model]` held between units in the backward; the
-/// temporaries of one unit's forward and backward on one micro-batch (attention scores
-/// `[batch, heads, seq, seq]`, MLP hidden `[batch, seq, d_ff]`, each a few times over: counted
-/// `8 ×`), plus the head's logits `[batch, seq, vocab]` and their gradient (f32 whatever the
-/// compute dtype: the loss upcasts them). Bytes; an estimate, stated.
-#[allow(clippy::too_many_arguments)]
-pub fn activation_overhead_bytes(
-    dtype: DType,
-    batch: u64,
-    micro_batches: u64,
-    seq: u64,
-    d_model: u64,
-    d_ff: u64,
-    heads: u64,
-    layers: u64,
-    vocab: u64,
-) -> u64 {
-    let k = micro_batches.max(1);
-    let tokens = batch * seq;
-    let bytes = |elements: u64| dtype.num_bytes(elements as usize) as u64;
-    let checkpoints = bytes(k * layers * tokens * d_model);
-    let held_grads = bytes((k - 1) * tokens * d_model);
-    let block = bytes(8 * (batch * heads * seq * seq + tokens * d_ff + 4 * tokens * d_model));
-    let head = DType::F32.num_bytes((4 * tokens * vocab) as usize) as u64;
-    checkpoints + held_grads + block + head
+/// What the overhead model needs of a run ([`HostOverhead::model`]): its shape and batch.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RunShape {
+    /// The compute dtype (activations, compute copies, gradients).
+    pub dtype: DType,
+    /// Sequences per micro-batch (`[train] batch_size`).
+    pub batch: u64,
+    /// Micro-batches per step (`[train] micro_batches`, 1 without gradient accumulation).
+    pub micro_batches: u64,
+    /// Tokens per sequence.
+    pub seq: u64,
+    /// `hidden_size`.
+    pub d_model: u64,
+    /// `intermediate_size` (an expert's with MoE).
+    pub d_ff: u64,
+    /// Query heads.
+    pub heads: u64,
+    /// Blocks.
+    pub layers: u64,
+    /// Vocabulary.
+    pub vocab: u64,
+    /// The largest unit's compute copy, bytes.
+    pub largest_unit_bytes: u64,
+    /// Every unit's compute copy, bytes.
+    pub compute_copies_bytes: u64,
+}
+
+/// A run as [`HostOverhead::model`] sees it, before its host plan: the shape, the text's bytes,
+/// and the sim device's GPU budget (`None` on a GPU).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct OverheadInputs {
+    /// Shape and batch.
+    pub shape: RunShape,
+    /// The training text (or its token file), bytes.
+    pub text_bytes: u64,
+    /// The GPU budget on the sim device, bytes; `None` on a GPU.
+    pub sim_gpu_budget_bytes: Option<u64>,
+}
+
+impl OverheadInputs {
+    /// The overhead under `plan` ([`HostOverhead::model`]).
+    pub fn overhead(&self, plan: &HostPlan) -> HostOverhead {
+        HostOverhead::model(&self.shape, self.text_bytes, self.sim_gpu_budget_bytes, plan)
+    }
+
+    /// The predicted peak RSS under `plan`, bytes: the ledger's expected peak
+    /// ([`HostPlan::expected_peak_bytes`]) plus the overhead.
+    pub fn predicted_peak_rss_bytes(&self, plan: &HostPlan) -> u64 {
+        plan.expected_peak_bytes() + self.overhead(plan).total_bytes()
+    }
+}
+
+/// The stated overhead of a run besides what the ledger counts (module docs), by part. Bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct HostOverhead {
+    /// The process itself ([`BASE_OVERHEAD_BYTES`]).
+    pub process_bytes: u64,
+    /// The training text (read whole) or its token file (mapped).
+    pub text_bytes: u64,
+    /// The sim device's memory (its buffers are host memory); 0 on a GPU.
+    pub sim_device_bytes: u64,
+    /// candle's buffers on the sim device: the unit in use, logits, attention scores, MLP
+    /// activations, activation checkpoints of further micro-batches.
+    pub activation_bytes: u64,
+    /// Memory malloc keeps between the blocks that live across a step (held gradients, second
+    /// buffers) and candle's, which come and go.
+    pub allocator_bytes: u64,
+}
+
+impl HostOverhead {
+    /// The overhead of a run of `shape` with `text_bytes` of training text, on the sim device
+    /// with a GPU budget of `sim_gpu_budget_bytes` (`None` on a GPU), under `plan`.
+    ///
+    /// A model of the process's resident bytes outside the ledger, on the sim device (where
+    /// candle's activations are host memory), with `N = batch × seq` tokens per micro-batch and
+    /// 4-byte elements where candle computes in f32:
+    ///
+    /// | part | bytes |
+    /// |---|---|
+    /// | process | [`BASE_OVERHEAD_BYTES`] |
+    /// | sim device | 0.47 × min(GPU budget, every compute copy + the largest unit's) |
+    /// | candle | the largest unit (its fetched copy) + 2.07 × `N·vocab·4` (logits) + 4.77 × `batch·heads·seq²·4` (attention scores) + 6.88 × `N·d_ff·4` (MLP); in bf16 also 28.0 × `N·d_ff·4` and 7.10 × `N·vocab·4` (candle's f32 upcasts on the CPU); with `k` micro-batches the checkpoints of `k − 1` more (`(k − 1)·(layers + 1)·N·d_model` elements) |
+    /// | allocator | 0.49 × the plan's held gradients and second buffers |
+    ///
+    /// The coefficients are measured: a least-squares fit (non-negative, relative error) of
+    /// `peak RSS − ledger peak − text` over 19 Llama shapes (0.99–24 M parameters, d_model
+    /// 64–1024, 2–96 layers, vocabulary 1 k–32 k, 512–2048 tokens per step, f32 and bf16, state on
+    /// NVMe), 6 steps of `oogc train` each on the 2-core development machine, with
+    /// [`oogc_swapper::huge_malloc`]'s malloc settings; the fit's own shapes land within
+    /// 0.93–1.05 of their peak RSS, and the four shapes of `cli/tests/host_memory.rs`, held out,
+    /// within 0.93–0.97.
+    pub fn model(shape: &RunShape, text_bytes: u64, sim_gpu_budget_bytes: Option<u64>, plan: &HostPlan) -> Self {
+        let s = shape;
+        let f = |x: u64, c: f64| (x as f64 * c) as u64;
+        let tokens = s.batch * s.seq;
+        let bf16 = u64::from(s.dtype == DType::BF16);
+        let logits = tokens * s.vocab * 4;
+        let mlp = tokens * s.d_ff * 4;
+        let attention = s.batch * s.heads * s.seq * s.seq * 4;
+        let more_checkpoints = s
+            .dtype
+            .num_bytes((s.micro_batches.max(1) - 1) as usize * (s.layers as usize + 1) * (tokens * s.d_model) as usize)
+            as u64;
+        let activation_bytes = s.largest_unit_bytes
+            + f(logits, 2.07)
+            + f(attention, 4.77)
+            + f(mlp, 6.88)
+            + bf16 * (f(mlp, 28.0) + f(logits, 7.10))
+            + more_checkpoints;
+        let sim_device_bytes =
+            sim_gpu_budget_bytes.map_or(0, |b| f(b.min(s.compute_copies_bytes + s.largest_unit_bytes), 0.47));
+        Self {
+            process_bytes: BASE_OVERHEAD_BYTES,
+            text_bytes,
+            sim_device_bytes,
+            activation_bytes,
+            allocator_bytes: f(plan.gradients_bytes + plan.speculation_bytes, 0.49),
+        }
+    }
+
+    /// The sum of the parts.
+    pub fn total_bytes(&self) -> u64 {
+        self.parts().iter().map(|(_, b)| b).sum()
+    }
+
+    /// `(name, bytes)` of each part.
+    pub fn parts(&self) -> [(&'static str, u64); 5] {
+        [
+            ("process", self.process_bytes),
+            ("text", self.text_bytes),
+            ("sim_device", self.sim_device_bytes),
+            ("activations", self.activation_bytes),
+            ("allocator", self.allocator_bytes),
+        ]
+    }
 }
 
 /// The split of `[budgets] host` between the ledger's categories, and the minimum a run needs
@@ -103,6 +205,8 @@ pub struct HostPlan {
     pub gradients_bytes: u64,
     /// Of which the pinned landing pool.
     pub gradient_landing_bytes: u64,
+    /// Of which margins a steady step rarely uses ([`HostPlan::expected_peak_bytes`]).
+    pub gradients_margin_bytes: u64,
     /// Activation checkpoints offloaded to pinned host memory (`[activations] offload`).
     pub activations_bytes: u64,
 }
@@ -189,6 +293,7 @@ impl HostPlan {
             nvme_stream_bytes,
             gradients_bytes,
             gradient_landing_bytes,
+            gradients_margin_bytes: 2 * bytes(largest) + gradient_landing_bytes / GRAD_LANDING_BUFFERS as u64,
             activations_bytes,
         }
     }
@@ -208,6 +313,13 @@ impl HostPlan {
     /// The predicted host peak: every category at its planned bytes.
     pub fn peak_bytes(&self) -> u64 {
         HostUse::ALL.iter().map(|&u| self.bytes_of(u)).sum()
+    }
+
+    /// The ledger's expected peak: [`peak_bytes`](Self::peak_bytes) less the gradients' margins
+    /// for coincidences a step rarely meets (the two more of the largest unit's gradients, and
+    /// one of the two landing buffers). What `oogc plan`'s predicted peak RSS starts from.
+    pub fn expected_peak_bytes(&self) -> u64 {
+        self.peak_bytes().saturating_sub(self.gradients_margin_bytes)
     }
 
     /// Per category, `(name, bytes)`, in ledger order.
@@ -475,18 +587,20 @@ pub fn rss_bytes() -> Option<u64> {
     proc_status_kib("VmRSS:").map(|k| k * 1024)
 }
 
+/// The process's minor page faults so far (field 10, `minflt`, of `/proc/self/stat`): pages
+/// mapped on first touch without I/O, the cost of memory allocated afresh. `None` where it
+/// cannot be read.
+pub fn minor_faults() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // After the command name (in parentheses, which may hold spaces): state is field 3, minflt 10.
+    let rest = &stat[stat.rfind(')')? + 1..];
+    rest.split_whitespace().nth(7)?.parse().ok()
+}
+
 fn proc_status_kib(key: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with(key))?;
     line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()
-}
-
-/// The stated fixed overhead of a run besides what the ledger counts (module docs): the
-/// process ([`BASE_OVERHEAD_BYTES`]), the training text (`data_bytes`), the sim device's memory
-/// (`sim_device_bytes`: the GPU budget on the sim device, 0 on a GPU) and candle's buffers
-/// (`activation_bytes`, [`activation_overhead_bytes`]). Bytes.
-pub fn fixed_overhead_bytes(data_bytes: u64, sim_device_bytes: u64, activation_bytes: u64) -> u64 {
-    BASE_OVERHEAD_BYTES + data_bytes + sim_device_bytes + activation_bytes
 }
 
 /// The elements of each unit (`units`, whole sizes) that this rank's optimizer holds: its shard
@@ -584,5 +698,19 @@ mod tests {
         let rss = rss_bytes().expect("VmRSS in /proc/self/status");
         let hwm = peak_rss_bytes().expect("VmHWM in /proc/self/status");
         assert!(hwm >= rss && hwm > 1 << 20, "{hwm} {rss}");
+    }
+
+    #[test]
+    fn touching_fresh_pages_counts_minor_faults() {
+        let before = minor_faults().expect("minflt in /proc/self/stat");
+        // 64 MiB mapped afresh (above malloc's mmap threshold) and touched page by page.
+        let mut v = vec![0u8; 64 << 20];
+        for i in (0..v.len()).step_by(4096) {
+            v[i] = 1;
+        }
+        std::hint::black_box(&v);
+        let after = minor_faults().unwrap();
+        // 16,384 pages of 4 KiB, fewer with transparent huge pages (2 MiB: 32 faults).
+        assert!(after >= before + 32, "{before} -> {after}");
     }
 }

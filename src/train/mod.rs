@@ -32,6 +32,7 @@ use oogc_moe_placement::Placement;
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::config::{DeviceKind, GptModelConfig, LlamaModelConfig, ModelConfig, OpsPath, TrainConfig};
 use crate::data::{Batch, Corpus, Sampler};
+use crate::runtime::budget::{HostOverhead, OverheadInputs, RunShape};
 use crate::runtime::{DeviceSpec, HostPlan, NvmePlan, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
 
 mod moe;
@@ -277,27 +278,34 @@ pub fn unit_sizes(model: &dyn CausalLm) -> Vec<usize> {
     model.units().iter().map(|u| u.numel).collect()
 }
 
-/// The stated fixed overhead of a run of `cfg` besides the host ledger, bytes
-/// ([`crate::runtime::budget::fixed_overhead_bytes`]): the process, the training text of
-/// `data_bytes`, the sim device's memory (the GPU budget) and candle's buffers (the activation
-/// checkpoints of all `[train] micro_batches`).
-pub fn host_overhead_bytes(cfg: &TrainConfig, model: &dyn CausalLm, data_bytes: u64) -> u64 {
-    use crate::runtime::budget::{activation_overhead_bytes, fixed_overhead_bytes};
+/// The stated overhead of a run of `cfg` besides the host ledger, by part
+/// ([`HostOverhead::model`]): the process, the training text of `data_bytes`, on the sim device
+/// its memory and candle's buffers, and malloc's keep.
+pub fn host_overhead(cfg: &TrainConfig, model: &dyn CausalLm, data_bytes: u64) -> HostOverhead {
+    overhead_inputs(cfg, model, data_bytes).overhead(&host_plan(cfg, model))
+}
+
+/// What the overhead model needs of a run of `cfg` with `data_bytes` of text
+/// ([`OverheadInputs`]).
+pub fn overhead_inputs(cfg: &TrainConfig, model: &dyn CausalLm, data_bytes: u64) -> OverheadInputs {
     let d = model.dims();
-    let (batch, seq) = (cfg.train.batch_size as u64, cfg.train.seq_len as u64);
-    let activations = activation_overhead_bytes(
-        cfg.train.compute_dtype.dtype(),
-        batch,
-        cfg.train.micro_batches as u64,
-        seq,
-        d.hidden as u64,
-        d.intermediate as u64,
-        d.heads as u64,
-        d.layers as u64,
-        model.vocab_size() as u64,
-    );
-    let sim_device = if cfg.device.kind.is_sim() { cfg.budgets.gpu.as_u64() } else { 0 };
-    fixed_overhead_bytes(data_bytes, sim_device, activations)
+    let dtype = cfg.train.compute_dtype.dtype();
+    let units = unit_sizes(model);
+    let shape = RunShape {
+        dtype,
+        batch: cfg.train.batch_size as u64,
+        micro_batches: cfg.train.micro_batches as u64,
+        seq: cfg.train.seq_len as u64,
+        d_model: d.hidden as u64,
+        d_ff: d.intermediate as u64,
+        heads: d.heads as u64,
+        layers: d.layers as u64,
+        vocab: model.vocab_size() as u64,
+        largest_unit_bytes: units.iter().map(|&n| dtype.num_bytes(n) as u64).max().unwrap_or(0),
+        compute_copies_bytes: units.iter().map(|&n| dtype.num_bytes(n) as u64).sum(),
+    };
+    let sim_gpu_budget_bytes = cfg.device.kind.is_sim().then(|| cfg.budgets.gpu.as_u64());
+    OverheadInputs { shape, text_bytes: data_bytes, sim_gpu_budget_bytes }
 }
 
 /// Checks the run's budgets before anything is written: the host budget against the run's
@@ -658,14 +666,19 @@ impl Trainer {
         &self.rt
     }
 
-    /// The stated fixed overhead of this run besides the host ledger ([`host_overhead_bytes`]).
+    /// The stated overhead of this run besides the host ledger, bytes ([`host_overhead`]).
     pub fn host_overhead_bytes(&self) -> u64 {
+        self.host_overhead().total_bytes()
+    }
+
+    /// The stated overhead of this run besides the host ledger, by part ([`host_overhead`]).
+    pub fn host_overhead(&self) -> HostOverhead {
         let data = match &self.data {
             Corpus::Bytes(t) => (t.train().len() + t.val().len()) as u64,
             // The token file is mapped: its pages are the process's once read.
             Corpus::Tokens(t) => std::fs::metadata(t.cache_path()).map_or(0, |m| m.len()),
         };
-        host_overhead_bytes(&self.cfg, &*self.model, data)
+        host_overhead(&self.cfg, &*self.model, data)
     }
 
     /// Parameters in the model.
