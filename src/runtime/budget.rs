@@ -126,6 +126,9 @@ impl HostOverhead {
     /// | candle | the largest unit (its fetched copy) + 2.07 × `N·vocab·4` (logits) + 4.77 × `batch·heads·seq²·4` (attention scores) + 6.88 × `N·d_ff·4` (MLP); in bf16 also 28.0 × `N·d_ff·4` and 7.10 × `N·vocab·4` (candle's f32 upcasts on the CPU); with `k` micro-batches the checkpoints of `k − 1` more (`(k − 1)·(layers + 1)·N·d_model` elements) |
     /// | allocator | 0.49 × the plan's held gradients and second buffers |
     ///
+    /// On a GPU (`sim_gpu_budget_bytes` `None`) the sim device and candle parts are 0: candle's
+    /// buffers are device memory there (not yet measured on one).
+    ///
     /// The coefficients are measured: a least-squares fit (non-negative, relative error) of
     /// `peak RSS − ledger peak − text` over 19 Llama shapes (0.99–24 M parameters, d_model
     /// 64–1024, 2–96 layers, vocabulary 1 k–32 k, 512–2048 tokens per step, f32 and bf16, state on
@@ -145,12 +148,16 @@ impl HostOverhead {
             .dtype
             .num_bytes((s.micro_batches.max(1) - 1) as usize * (s.layers as usize + 1) * (tokens * s.d_model) as usize)
             as u64;
-        let activation_bytes = s.largest_unit_bytes
-            + f(logits, 2.07)
-            + f(attention, 4.77)
-            + f(mlp, 6.88)
-            + bf16 * (f(mlp, 28.0) + f(logits, 7.10))
-            + more_checkpoints;
+        // On a GPU candle's buffers are device memory (the host's part there is unmeasured: no
+        // session has had a GPU yet; README "GPU").
+        let on_sim = u64::from(sim_gpu_budget_bytes.is_some());
+        let activation_bytes = on_sim
+            * (s.largest_unit_bytes
+                + f(logits, 2.07)
+                + f(attention, 4.77)
+                + f(mlp, 6.88)
+                + bf16 * (f(mlp, 28.0) + f(logits, 7.10))
+                + more_checkpoints);
         let sim_device_bytes =
             sim_gpu_budget_bytes.map_or(0, |b| f(b.min(s.compute_copies_bytes + s.largest_unit_bytes), 0.47));
         Self {
