@@ -162,15 +162,17 @@ impl GradPipe {
         Ok(stall_s)
     }
 
-    /// Submits gradients computed on the CPU straight to the optimizer (no staging, no D2H),
-    /// claiming their bytes from the ledger first; `make` builds them once the claim holds.
+    /// Submits the `numel` gradients of `unit` computed on the CPU (in `dtype`) straight to the
+    /// optimizer (no staging, no D2H), claiming what the optimizer will hold of them from the
+    /// ledger first ([`held_grad_bytes`]); `make` builds them once the claim holds.
     ///
     /// # Errors
     /// The host budget or the optimizer refused them.
     pub(super) fn submit_host(
         &self,
         unit: UnitId,
-        num_bytes: usize,
+        dtype: DType,
+        numel: usize,
         make: impl FnOnce() -> Result<Grads>,
     ) -> Result<UpdateHandle> {
         if crate::dist::world().size > 1 {
@@ -179,7 +181,7 @@ impl GradPipe {
             self.wait_submitted()?;
         }
         self.shared.optimizer.wait_for_gradient_room();
-        let claim = self.shared.ledger.claim(HostUse::Gradients, num_bytes as u64)?;
+        let claim = self.shared.ledger.claim(HostUse::Gradients, held_grad_bytes(dtype, numel))?;
         let grads = crate::dist::reduce_scatter_mean_grads(make()?);
         Ok(self.shared.optimizer.submit_claimed(unit.tensor(), grads, claim)?)
     }
@@ -292,11 +294,18 @@ fn make_grads(shared: &Shared, unit: UnitId, dtype: DType, bytes: &[u8]) -> Resu
     if world.size == 1 {
         return Ok(shared.optimizer.grad_pool().from_bytes(&shared.ledger, unit.tensor(), dtype, bytes)?);
     }
-    let elem = dtype.size_in_bytes().max(1);
-    let held = dtype.num_bytes(crate::dist::shard_range(bytes.len() / elem, world.rank, world.size).len());
-    let claim = shared.ledger.claim(HostUse::Gradients, held as u64)?;
+    let numel = bytes.len() / dtype.size_in_bytes().max(1);
+    let claim = shared.ledger.claim(HostUse::Gradients, held_grad_bytes(dtype, numel))?;
     let grads = crate::dist::reduce_scatter_mean_grads(Grads::from_bytes(dtype, bytes)?);
     Ok((grads, claim))
+}
+
+/// Bytes of a unit's `numel` gradients in `dtype` that the optimizer holds, the ledger's claim
+/// for them: this rank's shard ([`crate::dist::shard_range`]) after the reduce-scatter, the
+/// whole vector in a world of one.
+fn held_grad_bytes(dtype: DType, numel: usize) -> u64 {
+    let world = crate::dist::world();
+    dtype.num_bytes(crate::dist::shard_range(numel, world.rank, world.size).len()) as u64
 }
 
 fn finish_job(shared: &Shared) {

@@ -939,8 +939,8 @@ impl Runtime {
     /// copy over the link.
     fn submit_from_host(&mut self, unit: UnitId, make: impl FnOnce() -> Result<Grads>) -> Result<()> {
         self.grads.check()?;
-        let num_bytes = self.units[unit.0].bytes() as usize;
-        let handle = self.grads.submit_host(unit, num_bytes, make)?;
+        let (numel, dtype) = (self.units[unit.0].numel, self.units[unit.0].dtype);
+        let handle = self.grads.submit_host(unit, dtype, numel, make)?;
         let u = &mut self.units[unit.0];
         u.handle = Some(handle);
         u.update = Update::Pushed;
