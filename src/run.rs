@@ -331,7 +331,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
     );
     observer.start(first, last);
     let mut tokens = 0usize;
-    let mut rss_guard = RssGuard::default();
+    let mut rss_guard = RssGuard::new(trainer.host_overhead());
     let run_start = Instant::now();
     if cfg.train.eval_at_start && trainer.step() < last {
         let v = trainer.evaluate()?;
@@ -355,7 +355,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
         let minor_faults = faults_before.zip(crate::runtime::budget::minor_faults()).map(|(a, b)| b.saturating_sub(a));
         let rss_bytes = crate::runtime::budget::rss_bytes();
         if let Some(rss) = rss_bytes {
-            rss_guard.check(rss, &trainer);
+            rss_guard.check(rss, trainer.runtime().host_ledger());
         }
         let s = &out.stats;
         tokens += out.tokens;
@@ -545,39 +545,44 @@ fn trim_metrics_for_resume(path: &Path, resumed_step: u64) -> std::io::Result<()
 }
 
 /// The run-time side of the host budget: the process's RSS, sampled after each step, against
-/// `[budgets] host` plus the stated overhead outside the ledger
-/// ([`Trainer::host_overhead_bytes`]). Past it, one warning names the figures and the largest
-/// categories (the ledger's, and the overhead's parts), then stays quiet.
-#[derive(Debug, Default)]
+/// `[budgets] host` plus the run's stated overhead outside the ledger
+/// ([`Trainer::host_overhead`], computed once: it is fixed for the run). Past it, one warning
+/// names the figures and the largest categories (the ledger's, and the overhead's parts), then
+/// stays quiet.
+#[derive(Debug)]
 struct RssGuard {
+    overhead: crate::runtime::budget::HostOverhead,
     warned: bool,
 }
 
 impl RssGuard {
-    /// Samples against `trainer`'s ledger and overhead; logs the warning the first time.
-    fn check(&mut self, rss: u64, trainer: &Trainer) {
-        let ledger = trainer.runtime().host_ledger().report();
-        if let Some(msg) = self.over(rss, &ledger, &trainer.host_overhead()) {
+    fn new(overhead: crate::runtime::budget::HostOverhead) -> Self {
+        Self { overhead, warned: false }
+    }
+
+    /// Samples against `ledger`; logs the warning the first time.
+    fn check(&mut self, rss: u64, ledger: &oogc_swapper::HostLedger) {
+        if let Some(msg) = self.over(rss, ledger) {
             tracing::warn!("{msg}");
         }
     }
 
-    /// The warning when `rss` is past the budget plus `overhead` for the first time, naming
+    /// The warning when `rss` is past the budget plus the overhead for the first time, naming
     /// the figures and the four largest parts (the ledger's categories now and the
     /// overhead's); `None` otherwise.
-    fn over(
-        &mut self,
-        rss: u64,
-        ledger: &oogc_swapper::HostLedgerReport,
-        overhead: &crate::runtime::budget::HostOverhead,
-    ) -> Option<String> {
-        let limit = ledger.budget_bytes.saturating_add(overhead.total_bytes());
+    fn over(&mut self, rss: u64, ledger: &oogc_swapper::HostLedger) -> Option<String> {
+        let overhead = &self.overhead;
+        let limit = ledger.budget_bytes().saturating_add(overhead.total_bytes());
         if self.warned || rss <= limit {
             return None;
         }
         self.warned = true;
-        let mut parts: Vec<(String, u64)> =
-            ledger.categories.iter().map(|c| (format!("ledger {}", c.category.name()), c.used_bytes)).collect();
+        let mut parts: Vec<(String, u64)> = ledger
+            .report()
+            .categories
+            .iter()
+            .map(|c| (format!("ledger {}", c.category.name()), c.used_bytes))
+            .collect();
         parts.extend(overhead.parts().iter().map(|(n, b)| (format!("overhead {n}"), *b)));
         parts.sort_by_key(|p| std::cmp::Reverse(p.1));
         let largest: Vec<String> = parts.iter().take(4).map(|(n, b)| format!("{n} {b} B")).collect();
@@ -585,7 +590,7 @@ impl RssGuard {
             "host memory: the process holds {rss} B, above [budgets] host ({} B) + the stated overhead outside the \
              ledger ({} B) = {limit} B; largest now: {}\n  fix: lower [budgets] host or the batch, or report the \
              shape (the overhead model missed it)",
-            ledger.budget_bytes,
+            ledger.budget_bytes(),
             overhead.total_bytes(),
             largest.join(", ")
         ))
@@ -595,6 +600,7 @@ impl RssGuard {
 /// The host memory figures of `trainer`'s run so far.
 fn host_report(trainer: &Trainer) -> HostReport {
     let rt = trainer.runtime();
+    let overhead = trainer.host_overhead();
     let ledger = rt.host_ledger().report();
     let plan = rt.host_plan().cloned().unwrap_or_else(|| rt.plan_host());
     HostReport {
@@ -602,8 +608,8 @@ fn host_report(trainer: &Trainer) -> HostReport {
         plan_peak_bytes: plan.peak_bytes(),
         ledger_peak_bytes: ledger.peak_bytes,
         peak_rss_bytes: crate::runtime::budget::peak_rss_bytes().unwrap_or(0),
-        fixed_overhead_bytes: trainer.host_overhead_bytes(),
-        overhead: trainer.host_overhead(),
+        fixed_overhead_bytes: overhead.total_bytes(),
+        overhead,
         categories: ledger
             .categories
             .iter()
@@ -688,15 +694,14 @@ mod tests {
             activation_bytes: 40 << 20,
             ..Default::default()
         };
-        let report = ledger.report();
         let limit = (100 + 50) << 20;
-        let mut guard = RssGuard::default();
-        assert_eq!(guard.over(limit, &report, &overhead), None, "at the limit: quiet");
-        let msg = guard.over(limit + 1, &report, &overhead).expect("past the limit: a warning");
+        let mut guard = RssGuard::new(overhead);
+        assert_eq!(guard.over(limit, &ledger), None, "at the limit: quiet");
+        let msg = guard.over(limit + 1, &ledger).expect("past the limit: a warning");
         assert!(msg.contains(&format!("{limit} B")) && msg.contains("fix:"), "{msg}");
         let (g, a, c) = (msg.find("ledger gradients"), msg.find("overhead activations"), msg.find("ledger compute"));
         assert!(g < a && a < c && c.is_some(), "the largest first: {msg}");
-        assert_eq!(guard.over(limit * 2, &report, &overhead), None, "once");
+        assert_eq!(guard.over(limit * 2, &ledger), None, "once");
     }
 
     fn record(step: u64) -> String {

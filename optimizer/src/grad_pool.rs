@@ -22,8 +22,10 @@ use crate::pipeline::Grads;
 /// The pool keeps only vectors it made or handed out ([`from_bytes`](GradPool::from_bytes)):
 /// gradients a caller made itself and gave to the optimizer are dropped after their update, as
 /// before, so a caller that never takes from the pool never grows it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct GradPool {
+    /// Where every vector's bytes are claimed ([`HostUse::Gradients`]).
+    ledger: Arc<HostLedger>,
     state: Mutex<PoolState>,
 }
 
@@ -55,26 +57,20 @@ impl PoolState {
 }
 
 impl GradPool {
-    /// An empty pool.
-    pub fn new() -> Self {
-        Self::default()
+    /// An empty pool whose vectors are claimed from `ledger`.
+    pub fn new(ledger: Arc<HostLedger>) -> Self {
+        Self { ledger, state: Mutex::default() }
     }
 
     /// Gradients of `dtype` from `bytes` (little-endian elements, `bytes.len()` a multiple of
     /// the element size) in a vector of the pool — an idle one of the same dtype and length, or a
-    /// new one claimed from `ledger` ([`HostUse::Gradients`]) — with its claim, which goes with
+    /// new one claimed from the pool's ledger ([`HostUse::Gradients`]) — with its claim, which goes with
     /// the vector until [`give_back`](Self::give_back) or its drop.
     ///
     /// # Errors
     /// [`Error::LengthMismatch`] for a non-float `dtype` or a ragged `bytes`; [`Error::Swapper`]
     /// (`unit` named) when the ledger refuses a new vector even with every idle one given up.
-    pub fn from_bytes(
-        &self,
-        ledger: &Arc<HostLedger>,
-        unit: oogc_swapper::TensorId,
-        dtype: DType,
-        bytes: &[u8],
-    ) -> Result<(Grads, HostClaim)> {
+    pub fn from_bytes(&self, unit: oogc_swapper::TensorId, dtype: DType, bytes: &[u8]) -> Result<(Grads, HostClaim)> {
         let size = dtype.size_in_bytes().max(1);
         if !dtype.is_float() || !bytes.len().is_multiple_of(size) {
             return Grads::from_bytes(dtype, bytes).map(|g| (g, HostClaim::none(HostUse::Gradients)));
@@ -90,7 +86,7 @@ impl GradPool {
         };
         let Some((mut grads, claim)) = hit else {
             let claim = loop {
-                match ledger.claim(HostUse::Gradients, bytes.len() as u64) {
+                match self.ledger.claim(HostUse::Gradients, bytes.len() as u64) {
                     Ok(c) => break c,
                     Err(source) => {
                         let mut st = self.state.lock();
@@ -125,11 +121,6 @@ impl GradPool {
     pub fn idle_bytes(&self) -> u64 {
         self.state.lock().idle.iter().map(|(g, _)| g.num_bytes() as u64).sum()
     }
-
-    /// Drops every idle vector (their claims go back to the ledger).
-    pub fn clear(&self) {
-        self.state.lock().idle.clear();
-    }
 }
 
 #[cfg(test)]
@@ -151,20 +142,20 @@ mod tests {
     #[test]
     fn a_vector_given_back_is_reused_for_the_same_length_with_its_claim() {
         let ledger = HostLedger::new(1 << 20);
-        let pool = GradPool::new();
-        let (g, claim) = pool.from_bytes(&ledger, TensorId(0), DType::F32, &bytes_of(&[1.0, 2.0, 3.0])).unwrap();
+        let pool = GradPool::new(ledger.clone());
+        let (g, claim) = pool.from_bytes(TensorId(0), DType::F32, &bytes_of(&[1.0, 2.0, 3.0])).unwrap();
         assert_eq!(values(&g), vec![1.0, 2.0, 3.0]);
         assert_eq!(ledger.used_bytes_of(HostUse::Gradients), 12);
         let ptr = g.as_slice().as_bytes().as_ptr();
         pool.give_back(g, claim);
         // Idle bytes stay claimed: the ledger counts what the process holds.
         assert_eq!((pool.idle_bytes(), ledger.used_bytes()), (12, 12));
-        let (g, _claim) = pool.from_bytes(&ledger, TensorId(0), DType::F32, &bytes_of(&[4.0, 5.0, 6.0])).unwrap();
+        let (g, _claim) = pool.from_bytes(TensorId(0), DType::F32, &bytes_of(&[4.0, 5.0, 6.0])).unwrap();
         assert_eq!(g.as_slice().as_bytes().as_ptr(), ptr, "the same vector");
         assert_eq!(values(&g), vec![4.0, 5.0, 6.0]);
         assert_eq!((pool.idle_bytes(), ledger.used_bytes()), (0, 12));
         // Another length (or dtype) gets a vector of its own.
-        let (h, _c) = pool.from_bytes(&ledger, TensorId(1), DType::F32, &bytes_of(&[7.0])).unwrap();
+        let (h, _c) = pool.from_bytes(TensorId(1), DType::F32, &bytes_of(&[7.0])).unwrap();
         assert_ne!(h.as_slice().as_bytes().as_ptr(), ptr);
         assert_eq!(ledger.used_bytes(), 16);
     }
@@ -172,13 +163,13 @@ mod tests {
     #[test]
     fn idle_vectors_make_room_when_the_ledger_is_full_and_the_error_names_the_unit_otherwise() {
         let ledger = HostLedger::new(100);
-        let pool = GradPool::new();
-        let (g, c) = pool.from_bytes(&ledger, TensorId(0), DType::F32, &[0u8; 80]).unwrap();
+        let pool = GradPool::new(ledger.clone());
+        let (g, c) = pool.from_bytes(TensorId(0), DType::F32, &[0u8; 80]).unwrap();
         pool.give_back(g, c);
         // 40 B more do not fit beside the idle 80 B: the idle vector is given up.
-        let (g, c) = pool.from_bytes(&ledger, TensorId(1), DType::F32, &[0u8; 40]).unwrap();
+        let (g, c) = pool.from_bytes(TensorId(1), DType::F32, &[0u8; 40]).unwrap();
         assert_eq!((pool.idle_bytes(), ledger.used_bytes()), (0, 40));
-        let e = pool.from_bytes(&ledger, TensorId(7), DType::F32, &[0u8; 80]).unwrap_err();
+        let e = pool.from_bytes(TensorId(7), DType::F32, &[0u8; 80]).unwrap_err();
         assert!(matches!(e, Error::Swapper { unit: TensorId(7), .. }), "{e}");
         assert_eq!(ledger.used_bytes(), 40, "nothing claimed by the refused call");
         drop((g, c));
@@ -188,7 +179,7 @@ mod tests {
     #[test]
     fn vectors_the_pool_did_not_hand_out_are_dropped_not_kept() {
         let ledger = HostLedger::new(1 << 20);
-        let pool = GradPool::new();
+        let pool = GradPool::new(ledger.clone());
         // A caller's own gradients, claimed by the optimizer's `submit`, given back after the
         // update: the pool never lent them, so it lets them go (a caller that never takes from
         // the pool never grows it).
@@ -196,7 +187,7 @@ mod tests {
         pool.give_back(Grads::F32(vec![1.0; 3]), claim);
         assert_eq!((pool.idle_bytes(), ledger.used_bytes()), (0, 0));
         // One lent, two given back of its kind: one kept.
-        let (g, c) = pool.from_bytes(&ledger, TensorId(0), DType::F32, &bytes_of(&[1.0, 2.0, 3.0])).unwrap();
+        let (g, c) = pool.from_bytes(TensorId(0), DType::F32, &bytes_of(&[1.0, 2.0, 3.0])).unwrap();
         pool.give_back(g, c);
         pool.give_back(Grads::F32(vec![0.0; 3]), ledger.claim(HostUse::Gradients, 12).unwrap());
         assert_eq!((pool.idle_bytes(), ledger.used_bytes()), (12, 12));
@@ -204,8 +195,8 @@ mod tests {
 
     #[test]
     fn ragged_bytes_are_refused() {
-        let pool = GradPool::new();
-        let e = pool.from_bytes(&HostLedger::unlimited(), TensorId(0), DType::F32, &[0u8; 6]).unwrap_err();
+        let pool = GradPool::new(HostLedger::unlimited());
+        let e = pool.from_bytes(TensorId(0), DType::F32, &[0u8; 6]).unwrap_err();
         assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
     }
 }

@@ -602,6 +602,7 @@ impl PipelinedOptimizer {
             ledger.clone(),
             HostUse::NvmeStream,
         );
+        let grad_pool = GradPool::new(ledger.clone());
         let slots = ((config.stream_host_budget_bytes / stream.stream_host_bytes()) as usize).max(1);
         tracing::debug!(%isa, threads = config.threads, stream_slots = slots, "pipelined optimizer");
         Ok(Self {
@@ -625,7 +626,7 @@ impl PipelinedOptimizer {
                 jobs_in_flight: Mutex::new(0),
                 job_done: Condvar::new(),
                 norm_reduce: Mutex::new(None),
-                grad_pool: GradPool::new(),
+                grad_pool,
                 config,
             }),
         })

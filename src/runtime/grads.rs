@@ -292,7 +292,7 @@ fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
 fn make_grads(shared: &Shared, unit: UnitId, dtype: DType, bytes: &[u8]) -> Result<(Grads, HostClaim)> {
     let world = crate::dist::world();
     if world.size == 1 {
-        return Ok(shared.optimizer.grad_pool().from_bytes(&shared.ledger, unit.tensor(), dtype, bytes)?);
+        return Ok(shared.optimizer.grad_pool().from_bytes(unit.tensor(), dtype, bytes)?);
     }
     let numel = bytes.len() / dtype.size_in_bytes().max(1);
     let claim = shared.ledger.claim(HostUse::Gradients, held_grad_bytes(dtype, numel))?;

@@ -666,11 +666,6 @@ impl Trainer {
         &self.rt
     }
 
-    /// The stated overhead of this run besides the host ledger, bytes ([`host_overhead`]).
-    pub fn host_overhead_bytes(&self) -> u64 {
-        self.host_overhead().total_bytes()
-    }
-
     /// The stated overhead of this run besides the host ledger, by part ([`host_overhead`]).
     pub fn host_overhead(&self) -> HostOverhead {
         let data = match &self.data {
