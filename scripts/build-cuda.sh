@@ -115,6 +115,11 @@ fi
   --out "$DIST/wheels" --strip --quiet
 cp -r "$SHARED/fixtures/llama/llama_gqa" "$SHARED/fixtures/llama/qwen2_tied" "$SHARED/fixtures/llama/mixtral_moe" \
    "$DIST/data/fixtures/llama/"
+# Check 4's device-optimizer vectors: three of torch's AdamW/Adam cases (4.6 MB; the cases
+# cli/src/gpu_check/numerics.rs names in DEVICE_ADAM_CASES).
+mkdir -p "$DIST/data/fixtures/adamw"
+cp "$SHARED/fixtures/adamw/cases.json" "$SHARED/fixtures/adamw/README.md" "$DIST/data/fixtures/adamw/"
+for c in adam_l2 adamw_bigeps adamw_nowd_tiny; do cp "$SHARED"/fixtures/adamw/$c.*.f32 "$DIST/data/fixtures/adamw/"; done
 chmod -R u+w "$DIST/data"
 # dist/oogc-cuda is carried to the GPU machine, which takes at most 64 MiB: keep it within 56 MiB
 # (the bundled libraries of --bundle-libs are for a machine without the wheels, not this limit).

@@ -138,6 +138,15 @@ pub struct MoePlacementConfig {
     /// JSON-lines routing trace (step, block, expert, tokens) for `oogc bench moe`. Default: none.
     #[serde(default)]
     pub routing_trace: Option<PathBuf>,
+    /// With `policy = "ours"`: the hot experts keep their optimizer on the device (master
+    /// weights, Adam state and gradients, 16 B per parameter, plus the compute copy, all counted
+    /// in `expert_budget`) and are updated there, so they are not uploaded again after each
+    /// update; moved in and out only when the hot set changes (with hysteresis). false: the hot
+    /// set holds compute copies only (4 B per f32 parameter), refreshed from the CPU optimizer
+    /// every step. Unset: on when `expert_budget` holds at least one expert with its optimizer,
+    /// else off.
+    #[serde(default)]
+    pub device_optimizer: Option<bool>,
 }
 
 /// `[moe] policy`: how the experts of an MoE model are placed.
@@ -174,6 +183,7 @@ impl Default for MoePlacementConfig {
             popularity_decay: default_decay(),
             cpu_compute: true,
             routing_trace: None,
+            device_optimizer: None,
         }
     }
 }
@@ -694,6 +704,40 @@ pub struct OptimizerSection {
     /// thread).
     #[serde(default)]
     pub stream_host_budget: Option<ByteSize>,
+    /// Units whose optimizer (fp32 master weights, Adam state, gradients: 16 B per parameter,
+    /// plus the compute copy) lives in GPU memory and is updated there: `N` units (refused with
+    /// the bytes when they do not fit beyond the minimum working set), or `"auto"`: the spare
+    /// GPU budget only, what is left once every unit's compute copy fits (none below that).
+    /// Either way the units whose CPU update would be exposed come first: the last units of the
+    /// backward (the embedding, then the first blocks, then the head;
+    /// [`crate::train::choose_device_units`]). MoE experts follow `[moe] device_optimizer`.
+    /// Not with data-parallel ranks. Default: 0.
+    #[serde(default)]
+    pub device_units: DeviceUnits,
+}
+
+/// `[optimizer] device_units`: how many units keep their optimizer on the device.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum DeviceUnits {
+    /// That many units (0: none).
+    Count(usize),
+    /// `"auto"`: as many as the GPU budget's spare room holds.
+    Auto(AutoKeyword),
+}
+
+/// The keyword `"auto"`.
+#[derive(Debug, Clone, Copy, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum AutoKeyword {
+    /// `"auto"`.
+    Auto,
+}
+
+impl Default for DeviceUnits {
+    fn default() -> Self {
+        Self::Count(0)
+    }
 }
 
 fn default_lr() -> f32 {
@@ -729,6 +773,7 @@ impl Default for OptimizerSection {
             nonfinite: oogc_optimizer::NonFinite::Skip,
             rollback_budget: None,
             stream_host_budget: None,
+            device_units: DeviceUnits::default(),
         }
     }
 }

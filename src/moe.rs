@@ -9,7 +9,7 @@
 
 use oogc_moe_placement::{CostModelConfig, PlacerConfig};
 
-use crate::config::{MoePolicy, TrainConfig};
+use crate::config::{ConfigError, MoePolicy, TrainConfig};
 
 /// H2D/D2H rate the cost model starts from when the link is not throttled: a PCIe 4 x16 link's
 /// achievable rate, GB/s.
@@ -36,11 +36,61 @@ pub fn places_experts(cfg: &TrainConfig) -> bool {
     cfg.moe.policy == MoePolicy::Ours
 }
 
+/// Whether the hot experts of `cfg`'s run keep their optimizer on the device (`[moe]
+/// device_optimizer`, with `policy = "ours"`): `true` when set so; unset, when the expert budget
+/// holds at least one expert of `expert_params` parameters with its optimizer
+/// ([`crate::runtime::device_optimizer_bytes`]).
+///
+/// # Errors
+/// [`ConfigError::Invalid`] naming `moe.expert_budget` when `device_optimizer = true` and the
+/// budget cannot hold one such expert.
+pub fn device_optimizer(cfg: &TrainConfig, expert_params: usize) -> Result<bool, ConfigError> {
+    if !places_experts(cfg) {
+        return Ok(false);
+    }
+    let need = crate::runtime::device_optimizer_bytes(expert_params, cfg.train.compute_dtype.dtype());
+    let fits = expert_budget_bytes(cfg) >= need;
+    match cfg.moe.device_optimizer {
+        Some(false) => Ok(false),
+        None => Ok(fits),
+        Some(true) if fits => Ok(true),
+        Some(true) => Err(ConfigError::Invalid {
+            key: "moe.expert_budget".into(),
+            reason: format!(
+                "{} bytes cannot hold one hot expert with its optimizer on the device ({need} bytes: 16 B per \
+                 parameter + the compute copy); fix: raise [moe] expert_budget to at least {need} bytes, or set \
+                 [moe] device_optimizer = false",
+                expert_budget_bytes(cfg)
+            ),
+        }),
+    }
+}
+
+/// GPU bytes of one hot expert of `expert_params` parameters in `cfg`'s run: its compute copy,
+/// and its optimizer when [`device_optimizer`] says so (an error there counts as not).
+pub fn hot_expert_bytes(cfg: &TrainConfig, expert_params: usize) -> u64 {
+    let dtype = cfg.train.compute_dtype.dtype();
+    if device_optimizer(cfg, expert_params).unwrap_or(false) {
+        crate::runtime::device_optimizer_bytes(expert_params, dtype)
+    } else {
+        dtype.num_bytes(expert_params) as u64
+    }
+}
+
 /// The placer's settings for `cfg`: the expert budget, `[moe] popularity_decay` and
 /// `cpu_compute`, and the cost model's rates (module docs) with `cpu_gflops` the CPU's GEMM rate
-/// in GFLOP/s (measured by the trainer, profiled by the planner).
-pub fn placer_config(cfg: &TrainConfig, cpu_gflops: f64) -> PlacerConfig {
+/// in GFLOP/s (measured by the trainer, profiled by the planner); with hot experts of
+/// `expert_params` parameters keeping their optimizer on the device ([`device_optimizer`]), the
+/// hot set counts and moves their optimizer state.
+pub fn placer_config(cfg: &TrainConfig, cpu_gflops: f64, expert_params: usize) -> PlacerConfig {
     let mut pc = PlacerConfig::new(expert_budget_bytes(cfg));
+    if device_optimizer(cfg, expert_params).unwrap_or(false) {
+        // A hot expert holds its optimizer too, moves its state (12 B per parameter) to enter,
+        // and keeps its gradients on the device.
+        pc.hot_expert_bytes = Some(hot_expert_bytes(cfg, expert_params));
+        pc.hot_set.admit_bytes = Some(12 * expert_params as u64);
+        pc.hot_set.keeps_gradients = true;
+    }
     pc.decay = cfg.moe.popularity_decay;
     pc.hot_set.cpu_compute = cfg.moe.cpu_compute;
     let link = link_gbps(cfg);

@@ -343,6 +343,10 @@ pub struct PlanArgs {
     /// The run's shape for the host overhead model (an `oogc train` config's): with it the plan
     /// predicts the process's peak RSS ([`OverheadInputs::predicted_peak_rss_bytes`]).
     pub overhead: Option<OverheadInputs>,
+    /// Units whose optimizer the run keeps on the device (`[optimizer] device_units`:
+    /// [`crate::train::choose_device_units`]), with their GPU bytes (16 B per parameter + the
+    /// compute copy), carved out of the GPU budget; empty for none.
+    pub device_units: Vec<(String, u64)>,
 }
 
 /// The plan of an `oogc train` config: its model ([`PlannedModel::of_model`]: the model the
@@ -372,6 +376,19 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
     let dtype = cfg.train.compute_dtype.dtype();
     let planned =
         PlannedModel::of_model(&*model, cfg.model.family(), dtype, sequences, cfg.train.seq_len, top_k, placements);
+    // The residency manager's share of the GPU budget: less one gradient staging buffer of the
+    // largest unit and the activation offload's staging (as the runtime carves them out).
+    let largest = model.units().iter().map(|u| dtype.num_bytes(u.numel) as u64).max().unwrap_or(0);
+    let staging = crate::train::activation_offload(cfg, &*model)
+        .map_or(0, |a| (crate::runtime::ACTIVATION_STAGING * a.checkpoint_bytes) as u64);
+    let compute_budget = cfg.budgets.gpu.as_u64().saturating_sub(largest + staging);
+    let device_units = crate::train::choose_device_units(cfg, &*model, compute_budget)
+        .into_iter()
+        .map(|u| {
+            let spec = &model.units()[u.0];
+            (spec.name.clone(), crate::runtime::device_optimizer_bytes(spec.numel, dtype))
+        })
+        .collect();
     Ok(PlanArgs {
         model: planned,
         gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
@@ -386,6 +403,7 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
         trace,
         world_size: 1,
         overhead: Some(crate::train::overhead_inputs(cfg, &*model, text_bytes(cfg))),
+        device_units,
     })
 }
 
@@ -401,8 +419,9 @@ fn text_bytes(cfg: &TrainConfig) -> u64 {
 ///
 /// - `policy = "fetch"`, `"resident"` or `"lru"`: every expert [`Placement::Fetch`] (an LRU
 ///   cache's few hits within a step are not modelled).
-/// - `policy = "ours"`: the hot set holds `expert_budget / expert bytes` experts (spread over
-///   the blocks in turn) when keeping an expert resident saves time under the cost model
+/// - `policy = "ours"`: the hot set holds `expert_budget / hot expert bytes` experts (spread over
+///   the blocks in turn; a hot expert's bytes count its optimizer when it lives on the device:
+///   [`crate::moe::hot_expert_bytes`]) when keeping an expert resident saves time under the cost model
 ///   ([`CostModel::hot_benefit_s`] over the statistics' horizon `1 / (1 − popularity_decay)`
 ///   steps beats the move, as [`oogc_moe_placement::HotSet::replan`] decides), else none; then
 ///   each block is placed by [`CostModel::place_block`] (cold experts fetched or computed on the
@@ -430,7 +449,7 @@ pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &Hardwar
     // The sim device's GPU is this CPU, at the profile's rate; on a GPU the cost model's CPU rate.
     let cpu_gflops =
         if cfg.device.kind.is_sim() { hardware.device_gflops } else { CostModelConfig::default().cpu_gflops };
-    let pc = crate::moe::placer_config(cfg, cpu_gflops);
+    let pc = crate::moe::placer_config(cfg, cpu_gflops, numel as usize);
     let cost = CostModel::new(
         ExpertShape { param_bytes: bytes, grad_bytes: bytes, flops_per_token: 8.0 * numel as f64 },
         pc.cost,
@@ -440,10 +459,12 @@ pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &Hardwar
         return vec![vec![Placement::Fetch; experts]; layers];
     };
     let mode = if cfg.moe.cpu_compute { ColdMode::FetchOrCpu } else { ColdMode::FetchOnly };
-    let capacity = ((pc.hot_set.budget_bytes / bytes.max(1)) as usize).min(layers * experts);
+    // A hot expert's GPU bytes: its compute copy, and its optimizer when it lives there.
+    let hot_bytes = crate::moe::hot_expert_bytes(cfg, numel as usize);
+    let capacity = ((pc.hot_set.budget_bytes / hot_bytes.max(1)) as usize).min(layers * experts);
     let horizon = 1.0 / (1.0 - cfg.moe.popularity_decay).max(1e-6);
-    let worth_keeping =
-        cost.hot_benefit_s(tokens as f64, 1.0, mode) * horizon > (1.0 + pc.hot_set.margin) * cost.h2d_s(bytes);
+    let worth_keeping = cost.hot_benefit_s(tokens as f64, 1.0, mode, pc.hot_set.keeps_gradients) * horizon
+        > (1.0 + pc.hot_set.margin) * cost.h2d_s(pc.hot_set.admit_bytes.unwrap_or(bytes));
     let hot = if worth_keeping { capacity } else { 0 };
     (0..layers)
         .map(|b| {
@@ -548,6 +569,20 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
             m.count(Placement::Fetch),
             m.count(Placement::Cpu),
             m.count(Placement::Skip)
+        )
+        .expect("writing to a String");
+    }
+    if !args.device_units.is_empty() {
+        let names: Vec<&str> = args.device_units.iter().map(|(n, _)| n.as_str()).collect();
+        let bytes: u64 = args.device_units.iter().map(|(_, b)| b).sum();
+        writeln!(
+            out,
+            "device optimizers ([optimizer] device_units): {} units ({}), {} of the GPU budget (master weights, \
+             Adam state, gradients and compute copy); their updates run on the device after the step's decision \
+             (the step time below does not model them)",
+            names.len(),
+            names.join(", "),
+            gib(bytes)
         )
         .expect("writing to a String");
     }
@@ -786,6 +821,31 @@ mod tests {
             let r = plan_model(&args).unwrap();
             assert!(r.step_s > 0.0 && r.compute_s > 0.0, "{name}: {r:?}");
         }
+    }
+
+    /// `oogc plan` lists the units `[optimizer] device_units` places, as the trainer chooses
+    /// them: the embedding first, then the first blocks; "auto" only with a spare budget.
+    #[test]
+    fn the_plan_names_the_device_optimizer_units() {
+        let mut cfg = example("tinyshakespeare.toml");
+        let hw = HardwareProfile::default();
+        let names = |cfg: &TrainConfig| -> Vec<String> {
+            plan_args_for_config(cfg, &hw, false).unwrap().device_units.into_iter().map(|(n, _)| n).collect()
+        };
+        assert!(names(&cfg).is_empty());
+        cfg.optimizer.device_units = crate::config::DeviceUnits::Count(2);
+        let two = names(&cfg);
+        let model = crate::train::build_model(&cfg, 256).unwrap();
+        assert_eq!(two, [model.units()[0].name.clone(), model.units()[1].name.clone()]);
+        let args = plan_args_for_config(&cfg, &hw, false).unwrap();
+        let text = render_plan(&args, &plan_model(&args).unwrap());
+        assert!(text.contains("device optimizers") && text.contains(&two[1]), "{text}");
+        // "auto" below the compute copies places none; with twice their bytes, some.
+        cfg.optimizer.device_units = crate::config::DeviceUnits::Auto(crate::config::AutoKeyword::Auto);
+        assert!(names(&cfg).is_empty());
+        let copies: u64 = model.units().iter().map(|u| 4 * u.numel as u64).sum();
+        cfg.budgets.gpu = bytesize::ByteSize::b(2 * copies);
+        assert!(!names(&cfg).is_empty());
     }
 
     #[test]

@@ -153,6 +153,13 @@ pub struct StepRecord {
     /// first time, each a trip into the kernel; near zero once the step's buffers are reused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub minor_faults: Option<u64>,
+    /// Units whose optimizer is on the device (`[optimizer] device_units`, MoE hot experts) at
+    /// the step's end; absent when none is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_units: Option<usize>,
+    /// Their GPU bytes (16 B per parameter + the compute copy); absent when none is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_optimizer_bytes: Option<u64>,
 }
 
 /// What a run did, printed at the end.
@@ -404,6 +411,8 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
             rank_step_s: (world.size > 1).then(|| crate::dist::all_gather_f64(s.step_s)),
             rss_bytes,
             minor_faults,
+            device_units: (s.device_units > 0).then_some(s.device_units),
+            device_optimizer_bytes: (s.device_units > 0).then_some(s.device_optimizer_bytes),
         };
         if s.skipped {
             observer.line(&format!("step {step}: skipped, a gradient was not finite (norm {})", s.grad_norm));
@@ -730,6 +739,8 @@ mod tests {
             rank_step_s: None,
             rss_bytes: None,
             minor_faults: None,
+            device_units: None,
+            device_optimizer_bytes: None,
         };
         serde_json::to_string(&r).unwrap() + "\n"
     }

@@ -9,7 +9,7 @@ mod reference;
 use oogc::config::TrainConfig;
 use oogc::train::Trainer;
 
-use common::{tiny, tiny_llama, tiny_moe};
+use common::{tiny, tiny_mixtral, tiny_moe};
 
 fn run_steps(cfg: TrainConfig, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>, Trainer) {
     let mut t = Trainer::new(cfg).unwrap();
@@ -232,20 +232,6 @@ fn a_resumed_micro_batch_run_continues_exactly() {
         TrainConfig::from_toml_str(&text).unwrap()
     };
     common::assert_resume_continues_exactly(&config);
-}
-
-/// A tiny Mixtral (4 experts per layer, top-2, the pooled load-balancing loss) on the BPE
-/// tokenizer's ids, state on NVMe.
-fn tiny_mixtral(nvme: &std::path::Path, cache: &std::path::Path, gpu: &str, policy: &str) -> String {
-    let experts = "max_position_embeddings = 32\nnum_local_experts = 4\nnum_experts_per_tok = 2\n\
-                   router_aux_loss_coef = 0.05\noutput_router_logits = true";
-    tiny_llama(nvme, cache)
-        .replace("family = \"llama\"", "family = \"mixtral\"")
-        .replace("intermediate_size = 88", "intermediate_size = 48")
-        .replace("num_hidden_layers = 6", "num_hidden_layers = 3")
-        .replace("max_position_embeddings = 32", experts)
-        .replace("gpu = \"64MiB\"", &format!("gpu = \"{gpu}\""))
-        + &format!("[moe]\npolicy = \"{policy}\"\nexpert_budget = \"40KiB\"\n")
 }
 
 #[test]

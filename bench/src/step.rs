@@ -191,6 +191,12 @@ pub(crate) struct Measured {
     pub(crate) nvme_w: u64,
     /// NVMe store busy time per step, seconds.
     pub(crate) nvme_busy_s: f64,
+    /// Median seconds per step of device optimizer work (part of `stall_optimizer_s`).
+    pub(crate) device_update_s: f64,
+    /// Units whose optimizer was on the device after the measured steps.
+    pub(crate) device_units: usize,
+    /// Their GPU bytes ([`oogc::runtime::device_optimizer_bytes`] each).
+    pub(crate) device_optimizer_bytes: u64,
 }
 
 /// The median of `v` (the mean of the middle two for an even count; 0 when empty).
@@ -278,6 +284,11 @@ pub(crate) fn measure_with(
             stats.push(t.train_step()?.stats);
         }
         let after = t.runtime().traffic();
+        let rt = t.runtime();
+        let device_units = (0..rt.num_units())
+            .filter(|&u| rt.optimizer_place(oogc::runtime::UnitId(u)) == oogc::runtime::OptimizerPlace::Device)
+            .count();
+        let device_optimizer_bytes = rt.device_optimizer_bytes();
         at(Moment::Measured)?;
         let n = steps as u64;
         let sum = |f: fn(&oogc::runtime::StepStats) -> u64| stats.iter().map(f).sum::<u64>() / n;
@@ -296,6 +307,9 @@ pub(crate) fn measure_with(
             nvme_busy_s: ((after.nvme_read.busy_s - before.nvme_read.busy_s)
                 + (after.nvme_write.busy_s - before.nvme_write.busy_s))
                 / steps as f64,
+            device_update_s: median(stats.iter().map(|s| s.device_update_s).collect()),
+            device_units,
+            device_optimizer_bytes,
         })
     })();
     remove_scratch(cfg);
@@ -478,6 +492,137 @@ pub fn run(args: &StepBenchArgs) -> Result<StepBenchReport> {
         });
     }
     Ok(StepBenchReport { rows, skipped })
+}
+
+/// One run of [`run_device_units`]: a GPU budget, with or without device optimizers.
+#[derive(Debug, Clone, Serialize)]
+pub struct DeviceUnitsRow {
+    /// The GPU budget as a fraction of parameters + optimizer state (16 B per parameter).
+    pub gpu_fraction: f64,
+    /// The GPU budget, bytes.
+    pub gpu_budget_bytes: u64,
+    /// `[optimizer] device_units`: `none` (0) or `auto`.
+    pub device_units: String,
+    /// Units whose optimizer the run placed on the device.
+    pub placed_units: usize,
+    /// Their GPU bytes (16 B per parameter + the compute copy).
+    pub device_optimizer_bytes: u64,
+    /// Median step wall time, seconds.
+    pub step_s: f64,
+    /// Exposed optimizer time: median seconds per step the step waited for optimizer work (a
+    /// unit's CPU update not done when the next forward needs it, the end-of-step decision, and
+    /// the device updates, which run after the decision on the compute stream).
+    pub stall_optimizer_s: f64,
+    /// Of it, the device optimizers' work (median seconds per step): on the sim device candle's
+    /// CPU ops on the same cores as the CPU optimizer, unfused; on a GPU, kernels at its memory
+    /// bandwidth.
+    pub device_update_s: f64,
+    /// `stall_optimizer_s − device_update_s`: waiting for the CPU optimizer and the decision.
+    pub cpu_optimizer_wait_s: f64,
+    /// Median seconds per step blocked on transfers.
+    pub stall_transfer_s: f64,
+    /// Mean H2D bytes per step.
+    pub h2d_bytes: u64,
+    /// Mean D2H bytes per step.
+    pub d2h_bytes: u64,
+    /// `stall_optimizer_s` over the `none` run's at the same budget (1 for `none` itself).
+    pub stall_optimizer_vs_none: f64,
+    /// The `none` run's `step_s` over this one's at the same budget.
+    pub speedup_vs_none: f64,
+    /// The machine (same in every row).
+    pub machine: Machine,
+}
+
+/// `oogc bench step --device-units`: the config at GPU budgets of `fractions` of its parameters
+/// and optimizer state (16 B per parameter; each at least the run's minimum working set), each with
+/// `[optimizer] device_units` = 0 and `"auto"`, measured as [`run`]'s variants are (warmup, then
+/// medians over the measured steps). What it shows: the optimizer time the step waits for, with
+/// and without the spare GPU budget given to the units whose update would otherwise be exposed.
+///
+/// # Errors
+/// `--steps 0`; the trainer's errors.
+pub fn run_device_units(args: &StepBenchArgs, fractions: &[f64]) -> Result<Vec<DeviceUnitsRow>> {
+    use oogc::config::{AutoKeyword, DeviceUnits};
+    if args.steps == 0 {
+        return Err(Error::invalid("--steps", "must be at least 1 (the steps measured after --warmup)"));
+    }
+    let base = &args.config;
+    let total = (args.warmup + args.steps) as u64;
+    let model = oogc::train::build_model(base, oogc::train::vocab_size(base)?)?;
+    let params: u64 = model.units().iter().map(|u| u.numel as u64).sum();
+    let machine = machine::record_for_config(base);
+    let mut rows = Vec::new();
+    for &fraction in fractions {
+        let gpu = (fraction * 16.0 * params as f64) as u64;
+        let mut none_row: Option<(f64, f64)> = None;
+        for (name, units) in [("none", DeviceUnits::Count(0)), ("auto", DeviceUnits::Auto(AutoKeyword::Auto))] {
+            let mut cfg = variant_config(base, &format!("device-units-{name}"), total);
+            cfg.budgets.gpu = bytesize::ByteSize::b(gpu);
+            cfg.optimizer.device_units = units;
+            let m = measure(&cfg, args.warmup, args.steps)
+                .with_context(|| format!("device_units = {name} at {fraction} of parameters + state"))?;
+            let (none_stall, none_step) = *none_row.get_or_insert((m.stall_optimizer_s, m.step_s));
+            rows.push(DeviceUnitsRow {
+                gpu_fraction: fraction,
+                gpu_budget_bytes: gpu,
+                device_units: name.into(),
+                placed_units: m.device_units,
+                device_optimizer_bytes: m.device_optimizer_bytes,
+                step_s: m.step_s,
+                stall_optimizer_s: m.stall_optimizer_s,
+                device_update_s: m.device_update_s,
+                cpu_optimizer_wait_s: (m.stall_optimizer_s - m.device_update_s).max(0.0),
+                stall_transfer_s: m.stall_transfer_s,
+                h2d_bytes: m.h2d,
+                d2h_bytes: m.d2h,
+                stall_optimizer_vs_none: m.stall_optimizer_s / none_stall.max(1e-12),
+                speedup_vs_none: none_step / m.step_s.max(1e-12),
+                machine: machine.clone(),
+            });
+        }
+    }
+    Ok(rows)
+}
+
+/// Prints [`run_device_units`]' rows as a table.
+pub fn print_device_units_table(rows: &[DeviceUnitsRow]) {
+    println!(
+        "{:>6} {:>11} {:>6} {:>6} {:>11} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8} {:>11} {:>11}",
+        "gpu",
+        "GPU B",
+        "units",
+        "placed",
+        "dev opt B",
+        "step s",
+        "opt wait",
+        "cpu opt",
+        "dev upd",
+        "xfer wait",
+        "speedup",
+        "H2D B",
+        "D2H B"
+    );
+    for r in rows {
+        println!(
+            "{:>6.2} {:>11} {:>6} {:>6} {:>11} {:>9.4} {:>10.4} {:>10.4} {:>10.4} {:>10.4} {:>8.2} {:>11} {:>11}",
+            r.gpu_fraction,
+            r.gpu_budget_bytes,
+            r.device_units,
+            r.placed_units,
+            r.device_optimizer_bytes,
+            r.step_s,
+            r.stall_optimizer_s,
+            r.cpu_optimizer_wait_s,
+            r.device_update_s,
+            r.stall_transfer_s,
+            r.speedup_vs_none,
+            r.h2d_bytes,
+            r.d2h_bytes
+        );
+    }
+    if let Some(r) = rows.first() {
+        println!("machine: {} ({} cores), git {}", r.machine.cpu_model, r.machine.cores, r.machine.git_rev);
+    }
 }
 
 /// Prints the report as a table (skipped variants with their reason).

@@ -96,6 +96,11 @@ pub(crate) struct StepCmd {
     /// `[device] link_gbps` (sim device only).
     #[arg(long, value_name = "GBPS")]
     pub(crate) link_gbps: Option<f64>,
+    /// Instead of the three variants: the config at GPU budgets of these fractions of its
+    /// parameters + optimizer state (16 B/param), each with `[optimizer] device_units` = 0 and
+    /// "auto", and the optimizer time each step waits for (comma-separated, e.g. 0.25,0.5).
+    #[arg(long, value_name = "FRACTIONS", value_delimiter = ',')]
+    pub(crate) device_units: Option<Vec<f64>>,
     /// JSON Lines on stdout instead of a table.
     #[arg(long)]
     pub(crate) json: bool,
@@ -436,6 +441,18 @@ pub(crate) fn bench_step(cmd: StepCmd) -> anyhow::Result<()> {
         hardware: load_hardware(cmd.hardware.as_ref())?,
         ..step::StepBenchArgs::new(cfg)
     };
+    if let Some(fractions) = &cmd.device_units {
+        if fractions.is_empty() || fractions.iter().any(|f| !(*f > 0.0 && f.is_finite())) {
+            anyhow::bail!("--device-units {fractions:?}: give positive fractions of parameters + state, e.g. 0.25,0.5");
+        }
+        let rows = step::run_device_units(&args, fractions).context("oogc bench step --device-units")?;
+        if cmd.json {
+            print_json_lines(&rows)?;
+        } else {
+            step::print_device_units_table(&rows);
+        }
+        return Ok(());
+    }
     let report = step::run(&args).context("oogc bench step")?;
     if cmd.json {
         print_json_lines(&report.rows)?;

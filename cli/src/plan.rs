@@ -201,6 +201,7 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         trace: cmd.trace.is_some(),
         world_size: cmd.world_size as usize,
         overhead: None,
+        device_units: Vec::new(),
     };
     finish_plan(&cmd, args)
 }

@@ -218,8 +218,10 @@ impl CostModel {
     /// The seconds per step saved by keeping an expert resident rather than cold, for an expert
     /// that receives tokens with probability `p_used` per step and `expected_tokens` tokens per
     /// step on average: `p · (cold(t/p) − resident(t/p))`, cold being the cheaper of fetch and
-    /// CPU (fetch only under [`ColdMode::FetchOnly`]). 0 for an expert never used.
-    pub fn hot_benefit_s(&self, expected_tokens: f64, p_used: f64, mode: ColdMode) -> f64 {
+    /// CPU (fetch only under [`ColdMode::FetchOnly`]). 0 for an expert never used. With
+    /// `keeps_gradients` (the hot expert's optimizer is on the device) a resident expert costs
+    /// its compute alone: its gradients stay on the device.
+    pub fn hot_benefit_s(&self, expected_tokens: f64, p_used: f64, mode: ColdMode, keeps_gradients: bool) -> f64 {
         if p_used <= 0.0 || expected_tokens <= 0.0 {
             return 0.0;
         }
@@ -228,7 +230,8 @@ impl CostModel {
             ColdMode::FetchOrCpu => self.fetch_s(t).min(self.cpu_s(t)),
             ColdMode::FetchOnly => self.fetch_s(t),
         };
-        p_used * (cold - self.resident_s(t)).max(0.0)
+        let resident = if keeps_gradients { self.gpu_s(t) } else { self.resident_s(t) };
+        p_used * (cold - resident).max(0.0)
     }
 
     /// The cost of one block's experts (`tokens[e]` routed to expert `e`) under `placements`
@@ -458,15 +461,19 @@ mod tests {
     #[test]
     fn benefit_of_residency_saturates_at_the_transfer() {
         let m = model();
-        assert_eq!(m.hot_benefit_s(0.0, 0.0, ColdMode::FetchOrCpu), 0.0);
-        let many = m.hot_benefit_s(1000.0, 1.0, ColdMode::FetchOrCpu);
+        assert_eq!(m.hot_benefit_s(0.0, 0.0, ColdMode::FetchOrCpu, false), 0.0);
+        let many = m.hot_benefit_s(1000.0, 1.0, ColdMode::FetchOrCpu, false);
         assert!((many - 0.001).abs() < 1e-12, "{many}: a fetch's H2D");
         // 1.5 tokens: 1.5 ms on the CPU against 1 ms of gradient D2H when resident.
-        let few = m.hot_benefit_s(1.5, 1.0, ColdMode::FetchOrCpu);
+        let few = m.hot_benefit_s(1.5, 1.0, ColdMode::FetchOrCpu, false);
         assert!(few < many && few > 0.0, "{few}");
         // 1 token: the CPU (1 ms) is as cheap as the resident expert's gradient copy: no benefit.
-        assert!(m.hot_benefit_s(1.0, 1.0, ColdMode::FetchOrCpu) < 1e-6);
-        assert!((m.hot_benefit_s(1.0, 1.0, ColdMode::FetchOnly) - 0.001).abs() < 1e-12);
+        assert!(m.hot_benefit_s(1.0, 1.0, ColdMode::FetchOrCpu, false) < 1e-6);
+        assert!((m.hot_benefit_s(1.0, 1.0, ColdMode::FetchOnly, false) - 0.001).abs() < 1e-12);
+        // A hot expert whose optimizer is on the device keeps its gradients there: residency
+        // saves the fetch's H2D and the gradients' D2H.
+        let both = m.hot_benefit_s(1000.0, 1.0, ColdMode::FetchOnly, true);
+        assert!((both - 2.0 * many).abs() < 1e-12, "{both} vs H2D + D2H {}", 2.0 * many);
         assert!(calibrate_cpu_gemm() > 0.0);
     }
 }

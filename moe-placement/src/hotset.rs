@@ -42,12 +42,30 @@ pub struct HotSetConfig {
     /// Whether cold experts may compute on the CPU (their cost is then the cheaper of fetch and
     /// CPU, which makes low-token experts less worth keeping). Default: true.
     pub cpu_compute: bool,
+    /// Bytes moved H2D to admit an expert, for the cost of a change; `None` (default): its
+    /// budget bytes (the compute copy). A hot expert with its optimizer on the device moves its
+    /// optimizer state (fp32 master weights, `m`, `v`: 12 B per parameter) and makes its
+    /// compute copy there.
+    #[serde(default)]
+    pub admit_bytes: Option<u64>,
+    /// Hot experts keep their gradients on the device (their optimizer lives there): residency
+    /// then saves the gradients' D2H too ([`CostModel::hot_benefit_s`] with `keeps_gradients`).
+    /// Default: false.
+    #[serde(default)]
+    pub keeps_gradients: bool,
 }
 
 impl HotSetConfig {
     /// Defaults with a budget of `budget_bytes`.
     pub fn new(budget_bytes: u64) -> Self {
-        Self { budget_bytes, margin: 0.5, horizon_steps: None, cpu_compute: true }
+        Self {
+            budget_bytes,
+            margin: 0.5,
+            horizon_steps: None,
+            cpu_compute: true,
+            admit_bytes: None,
+            keeps_gradients: false,
+        }
     }
 
     fn cold_mode(&self) -> ColdMode {
@@ -159,11 +177,12 @@ impl HotSet {
         let mode = self.cfg.cold_mode();
         let bytes = self.expert_bytes as f64;
         let horizon = self.cfg.horizon_steps.unwrap_or(1.0 / (1.0 - stats.decay()));
-        let move_s = (1.0 + self.cfg.margin) * cost.h2d_s(self.expert_bytes);
+        let move_s = (1.0 + self.cfg.margin) * cost.h2d_s(self.cfg.admit_bytes.unwrap_or(self.expert_bytes));
+        let keeps_gradients = self.cfg.keeps_gradients;
         // (benefit per byte, tokens per byte, id), best first.
         let score = |id: ExpertId| {
             let t = stats.expected_tokens(id);
-            (cost.hot_benefit_s(t, stats.use_probability(id), mode), t)
+            (cost.hot_benefit_s(t, stats.use_probability(id), mode, keeps_gradients), t)
         };
         let cmp = |a: &(f64, f64, ExpertId), b: &(f64, f64, ExpertId)| {
             b.0.total_cmp(&a.0).then(b.1.total_cmp(&a.1)).then(a.2.cmp(&b.2))

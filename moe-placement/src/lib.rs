@@ -54,6 +54,10 @@ pub struct PlacerConfig {
     pub hot_set: HotSetConfig,
     /// The cost model's start-up figures.
     pub cost: CostModelConfig,
+    /// GPU bytes one hot expert holds, counted against the hot set's budget: `None`, its
+    /// compute copy (`shape.param_bytes`); more when a hot expert keeps its optimizer on the
+    /// device too (the `oogc` runtime's device optimizers: 16 B per parameter more).
+    pub hot_expert_bytes: Option<u64>,
 }
 
 impl PlacerConfig {
@@ -63,6 +67,7 @@ impl PlacerConfig {
             decay: PopularityStats::DEFAULT_DECAY,
             hot_set: HotSetConfig::new(budget_bytes),
             cost: CostModelConfig::default(),
+            hot_expert_bytes: None,
         }
     }
 }
@@ -82,12 +87,13 @@ impl Placer {
     ///
     /// # Errors
     /// [`Error::BudgetBelowOneExpert`] when the budget cannot hold one expert
-    /// (`shape.param_bytes`); [`Error::Config`] naming the field for other bad settings.
+    /// (`cfg.hot_expert_bytes`, else `shape.param_bytes`); [`Error::Config`] naming the field for
+    /// other bad settings.
     pub fn new(blocks: u32, experts: u32, shape: ExpertShape, cfg: PlacerConfig) -> Result<Self> {
         Ok(Self {
             experts,
             stats: StatsHandle::new(PopularityStats::new(blocks, experts, cfg.decay)?),
-            hot: HotSet::new(cfg.hot_set, shape.param_bytes)?,
+            hot: HotSet::new(cfg.hot_set, cfg.hot_expert_bytes.unwrap_or(shape.param_bytes))?,
             cost: CostModel::new(shape, cfg.cost)?,
         })
     }

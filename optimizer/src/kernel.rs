@@ -96,6 +96,54 @@ impl StepScalars {
     pub fn step_size(&self) -> f32 {
         self.step_size
     }
+
+    /// The element update's constants, for an implementation of the same update elsewhere (a
+    /// device optimizer): see [`ElementConstants`] for the formula they enter.
+    pub fn element_constants(&self) -> ElementConstants {
+        ElementConstants {
+            grad_scale: self.scale,
+            l2: self.l2,
+            decay: self.decay,
+            c1: self.c1,
+            b2: self.b2,
+            c2: self.c2,
+            bc2_sqrt: self.bc2_sqrt,
+            eps: self.eps,
+            step_size: self.step_size,
+        }
+    }
+}
+
+/// The f32 constants of one step's element update, as the CPU kernel uses them (torch's fused
+/// AdamW/Adam; `t` 1-based):
+///
+/// ```text
+/// g ← g · grad_scale + l2 · p          (l2 = weight decay for Adam, 0 for AdamW)
+/// p ← p · decay                        (decay = 1 − lr · wd for AdamW, 1 for Adam)
+/// m ← m + c1 · (g − m)                 (c1 = 1 − β1)
+/// v ← v · b2 + (c2 · g) · g            (c2 = 1 − β2)
+/// p ← p − step_size · m / (√v / bc2_sqrt + eps)   (step_size = lr / (1 − β1^t), bc2_sqrt = √(1 − β2^t))
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ElementConstants {
+    /// The step's gradient scale (the clipping factor; 1 unclipped).
+    pub grad_scale: f32,
+    /// L2 coefficient added to the gradient (Adam), 0 for AdamW.
+    pub l2: f32,
+    /// Decoupled weight-decay factor on `p` (AdamW), 1 for Adam.
+    pub decay: f32,
+    /// `1 − β1`.
+    pub c1: f32,
+    /// `β2`.
+    pub b2: f32,
+    /// `1 − β2`.
+    pub c2: f32,
+    /// `√(1 − β2^t)`.
+    pub bc2_sqrt: f32,
+    /// ε.
+    pub eps: f32,
+    /// `lr / (1 − β1^t)`.
+    pub step_size: f32,
 }
 
 /// Gradients of a unit or a slice of it, borrowed (`len()` elements).

@@ -34,7 +34,8 @@ pub use error::{Error, Result};
 pub use grad_pool::GradPool;
 pub use home::{ComputeCopyHome, MemoryHome};
 pub use kernel::{
-    adam_step, clip_scale, global_norm, grad_sumsq, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK,
+    adam_step, clip_scale, global_norm, grad_sumsq, AdamKernel, CopyOut, ElementConstants, GradSlice, StateIo,
+    StepScalars, NORM_BLOCK,
 };
 pub use oogc_swapper::{DType, StatePlacement};
 pub use pipeline::{

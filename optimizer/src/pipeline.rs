@@ -383,6 +383,8 @@ struct OpenStep {
     /// Sum of the sums of squares of the jobs done so far (arrival order; only to decide
     /// whether to speculate, never for the result).
     partial_sumsq: f64,
+    /// Sums of squares of units updated elsewhere ([`PipelinedOptimizer::add_external_sumsq`]).
+    external: BTreeMap<TensorId, f64>,
 }
 
 struct StepState {
@@ -861,7 +863,39 @@ impl PipelinedOptimizer {
         let scalars = sh.config.adam.scalars(step, lr, 1.0)?;
         st.epoch += 1;
         let epoch = st.epoch;
-        st.open = Some(OpenStep { t: step, lr, epoch, scalars, submitted: Vec::new(), partial_sumsq: 0.0 });
+        st.open = Some(OpenStep {
+            t: step,
+            lr,
+            epoch,
+            scalars,
+            submitted: Vec::new(),
+            partial_sumsq: 0.0,
+            external: BTreeMap::new(),
+        });
+        Ok(())
+    }
+
+    /// Adds the sum of squared gradients of `unit`, a unit this step updates outside this
+    /// optimizer (a device optimizer's, for a unit whose master weights and Adam state live in GPU memory), to the step's global norm: the
+    /// norm, the clip scale and the non-finite skip of [`finish_step`](Self::finish_step) are then
+    /// the whole model's, summed in unit-id order with this optimizer's own units. The caller
+    /// applies the reported clip scale (and skip) to that unit's update itself.
+    ///
+    /// # Errors
+    /// [`Error::Protocol`] without an open step, for a unit this optimizer was given gradients
+    /// of in the step, or for a second sum of the same unit.
+    pub fn add_external_sumsq(&self, unit: TensorId, sumsq: f64) -> Result<()> {
+        let mut st = self.shared.step.lock();
+        let Some(open) = st.open.as_mut() else {
+            return Err(Error::Protocol(format!(
+                "add_external_sumsq({unit}) without an open step: call begin_step first"
+            )));
+        };
+        if open.submitted.contains(&unit) || open.external.insert(unit, sumsq).is_some() {
+            return Err(Error::Protocol(format!(
+                "add_external_sumsq({unit}): the unit's gradients were counted already this step"
+            )));
+        }
         Ok(())
     }
 
@@ -1032,7 +1066,7 @@ impl PipelinedOptimizer {
         let open = {
             let st = sh.step.lock();
             match &st.open {
-                Some(o) => OpenStep { submitted: o.submitted.clone(), ..*o },
+                Some(o) => OpenStep { submitted: o.submitted.clone(), external: o.external.clone(), ..*o },
                 None => return Err(Error::Protocol("finish_step without an open step: call begin_step first".into())),
             }
         };
@@ -1048,10 +1082,13 @@ impl PipelinedOptimizer {
             debug_assert_eq!(p.epoch, open.epoch);
             norms.insert(cell.id, p);
         }
+        // Unit-id order over this optimizer's units and those updated elsewhere alike.
+        let mut sums: BTreeMap<TensorId, f64> = norms.iter().map(|(&u, p)| (u, p.sumsq)).collect();
+        sums.extend(open.external.iter().map(|(&u, &s)| (u, s)));
         let grad_norm = match self.shared.norm_reduce.lock().clone() {
             // The partial sum of squares made the run's (in the same order as `global_norm`).
-            Some(reduce) => reduce(norms.values().fold(0.0f64, |a, p| a + p.sumsq)).sqrt(),
-            None => global_norm(norms.values().map(|p| p.sumsq)),
+            Some(reduce) => reduce(sums.values().fold(0.0f64, |a, s| a + s)).sqrt(),
+            None => global_norm(sums.values().copied()),
         };
         let skipped = !grad_norm.is_finite() || first_error.is_some();
         let scale = if skipped { 1.0 } else { clip_scale(grad_norm, sh.config.clip_norm) };

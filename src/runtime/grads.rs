@@ -109,6 +109,12 @@ impl GradPipe {
         self.pool.set_budget_bytes(bytes);
     }
 
+    /// A pinned buffer of `len` bytes from the landing pool (claimed from the ledger as
+    /// gradients), for a state move of a device optimizer between steps.
+    pub(super) fn landing_buffer(&self, len: usize) -> Result<oogc_swapper::HostBuffer> {
+        Ok(self.pool.alloc(len)?)
+    }
+
     /// Adds a device staging buffer.
     pub(super) fn add_staging(&self, buf: DeviceBuffer) {
         self.shared.staging.lock().push(buf);

@@ -61,6 +61,7 @@ mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda_dummy.rs"]
 mod cuda;
+mod device_optim;
 mod grads;
 mod home;
 mod stats;
@@ -68,6 +69,10 @@ pub mod tensor;
 mod unit;
 
 pub use activations::ActivationId;
+pub use device_optim::{adam_fixture_excess, adam_step_tensors, device_optimizer_bytes, OptimizerPlace};
+
+/// Device staging buffers of the activation offload (each of the largest checkpoint's bytes).
+pub const ACTIVATION_STAGING: usize = activations::STAGING;
 pub use budget::{param_nvme_traffic, HostPlan, NvmePlan};
 pub use oogc_prefetch::Phase;
 pub use stats::{PeakBytes, PhaseStats, StepStats};
@@ -76,7 +81,7 @@ pub use unit::{DeviceMemory, PinnedUnit, UnitParams};
 use activations::ActivationPipe;
 use grads::{GradPipe, GradSource, STAGING_BUFFERS};
 use home::ResidencyHome;
-use tensor::{device_tensor, swapper_dtype, tensor_from_bytes, tensor_values};
+use tensor::{candle_dtype, device_tensor, swapper_dtype, tensor_from_bytes, tensor_values};
 use unit::{Scheduling, Unit, Update};
 
 /// What can go wrong in the runtime.
@@ -282,6 +287,13 @@ pub struct Runtime {
     activations: ActivationPipe,
     /// The split of the host budget, applied before the first step.
     host_plan: Option<HostPlan>,
+    /// The residency manager's device budget without device optimizers (set by
+    /// [`Runtime::check_working_set`]); theirs is carved out of it.
+    device_budget_base: u64,
+    /// GPU bytes of the units whose optimizer is on the device ([`device_optimizer_bytes`]).
+    device_optimizer_bytes: u64,
+    /// The open step's `(t, lr)`, for the device optimizers' update.
+    step_lr: (u64, f32),
 }
 
 impl Runtime {
@@ -395,6 +407,9 @@ impl Runtime {
             nvme,
             ledger,
             host_plan: None,
+            device_budget_base: 0,
+            device_optimizer_bytes: 0,
+            step_lr: (0, 0.0),
         })
     }
 
@@ -489,7 +504,7 @@ impl Runtime {
 
     /// Whether `unit` has a copy on the device now (a fetch would move no bytes).
     pub fn is_on_device(&self, unit: UnitId) -> bool {
-        self.residency.residency(unit.tensor()).is_ok_and(|r| r.device)
+        self.units[unit.0].on_device.is_some() || self.residency.residency(unit.tensor()).is_ok_and(|r| r.device)
     }
 
     /// Peak bytes held on the device and in pinned host memory since the runtime began, and the
@@ -646,6 +661,7 @@ impl Runtime {
         self.check_working_set()?;
         self.grads.optimizer().begin_step(step, lr)?;
         self.step = step;
+        self.step_lr = (step, lr);
         self.stats = StepStats { step, clip_scale: 1.0, ..StepStats::default() };
         self.metrics_at_begin = Some(self.traffic());
         self.step_started = Some(Instant::now());
@@ -708,12 +724,11 @@ impl Runtime {
                 .collect::<std::result::Result<Vec<_>, _>>()?;
             self.activations.set_staging(staging);
         }
-        self.residency.set_device_budget_bytes(
-            self.config.gpu_budget_bytes
-                - STAGING_BUFFERS as u64 * largest as u64
-                - self.activation_staging_bytes()
-                - self.compute_side_copies_bytes(),
-        )?;
+        self.device_budget_base = self.config.gpu_budget_bytes
+            - STAGING_BUFFERS as u64 * largest as u64
+            - self.activation_staging_bytes()
+            - self.compute_side_copies_bytes();
+        self.residency.set_device_budget_bytes(self.device_budget_base - self.device_optimizer_bytes)?;
         self.checked_working_set = true;
         Ok(())
     }
@@ -751,12 +766,17 @@ impl Runtime {
     /// [`RuntimeError::Usage`] for [`Phase::Optimizer`] (not a compute phase); swapper errors
     /// (out of device memory with everything pinned, I/O), optimizer errors.
     pub fn fetch(&mut self, unit: UnitId, phase: Phase) -> Result<UnitParams> {
+        if let Some(d) = &self.units[unit.0].on_device {
+            // Its optimizer keeps the compute copy on the device: nothing moves, nothing is
+            // recorded (the unit is outside the schedule while it stays there).
+            return Ok(UnitParams { tensor: d.copy.clone(), unit, _pinned: None });
+        }
         let pinned = self.fetch_pinned(unit, phase, Access::Read)?;
         let tensor = {
             let buf = pinned.pin.device_buffer();
             device_tensor(&buf, pinned.numel, pinned.dtype, &self.compute_device)?
         };
-        Ok(UnitParams { tensor, pinned })
+        Ok(UnitParams { tensor, unit, _pinned: Some(pinned) })
     }
 
     /// [`Runtime::fetch`] without the tensor: pins `unit` on the device (waiting for its
@@ -772,6 +792,13 @@ impl Runtime {
     pub fn fetch_pinned(&mut self, unit: UnitId, phase: Phase, access: Access) -> Result<PinnedUnit> {
         if phase == Phase::Optimizer {
             return Err(RuntimeError::Usage("fetch(.., Phase::Optimizer): the optimizer does not fetch units".into()));
+        }
+        if self.units[unit.0].on_device.is_some() {
+            return Err(RuntimeError::Usage(format!(
+                "fetch_pinned({}): the unit's optimizer is on the device, which keeps its compute copy as a tensor; \
+                 use fetch, or place its optimizer on the host first (place_optimizer)",
+                self.units[unit.0].name
+            )));
         }
         let span = tracing::info_span!("runtime::fetch", unit = unit.0, ?phase);
         let _e = span.enter();
@@ -857,7 +884,23 @@ impl Runtime {
     pub fn push_grads(&mut self, unit: UnitId, grads: &candle_core::Tensor) -> Result<()> {
         self.check_grads_len(unit, grads.elem_count(), "push_grads")?;
         swapper_dtype(grads.dtype())?;
+        if self.units[unit.0].on_device.is_some() {
+            return self.keep_device_grads(unit, grads);
+        }
         self.push_to_device(unit, GradSource::Tensor(grads))
+    }
+
+    /// A unit with its optimizer on the device keeps its gradients there (f32, on the compute
+    /// device) until [`Runtime::finish_step`] updates it.
+    fn keep_device_grads(&mut self, unit: UnitId, grads: &candle_core::Tensor) -> Result<()> {
+        let g = grads.flatten_all()?.to_device(&self.compute_device)?.to_dtype(candle_core::DType::F32)?;
+        let u = &mut self.units[unit.0];
+        let d = u.on_device.as_mut().expect("checked by the caller");
+        if d.grads.is_some() {
+            return Err(RuntimeError::Usage(format!("push_grads({}): a second push of the unit in one step", u.name)));
+        }
+        d.grads = Some(g);
+        Ok(())
     }
 
     /// [`Runtime::push_grads`] from host memory (callers whose gradients are not candle tensors,
@@ -870,6 +913,12 @@ impl Runtime {
     /// As [`Runtime::push_grads`].
     pub fn push_grads_slice(&mut self, unit: UnitId, grads: GradSlice<'_>) -> Result<()> {
         self.check_grads_len(unit, grads.len(), "push_grads_slice")?;
+        if self.units[unit.0].on_device.is_some() {
+            let g = Grads::converted(grads, DType::F32);
+            let GradSlice::F32(values) = g.as_slice() else { unreachable!("converted to f32") };
+            let t = candle_core::Tensor::from_slice(values, values.len(), &self.compute_device)?;
+            return self.keep_device_grads(unit, &t);
+        }
         let dtype = self.units[unit.0].dtype;
         if matches!(self.residency.device(), Device::Cuda(_)) {
             return self.submit_from_host(unit, || Ok(Grads::converted(grads, dtype)));
@@ -911,6 +960,11 @@ impl Runtime {
     /// Swapper errors (host budget, NVMe read), optimizer errors.
     pub fn fetch_host(&mut self, unit: UnitId) -> Result<UnitParams> {
         let _e = tracing::info_span!("runtime::fetch_host", unit = unit.0).entered();
+        if let Some(d) = &self.units[unit.0].on_device {
+            // The copy lives on the device: computing on the CPU needs it there.
+            let tensor = d.copy.to_device(&candle_core::Device::Cpu)?;
+            return Ok(UnitParams { tensor, unit, _pinned: None });
+        }
         self.publish(unit)?;
         let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Read)?;
         let (numel, dtype) = (self.units[unit.0].numel, self.units[unit.0].dtype);
@@ -918,7 +972,7 @@ impl Runtime {
         let tensor =
             tensor_from_bytes(&pin.host_bytes()[..dtype.num_bytes(numel)], dtype, numel, &candle_core::Device::Cpu)?;
         let pinned = PinnedUnit { pin, unit, numel, dtype, access: Access::Read, recorder: None };
-        Ok(UnitParams { tensor, pinned })
+        Ok(UnitParams { tensor, unit, _pinned: Some(pinned) })
     }
 
     /// Submits gradients computed on the CPU (after [`Runtime::fetch_host`]; `grads` `[numel]`
@@ -930,6 +984,9 @@ impl Runtime {
     pub fn push_grads_host(&mut self, unit: UnitId, grads: &candle_core::Tensor) -> Result<()> {
         self.check_grads_len(unit, grads.elem_count(), "push_grads_host")?;
         swapper_dtype(grads.dtype())?;
+        if self.units[unit.0].on_device.is_some() {
+            return self.keep_device_grads(unit, grads);
+        }
         let dtype = self.units[unit.0].dtype;
         self.submit_from_host(unit, || tensor_values(grads, dtype))
     }
@@ -964,7 +1021,20 @@ impl Runtime {
             self.units[unit.0].handle = Some(handle);
         }
         self.collect_handles();
+        let device_started = Instant::now();
+        let device_failed = self.add_device_sumsqs()?;
+        let mut device_update_s = device_started.elapsed().as_secs_f64();
         let report: StepReport = self.grads.optimizer().finish_step()?;
+        if let Some(e) = device_failed {
+            for d in self.units.iter_mut().filter_map(|u| u.on_device.as_mut()) {
+                d.grads = None;
+            }
+            return Err(e);
+        }
+        let device_started = Instant::now();
+        self.update_device_units(&report)?;
+        device_update_s += device_started.elapsed().as_secs_f64();
+        self.stats.device_update_s = device_update_s;
         for u in &mut self.units {
             if u.update == Update::Pushed {
                 u.update = Update::StepFinished;
@@ -981,6 +1051,8 @@ impl Runtime {
         self.update_schedule()?;
         self.stats.grad_norm = report.grad_norm;
         self.stats.clip_scale = report.clip_scale;
+        self.stats.device_units = self.units.iter().filter(|u| u.on_device.is_some()).count();
+        self.stats.device_optimizer_bytes = self.device_optimizer_bytes;
         self.stats.skipped = report.skipped;
         let now = self.traffic();
         if let Some(begin) = self.metrics_at_begin.take() {
@@ -994,6 +1066,199 @@ impl Runtime {
         // (the sim device's happens-before checker; on CUDA, an error the driver recorded).
         self.residency.device().check_ordering()?;
         Ok(self.stats.clone())
+    }
+
+    /// The units with their optimizer on the device add their gradients' sums of squares to the
+    /// step's global norm (unit-id order, with the CPU optimizer's units). With immediate updates
+    /// (no clipping, `nonfinite = "stop"`) a non-finite sum is not added: it is returned, the
+    /// error [`Runtime::finish_step`] gives once the CPU optimizer's step is closed.
+    fn add_device_sumsqs(&mut self) -> Result<Option<RuntimeError>> {
+        let immediate = self.config.optimizer.updates_immediately();
+        let mut failed = None;
+        for (k, u) in self.units.iter().enumerate() {
+            let Some(g) = u.on_device.as_ref().and_then(|d| d.grads.as_ref()) else { continue };
+            let sumsq = device_optim::sumsq(g)?;
+            if immediate && !sumsq.is_finite() {
+                failed.get_or_insert(RuntimeError::Optimizer(oogc_optimizer::Error::NonFiniteGradient {
+                    step: self.step_lr.0,
+                    unit: UnitId(k).tensor(),
+                    sumsq,
+                }));
+                continue;
+            }
+            self.grads.optimizer().add_external_sumsq(UnitId(k).tensor(), sumsq)?;
+        }
+        Ok(failed)
+    }
+
+    /// After the step's decision: each unit with its optimizer on the device is updated there
+    /// with the step's clip scale (not at all when the step was skipped), its compute copy
+    /// rewritten; the gradients go.
+    fn update_device_units(&mut self, report: &StepReport) -> Result<()> {
+        let (t, lr) = self.step_lr;
+        let c = self.config.optimizer.adam.scalars(t, lr, report.clip_scale)?.element_constants();
+        for u in &mut self.units {
+            let Some(d) = u.on_device.as_mut() else { continue };
+            if report.skipped {
+                d.grads = None;
+            } else {
+                d.update(&c, candle_dtype(u.dtype)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Where `unit`'s optimizer lives.
+    pub fn optimizer_place(&self, unit: UnitId) -> OptimizerPlace {
+        if self.units[unit.0].on_device.is_some() {
+            OptimizerPlace::Device
+        } else {
+            OptimizerPlace::Host
+        }
+    }
+
+    /// GPU bytes held by device optimizers now ([`device_optimizer_bytes`] per unit placed
+    /// there), carved out of the residency manager's device budget.
+    pub fn device_optimizer_bytes(&self) -> u64 {
+        self.device_optimizer_bytes
+    }
+
+    /// The residency manager's device budget without device optimizers: the GPU budget less
+    /// gradient staging, activation staging and (on CUDA) candle's copies of the units in use
+    /// (0 before [`Runtime::check_working_set`]).
+    pub fn compute_budget_bytes(&self) -> u64 {
+        self.device_budget_base
+    }
+
+    /// GPU bytes a device optimizer could still take: the device budget less the minimum
+    /// working set and the device optimizers placed already.
+    pub fn device_optimizer_room(&mut self) -> Result<u64> {
+        self.check_working_set()?;
+        let floor = self.largest_units_bytes(self.max_units_in_use);
+        Ok(self.device_budget_base.saturating_sub(floor).saturating_sub(self.device_optimizer_bytes))
+    }
+
+    /// Moves `unit`'s optimizer (fp32 master weights, Adam `m` and `v`) to `place`, between
+    /// steps: to the device, the state goes H2D over the link from the CPU optimizer's tier and
+    /// the compute copy is made there; from then the unit's fetches move nothing, its gradients
+    /// stay on the device and [`Runtime::finish_step`] updates it there after the step's
+    /// decision. Back to the host, the state goes D2H into the CPU optimizer (which rewrites the
+    /// compute copy's home from it). The state is not changed by the move (bitwise). Its GPU
+    /// bytes ([`device_optimizer_bytes`]) are carved out of the residency manager's budget
+    /// (evicting other copies if needed). Returns the bytes moved over the link.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] during a step, with data-parallel ranks (their optimizer holds a
+    /// shard), or when the GPU budget has no room for it beyond the minimum working set (the
+    /// message gives the bytes and the fix); swapper, optimizer or candle errors moving state.
+    pub fn place_optimizer(&mut self, unit: UnitId, place: OptimizerPlace) -> Result<u64> {
+        if self.optimizer_place(unit) == place {
+            return Ok(0);
+        }
+        let name = self.units[unit.0].name.clone();
+        if self.world.size > 1 {
+            return Err(RuntimeError::Usage(format!(
+                "place_optimizer({name}): device optimizers with data-parallel ranks are not supported (each rank's \
+                 optimizer holds a shard); keep [optimizer] device_units = 0 and [moe] device_optimizer = false"
+            )));
+        }
+        if self.step_started.is_some() || self.units[unit.0].update == Update::Pushed {
+            return Err(RuntimeError::Usage(format!("place_optimizer({name}) during a step: call it between steps")));
+        }
+        self.check_working_set()?;
+        self.publish(unit)?;
+        let (numel, dtype) = (self.units[unit.0].numel, self.units[unit.0].dtype);
+        let bytes = device_optimizer_bytes(numel, dtype);
+        match place {
+            OptimizerPlace::Device => {
+                let room = self.device_optimizer_room()?;
+                if bytes > room {
+                    return Err(RuntimeError::Usage(format!(
+                        "place_optimizer({name}): its device optimizer needs {bytes} GPU bytes (16 B per parameter + \
+                         the compute copy), the GPU budget has {room} bytes beyond the minimum working set and the \
+                         device optimizers placed already\n  fix: raise [budgets] gpu, or lower [optimizer] \
+                         device_units / [moe] expert_budget"
+                    )));
+                }
+                self.device_optimizer_bytes += bytes;
+                self.residency.set_device_budget_bytes(self.device_budget_base - self.device_optimizer_bytes)?;
+                let state = self.grads.optimizer().export_state(unit.tensor())?;
+                let (master, m, v) =
+                    (self.upload_f32(&state.master)?, self.upload_f32(&state.m)?, self.upload_f32(&state.v)?);
+                let copy = master.to_dtype(candle_dtype(dtype)?)?;
+                self.units[unit.0].on_device =
+                    Some(Box::new(device_optim::DeviceState { master, m, v, copy, grads: None }));
+                tracing::debug!(unit = unit.0, bytes, "runtime: optimizer placed on the device");
+                Ok(12 * numel as u64)
+            }
+            OptimizerPlace::Host => {
+                let d = self.units[unit.0].on_device.take().expect("placed on the device");
+                let state = oogc_optimizer::UnitState {
+                    master: self.download_f32(&d.master)?,
+                    m: self.download_f32(&d.m)?,
+                    v: self.download_f32(&d.v)?,
+                };
+                drop(d);
+                self.grads.optimizer().import_state(unit.tensor(), state)?;
+                self.device_optimizer_bytes -= bytes;
+                self.residency.set_device_budget_bytes(self.device_budget_base - self.device_optimizer_bytes)?;
+                tracing::debug!(unit = unit.0, bytes, "runtime: optimizer placed on the host");
+                Ok(12 * numel as u64)
+            }
+        }
+    }
+
+    /// Bytes of one H2D/D2H piece of a state move: the gradient landing pool's buffers serve
+    /// them (at least the largest unit's compute copy), whole f32 elements.
+    fn state_chunk_bytes(&self) -> usize {
+        (self.largest_units_bytes(1) as usize / 4).max(1) * 4
+    }
+
+    /// `values` H2D over the link (pieces through the landing pool and a device buffer), as an
+    /// f32 tensor `[len]` on the compute device.
+    fn upload_f32(&self, values: &[f32]) -> Result<candle_core::Tensor> {
+        let device = self.residency.device();
+        let mut parts = Vec::new();
+        for piece in bytemuck::cast_slice::<f32, u8>(values).chunks(self.state_chunk_bytes()) {
+            let mut host = self.grads.landing_buffer(piece.len())?;
+            host.as_mut_slice()[..piece.len()].copy_from_slice(piece);
+            let dev = device.alloc(piece.len())?;
+            let (host, dev) = device.htod(host, dev)?.wait()?;
+            drop(host);
+            parts.push(device_tensor(&dev, piece.len() / 4, DType::F32, &self.compute_device)?);
+            let read = device.record_compute_event()?;
+            device.free_after(dev, Some(&read))?;
+        }
+        if parts.is_empty() {
+            return Ok(candle_core::Tensor::zeros(0, candle_core::DType::F32, &self.compute_device)?);
+        }
+        Ok(candle_core::Tensor::cat(&parts, 0)?)
+    }
+
+    /// An f32 tensor on the compute device D2H over the link (pieces through a device buffer
+    /// and the landing pool), as host values.
+    fn download_f32(&self, t: &candle_core::Tensor) -> Result<Vec<f32>> {
+        let device = self.residency.device();
+        let flat = t.flatten_all()?;
+        let n = flat.elem_count();
+        let per = self.state_chunk_bytes() / 4;
+        let mut out = Vec::with_capacity(n);
+        let mut start = 0;
+        while start < n {
+            let len = per.min(n - start);
+            let mut dev = device.alloc(len * 4)?;
+            tensor::write_to_device(&flat.narrow(0, start, len)?, DType::F32, &mut dev)?;
+            let written = device.record_compute_event()?;
+            let host = self.grads.landing_buffer(len * 4)?;
+            let (transfer, _) = device.dtoh_after(dev, host, Some(&written))?;
+            let (host, dev) = transfer.wait()?;
+            out.extend(
+                host.as_slice()[..len * 4].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+            );
+            device.free_after(dev, Some(&written))?;
+            start += len;
+        }
+        Ok(out)
     }
 
     /// Data-parallel ranks: every unit updated this step gets its new compute copy from all
@@ -1085,6 +1350,10 @@ impl Runtime {
     /// # Errors
     /// Optimizer failures (NVMe read).
     pub fn unit_state(&self, unit: UnitId) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        if let Some(d) = &self.units[unit.0].on_device {
+            // The device optimizer's state (a checkpoint's read, not counted as link traffic).
+            return Ok((d.master.to_vec1()?, d.m.to_vec1()?, d.v.to_vec1()?));
+        }
         let s = self.grads.optimizer().export_state(unit.tensor())?;
         if self.world.size == 1 {
             return Ok((s.master, s.m, s.v));
@@ -1110,6 +1379,17 @@ impl Runtime {
             )));
         }
         self.publish(unit)?;
+        let copy_dtype = candle_dtype(self.units[unit.0].dtype)?;
+        if let Some(d) = self.units[unit.0].on_device.as_mut() {
+            // Restored where the optimizer lives: on the device.
+            let dev = &self.compute_device;
+            d.master = candle_core::Tensor::from_vec(master, numel, dev)?;
+            d.m = candle_core::Tensor::from_vec(m, numel, dev)?;
+            d.v = candle_core::Tensor::from_vec(v, numel, dev)?;
+            d.copy = d.master.to_dtype(copy_dtype)?;
+            d.grads = None;
+            return Ok(());
+        }
         if self.world.size > 1 {
             // This rank's shard to its optimizer (a checkpoint of any world size re-shards), the
             // whole compute copy to the residency manager.

@@ -33,6 +33,15 @@ pub struct StepStats {
     /// [`super::Runtime::end_forward`]); all zero when the caller did not mark the turn. The
     /// backward phase is the step minus this.
     pub forward: PhaseStats,
+    /// Units whose optimizer was on the device at the step's end
+    /// ([`super::Runtime::place_optimizer`]).
+    pub device_units: usize,
+    /// Their GPU bytes (master weights, Adam state, gradients and compute copy).
+    pub device_optimizer_bytes: u64,
+    /// Of `stall_optimizer_s`, the device optimizers' part: their gradients' sums of squares and
+    /// their updates after the decision, seconds (on the sim device candle's CPU ops; on CUDA
+    /// the host's wait for them).
+    pub device_update_s: f64,
 }
 
 /// Time and link traffic of one phase of a step (see [`StepStats::forward`]).

@@ -48,6 +48,9 @@ pub(super) struct Unit {
     /// The handle of the unit's latest submitted update (tells whether it is done without
     /// waiting).
     pub(super) handle: Option<UpdateHandle>,
+    /// Its optimizer on the device ([`super::OptimizerPlace::Device`]): master weights, Adam
+    /// state and compute copy as device tensors; the tiers' copies are stale meanwhile.
+    pub(super) on_device: Option<Box<super::device_optim::DeviceState>>,
 }
 
 impl Unit {
@@ -59,6 +62,7 @@ impl Unit {
             scheduling: Scheduling::Scheduled,
             update: Update::Current,
             handle: None,
+            on_device: None,
         }
     }
 
@@ -78,7 +82,10 @@ impl Unit {
 /// Dropping it releases the unit (it may then be evicted).
 pub struct UnitParams {
     pub(super) tensor: candle_core::Tensor,
-    pub(super) pinned: PinnedUnit,
+    pub(super) unit: UnitId,
+    /// The pin on the tiers' copy; `None` for a unit whose optimizer is on the device (its
+    /// compute copy is a device tensor the runtime keeps).
+    pub(super) _pinned: Option<PinnedUnit>,
 }
 
 impl UnitParams {
@@ -89,7 +96,7 @@ impl UnitParams {
 
     /// The unit.
     pub fn unit(&self) -> UnitId {
-        self.pinned.unit
+        self.unit
     }
 }
 

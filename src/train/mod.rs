@@ -377,6 +377,70 @@ enum Block {
     Moe { trunk: UnitId, experts: Vec<UnitId> },
 }
 
+/// `[optimizer] device_units`: the units that keep their optimizer on the device, chosen in the
+/// order their CPU update would be exposed at the end of the backward — the embedding (the
+/// backward's last unit), then the blocks from the first (MoE trunks; experts follow
+/// `[moe] device_optimizer`), then the head. `N`: the first `N`. `"auto"`: the spare GPU budget
+/// only — what `compute_budget_bytes` (the GPU budget less gradient and activation staging: the
+/// residency manager's) leaves once every unit's compute copy is in it; placing a unit costs its
+/// device optimizer ([`crate::runtime::device_optimizer_bytes`]) less the compute copy it no
+/// longer needs there, and units are placed in that order while they fit. So `"auto"` never takes
+/// bytes the compute copies would use (a budget below the model's compute copies places none).
+/// The trainer places them ([`Trainer::new`]); `oogc plan` reports the same choice.
+pub fn choose_device_units(cfg: &TrainConfig, model: &dyn CausalLm, compute_budget_bytes: u64) -> Vec<UnitId> {
+    use crate::config::DeviceUnits;
+    let layout = Layout::of(model);
+    let order = std::iter::once(layout.embed)
+        .chain(layout.blocks.iter().map(|b| match b {
+            Block::Dense(u) => *u,
+            Block::Moe { trunk, .. } => *trunk,
+        }))
+        .chain((layout.head != layout.embed).then_some(layout.head));
+    let dtype = cfg.train.compute_dtype.dtype();
+    let units = model.units();
+    match cfg.optimizer.device_units {
+        DeviceUnits::Count(n) => order.take(n).collect(),
+        DeviceUnits::Auto(_) => {
+            let copies: u64 = units.iter().map(|u| dtype.num_bytes(u.numel) as u64).sum();
+            let mut left = compute_budget_bytes.saturating_sub(copies);
+            order
+                .filter(|u| {
+                    let n = units[u.0].numel;
+                    let bytes = crate::runtime::device_optimizer_bytes(n, dtype) - dtype.num_bytes(n) as u64;
+                    let fits = bytes <= left;
+                    if fits {
+                        left -= bytes;
+                    }
+                    fits
+                })
+                .collect()
+        }
+    }
+}
+
+/// Places the optimizers of [`choose_device_units`]' units on the device.
+///
+/// # Errors
+/// [`crate::runtime::RuntimeError::Usage`] when `N` units do not fit (the message gives the
+/// bytes); runtime errors moving state.
+fn place_device_units(cfg: &TrainConfig, model: &dyn CausalLm, rt: &mut Runtime) -> Result<Vec<UnitId>> {
+    rt.check_working_set()?;
+    let placed = choose_device_units(cfg, model, rt.compute_budget_bytes());
+    for &u in &placed {
+        rt.place_optimizer(u, crate::runtime::OptimizerPlace::Device)?;
+    }
+    if !placed.is_empty() {
+        let names: Vec<&str> = placed.iter().map(|&u| rt.unit_info(u).0).collect();
+        tracing::info!(
+            units = placed.len(),
+            gpu_bytes = rt.device_optimizer_bytes(),
+            names = names.join(", "),
+            "device optimizers ([optimizer] device_units)"
+        );
+    }
+    Ok(placed)
+}
+
 /// Where the model's units are, by role (from their [`UnitKind`]s).
 #[derive(Debug, Clone)]
 struct Layout {
@@ -560,6 +624,7 @@ impl Trainer {
         // A trunk stays pinned while its experts run (MoE); a tied head uses the embedding.
         rt.set_max_units_in_use(max_units_in_use(&*model));
         rt.check_working_set()?;
+        place_device_units(&cfg, &*model, &mut rt)?;
         // This rank's shard of each validation batch (the whole batches in a world of one).
         let shard = crate::data::Shard { rank: world.rank, ranks: world.size };
         let val =
@@ -872,7 +937,7 @@ impl Trainer {
             self.updates += 1;
         }
         if let Some(m) = &mut self.moe {
-            m.after_step(step, &routed)?;
+            m.after_step(&mut self.rt, step, &routed)?;
         }
         // The step's loss over the global batch: the ranks' means averaged (equal shards).
         // Every gradient reduction of the step is done (finish_step waited for them).

@@ -105,6 +105,11 @@ pub(super) struct MoeState {
     expert_bytes: u64,
     /// `[moe] policy = "lru"`: the cache.
     lru: Option<LruCache>,
+    /// Each expert's unit, for moving hot experts' optimizers.
+    units: HashMap<ExpertId, UnitId>,
+    /// The placer's hot experts keep their optimizer on the device
+    /// ([`crate::moe::device_optimizer`]).
+    device_optimizer: bool,
     /// This step's expert traffic so far.
     pub(super) traffic: ExpertTraffic,
 }
@@ -167,10 +172,11 @@ impl MoeState {
             }
             None => None,
         };
+        let device_optimizer = crate::moe::device_optimizer(cfg, expert_params)?;
         let placer = if crate::moe::places_experts(cfg) {
             // On the sim device the "GPU" is this CPU: both rates are the measured CPU GEMM rate.
             let cpu = oogc_moe_placement::calibrate_cpu_gemm() * cfg.threads.compute.unwrap_or(1).max(1) as f64;
-            let pc = crate::moe::placer_config(cfg, cpu);
+            let pc = crate::moe::placer_config(cfg, cpu, expert_params);
             let placer = Placer::new(blocks as u32, per_block as u32, header.expert_shape(), pc)
                 .map_err(moe_err("moe.expert_budget"))?;
             let ids = experts.iter().map(|&(u, b, e)| (rt.unit_tensor(u), ExpertId::new(b as u32, e as u32)));
@@ -184,7 +190,23 @@ impl MoeState {
             clock: 0,
             last_use: HashMap::new(),
         });
-        Ok(Self { placement: None, placer, routing_trace, expert_bytes, lru, traffic: ExpertTraffic::default() })
+        let units = experts.iter().map(|&(u, b, e)| (ExpertId::new(b as u32, e as u32), u)).collect();
+        if device_optimizer {
+            tracing::info!(
+                hot_expert_bytes = crate::moe::hot_expert_bytes(cfg, expert_params),
+                "moe: hot experts keep their optimizer on the device"
+            );
+        }
+        Ok(Self {
+            placement: None,
+            placer,
+            routing_trace,
+            expert_bytes,
+            lru,
+            units,
+            device_optimizer,
+            traffic: ExpertTraffic::default(),
+        })
     }
 
     /// Where each expert of `block` runs for the routed `tokens`.
@@ -396,11 +418,14 @@ impl MoeState {
     }
 
     /// Between steps: the step's routing (`routed[block][expert]` tokens) feeds the popularity
-    /// statistics and the routing trace, and the hot set is re-placed (with hysteresis).
+    /// statistics and the routing trace, and the hot set is re-placed (with hysteresis). With
+    /// device optimizers the experts leaving the hot set take their optimizer back to the host
+    /// first, then those entering move theirs to the device (their state's H2D bytes count in
+    /// the step's expert traffic).
     ///
     /// # Errors
-    /// A routing the statistics refuse; the trace cannot be written.
-    pub(super) fn after_step(&mut self, step: u64, routed: &[Vec<usize>]) -> Result<()> {
+    /// A routing the statistics refuse; the trace cannot be written; moving an optimizer fails.
+    pub(super) fn after_step(&mut self, rt: &mut Runtime, step: u64, routed: &[Vec<usize>]) -> Result<()> {
         for (i, counts) in routed.iter().enumerate() {
             let t: Vec<u64> = counts.iter().map(|&n| n as u64).collect();
             if let Some(placer) = &self.placer {
@@ -417,6 +442,17 @@ impl MoeState {
         if let Some(placer) = &mut self.placer {
             let change = placer.replan();
             tracing::debug!(?change, "moe: hot set");
+            if self.device_optimizer {
+                use crate::runtime::OptimizerPlace;
+                for (ids, place) in [(&change.evict, OptimizerPlace::Host), (&change.admit, OptimizerPlace::Device)] {
+                    for id in ids {
+                        let moved = rt.place_optimizer(self.units[id], place)?;
+                        if place == OptimizerPlace::Device {
+                            self.traffic.h2d_bytes += moved;
+                        }
+                    }
+                }
+            }
         }
         Ok(())
     }

@@ -170,3 +170,17 @@ pub fn offloaded_tiny_llama(dir: &Path, compute_dtype: oogc::config::ComputeDTyp
     cfg.budgets.gpu = bytesize::ByteSize::b((copy_bytes / 3).max(2 * largest));
     (cfg, copy_bytes)
 }
+
+/// A tiny Mixtral (4 experts per layer, top-2, the pooled load-balancing loss) on the BPE
+/// tokenizer's ids, state on NVMe.
+pub fn tiny_mixtral(nvme: &std::path::Path, cache: &std::path::Path, gpu: &str, policy: &str) -> String {
+    let experts = "max_position_embeddings = 32\nnum_local_experts = 4\nnum_experts_per_tok = 2\n\
+                   router_aux_loss_coef = 0.05\noutput_router_logits = true";
+    tiny_llama(nvme, cache)
+        .replace("family = \"llama\"", "family = \"mixtral\"")
+        .replace("intermediate_size = 88", "intermediate_size = 48")
+        .replace("num_hidden_layers = 6", "num_hidden_layers = 3")
+        .replace("max_position_embeddings = 32", experts)
+        .replace("gpu = \"64MiB\"", &format!("gpu = \"{gpu}\""))
+        + &format!("[moe]\npolicy = \"{policy}\"\nexpert_budget = \"40KiB\"\n")
+}

@@ -527,7 +527,27 @@ pub(crate) fn fixtures(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
             f.set(&label, serde_json::Value::Object(figures));
         }
     }
+    // The device optimizer's update (candle ops on the compute device) against torch's
+    // AdamW/Adam vectors: the cases `scripts/build-cuda.sh` carries.
+    let adamw = ctx.shared.join("fixtures/adamw");
+    match oogc::runtime::adam_fixture_excess(&adamw, &ctx.compute_device()?, Some(&DEVICE_ADAM_CASES)) {
+        Ok(excess) => {
+            for (case, e) in &excess {
+                f.set(&format!("device_adam.{case}.tolerance_share"), e);
+                if !within(*e, 1.0) {
+                    failures.push(format!("device_adam.{case}: {e:.2} × torch's tolerance"));
+                }
+            }
+            let worst = excess.iter().map(|(_, e)| *e).fold(0.0, f64::max);
+            summary.push(format!("device AdamW {worst:.2}× tol"));
+        }
+        Err(e) => failures.push(format!("device_adam: {e}")),
+    }
     f.set("bf16_limits", FIXTURE_BF16);
     f.summary(summary.join(", "));
     Ok(verdict(failures))
 }
+
+/// The AdamW/Adam fixture cases check 4 runs the device optimizer's update on (the ones
+/// `scripts/build-cuda.sh` carries: Adam with L2, a large ε, a tiny case without decay).
+const DEVICE_ADAM_CASES: [&str; 3] = ["adam_l2", "adamw_bigeps", "adamw_nowd_tiny"];
