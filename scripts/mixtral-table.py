@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""The policy table of the README's MoE section from target/runs/mixtral-shakespeare-<policy>/metrics.jsonl:
+"""The policy table of the README's MoE section from target/runs/mixtral-shakespeare${TAG}-<policy>/metrics.jsonl:
 means over steps 2.. (step 1 has no popularity yet), validation bits per byte at the last step,
-and whether the losses are bitwise the same under every policy."""
-import json, sys
+whether the losses are bitwise the same under every policy, and else the largest relative
+difference from the first policy's (device optimizers update in another f32 order)."""
+import json, os, sys
 policies = sys.argv[1:] or ["ours", "fetch", "lru"]
+tag = os.environ.get("TAG", "")
 rows, losses = {}, {}
 for p in policies:
-    recs = [json.loads(l) for l in open(f"target/runs/mixtral-shakespeare-{p}/metrics.jsonl")]
+    recs = [json.loads(l) for l in open(f"target/runs/mixtral-shakespeare{tag}-{p}/metrics.jsonl")]
     tail = recs[1:]
     mean = lambda k: sum(r[k] for r in tail) / len(tail)
     bpb = [r["val_bits_per_byte"] for r in recs if r.get("val_bits_per_byte") is not None]
@@ -24,3 +26,8 @@ for p, r in rows.items():
           f"{r['cpu_tokens']:.0f} | {r['hit']:.3f} | {r['bpb']:.4f} |")
 same = all(losses[p] == losses[policies[0]] for p in policies)
 print(f"\nlosses over {len(losses[policies[0]])} steps bitwise equal under {', '.join(policies)}: {same}")
+if not same:
+    ref = losses[policies[0]]
+    for p in policies[1:]:
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses[p], ref))
+        print(f"largest relative loss difference, {p} vs {policies[0]}: {worst:.2e}")
