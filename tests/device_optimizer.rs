@@ -163,6 +163,45 @@ fn re_placement_moves_state_without_changing_it() {
     assert_eq!(run(true), run(false));
 }
 
+/// A unit updated on the device for some steps and moved back: the CPU optimizer takes the
+/// device's state bitwise, and the unit's next fetch sees the compute copy of those master
+/// weights (the tiers' copy from before it went to the device is gone).
+#[test]
+fn a_unit_moved_back_computes_with_its_device_updated_parameters() {
+    let mut cfg = RuntimeConfig::sim(1 << 20);
+    cfg.prefetch_depth = 0;
+    let mut rt = Runtime::new(cfg).unwrap();
+    for (k, n) in [1000usize, 3000].into_iter().enumerate() {
+        let master: Vec<f32> = (0..n).map(|i| ((i * 3 + k) % 7) as f32 * 0.2 - 0.6).collect();
+        rt.add_unit(&format!("u{k}"), &master).unwrap();
+    }
+    let step = |rt: &mut Runtime, t: u64| {
+        rt.begin_step(t, 1e-2).unwrap();
+        for u in [1, 0] {
+            let p = rt.fetch(UnitId(u), Phase::Backward).unwrap();
+            let g = (p.tensor().sin().unwrap() * 0.3).unwrap();
+            drop(p);
+            rt.push_grads(UnitId(u), &g).unwrap();
+        }
+        rt.finish_step().unwrap();
+        rt.sync().unwrap();
+    };
+    step(&mut rt, 1);
+    let before = rt.unit_state(UnitId(0)).unwrap();
+    rt.place_optimizer(UnitId(0), OptimizerPlace::Device).unwrap();
+    step(&mut rt, 2);
+    step(&mut rt, 3);
+    let on_device = rt.unit_state(UnitId(0)).unwrap();
+    assert_ne!(on_device.0, before.0, "updated on the device");
+    rt.place_optimizer(UnitId(0), OptimizerPlace::Host).unwrap();
+    assert_eq!(rt.unit_state(UnitId(0)).unwrap(), on_device, "the CPU optimizer took the device's state");
+    let p = rt.fetch(UnitId(0), Phase::Forward).unwrap();
+    assert_eq!(p.tensor().to_vec1::<f32>().unwrap(), on_device.0, "the fetch sees the device-updated parameters");
+    drop(p);
+    step(&mut rt, 4);
+    assert_eq!(rt.device_optimizer_bytes(), 0);
+}
+
 /// A unit updated on the device follows the CPU optimizer's run of the same unit within the
 /// tolerance, with clipping decided over both optimizers' gradients, and a non-finite gradient
 /// on the device skips the step for every unit.
