@@ -87,7 +87,8 @@ pub fn placer_config(cfg: &TrainConfig, cpu_gflops: f64, expert_params: usize) -
     if device_optimizer(cfg, expert_params).unwrap_or(false) {
         // A hot expert holds its optimizer too, moves its state (12 B per parameter) to enter,
         // and keeps its gradients on the device.
-        pc.hot_expert_bytes = Some(hot_expert_bytes(cfg, expert_params));
+        pc.hot_expert_bytes =
+            Some(crate::runtime::device_optimizer_bytes(expert_params, cfg.train.compute_dtype.dtype()));
         pc.hot_set.admit_bytes = Some(12 * expert_params as u64);
         pc.hot_set.keeps_gradients = true;
     }

@@ -376,12 +376,10 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
     let dtype = cfg.train.compute_dtype.dtype();
     let planned =
         PlannedModel::of_model(&*model, cfg.model.family(), dtype, sequences, cfg.train.seq_len, top_k, placements);
-    // The residency manager's share of the GPU budget: less one gradient staging buffer of the
-    // largest unit and the activation offload's staging (as the runtime carves them out).
+    // The residency manager's share of the GPU budget, staging carved out as the runtime does.
     let largest = model.units().iter().map(|u| dtype.num_bytes(u.numel) as u64).max().unwrap_or(0);
-    let staging = crate::train::activation_offload(cfg, &*model)
-        .map_or(0, |a| (crate::runtime::ACTIVATION_STAGING * a.checkpoint_bytes) as u64);
-    let compute_budget = cfg.budgets.gpu.as_u64().saturating_sub(largest + staging);
+    let staging = crate::runtime::staging_bytes(largest, crate::train::activation_offload(cfg, &*model));
+    let compute_budget = cfg.budgets.gpu.as_u64().saturating_sub(staging);
     let device_units = crate::train::choose_device_units(cfg, &*model, compute_budget)
         .into_iter()
         .map(|u| {

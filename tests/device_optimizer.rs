@@ -122,43 +122,70 @@ fn a_resumed_run_with_device_optimizers_continues_exactly() {
     common::assert_resume_continues_exactly(&config);
 }
 
+/// A sim runtime of `cfg` with one unit per entry of `sizes` (parameters), master weights from
+/// a fixed pattern.
+fn runtime_with_units(cfg: RuntimeConfig, sizes: &[usize]) -> Runtime {
+    let mut rt = Runtime::new(cfg).unwrap();
+    for (k, &n) in sizes.iter().enumerate() {
+        let master: Vec<f32> = (0..n).map(|i| ((i * 7 + k) % 13) as f32 * 0.1 - 0.6).collect();
+        rt.add_unit(&format!("u{k}"), &master).unwrap();
+    }
+    rt
+}
+
+/// One step `t` (learning rate 1e-2): every unit's backward, last unit first, pushing
+/// `grad(unit, its parameters)`; then the updates are awaited.
+fn backward_step(
+    rt: &mut Runtime,
+    t: u64,
+    grad: impl Fn(usize, &candle_core::Tensor) -> candle_core::Tensor,
+) -> oogc::runtime::StepStats {
+    rt.begin_step(t, 1e-2).unwrap();
+    for u in (0..rt.num_units()).rev() {
+        let p = rt.fetch(UnitId(u), Phase::Backward).unwrap();
+        let g = grad(u, p.tensor());
+        drop(p);
+        rt.push_grads(UnitId(u), &g).unwrap();
+    }
+    let stats = rt.finish_step().unwrap();
+    rt.sync().unwrap();
+    stats
+}
+
+/// Every unit's master weights, `m` and `v`.
+fn states(rt: &Runtime) -> Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    (0..rt.num_units()).map(|u| rt.unit_state(UnitId(u)).unwrap()).collect()
+}
+
+fn sine_grads(_unit: usize, p: &candle_core::Tensor) -> candle_core::Tensor {
+    (p.sin().unwrap() * 0.3).unwrap()
+}
+
+fn without_prefetch() -> RuntimeConfig {
+    RuntimeConfig { prefetch_depth: 0, ..RuntimeConfig::sim(1 << 20) }
+}
+
 /// Moving a unit's optimizer to the device and back leaves its state bitwise as it was, and the
 /// run goes on bitwise as one that never moved it (no step ran while it was on the device).
 #[test]
 fn re_placement_moves_state_without_changing_it() {
-    let units = [4099usize, 2048, 777];
     let run = |round_trip: bool| {
-        let mut cfg = RuntimeConfig::sim(1 << 20);
-        cfg.prefetch_depth = 0;
-        let mut rt = Runtime::new(cfg).unwrap();
-        for (k, &n) in units.iter().enumerate() {
-            let master: Vec<f32> = (0..n).map(|i| ((i * 7 + k) % 13) as f32 * 0.1 - 0.6).collect();
-            rt.add_unit(&format!("u{k}"), &master).unwrap();
-        }
-        let mut states = Vec::new();
+        let mut rt = runtime_with_units(without_prefetch(), &[4099, 2048, 777]);
+        let mut after_each = Vec::new();
         for step in 1..=6u64 {
             if round_trip && step == 4 {
-                let before: Vec<_> = (0..units.len()).map(|u| rt.unit_state(UnitId(u)).unwrap()).collect();
+                let before = states(&rt);
                 let h2d = rt.traffic().htod.bytes;
                 assert_eq!(rt.place_optimizer(UnitId(1), OptimizerPlace::Device).unwrap(), 12 * 2048);
                 assert_eq!(rt.traffic().htod.bytes - h2d, 12 * 2048, "the state moved over the link");
                 assert_eq!(rt.unit_state(UnitId(1)).unwrap(), before[1], "on the device, bitwise");
                 rt.place_optimizer(UnitId(1), OptimizerPlace::Host).unwrap();
-                let after: Vec<_> = (0..units.len()).map(|u| rt.unit_state(UnitId(u)).unwrap()).collect();
-                assert_eq!(after, before, "back on the host, bitwise");
+                assert_eq!(states(&rt), before, "back on the host, bitwise");
             }
-            rt.begin_step(step, 1e-2).unwrap();
-            for u in (0..units.len()).rev() {
-                let p = rt.fetch(UnitId(u), Phase::Backward).unwrap();
-                let g = (p.tensor().sin().unwrap() * 0.3).unwrap();
-                drop(p);
-                rt.push_grads(UnitId(u), &g).unwrap();
-            }
-            rt.finish_step().unwrap();
-            rt.sync().unwrap();
-            states.push((0..units.len()).map(|u| rt.unit_state(UnitId(u)).unwrap()).collect::<Vec<_>>());
+            backward_step(&mut rt, step, sine_grads);
+            after_each.push(states(&rt));
         }
-        states
+        after_each
     };
     assert_eq!(run(true), run(false));
 }
@@ -168,29 +195,12 @@ fn re_placement_moves_state_without_changing_it() {
 /// weights (the tiers' copy from before it went to the device is gone).
 #[test]
 fn a_unit_moved_back_computes_with_its_device_updated_parameters() {
-    let mut cfg = RuntimeConfig::sim(1 << 20);
-    cfg.prefetch_depth = 0;
-    let mut rt = Runtime::new(cfg).unwrap();
-    for (k, n) in [1000usize, 3000].into_iter().enumerate() {
-        let master: Vec<f32> = (0..n).map(|i| ((i * 3 + k) % 7) as f32 * 0.2 - 0.6).collect();
-        rt.add_unit(&format!("u{k}"), &master).unwrap();
-    }
-    let step = |rt: &mut Runtime, t: u64| {
-        rt.begin_step(t, 1e-2).unwrap();
-        for u in [1, 0] {
-            let p = rt.fetch(UnitId(u), Phase::Backward).unwrap();
-            let g = (p.tensor().sin().unwrap() * 0.3).unwrap();
-            drop(p);
-            rt.push_grads(UnitId(u), &g).unwrap();
-        }
-        rt.finish_step().unwrap();
-        rt.sync().unwrap();
-    };
-    step(&mut rt, 1);
+    let mut rt = runtime_with_units(without_prefetch(), &[1000, 3000]);
+    backward_step(&mut rt, 1, sine_grads);
     let before = rt.unit_state(UnitId(0)).unwrap();
     rt.place_optimizer(UnitId(0), OptimizerPlace::Device).unwrap();
-    step(&mut rt, 2);
-    step(&mut rt, 3);
+    backward_step(&mut rt, 2, sine_grads);
+    backward_step(&mut rt, 3, sine_grads);
     let on_device = rt.unit_state(UnitId(0)).unwrap();
     assert_ne!(on_device.0, before.0, "updated on the device");
     rt.place_optimizer(UnitId(0), OptimizerPlace::Host).unwrap();
@@ -198,7 +208,7 @@ fn a_unit_moved_back_computes_with_its_device_updated_parameters() {
     let p = rt.fetch(UnitId(0), Phase::Forward).unwrap();
     assert_eq!(p.tensor().to_vec1::<f32>().unwrap(), on_device.0, "the fetch sees the device-updated parameters");
     drop(p);
-    step(&mut rt, 4);
+    backward_step(&mut rt, 4, sine_grads);
     assert_eq!(rt.device_optimizer_bytes(), 0);
 }
 
@@ -207,38 +217,28 @@ fn a_unit_moved_back_computes_with_its_device_updated_parameters() {
 /// on the device skips the step for every unit.
 #[test]
 fn device_updates_share_the_steps_clip_and_skip() {
-    let units = [3001usize, 1500];
     let run = |device: bool, poison_at: Option<u64>| {
         let mut cfg = RuntimeConfig::sim(1 << 20);
         cfg.optimizer.clip_norm = Some(0.05);
-        let mut rt = Runtime::new(cfg).unwrap();
-        for (k, &n) in units.iter().enumerate() {
-            let master: Vec<f32> = (0..n).map(|i| ((i * 5 + k) % 11) as f32 * 0.1 - 0.5).collect();
-            rt.add_unit(&format!("u{k}"), &master).unwrap();
-        }
+        let mut rt = runtime_with_units(cfg, &[3001, 1500]);
         if device {
             rt.place_optimizer(UnitId(0), OptimizerPlace::Device).unwrap();
         }
         let mut reports = Vec::new();
         let mut t = 1;
         for step in 1..=5u64 {
-            rt.begin_step(t, 1e-2).unwrap();
-            for u in (0..units.len()).rev() {
-                let p = rt.fetch(UnitId(u), Phase::Backward).unwrap();
-                let mut g = (p.tensor().cos().unwrap() * 0.2).unwrap();
-                drop(p);
+            let s = backward_step(&mut rt, t, |u, p| {
+                let g = (p.cos().unwrap() * 0.2).unwrap();
                 if poison_at == Some(step) && u == 0 {
-                    g = (g / 0.0).unwrap();
+                    (g / 0.0).unwrap()
+                } else {
+                    g
                 }
-                rt.push_grads(UnitId(u), &g).unwrap();
-            }
-            let s = rt.finish_step().unwrap();
+            });
             t += u64::from(!s.skipped);
             reports.push((s.skipped, s.clip_scale, s.grad_norm));
         }
-        rt.sync().unwrap();
-        let state: Vec<_> = (0..units.len()).map(|u| rt.unit_state(UnitId(u)).unwrap()).collect();
-        (reports, state)
+        (reports, states(&rt))
     };
     let (cpu, cpu_state) = run(false, None);
     let (dev, dev_state) = run(true, None);

@@ -284,11 +284,6 @@ pub(crate) fn measure_with(
             stats.push(t.train_step()?.stats);
         }
         let after = t.runtime().traffic();
-        let rt = t.runtime();
-        let device_units = (0..rt.num_units())
-            .filter(|&u| rt.optimizer_place(oogc::runtime::UnitId(u)) == oogc::runtime::OptimizerPlace::Device)
-            .count();
-        let device_optimizer_bytes = rt.device_optimizer_bytes();
         at(Moment::Measured)?;
         let n = steps as u64;
         let sum = |f: fn(&oogc::runtime::StepStats) -> u64| stats.iter().map(f).sum::<u64>() / n;
@@ -308,8 +303,9 @@ pub(crate) fn measure_with(
                 + (after.nvme_write.busy_s - before.nvme_write.busy_s))
                 / steps as f64,
             device_update_s: median(stats.iter().map(|s| s.device_update_s).collect()),
-            device_units,
-            device_optimizer_bytes,
+            // As the last measured step ended (the step's own record of them).
+            device_units: stats.last().map_or(0, |s| s.device_units),
+            device_optimizer_bytes: stats.last().map_or(0, |s| s.device_optimizer_bytes),
         })
     })();
     remove_scratch(cfg);

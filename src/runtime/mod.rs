@@ -71,8 +71,14 @@ mod unit;
 pub use activations::ActivationId;
 pub use device_optim::{adam_fixture_excess, adam_step_tensors, device_optimizer_bytes, OptimizerPlace};
 
-/// Device staging buffers of the activation offload (each of the largest checkpoint's bytes).
-pub const ACTIVATION_STAGING: usize = activations::STAGING;
+/// Device bytes a runtime carves out of the GPU budget for staging before the residency manager
+/// gets the rest: gradient staging (the largest unit's compute-copy bytes, `largest_unit_bytes`,
+/// per buffer) and, with `activation_offload`, its staging buffers of the largest checkpoint.
+/// On CUDA candle's copies of the units in use come off too (the runtime knows its device).
+pub fn staging_bytes(largest_unit_bytes: u64, activation_offload: Option<ActivationOffload>) -> u64 {
+    STAGING_BUFFERS as u64 * largest_unit_bytes
+        + activation_offload.map_or(0, |a| (activations::STAGING * a.checkpoint_bytes) as u64)
+}
 pub use budget::{param_nvme_traffic, HostPlan, NvmePlan};
 pub use oogc_prefetch::Phase;
 pub use stats::{PeakBytes, PhaseStats, StepStats};
@@ -292,8 +298,8 @@ pub struct Runtime {
     device_budget_base: u64,
     /// GPU bytes of the units whose optimizer is on the device ([`device_optimizer_bytes`]).
     device_optimizer_bytes: u64,
-    /// The open step's `(t, lr)`, for the device optimizers' update.
-    step_lr: (u64, f32),
+    /// The open step's learning rate (its `t` is `step`), for the device optimizers' update.
+    lr: f32,
 }
 
 impl Runtime {
@@ -409,7 +415,7 @@ impl Runtime {
             host_plan: None,
             device_budget_base: 0,
             device_optimizer_bytes: 0,
-            step_lr: (0, 0.0),
+            lr: 0.0,
         })
     }
 
@@ -571,8 +577,7 @@ impl Runtime {
     /// staging (one buffer of the largest unit's gradients).
     pub fn min_working_set_bytes(&self, max_units_in_use: usize) -> u64 {
         self.largest_units_bytes(max_units_in_use)
-            + STAGING_BUFFERS as u64 * self.largest_units_bytes(1)
-            + self.activation_staging_bytes()
+            + staging_bytes(self.largest_units_bytes(1), self.config.activation_offload)
             + self.compute_side_copies_bytes()
     }
 
@@ -591,11 +596,6 @@ impl Runtime {
             Device::Cuda(_) => self.largest_units_bytes(self.max_units_in_use),
             Device::Sim(_) => 0,
         }
-    }
-
-    /// Device bytes of the activation offload's staging buffers (0 without offload).
-    fn activation_staging_bytes(&self) -> u64 {
-        self.config.activation_offload.map_or(0, |a| (activations::STAGING * a.checkpoint_bytes) as u64)
     }
 
     /// Copies an activation checkpoint (`data`: any shape, f32, bf16 or f16, on the compute
@@ -661,7 +661,7 @@ impl Runtime {
         self.check_working_set()?;
         self.grads.optimizer().begin_step(step, lr)?;
         self.step = step;
-        self.step_lr = (step, lr);
+        self.lr = lr;
         self.stats = StepStats { step, clip_scale: 1.0, ..StepStats::default() };
         self.metrics_at_begin = Some(self.traffic());
         self.step_started = Some(Instant::now());
@@ -725,8 +725,7 @@ impl Runtime {
             self.activations.set_staging(staging);
         }
         self.device_budget_base = self.config.gpu_budget_bytes
-            - STAGING_BUFFERS as u64 * largest as u64
-            - self.activation_staging_bytes()
+            - staging_bytes(largest as u64, self.config.activation_offload)
             - self.compute_side_copies_bytes();
         self.residency.set_device_budget_bytes(self.device_budget_base - self.device_optimizer_bytes)?;
         self.checked_working_set = true;
@@ -1080,7 +1079,7 @@ impl Runtime {
             let sumsq = device_optim::sumsq(g)?;
             if immediate && !sumsq.is_finite() {
                 failed.get_or_insert(RuntimeError::Optimizer(oogc_optimizer::Error::NonFiniteGradient {
-                    step: self.step_lr.0,
+                    step: self.step,
                     unit: UnitId(k).tensor(),
                     sumsq,
                 }));
@@ -1095,8 +1094,10 @@ impl Runtime {
     /// with the step's clip scale (not at all when the step was skipped), its compute copy
     /// rewritten; the gradients go.
     fn update_device_units(&mut self, report: &StepReport) -> Result<()> {
-        let (t, lr) = self.step_lr;
-        let c = self.config.optimizer.adam.scalars(t, lr, report.clip_scale)?.element_constants();
+        if self.device_optimizer_bytes == 0 {
+            return Ok(());
+        }
+        let c = self.config.optimizer.adam.scalars(self.step, self.lr, report.clip_scale)?.element_constants();
         for u in &mut self.units {
             let Some(d) = u.on_device.as_mut() else { continue };
             if report.skipped {
@@ -1252,9 +1253,7 @@ impl Runtime {
             let host = self.grads.landing_buffer(len * 4)?;
             let (transfer, _) = device.dtoh_after(dev, host, Some(&written))?;
             let (host, dev) = transfer.wait()?;
-            out.extend(
-                host.as_slice()[..len * 4].chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-            );
+            out.extend(bytemuck::pod_collect_to_vec::<u8, f32>(&host.as_slice()[..len * 4]));
             device.free_after(dev, Some(&written))?;
             start += len;
         }
