@@ -102,6 +102,29 @@ pub struct TrainConfig {
     /// Where the activation checkpoints live between forward and backward.
     #[serde(default)]
     pub activations: ActivationsConfig,
+    /// What data-parallel ranks shard (`mpirun -np N oogc train`).
+    #[serde(default)]
+    pub ranks: RanksConfig,
+}
+
+/// `[ranks]`: what data-parallel ranks shard. Without ranks (a world of one) nothing here
+/// changes anything.
+#[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RanksConfig {
+    /// Shard the compute copies too (ZeRO-3, FSDP's `FULL_SHARD`): each rank's host tier, NVMe
+    /// files and device hold its `1/N` shard of every unit's parameters; a fetch copies the
+    /// shard H2D and all-gathers the unit, which stays gathered for its next use while the GPU
+    /// budget allows. `false`: whole compute copies on every rank (ZeRO-2, FSDP's
+    /// `SHARD_GRAD_OP`: master weights, Adam state and gradients sharded only). Default: true.
+    #[serde(default = "default_true")]
+    pub shard_parameters: bool,
+}
+
+impl Default for RanksConfig {
+    fn default() -> Self {
+        Self { shard_parameters: true }
+    }
 }
 
 /// `[activations]`: the activation checkpoints (each block's input, of every micro-batch).

@@ -15,19 +15,23 @@
 //!
 //! **Sharding (ZeRO-style).** With more than one rank the runtime's optimizer holds only this
 //! rank's [`shard_range`] of every unit: its fp32 master weights and Adam state (host or NVMe),
-//! its gradients (a reduce-scatter of each unit's), its update. The compute copies stay whole on
-//! every rank: `Runtime::finish_step` all-gathers each updated unit's new compute copy from the
-//! ranks' shards, and the global norm is an all-reduce of the shards' sums of squares
-//! (`PipelinedOptimizer::set_norm_reduce`), so clipping and the non-finite skip are the same
-//! everywhere. A checkpoint gathers the state (every rank takes part, rank 0 writes it); a
+//! its gradients (a reduce-scatter of each unit's), its update; the global norm is an all-reduce
+//! of the shards' sums of squares (`PipelinedOptimizer::set_norm_reduce`), so clipping and the
+//! non-finite skip are the same everywhere. With `RuntimeConfig::shard_parameters` (ZeRO-3, the
+//! trainer's default) the tiers hold the same shard of each compute copy and `Runtime::fetch`
+//! all-gathers the unit (`runtime/gathered.rs` keeps gathered units for their next use);
+//! without it (ZeRO-2, the Python module) the compute copies stay whole on every rank and
+//! `Runtime::finish_step` all-gathers each updated unit's new copy. A checkpoint gathers the state (every rank takes part, rank 0 writes it); a
 //! checkpoint of any world size loads, each rank taking its shard.
 //!
 //! **Ordering.** MPI collectives on one communicator must be called in the same order on every
 //! rank. Two threads call them: the runtime's gradient drain thread (one reduce-scatter per unit,
 //! in the order the backward pushes them, the same on every rank) and the trainer's thread (the
-//! norm and the all-gathers in `finish_step`, after it waited until the drain thread submitted
-//! every gradient of the step; the loss, validation and checkpoint gathers between steps). A
-//! process-wide lock keeps any two calls from overlapping.
+//! all-gathers of sharded units at their fetch, each after waiting until the drain thread
+//! reduced every gradient pushed before it; the norm and the all-gathers in `finish_step`, after
+//! the same wait; the loss, validation and checkpoint gathers between steps). So the two never
+//! interleave differently on two ranks; a process-wide lock keeps any two calls from
+//! overlapping.
 //!
 //! **Engines.** The collectives go to one backend per process: MPI ([`init`], feature `mpi`) or
 //! a [`Collectives`] given to [`init_with`] by the program that set the ranks up (the Python

@@ -340,6 +340,9 @@ pub struct PlanArgs {
     /// Data-parallel ranks (`mpirun -np N`): the host and NVMe figures are one rank's (rank 0,
     /// the largest shard of each unit's optimizer state); 1 for a single process.
     pub world_size: usize,
+    /// With ranks, whether each rank's tiers hold its shard of the compute copies too (`[ranks]
+    /// shard_parameters`, ZeRO-3) or whole copies (ZeRO-2).
+    pub shard_parameters: bool,
     /// The run's shape for the host overhead model (an `oogc train` config's): with it the plan
     /// predicts the process's peak RSS ([`OverheadInputs::predicted_peak_rss_bytes`]).
     pub overhead: Option<OverheadInputs>,
@@ -400,6 +403,7 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
         hardware,
         trace,
         world_size: 1,
+        shard_parameters: cfg.ranks.shard_parameters,
         overhead: Some(crate::train::overhead_inputs(cfg, &*model, text_bytes(cfg))),
         device_units,
     })
@@ -483,14 +487,15 @@ pub fn host_and_nvme_plan(args: &PlanArgs, report: &PlanReport) -> (HostPlan, Op
         units.iter().map(|&n| crate::dist::shard_range(n, 0, args.world_size.max(1)).len()).collect();
     let state = if report.optimizer_state_on_nvme { StatePlacement::Nvme } else { StatePlacement::Host };
     let optimizer = args.optimizer.clone();
-    let nvme = NvmePlan::with_shards(&units, &shards, state, args.params, &optimizer, None);
+    let copies = if args.shard_parameters { &shards } else { &units };
+    let nvme = NvmePlan::with_shards(&shards, copies, state, args.params, &optimizer, None);
     let mut rc = RuntimeConfig::sim(args.gpu_budget_bytes);
     rc.host_budget_bytes = args.host_budget_bytes.unwrap_or(u64::MAX);
     rc.state_placement = state;
     rc.params_placement = args.params;
     rc.optimizer = optimizer;
     let room = nvme.as_ref().map_or(0, |p| p.speculation_room_bytes());
-    (HostPlan::with_shards(&rc, &units, &shards, args.max_units_in_use, room), nvme)
+    (HostPlan::with_shards(&rc, &units, &shards, copies, args.max_units_in_use, room), nvme)
 }
 
 /// Plans a model: its units through [`oogc_prefetch::plan::plan`] (the step simulator with the
@@ -591,12 +596,22 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
         let params: u64 = args.model.units.iter().map(|u| u.numel).sum();
         let copies: u64 = args.model.units.iter().map(|u| u.compute_bytes).sum();
         let (rs, ag) = (4 * params * (n - 1) / n, copies * (n - 1) / n);
-        writeln!(
-            out,
-            "ranks: {n} (host, NVMe and optimizer figures are one rank's: its 1/{n} of the optimizer state); per \
-             step each rank sends and receives {rs} B reducing its gradients (f32 reduce-scatter) and {ag} B \
-             gathering the new compute copies (all-gather), not in the predicted step"
-        )
+        if args.shard_parameters {
+            writeln!(
+                out,
+                "ranks: {n}, parameters sharded (ZeRO-3; host, NVMe and optimizer figures are one rank's: its 1/{n} of \
+                 the compute copies and of the optimizer state); per step each rank sends and receives {rs} B \
+                 reducing its gradients (f32 reduce-scatter) and {ag} B per gathering of every unit (all-gather at \
+                 a unit's fetch unless it was kept gathered: once to twice per step), not in the predicted step"
+            )
+        } else {
+            writeln!(
+                out,
+                "ranks: {n} (host, NVMe and optimizer figures are one rank's: its 1/{n} of the optimizer state); \
+                 per step each rank sends and receives {rs} B reducing its gradients (f32 reduce-scatter) and {ag} B \
+                 gathering the new compute copies (all-gather), not in the predicted step"
+            )
+        }
         .expect("writing to a String");
     }
     writeln!(out, "hardware: {}", args.hardware.source).expect("writing to a String");
@@ -760,12 +775,17 @@ mod tests {
         cfg.budgets.host = bytesize::ByteSize::gib(1);
         let hw = HardwareProfile::default();
         let one = plan_args_for_config(&cfg, &hw, false).unwrap();
-        let two = PlanArgs { world_size: 2, ..one.clone() };
+        let two = PlanArgs { world_size: 2, shard_parameters: false, ..one.clone() };
+        // With the parameters sharded too (the default), half of the compute copies as well.
+        let three = PlanArgs { world_size: 2, shard_parameters: true, ..one.clone() };
+        let (h3, _) = host_and_nvme_plan(&three, &plan_model(&three).unwrap());
         let ((h1, n1), (h2, n2)) = (
             host_and_nvme_plan(&one, &plan_model(&one).unwrap()),
             host_and_nvme_plan(&two, &plan_model(&two).unwrap()),
         );
         assert_eq!(h2.compute_copies_bytes, h1.compute_copies_bytes);
+        let (c1, c3) = (h1.compute_copies_bytes, h3.compute_copies_bytes);
+        assert!(c3 * 2 >= c1 && c3 * 2 <= c1 + 2 * 4096 * one.model.units.len() as u64, "{c1} vs {c3}");
         // The shards are ⌈numel / 2⌉: half, or half an element more, per unit.
         let units: u64 = one.model.units.iter().map(|u| u.numel).sum();
         let (s1, s2) = (n1.unwrap().state_bytes, n2.unwrap().state_bytes);

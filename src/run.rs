@@ -160,6 +160,13 @@ pub struct StepRecord {
     /// Their GPU bytes (16 B per parameter + the compute copy); absent when none is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_optimizer_bytes: Option<u64>,
+    /// Ranks with sharded parameters (`[ranks] shard_parameters`): units all-gathered from the
+    /// ranks' shards in the step (rank 0's), absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gathers: Option<u64>,
+    /// The bytes rank 0 received in those all-gathers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gather_bytes: Option<u64>,
 }
 
 /// What a run did, printed at the end.
@@ -201,6 +208,8 @@ pub struct RunSummary {
     pub nvme_read_bytes: u64,
     /// NVMe bytes written.
     pub nvme_write_bytes: u64,
+    /// Bytes received from the other ranks gathering sharded parameters (0 without).
+    pub gather_bytes: u64,
     /// Peak bytes held on the GPU tier (compute copies; gradient staging excluded).
     pub peak_gpu_bytes: u64,
     /// Peak bytes held in pinned host memory by the residency manager.
@@ -373,6 +382,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
         summary.d2h_bytes += s.d2h_bytes;
         summary.nvme_read_bytes += s.nvme_read_bytes;
         summary.nvme_write_bytes += s.nvme_write_bytes;
+        summary.gather_bytes += s.gather_bytes;
         summary.final_loss = out.loss;
         let step = trainer.step();
         let eval_now = step == last || (cfg.train.eval_interval > 0 && step % cfg.train.eval_interval == 0);
@@ -413,6 +423,8 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
             minor_faults,
             device_units: (s.device_units > 0).then_some(s.device_units),
             device_optimizer_bytes: (s.device_units > 0).then_some(s.device_optimizer_bytes),
+            gathers: (s.gathers > 0).then_some(s.gathers),
+            gather_bytes: (s.gathers > 0).then_some(s.gather_bytes),
         };
         if s.skipped {
             observer.line(&format!("step {step}: skipped, a gradient was not finite (norm {})", s.grad_norm));
@@ -663,6 +675,10 @@ impl RunSummary {
             gb(self.nvme_read_bytes),
             gb(self.nvme_write_bytes)
         );
+        if self.gather_bytes > 0 {
+            s.pop();
+            s += &format!("; all-gathers of sharded parameters received {}\n", gb(self.gather_bytes));
+        }
         s += &format!(
             "peak: GPU {} B, pinned host {} B, NVMe {} B; parameters + optimizer state = {:.1} × the GPU budget\n",
             self.peak_gpu_bytes, self.peak_host_bytes, self.nvme_bytes, self.model_to_gpu_ratio
@@ -741,6 +757,8 @@ mod tests {
             minor_faults: None,
             device_units: None,
             device_optimizer_bytes: None,
+            gathers: None,
+            gather_bytes: None,
         };
         serde_json::to_string(&r).unwrap() + "\n"
     }

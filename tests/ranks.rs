@@ -25,6 +25,18 @@ fn config(dir: &Path, batch_size: usize) -> TrainConfig {
     TrainConfig::from_toml_str(&text).expect("config")
 }
 
+/// [`config`] with a GPU budget that keeps a rank's shards and the unit in use, with room to
+/// keep a few more units gathered (the embedding and head of 128 KiB each, six blocks of 45
+/// KiB, 2 × 128 KiB of gradient staging): gathered units are evicted and gathered again.
+fn tight_config(dir: &Path, batch_size: usize) -> TrainConfig {
+    let mut cfg = config(dir, batch_size);
+    cfg.budgets.gpu = bytesize::ByteSize::kib(800);
+    cfg.train.steps = TIGHT_STEPS;
+    cfg
+}
+
+const TIGHT_STEPS: u64 = 6;
+
 /// [`config`] writing checkpoints into `ckpt`.
 fn config_with_checkpoints(dir: &Path, batch_size: usize, ckpt: &Path) -> TrainConfig {
     let mut cfg = config(dir, batch_size);
@@ -45,6 +57,16 @@ struct Outcome {
     val: f64,
     masters: Vec<Vec<f32>>,
     state_nvme_bytes: u64,
+    /// Bytes copied H2D over the run's steps (the compute copies: nothing else goes H2D here).
+    h2d_bytes: u64,
+    /// Units all-gathered from the ranks' shards, and the bytes received doing it.
+    gathers: u64,
+    gather_bytes: u64,
+    /// The host ledger's peak, all of it and the compute copies' part.
+    ledger_peak: u64,
+    ledger_copies_peak: u64,
+    /// The GPU bytes of the residency manager's copies at their peak.
+    device_peak: u64,
     loaded: Vec<UnitState>,
     saved: Vec<UnitState>,
 }
@@ -69,8 +91,12 @@ fn train_resumed(cfg: TrainConfig, from: &Path) -> Outcome {
 /// Trains `t` to step `last`, writes a checkpoint when `save`, evaluates.
 fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
     let (mut losses, mut grad_norms, mut skipped) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut h2d_bytes, mut gathers, mut gather_bytes) = (0, 0, 0);
     while t.step() < last {
         let o = t.train_step().expect("step");
+        h2d_bytes += o.stats.h2d_bytes;
+        gathers += o.stats.gathers;
+        gather_bytes += o.stats.gather_bytes;
         losses.push(o.loss);
         // JSON has no NaN: a non-finite norm is written as -1.
         grad_norms.push(if o.stats.grad_norm.is_finite() { o.stats.grad_norm } else { -1.0 });
@@ -84,7 +110,23 @@ fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
     let val = t.evaluate().expect("evaluate").nats_per_token;
     let state_nvme_bytes = t.runtime().optimizer_nvme_bytes();
     let masters = t.master_weights().expect("masters");
-    Outcome { losses, grad_norms, skipped, val, masters, state_nvme_bytes, loaded: Vec::new(), saved }
+    let ledger = t.runtime().host_ledger().report();
+    Outcome {
+        losses,
+        grad_norms,
+        skipped,
+        val,
+        masters,
+        state_nvme_bytes,
+        h2d_bytes,
+        gathers,
+        gather_bytes,
+        ledger_peak: ledger.peak_bytes,
+        ledger_copies_peak: ledger.of(oogc::swapper::HostUse::ComputeCopies).peak_bytes,
+        device_peak: t.runtime().peak_bytes().device,
+        loaded: Vec::new(),
+        saved,
+    }
 }
 
 fn train(cfg: TrainConfig) -> Outcome {
@@ -162,6 +204,7 @@ fn as_rank_or_skipped(test: &str) -> bool {
 
 fn rank_train(out: &Path, world: oogc::dist::World) {
     write_outcome(out, world.rank, "", &train(config(out, 4 / RANKS)));
+    write_outcome(out, world.rank, "-tight", &train_steps(tight_config(&out.join("tight"), 4 / RANKS), TIGHT_STEPS));
     // Resumed at another world size: the one process's checkpoint of step STEPS / 2, re-sharded.
     let cfg = config_with_checkpoints(&out.join("resumed"), 4 / RANKS, &out.join("ckpt-ranks"));
     write_outcome(out, world.rank, "-resumed", &train_resumed(cfg, &out.join("ckpt-one")));
@@ -248,6 +291,59 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
         );
     }
     let max_rel = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| rel(*x, *y)).fold(0.0, f64::max);
+    // ZeRO-3: the compute copies are sharded too. Each rank's host ledger, H2D and device
+    // copies are its share of the one process's; every unit is gathered once a step (a 64 MiB
+    // budget keeps it gathered from its forward to its backward).
+    let units = one.masters.len() as u64;
+    for (r, o) in ranks.iter().enumerate() {
+        eprintln!(
+            "rank {r}: H2D {} B, {} all-gathers receiving {} B, host ledger peak {} B (compute copies {} B), device \
+             copies' peak {} B; one process: H2D {} B, host ledger peak {} B (compute copies {} B), device copies' \
+             peak {} B",
+            o.h2d_bytes,
+            o.gathers,
+            o.gather_bytes,
+            o.ledger_peak,
+            o.ledger_copies_peak,
+            o.device_peak,
+            one.h2d_bytes,
+            one.ledger_peak,
+            one.ledger_copies_peak,
+            one.device_peak
+        );
+        for (what, mine, all) in [
+            ("H2D", o.h2d_bytes, one.h2d_bytes),
+            ("host ledger peak", o.ledger_peak, one.ledger_peak),
+            ("compute copies' host bytes", o.ledger_copies_peak, one.ledger_copies_peak),
+            ("device copies' peak", o.device_peak, one.device_peak),
+        ] {
+            let share = mine as f64 / all as f64;
+            assert!(share > 0.4 && share < 0.6, "rank {r}: {what} {mine} B is {share:.2} × the one process's {all} B");
+        }
+        assert_eq!(o.gathers, units * STEPS, "rank {r}: one all-gather per unit and step");
+        assert!(o.gather_bytes > 0 && o.gather_bytes < one.h2d_bytes, "rank {r}: gathered {} B", o.gather_bytes);
+    }
+    assert_eq!(one.gathers, 0, "one process gathers nothing");
+    // A budget that cannot keep every unit gathered: gathered units are evicted by next use
+    // and gathered again, the same on both ranks (or they would hang in mismatched
+    // all-gathers), and the run is still the one process's.
+    let tight = read_outcomes(&ranks_dir, "-tight");
+    let one_tight = train_steps(tight_config(&dir.path().join("one-tight"), 4), TIGHT_STEPS);
+    assert_eq!(tight[0].gathers, tight[1].gathers);
+    assert!(
+        tight[0].gathers > units * TIGHT_STEPS && tight[0].gathers < 2 * units * TIGHT_STEPS,
+        "{} all-gathers in {TIGHT_STEPS} steps of {units} units: not between one and two per unit and step",
+        tight[0].gathers
+    );
+    for (s, (a, b)) in tight[0].losses.iter().zip(&one_tight.losses).enumerate() {
+        assert!(rel(*a, *b) < 1e-5, "tight budget, step {}: loss {a} over 2 ranks, {b} in one process", s + 1);
+    }
+    assert!(tight[0].masters == tight[1].masters, "tight budget: the ranks' master weights differ");
+    eprintln!(
+        "tight GPU budget (800 KiB): {} all-gathers per rank over {TIGHT_STEPS} steps of {units} units, H2D {} B per \
+         rank against {} B in one process",
+        tight[0].gathers, tight[0].h2d_bytes, one_tight.h2d_bytes
+    );
     eprintln!(
         "{RANKS} ranks vs one process, {STEPS} steps: losses ≤ {:.1e} rel., grad norms ≤ {:.1e} rel., \
          validation {:.1e} rel., master weights ≤ {worst:.1e}; optimizer state on NVMe per rank {:?} of {} bytes",

@@ -200,6 +200,7 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         hardware: load_hardware(cmd.hardware.as_ref())?,
         trace: cmd.trace.is_some(),
         world_size: cmd.world_size as usize,
+        shard_parameters: oogc::config::RanksConfig::default().shard_parameters,
         overhead: None,
         device_units: Vec::new(),
     };

@@ -250,6 +250,8 @@ impl Config {
             lock_host_memory: self.lock_host_memory,
             overlap_optimizer: self.prefetch.overlap_optimizer,
             activation_offload: None,
+            // The module hands units to torch as pinned device memory (DLPack): whole copies.
+            shard_parameters: false,
         })
     }
 }

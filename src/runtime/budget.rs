@@ -223,16 +223,21 @@ impl HostPlan {
     /// `max_units_in_use` units pinned at once by the trainer and `nvme_speculation_bytes` of
     /// NVMe room for speculated NVMe units' second extents (see [`NvmePlan`]).
     pub fn new(config: &RuntimeConfig, units: &[usize], max_units_in_use: usize, nvme_speculation_bytes: u64) -> Self {
-        Self::with_shards(config, units, &optimizer_units(units), max_units_in_use, nvme_speculation_bytes)
+        let shards = optimizer_units(units);
+        let copies = if config.shard_parameters { shards.clone() } else { units.to_vec() };
+        Self::with_shards(config, units, &shards, &copies, max_units_in_use, nvme_speculation_bytes)
     }
 
     /// [`HostPlan::new`] for a rank whose optimizer holds `shards[k]` elements of unit `k` (of
-    /// `units[k]`): the state, held gradients, streams and speculation on the shards, the compute
-    /// copies on the whole units (`oogc plan --world-size`).
+    /// `units[k]`) and whose compute-copy home holds `copies[k]` of them (the shard with
+    /// [`RuntimeConfig::shard_parameters`], else the whole unit): the state, held gradients,
+    /// streams and speculation on the shards, the compute copies on `copies`, the gradients'
+    /// landing buffers on the whole units (`oogc plan --world-size`).
     pub fn with_shards(
         config: &RuntimeConfig,
         units: &[usize],
         shards: &[usize],
+        copies: &[usize],
         max_units_in_use: usize,
         nvme_speculation_bytes: u64,
     ) -> Self {
@@ -243,11 +248,11 @@ impl HostPlan {
         // A unit's compute copy and its gradients have the compute dtype.
         let bytes = |n: usize| dtype.num_bytes(n) as u64;
         let copy_class = |n: usize| size_class(dtype.num_bytes(n)) as u64;
-        let all_copies: u64 = units.iter().map(|&n| copy_class(n)).sum();
+        let all_copies: u64 = copies.iter().map(|&n| copy_class(n)).sum();
         let compute_copies_min_bytes = match config.params_placement {
             StatePlacement::Host => all_copies,
             StatePlacement::Nvme => {
-                let mut classes: Vec<u64> = units.iter().map(|&n| copy_class(n)).collect();
+                let mut classes: Vec<u64> = copies.iter().map(|&n| copy_class(n)).collect();
                 classes.sort_unstable_by(|a, b| b.cmp(a));
                 let k = max_units_in_use.max(1) + 2 + opt.threads;
                 classes.iter().take(k).sum()
@@ -416,23 +421,28 @@ pub struct NvmePlan {
 impl NvmePlan {
     /// The store of a run of `units` (parameters per unit) with state and parameters placed as
     /// `state` and `params`, compute copies of `opt.compute_dtype`, `opt`'s threads and chunks,
-    /// and an explicit size `nvme_size` if the config gives one. `None` when nothing lives on
-    /// NVMe.
+    /// and an explicit size `nvme_size` if the config gives one; with data-parallel ranks this
+    /// rank's shards of the state, and of the compute copies when `shard_parameters`
+    /// ([`RuntimeConfig::shard_parameters`]). `None` when nothing lives on NVMe.
     pub fn new(
         units: &[usize],
         state: StatePlacement,
         params: StatePlacement,
         opt: &OptimizerConfig,
         nvme_size: Option<u64>,
+        shard_parameters: bool,
     ) -> Option<Self> {
-        Self::with_shards(units, &optimizer_units(units), state, params, opt, nvme_size)
+        let shards = optimizer_units(units);
+        let copies = if shard_parameters { shards.clone() } else { units.to_vec() };
+        Self::with_shards(&shards, &copies, state, params, opt, nvme_size)
     }
 
-    /// [`NvmePlan::new`] for a rank whose optimizer holds `shards[k]` elements of unit `k`: the
-    /// state on the shards, the compute copies on the whole units.
+    /// [`NvmePlan::new`] for a rank whose optimizer holds `shards[k]` elements of unit `k` and
+    /// whose compute-copy home holds `copies[k]` (the shard with
+    /// [`RuntimeConfig::shard_parameters`], else the whole unit).
     pub fn with_shards(
-        units: &[usize],
         shards: &[usize],
+        copies: &[usize],
         state: StatePlacement,
         params: StatePlacement,
         opt: &OptimizerConfig,
@@ -442,13 +452,13 @@ impl NvmePlan {
             return None;
         }
         let chunk = opt.stream_chunk_params();
-        let largest = units.iter().copied().max().unwrap_or(0);
+        let largest = copies.iter().copied().max().unwrap_or(0);
         let largest_shard = shards.iter().copied().max().unwrap_or(0);
         let pad = |b: u64| b.next_multiple_of(PAGE_BYTES as u64);
         let on = |p: StatePlacement| p == StatePlacement::Nvme;
         let state_bytes: u64 = if on(state) { shards.iter().map(|&n| state_nvme_bytes(n, chunk)).sum() } else { 0 };
         let params_bytes: u64 =
-            if on(params) { units.iter().map(|&n| pad(opt.compute_dtype.num_bytes(n) as u64)).sum() } else { 0 };
+            if on(params) { copies.iter().map(|&n| pad(opt.compute_dtype.num_bytes(n) as u64)).sum() } else { 0 };
         let threads = opt.threads as u64;
         let frag = FRAGMENTATION_EXTENTS;
         let slack_bytes = if on(state) { (threads + frag) * state_nvme_bytes(largest_shard, chunk) } else { 0 }
@@ -613,7 +623,7 @@ fn proc_status_kib(key: &str) -> Option<u64> {
 /// The elements of each unit (`units`, whole sizes) that this rank's optimizer holds: its shard
 /// with data-parallel ranks ([`crate::dist::shard_range`] of [`crate::dist::world`]), the whole
 /// unit in a world of one. The state, held gradients, streams and speculation are planned on
-/// these; compute copies on the whole units.
+/// these; compute copies too with [`RuntimeConfig::shard_parameters`].
 fn optimizer_units(units: &[usize]) -> Vec<usize> {
     let w = crate::dist::world();
     units.iter().map(|&n| crate::dist::shard_range(n, w.rank, w.size).len()).collect()
@@ -662,11 +672,12 @@ mod tests {
     fn nvme_plan_is_sized_from_the_state_and_checked_against_free_space() {
         let units = [70_000, 450_000, 50_000];
         let opt = OptimizerConfig { compute_dtype: DType::F32, ..OptimizerConfig::default() };
-        let p = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, &opt, None).unwrap();
+        let p = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, &opt, None, false).unwrap();
         let params: u64 = units.iter().map(|&n| DType::F32.num_bytes(n) as u64).sum();
         assert!(p.state_bytes >= 3 * params && p.params_bytes >= params);
         // bf16 compute copies: half the parameter bytes on NVMe (within the 4 KiB padding).
-        let half = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, &OptimizerConfig::default(), None);
+        let half =
+            NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, &OptimizerConfig::default(), None, false);
         let half = half.unwrap();
         assert_eq!(OptimizerConfig::default().compute_dtype, DType::BF16);
         assert!(half.params_bytes >= params / 2 && half.params_bytes < params / 2 + 3 * 4096, "{half:?}");
@@ -677,10 +688,11 @@ mod tests {
         p.check(&dirs, &|_| Ok(u64::MAX)).unwrap();
         let e = p.check(&dirs, &|_| Ok(1 << 20)).unwrap_err().to_string();
         assert!(e.contains(&p.capacity_bytes.to_string()) && e.contains(&(1u64 << 20).to_string()), "{e}");
-        let small = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Host, &opt, Some(1 << 20)).unwrap();
+        let small =
+            NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Host, &opt, Some(1 << 20), false).unwrap();
         let e = small.check(&dirs, &|_| Ok(u64::MAX)).unwrap_err().to_string();
         assert!(e.contains("nvme_size") && e.contains(&small.min_bytes.to_string()), "{e}");
-        assert!(NvmePlan::new(&units, StatePlacement::Host, StatePlacement::Host, &opt, None).is_none());
+        assert!(NvmePlan::new(&units, StatePlacement::Host, StatePlacement::Host, &opt, None, false).is_none());
     }
 
     #[test]

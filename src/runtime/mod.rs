@@ -62,6 +62,7 @@ mod cuda;
 #[path = "cuda_dummy.rs"]
 mod cuda;
 mod device_optim;
+mod gathered;
 mod grads;
 mod home;
 mod stats;
@@ -219,6 +220,14 @@ pub struct RuntimeConfig {
     /// Activation checkpoints offloaded to pinned host memory ([`Runtime::stash_activation`]);
     /// `None`: the caller keeps them on the device.
     pub activation_offload: Option<ActivationOffload>,
+    /// With data-parallel ranks, shard the compute copies too (ZeRO-3, FSDP's `FULL_SHARD`):
+    /// each rank's tiers (host, NVMe, device) hold only its [`crate::dist::shard_range`] of
+    /// every unit's compute copy, a fetch copies that shard H2D and all-gathers the whole unit
+    /// on the compute device, and gathered units are kept for their next use while the GPU
+    /// budget allows (`runtime/gathered.rs`). `false`: every rank's tiers hold whole compute
+    /// copies, all-gathered once per update in [`Runtime::finish_step`] (ZeRO-2, FSDP's
+    /// `SHARD_GRAD_OP`), which [`Runtime::fetch_pinned`] needs. No effect in a world of one.
+    pub shard_parameters: bool,
 }
 
 /// What a run offloads of its activation checkpoints (`[activations] offload`): enters the host
@@ -250,6 +259,7 @@ impl RuntimeConfig {
             lock_host_memory: false,
             overlap_optimizer: true,
             activation_offload: None,
+            shard_parameters: false,
         }
     }
 }
@@ -300,6 +310,11 @@ pub struct Runtime {
     device_optimizer_bytes: u64,
     /// The open step's learning rate (its `t` is `step`), for the device optimizers' update.
     lr: f32,
+    /// Whether the tiers hold shards of the compute copies ([`RuntimeConfig::shard_parameters`]
+    /// with more than one rank).
+    sharded: bool,
+    /// Units gathered from the ranks' shards, kept for their next use (`sharded` only).
+    gathered: gathered::Gathered,
 }
 
 impl Runtime {
@@ -360,11 +375,15 @@ impl Runtime {
             Box::new(oogc_swapper::LruPolicy),
         )?);
         // Data-parallel ranks shard the optimizer (ZeRO-style): this rank's optimizer holds its
-        // shard of every unit's master weights and Adam state, and writes its shard's compute
-        // copy into a home of its own; `finish_step` all-gathers the shards into the residency
-        // manager's copies. The norm it clips with is the run's.
+        // shard of every unit's master weights and Adam state. Without sharded parameters it
+        // writes its shard's compute copy into a home of its own and `finish_step` all-gathers
+        // the shards into the residency manager's whole copies. The norm it clips with is the
+        // run's.
         let world = crate::dist::world();
-        let home: Arc<dyn oogc_optimizer::ComputeCopyHome> = if world.size > 1 {
+        // With sharded parameters the tiers hold exactly the optimizer's shard of each copy: the
+        // optimizer writes it there, as in a world of one.
+        let sharded = config.shard_parameters && world.size > 1;
+        let home: Arc<dyn oogc_optimizer::ComputeCopyHome> = if world.size > 1 && !sharded {
             Arc::new(oogc_optimizer::MemoryHome::new())
         } else {
             Arc::new(ResidencyHome::new(residency.clone()))
@@ -416,6 +435,8 @@ impl Runtime {
             device_budget_base: 0,
             device_optimizer_bytes: 0,
             lr: 0.0,
+            sharded,
+            gathered: gathered::Gathered::new(),
         })
     }
 
@@ -434,19 +455,30 @@ impl Runtime {
         let unit = UnitId(self.units.len());
         let home = self.config.params_placement.tier();
         let dtype = self.compute_dtype();
-        let meta = TensorMeta::new(unit.tensor(), name, &[master.len()], dtype, home);
-        self.residency.register(meta, &oogc_optimizer::compute_copy(master, dtype))?;
+        let shard = crate::dist::shard_range(master.len(), self.world.rank, self.world.size);
+        // Sharded parameters: the tiers hold this rank's shard of the compute copy.
+        let kept = if self.sharded { shard.clone() } else { 0..master.len() };
+        if self.sharded && kept.is_empty() {
+            return Err(RuntimeError::Usage(format!(
+                "add_unit({name}): {} parameters leave rank {} of {} no shard of the unit; shard the parameters of \
+                 units of at least one element per rank (shard_parameters = false keeps whole copies)",
+                master.len(),
+                self.world.rank,
+                self.world.size
+            )));
+        }
+        let meta = TensorMeta::new(unit.tensor(), name, &[kept.len()], dtype, home);
+        self.residency.register(meta, &oogc_optimizer::compute_copy(&master[kept.clone()], dtype))?;
         if home == Tier::Nvme {
             // A cold start: the copy is on NVMe; the host tier fills as the schedule needs it.
             self.residency.drop_host_copy(unit.tensor())?;
             self.residency.host_pool().trim();
         }
-        let shard = crate::dist::shard_range(master.len(), self.world.rank, self.world.size);
         self.grads.optimizer().add_unit(unit.tensor(), &master[shard], self.config.state_placement)?;
         // Gradients land in buffers of the largest unit's size (the plan's two): reused by every
         // unit's D2H instead of one size class giving way to another every step.
         self.grads.raise_landing_len(dtype.num_bytes(master.len()));
-        self.units.push(Unit::new(name, master.len(), dtype));
+        self.units.push(Unit::new(name, master.len(), kept.len(), dtype));
         Ok(unit)
     }
 
@@ -553,6 +585,7 @@ impl Runtime {
                 self.config.params_placement,
                 &self.config.optimizer,
                 Some(store.capacity_bytes()),
+                self.config.shard_parameters,
             )
             .map_or(0, |p| p.speculation_room_bytes())
         })
@@ -573,29 +606,54 @@ impl Runtime {
         &self.nvme_dirs
     }
 
-    /// Bytes the device must hold at once: the `max_units_in_use` largest units plus gradient
-    /// staging (one buffer of the largest unit's gradients).
+    /// Bytes the device must hold at once: the `max_units_in_use` largest units' copies in the
+    /// tiers (with sharded parameters, this rank's shards of them, and the whole units gathered
+    /// beside) plus gradient staging (buffers of the largest unit's gradients).
     pub fn min_working_set_bytes(&self, max_units_in_use: usize) -> u64 {
-        self.largest_units_bytes(max_units_in_use)
+        largest_bytes(self.units.iter().map(Unit::home_bytes), max_units_in_use)
             + staging_bytes(self.largest_units_bytes(1), self.config.activation_offload)
             + self.compute_side_copies_bytes()
     }
 
     /// Bytes of the `k` (at least 1) largest units' compute copies together.
     fn largest_units_bytes(&self, k: usize) -> u64 {
-        let mut sizes: Vec<u64> = self.units.iter().map(Unit::bytes).collect();
-        sizes.sort_unstable_by(|a, b| b.cmp(a));
-        sizes.iter().take(k.max(1)).sum()
+        largest_bytes(self.units.iter().map(Unit::bytes), k)
     }
 
     /// Device bytes of candle's own copies of the units in use on CUDA (`max_units_in_use` of the
     /// largest unit): a fetched unit becomes a tensor candle owns by one device-to-device copy
-    /// (`runtime/cuda.rs`). 0 on the sim device, whose tensors are CPU tensors.
+    /// (`runtime/cuda.rs`). 0 on the sim device, whose tensors are CPU tensors — except the
+    /// units gathered from the ranks' shards, which stand for GPU memory on either device.
     fn compute_side_copies_bytes(&self) -> u64 {
-        match self.residency.device() {
-            Device::Cuda(_) => self.largest_units_bytes(self.max_units_in_use),
-            Device::Sim(_) => 0,
+        if self.sharded || matches!(self.residency.device(), Device::Cuda(_)) {
+            self.largest_units_bytes(self.max_units_in_use)
+        } else {
+            0
         }
+    }
+
+    /// With sharded parameters ([`RuntimeConfig::shard_parameters`] and ranks), the GPU bytes
+    /// set aside for units all-gathered from the ranks' shards (the units in use, and those
+    /// kept for their next use), out of the GPU budget; known from the first step on (0
+    /// before, and without sharding).
+    pub fn gathered_budget_bytes(&self) -> u64 {
+        self.gathered.capacity_bytes()
+    }
+
+    /// With sharded parameters, the GPU bytes gathered units may hold
+    /// ([`StepStats::gathers`]): at least the units in use
+    /// ([`Runtime::compute_side_copies_bytes`]); beyond that what `available` (the budget less
+    /// staging and those) leaves once every shard fits, up to every whole unit. Shards come
+    /// first: a resident shard saves its H2D over the link, a gathered unit N × its bytes of GPU
+    /// memory for an all-gather over the ranks' faster links. 0 without sharding.
+    fn gathered_capacity_bytes(&self, available: u64) -> u64 {
+        if !self.sharded {
+            return 0;
+        }
+        let min = self.compute_side_copies_bytes();
+        let shards: u64 = self.units.iter().map(Unit::home_bytes).sum();
+        let whole: u64 = self.units.iter().map(Unit::bytes).sum();
+        min + available.saturating_sub(shards).min(whole.saturating_sub(min))
     }
 
     /// Copies an activation checkpoint (`data`: any shape, f32, bf16 or f16, on the compute
@@ -727,6 +785,11 @@ impl Runtime {
         self.device_budget_base = self.config.gpu_budget_bytes
             - staging_bytes(largest as u64, self.config.activation_offload)
             - self.compute_side_copies_bytes();
+        if self.sharded {
+            let capacity = self.gathered_capacity_bytes(self.device_budget_base);
+            self.gathered.set_capacity_bytes(capacity);
+            self.device_budget_base -= capacity - self.compute_side_copies_bytes();
+        }
         self.residency.set_device_budget_bytes(self.device_budget_base - self.device_optimizer_bytes)?;
         self.checked_working_set = true;
         Ok(())
@@ -768,14 +831,17 @@ impl Runtime {
         if let Some(d) = &self.units[unit.0].on_device {
             // Its optimizer keeps the compute copy on the device: nothing moves, nothing is
             // recorded (the unit is outside the schedule while it stays there).
-            return Ok(UnitParams { tensor: d.copy.clone(), unit, _pinned: None });
+            return Ok(UnitParams { tensor: d.copy.clone(), unit, _pinned: None, _gathered: None });
         }
-        let pinned = self.fetch_pinned(unit, phase, Access::Read)?;
+        if self.sharded {
+            return self.fetch_gathered(unit, phase);
+        }
+        let pinned = self.pin_on_device(unit, phase, Access::Read)?;
         let tensor = {
             let buf = pinned.pin.device_buffer();
             device_tensor(&buf, pinned.numel, pinned.dtype, &self.compute_device)?
         };
-        Ok(UnitParams { tensor, unit, _pinned: Some(pinned) })
+        Ok(UnitParams { tensor, unit, _pinned: Some(pinned), _gathered: None })
     }
 
     /// [`Runtime::fetch`] without the tensor: pins `unit` on the device (waiting for its
@@ -789,6 +855,51 @@ impl Runtime {
     /// # Errors
     /// As [`Runtime::fetch`].
     pub fn fetch_pinned(&mut self, unit: UnitId, phase: Phase, access: Access) -> Result<PinnedUnit> {
+        if self.sharded {
+            return Err(RuntimeError::Usage(format!(
+                "fetch_pinned({}): the parameters are sharded over the ranks, so the device holds this rank's shard \
+                 of the unit, not the unit; use fetch (which all-gathers it), or build the runtime with \
+                 shard_parameters = false",
+                self.units[unit.0].name
+            )));
+        }
+        self.pin_on_device(unit, phase, access)
+    }
+
+    /// With sharded parameters: the unit kept gathered, or this rank's shard pinned on the
+    /// device (as [`Runtime::fetch_pinned`] pins a unit) and all-gathered from the ranks' into
+    /// the whole unit, kept for its next use while the budget allows (`runtime/gathered.rs`).
+    /// The same fetches miss on every rank, so every rank calls the all-gather.
+    fn fetch_gathered(&mut self, unit: UnitId, phase: Phase) -> Result<UnitParams> {
+        if phase == Phase::Optimizer {
+            return Err(RuntimeError::Usage("fetch(.., Phase::Optimizer): the optimizer does not fetch units".into()));
+        }
+        let scheduled = phase != Phase::Eval && self.units[unit.0].scheduling == Scheduling::Scheduled;
+        if let Some((tensor, in_use)) = self.gathered.get(unit, scheduled) {
+            return Ok(UnitParams { tensor, unit, _pinned: None, _gathered: Some(in_use) });
+        }
+        let shard = {
+            let pinned = self.pin_on_device(unit, phase, Access::Read)?;
+            let buf = pinned.pin.device_buffer();
+            tensor::device_bytes(&buf, pinned.numel, pinned.dtype, &self.compute_device)?
+        };
+        let (numel, dtype, bytes) = (self.units[unit.0].numel, self.units[unit.0].dtype, self.units[unit.0].bytes());
+        let t = Instant::now();
+        // One collective at a time, in the same order on every rank: the gradients pushed before
+        // this fetch are reduce-scattered (by the drain thread) before the unit is gathered.
+        self.grads.wait_submitted()?;
+        let whole = crate::dist::all_gather_shards(&shard, numel, dtype.size_in_bytes());
+        self.stats.gather_s += t.elapsed().as_secs_f64();
+        self.stats.gathers += 1;
+        self.stats.gather_bytes += (whole.len() - shard.len()) as u64;
+        let tensor = tensor_from_bytes(&whole, dtype, numel, &self.compute_device)?;
+        let in_use = self.gathered.insert(unit, tensor.clone(), bytes);
+        Ok(UnitParams { tensor, unit, _pinned: None, _gathered: Some(in_use) })
+    }
+
+    /// Pins `unit`'s copy in the tiers (the shard with sharded parameters) on the device:
+    /// [`Runtime::fetch_pinned`].
+    fn pin_on_device(&mut self, unit: UnitId, phase: Phase, access: Access) -> Result<PinnedUnit> {
         if phase == Phase::Optimizer {
             return Err(RuntimeError::Usage("fetch(.., Phase::Optimizer): the optimizer does not fetch units".into()));
         }
@@ -807,13 +918,13 @@ impl Runtime {
         self.stats.stall_transfer_s += t.elapsed().as_secs_f64();
         let mut recorder = None;
         if phase != Phase::Eval && self.units[unit.0].scheduling == Scheduling::Scheduled {
-            let bytes = self.units[unit.0].bytes();
+            let bytes = self.units[unit.0].home_bytes();
             self.recorder.lock().acquire(unit.tensor(), bytes, phase, Tier::Device, access == Access::Write);
             recorder = Some(Arc::clone(&self.recorder));
             self.issue_prefetches()?;
         }
         let u = &self.units[unit.0];
-        Ok(PinnedUnit { pin, unit, numel: u.numel, dtype: u.dtype, access, recorder })
+        Ok(PinnedUnit { pin, unit, numel: u.home_numel, dtype: u.dtype, access, recorder })
     }
 
     /// Takes the handles of the updates the drain thread submitted into the units' states.
@@ -946,7 +1057,7 @@ impl Runtime {
             return;
         }
         let mut recorder = self.recorder.lock();
-        recorder.acquire(unit.tensor(), u.bytes(), Phase::Optimizer, Tier::Host, true);
+        recorder.acquire(unit.tensor(), u.home_bytes(), Phase::Optimizer, Tier::Host, true);
         recorder.release(unit.tensor(), Tier::Host);
     }
 
@@ -962,7 +1073,14 @@ impl Runtime {
         if let Some(d) = &self.units[unit.0].on_device {
             // The copy lives on the device: computing on the CPU needs it there.
             let tensor = d.copy.to_device(&candle_core::Device::Cpu)?;
-            return Ok(UnitParams { tensor, unit, _pinned: None });
+            return Ok(UnitParams { tensor, unit, _pinned: None, _gathered: None });
+        }
+        if self.sharded {
+            return Err(RuntimeError::Usage(format!(
+                "fetch_host({}): the parameters are sharded over the ranks (this rank's host copy is its shard); \
+                 use fetch",
+                self.units[unit.0].name
+            )));
         }
         self.publish(unit)?;
         let pin = self.residency.acquire(unit.tensor(), Tier::Host, Access::Read)?;
@@ -971,7 +1089,7 @@ impl Runtime {
         let tensor =
             tensor_from_bytes(&pin.host_bytes()[..dtype.num_bytes(numel)], dtype, numel, &candle_core::Device::Cpu)?;
         let pinned = PinnedUnit { pin, unit, numel, dtype, access: Access::Read, recorder: None };
-        Ok(UnitParams { tensor, unit, _pinned: Some(pinned) })
+        Ok(UnitParams { tensor, unit, _pinned: Some(pinned), _gathered: None })
     }
 
     /// Submits gradients computed on the CPU (after [`Runtime::fetch_host`]; `grads` `[numel]`
@@ -1034,12 +1152,16 @@ impl Runtime {
         self.update_device_units(&report)?;
         device_update_s += device_started.elapsed().as_secs_f64();
         self.stats.device_update_s = device_update_s;
-        for u in &mut self.units {
+        for (k, u) in self.units.iter_mut().enumerate() {
             if u.update == Update::Pushed {
                 u.update = Update::StepFinished;
+                // Its gathered copy is the old parameters (on every rank: the same units were
+                // pushed everywhere, skipped step or not).
+                self.gathered.remove(UnitId(k));
             }
         }
-        if self.world.size > 1 && !report.skipped {
+        self.gathered.end_step();
+        if self.world.size > 1 && !self.sharded && !report.skipped {
             self.gather_updates()?;
         }
         self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
@@ -1389,11 +1511,17 @@ impl Runtime {
             d.grads = None;
             return Ok(());
         }
+        self.gathered.remove(unit);
         if self.world.size > 1 {
-            // This rank's shard to its optimizer (a checkpoint of any world size re-shards), the
+            // This rank's shard to its optimizer (a checkpoint of any world size re-shards), which
+            // writes the compute copy's shard into the tiers when they hold shards; else the
             // whole compute copy to the residency manager.
-            let copy = oogc_optimizer::compute_copy(&master, self.units[unit.0].dtype);
-            home::overwrite_host_copy(&self.residency, unit.tensor(), &mut |b| b[..copy.len()].copy_from_slice(&copy))?;
+            if !self.sharded {
+                let copy = oogc_optimizer::compute_copy(&master, self.units[unit.0].dtype);
+                home::overwrite_host_copy(&self.residency, unit.tensor(), &mut |b| {
+                    b[..copy.len()].copy_from_slice(&copy)
+                })?;
+            }
             let r = crate::dist::shard_range(numel, self.world.rank, self.world.size);
             let state = oogc_optimizer::UnitState {
                 master: master[r.clone()].to_vec(),
@@ -1441,4 +1569,11 @@ impl Drop for Runtime {
         // read back, a gradient written): the copy stream, which frees them, waits for it.
         let _ = self.residency.device().copy_waits_for_compute();
     }
+}
+
+/// Bytes of the `k` (at least 1) largest of `sizes` together.
+fn largest_bytes(sizes: impl Iterator<Item = u64>, k: usize) -> u64 {
+    let mut sizes: Vec<u64> = sizes.collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    sizes.iter().take(k.max(1)).sum()
 }

@@ -42,6 +42,15 @@ pub struct StepStats {
     /// their updates after the decision, seconds (on the sim device candle's CPU ops; on CUDA
     /// the host's wait for them).
     pub device_update_s: f64,
+    /// With sharded parameters ([`super::RuntimeConfig::shard_parameters`]): units
+    /// all-gathered from the ranks' shards at their fetch (the others were kept gathered).
+    pub gathers: u64,
+    /// Bytes those all-gathers received from the other ranks (the whole units less this rank's
+    /// shards).
+    pub gather_bytes: u64,
+    /// Time the caller was blocked in those all-gathers, seconds, with the wait before each for
+    /// the gradient reductions queued ahead of it (one collective at a time, in push order).
+    pub gather_s: f64,
 }
 
 /// Time and link traffic of one phase of a step (see [`StepStats::forward`]).

@@ -56,6 +56,24 @@ pub(super) fn device_tensor(
     }
 }
 
+/// The device buffer's first `numel` elements of `dtype` as host bytes (an all-gather's send
+/// buffer until device collectives come): on the sim device a read of its memory (a compute
+/// access the ordering checker records), on CUDA through a tensor candle owns.
+pub(super) fn device_bytes(
+    buf: &DeviceBuffer,
+    numel: usize,
+    dtype: DType,
+    compute: &candle_core::Device,
+) -> Result<Vec<u8>> {
+    match buf {
+        DeviceBuffer::Sim(b) => Ok(b.compute_read()?[..dtype.num_bytes(numel)].to_vec()),
+        DeviceBuffer::Cuda(_) => {
+            let t = device_tensor(buf, numel, dtype, compute)?;
+            Ok(tensor_values(&t, dtype)?.as_slice().as_bytes().to_vec())
+        }
+    }
+}
+
 /// Writes `t` (flattened, converted to `dtype`) into the front of the device buffer `buf`, as
 /// compute does (the sim device's checker records a compute write); returns the bytes written.
 /// Record a compute event after it to order a D2H of `buf`.

@@ -41,6 +41,9 @@ pub(super) struct Unit {
     pub(super) name: String,
     /// Parameters (elements of the flat vector).
     pub(super) numel: usize,
+    /// Elements of the compute copy the tiers hold: `numel`, or this rank's shard of them with
+    /// [`super::RuntimeConfig::shard_parameters`] (the rest is all-gathered at each fetch).
+    pub(super) home_numel: usize,
     /// The compute copy's element type (the runtime's compute dtype).
     pub(super) dtype: DType,
     pub(super) scheduling: Scheduling,
@@ -54,10 +57,11 @@ pub(super) struct Unit {
 }
 
 impl Unit {
-    pub(super) fn new(name: &str, numel: usize, dtype: DType) -> Self {
+    pub(super) fn new(name: &str, numel: usize, home_numel: usize, dtype: DType) -> Self {
         Self {
             name: name.to_string(),
             numel,
+            home_numel,
             dtype,
             scheduling: Scheduling::Scheduled,
             update: Update::Current,
@@ -69,6 +73,11 @@ impl Unit {
     /// Bytes of the compute copy (and of the unit's gradients, which have its dtype).
     pub(super) fn bytes(&self) -> u64 {
         self.dtype.num_bytes(self.numel) as u64
+    }
+
+    /// Bytes of the compute copy the tiers hold (the shard with sharded parameters).
+    pub(super) fn home_bytes(&self) -> u64 {
+        self.dtype.num_bytes(self.home_numel) as u64
     }
 
     /// Whether its compute copy can be published now without waiting.
@@ -84,8 +93,10 @@ pub struct UnitParams {
     pub(super) tensor: candle_core::Tensor,
     pub(super) unit: UnitId,
     /// The pin on the tiers' copy; `None` for a unit whose optimizer is on the device (its
-    /// compute copy is a device tensor the runtime keeps).
+    /// compute copy is a device tensor the runtime keeps) or gathered from the ranks' shards.
     pub(super) _pinned: Option<PinnedUnit>,
+    /// Marks a unit gathered from the ranks' shards in use (`runtime/gathered.rs`).
+    pub(super) _gathered: Option<Arc<()>>,
 }
 
 impl UnitParams {

@@ -200,6 +200,7 @@ pub fn runtime_config(cfg: &TrainConfig, model: &dyn CausalLm) -> RuntimeConfig 
         lock_host_memory: true,
         overlap_optimizer: cfg.prefetch.overlap_optimizer,
         activation_offload: activation_offload(cfg, model),
+        shard_parameters: cfg.ranks.shard_parameters,
     }
 }
 
@@ -253,6 +254,7 @@ pub fn nvme_plan(cfg: &TrainConfig, units: &[usize]) -> Option<NvmePlan> {
         cfg.budgets.params,
         &optimizer_config(cfg),
         cfg.budgets.nvme_size.map(|s| s.as_u64()),
+        cfg.ranks.shard_parameters,
     )
 }
 
