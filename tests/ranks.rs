@@ -37,6 +37,23 @@ fn tight_config(dir: &Path, batch_size: usize) -> TrainConfig {
 
 const TIGHT_STEPS: u64 = 6;
 
+/// [`config`] with what else must keep working across ranks: two micro-batches of
+/// `batch_size` windows, activation checkpoints offloaded, the compute copies (and so their
+/// shards) on NVMe with the host tier as their cache, and immediate updates (no clipping,
+/// `nonfinite = "stop"`).
+fn features_config(dir: &Path, batch_size: usize) -> TrainConfig {
+    let mut cfg = config(dir, batch_size);
+    cfg.train.micro_batches = 2;
+    cfg.train.steps = FEATURES_STEPS;
+    cfg.activations.offload = true;
+    cfg.budgets.params = oogc::swapper::StatePlacement::Nvme;
+    cfg.optimizer.clip_norm = 0.0;
+    cfg.optimizer.nonfinite = oogc::optimizer::NonFinite::Stop;
+    cfg
+}
+
+const FEATURES_STEPS: u64 = 4;
+
 /// [`config`] writing checkpoints into `ckpt`.
 fn config_with_checkpoints(dir: &Path, batch_size: usize, ckpt: &Path) -> TrainConfig {
     let mut cfg = config(dir, batch_size);
@@ -205,6 +222,8 @@ fn as_rank_or_skipped(test: &str) -> bool {
 fn rank_train(out: &Path, world: oogc::dist::World) {
     write_outcome(out, world.rank, "", &train(config(out, 4 / RANKS)));
     write_outcome(out, world.rank, "-tight", &train_steps(tight_config(&out.join("tight"), 4 / RANKS), TIGHT_STEPS));
+    let features = features_config(&out.join("features"), 2 / RANKS);
+    write_outcome(out, world.rank, "-features", &train_steps(features, FEATURES_STEPS));
     // Resumed at another world size: the one process's checkpoint of step STEPS / 2, re-sharded.
     let cfg = config_with_checkpoints(&out.join("resumed"), 4 / RANKS, &out.join("ckpt-ranks"));
     write_outcome(out, world.rank, "-resumed", &train_resumed(cfg, &out.join("ckpt-one")));
@@ -339,6 +358,29 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
         assert!(rel(*a, *b) < 1e-5, "tight budget, step {}: loss {a} over 2 ranks, {b} in one process", s + 1);
     }
     assert!(tight[0].masters == tight[1].masters, "tight budget: the ranks' master weights differ");
+    // Micro-batches, activation offload, parameter shards on NVMe, immediate updates: the same
+    // run as one process's with the whole batch.
+    let features = read_outcomes(&ranks_dir, "-features");
+    let one_features = train_steps(features_config(&dir.path().join("one-features"), 2), FEATURES_STEPS);
+    assert!(features[0].gathers > 0, "the features run gathered nothing");
+    for (s, (a, b)) in features[0].losses.iter().zip(&one_features.losses).enumerate() {
+        assert!(rel(*a, *b) < 1e-5, "micro-batches etc., step {}: loss {a} over 2 ranks, {b} in one process", s + 1);
+    }
+    assert_eq!(features[0].losses.len() as u64, FEATURES_STEPS);
+    assert!(features[0].masters == features[1].masters, "micro-batches etc.: the ranks' master weights differ");
+    let worst_features = features[0]
+        .masters
+        .iter()
+        .flatten()
+        .zip(one_features.masters.iter().flatten())
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst_features < 1e-4, "micro-batches etc.: master weights differ by up to {worst_features}");
+    eprintln!(
+        "micro-batches, activation offload, parameters on NVMe, immediate updates: losses ≤ {:.1e} rel., master \
+         weights ≤ {worst_features:.1e}",
+        max_rel(&features[0].losses, &one_features.losses)
+    );
     eprintln!(
         "tight GPU budget (800 KiB): {} all-gathers per rank over {TIGHT_STEPS} steps of {units} units, H2D {} B per \
          rank against {} B in one process",
