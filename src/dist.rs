@@ -21,7 +21,9 @@
 //! trainer's default) the tiers hold the same shard of each compute copy and `Runtime::fetch`
 //! all-gathers the unit (`runtime/gathered.rs` keeps gathered units for their next use);
 //! without it (ZeRO-2, the Python module) the compute copies stay whole on every rank and
-//! `Runtime::finish_step` all-gathers each updated unit's new copy. A checkpoint gathers the state (every rank takes part, rank 0 writes it); a
+//! `Runtime::finish_step` all-gathers each updated unit's new copy — as it does, with sharded
+//! parameters too, for units registered unscheduled (MoE experts: each rank fetches those its
+//! own routing needs, so their copies stay whole; `Runtime::add_unscheduled_unit`). A checkpoint gathers the state (every rank takes part, rank 0 writes it); a
 //! checkpoint of any world size loads, each rank taking its shard.
 //!
 //! **Ordering.** MPI collectives on one communicator must be called in the same order on every

@@ -39,17 +39,34 @@ pub fn places_experts(cfg: &TrainConfig) -> bool {
 /// Whether the hot experts of `cfg`'s run keep their optimizer on the device (`[moe]
 /// device_optimizer`, with `policy = "ours"`): `true` when set so; unset, when the expert budget
 /// holds at least one expert of `expert_params` parameters with its optimizer
-/// ([`crate::runtime::device_optimizer_bytes`]).
+/// ([`crate::runtime::device_optimizer_bytes`]). Off with data-parallel ranks (each rank's
+/// optimizer holds a shard of every expert's state).
 ///
 /// # Errors
 /// [`ConfigError::Invalid`] naming `moe.expert_budget` when `device_optimizer = true` and the
-/// budget cannot hold one such expert.
+/// budget cannot hold one such expert, or naming `moe.device_optimizer` when it is `true` with
+/// several ranks.
 pub fn device_optimizer(cfg: &TrainConfig, expert_params: usize) -> Result<bool, ConfigError> {
     if !places_experts(cfg) {
         return Ok(false);
     }
     let need = crate::runtime::device_optimizer_bytes(expert_params, cfg.train.compute_dtype.dtype());
     let fits = expert_budget_bytes(cfg) >= need;
+    let ranks = crate::dist::world().size;
+    if ranks > 1 {
+        // Each rank's optimizer holds a shard of every expert's state.
+        return match cfg.moe.device_optimizer {
+            Some(true) => Err(ConfigError::Invalid {
+                key: "moe.device_optimizer".into(),
+                reason: format!(
+                    "device optimizers with {ranks} data-parallel ranks are not supported (each rank's optimizer \
+                     holds a shard of every expert's state); fix: set [moe] device_optimizer = false, or leave it \
+                     unset (off with ranks)"
+                ),
+            }),
+            _ => Ok(false),
+        };
+    }
     match cfg.moe.device_optimizer {
         Some(false) => Ok(false),
         None => Ok(fits),

@@ -87,7 +87,7 @@ fn through_the_runtime(label: &str, place: impl Fn(usize, usize) -> Place) {
     for u in &units {
         rt.add_unit(&u.name, &ckpt.read_unit(u).unwrap()).unwrap();
         if matches!(u.kind, UnitKind::Expert { .. }) {
-            rt.set_unscheduled(UnitId(u.index));
+            rt.set_unscheduled(UnitId(u.index)).unwrap();
         }
     }
     rt.set_max_units_in_use(2);

@@ -54,6 +54,23 @@ fn features_config(dir: &Path, batch_size: usize) -> TrainConfig {
 
 const FEATURES_STEPS: u64 = 4;
 
+/// A tiny Mixtral (3 MoE blocks of 16 experts, top-2: with a window per rank, some experts get
+/// tokens from one rank only, some from none) with `batch_size` windows, the placer's
+/// policy (hot set, cold experts computed on the CPU when cheaper), its optimizer state on NVMe,
+/// without the load-balancing loss (each rank's would be its own batch's, as in DeepSpeed and
+/// Megatron, not the whole batch's: the oracle compares the language-model loss).
+fn moe_config(dir: &Path, batch_size: usize) -> TrainConfig {
+    let text = common::tiny_mixtral(&dir.join("nvme"), &dir.join("cache"), "1MiB", "ours")
+        .replace("output_router_logits = true", "output_router_logits = false")
+        .replace("num_local_experts = 4", "num_local_experts = 16")
+        .replace("batch_size = 4", &format!("batch_size = {batch_size}"))
+        .replace("steps = 12", &format!("steps = {MOE_STEPS}"))
+        + "device_optimizer = false\n";
+    TrainConfig::from_toml_str(&text).expect("config")
+}
+
+const MOE_STEPS: u64 = 6;
+
 /// [`config`] writing checkpoints into `ckpt`.
 fn config_with_checkpoints(dir: &Path, batch_size: usize, ckpt: &Path) -> TrainConfig {
     let mut cfg = config(dir, batch_size);
@@ -84,6 +101,8 @@ struct Outcome {
     ledger_copies_peak: u64,
     /// The GPU bytes of the residency manager's copies at their peak.
     device_peak: u64,
+    /// MoE: each step's tokens routed to each expert, `[step][block][expert]`.
+    routed: Vec<Vec<Vec<usize>>>,
     loaded: Vec<UnitState>,
     saved: Vec<UnitState>,
 }
@@ -108,10 +127,11 @@ fn train_resumed(cfg: TrainConfig, from: &Path) -> Outcome {
 /// Trains `t` to step `last`, writes a checkpoint when `save`, evaluates.
 fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
     let (mut losses, mut grad_norms, mut skipped) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut h2d_bytes, mut gathers, mut gather_bytes) = (0, 0, 0);
+    let (mut h2d_bytes, mut gathers, mut gather_bytes, mut routed) = (0, 0, 0, Vec::new());
     while t.step() < last {
         let o = t.train_step().expect("step");
         h2d_bytes += o.stats.h2d_bytes;
+        routed.push(o.routed_tokens.clone());
         gathers += o.stats.gathers;
         gather_bytes += o.stats.gather_bytes;
         losses.push(o.loss);
@@ -141,6 +161,7 @@ fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
         ledger_peak: ledger.peak_bytes,
         ledger_copies_peak: ledger.of(oogc::swapper::HostUse::ComputeCopies).peak_bytes,
         device_peak: t.runtime().peak_bytes().device,
+        routed,
         loaded: Vec::new(),
         saved,
     }
@@ -224,6 +245,7 @@ fn rank_train(out: &Path, world: oogc::dist::World) {
     write_outcome(out, world.rank, "-tight", &train_steps(tight_config(&out.join("tight"), 4 / RANKS), TIGHT_STEPS));
     let features = features_config(&out.join("features"), 2 / RANKS);
     write_outcome(out, world.rank, "-features", &train_steps(features, FEATURES_STEPS));
+    write_outcome(out, world.rank, "-moe", &train_steps(moe_config(&out.join("moe"), 2 / RANKS), MOE_STEPS));
     // Resumed at another world size: the one process's checkpoint of step STEPS / 2, re-sharded.
     let cfg = config_with_checkpoints(&out.join("resumed"), 4 / RANKS, &out.join("ckpt-ranks"));
     write_outcome(out, world.rank, "-resumed", &train_resumed(cfg, &out.join("ckpt-one")));
@@ -293,10 +315,7 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     assert!(rel(ranks[0].val, one.val) < 1e-5, "validation {} vs {}", ranks[0].val, one.val);
     // Parameters: the reductions sum in another order (rank means, then their mean), so not
     // bitwise; within Adam's amplification of float rounding over STEPS steps.
-    let mut worst = 0f32;
-    for (a, b) in ranks[0].masters.iter().flatten().zip(one.masters.iter().flatten()) {
-        worst = worst.max((a - b).abs());
-    }
+    let worst = max_abs_diff(&ranks[0].masters, &one.masters);
     assert!(worst < 1e-4, "master weights differ by up to {worst}");
     // ZeRO-style sharding: each rank's optimizer state (on NVMe here) is its share of the
     // one process's, not all of it.
@@ -368,14 +387,35 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     }
     assert_eq!(features[0].losses.len() as u64, FEATURES_STEPS);
     assert!(features[0].masters == features[1].masters, "micro-batches etc.: the ranks' master weights differ");
-    let worst_features = features[0]
-        .masters
-        .iter()
-        .flatten()
-        .zip(one_features.masters.iter().flatten())
-        .map(|(a, b)| (a - b).abs())
-        .fold(0f32, f32::max);
+    let worst_features = max_abs_diff(&features[0].masters, &one_features.masters);
     assert!(worst_features < 1e-4, "micro-batches etc.: master weights differ by up to {worst_features}");
+    // A Mixtral: each rank routes its own tokens and fetches (or computes on the CPU) the experts
+    // they need, whole; an expert only the other rank used gets zero gradients here; the
+    // trunks are sharded and gathered. The same run as one process's.
+    let moe = read_outcomes(&ranks_dir, "-moe");
+    let one_moe = train_steps(moe_config(&dir.path().join("one-moe"), 2), MOE_STEPS);
+    // The cases the ranks must agree on happened: an expert routed tokens by one rank only (the
+    // other pushes zeros), and one routed none by either (neither pushes, neither updates it).
+    let (mut one_side, mut neither) = (0, 0);
+    for (a, b) in moe[0].routed.iter().flatten().flatten().zip(moe[1].routed.iter().flatten().flatten()) {
+        one_side += usize::from((*a == 0) != (*b == 0));
+        neither += usize::from(*a == 0 && *b == 0);
+    }
+    assert!(one_side > 0 && neither > 0, "experts used by one rank only: {one_side}, by neither: {neither}");
+    assert_eq!(moe[0].losses.len() as u64, MOE_STEPS);
+    for (s, (a, b)) in moe[0].losses.iter().zip(&one_moe.losses).enumerate() {
+        assert!(rel(*a, *b) < 1e-5, "Mixtral, step {}: loss {a} over 2 ranks, {b} in one process", s + 1);
+    }
+    assert!(moe[0].masters == moe[1].masters, "Mixtral: the ranks' master weights differ");
+    let worst_moe = max_abs_diff(&moe[0].masters, &one_moe.masters);
+    assert!(worst_moe < 1e-4, "Mixtral: master weights differ by up to {worst_moe}");
+    assert!(moe[0].gathers > 0 && moe[0].state_nvme_bytes * 10 < one_moe.state_nvme_bytes * 6);
+    eprintln!(
+        "Mixtral on 2 ranks: losses ≤ {:.1e} rel., master weights ≤ {worst_moe:.1e}, {} all-gathers of trunks, \
+         embedding and head per rank; experts used by one rank only {one_side} times, by neither {neither}",
+        max_rel(&moe[0].losses, &one_moe.losses),
+        moe[0].gathers
+    );
     eprintln!(
         "micro-batches, activation offload, parameters on NVMe, immediate updates: losses ≤ {:.1e} rel., master \
          weights ≤ {worst_features:.1e}",
@@ -406,10 +446,7 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
             s as u64 + 1 + STEPS / 2
         );
     }
-    let mut worst_resumed = 0f32;
-    for (a, b) in resumed[0].masters.iter().flatten().zip(one.masters.iter().flatten()) {
-        worst_resumed = worst_resumed.max((a - b).abs());
-    }
+    let worst_resumed = max_abs_diff(&resumed[0].masters, &one.masters);
     assert!(worst_resumed < 1e-4, "resumed master weights differ by up to {worst_resumed}");
     // Checkpoints across world sizes, master weights and Adam state bitwise as saved: one
     // process's at 2 ranks, the 2 ranks' at 2 ranks again and in one process.
@@ -432,6 +469,11 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     let init = train_zero_steps(&dir.path().join("init"));
     let moved = one.masters.iter().flatten().zip(init.iter().flatten()).filter(|(a, b)| a != b).count();
     assert!(moved > 0, "training changed no parameter");
+}
+
+/// The largest absolute difference between two models' parameters, unit by unit.
+fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max)
 }
 
 fn train_zero_steps(dir: &Path) -> Vec<Vec<f32>> {

@@ -25,7 +25,7 @@ fn train(cpu_middle: bool, steps: u64) -> (Vec<f32>, Vec<Vec<f32>>, u64) {
         })
         .collect();
     if cpu_middle {
-        rt.set_unscheduled(units[1]);
+        rt.set_unscheduled(units[1]).unwrap();
     }
     let x =
         Tensor::from_vec((0..8 * W).map(|i| ((i % 13) as f32 - 6.0) / 6.0).collect::<Vec<_>>(), (8, W), &Device::Cpu)

@@ -61,3 +61,53 @@ impl ComputeCopyHome for ResidencyHome {
         Ok(())
     }
 }
+
+/// The home of a rank's compute copies with sharded parameters: a unit gathered at its fetch has
+/// its shard in the tiers ([`ResidencyHome`], written there by the optimizer); a unit kept
+/// whole on every rank (an MoE expert, fetched as the rank's routing decides) has the
+/// optimizer's shard of its copy in a home of its own ([`oogc_optimizer::MemoryHome`]), from
+/// which `Runtime::finish_step` all-gathers the whole copy into the tiers.
+pub(super) struct RankHome {
+    shards: ResidencyHome,
+    whole: oogc_optimizer::MemoryHome,
+    /// The units kept whole (in `whole`).
+    whole_units: parking_lot::RwLock<std::collections::HashSet<TensorId>>,
+}
+
+impl RankHome {
+    pub(super) fn new(residency: Arc<ResidencyManager>) -> Self {
+        Self {
+            shards: ResidencyHome::new(residency),
+            whole: oogc_optimizer::MemoryHome::new(),
+            whole_units: parking_lot::RwLock::new(std::collections::HashSet::new()),
+        }
+    }
+
+    /// `unit` is kept whole: its optimizer's copy goes to the home of its own. Call before the
+    /// optimizer adds the unit.
+    pub(super) fn keep_whole(&self, unit: TensorId) {
+        self.whole_units.write().insert(unit);
+    }
+
+    fn of(&self, unit: TensorId) -> &dyn ComputeCopyHome {
+        if self.whole_units.read().contains(&unit) {
+            &self.whole
+        } else {
+            &self.shards
+        }
+    }
+}
+
+impl ComputeCopyHome for RankHome {
+    fn add_unit(&self, unit: TensorId, bytes: &[u8]) -> oogc_swapper::Result<()> {
+        self.of(unit).add_unit(unit, bytes)
+    }
+
+    fn write(&self, unit: TensorId, f: &mut dyn FnMut(&mut [u8])) -> oogc_swapper::Result<()> {
+        self.of(unit).write(unit, f)
+    }
+
+    fn read(&self, unit: TensorId, f: &mut dyn FnMut(&[u8])) -> oogc_swapper::Result<()> {
+        self.of(unit).read(unit, f)
+    }
+}

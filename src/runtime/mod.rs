@@ -315,6 +315,8 @@ pub struct Runtime {
     sharded: bool,
     /// Units gathered from the ranks' shards, kept for their next use (`sharded` only).
     gathered: gathered::Gathered,
+    /// With `sharded`, the optimizer's compute-copy home (which routes the units kept whole).
+    rank_home: Option<Arc<home::RankHome>>,
 }
 
 impl Runtime {
@@ -383,10 +385,11 @@ impl Runtime {
         // With sharded parameters the tiers hold exactly the optimizer's shard of each copy: the
         // optimizer writes it there, as in a world of one.
         let sharded = config.shard_parameters && world.size > 1;
-        let home: Arc<dyn oogc_optimizer::ComputeCopyHome> = if world.size > 1 && !sharded {
-            Arc::new(oogc_optimizer::MemoryHome::new())
-        } else {
-            Arc::new(ResidencyHome::new(residency.clone()))
+        let rank_home = sharded.then(|| Arc::new(home::RankHome::new(residency.clone())));
+        let home: Arc<dyn oogc_optimizer::ComputeCopyHome> = match &rank_home {
+            Some(h) => h.clone(),
+            None if world.size > 1 => Arc::new(oogc_optimizer::MemoryHome::new()),
+            None => Arc::new(ResidencyHome::new(residency.clone())),
         };
         let optimizer = PipelinedOptimizer::with_home(config.optimizer.clone(), nvme.clone(), ledger.clone(), home)?;
         if world.size > 1 {
@@ -436,6 +439,7 @@ impl Runtime {
             device_optimizer_bytes: 0,
             lr: 0.0,
             sharded,
+            rank_home,
             gathered: gathered::Gathered::new(),
         })
     }
@@ -449,6 +453,24 @@ impl Runtime {
     /// [`RuntimeError::Usage`] after the first step began; swapper or optimizer errors (host
     /// budget, NVMe full).
     pub fn add_unit(&mut self, name: &str, master: &[f32]) -> Result<UnitId> {
+        self.add_unit_as(name, master, Scheduling::Scheduled)
+    }
+
+    /// [`Runtime::add_unit`] for a unit used as data decides, such as an MoE expert (its next
+    /// use is unknown until the router runs): kept out of the recorded schedule as
+    /// [`Runtime::set_unscheduled`] does, and with sharded parameters
+    /// ([`RuntimeConfig::shard_parameters`]) its compute copy stays whole on every rank — each
+    /// rank fetches it as its own data needs, so an all-gather at its fetch would be a
+    /// collective only some ranks call — while its master weights and Adam state are sharded
+    /// like every unit's (its new copy all-gathered at the end of each step that updates it).
+    ///
+    /// # Errors
+    /// As [`Runtime::add_unit`].
+    pub fn add_unscheduled_unit(&mut self, name: &str, master: &[f32]) -> Result<UnitId> {
+        self.add_unit_as(name, master, Scheduling::Unscheduled)
+    }
+
+    fn add_unit_as(&mut self, name: &str, master: &[f32], scheduling: Scheduling) -> Result<UnitId> {
         if self.checked_working_set {
             return Err(RuntimeError::Usage(format!("add_unit({name}) after the first step began")));
         }
@@ -456,9 +478,13 @@ impl Runtime {
         let home = self.config.params_placement.tier();
         let dtype = self.compute_dtype();
         let shard = crate::dist::shard_range(master.len(), self.world.rank, self.world.size);
-        // Sharded parameters: the tiers hold this rank's shard of the compute copy.
-        let kept = if self.sharded { shard.clone() } else { 0..master.len() };
-        if self.sharded && kept.is_empty() {
+        // Sharded parameters: the tiers hold this rank's shard of a scheduled unit's compute copy.
+        let gathers = self.sharded && scheduling == Scheduling::Scheduled;
+        let kept = if gathers { shard.clone() } else { 0..master.len() };
+        if let (Some(home), false) = (&self.rank_home, gathers) {
+            home.keep_whole(unit.tensor());
+        }
+        if gathers && kept.is_empty() {
             return Err(RuntimeError::Usage(format!(
                 "add_unit({name}): {} parameters leave rank {} of {} no shard of the unit; shard the parameters of \
                  units of at least one element per rank (shard_parameters = false keeps whole copies)",
@@ -478,7 +504,10 @@ impl Runtime {
         // Gradients land in buffers of the largest unit's size (the plan's two): reused by every
         // unit's D2H instead of one size class giving way to another every step.
         self.grads.raise_landing_len(dtype.num_bytes(master.len()));
-        self.units.push(Unit::new(name, master.len(), kept.len(), dtype));
+        let mut u = Unit::new(name, master.len(), kept.len(), dtype);
+        u.scheduling = scheduling;
+        u.gathers = gathers;
+        self.units.push(u);
         Ok(unit)
     }
 
@@ -491,9 +520,24 @@ impl Runtime {
     /// Keeps `unit` out of the recorded schedule: its fetches are not recorded, the prefetch
     /// window does not fetch it, and the eviction policy ranks it by its fallback (see
     /// [`Runtime::set_fallback_policy`]). For units used as data decides, such as MoE experts
-    /// (their next use is unknown until the router runs).
-    pub fn set_unscheduled(&mut self, unit: UnitId) {
-        self.units[unit.0].scheduling = Scheduling::Unscheduled;
+    /// (their next use is unknown until the router runs). With sharded parameters register such
+    /// units with [`Runtime::add_unscheduled_unit`] instead, which keeps their copies whole.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] for a unit whose compute copy is sharded over the ranks (its
+    /// fetches all-gather it: every rank must fetch it at the same point of the schedule).
+    pub fn set_unscheduled(&mut self, unit: UnitId) -> Result<()> {
+        let u = &mut self.units[unit.0];
+        if u.gathers {
+            return Err(RuntimeError::Usage(format!(
+                "set_unscheduled({}): its compute copy is sharded over the ranks and all-gathered at each fetch, \
+                 which every rank must make at the same point; register it with add_unscheduled_unit, which keeps \
+                 it whole on every rank",
+                u.name
+            )));
+        }
+        u.scheduling = Scheduling::Unscheduled;
+        Ok(())
     }
 
     /// The policy that ranks unscheduled units (default LRU) once the next-use policy is
@@ -571,7 +615,17 @@ impl Runtime {
     /// applies).
     pub fn plan_host(&self) -> HostPlan {
         let units: Vec<usize> = self.units.iter().map(|u| u.numel).collect();
-        HostPlan::new(&self.config, &units, self.max_units_in_use, self.nvme_speculation_room())
+        let shards: Vec<usize> =
+            units.iter().map(|&n| crate::dist::shard_range(n, self.world.rank, self.world.size).len()).collect();
+        let copies: Vec<usize> = self.units.iter().map(|u| u.home_numel).collect();
+        HostPlan::with_shards(
+            &self.config,
+            &units,
+            &shards,
+            &copies,
+            self.max_units_in_use,
+            self.nvme_speculation_room(),
+        )
     }
 
     /// NVMe bytes the store has beyond what the run needs ([`NvmePlan::speculation_room_bytes`]):
@@ -652,7 +706,7 @@ impl Runtime {
         }
         let min = self.compute_side_copies_bytes();
         let shards: u64 = self.units.iter().map(Unit::home_bytes).sum();
-        let whole: u64 = self.units.iter().map(Unit::bytes).sum();
+        let whole: u64 = self.units.iter().filter(|u| u.gathers).map(Unit::bytes).sum();
         min + available.saturating_sub(shards).min(whole.saturating_sub(min))
     }
 
@@ -833,7 +887,7 @@ impl Runtime {
             // recorded (the unit is outside the schedule while it stays there).
             return Ok(UnitParams { tensor: d.copy.clone(), unit, _pinned: None, _gathered: None });
         }
-        if self.sharded {
+        if self.units[unit.0].gathers {
             return self.fetch_gathered(unit, phase);
         }
         let pinned = self.pin_on_device(unit, phase, Access::Read)?;
@@ -855,7 +909,7 @@ impl Runtime {
     /// # Errors
     /// As [`Runtime::fetch`].
     pub fn fetch_pinned(&mut self, unit: UnitId, phase: Phase, access: Access) -> Result<PinnedUnit> {
-        if self.sharded {
+        if self.units[unit.0].gathers {
             return Err(RuntimeError::Usage(format!(
                 "fetch_pinned({}): the parameters are sharded over the ranks, so the device holds this rank's shard \
                  of the unit, not the unit; use fetch (which all-gathers it), or build the runtime with \
@@ -874,8 +928,7 @@ impl Runtime {
         if phase == Phase::Optimizer {
             return Err(RuntimeError::Usage("fetch(.., Phase::Optimizer): the optimizer does not fetch units".into()));
         }
-        let scheduled = phase != Phase::Eval && self.units[unit.0].scheduling == Scheduling::Scheduled;
-        if let Some((tensor, in_use)) = self.gathered.get(unit, scheduled) {
+        if let Some((tensor, in_use)) = self.gathered.get(unit, phase != Phase::Eval) {
             return Ok(UnitParams { tensor, unit, _pinned: None, _gathered: Some(in_use) });
         }
         let shard = {
@@ -1075,7 +1128,7 @@ impl Runtime {
             let tensor = d.copy.to_device(&candle_core::Device::Cpu)?;
             return Ok(UnitParams { tensor, unit, _pinned: None, _gathered: None });
         }
-        if self.sharded {
+        if self.units[unit.0].gathers {
             return Err(RuntimeError::Usage(format!(
                 "fetch_host({}): the parameters are sharded over the ranks (this rank's host copy is its shard); \
                  use fetch",
@@ -1161,7 +1214,7 @@ impl Runtime {
             }
         }
         self.gathered.end_step();
-        if self.world.size > 1 && !self.sharded && !report.skipped {
+        if self.world.size > 1 && !report.skipped {
             self.gather_updates()?;
         }
         self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
@@ -1388,7 +1441,8 @@ impl Runtime {
     fn gather_updates(&mut self) -> Result<()> {
         let optimizer = self.grads.optimizer();
         for (k, u) in self.units.iter_mut().enumerate() {
-            if u.update != Update::StepFinished {
+            // A sharded unit's copy is gathered at its fetch instead.
+            if u.update != Update::StepFinished || u.gathers {
                 continue;
             }
             let unit = UnitId(k).tensor();
@@ -1516,7 +1570,7 @@ impl Runtime {
             // This rank's shard to its optimizer (a checkpoint of any world size re-shards), which
             // writes the compute copy's shard into the tiers when they hold shards; else the
             // whole compute copy to the residency manager.
-            if !self.sharded {
+            if !self.units[unit.0].gathers {
                 let copy = oogc_optimizer::compute_copy(&master, self.units[unit.0].dtype);
                 home::overwrite_host_copy(&self.residency, unit.tensor(), &mut |b| {
                     b[..copy.len()].copy_from_slice(&copy)

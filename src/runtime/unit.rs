@@ -44,6 +44,9 @@ pub(super) struct Unit {
     /// Elements of the compute copy the tiers hold: `numel`, or this rank's shard of them with
     /// [`super::RuntimeConfig::shard_parameters`] (the rest is all-gathered at each fetch).
     pub(super) home_numel: usize,
+    /// Whether the tiers hold only this rank's shard of its compute copy, all-gathered at each
+    /// fetch (with sharded parameters, a scheduled unit; an unscheduled one is kept whole).
+    pub(super) gathers: bool,
     /// The compute copy's element type (the runtime's compute dtype).
     pub(super) dtype: DType,
     pub(super) scheduling: Scheduling,
@@ -62,6 +65,7 @@ impl Unit {
             name: name.to_string(),
             numel,
             home_numel,
+            gathers: false,
             dtype,
             scheduling: Scheduling::Scheduled,
             update: Update::Current,

@@ -541,18 +541,6 @@ impl Trainer {
         // The model (its shape read, nothing allocated) and the budgets it needs: too small ones
         // are refused before anything is written.
         let model = build_model(&cfg, vocab_size(&cfg)?)?;
-        if world.size > 1 && model.moe().is_some() {
-            return Err(crate::config::ConfigError::Invalid {
-                key: "model".into(),
-                reason: format!(
-                    "a Mixture-of-Experts model over {} ranks: experts across ranks are not supported yet (a rank \
-                     whose expert got no tokens would skip a gradient reduction the others make); run it on \
-                     one process",
-                    world.size
-                ),
-            }
-            .into());
-        }
         // The config's validation refuses micro-batches for MoE-GPT; a Mixtral's experts (from
         // its keys or an init checkpoint's config.json) are known only once the model is.
         cfg.check_moe_support(model.moe().is_some())?;
@@ -603,24 +591,30 @@ impl Trainer {
             }
             _ => None,
         };
-        for spec in model.units() {
+        let layout = Layout::of(&*model);
+        // Experts are fetched as the router decides: outside the recorded schedule (and, with
+        // ranks sharding the parameters, whole on every rank: each rank's routing decides).
+        let experts: std::collections::HashSet<UnitId> = layout
+            .blocks
+            .iter()
+            .flat_map(|b| match b {
+                Block::Moe { experts, .. } => experts.clone(),
+                _ => Vec::new(),
+            })
+            .collect();
+        for (k, spec) in model.units().iter().enumerate() {
             let flat = match &init {
                 Some(ckpt) => ckpt.read_unit(spec)?,
                 None => oogc_models::init_unit_from_seed(spec, cfg.train.seed),
             };
-            rt.add_unit(&spec.name, &flat)?;
-        }
-        let layout = Layout::of(&*model);
-        let moe = match model.moe() {
-            Some(_) => {
-                // Experts are fetched as the router decides: outside the recorded schedule.
-                for b in &layout.blocks {
-                    if let Block::Moe { experts, .. } = b {
-                        experts.iter().for_each(|&e| rt.set_unscheduled(e));
-                    }
-                }
-                Some(moe::MoeState::new(&cfg, &*model, &mut rt)?)
+            if experts.contains(&UnitId(k)) {
+                rt.add_unscheduled_unit(&spec.name, &flat)?;
+            } else {
+                rt.add_unit(&spec.name, &flat)?;
             }
+        }
+        let moe = match model.moe() {
+            Some(_) => Some(moe::MoeState::new(&cfg, &*model, &mut rt)?),
             None => None,
         };
         // A trunk stays pinned while its experts run (MoE); a tied head uses the embedding.

@@ -112,6 +112,11 @@ pub(super) struct MoeState {
     device_optimizer: bool,
     /// This step's expert traffic so far.
     pub(super) traffic: ExpertTraffic,
+    /// With data-parallel ranks: per block, whether any rank routed tokens to each expert in
+    /// this step's forward (the ranks whose own tokens missed it push zero gradients, so that
+    /// every rank reduces the same experts' gradients in the same order, and an expert no rank
+    /// used is not updated anywhere, as in one process with the whole batch).
+    used_anywhere: HashMap<usize, Vec<bool>>,
 }
 
 /// The arguments of [`MoeState::block_backward`] that say which block.
@@ -206,6 +211,7 @@ impl MoeState {
             units,
             device_optimizer,
             traffic: ExpertTraffic::default(),
+            used_anywhere: HashMap::new(),
         })
     }
 
@@ -301,6 +307,11 @@ impl MoeState {
             moe.trunk_forward(block, p.tensor(), x)?
         };
         let counts = t.routing.counts();
+        if phase != Phase::Eval && crate::dist::world().size > 1 {
+            let mut anywhere: Vec<f64> = counts.iter().map(|&n| n as f64).collect();
+            crate::dist::all_reduce_sum_f64(&mut anywhere);
+            self.used_anywhere.insert(block, anywhere.iter().map(|&n| n > 0.0).collect());
+        }
         let placements = self.place_block(block, &counts)?;
         let mut outs: Vec<Option<Tensor>> = vec![None; t.routing.num_experts()];
         for (e, out) in outs.iter_mut().enumerate() {
@@ -349,7 +360,15 @@ impl MoeState {
         let mut grad_inputs: Vec<Option<Tensor>> = vec![None; n];
         let mut grad_gates: Vec<Option<Tensor>> = vec![None; n];
         for e in 0..n {
-            let Some(h_e) = routing.expert_input(e, &t.h)? else { continue };
+            let Some(h_e) = routing.expert_input(e, &t.h)? else {
+                if self.used_anywhere.get(&block).is_some_and(|used| used[e]) {
+                    // Another rank's tokens used it: this rank's share of its gradients is zero.
+                    let (_, numel) = rt.unit_info(experts[e]);
+                    let zeros = Tensor::zeros(numel, candle_core::DType::F32, &candle_core::Device::Cpu)?;
+                    rt.push_grads_host(experts[e], &zeros)?;
+                }
+                continue;
+            };
             let grad_out = moe.expert_grad_output(routing, e, grad_y)?.expect("active expert");
             let tokens = routing.tokens(e).len();
             let on_cpu = placements[e] == Placement::Cpu;

@@ -342,7 +342,7 @@ fn moe_step(
     for u in &units {
         rt.add_unit(&u.name, &ckpt.read_unit(u)?)?;
         if matches!(u.kind, UnitKind::Expert { .. }) {
-            rt.set_unscheduled(UnitId(u.index));
+            rt.set_unscheduled(UnitId(u.index))?;
         }
     }
     rt.set_max_units_in_use(2);
