@@ -581,7 +581,8 @@ pub enum OpsPath {
     Composed,
 }
 
-/// `[device] kind`: which device computes, parsed from `"sim"` or `"cuda:N"` at load time.
+/// `[device] kind`: which device computes, parsed from `"sim"`, `"cuda:N"` or `"cuda"` at load
+/// time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, Serialize)]
 #[serde(try_from = "String", into = "String")]
 pub enum DeviceKind {
@@ -591,12 +592,25 @@ pub enum DeviceKind {
     Sim,
     /// `"cuda:N"`: CUDA device `N` (needs a binary built with `--features cuda`).
     Cuda(usize),
+    /// `"cuda"`: the CUDA device of this process's local rank (`cuda:{local_rank}` under
+    /// `mpirun` or `torchrun`; `cuda:0` in one process).
+    CudaLocalRank,
 }
 
 impl DeviceKind {
     /// Whether this is the sim device.
     pub fn is_sim(self) -> bool {
         self == DeviceKind::Sim
+    }
+
+    /// The CUDA device's ordinal for a process of local rank `local_rank`
+    /// ([`crate::dist::World::local_rank`]); `None` for the sim device.
+    pub fn cuda_ordinal(self, local_rank: usize) -> Option<usize> {
+        match self {
+            DeviceKind::Sim => None,
+            DeviceKind::Cuda(n) => Some(n),
+            DeviceKind::CudaLocalRank => Some(local_rank),
+        }
     }
 }
 
@@ -607,9 +621,15 @@ impl TryFrom<String> for DeviceKind {
         if s == "sim" {
             return Ok(DeviceKind::Sim);
         }
+        if s == "cuda" {
+            return Ok(DeviceKind::CudaLocalRank);
+        }
         match s.strip_prefix("cuda:").map(str::parse::<usize>) {
             Some(Ok(ordinal)) => Ok(DeviceKind::Cuda(ordinal)),
-            _ => Err(format!("device.kind `{s}`: use \"sim\" or \"cuda:N\" with N the device index (e.g. \"cuda:0\")")),
+            _ => Err(format!(
+                "device.kind `{s}`: use \"sim\", \"cuda:N\" with N the device index (e.g. \"cuda:0\"), or \"cuda\" \
+                 (the device of the process's local rank)"
+            )),
         }
     }
 }
@@ -619,6 +639,7 @@ impl From<DeviceKind> for String {
         match k {
             DeviceKind::Sim => "sim".into(),
             DeviceKind::Cuda(n) => format!("cuda:{n}"),
+            DeviceKind::CudaLocalRank => "cuda".into(),
         }
     }
 }
@@ -1228,6 +1249,8 @@ gpu = "1.5MiB"
             TrainConfig::from_toml_str(&text)
         };
         assert_eq!(with("device", "kind = \"cuda:3\"").unwrap().device.kind, DeviceKind::Cuda(3));
+        let local = with("device", "kind = \"cuda\"").unwrap().device.kind;
+        assert_eq!((local, local.cuda_ordinal(5)), (DeviceKind::CudaLocalRank, Some(5)));
         assert_eq!(with("optimizer", "kind = \"adam\"").unwrap().optimizer.kind, AdamKind::Adam);
         assert_eq!(with("moe", "policy = \"fetch\"").unwrap().moe.policy, MoePolicy::Fetch);
         assert_eq!(with("moe", "policy = \"lru\"").unwrap().moe.policy, MoePolicy::Lru);
@@ -1235,7 +1258,7 @@ gpu = "1.5MiB"
         for (table, line, needle) in [
             ("device", "kind = \"cudaX\"", "cudaX"),
             ("device", "kind = \"cuda:\"", "cuda:N"),
-            ("device", "kind = \"gpu\"", "\"sim\" or \"cuda:N\""),
+            ("device", "kind = \"gpu\"", "\"cuda:N\" with N the device index"),
             ("optimizer", "kind = \"sgd\"", "sgd"),
             ("moe", "policy = \"lfu\"", "lfu"),
         ] {
@@ -1243,8 +1266,10 @@ gpu = "1.5MiB"
             assert!(err.contains(needle), "{line}: {err}");
         }
         // A kind written back reads the same.
-        let cfg = with("device", "kind = \"cuda:1\"").unwrap();
-        assert_eq!(TrainConfig::from_toml_str(&toml::to_string(&cfg).unwrap()).unwrap(), cfg);
+        for kind in ["cuda:1", "cuda"] {
+            let cfg = with("device", &format!("kind = \"{kind}\"")).unwrap();
+            assert_eq!(TrainConfig::from_toml_str(&toml::to_string(&cfg).unwrap()).unwrap(), cfg);
+        }
     }
 
     #[test]

@@ -602,7 +602,9 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
                 "ranks: {n}, parameters sharded (ZeRO-3; host, NVMe and optimizer figures are one rank's: its 1/{n} of \
                  the compute copies and of the optimizer state); per step each rank sends and receives {rs} B \
                  reducing its gradients (f32 reduce-scatter) and {ag} B per gathering of every unit (all-gather at \
-                 a unit's fetch unless it was kept gathered: once to twice per step), not in the predicted step"
+                 a unit's fetch unless it was kept gathered: once to twice per step), not in the predicted step; \
+                 the step's GPU and H2D figures below are simulated on whole units (a rank's H2D carries its shards: \
+                 about 1/{n} of them)"
             )
         } else {
             writeln!(

@@ -178,6 +178,9 @@ impl Config {
         let device = match self.device.kind {
             DeviceKind::Sim => DeviceSpec::Sim { link_gbps: self.device.link_gbps, latency_us: self.device.latency_us },
             DeviceKind::Cuda(ordinal) => DeviceSpec::Cuda { ordinal, event_tracking: self.device.event_tracking },
+            DeviceKind::CudaLocalRank => {
+                DeviceSpec::Cuda { ordinal: oogc::dist::world().local_rank, event_tracking: self.device.event_tracking }
+            }
         };
         let on_nvme =
             self.budgets.optimizer_state == StatePlacement::Nvme || self.budgets.params == StatePlacement::Nvme;

@@ -184,6 +184,9 @@ pub fn runtime_config(cfg: &TrainConfig, model: &dyn CausalLm) -> RuntimeConfig 
     let device = match cfg.device.kind {
         DeviceKind::Sim => DeviceSpec::Sim { link_gbps: cfg.device.link_gbps, latency_us: cfg.device.latency_us },
         DeviceKind::Cuda(ordinal) => DeviceSpec::Cuda { ordinal, event_tracking: cfg.device.event_tracking },
+        DeviceKind::CudaLocalRank => {
+            DeviceSpec::Cuda { ordinal: crate::dist::world().local_rank, event_tracking: cfg.device.event_tracking }
+        }
     };
     let nvme =
         nvme_plan(cfg, &units).map(|p| oogc_swapper::NvmeConfig::new(cfg.budgets.nvme_dirs.clone(), p.capacity_bytes));

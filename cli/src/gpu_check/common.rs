@@ -112,10 +112,7 @@ impl Ctx {
 
     /// The CUDA ordinal, `None` on the sim device.
     pub(crate) fn cuda_ordinal(&self) -> Option<usize> {
-        match self.device {
-            DeviceKind::Sim => None,
-            DeviceKind::Cuda(n) => Some(n),
-        }
+        self.device.cuda_ordinal(0)
     }
 
     /// `"sim"` or `"cuda:N"`.
@@ -128,9 +125,9 @@ impl Ctx {
     /// # Errors
     /// candle's, e.g. a binary built without CUDA or no device.
     pub(crate) fn compute_device(&self) -> anyhow::Result<Device> {
-        match self.device {
-            DeviceKind::Sim => Ok(cpu()),
-            DeviceKind::Cuda(n) => Device::new_cuda(n).with_context(|| format!("opening cuda:{n} in candle")),
+        match self.device.cuda_ordinal(0) {
+            None => Ok(cpu()),
+            Some(n) => Device::new_cuda(n).with_context(|| format!("opening cuda:{n} in candle")),
         }
     }
 
