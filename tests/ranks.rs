@@ -373,20 +373,14 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
         "{} all-gathers in {TIGHT_STEPS} steps of {units} units: not between one and two per unit and step",
         tight[0].gathers
     );
-    for (s, (a, b)) in tight[0].losses.iter().zip(&one_tight.losses).enumerate() {
-        assert!(rel(*a, *b) < 1e-5, "tight budget, step {}: loss {a} over 2 ranks, {b} in one process", s + 1);
-    }
-    assert!(tight[0].masters == tight[1].masters, "tight budget: the ranks' master weights differ");
+    assert_same_run("tight budget", &tight, &one_tight);
     // Micro-batches, activation offload, parameter shards on NVMe, immediate updates: the same
     // run as one process's with the whole batch.
     let features = read_outcomes(&ranks_dir, "-features");
     let one_features = train_steps(features_config(&dir.path().join("one-features"), 2), FEATURES_STEPS);
     assert!(features[0].gathers > 0, "the features run gathered nothing");
-    for (s, (a, b)) in features[0].losses.iter().zip(&one_features.losses).enumerate() {
-        assert!(rel(*a, *b) < 1e-5, "micro-batches etc., step {}: loss {a} over 2 ranks, {b} in one process", s + 1);
-    }
+    assert_same_run("micro-batches etc.", &features, &one_features);
     assert_eq!(features[0].losses.len() as u64, FEATURES_STEPS);
-    assert!(features[0].masters == features[1].masters, "micro-batches etc.: the ranks' master weights differ");
     let worst_features = max_abs_diff(&features[0].masters, &one_features.masters);
     assert!(worst_features < 1e-4, "micro-batches etc.: master weights differ by up to {worst_features}");
     // A Mixtral: each rank routes its own tokens and fetches (or computes on the CPU) the experts
@@ -403,10 +397,7 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     }
     assert!(one_side > 0 && neither > 0, "experts used by one rank only: {one_side}, by neither: {neither}");
     assert_eq!(moe[0].losses.len() as u64, MOE_STEPS);
-    for (s, (a, b)) in moe[0].losses.iter().zip(&one_moe.losses).enumerate() {
-        assert!(rel(*a, *b) < 1e-5, "Mixtral, step {}: loss {a} over 2 ranks, {b} in one process", s + 1);
-    }
-    assert!(moe[0].masters == moe[1].masters, "Mixtral: the ranks' master weights differ");
+    assert_same_run("Mixtral", &moe, &one_moe);
     let worst_moe = max_abs_diff(&moe[0].masters, &one_moe.masters);
     assert!(worst_moe < 1e-4, "Mixtral: master weights differ by up to {worst_moe}");
     assert!(moe[0].gathers > 0 && moe[0].state_nvme_bytes * 10 < one_moe.state_nvme_bytes * 6);
@@ -469,6 +460,16 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     let init = train_zero_steps(&dir.path().join("init"));
     let moved = one.masters.iter().flatten().zip(init.iter().flatten()).filter(|(a, b)| a != b).count();
     assert!(moved > 0, "training changed no parameter");
+}
+
+/// The ranks' run `ranks` is the one process's `one`: every step's loss within 1e-5 relative,
+/// and the ranks' master weights identical.
+fn assert_same_run(what: &str, ranks: &[Outcome], one: &Outcome) {
+    for (s, (a, b)) in ranks[0].losses.iter().zip(&one.losses).enumerate() {
+        let rel = (a - b).abs() / b.abs().max(1e-12);
+        assert!(rel < 1e-5, "{what}, step {}: loss {a} over 2 ranks, {b} in one process", s + 1);
+    }
+    assert!(ranks[0].masters == ranks[1].masters, "{what}: the ranks' master weights differ");
 }
 
 /// The largest absolute difference between two models' parameters, unit by unit.

@@ -223,8 +223,7 @@ impl HostPlan {
     /// `max_units_in_use` units pinned at once by the trainer and `nvme_speculation_bytes` of
     /// NVMe room for speculated NVMe units' second extents (see [`NvmePlan`]).
     pub fn new(config: &RuntimeConfig, units: &[usize], max_units_in_use: usize, nvme_speculation_bytes: u64) -> Self {
-        let shards = optimizer_units(units);
-        let copies = if config.shard_parameters { shards.clone() } else { units.to_vec() };
+        let (shards, copies) = rank_units(units, config.shard_parameters);
         Self::with_shards(config, units, &shards, &copies, max_units_in_use, nvme_speculation_bytes)
     }
 
@@ -432,8 +431,7 @@ impl NvmePlan {
         nvme_size: Option<u64>,
         shard_parameters: bool,
     ) -> Option<Self> {
-        let shards = optimizer_units(units);
-        let copies = if shard_parameters { shards.clone() } else { units.to_vec() };
+        let (shards, copies) = rank_units(units, shard_parameters);
         Self::with_shards(&shards, &copies, state, params, opt, nvme_size)
     }
 
@@ -624,9 +622,18 @@ fn proc_status_kib(key: &str) -> Option<u64> {
 /// with data-parallel ranks ([`crate::dist::shard_range`] of [`crate::dist::world`]), the whole
 /// unit in a world of one. The state, held gradients, streams and speculation are planned on
 /// these; compute copies too with [`RuntimeConfig::shard_parameters`].
-fn optimizer_units(units: &[usize]) -> Vec<usize> {
+pub(super) fn optimizer_units(units: &[usize]) -> Vec<usize> {
     let w = crate::dist::world();
     units.iter().map(|&n| crate::dist::shard_range(n, w.rank, w.size).len()).collect()
+}
+
+/// This rank's [`optimizer_units`] of `units`, and the elements of each unit its compute-copy
+/// home holds: the same shards with `shard_parameters`
+/// ([`RuntimeConfig::shard_parameters`]), else the whole units.
+fn rank_units(units: &[usize], shard_parameters: bool) -> (Vec<usize>, Vec<usize>) {
+    let shards = optimizer_units(units);
+    let copies = if shard_parameters { shards.clone() } else { units.to_vec() };
+    (shards, copies)
 }
 
 #[cfg(test)]

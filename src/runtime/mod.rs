@@ -310,12 +310,11 @@ pub struct Runtime {
     device_optimizer_bytes: u64,
     /// The open step's learning rate (its `t` is `step`), for the device optimizers' update.
     lr: f32,
-    /// Whether the tiers hold shards of the compute copies ([`RuntimeConfig::shard_parameters`]
-    /// with more than one rank).
-    sharded: bool,
     /// Units gathered from the ranks' shards, kept for their next use (`sharded` only).
     gathered: gathered::Gathered,
-    /// With `sharded`, the optimizer's compute-copy home (which routes the units kept whole).
+    /// With sharded compute copies ([`RuntimeConfig::shard_parameters`] and more than one
+    /// rank: [`Runtime::sharded`]), the optimizer's compute-copy home (which routes the units
+    /// kept whole).
     rank_home: Option<Arc<home::RankHome>>,
 }
 
@@ -438,7 +437,6 @@ impl Runtime {
             device_budget_base: 0,
             device_optimizer_bytes: 0,
             lr: 0.0,
-            sharded,
             rank_home,
             gathered: gathered::Gathered::new(),
         })
@@ -479,7 +477,7 @@ impl Runtime {
         let dtype = self.compute_dtype();
         let shard = crate::dist::shard_range(master.len(), self.world.rank, self.world.size);
         // Sharded parameters: the tiers hold this rank's shard of a scheduled unit's compute copy.
-        let gathers = self.sharded && scheduling == Scheduling::Scheduled;
+        let gathers = self.sharded() && scheduling == Scheduling::Scheduled;
         let kept = if gathers { shard.clone() } else { 0..master.len() };
         if let (Some(home), false) = (&self.rank_home, gathers) {
             home.keep_whole(unit.tensor());
@@ -615,8 +613,7 @@ impl Runtime {
     /// applies).
     pub fn plan_host(&self) -> HostPlan {
         let units: Vec<usize> = self.units.iter().map(|u| u.numel).collect();
-        let shards: Vec<usize> =
-            units.iter().map(|&n| crate::dist::shard_range(n, self.world.rank, self.world.size).len()).collect();
+        let shards = budget::optimizer_units(&units);
         let copies: Vec<usize> = self.units.iter().map(|u| u.home_numel).collect();
         HostPlan::with_shards(
             &self.config,
@@ -679,7 +676,7 @@ impl Runtime {
     /// (`runtime/cuda.rs`). 0 on the sim device, whose tensors are CPU tensors — except the
     /// units gathered from the ranks' shards, which stand for GPU memory on either device.
     fn compute_side_copies_bytes(&self) -> u64 {
-        if self.sharded || matches!(self.residency.device(), Device::Cuda(_)) {
+        if self.sharded() || matches!(self.residency.device(), Device::Cuda(_)) {
             self.largest_units_bytes(self.max_units_in_use)
         } else {
             0
@@ -694,20 +691,22 @@ impl Runtime {
         self.gathered.capacity_bytes()
     }
 
-    /// With sharded parameters, the GPU bytes gathered units may hold
-    /// ([`StepStats::gathers`]): at least the units in use
-    /// ([`Runtime::compute_side_copies_bytes`]); beyond that what `available` (the budget less
-    /// staging and those) leaves once every shard fits, up to every whole unit. Shards come
-    /// first: a resident shard saves its H2D over the link, a gathered unit N × its bytes of GPU
-    /// memory for an all-gather over the ranks' faster links. 0 without sharding.
-    fn gathered_capacity_bytes(&self, available: u64) -> u64 {
-        if !self.sharded {
-            return 0;
-        }
-        let min = self.compute_side_copies_bytes();
+    /// Whether the tiers hold shards of the compute copies ([`RuntimeConfig::shard_parameters`]
+    /// with more than one rank).
+    fn sharded(&self) -> bool {
+        self.rank_home.is_some()
+    }
+
+    /// With sharded parameters, the GPU bytes gathered units ([`StepStats::gathers`]) may hold
+    /// beyond the units in use ([`Runtime::compute_side_copies_bytes`], `in_use`): what
+    /// `available` (the budget less staging and the units in use) leaves once every shard fits,
+    /// up to every whole unit. Shards come first: a resident shard saves its H2D over the link,
+    /// a gathered unit N × its bytes of GPU memory for an all-gather over the ranks' faster
+    /// links.
+    fn gathered_extra_bytes(&self, available: u64, in_use: u64) -> u64 {
         let shards: u64 = self.units.iter().map(Unit::home_bytes).sum();
         let whole: u64 = self.units.iter().filter(|u| u.gathers).map(Unit::bytes).sum();
-        min + available.saturating_sub(shards).min(whole.saturating_sub(min))
+        available.saturating_sub(shards).min(whole.saturating_sub(in_use))
     }
 
     /// Copies an activation checkpoint (`data`: any shape, f32, bf16 or f16, on the compute
@@ -836,13 +835,13 @@ impl Runtime {
                 .collect::<std::result::Result<Vec<_>, _>>()?;
             self.activations.set_staging(staging);
         }
-        self.device_budget_base = self.config.gpu_budget_bytes
-            - staging_bytes(largest as u64, self.config.activation_offload)
-            - self.compute_side_copies_bytes();
-        if self.sharded {
-            let capacity = self.gathered_capacity_bytes(self.device_budget_base);
-            self.gathered.set_capacity_bytes(capacity);
-            self.device_budget_base -= capacity - self.compute_side_copies_bytes();
+        let in_use = self.compute_side_copies_bytes();
+        self.device_budget_base =
+            self.config.gpu_budget_bytes - staging_bytes(largest as u64, self.config.activation_offload) - in_use;
+        if self.sharded() {
+            let extra = self.gathered_extra_bytes(self.device_budget_base, in_use);
+            self.gathered.set_capacity_bytes(in_use + extra);
+            self.device_budget_base -= extra;
         }
         self.residency.set_device_budget_bytes(self.device_budget_base - self.device_optimizer_bytes)?;
         self.checked_working_set = true;
