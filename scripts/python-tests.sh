@@ -23,15 +23,25 @@ t0=$SECONDS
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
-pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+# No pip cache (the venv is what is kept; a cache of torch's wheels would double its gigabytes on
+# CI's disk), and pip's unpacking beside the venv rather than in a /tmp that may be small.
+mkdir -p target/pip-tmp
+pip() { TMPDIR=$PWD/target/pip-tmp "$venv/bin/python" -m pip --disable-pip-version-check -q --no-cache-dir "$@"; }
 # CPU torch from its own index (PyPI's Linux wheel brings CUDA libraries: gigabytes for nothing);
 # OOGC_TORCH_INDEX names another index (a mirror). Skipped when the venv has a torch already.
-# When that index cannot be reached (some sandboxes reach PyPI only), PyPI's wheel: it works on
-# the CPU too, only larger.
+# When that index cannot be reached (some sandboxes, CI among them, reach PyPI only), PyPI's
+# wheel: it works on the CPU too, only larger. Its CUDA libraries are needed to import it (its
+# libtorch_cuda links them), triton (1 GB, for torch.compile, which the tests never call) is not:
+# torch without its dependencies, then those but triton (pip then says torch lacks triton).
 if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
   if ! pip install torch --retries 1 --timeout 20 --index-url "${OOGC_TORCH_INDEX:-https://download.pytorch.org/whl/cpu}"; then
-    echo "python-tests: the CPU torch index is unreachable; installing torch from PyPI (with its CUDA libraries)" >&2
-    pip install torch
+    echo "python-tests: the CPU torch index is unreachable; installing torch from PyPI (with its CUDA libraries, without triton)" >&2
+    pip install --no-deps torch
+    "$venv/bin/python" -c 'from importlib.metadata import requires
+for r in requires("torch") or []:
+    if "extra ==" not in r and not r.split(";")[0].strip().startswith("triton"):
+        print(r)' > target/pip-tmp/torch-deps.txt
+    pip install -r target/pip-tmp/torch-deps.txt
   fi
 fi
 pip install transformers pytest 'maturin>=1.9.4,<2'
