@@ -139,6 +139,10 @@ fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
         grad_norms.push(if o.stats.grad_norm.is_finite() { o.stats.grad_norm } else { -1.0 });
         skipped.push(o.stats.skipped);
     }
+    // The budget check before the run (and the summary's plan peak) plans what the runtime
+    // applies: on each rank its shards, MoE experts' compute copies whole.
+    let applied = t.runtime().host_plan().cloned().expect("a host plan from the first step on");
+    assert_eq!(oogc::train::host_plan(t.config(), t.model()), applied, "train::host_plan against the runtime's plan");
     let mut saved = Vec::new();
     if save {
         t.save_checkpoint().expect("checkpoint");

@@ -223,7 +223,7 @@ impl HostPlan {
     /// `max_units_in_use` units pinned at once by the trainer and `nvme_speculation_bytes` of
     /// NVMe room for speculated NVMe units' second extents (see [`NvmePlan`]).
     pub fn new(config: &RuntimeConfig, units: &[usize], max_units_in_use: usize, nvme_speculation_bytes: u64) -> Self {
-        let (shards, copies) = rank_units(units, config.shard_parameters);
+        let (shards, copies) = rank_units(units, &[], config.shard_parameters);
         Self::with_shards(config, units, &shards, &copies, max_units_in_use, nvme_speculation_bytes)
     }
 
@@ -431,7 +431,7 @@ impl NvmePlan {
         nvme_size: Option<u64>,
         shard_parameters: bool,
     ) -> Option<Self> {
-        let (shards, copies) = rank_units(units, shard_parameters);
+        let (shards, copies) = rank_units(units, &[], shard_parameters);
         Self::with_shards(&shards, &copies, state, params, opt, nvme_size)
     }
 
@@ -629,10 +629,18 @@ pub(super) fn optimizer_units(units: &[usize]) -> Vec<usize> {
 
 /// This rank's [`optimizer_units`] of `units`, and the elements of each unit its compute-copy
 /// home holds: the same shards with `shard_parameters`
-/// ([`RuntimeConfig::shard_parameters`]), else the whole units.
-fn rank_units(units: &[usize], shard_parameters: bool) -> (Vec<usize>, Vec<usize>) {
+/// ([`RuntimeConfig::shard_parameters`]), else the whole units. Units marked in `whole` (MoE
+/// experts, registered with [`crate::runtime::Runtime::add_unscheduled_unit`]: every rank keeps
+/// their copies whole) count whole either way; `whole` shorter than `units` marks none of the rest.
+/// In a world of one, both are `units`.
+pub fn rank_units(units: &[usize], whole: &[bool], shard_parameters: bool) -> (Vec<usize>, Vec<usize>) {
     let shards = optimizer_units(units);
-    let copies = if shard_parameters { shards.clone() } else { units.to_vec() };
+    let copies = if shard_parameters {
+        let is_whole = |k: usize| whole.get(k).copied().unwrap_or(false);
+        shards.iter().enumerate().map(|(k, &s)| if is_whole(k) { units[k] } else { s }).collect()
+    } else {
+        units.to_vec()
+    };
     (shards, copies)
 }
 

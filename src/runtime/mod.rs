@@ -80,7 +80,7 @@ pub fn staging_bytes(largest_unit_bytes: u64, activation_offload: Option<Activat
     STAGING_BUFFERS as u64 * largest_unit_bytes
         + activation_offload.map_or(0, |a| (activations::STAGING * a.checkpoint_bytes) as u64)
 }
-pub use budget::{param_nvme_traffic, HostPlan, NvmePlan};
+pub use budget::{param_nvme_traffic, rank_units, HostPlan, NvmePlan};
 pub use oogc_prefetch::Phase;
 pub use stats::{PeakBytes, PhaseStats, StepStats};
 pub use unit::{DeviceMemory, PinnedUnit, UnitParams};

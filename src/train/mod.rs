@@ -33,7 +33,9 @@ use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::config::{DeviceKind, GptModelConfig, LlamaModelConfig, ModelConfig, OpsPath, TrainConfig};
 use crate::data::{Batch, Corpus, Sampler};
 use crate::runtime::budget::{HostOverhead, OverheadInputs, RunShape};
-use crate::runtime::{DeviceSpec, HostPlan, NvmePlan, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
+use crate::runtime::{
+    rank_units, DeviceSpec, HostPlan, NvmePlan, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams,
+};
 
 mod moe;
 
@@ -271,11 +273,31 @@ pub fn max_units_in_use(model: &dyn CausalLm) -> usize {
     }
 }
 
-/// The split of `[budgets] host` of a run of `model` (its units' parameters): [`HostPlan`].
+/// The split of `[budgets] host` of a run of `model` (its units' parameters): [`HostPlan`], as
+/// the runtime applies it from the first step on (with ranks: this rank's shards, MoE experts'
+/// compute copies whole as the trainer registers them).
 pub fn host_plan(cfg: &TrainConfig, model: &dyn CausalLm) -> HostPlan {
     let units = unit_sizes(model);
     let room = nvme_plan(cfg, &units).map_or(0, |p| p.speculation_room_bytes());
-    HostPlan::new(&runtime_config(cfg, model), &units, max_units_in_use(model), room)
+    let rc = runtime_config(cfg, model);
+    let experts = expert_units(model);
+    let whole: Vec<bool> = (0..units.len()).map(|k| experts.contains(&UnitId(k))).collect();
+    let (shards, copies) = rank_units(&units, &whole, rc.shard_parameters);
+    HostPlan::with_shards(&rc, &units, &shards, &copies, max_units_in_use(model), room)
+}
+
+/// The units of `model`'s MoE blocks' experts: fetched as the router decides, outside the
+/// recorded schedule (and, with ranks sharding the parameters, whole on every rank: each rank's
+/// routing decides).
+fn expert_units(model: &dyn CausalLm) -> std::collections::HashSet<UnitId> {
+    Layout::of(model)
+        .blocks
+        .iter()
+        .flat_map(|b| match b {
+            Block::Moe { experts, .. } => experts.clone(),
+            _ => Vec::new(),
+        })
+        .collect()
 }
 
 /// Parameters of each unit of `model`, in unit order.
@@ -595,16 +617,7 @@ impl Trainer {
             _ => None,
         };
         let layout = Layout::of(&*model);
-        // Experts are fetched as the router decides: outside the recorded schedule (and, with
-        // ranks sharding the parameters, whole on every rank: each rank's routing decides).
-        let experts: std::collections::HashSet<UnitId> = layout
-            .blocks
-            .iter()
-            .flat_map(|b| match b {
-                Block::Moe { experts, .. } => experts.clone(),
-                _ => Vec::new(),
-            })
-            .collect();
+        let experts = expert_units(&*model);
         for (k, spec) in model.units().iter().enumerate() {
             let flat = match &init {
                 Some(ckpt) => ckpt.read_unit(spec)?,
