@@ -36,9 +36,9 @@
 
 use std::path::Path;
 
-use oogc::config::{BudgetsConfig, DeviceConfig, DeviceKind, OpsPath, PrefetchSection};
+use oogc::config::{BudgetsConfig, DeviceConfig, OpsPath, PrefetchSection};
 use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
-use oogc::runtime::{DeviceSpec, RuntimeConfig};
+use oogc::runtime::RuntimeConfig;
 use oogc::swapper::{DType, NvmeConfig, StatePlacement};
 use serde::Deserialize;
 
@@ -175,13 +175,7 @@ impl Config {
                 "device.ops: torch computes the units of a Python runtime; only \"auto\" applies here".into(),
             ));
         }
-        let device = match self.device.kind {
-            DeviceKind::Sim => DeviceSpec::Sim { link_gbps: self.device.link_gbps, latency_us: self.device.latency_us },
-            DeviceKind::Cuda(ordinal) => DeviceSpec::Cuda { ordinal, event_tracking: self.device.event_tracking },
-            DeviceKind::CudaLocalRank => {
-                DeviceSpec::Cuda { ordinal: oogc::dist::world().local_rank, event_tracking: self.device.event_tracking }
-            }
-        };
+        let device = self.device.spec();
         let on_nvme =
             self.budgets.optimizer_state == StatePlacement::Nvme || self.budgets.params == StatePlacement::Nvme;
         let nvme = match on_nvme {

@@ -30,12 +30,10 @@ use oogc_models::{CausalLm, Gpt, GptConfig, UnitKind};
 use oogc_moe_placement::Placement;
 
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
-use crate::config::{DeviceKind, GptModelConfig, LlamaModelConfig, ModelConfig, OpsPath, TrainConfig};
+use crate::config::{GptModelConfig, LlamaModelConfig, ModelConfig, OpsPath, TrainConfig};
 use crate::data::{Batch, Corpus, Sampler};
 use crate::runtime::budget::{HostOverhead, OverheadInputs, RunShape};
-use crate::runtime::{
-    rank_units, DeviceSpec, HostPlan, NvmePlan, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams,
-};
+use crate::runtime::{rank_units, HostPlan, NvmePlan, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
 
 mod moe;
 
@@ -183,13 +181,7 @@ pub fn for_rank(mut cfg: TrainConfig, world: crate::dist::World) -> TrainConfig 
 /// checkpoints it offloads ([`activation_offload`]).
 pub fn runtime_config(cfg: &TrainConfig, model: &dyn CausalLm) -> RuntimeConfig {
     let units = unit_sizes(model);
-    let device = match cfg.device.kind {
-        DeviceKind::Sim => DeviceSpec::Sim { link_gbps: cfg.device.link_gbps, latency_us: cfg.device.latency_us },
-        DeviceKind::Cuda(ordinal) => DeviceSpec::Cuda { ordinal, event_tracking: cfg.device.event_tracking },
-        DeviceKind::CudaLocalRank => {
-            DeviceSpec::Cuda { ordinal: crate::dist::world().local_rank, event_tracking: cfg.device.event_tracking }
-        }
-    };
+    let device = cfg.device.spec();
     let nvme =
         nvme_plan(cfg, &units).map(|p| oogc_swapper::NvmeConfig::new(cfg.budgets.nvme_dirs.clone(), p.capacity_bytes));
     RuntimeConfig {
