@@ -272,24 +272,21 @@ pub fn host_plan(cfg: &TrainConfig, model: &dyn CausalLm) -> HostPlan {
     let units = unit_sizes(model);
     let room = nvme_plan(cfg, &units).map_or(0, |p| p.speculation_room_bytes());
     let rc = runtime_config(cfg, model);
-    let experts = expert_units(model);
-    let whole: Vec<bool> = (0..units.len()).map(|k| experts.contains(&UnitId(k))).collect();
-    let (shards, copies) = rank_units(&units, &whole, rc.shard_parameters);
+    let (shards, copies) = rank_units(&units, &expert_units(&Layout::of(model), units.len()), rc.shard_parameters);
     HostPlan::with_shards(&rc, &units, &shards, &copies, max_units_in_use(model), room)
 }
 
-/// The units of `model`'s MoE blocks' experts: fetched as the router decides, outside the
-/// recorded schedule (and, with ranks sharding the parameters, whole on every rank: each rank's
-/// routing decides).
-fn expert_units(model: &dyn CausalLm) -> std::collections::HashSet<UnitId> {
-    Layout::of(model)
-        .blocks
-        .iter()
-        .flat_map(|b| match b {
-            Block::Moe { experts, .. } => experts.clone(),
-            _ => Vec::new(),
-        })
-        .collect()
+/// Whether each of the `units` units of a model of `layout` is an MoE block's expert: fetched as
+/// the router decides, outside the recorded schedule (and, with ranks sharding the parameters,
+/// whole on every rank: each rank's routing decides).
+fn expert_units(layout: &Layout, units: usize) -> Vec<bool> {
+    let mut expert = vec![false; units];
+    for b in &layout.blocks {
+        if let Block::Moe { experts, .. } = b {
+            experts.iter().for_each(|e| expert[e.0] = true);
+        }
+    }
+    expert
 }
 
 /// Parameters of each unit of `model`, in unit order.
@@ -609,13 +606,13 @@ impl Trainer {
             _ => None,
         };
         let layout = Layout::of(&*model);
-        let experts = expert_units(&*model);
+        let experts = expert_units(&layout, model.units().len());
         for (k, spec) in model.units().iter().enumerate() {
             let flat = match &init {
                 Some(ckpt) => ckpt.read_unit(spec)?,
                 None => oogc_models::init_unit_from_seed(spec, cfg.train.seed),
             };
-            if experts.contains(&UnitId(k)) {
+            if experts[k] {
                 rt.add_unscheduled_unit(&spec.name, &flat)?;
             } else {
                 rt.add_unit(&spec.name, &flat)?;
