@@ -7,7 +7,7 @@
 //! | `OOGC_CRASH_AT=<point>:<n>` | the `n`-th time (1-based) this process reaches `<point>`, it aborts (SIGABRT, no core file): as abrupt as SIGKILL |
 //! | `OOGC_PAUSE_AT=<point>:<ms>` | every time this process reaches `<point>`, it sleeps `ms` milliseconds (a wide window for an outside SIGKILL) |
 //! | `OOGC_NAN_GRADS=<step>` | the trainer makes the head's gradients NaN at step `<step>` in this process (under `mpirun`, on the ranks whose environment has it): the step must be skipped on every rank |
-//! | `OOGC_DROP_ORDERING=<call>` | the runtime leaves out one ordering call between compute and copies: `grads` orders each gradient's D2H after an event recorded *before* the backward wrote its staging buffer (what a forgotten event does on a GPU: the copy may read stale bytes); the sim device's happens-before checker must catch it |
+//! | `OOGC_DROP_ORDERING=<call>` | runtimes built from then on leave out one ordering call between compute and copies (`<call>` is an [`OrderingCall`](crate::runtime::OrderingCall) name, e.g. `grads.dtoh_after_write`: each gradient's D2H ordered after an event that covers no compute, what a forgotten event does on a GPU); the sim device's happens-before checker must catch it (`tests/ordering.rs` leaves out each call in turn) |
 //!
 //! Points: `checkpoint` — half-way through writing a checkpoint's temp file (before its fsync and
 //! rename); `step` — the start of each training step (`Trainer::train_step`). The NVMe store has its own hook, `OOGC_FAULT_NVME` (`oogc_swapper::FaultPlan`), that
@@ -33,11 +33,11 @@ pub fn nan_grads_at(step: u64) -> bool {
     *STEP.get_or_init(|| std::env::var(NAN_GRADS_ENV).ok().and_then(|s| s.parse().ok())) == Some(step)
 }
 
-/// Whether `OOGC_DROP_ORDERING` names `call`: the runtime then leaves that ordering call out
-/// (a negative control for the sim device's happens-before checker). Read once per process.
-pub fn drop_ordering(call: &str) -> bool {
-    static CALL: OnceLock<Option<String>> = OnceLock::new();
-    CALL.get_or_init(|| std::env::var(DROP_ORDERING_ENV).ok()).as_deref() == Some(call)
+/// The ordering call `OOGC_DROP_ORDERING` names, if set (a negative control for the sim
+/// device's happens-before checker: a runtime built now leaves that call out). Read each time a
+/// runtime is built, so one test process can leave out each call in turn.
+pub fn dropped_ordering() -> Option<String> {
+    std::env::var(DROP_ORDERING_ENV).ok().filter(|s| !s.is_empty())
 }
 
 fn parse(var: &str) -> Option<(String, u64)> {

@@ -167,6 +167,11 @@ pub struct StepRecord {
     /// The bytes rank 0 received in those all-gathers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gather_bytes: Option<u64>,
+    /// CUDA: the device memory pool's high-water mark during the step, bytes (the swapper's
+    /// buffers and candle's tensors; [`crate::runtime::StepStats::device_peak_bytes`]); absent
+    /// on the sim device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_peak_bytes: Option<u64>,
 }
 
 /// What a run did, printed at the end.
@@ -425,6 +430,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
             device_optimizer_bytes: (s.device_units > 0).then_some(s.device_optimizer_bytes),
             gathers: (s.gathers > 0).then_some(s.gathers),
             gather_bytes: (s.gathers > 0).then_some(s.gather_bytes),
+            device_peak_bytes: s.device_peak_bytes,
         };
         if s.skipped {
             observer.line(&format!("step {step}: skipped, a gradient was not finite (norm {})", s.grad_norm));
@@ -757,6 +763,7 @@ mod tests {
             minor_faults: None,
             device_units: None,
             device_optimizer_bytes: None,
+            device_peak_bytes: None,
             gathers: None,
             gather_bytes: None,
         };

@@ -12,6 +12,7 @@
 //! | [`architecture_path_violations`] | every repository path ARCHITECTURE.md names in backticks exists |
 //! | [`ignore_violations`] | no `#[ignore]` (STYLE.md §9: hardware-dependent tests skip loudly instead) |
 //! | [`docs_lint_violations`], [`crate_doc_violations`] | `missing_docs = "warn"` in `[workspace.lints.rust]`, `[lints] workspace = true` in every member, a `//!` doc at the top of every crate root |
+//! | [`ordering_call_violations`] | the runtime (`src/runtime/`) calls the device's ordering and copy methods only in [`ORDERING_FILE`], where each call has a name the test hook can leave out (`tests/ordering.rs` leaves out each) |
 //!
 //! Comments, doc comments and string literals are not code ([`code_only`]): a word in a comment
 //! or a doc example (`# anyhow::Ok(())` in a doc test, which builds with the dev-dependencies)
@@ -696,6 +697,12 @@ fn tidy() {
     // 6. docs
     v.extend(docs_lint_violations(&workspace_manifest, &manifests));
 
+    // 7. the runtime's ordering calls
+    for (path, text) in &texts {
+        v.extend(ordering_call_violations(path, text));
+    }
+    assert!(texts.iter().any(|(p, _)| p == ORDERING_FILE), "{ORDERING_FILE} is missing: update ORDERING_FILE");
+
     assert!(v.is_empty(), "tidy: {} problem(s):\n{}\n", v.len(), v.join("\n"));
     // Checked on the workspace, not timed on a loaded machine: a hint, not a failure.
     let secs = started.elapsed().as_secs_f64();
@@ -705,7 +712,68 @@ fn tidy() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The runtime's ordering calls
+
+/// The one file of the runtime that calls the device's ordering and copy methods
+/// (`OrderingCall`, `Order`).
+const ORDERING_FILE: &str = "src/runtime/ordering.rs";
+
+/// The device's methods that order compute and copies, or copy, or allocate device memory.
+const DEVICE_ORDERING_METHODS: &[&str] = &[
+    "record_compute_event",
+    "compute_waits_for",
+    "compute_waits_for_copies",
+    "copy_waits_for",
+    "copy_waits_for_compute",
+    "alloc_for_compute",
+    "alloc",
+    "htod",
+    "dtoh",
+    "htod_after",
+    "dtoh_after",
+    "free_after",
+];
+
+/// Calls of [`DEVICE_ORDERING_METHODS`] on the device (`device.`, `device().`, `dev.`) in a runtime
+/// file other than [`ORDERING_FILE`]: each should go through `Order`, which names it.
+fn ordering_call_violations(path: &str, text: &str) -> Vec<String> {
+    if !path.starts_with("src/runtime/") || path == ORDERING_FILE {
+        return Vec::new();
+    }
+    let code = non_test_code(path, &code_only(text));
+    let mut v = Vec::new();
+    for (n, line) in code.lines().enumerate() {
+        for receiver in ["device.", "device().", "dev."] {
+            for m in DEVICE_ORDERING_METHODS {
+                let call = format!("{receiver}{m}(");
+                if line.contains(&call) {
+                    v.push(format!(
+                        "{path}:{}: `{call}..)` outside {ORDERING_FILE}: make it through `Order` (a named OrderingCall \
+                         the test hook can leave out), or add an Order method for it",
+                        n + 1
+                    ));
+                }
+            }
+        }
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------------------------
 // Each rule on synthetic input: it fails when broken, passes when kept.
+
+#[test]
+fn a_device_ordering_call_outside_the_ordering_file_fails() {
+    let bad = "fn f(device: &Device) { let e = device.record_compute_event()?; }\n";
+    assert_eq!(ordering_call_violations("src/runtime/grads.rs", bad).len(), 1);
+    let bad = "fn f(&self) { self.residency.device().free_after(b, None)?; }\n";
+    assert_eq!(ordering_call_violations("src/runtime/mod.rs", bad).len(), 1);
+    // Through `Order`, in the ordering file, in comments, or outside the runtime: fine.
+    let good = "fn f(device: &Device) { self.order.alloc_for_compute(device, call, 8)?; } // device.alloc(8)\n";
+    assert!(ordering_call_violations("src/runtime/grads.rs", good).is_empty());
+    assert!(ordering_call_violations(ORDERING_FILE, bad).is_empty());
+    assert!(ordering_call_violations("cli/src/gpu_check/transfers.rs", bad).is_empty());
+}
 
 #[test]
 fn code_only_blanks_comments_strings_and_chars_but_keeps_lines_and_lifetimes() {

@@ -119,7 +119,7 @@ fn gbps(bytes: u64, secs: f64) -> f64 {
 }
 
 fn sim_device(capacity_bytes: u64, link_gbps: Option<f64>) -> Result<Device> {
-    let dev = SimDevice::new(SimDeviceConfig { capacity_bytes, link_gbps, latency_us: 0.0 })
+    let dev = SimDevice::new(SimDeviceConfig { capacity_bytes, link_gbps, ..SimDeviceConfig::default() })
         .context("starting the sim device (check --link-gbps)")?;
     Ok(Device::Sim(dev))
 }

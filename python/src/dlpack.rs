@@ -18,9 +18,11 @@
 //! alike for CUDA memory (torch's storage access-error hook is device-agnostic: cudagraph trees
 //! use it on CUDA storages).
 //!
-//! Streams, out: the runtime waits on the host for a unit's H2D before it hands out the pin, so
-//! the memory is ready for any stream when it is exported: `__dlpack__(stream=...)` needs no
-//! event and ignores the consumer's stream. Back: torch's kernels that read or write a unit are
+//! Streams, out: the runtime orders its own compute stream after a unit's H2D by an event, which
+//! does not order torch's stream; so `Runtime.fetch` waits on the host for the H2D
+//! (`PinnedUnit::wait_arrival`) before it hands out the pin, and the memory is ready for any
+//! stream when it is exported: `__dlpack__(stream=...)` needs no event and ignores the
+//! consumer's stream. Back: torch's kernels that read or write a unit are
 //! queued on torch's stream and may still run when the Python call that launched them returns,
 //! so before [`Lease::release`] unpins a CUDA unit (which lets the runtime write it, evict it or
 //! reuse its memory on its own streams) it synchronises torch's current stream of that GPU

@@ -191,6 +191,9 @@ impl PyRuntime {
         };
         let access = if writable { Access::Write } else { Access::Read };
         let pinned = self.with(py, |st| Ok(st.rt.fetch_pinned(unit, ph, access)?))?;
+        // torch computes on its own stream, which the runtime's event waits do not order: the
+        // host waits for the unit's H2D before the memory is shared.
+        py.detach(|| pinned.wait_arrival())?;
         let dtype = pinned.dtype().name();
         Ok(Fetched { lease: Lease::new(pinned, label), unit: unit.0, numel, dtype, writable })
     }
@@ -471,7 +474,8 @@ impl Fetched {
 
     /// A borrowed DLPack capsule over the pinned copy (`kDLCPU` on the sim device, `kDLCUDA` on a
     /// GPU): the unit stays pinned until the consumer frees it. `stream` is ignored: the unit's
-    /// H2D was waited for before the fetch returned, so the memory is ready for any stream.
+    /// H2D was waited for on the host before the fetch returned (`PinnedUnit::wait_arrival`), so
+    /// the memory is ready for any stream.
     #[pyo3(signature = (*, stream = None, max_version = None, dl_device = None, copy = None))]
     fn __dlpack__<'py>(
         &self,

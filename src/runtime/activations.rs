@@ -10,8 +10,9 @@
 use std::collections::{HashMap, VecDeque};
 
 use candle_core::{Shape, Tensor};
-use oogc_swapper::{DType, Device, DeviceBuffer, HostBuffer, PinnedPool, Transfer};
+use oogc_swapper::{DType, Device, DeviceBuffer, DeviceEvent, HostBuffer, PendingHost, PinnedPool, Transfer};
 
+use super::ordering::{Order, OrderingCall};
 use super::tensor::{device_tensor, swapper_dtype, write_to_device};
 use super::{Result, RuntimeError};
 
@@ -29,8 +30,8 @@ enum Stash {
     Landing(Transfer),
     /// In pinned host memory.
     Host(HostBuffer),
-    /// H2D in flight (holds a staging buffer).
-    Loading(Transfer),
+    /// H2D in flight (holds a staging buffer), with the copy's event compute waits for.
+    Loading(Transfer, DeviceEvent),
 }
 
 /// What a stashed checkpoint was: its shape and element type, to give it back as it came.
@@ -47,19 +48,25 @@ pub(super) struct ActivationPipe {
     stashes: HashMap<ActivationId, (Stash, StashMeta)>,
     /// Checkpoints whose D2H is in flight, oldest first.
     landing: VecDeque<ActivationId>,
+    /// Host buffers of checkpoints taken back while their H2D may still read them: compute
+    /// waited for the copy's event, the host did not; each goes back to the pool once its copy
+    /// is seen complete.
+    retiring: Vec<PendingHost>,
     next: u64,
 }
 
 impl ActivationPipe {
     /// A pipe whose host buffers come from `pool` (claimed as [`oogc_swapper::HostUse::Activations`]);
-    /// it copies through the staging buffers given by [`set_staging`](Self::set_staging).
+    /// it copies through the staging buffers made by [`make_staging`](Self::make_staging).
     pub(super) fn new(pool: PinnedPool) -> Self {
-        Self { pool, staging: Vec::new(), stashes: HashMap::new(), landing: VecDeque::new(), next: 0 }
-    }
-
-    /// The device staging buffers ([`STAGING`] of the largest checkpoint's bytes).
-    pub(super) fn set_staging(&mut self, staging: Vec<DeviceBuffer>) {
-        self.staging = staging;
+        Self {
+            pool,
+            staging: Vec::new(),
+            stashes: HashMap::new(),
+            landing: VecDeque::new(),
+            retiring: Vec::new(),
+            next: 0,
+        }
     }
 
     /// Caps the pinned pool (the host plan's share for activations).
@@ -98,7 +105,8 @@ impl ActivationPipe {
 
     /// Copies `data` to a staging buffer (on the sim device from candle's CPU tensor) and
     /// starts its D2H copy into a pinned host buffer claimed from the ledger.
-    pub(super) fn stash(&mut self, device: &Device, data: &Tensor) -> Result<ActivationId> {
+    pub(super) fn stash(&mut self, device: &Device, order: Order, data: &Tensor) -> Result<ActivationId> {
+        self.retire_landed()?;
         let dtype = swapper_dtype(data.dtype())?;
         let num_bytes = dtype.num_bytes(data.elem_count());
         let mut dev = self.staging()?;
@@ -110,15 +118,14 @@ impl ActivationPipe {
                  the runtime was configured with"
             )));
         }
-        if let Err(e) = write_to_device(data, dtype, &mut dev) {
+        if let Err(e) = write_to_device(data, dtype, &mut dev, device) {
             self.staging.push(dev);
             return Err(e);
         }
-        // The D2H after the compute that wrote the staging buffer.
-        let after = device.record_compute_event()?;
         let mut host = self.pool.alloc(num_bytes)?;
         host.set_len(num_bytes);
-        let (transfer, _) = device.dtoh_after(dev, host, Some(&after))?;
+        // The D2H after the compute that wrote the staging buffer.
+        let transfer = order.dtoh_after_write(device, OrderingCall::ActivationDtohAfterWrite, dev, host)?;
         let id = ActivationId(self.next);
         self.next += 1;
         self.stashes.insert(id, (Stash::Landing(transfer), StashMeta { shape: data.shape().clone(), dtype }));
@@ -127,7 +134,7 @@ impl ActivationPipe {
     }
 
     /// Starts `id`'s H2D copy back to the device, if not started yet.
-    pub(super) fn prefetch(&mut self, device: &Device, id: ActivationId) -> Result<()> {
+    pub(super) fn prefetch(&mut self, device: &Device, order: Order, id: ActivationId) -> Result<()> {
         if !self.stashes.contains_key(&id) {
             return Err(RuntimeError::Usage(format!("activation {id:?} is not stashed (taken already?)")));
         }
@@ -135,28 +142,70 @@ impl ActivationPipe {
             self.landing.remove(pos);
             self.land(id)?;
         }
-        if matches!(self.stashes.get(&id), Some((Stash::Loading(_), _))) {
+        if matches!(self.stashes.get(&id), Some((Stash::Loading(..), _))) {
             return Ok(());
         }
         let dev = self.staging()?;
         let Some((Stash::Host(host), meta)) = self.stashes.remove(&id) else { unreachable!("landed above") };
         // The H2D overwrites a staging buffer compute may have read (an earlier take): after it.
-        let after = device.record_compute_event()?;
-        let (transfer, _) = device.htod_after(host, dev, Some(&after))?;
-        self.stashes.insert(id, (Stash::Loading(transfer), meta));
+        let (transfer, copied) = order.htod_after_reads(device, OrderingCall::ActivationHtodAfterRead, host, dev)?;
+        self.stashes.insert(id, (Stash::Loading(transfer, copied), meta));
         Ok(())
     }
 
     /// `id`'s checkpoint back on the device as the tensor it was stashed as (shape, dtype,
     /// bytes), on `compute`; its host buffer goes back to the pool and its claim to the ledger.
-    pub(super) fn take(&mut self, device: &Device, compute: &candle_core::Device, id: ActivationId) -> Result<Tensor> {
-        self.prefetch(device, id)?;
-        let Some((Stash::Loading(t), meta)) = self.stashes.remove(&id) else { unreachable!("prefetched above") };
-        // Waited on the host: the H2D is complete before compute reads the staging buffer.
-        let (host, dev) = t.wait()?;
-        drop(host);
+    pub(super) fn take(
+        &mut self,
+        device: &Device,
+        order: Order,
+        compute: &candle_core::Device,
+        id: ActivationId,
+    ) -> Result<Tensor> {
+        self.prefetch(device, order, id)?;
+        let Some((Stash::Loading(t, copied), meta)) = self.stashes.remove(&id) else {
+            unreachable!("prefetched above")
+        };
+        // Not waited on the host: compute waits for the H2D's event before it reads the staging
+        // buffer; the host buffer stays with the copy until it is complete.
+        let (dev, host) = t.release_device()?;
+        self.retiring.push(host);
+        order.compute_waits(device, OrderingCall::ActivationComputeWaits, &copied)?;
         let tensor = device_tensor(&dev, meta.shape, meta.dtype, compute);
         self.staging.push(dev);
         tensor
+    }
+
+    /// Gives the host buffers of completed H2D copies back to the pool (and their claims to the
+    /// ledger); the others stay until a later call.
+    ///
+    /// # Errors
+    /// A copy failed.
+    fn retire_landed(&mut self) -> Result<()> {
+        let mut failed = None;
+        self.retiring.retain(|p| match p.is_complete() {
+            Ok(done) => !done,
+            Err(e) => {
+                failed.get_or_insert(e);
+                false
+            }
+        });
+        match failed {
+            Some(e) => Err(e.into()),
+            None => Ok(()),
+        }
+    }
+
+    /// Allocates the device staging buffers: [`STAGING`] of `bytes` (the largest checkpoint),
+    /// for compute (a stash writes one first).
+    ///
+    /// # Errors
+    /// The device's budget or allocator.
+    pub(super) fn make_staging(&mut self, device: &Device, order: Order, bytes: usize) -> Result<()> {
+        let staging = (0..STAGING)
+            .map(|_| order.alloc_for_compute(device, OrderingCall::ActivationStagingAlloc, bytes.max(1)))
+            .collect::<Result<Vec<_>>>()?;
+        self.staging = staging;
+        Ok(())
     }
 }

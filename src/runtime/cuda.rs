@@ -7,8 +7,8 @@
 //! | call | what it does | on which stream |
 //! |---|---|---|
 //! | [`open`] | candle's device + the swapper's device sharing its stream | — |
-//! | [`unit_tensor`] | a fetched unit's compute copy as a candle tensor it owns: one device-to-device copy | compute (after the H2D, which the fetch waited for) |
-//! | [`write_tensor`] | a tensor (a gradient, a checkpoint) into a staging buffer, in the compute dtype | compute (after the kernels that wrote it) |
+//! | [`unit_tensor`] | a fetched unit's compute copy as a candle tensor it owns: one device-to-device copy | compute (after the H2D's event, which the fetch made the compute stream wait for) |
+//! | [`write_tensor`] | a tensor (a gradient, a checkpoint) into a staging buffer, in the compute dtype | the swapper's compute stream (candle's), after the kernels that wrote the tensor: a tensor of another stream is joined first |
 //!
 //! **Why a copy, not zero-copy.** candle 0.9's `CudaStorage::wrap_cuda_slice` takes the slice by
 //! value and frees it when the tensor drops, while the residency manager owns a unit's buffer
@@ -52,6 +52,10 @@ pub(super) fn open(ordinal: usize, capacity_bytes: u64, event_tracking: bool) ->
         unsafe { ctx.disable_event_tracking() };
     }
     let cuda = CudaDevice::with_context(ctx, stream, Some(capacity_bytes))?;
+    // The pool keeps what it allocated: without this, memory freed to the default pool is
+    // returned to the driver at every stream or event synchronisation and mapped again by the
+    // next step's allocations.
+    cuda.keep_pool_memory()?;
     Ok((Device::Cuda(cuda), candle))
 }
 
@@ -85,22 +89,42 @@ pub(super) fn unit_tensor(
 }
 
 /// Writes `t` (any shape, flattened; converted to `dtype` on the device, rounded to nearest
-/// even) into the front of `staging` on the compute stream, after the kernels that wrote `t`.
-/// Returns the bytes written. Record a compute event after this call to order a D2H of
-/// `staging` after it.
+/// even) into the front of `staging` on `device`'s compute stream (candle's, the one the D2H's
+/// event is recorded on), after the kernels that wrote `t`: when `t` lives on another candle
+/// device (another stream of the same context), the compute stream first waits for that
+/// stream's work. Returns the bytes written. Record a compute event after this call to order a
+/// D2H of `staging` after it.
 ///
 /// # Errors
-/// `t` not on a CUDA device; a dtype that is not a float; `staging` too small; candle or the
-/// copy failing.
-pub(super) fn write_tensor(t: &Tensor, dtype: DType, staging: &mut CudaBuffer) -> Result<usize> {
+/// `t` not on a CUDA device of `device`'s context; a dtype that is not a float; `staging` too
+/// small; candle or the copy failing.
+pub(super) fn write_tensor(t: &Tensor, dtype: DType, staging: &mut CudaBuffer, device: &CudaDevice) -> Result<usize> {
     let t = t.flatten_all()?.to_dtype(candle_dtype(dtype)?)?.contiguous()?;
-    let stream = candle_cuda(t.device())?.cuda_stream();
+    let tensor_stream = candle_cuda(t.device())
+        .map_err(|_| {
+            RuntimeError::Usage(format!(
+                "a tensor on {:?} pushed to a CUDA runtime: compute it on the runtime's device",
+                t.device().location()
+            ))
+        })?
+        .cuda_stream();
+    let stream = device.compute_stream().clone();
+    if **tensor_stream.context() != **stream.context() {
+        return Err(RuntimeError::Usage(
+            "a tensor of another CUDA context (another GPU or process-wide device) pushed to the runtime: compute \
+             it on the runtime's device (Runtime::compute_device)"
+                .into(),
+        ));
+    }
+    if tensor_stream.cu_stream() != stream.cu_stream() {
+        // Kernels of another stream wrote `t`: the copy below must follow them.
+        stream
+            .join(&tensor_stream)
+            .map_err(|e| oogc_swapper::Error::Cuda { op: "join streams", message: e.to_string() })?;
+    }
     let (storage, layout) = t.storage_and_layout();
     let Storage::Cuda(cs) = &*storage else {
-        return Err(RuntimeError::Usage(format!(
-            "a tensor on {:?} pushed to a CUDA runtime: compute it on the runtime's device",
-            t.device().location()
-        )));
+        return Err(RuntimeError::Usage("a CUDA tensor without CUDA storage".into()));
     };
     let (start, end) = layout
         .contiguous_offsets()

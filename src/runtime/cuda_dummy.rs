@@ -41,6 +41,11 @@ pub(super) fn unit_tensor(
 ///
 /// # Errors
 /// Always.
-pub(super) fn write_tensor(_t: &Tensor, _dtype: DType, _staging: &mut CudaBuffer) -> Result<usize> {
+pub(super) fn write_tensor(
+    _t: &Tensor,
+    _dtype: DType,
+    _staging: &mut CudaBuffer,
+    _device: &CudaDevice,
+) -> Result<usize> {
     Err(not_compiled())
 }

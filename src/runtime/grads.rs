@@ -13,6 +13,7 @@ use oogc_optimizer::{Grads, PipelinedOptimizer, UpdateHandle};
 use oogc_swapper::{DType, Device, DeviceBuffer, HostClaim, HostLedger, HostUse, PinnedPool, Transfer};
 use parking_lot::{Condvar, Mutex};
 
+use super::ordering::{Order, OrderingCall};
 use super::tensor::{write_bytes_to_sim, write_to_device};
 use super::{Result, RuntimeError, UnitId};
 
@@ -127,7 +128,14 @@ impl GradPipe {
     /// # Errors
     /// Host bytes on a CUDA device (they go to the optimizer directly); a staging buffer too
     /// small; a pinned host allocation or the copy's submission failed.
-    pub(super) fn push(&self, unit: UnitId, src: GradSource<'_>, dtype: DType, device: &Device) -> Result<f64> {
+    pub(super) fn push(
+        &self,
+        unit: UnitId,
+        src: GradSource<'_>,
+        dtype: DType,
+        device: &Device,
+        order: Order,
+    ) -> Result<f64> {
         let t = Instant::now();
         let mut dev = {
             let mut staging = self.shared.staging.lock();
@@ -137,12 +145,8 @@ impl GradPipe {
             staging.pop().expect("a staging buffer")
         };
         let stall_s = t.elapsed().as_secs_f64();
-        // The D2H is ordered after the compute that wrote the staging buffer: an event recorded
-        // after the write (the sim device's checker fails a copy ordered before it).
-        let stale = crate::hooks::drop_ordering("grads");
-        let early = if stale { Some(device.record_compute_event()?) } else { None };
         let written = match (src, &mut dev) {
-            (GradSource::Tensor(t), dev) => write_to_device(t, dtype, dev),
+            (GradSource::Tensor(t), dev) => write_to_device(t, dtype, dev, device),
             (GradSource::Bytes(bytes), DeviceBuffer::Sim(b)) => write_bytes_to_sim(bytes, b),
             (GradSource::Bytes(_), DeviceBuffer::Cuda(_)) => Err(RuntimeError::Usage(
                 "gradients in host memory on a CUDA device go to the optimizer directly".into(),
@@ -156,13 +160,11 @@ impl GradPipe {
                 return Err(e);
             }
         };
-        let written = match early {
-            Some(e) => e,
-            None => device.record_compute_event()?,
-        };
         let mut host = self.pool.alloc(n)?;
         host.set_len(n);
-        let (transfer, _) = device.dtoh_after(dev, host, Some(&written))?;
+        // The D2H is ordered after the compute that wrote the staging buffer: an event recorded
+        // after the write (the sim device's checker fails a copy ordered before it).
+        let transfer = order.dtoh_after_write(device, OrderingCall::GradDtohAfterWrite, dev, host)?;
         *self.shared.in_flight.lock() += 1;
         self.jobs.as_ref().expect("drain running").send(GradJob { unit, dtype, transfer }).expect("drain thread alive");
         Ok(stall_s)

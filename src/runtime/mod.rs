@@ -65,12 +65,14 @@ mod device_optim;
 mod gathered;
 mod grads;
 mod home;
+mod ordering;
 mod stats;
 pub mod tensor;
 mod unit;
 
 pub use activations::ActivationId;
 pub use device_optim::{adam_fixture_excess, adam_step_tensors, device_optimizer_bytes, OptimizerPlace};
+pub use ordering::OrderingCall;
 
 /// Device bytes a runtime carves out of the GPU budget for staging before the residency manager
 /// gets the rest: gradient staging (the largest unit's compute-copy bytes, `largest_unit_bytes`,
@@ -88,6 +90,7 @@ pub use unit::{DeviceMemory, PinnedUnit, UnitParams};
 use activations::ActivationPipe;
 use grads::{GradPipe, GradSource, STAGING_BUFFERS};
 use home::ResidencyHome;
+use ordering::Order;
 use tensor::{candle_dtype, device_tensor, swapper_dtype, tensor_from_bytes, tensor_values};
 use unit::{Scheduling, Unit, Update};
 
@@ -316,6 +319,9 @@ pub struct Runtime {
     /// rank: [`Runtime::sharded`]), the optimizer's compute-copy home (which routes the units
     /// kept whole).
     rank_home: Option<Arc<home::RankHome>>,
+    /// The ordering calls between compute and the copy stream (`runtime/ordering.rs`), one of
+    /// which the test hook may leave out.
+    order: Order,
 }
 
 impl Runtime {
@@ -333,12 +339,15 @@ impl Runtime {
                 config.optimizer.compute_dtype
             )));
         }
+        let order = Order::from_env()?;
         let (device, compute_device) = match &config.device {
             DeviceSpec::Sim { link_gbps, latency_us } => {
                 let sim = SimDevice::new(SimDeviceConfig {
                     capacity_bytes: config.gpu_budget_bytes,
                     link_gbps: (*link_gbps > 0.0).then_some(*link_gbps),
                     latency_us: *latency_us,
+                    // The runtime's contract: compute waits on a copy's event, never the host.
+                    host_wait_orders_compute: false,
                 })?;
                 // The sim device's compute is candle on this CPU, by definition.
                 (Device::Sim(sim), candle_core::Device::Cpu)
@@ -371,6 +380,7 @@ impl Runtime {
                 host_budget_bytes: config.host_budget_bytes,
                 host_ledger: Some(ledger.clone()),
                 lock_host_memory: config.lock_host_memory,
+                compute_waits_for_fetch: !order.drops(OrderingCall::FetchComputeWaits),
                 ..ResidencyConfig::default()
             },
             Box::new(oogc_swapper::LruPolicy),
@@ -439,6 +449,7 @@ impl Runtime {
             lr: 0.0,
             rank_home,
             gathered: gathered::Gathered::new(),
+            order,
         })
     }
 
@@ -721,7 +732,7 @@ impl Runtime {
     /// budget ([`RuntimeError::Swapper`]) or the copy failing.
     pub fn stash_activation(&mut self, data: &candle_core::Tensor) -> Result<ActivationId> {
         self.check_activation_offload()?;
-        self.activations.stash(self.residency.device(), data)
+        self.activations.stash(self.residency.device(), self.order, data)
     }
 
     /// Starts the H2D copy of a stashed checkpoint back to the device (at most one at a time
@@ -731,7 +742,7 @@ impl Runtime {
     /// As [`stash_activation`](Self::stash_activation); an unknown or taken `id`.
     pub fn prefetch_activation(&mut self, id: ActivationId) -> Result<()> {
         self.check_activation_offload()?;
-        self.activations.prefetch(self.residency.device(), id)
+        self.activations.prefetch(self.residency.device(), self.order, id)
     }
 
     /// A stashed checkpoint back on the compute device, as the tensor stashed (shape, dtype and
@@ -741,7 +752,7 @@ impl Runtime {
     /// As [`prefetch_activation`](Self::prefetch_activation).
     pub fn take_activation(&mut self, id: ActivationId) -> Result<candle_core::Tensor> {
         self.check_activation_offload()?;
-        self.activations.take(self.residency.device(), &self.compute_device, id)
+        self.activations.take(self.residency.device(), self.order, &self.compute_device, id)
     }
 
     /// Checkpoints stashed and not taken yet.
@@ -775,6 +786,8 @@ impl Runtime {
         self.lr = lr;
         self.stats = StepStats { step, clip_scale: 1.0, ..StepStats::default() };
         self.metrics_at_begin = Some(self.traffic());
+        // The step's device high-water mark starts from what is held now.
+        self.residency.device().reset_pool_peak()?;
         self.step_started = Some(Instant::now());
         *self.recorder.lock() = TraceRecorder::new();
         if let Some(cursor) = &self.cursor {
@@ -826,14 +839,17 @@ impl Runtime {
         }
         self.apply_host_plan()?;
         let largest = self.units.iter().map(Unit::bytes).max().unwrap_or(0) as usize;
+        let device = self.residency.device();
         for _ in 0..STAGING_BUFFERS {
-            self.grads.add_staging(self.residency.device().alloc(largest.max(1))?);
+            // The backward writes a staging buffer before any copy uses it.
+            self.grads.add_staging(self.order.alloc_for_compute(
+                device,
+                OrderingCall::GradStagingAlloc,
+                largest.max(1),
+            )?);
         }
         if let Some(a) = self.config.activation_offload {
-            let staging = (0..activations::STAGING)
-                .map(|_| self.residency.device().alloc(a.checkpoint_bytes.max(1)))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            self.activations.set_staging(staging);
+            self.activations.make_staging(device, self.order, a.checkpoint_bytes)?;
         }
         let in_use = self.compute_side_copies_bytes();
         self.device_budget_base =
@@ -1095,7 +1111,7 @@ impl Runtime {
     fn push_to_device(&mut self, unit: UnitId, src: GradSource<'_>) -> Result<()> {
         self.grads.check()?;
         let dtype = self.units[unit.0].dtype;
-        let stall_s = self.grads.push(unit, src, dtype, self.residency.device())?;
+        let stall_s = self.grads.push(unit, src, dtype, self.residency.device(), self.order)?;
         self.stats.stall_transfer_s += stall_s;
         self.units[unit.0].update = Update::Pushed;
         self.record_optimizer_write(unit);
@@ -1235,6 +1251,7 @@ impl Runtime {
             self.stats.nvme_write_bytes = now.nvme_write.bytes - begin.nvme_write.bytes;
         }
         self.stats.step_s = self.step_started.take().map_or(0.0, |s| s.elapsed().as_secs_f64());
+        self.stats.device_peak_bytes = self.residency.device().pool_peak_bytes()?;
         // A copy, free or reuse of a device buffer not ordered after the compute that used it
         // (the sim device's happens-before checker; on CUDA, an error the driver recorded).
         self.residency.device().check_ordering()?;
@@ -1390,24 +1407,34 @@ impl Runtime {
     }
 
     /// `values` H2D over the link (pieces through the landing pool and a device buffer), as an
-    /// f32 tensor `[len]` on the compute device.
+    /// f32 tensor `[len]` on the compute device. No host wait: compute waits for each piece's
+    /// copy event; the landing buffers go back to the pool once their copies are complete.
     fn upload_f32(&self, values: &[f32]) -> Result<candle_core::Tensor> {
         let device = self.residency.device();
         let mut parts = Vec::new();
+        let mut in_flight = Vec::new();
         for piece in bytemuck::cast_slice::<f32, u8>(values).chunks(self.state_chunk_bytes()) {
             let mut host = self.grads.landing_buffer(piece.len())?;
             host.as_mut_slice()[..piece.len()].copy_from_slice(piece);
-            let dev = device.alloc(piece.len())?;
-            let (host, dev) = device.htod(host, dev)?.wait()?;
-            drop(host);
+            let dev = self.order.alloc(device, piece.len())?;
+            let (transfer, copied) = self.order.htod_fresh(device, host, dev)?;
+            let (dev, host) = transfer.release_device()?;
+            in_flight.push(host);
+            self.order.compute_waits(device, OrderingCall::StateUploadComputeWaits, &copied)?;
             parts.push(device_tensor(&dev, piece.len() / 4, DType::F32, &self.compute_device)?);
-            let read = device.record_compute_event()?;
-            device.free_after(dev, Some(&read))?;
+            self.order.free_after_use(device, OrderingCall::StateUploadFreeAfterRead, dev)?;
         }
-        if parts.is_empty() {
-            return Ok(candle_core::Tensor::zeros(0, candle_core::DType::F32, &self.compute_device)?);
+        // Between steps: the host buffers go back to the pool here (their copies finish while
+        // compute concatenates the pieces).
+        let tensor = if parts.is_empty() {
+            candle_core::Tensor::zeros(0, candle_core::DType::F32, &self.compute_device)?
+        } else {
+            candle_core::Tensor::cat(&parts, 0)?
+        };
+        for host in in_flight {
+            drop(host.wait()?);
         }
-        Ok(candle_core::Tensor::cat(&parts, 0)?)
+        Ok(tensor)
     }
 
     /// An f32 tensor on the compute device D2H over the link (pieces through a device buffer
@@ -1421,14 +1448,14 @@ impl Runtime {
         let mut start = 0;
         while start < n {
             let len = per.min(n - start);
-            let mut dev = device.alloc(len * 4)?;
-            tensor::write_to_device(&flat.narrow(0, start, len)?, DType::F32, &mut dev)?;
-            let written = device.record_compute_event()?;
+            let mut dev = self.order.alloc_for_compute(device, OrderingCall::StateDownloadAlloc, len * 4)?;
+            tensor::write_to_device(&flat.narrow(0, start, len)?, DType::F32, &mut dev, device)?;
             let host = self.grads.landing_buffer(len * 4)?;
-            let (transfer, _) = device.dtoh_after(dev, host, Some(&written))?;
+            let transfer = self.order.dtoh_after_write(device, OrderingCall::StateDownloadDtohAfterWrite, dev, host)?;
+            // The host needs the bytes: it waits for this copy (a D2H, between steps).
             let (host, dev) = transfer.wait()?;
             out.extend(bytemuck::pod_collect_to_vec::<u8, f32>(&host.as_slice()[..len * 4]));
-            device.free_after(dev, Some(&written))?;
+            self.order.free_after_use(device, OrderingCall::StateDownloadFreeAfterWrite, dev)?;
             start += len;
         }
         Ok(out)
@@ -1620,7 +1647,7 @@ impl Drop for Runtime {
         }
         // The staging buffers are freed after the compute that last used them (a checkpoint
         // read back, a gradient written): the copy stream, which frees them, waits for it.
-        let _ = self.residency.device().copy_waits_for_compute();
+        let _ = self.order.copies_wait_for_compute(self.residency.device());
     }
 }
 

@@ -51,6 +51,12 @@ pub struct StepStats {
     /// Time the caller was blocked in those all-gathers, seconds, with the wait before each for
     /// the gradient reductions queued ahead of it (one collective at a time, in push order).
     pub gather_s: f64,
+    /// CUDA: the high-water mark of the device's memory pool during the step, bytes
+    /// (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`, reset at [`super::Runtime::begin_step`]): the swapper's
+    /// buffers and every tensor candle allocated — activations, attention scores, autograd
+    /// copies — but not the CUDA context nor cuBLAS's own workspace. `None` on the sim device,
+    /// whose compute allocates host memory.
+    pub device_peak_bytes: Option<u64>,
 }
 
 /// Time and link traffic of one phase of a step (see [`StepStats::forward`]).

@@ -5,7 +5,7 @@
 
 use candle_core::{Device as CandleDevice, Shape, Tensor};
 use oogc_optimizer::Grads;
-use oogc_swapper::{DType, DeviceBuffer};
+use oogc_swapper::{DType, Device, DeviceBuffer};
 
 use super::{Result, RuntimeError};
 
@@ -75,12 +75,16 @@ pub(super) fn device_bytes(
 }
 
 /// Writes `t` (flattened, converted to `dtype`) into the front of the device buffer `buf`, as
-/// compute does (the sim device's checker records a compute write); returns the bytes written.
-/// Record a compute event after it to order a D2H of `buf`.
-pub(super) fn write_to_device(t: &Tensor, dtype: DType, buf: &mut DeviceBuffer) -> Result<usize> {
-    match buf {
-        DeviceBuffer::Sim(b) => write_bytes_to_sim(tensor_values(t, dtype)?.as_slice().as_bytes(), b),
-        DeviceBuffer::Cuda(b) => super::cuda::write_tensor(t, dtype, b),
+/// compute does (the sim device's checker records a compute write), on `device`'s compute
+/// stream (CUDA: after the kernels that wrote `t`, on whichever stream); returns the bytes
+/// written. Record a compute event after it to order a D2H of `buf`.
+pub(super) fn write_to_device(t: &Tensor, dtype: DType, buf: &mut DeviceBuffer, device: &Device) -> Result<usize> {
+    match (buf, device) {
+        (DeviceBuffer::Sim(b), _) => write_bytes_to_sim(tensor_values(t, dtype)?.as_slice().as_bytes(), b),
+        (DeviceBuffer::Cuda(b), Device::Cuda(d)) => super::cuda::write_tensor(t, dtype, b, d),
+        (DeviceBuffer::Cuda(_), Device::Sim(_)) => {
+            Err(RuntimeError::Usage("a CUDA buffer written through a sim device".into()))
+        }
     }
 }
 

@@ -190,6 +190,17 @@ impl PinnedUnit {
         self.access == Access::Write
     }
 
+    /// Blocks the host until the unit's H2D has landed: before handing [`PinnedUnit::memory`] to
+    /// kernels on another stream than the runtime's compute stream (a DLPack consumer such as
+    /// torch), which the compute stream's wait for the copy does not order. The runtime's own
+    /// compute needs no such wait.
+    ///
+    /// # Errors
+    /// The copy failed.
+    pub fn wait_arrival(&self) -> Result<()> {
+        Ok(self.pin.wait_arrived()?)
+    }
+
     /// The pinned compute copy's memory: valid for reads (and, when [`PinnedUnit::is_writable`],
     /// writes) of `num_bytes` bytes while this guard lives, and not after. For a write pin the
     /// address is taken through the buffer's mutable borrow.

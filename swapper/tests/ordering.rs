@@ -36,7 +36,7 @@ fn hazard<T: std::fmt::Debug>(r: Result<T, Error>) -> OrderingHazard {
 /// follows an event recorded after it, the staging buffer is reused for the next unit.
 fn stage_gradients(dev: &Device, forget_the_event: bool) -> Result<(), Error> {
     let pool = pool();
-    let mut staging = dev.alloc(256)?;
+    let mut staging = dev.alloc_for_compute(256)?;
     let mut stale = dev.record_compute_event()?;
     for unit in 1..=3u8 {
         write(&mut staging, unit); // the backward of `unit`
@@ -108,17 +108,17 @@ fn activation_staging_passes_and_fails_without_each_of_its_ordering_calls() {
 #[test]
 fn a_free_passes_when_ordered_and_a_bare_drop_is_reported_by_the_next_call() {
     let dev = device();
-    let mut a = dev.alloc(64).unwrap();
+    let mut a = dev.alloc_for_compute(64).unwrap();
     write(&mut a, 1);
     let done = dev.record_compute_event().unwrap();
     dev.free_after(a, Some(&done)).unwrap();
-    let b = dev.alloc(64).unwrap();
+    let b = dev.alloc_for_compute(64).unwrap();
     read(&b).unwrap();
     dev.copy_waits_for_compute().unwrap();
     drop(b);
     dev.check_ordering().unwrap();
 
-    let c = dev.alloc(64).unwrap();
+    let c = dev.alloc_for_compute(64).unwrap();
     read(&c).unwrap();
     drop(c); // the ordering call removed
     let e = dev.alloc(64).unwrap_err();
@@ -136,14 +136,67 @@ fn a_free_passes_when_ordered_and_a_bare_drop_is_reported_by_the_next_call() {
 fn events_of_the_sim_device_carry_its_clocks() {
     let dev = device();
     let DeviceEvent::Sim(e0) = dev.record_compute_event().unwrap() else { unreachable!() };
-    let mut a = dev.alloc(8).unwrap();
+    // The allocation is copy 1 (stream-ordered on the copy stream); compute waits for it.
+    let mut a = dev.alloc_for_compute(8).unwrap();
     write(&mut a, 0);
     let DeviceEvent::Sim(e1) = dev.record_compute_event().unwrap() else { unreachable!() };
     assert_eq!((e0.compute_pos(), e1.compute_pos()), (0, 1));
+    assert_eq!((e0.copy_id(), e1.copy_id()), (0, 1), "compute is ordered after the allocation");
     let (t, copied) = dev.dtoh_after(a, pool().alloc(8).unwrap(), Some(&DeviceEvent::Sim(e1))).unwrap();
     let DeviceEvent::Sim(c) = copied else { unreachable!() };
-    assert_eq!((c.copy_id(), c.compute_pos()), (1, 1));
+    assert_eq!((c.copy_id(), c.compute_pos()), (2, 1));
     dev.free_after(t.wait().unwrap().1, None).unwrap();
+}
+
+/// A buffer compute uses first: allocated for compute, or ordered after its allocation some
+/// other way (all copies, or an H2D into it that compute waited for); a plain allocation used by
+/// compute at once is reported.
+#[test]
+fn compute_must_follow_a_buffer_s_allocation() {
+    let dev = device();
+    let mut a = dev.alloc_for_compute(16).unwrap();
+    write(&mut a, 1);
+    let b = dev.alloc(16).unwrap();
+    dev.compute_waits_for_copies().unwrap();
+    read(&b).unwrap();
+    let (t, copied) = dev.htod_after(pool().alloc_copy(&[5; 16]).unwrap(), dev.alloc(16).unwrap(), None).unwrap();
+    let (c, _host) = t.release_device().unwrap();
+    dev.compute_waits_for(&copied).unwrap();
+    assert_eq!(read(&c).unwrap(), vec![5; 16], "the H2D's event covers the allocation before it");
+    for buf in [a, b, c] {
+        dev.free_after(buf, None).unwrap();
+    }
+    dev.check_ordering().unwrap();
+
+    let mut d = dev.alloc(16).unwrap();
+    let e = d.as_sim_mut().unwrap().compute_write().map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("allocated on the copy stream that compute was not ordered after"), "{e}");
+    assert!(e.to_string().contains("fix: allocate a buffer compute uses first with Device::alloc_for_compute"), "{e}");
+    assert_eq!(hazard(dev.check_ordering()), OrderingHazard::ComputeBeforeAlloc);
+    dev.free_after(d, None).unwrap();
+}
+
+/// The runtime's sim device counts no host wait as ordering compute after an H2D (its contract:
+/// compute waits on the copy's event); the default device counts it.
+#[test]
+fn a_host_wait_orders_compute_only_where_host_waits_count() {
+    for counted in [true, false] {
+        let dev = Device::Sim(
+            SimDevice::new(SimDeviceConfig { host_wait_orders_compute: counted, ..Default::default() }).unwrap(),
+        );
+        let (t, copied) = dev.htod_after(pool().alloc_copy(&[3; 8]).unwrap(), dev.alloc(8).unwrap(), None).unwrap();
+        let (_, buf) = t.wait().unwrap();
+        match read(&buf) {
+            Ok(v) => assert!(counted, "a host wait ordered compute where it must not: {v:?}"),
+            Err(e) => {
+                assert!(!counted, "{e}");
+                assert_eq!(hazard(Err::<(), _>(e)), OrderingHazard::ComputeBeforeHtod);
+                dev.compute_waits_for(&copied).unwrap();
+                assert_eq!(read(&buf).unwrap(), vec![3; 8], "the event orders it");
+            }
+        }
+        dev.free_after(buf, None).unwrap();
+    }
 }
 
 /// One step of a random program over a few device buffers ("slots").
@@ -195,7 +248,13 @@ fn run_program(ops: &[Op], stale: bool) -> Option<OrderingHazard> {
     let dev = device();
     let pool = pool();
     let mut slots: Vec<Slot> = (0..3)
-        .map(|_| Slot { buf: Some(dev.alloc(LEN).unwrap()), value: None, last_write: 0, last_access: 0, pending: None })
+        .map(|_| Slot {
+            buf: Some(dev.alloc_for_compute(LEN).unwrap()),
+            value: None,
+            last_write: 0,
+            last_access: 0,
+            pending: None,
+        })
         .collect();
     let mut step = 0u64; // compute accesses so far
     let mut copies = 0u64; // copies so far
@@ -294,7 +353,7 @@ fn run_program(ops: &[Op], stale: bool) -> Option<OrderingHazard> {
                         dev.free_after(buf, after.as_ref()).unwrap();
                         let slot = &mut slots[s];
                         *slot = Slot {
-                            buf: Some(dev.alloc(LEN).unwrap()),
+                            buf: Some(dev.alloc_for_compute(LEN).unwrap()),
                             value: None,
                             last_write: 0,
                             last_access: 0,

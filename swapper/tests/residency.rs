@@ -12,7 +12,18 @@ use oogc_swapper::{
 use proptest::prelude::*;
 
 fn manager(device_bytes: u64, host_bytes: u64) -> ResidencyManager {
-    let dev = SimDevice::new(SimDeviceConfig { capacity_bytes: device_bytes, ..Default::default() }).unwrap();
+    manager_with(device_bytes, host_bytes, true)
+}
+
+/// A manager whose sim device counts no host wait as ordering compute after an H2D (as the
+/// runtime's): every compute access below is ordered by the fetch's event or reported.
+fn manager_with(device_bytes: u64, host_bytes: u64, compute_waits_for_fetch: bool) -> ResidencyManager {
+    let dev = SimDevice::new(SimDeviceConfig {
+        capacity_bytes: device_bytes,
+        host_wait_orders_compute: false,
+        ..Default::default()
+    })
+    .unwrap();
     ResidencyManager::new(
         Device::Sim(dev),
         None,
@@ -20,11 +31,38 @@ fn manager(device_bytes: u64, host_bytes: u64) -> ResidencyManager {
             host_budget_bytes: host_bytes,
             lock_host_memory: false,
             wait_timeout: Duration::from_secs(20),
+            compute_waits_for_fetch,
             ..Default::default()
         },
         Box::new(LruPolicy),
     )
     .unwrap()
+}
+
+/// A fetched copy reaches compute through the H2D's event, which pinning it makes compute wait
+/// for (no host wait): without that wait the sim device's checker reports the first compute
+/// access, naming the hazard. A prefetched copy is ordered the same way when it is pinned.
+#[test]
+fn a_fetch_reaches_compute_through_its_copy_event() {
+    for waits in [true, false] {
+        let m = manager_with(1 << 20, 16 << 20, waits);
+        let data = pattern(9, 0, 4096);
+        m.register(meta(9, data.len()), &data).unwrap();
+        m.register(meta(10, data.len()), &data).unwrap();
+        m.prefetch(TensorId(10), Tier::Device).unwrap().wait().unwrap();
+        for id in [9, 10] {
+            let g = m.acquire(TensorId(id), Tier::Device, Access::Read).unwrap();
+            let got = g.device_buffer().as_sim().unwrap().compute_read().map(<[u8]>::to_vec);
+            match (waits, got) {
+                (true, Ok(bytes)) => assert_eq!(bytes, data),
+                (false, Err(Error::Ordering { hazard, .. })) => {
+                    assert_eq!(hazard, oogc_swapper::OrderingHazard::ComputeBeforeHtod)
+                }
+                (w, r) => panic!("compute_waits_for_fetch {w}: {r:?}"),
+            }
+        }
+        assert_eq!(m.check_invariants().is_ok(), waits);
+    }
 }
 
 fn meta(id: u64, bytes: usize) -> TensorMeta {

@@ -202,7 +202,7 @@ fn sim_negative_control() -> anyhow::Result<Result<String, String>> {
     let pool = PinnedPool::new(&PinnedPoolConfig { budget_bytes: 1 << 20, lock: false }, dev.host_allocator(false));
     let n = 4096;
     // With the event: the bytes arrive.
-    let mut buf = dev.alloc(n)?;
+    let mut buf = dev.alloc_for_compute(n)?;
     buf.as_sim_mut().ok_or_else(|| anyhow::anyhow!("a sim buffer"))?.compute_write()?.fill(0xAB);
     let ev = dev.record_compute_event()?;
     let (t, _) = dev.dtoh_after(buf, pool.alloc(n)?, Some(&ev))?;
@@ -334,7 +334,7 @@ pub(crate) fn bandwidth(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
     f.set("copies", iters);
     let dev = match ctx.cuda_ordinal() {
         None => Device::Sim(SimDevice::with_ordering_checks(
-            SimDeviceConfig { capacity_bytes: 2 * bytes as u64, link_gbps: None, latency_us: 0.0 },
+            SimDeviceConfig { capacity_bytes: 2 * bytes as u64, ..SimDeviceConfig::default() },
             false,
         )?),
         Some(n) => Device::Cuda(CudaDevice::new(n, Some(2 * bytes as u64))?),

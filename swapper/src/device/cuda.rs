@@ -484,6 +484,14 @@ impl CudaDevice {
         self.compute.wait(copy_done).map_err(cuda_err("compute stream wait"))
     }
 
+    /// Blocks the host until `event` has completed.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the event's work failed.
+    pub fn synchronize_event(&self, event: &CudaEvent) -> Result<()> {
+        event.synchronize().map_err(cuda_err("event synchronize"))
+    }
+
     /// Makes the compute stream wait for every copy submitted so far; does not block the host.
     ///
     /// # Errors
@@ -532,6 +540,85 @@ impl CudaDevice {
     /// [`Error::Cuda`] with that error.
     pub fn check_ordering(&self) -> Result<()> {
         self.ctx.check_err().map_err(cuda_err("recorded error"))
+    }
+
+    /// A buffer of `bytes` bytes that compute may use at once: allocated stream-ordered on the
+    /// copy stream, then the compute stream waits for an event recorded on the copy stream after
+    /// the allocation (not for later copies), so a kernel never touches memory the allocator
+    /// still hands to the copy stream's earlier work. For buffers compute writes first (gradient
+    /// and activation staging).
+    ///
+    /// # Errors
+    /// As [`DeviceBackend::alloc`]; [`Error::Cuda`] when recording or waiting fails.
+    pub fn alloc_for_compute(&self, bytes: usize) -> Result<CudaBuffer> {
+        let buf = self.alloc(bytes)?;
+        let allocated = self.record_copy_event()?;
+        self.compute_waits_for(&allocated)?;
+        Ok(buf)
+    }
+
+    /// The device's default memory pool, which cudarc's stream-ordered allocations
+    /// (`cuMemAllocAsync`: the swapper's buffers and candle's tensors) draw from.
+    fn default_pool(&self) -> Result<sys::CUmemoryPool> {
+        self.ctx.bind_to_thread().map_err(cuda_err("bind context"))?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid out-pointer for one `CUmemoryPool`; the device handle comes
+        // from the live context.
+        unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, self.ctx.cu_device()) }
+            .result()
+            .map_err(cuda_err("cuDeviceGetDefaultMemPool"))?;
+        Ok(pool)
+    }
+
+    /// Sets a `cuuint64_t` attribute of the default memory pool.
+    fn set_pool_attribute(&self, attr: sys::CUmemPool_attribute, mut value: u64, op: &'static str) -> Result<()> {
+        let pool = self.default_pool()?;
+        // SAFETY: the attributes set here take a `cuuint64_t` by pointer; `value` is one, alive
+        // for the call.
+        unsafe { sys::cuMemPoolSetAttribute(pool, attr, (&mut value as *mut u64).cast()) }
+            .result()
+            .map_err(cuda_err(op))
+    }
+
+    /// Keeps the memory pool's memory: sets its release threshold to `u64::MAX`, so memory freed
+    /// back to the pool is not returned to the driver at every synchronisation (the default
+    /// threshold, 0, trims the pool whenever a stream or event is synchronised, and the next
+    /// allocations pay `cuMemMap` again). Called once when the device is opened.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the driver refuses the attribute.
+    pub fn keep_pool_memory(&self) -> Result<()> {
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        self.set_pool_attribute(attr, u64::MAX, "cuMemPoolSetAttribute(RELEASE_THRESHOLD)")
+    }
+
+    /// The memory pool's high-water mark: the most bytes its allocations held at once since the
+    /// device was opened or [`CudaDevice::reset_pool_peak`] (`CU_MEMPOOL_ATTR_USED_MEM_HIGH`):
+    /// every stream-ordered allocation of this process on the device — the swapper's buffers and
+    /// candle's tensors (activations, attention scores, autograd copies) — not the CUDA context
+    /// nor libraries' own `cudaMalloc` (cuBLAS's workspace).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the driver refuses the query.
+    pub fn pool_peak_bytes(&self) -> Result<u64> {
+        let pool = self.default_pool()?;
+        let mut high: u64 = 0;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        // SAFETY: the attribute is a `cuuint64_t` written through the pointer, alive for the call.
+        unsafe { sys::cuMemPoolGetAttribute(pool, attr, (&mut high as *mut u64).cast()) }
+            .result()
+            .map_err(cuda_err("cuMemPoolGetAttribute(USED_MEM_HIGH)"))?;
+        Ok(high)
+    }
+
+    /// Restarts [`CudaDevice::pool_peak_bytes`] from the bytes in use now (the driver accepts
+    /// only 0, which resets the mark to the current use).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the driver refuses the attribute.
+    pub fn reset_pool_peak(&self) -> Result<()> {
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH;
+        self.set_pool_attribute(attr, 0, "cuMemPoolSetAttribute(USED_MEM_HIGH)")
     }
 
     /// Orders the copy stream before a copy of `buf`: after `after` when given, else after all

@@ -94,6 +94,14 @@ impl CudaDevice {
     ///
     /// # Errors
     /// Never returns.
+    pub fn synchronize_event(&self, _event: &CudaEvent) -> Result<()> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
     pub fn compute_waits_for_copies(&self) -> Result<()> {
         match self.0 {}
     }
@@ -127,6 +135,38 @@ impl CudaDevice {
     /// # Errors
     /// Never returns.
     pub fn check_ordering(&self) -> Result<()> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn alloc_for_compute(&self, _bytes: usize) -> Result<CudaBuffer> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn keep_pool_memory(&self) -> Result<()> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn pool_peak_bytes(&self) -> Result<u64> {
+        match self.0 {}
+    }
+
+    /// Uninhabited.
+    ///
+    /// # Errors
+    /// Never returns.
+    pub fn reset_pool_peak(&self) -> Result<()> {
         match self.0 {}
     }
 }

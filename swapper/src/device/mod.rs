@@ -24,7 +24,8 @@
 //!
 //! | need | call |
 //! |---|---|
-//! | compute reads a buffer filled by an H2D | [`Transfer::wait`] (host blocks), or [`Transfer::release_device`] and [`Device::compute_waits_for`] with the copy's event, or [`Device::compute_waits_for_copies`] |
+//! | compute reads a buffer filled by an H2D | [`Transfer::release_device`] and [`Device::compute_waits_for`] with the copy's event (or [`Device::compute_waits_for_copies`]); a host wait ([`Transfer::wait`]) also orders it on CUDA, but stalls the host, and the runtime's sim device does not count it ([`ordering`], "Host waits") |
+//! | compute uses a fresh buffer first (staging it writes) | [`Device::alloc_for_compute`]: the allocation is stream-ordered on the copy stream, and compute waits for it |
 //! | a D2H of a buffer compute wrote | [`Device::dtoh_after`] with an event from [`Device::record_compute_event`] recorded after the writing kernel; or the plain [`Device::dtoh`] (after all compute) |
 //! | an H2D into a buffer compute used (reuse) | [`Device::htod_after`] with an event recorded after the last kernel using it; or the plain [`Device::htod`] |
 //! | free a buffer compute used | [`Device::free_after`] with such an event (or `None`: after all compute), or [`Device::copy_waits_for_compute`] / [`Device::copy_waits_for`] before dropping it |
@@ -230,6 +231,46 @@ impl Device {
         })
     }
 
+    /// A buffer of `bytes` bytes that compute may use at once (contents unspecified): the
+    /// allocation, stream-ordered on the copy stream, then compute ordered after it (CUDA: an
+    /// event on the copy stream the compute stream waits for; sim: the checker's clocks). For a
+    /// buffer compute uses before any copy into it (gradient, activation and state staging); a
+    /// buffer filled by an H2D first needs only the copy's event.
+    ///
+    /// # Errors
+    /// [`Error::OutOfMemory`] on the device tier; [`Error::Cuda`] when recording or waiting fails.
+    pub fn alloc_for_compute(&self, bytes: usize) -> Result<DeviceBuffer> {
+        Ok(match self {
+            Device::Sim(d) => DeviceBuffer::Sim(d.alloc_for_compute(bytes)?),
+            Device::Cuda(d) => DeviceBuffer::Cuda(d.alloc_for_compute(bytes)?),
+        })
+    }
+
+    /// The high-water mark of the device's stream-ordered memory pool since it was opened or
+    /// [`Device::reset_pool_peak`]: every byte this process's kernels and copies allocated there
+    /// at once (CUDA: the swapper's buffers and candle's tensors; `CU_MEMPOOL_ATTR_USED_MEM_HIGH`).
+    /// `None` on the sim device, whose compute allocates host memory, not device memory.
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the driver refuses the query.
+    pub fn pool_peak_bytes(&self) -> Result<Option<u64>> {
+        match self {
+            Device::Sim(_) => Ok(None),
+            Device::Cuda(d) => d.pool_peak_bytes().map(Some),
+        }
+    }
+
+    /// Restarts [`Device::pool_peak_bytes`] from the bytes in use now (nothing on the sim).
+    ///
+    /// # Errors
+    /// [`Error::Cuda`] when the driver refuses it.
+    pub fn reset_pool_peak(&self) -> Result<()> {
+        match self {
+            Device::Sim(_) => Ok(()),
+            Device::Cuda(d) => d.reset_pool_peak(),
+        }
+    }
+
     /// Starts an H2D copy, ordered after all compute when compute used `dst` since its last
     /// ordering (always safe). See [`DeviceBackend::htod`] and [`Device::htod_after`].
     ///
@@ -346,6 +387,22 @@ impl Device {
                 Ok(())
             }
             (Device::Cuda(d), DeviceEvent::Cuda(e)) => d.compute_waits_for(e),
+            _ => Err(other_backend_event()),
+        }
+    }
+
+    /// Blocks the host until `event` has completed (CUDA: `cuEventSynchronize`; the sim device:
+    /// at once, its copies being complete when their buffers are handed out). For consumers
+    /// outside the device's streams; the device's own compute waits with
+    /// [`Device::compute_waits_for`] instead. Not an ordering of compute on the sim's checker.
+    ///
+    /// # Errors
+    /// [`Error::InvalidRequest`] for an event of the other backend; [`Error::Cuda`] when the
+    /// event's work failed.
+    pub fn synchronize_event(&self, event: &DeviceEvent) -> Result<()> {
+        match (self, event) {
+            (Device::Sim(_), DeviceEvent::Sim(_)) => Ok(()),
+            (Device::Cuda(d), DeviceEvent::Cuda(e)) => d.synchronize_event(e),
             _ => Err(other_backend_event()),
         }
     }

@@ -8,7 +8,7 @@
 //! | copy stream | a logical clock: each copy (`htod`, `dtoh`, their `_after` forms) takes the next copy id (from 1), in submission order, as on CUDA's one copy stream |
 //! | [`SimEvent`] | a two-entry vector clock: the compute position and the copy id an event covers |
 //! | stream knowledge | what each stream is ordered after: the copy stream after compute position `copy_sees_compute`, compute after copy id `compute_sees_copy` |
-//! | buffer record | per buffer: the position of compute's last write and last access (read or write), and the id of an H2D into it that compute has not been ordered after |
+//! | buffer record | per buffer: the position of compute's last write and last access (read or write), and the copy-stream operation compute has not been ordered after yet: its allocation (stream-ordered on the copy stream) or an H2D into it |
 //! | [`OrderingViolation`] | a broken rule: which ([`OrderingHazard`]), the buffer, what it had to follow and what it was ordered after |
 //!
 //! # What orders what
@@ -17,13 +17,15 @@
 //!
 //! | call | effect |
 //! |---|---|
+//! | `alloc` | the allocation takes the next copy id (CUDA allocates stream-ordered on the copy stream): compute must be ordered after it before the buffer's first compute access |
+//! | `alloc_for_compute` | `alloc`, then `compute_waits_for` the allocation |
 //! | `record_compute_event` | an event `{compute: now, copy: compute_sees_copy}` |
 //! | `htod_after` / `dtoh_after` with `Some(ev)` | the copy stream waits for `ev`: `copy_sees_compute = max(.., ev.compute)`; the copy's event is `{compute: copy_sees_compute, copy: its id}` |
 //! | `htod` / `dtoh`, or `_after` with `None` | when compute accessed the buffer after `copy_sees_compute`, the copy stream waits for all compute: `copy_sees_compute = now` (CUDA: a buffer "touched" by compute) |
 //! | `copy_waits_for_compute` / `copy_waits_for(ev)` | `copy_sees_compute = now` / `max(.., ev.compute)` |
 //! | `compute_waits_for(ev)` / `compute_waits_for_copies` | `compute_sees_copy = max(.., ev.copy)` / the last copy id |
 //! | `free_after(buf, Some(ev))` / `free_after(buf, None)` | as an `_after` copy / a plain copy, then the buffer is freed |
-//! | `Transfer::wait` | the host saw the copy complete (and, same stream, every earlier copy of the buffer): the buffer's pending H2D is cleared |
+//! | `Transfer::wait` | the host saw the copy complete (and, same stream, every earlier copy of the buffer): the buffer's pending H2D is cleared — unless the device counts no host wait as ordering ([`SimDeviceConfig::host_wait_orders_compute`](super::SimDeviceConfig::host_wait_orders_compute) false, as the runtime's is) |
 //! | `Transfer::release_device` of an H2D | the device buffer comes back with its H2D still pending, for compute to wait for |
 //!
 //! # What is checked
@@ -34,7 +36,8 @@
 //! | `htod_after(_, buf, Some(ev))` | compute read or wrote `buf` after `ev` ([`OrderingHazard::HtodOverComputeAccess`]) | `Err` from the call |
 //! | `free_after(buf, Some(ev))` | compute read or wrote `buf` after `ev` ([`OrderingHazard::FreeBeforeComputeAccess`]) | `Err` from the call |
 //! | dropping a buffer | compute read or wrote it after the copy stream's last ordering (`copy_sees_compute`) ([`OrderingHazard::DropBeforeComputeAccess`]) | recorded; the device's next reporting call returns it |
-//! | `compute_read` / `compute_write` | an H2D into the buffer is pending: neither host-waited ([`Transfer::wait`](super::Transfer::wait)) nor covered by `compute_sees_copy` ([`OrderingHazard::ComputeBeforeHtod`]) | `Err` from the call |
+//! | `compute_read` / `compute_write` | an H2D into the buffer is pending: neither host-waited ([`Transfer::wait`](super::Transfer::wait), where host waits count) nor covered by `compute_sees_copy` ([`OrderingHazard::ComputeBeforeHtod`]) | `Err` from the call |
+//! | `compute_read` / `compute_write` | the buffer's allocation is not covered by `compute_sees_copy` ([`OrderingHazard::ComputeBeforeAlloc`]) | `Err` from the call |
 //!
 //! The plain copies (`htod`, `dtoh`, `_after` with `None`) and `free_after(buf, None)` are
 //! always safe: they order the copy stream after all compute when the buffer needs it, as CUDA
@@ -44,6 +47,15 @@
 //! checked against the copy stream's ordering as it stands, which another thread's wait may have
 //! advanced — prefer `free_after`. A D2H reads the buffer, so compute reads after its event are
 //! no hazard for it; an H2D and a free are hazards for any access.
+//!
+//! **Host waits.** On CUDA a host that waited for an H2D (`cuEventSynchronize`) orders the
+//! kernels it launches afterwards, but only those, and only by stalling the thread that should
+//! be queueing kernels. The runtime orders every H2D before compute with an event instead (its
+//! contract: compute waits on the copy stream's event, never the host), so its sim device counts
+//! no host wait as ordering: a compute access that relies on one is reported as
+//! [`OrderingHazard::ComputeBeforeHtod`], as a missing event would race on CUDA where the wait
+//! happened on another thread. Callers that do rely on host waits (tests, benchmarks) keep the
+//! default, which counts them.
 //!
 //! Every violation goes into the device's log
 //! ([`SimDevice::ordering_violations`](super::SimDevice::ordering_violations);
@@ -107,6 +119,10 @@ pub enum OrderingHazard {
     /// A compute access to a buffer whose H2D copy was neither waited for on the host nor by
     /// compute: the kernel may read bytes that have not arrived.
     ComputeBeforeHtod,
+    /// A compute access to a buffer whose allocation (stream-ordered on the copy stream) compute
+    /// was not ordered after: the kernel may use memory the allocator still hands to the copy
+    /// stream's earlier work.
+    ComputeBeforeAlloc,
 }
 
 impl OrderingHazard {
@@ -121,6 +137,9 @@ impl OrderingHazard {
             }
             OrderingHazard::ComputeBeforeHtod => {
                 "compute access to a buffer whose htod was waited for neither on the host nor by compute"
+            }
+            OrderingHazard::ComputeBeforeAlloc => {
+                "compute access to a buffer allocated on the copy stream that compute was not ordered after"
             }
         }
     }
@@ -146,7 +165,11 @@ impl OrderingHazard {
             }
             OrderingHazard::ComputeBeforeHtod => {
                 "call Device::compute_waits_for with the htod's event (or compute_waits_for_copies) before \
-                 handing the buffer to compute, or wait for the Transfer"
+                 handing the buffer to compute"
+            }
+            OrderingHazard::ComputeBeforeAlloc => {
+                "allocate a buffer compute uses first with Device::alloc_for_compute (or order compute after its \
+                 allocation with compute_waits_for_copies)"
             }
         }
     }
@@ -154,7 +177,7 @@ impl OrderingHazard {
     /// What the operation had to be ordered after: `compute access` or `copy`.
     pub fn needs(self) -> &'static str {
         match self {
-            OrderingHazard::ComputeBeforeHtod => "copy",
+            OrderingHazard::ComputeBeforeHtod | OrderingHazard::ComputeBeforeAlloc => "copy",
             _ => "compute access",
         }
     }
@@ -176,7 +199,7 @@ pub struct OrderingViolation {
     /// The buffer's size in bytes.
     pub num_bytes: u64,
     /// What the operation had to be ordered after: a compute position, or for
-    /// [`OrderingHazard::ComputeBeforeHtod`] a copy id.
+    /// [`OrderingHazard::ComputeBeforeHtod`] and [`OrderingHazard::ComputeBeforeAlloc`] a copy id.
     pub needed: u64,
     /// What it was ordered after (same clock as `needed`, smaller).
     pub ordered: u64,
@@ -197,6 +220,9 @@ impl From<OrderingViolation> for Error {
 /// The checker of one sim device, shared with its buffers.
 #[derive(Default)]
 pub(super) struct Checker {
+    /// Whether a host wait for an H2D ([`Transfer::wait`](super::Transfer::wait)) orders compute
+    /// after it (see the module docs, "Host waits").
+    host_wait_orders: bool,
     /// The last compute position handed out.
     compute_clock: AtomicU64,
     /// The last copy id handed out.
@@ -214,16 +240,27 @@ pub(super) struct Checker {
 }
 
 impl Checker {
-    /// A record for a new buffer of `num_bytes` bytes.
-    pub(super) fn new_buffer(self: &std::sync::Arc<Self>, num_bytes: usize) -> BufferOrder {
-        BufferOrder {
+    /// A checker; `host_wait_orders`: whether a host wait for an H2D orders compute after it.
+    pub(super) fn new(host_wait_orders: bool) -> Self {
+        Self { host_wait_orders, ..Self::default() }
+    }
+
+    /// A record for a new buffer of `num_bytes` bytes. Its allocation is an operation of the
+    /// copy stream (it takes the next copy id), which compute must be ordered after before the
+    /// buffer's first compute access; returns the allocation's event (for
+    /// `compute_waits_for`).
+    pub(super) fn new_buffer(self: &std::sync::Arc<Self>, num_bytes: usize) -> (BufferOrder, SimEvent) {
+        let alloc = self.copy_clock.fetch_add(1, SeqCst) + 1;
+        let order = BufferOrder {
             checker: self.clone(),
             id: self.buffers.fetch_add(1, SeqCst) + 1,
             num_bytes: num_bytes as u64,
             last_write: AtomicU64::new(0),
             last_access: AtomicU64::new(0),
-            pending_htod: AtomicU64::new(0),
-        }
+            pending_copy: AtomicU64::new(alloc),
+            pending_is_alloc: AtomicBool::new(true),
+        };
+        (order, SimEvent { compute_pos: self.copy_sees_compute.load(SeqCst), copy_id: alloc })
     }
 
     /// An event after the compute accesses so far.
@@ -296,7 +333,9 @@ impl Checker {
         }
         let id = self.copy_clock.fetch_add(1, SeqCst) + 1;
         if direction == Direction::Htod {
-            buf.pending_htod.store(id, SeqCst);
+            // Later on the same stream: covers the allocation too.
+            buf.pending_is_alloc.store(false, SeqCst);
+            buf.pending_copy.store(id, SeqCst);
         }
         Ok(SimEvent { compute_pos: self.copy_sees_compute.load(SeqCst), copy_id: id })
     }
@@ -374,8 +413,12 @@ pub(super) struct BufferOrder {
     last_write: AtomicU64,
     /// Compute position of the last read or write (0: none).
     last_access: AtomicU64,
-    /// Copy id of an H2D into the buffer that neither the host nor compute waited for (0: none).
-    pending_htod: AtomicU64,
+    /// Copy id of the last copy-stream operation on the buffer that compute must follow and
+    /// was not ordered after yet (0: none): its allocation, or an H2D into it that neither the
+    /// host (where host waits count) nor compute waited for.
+    pending_copy: AtomicU64,
+    /// Whether `pending_copy` is the allocation (else an H2D).
+    pending_is_alloc: AtomicBool,
 }
 
 impl BufferOrder {
@@ -384,17 +427,22 @@ impl BufferOrder {
         self.id
     }
 
-    /// A compute access (`write` or read) now: checked against a pending H2D, then placed on
-    /// the compute clock.
+    /// A compute access (`write` or read) now: checked against a pending allocation or H2D,
+    /// then placed on the compute clock.
     pub(super) fn compute_access(&self, write: bool) -> Result<(), OrderingViolation> {
         let ck = &*self.checker;
-        let pending = self.pending_htod.load(SeqCst);
+        let pending = self.pending_copy.load(SeqCst);
         if pending != 0 {
             let seen = ck.compute_sees_copy.load(SeqCst);
             if seen < pending {
-                return Err(ck.violation(self, OrderingHazard::ComputeBeforeHtod, pending, seen, true));
+                let hazard = if self.pending_is_alloc.load(SeqCst) {
+                    OrderingHazard::ComputeBeforeAlloc
+                } else {
+                    OrderingHazard::ComputeBeforeHtod
+                };
+                return Err(ck.violation(self, hazard, pending, seen, true));
             }
-            let _ = self.pending_htod.compare_exchange(pending, 0, SeqCst, SeqCst);
+            let _ = self.pending_copy.compare_exchange(pending, 0, SeqCst, SeqCst);
         }
         let pos = ck.compute_clock.fetch_add(1, SeqCst) + 1;
         self.last_access.fetch_max(pos, SeqCst);
@@ -410,9 +458,12 @@ impl BufferOrder {
         self.last_access.store(0, SeqCst);
     }
 
-    /// The host saw the buffer's H2D complete ([`Transfer::wait`](super::Transfer::wait)).
+    /// The host saw the buffer's H2D complete ([`Transfer::wait`](super::Transfer::wait)):
+    /// compute is ordered after it where host waits count.
     pub(super) fn host_waited(&self) {
-        self.pending_htod.store(0, SeqCst);
+        if self.checker.host_wait_orders && !self.pending_is_alloc.load(SeqCst) {
+            self.pending_copy.store(0, SeqCst);
+        }
     }
 }
 

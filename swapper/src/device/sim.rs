@@ -41,11 +41,16 @@ pub struct SimDeviceConfig {
     pub link_gbps: Option<f64>,
     /// Fixed latency added to each copy, in microseconds. Default: 0.
     pub latency_us: f64,
+    /// Whether the checker counts a host wait for an H2D ([`Transfer::wait`]) as ordering
+    /// compute after the copy. Default: true. The runtime sets false: its contract is that
+    /// compute waits on the copy's event, never on the host (see [`super::ordering`], "Host
+    /// waits"), so a compute access that only a host wait ordered is a violation there.
+    pub host_wait_orders_compute: bool,
 }
 
 impl Default for SimDeviceConfig {
     fn default() -> Self {
-        Self { capacity_bytes: 1 << 30, link_gbps: None, latency_us: 0.0 }
+        Self { capacity_bytes: 1 << 30, link_gbps: None, latency_us: 0.0, host_wait_orders_compute: true }
     }
 }
 
@@ -278,6 +283,7 @@ impl SimDevice {
         config.validate()?;
         let htod_stats = Arc::new(LinkStats::default());
         let dtoh_stats = Arc::new(LinkStats::default());
+        let checker = check_ordering.then(|| Arc::new(Checker::new(config.host_wait_orders_compute)));
         Ok(Self {
             htod: Engine::spawn(Direction::Htod, &config, htod_stats.clone()),
             dtoh: Engine::spawn(Direction::Dtoh, &config, dtoh_stats.clone()),
@@ -285,7 +291,7 @@ impl SimDevice {
             config,
             htod_stats,
             dtoh_stats,
-            checker: check_ordering.then(|| Arc::new(Checker::default())),
+            checker,
         })
     }
 
@@ -307,6 +313,19 @@ impl SimDevice {
         if let Some(c) = &self.checker {
             c.compute_waits_for(copy_done);
         }
+    }
+
+    /// A buffer of `bytes` bytes (contents unspecified) that compute may use at once: the
+    /// allocation, then compute ordered after it ([`SimDevice::compute_waits_for`] with the
+    /// allocation's event; CUDA's counterpart waits for an event recorded on the copy stream after
+    /// the stream-ordered allocation). For buffers compute writes first (staging).
+    ///
+    /// # Errors
+    /// As [`DeviceBackend::alloc`].
+    pub fn alloc_for_compute(&self, bytes: usize) -> Result<SimBuffer> {
+        let (buf, allocated) = self.alloc_with_event(bytes)?;
+        self.compute_waits_for(&allocated);
+        Ok(buf)
     }
 
     /// Orders compute after every copy submitted so far.
@@ -436,6 +455,41 @@ impl SimDevice {
         Ok(())
     }
 
+    /// A buffer of `bytes` bytes and its allocation's event (copy-stream ordered; see
+    /// [`SimDevice::alloc_for_compute`]).
+    fn alloc_with_event(&self, bytes: usize) -> Result<(SimBuffer, SimEvent)> {
+        self.report()?;
+        let cap = self.config.capacity_bytes;
+        let mut cur = self.allocated.load(Ordering::Acquire);
+        loop {
+            if cur + bytes as u64 > cap {
+                return Err(Error::OutOfMemory {
+                    tier: Tier::Device,
+                    requested_bytes: bytes as u64,
+                    available_bytes: cap.saturating_sub(cur),
+                });
+            }
+            match self.allocated.compare_exchange_weak(cur, cur + bytes as u64, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => break,
+                Err(v) => cur = v,
+            }
+        }
+        let (order, event) = match &self.checker {
+            Some(c) => {
+                let (o, e) = c.new_buffer(bytes);
+                (Some(o), e)
+            }
+            None => (None, SimEvent::default()),
+        };
+        let buf = SimBuffer {
+            words: vec![0u64; bytes.div_ceil(8)],
+            num_bytes: bytes,
+            allocated: self.allocated.clone(),
+            order,
+        };
+        Ok((buf, event))
+    }
+
     /// Checks and orders a copy (see [`SimDevice::htod_after`]), then queues it on its engine.
     /// A buffer dropped with an error is disarmed: the error is the report.
     fn copy(
@@ -489,28 +543,7 @@ impl DeviceBackend for SimDevice {
     }
 
     fn alloc(&self, bytes: usize) -> Result<SimBuffer> {
-        self.report()?;
-        let cap = self.config.capacity_bytes;
-        let mut cur = self.allocated.load(Ordering::Acquire);
-        loop {
-            if cur + bytes as u64 > cap {
-                return Err(Error::OutOfMemory {
-                    tier: Tier::Device,
-                    requested_bytes: bytes as u64,
-                    available_bytes: cap.saturating_sub(cur),
-                });
-            }
-            match self.allocated.compare_exchange_weak(cur, cur + bytes as u64, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => break,
-                Err(v) => cur = v,
-            }
-        }
-        Ok(SimBuffer {
-            words: vec![0u64; bytes.div_ceil(8)],
-            num_bytes: bytes,
-            allocated: self.allocated.clone(),
-            order: self.checker.as_ref().map(|c| c.new_buffer(bytes)),
-        })
+        self.alloc_with_event(bytes).map(|(b, _)| b)
     }
 
     /// [`SimDevice::htod_after`] without an `after` event.
@@ -588,8 +621,13 @@ mod tests {
     #[test]
     fn throttle_spaces_copies_by_bytes_over_bandwidth() {
         // 1 GB/s: 8 MiB must take at least 8.4 ms. A lower bound only: a slow machine is never wrong.
-        let dev = SimDevice::new(SimDeviceConfig { link_gbps: Some(1.0), capacity_bytes: 64 << 20, latency_us: 0.0 })
-            .unwrap();
+        let dev = SimDevice::new(SimDeviceConfig {
+            link_gbps: Some(1.0),
+            capacity_bytes: 64 << 20,
+            latency_us: 0.0,
+            ..Default::default()
+        })
+        .unwrap();
         let pool = pool();
         let src = pool.alloc(8 << 20).unwrap();
         let buf = dev.alloc(8 << 20).unwrap();

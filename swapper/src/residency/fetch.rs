@@ -96,6 +96,16 @@ impl Inner {
                     }
                     let clock = st.clock;
                     let e = st.entry(id)?;
+                    if let (Pin::Yes(_), Tier::Device, Some(copied)) = (pin, tier, &e.device.arrived) {
+                        // Compute will use the copy: the compute stream waits for its H2D (the
+                        // host does not).
+                        if self.config.compute_waits_for_fetch {
+                            if let Err(err) = self.device.compute_waits_for(copied) {
+                                e.device.unpin(std::thread::current().id());
+                                break Err(err);
+                            }
+                        }
+                    }
                     let cell = match (pin, tier) {
                         (Pin::No, _) => None,
                         (Pin::Yes(_), Tier::Host) => Some(PinnedCell::Host(e.host.cell.clone())),
@@ -161,6 +171,12 @@ impl Inner {
     /// write would make stale), or read an absent one from NVMe (an overwrite only allocates).
     fn step_host(&self, st: &mut MutexGuard<'_, State>, id: TensorId, pin: Pin, deadline: Instant) -> Result<Step> {
         let overwrite = pin == Pin::Yes(Access::Overwrite);
+        if st.entry(id)?.host_pending.is_some() {
+            // The host copy is still lent to an H2D queued earlier: it comes back when the copy
+            // is complete (a wait here, on the thread that needs the host copy).
+            self.settle_host(st, id, true)?;
+            return Ok(Step::Retry);
+        }
         let e = st.entry(id)?;
         let bytes = e.num_bytes() as u64;
         // Coherence first: a dirty device copy is newer than the host copy.

@@ -88,6 +88,26 @@ impl Resident {
         RwLockReadGuard::map(cell.read(), |b| b.as_ref().expect("pinned copy present"))
     }
 
+    /// Blocks the host until the H2D that filled this device copy has completed: for handing the
+    /// memory to a consumer on another stream than the device's compute stream (a DLPack
+    /// export to torch), which the compute stream's wait for the copy does not order. Returns at
+    /// once for a copy that did not arrive by an H2D, and on the sim device (its engine finishes
+    /// a copy before handing the buffer out).
+    ///
+    /// # Errors
+    /// The copy failed.
+    ///
+    /// # Panics
+    /// If the guard is not for the device tier.
+    pub fn wait_arrived(&self) -> Result<()> {
+        assert!(matches!(self.cell, PinnedCell::Device(_)), "guard is for the {} tier", self.tier);
+        let arrived = self.inner.state.lock().entry(self.id)?.device.arrived.clone();
+        match arrived {
+            Some(ev) => self.inner.device.synchronize_event(&ev),
+            None => Ok(()),
+        }
+    }
+
     /// The device buffer, mutably (sim: [`SimBuffer::compute_write`](crate::SimBuffer::compute_write);
     /// CUDA: `CudaBuffer::as_mut_slice`). As [`Resident::device_buffer`].
     ///

@@ -26,8 +26,11 @@
 //! ([`Device::record_compute_event`]); the copy's write-back ([`Device::dtoh_after`]) and its
 //! free on eviction or removal ([`Device::free_after`]) are ordered after the latest such event,
 //! so neither waits for all of compute on CUDA, and the sim device's checker sees every free
-//! ordered. A fetch waits for its H2D on the host ([`Transfer::wait`](crate::Transfer::wait))
-//! before the copy is ready, so compute never needs to wait for it.
+//! ordered. A fetch never waits for its H2D on the host: the device copy is ready as soon as
+//! the copy is queued ([`Transfer::release_device`](crate::Transfer::release_device)), and
+//! pinning it for compute makes the compute stream wait for the copy's event
+//! ([`Device::compute_waits_for`]). The host copy it was copied from stays lent to the copy until
+//! the copy is seen complete (polled, or waited for by whoever needs that host copy next).
 //!
 //! **Budgets.** Every byte on a tier is reserved under the manager's lock before it is allocated,
 //! so a tier never holds more than its budget (host bytes are counted in the pool's size
@@ -102,6 +105,11 @@ pub struct ResidencyConfig {
     pub prefetch_threads: usize,
     /// Longest a request waits for other threads' pins or transfers before failing. Default: 60 s.
     pub wait_timeout: Duration,
+    /// Pinning a device copy for compute makes the compute stream wait for the H2D that filled
+    /// it. Default: true. `false` leaves that wait out: only for the negative control of the
+    /// ordering tests (the sim device's checker must then report the compute access as
+    /// [`OrderingHazard::ComputeBeforeHtod`](crate::OrderingHazard::ComputeBeforeHtod)).
+    pub compute_waits_for_fetch: bool,
 }
 
 impl Default for ResidencyConfig {
@@ -113,6 +121,7 @@ impl Default for ResidencyConfig {
             lock_host_memory: true,
             prefetch_threads: 2,
             wait_timeout: Duration::from_secs(60),
+            compute_waits_for_fetch: true,
         }
     }
 }
@@ -352,7 +361,7 @@ impl ResidencyManager {
             return Err(Error::DuplicateTensor(id));
         }
         let home = meta.home;
-        let mut e = Entry { meta, device: Replica::absent(), host: Replica::absent(), nvme: None };
+        let mut e = Entry { meta, device: Replica::absent(), host: Replica::absent(), nvme: None, host_pending: None };
         e.host.state = CopyState::Loading;
         st.entries.insert(id, e);
         let deadline = Instant::now() + inner.config.wait_timeout;
@@ -425,6 +434,7 @@ impl ResidencyManager {
     pub fn remove(&self, id: TensorId) -> Result<TensorMeta> {
         let inner = &self.inner;
         let mut st = inner.state.lock();
+        inner.settle_host(&mut st, id, true)?;
         let e = st.entry(id)?;
         let busy = |s: CopyState| matches!(s, CopyState::Loading | CopyState::Lent);
         if !e.device.pinners.is_empty() || !e.host.pinners.is_empty() || busy(e.device.state) || busy(e.host.state) {

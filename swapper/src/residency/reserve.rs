@@ -107,6 +107,11 @@ impl Inner {
                 if need > budget.saturating_sub(scan.fixed) || !scan.blocked_by_others {
                     return Err(out_of_memory);
                 }
+                // A host copy lent to an H2D comes back once the copy completes, which no one
+                // signals: take it back (waiting for the oldest copy if none is done) and look again.
+                if tier == Tier::Host && self.settle_hosts(st, true)? {
+                    continue;
+                }
                 if self.cond.wait_until(st, deadline).timed_out() {
                     return Err(out_of_memory);
                 }

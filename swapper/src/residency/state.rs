@@ -14,7 +14,7 @@ use parking_lot::RwLock;
 
 use super::transfer::LinksInFlight;
 use super::Access;
-use crate::device::{DeviceBuffer, DeviceEvent};
+use crate::device::{DeviceBuffer, DeviceEvent, PendingHost};
 use crate::error::{Error, Result};
 use crate::host::HostBuffer;
 use crate::nvme::Extent;
@@ -56,6 +56,11 @@ pub(super) struct Replica<B> {
     /// when no pin was given back since the copy arrived (no compute saw it), or recording
     /// failed (then they are ordered after all compute). Host copies: always `None`.
     pub(super) compute_done: Option<DeviceEvent>,
+    /// Device copies: the event of the H2D that filled the buffer, which compute waits for when
+    /// the copy is pinned for compute (`Inner::ensure`), so no thread blocks on the copy. Kept
+    /// while the copy lives (waiting on a completed event costs a stream wait, nothing more).
+    /// Host copies: always `None`.
+    pub(super) arrived: Option<DeviceEvent>,
 }
 
 impl<B> Replica<B> {
@@ -68,6 +73,7 @@ impl<B> Replica<B> {
             last_use: 0,
             reserved: 0,
             compute_done: None,
+            arrived: None,
         }
     }
     pub(super) fn take(&mut self) -> B {
@@ -132,6 +138,11 @@ pub(super) struct Entry {
     pub(super) host: Replica<HostBuffer>,
     /// The NVMe copy; valid unless the host copy is dirty. Taken out while a read uses it.
     pub(super) nvme: Option<Extent>,
+    /// The host copy's buffer while an H2D from it may still be reading it: the device copy
+    /// went to compute as soon as the copy was queued (compute waits for its event), and the
+    /// host copy stays [`CopyState::Lent`] until the copy is seen complete
+    /// (`Inner::settle_host`).
+    pub(super) host_pending: Option<PendingHost>,
 }
 
 impl Entry {
@@ -156,12 +167,22 @@ pub(super) struct State {
     pub(super) clock: u64,
     /// Ranks eviction candidates; told of acquires, prefetches and victims.
     pub(super) policy: Box<dyn EvictionPolicy>,
+    /// Tensors whose host copy waits for an H2D to complete ([`Entry::host_pending`]).
+    pub(super) pending_hosts: Vec<TensorId>,
 }
 
 impl State {
     /// No tensors, nothing reserved, evicting by `policy`.
     pub(super) fn new(policy: Box<dyn EvictionPolicy>) -> Self {
-        Self { entries: HashMap::new(), used: [0, 0], peak: [0, 0], links: LinksInFlight::default(), clock: 0, policy }
+        Self {
+            entries: HashMap::new(),
+            used: [0, 0],
+            peak: [0, 0],
+            links: LinksInFlight::default(),
+            clock: 0,
+            policy,
+            pending_hosts: Vec::new(),
+        }
     }
 
     pub(super) fn entry(&mut self, id: TensorId) -> Result<&mut Entry> {

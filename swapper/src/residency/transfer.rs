@@ -164,8 +164,13 @@ impl Inner {
         }
     }
 
-    /// [`Action::Htod`]: the host buffer comes back to its copy and the device copy (reserved and
-    /// `Loading`) becomes ready and clean; on an error the device copy is cleared.
+    /// [`Action::Htod`]: the copy is queued and the device copy (reserved and `Loading`)
+    /// becomes ready and clean at once, with the copy's event in `arrived` for compute to wait
+    /// for; the host buffer comes back to its copy when the copy is complete — now, if it is,
+    /// else later ([`Inner::settle_host`]; the host copy stays `Lent` meanwhile). The host does
+    /// not wait for the copy (the sim device's engine finishes it before handing the buffer out,
+    /// but its checker still counts the copy as not waited for). On an error the device copy is
+    /// cleared.
     fn htod(&self, st: &mut MutexGuard<'_, State>, id: TensorId, host: HostBuffer) -> Result<()> {
         let bytes = host.len();
         st.links.begin(Link::Htod);
@@ -173,20 +178,28 @@ impl Inner {
             let span = tracing::trace_span!("swapper::htod", tensor = id.0, bytes);
             let _e = span.enter();
             match self.device.alloc(bytes) {
-                Ok(dev) => self.device.htod(host, dev).and_then(|t| t.wait()).map_err(|e| (e, None)),
+                Ok(dev) => self
+                    .device
+                    .htod_after(host, dev, None)
+                    .and_then(|(t, copied)| t.release_device().map(|(dev, pending)| (dev, pending, copied)))
+                    .map_err(|e| (e, None)),
                 Err(e) => Err((e, Some(host))),
             }
         });
+        // Busy until queued: on CUDA the copy's real duration is in the device's link stats
+        // (timed by events); the sim's engine has finished it by now.
         st.links.end(Link::Htod, bytes as u64, &self.metrics);
         let clock = st.clock;
         let e = st.entry(id)?;
         match res {
-            Ok((host, dev)) => {
-                e.host.put(host);
+            Ok((dev, pending, copied)) => {
                 e.device.put(dev);
                 e.device.dirty = false;
                 e.device.last_use = clock;
-                Ok(())
+                e.device.arrived = Some(copied);
+                e.host_pending = Some(pending);
+                st.pending_hosts.push(id);
+                self.settle_host(st, id, false).map(|_| ())
             }
             Err((err, host)) => {
                 // A failed copy loses the host buffer only if the engine lost it; the host
@@ -204,6 +217,66 @@ impl Inner {
                 Err(err)
             }
         }
+    }
+
+    /// Gives `id`'s host copy its buffer back from the H2D that read it
+    /// ([`Entry::host_pending`](super::state::Entry)), once the copy is complete: at once when it
+    /// is, else — with `blocking` — after waiting for it with the lock released, else not yet.
+    /// Returns whether the host copy is free of a pending copy now. A failed copy takes the
+    /// device copy it filled and the host buffer with it (the host copy is then read from NVMe
+    /// again, or reported for a host-homed tensor).
+    ///
+    /// # Errors
+    /// The copy failed; [`Error::UnknownTensor`](crate::Error::UnknownTensor).
+    pub(super) fn settle_host(&self, st: &mut MutexGuard<'_, State>, id: TensorId, blocking: bool) -> Result<bool> {
+        let Some(pending) = st.entry(id)?.host_pending.take() else { return Ok(true) };
+        let done = match pending.is_complete() {
+            Ok(true) => pending.wait(),
+            Ok(false) if !blocking => {
+                st.entry(id)?.host_pending = Some(pending);
+                return Ok(false);
+            }
+            Ok(false) => MutexGuard::unlocked(st, || pending.wait()),
+            Err(e) => {
+                drop(pending);
+                Err(e)
+            }
+        };
+        st.pending_hosts.retain(|&p| p != id);
+        let e = st.entry(id)?;
+        let r = match done {
+            Ok(host) => {
+                e.host.put(host);
+                Ok(true)
+            }
+            Err(err) => {
+                let hr = e.host.clear();
+                st.release(Tier::Host, hr);
+                let freed = self.free_device_copy(st, id);
+                freed.and(Err(err))
+            }
+        };
+        self.cond.notify_all();
+        r
+    }
+
+    /// [`Inner::settle_host`] without blocking for every host copy an H2D still holds; with
+    /// `wait_one`, waits for the oldest one if none was complete. Returns whether a host copy
+    /// came back.
+    ///
+    /// # Errors
+    /// As [`Inner::settle_host`].
+    pub(super) fn settle_hosts(&self, st: &mut MutexGuard<'_, State>, wait_one: bool) -> Result<bool> {
+        let mut settled = false;
+        for id in st.pending_hosts.clone() {
+            settled |= self.settle_host(st, id, false)?;
+        }
+        if !settled && wait_one {
+            if let Some(&id) = st.pending_hosts.first() {
+                settled = self.settle_host(st, id, true)?;
+            }
+        }
+        Ok(settled)
     }
 
     /// [`Action::Dtoh`]: the host copy comes back dirty (it now holds the newest bytes); the
