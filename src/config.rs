@@ -170,6 +170,12 @@ pub struct MoePlacementConfig {
     /// else off.
     #[serde(default)]
     pub device_optimizer: Option<bool>,
+    /// The CPU's GEMM rate the cost model starts from, GFLOP/s (10⁹ FLOP/s) over the compute
+    /// threads (on the sim device, the "GPU"'s too). Unset: measured at start (a small matrix
+    /// product times `[threads] compute`), so placements follow the machine and its load; set it
+    /// for placements that depend on the routing alone (reproducible runs, tests).
+    #[serde(default)]
+    pub cpu_gflops: Option<f64>,
 }
 
 /// `[moe] policy`: how the experts of an MoE model are placed.
@@ -207,6 +213,7 @@ impl Default for MoePlacementConfig {
             cpu_compute: true,
             routing_trace: None,
             device_optimizer: None,
+            cpu_gflops: None,
         }
     }
 }
@@ -1129,6 +1136,11 @@ impl TrainConfig {
             return bad("threads.compute", "must be ≥ 1".into());
         }
         let moe = &self.moe;
+        if let Some(g) = moe.cpu_gflops {
+            if !(g.is_finite() && g > 0.0) {
+                return bad("moe.cpu_gflops", format!("{g} must be a finite number of GFLOP/s > 0"));
+            }
+        }
         if !(0.0..1.0).contains(&moe.popularity_decay) {
             return bad("moe.popularity_decay", format!("{} must be in [0, 1)", moe.popularity_decay));
         }

@@ -179,8 +179,11 @@ impl MoeState {
         };
         let device_optimizer = crate::moe::device_optimizer(cfg, expert_params)?;
         let placer = if crate::moe::places_experts(cfg) {
-            // On the sim device the "GPU" is this CPU: both rates are the measured CPU GEMM rate.
-            let cpu = oogc_moe_placement::calibrate_cpu_gemm() * cfg.threads.compute.unwrap_or(1).max(1) as f64;
+            // On the sim device the "GPU" is this CPU: both rates are the CPU GEMM rate, measured
+            // unless the config gives it.
+            let cpu = cfg.moe.cpu_gflops.unwrap_or_else(|| {
+                oogc_moe_placement::calibrate_cpu_gemm() * cfg.threads.compute.unwrap_or(1).max(1) as f64
+            });
             let pc = crate::moe::placer_config(cfg, cpu, expert_params);
             let placer = Placer::new(blocks as u32, per_block as u32, header.expert_shape(), pc)
                 .map_err(moe_err("moe.expert_budget"))?;
@@ -252,7 +255,11 @@ impl MoeState {
         phase: Phase,
     ) -> Result<UnitParams> {
         let moves = placement != Placement::Cpu && !rt.is_on_device(unit);
-        let cold = moves && self.placer.is_some();
+        // The cost model learns the link from timed fetches on a GPU. On the sim device the
+        // link's rate is the configured throttle, and a fetch's wall time measures this CPU's
+        // load as much as the link: the model keeps the configured rate, so placements (and
+        // the numbers they lead to) do not depend on how busy the machine is.
+        let cold = moves && self.placer.is_some() && !rt.device_kind().is_sim();
         if phase != Phase::Eval {
             self.count_use(moves);
         }
