@@ -30,12 +30,17 @@ fn fixtures() -> PathBuf {
 }
 
 /// One training step of `case` through an offloaded `Runtime`, checked against the fixture.
-fn through_the_runtime(case: &str) {
+/// `chunk`: run the model on the op compositions (a CUDA device's path) with its attention over
+/// blocks of that many query positions; `None`: the default model (fused CPU kernels).
+fn through_the_runtime(case: &str, chunk: Option<usize>) {
     let dir = fixtures().join(case);
     let reference = tensors(&dir.join("reference.safetensors"));
     let step = tensors(&dir.join("step.safetensors"));
     let ckpt = HfCheckpoint::open(&dir).unwrap();
-    let model = Llama::new(ckpt.llama_config().unwrap()).unwrap();
+    let mut model = Llama::new(ckpt.llama_config().unwrap()).unwrap();
+    if chunk.is_some() {
+        model = model.composed_only().with_attention_chunk(chunk).unwrap();
+    }
     ckpt.check_units(model.units()).unwrap();
     let units = model.units().to_vec();
     let total_bytes: u64 = units.iter().map(|u| u.numel as u64 * 4).sum();
@@ -152,12 +157,18 @@ fn through_the_runtime(case: &str) {
 
 #[test]
 fn llama_gqa_matches_transformers_through_the_offloaded_runtime() {
-    through_the_runtime("llama_gqa");
+    through_the_runtime("llama_gqa", None);
+}
+
+/// The composed path with attention over query blocks of 5 (not dividing the fixture's T).
+#[test]
+fn llama_gqa_over_attention_blocks_matches_transformers_through_the_offloaded_runtime() {
+    through_the_runtime("llama_gqa", Some(5));
 }
 
 #[test]
 fn qwen2_tied_matches_transformers_through_the_offloaded_runtime() {
-    through_the_runtime("qwen2_tied");
+    through_the_runtime("qwen2_tied", None);
 }
 
 /// A run config that starts from the `case` checkpoint.

@@ -48,13 +48,18 @@ fn fetch(rt: &mut Runtime, unit: UnitId, place: Place, phase: Phase) -> UnitPara
 }
 
 /// One training step through an offloaded `Runtime`, experts where `place(block, expert)` says,
-/// checked against the fixture.
-fn through_the_runtime(label: &str, place: impl Fn(usize, usize) -> Place) {
+/// checked against the fixture. `chunk`: run the model on the op compositions (a CUDA device's
+/// path) with its attention over blocks of that many query positions; `None`: the default
+/// model (fused CPU kernels).
+fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, usize) -> Place) {
     let dir = case();
     let reference = tensors(&dir.join("reference.safetensors"));
     let step = tensors(&dir.join("step.safetensors"));
     let ckpt = HfCheckpoint::open(&dir).unwrap();
-    let model = Llama::new(ckpt.llama_config().unwrap()).unwrap();
+    let mut model = Llama::new(ckpt.llama_config().unwrap()).unwrap();
+    if chunk.is_some() {
+        model = model.composed_only().with_attention_chunk(chunk).unwrap();
+    }
     let cfg = model.config().clone();
     let moe = model.moe().expect("Mixtral is an MoE model");
     ckpt.check_units(model.units()).unwrap();
@@ -210,22 +215,28 @@ fn through_the_runtime(label: &str, place: impl Fn(usize, usize) -> Place) {
 
 #[test]
 fn mixtral_matches_transformers_with_resident_experts() {
-    through_the_runtime("resident", |_, _| Place::Resident);
+    through_the_runtime("resident", None, |_, _| Place::Resident);
 }
 
 #[test]
 fn mixtral_matches_transformers_with_fetched_experts() {
-    through_the_runtime("fetch", |_, _| Place::Fetch);
+    through_the_runtime("fetch", None, |_, _| Place::Fetch);
 }
 
 #[test]
 fn mixtral_matches_transformers_with_experts_on_the_cpu() {
-    through_the_runtime("cpu", |_, _| Place::Cpu);
+    through_the_runtime("cpu", None, |_, _| Place::Cpu);
 }
 
 #[test]
 fn mixtral_matches_transformers_with_mixed_placements() {
-    through_the_runtime("mixed", |b, e| [Place::Resident, Place::Fetch, Place::Cpu][(b + e) % 3]);
+    through_the_runtime("mixed", None, |b, e| [Place::Resident, Place::Fetch, Place::Cpu][(b + e) % 3]);
+}
+
+/// The composed path with attention over query blocks of 5 (not dividing the fixture's T).
+#[test]
+fn mixtral_over_attention_blocks_matches_transformers() {
+    through_the_runtime("blocks", Some(5), |b, e| [Place::Resident, Place::Fetch, Place::Cpu][(b + e) % 3]);
 }
 
 /// A run config that starts from the Mixtral checkpoint.

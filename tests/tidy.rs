@@ -29,6 +29,10 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
     ("optimizer/src/simd.rs", "std::arch loads and stores, calls into #[target_feature] functions after detection"),
     ("swapper/src/huge_malloc.rs", "the oogc binary's GlobalAlloc over System, madvise and mallopt"),
     (
+        "models/tests/attention_memory.rs",
+        "a test binary's counting GlobalAlloc over System: the attention core's peak bytes against the plan's bound",
+    ),
+    (
         "models/src/hf/mmap.rs",
         "memory-maps a Hugging Face checkpoint's safetensors shards read-only for one header parse or one unit's copy",
     ),

@@ -7,6 +7,7 @@
 //! | [`mod@unit`] | the unit of residency: [`UnitKind`], [`UnitSpec`] (a unit's parameters back to back in one flat vector), [`ParamSpec`], deterministic init |
 //! | [`lm`] | [`CausalLm`]: what a trainer drives — units, per-unit forward and recompute-based backward from a checkpointed input, the head's loss — and [`MoeLm`] for models with expert units (the calls and their order); [`loss_parts_and_grads`], that step in memory |
 //! | [`moe`] | what the MoE families share: [`Routing`] (tokens and gates per expert, top-k choices, load-balancing statistics), [`TrunkOut`], [`ExpertGrads`], the combine and its backward, [`LossParts`] |
+//! | [`attention`] | causal (grouped-query) attention over blocks of query positions with a recomputing backward — the composed path's attention core, which never holds the whole sequence's `[B, H, T, T]` scores — and the bytes it needs at its peak ([`attention_workspace_bytes`]) |
 //! | [`gpt`] | the byte-level GPT (GPT-2 architecture) and MoE-GPT (Switch / GShard routing) |
 //! | [`llama`] | the Llama family (Llama 2/3, Mistral, Qwen2): [`Llama`], [`LlamaConfig`], with Hugging Face tensor names |
 //! | [`mixtral`] | Mixtral: the Llama family's attention with a sparse MoE feed-forward network per layer (top-k of `E` SwiGLU experts, each a unit; the load-balancing loss pooled over all layers): [`Mixtral`], [`MixtralConfig`] |
@@ -20,6 +21,7 @@
 //! in the backward).
 #![deny(unsafe_code)]
 
+pub mod attention;
 pub mod checksum;
 pub mod gpt;
 pub mod hf;
@@ -37,6 +39,7 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 
+pub use attention::{attention_workspace_bytes, AttentionBytes, AttentionShape};
 pub use gpt::{Gpt, GptConfig, MoeConfig};
 pub use llama::{Llama, LlamaConfig, LlamaFamily, RopeScaling};
 pub use lm::{

@@ -23,8 +23,9 @@
 //! only ([`TokenLoss`] gives the sum and the count, so losses of several batches can be pooled
 //! per token).
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
+use crate::attention::{AttentionBytes, AttentionShape};
 use crate::unit::{UnitKind, UnitSpec};
 use crate::{LossParts, Result, Routing, TrunkOut};
 
@@ -202,6 +203,21 @@ pub trait CausalLm: Send + Sync + std::fmt::Debug {
             crate::UnitKind::Embedding => 0.0,
             _ => 2.0 * self.units()[unit].numel as f64 * tokens as f64,
         }
+    }
+
+    /// The device bytes the attention core of one block (dense block or MoE trunk) needs at its
+    /// peak, forward and backward, for `batch` sequences of `seq_len` tokens computed in `dtype`
+    /// ([`AttentionBytes`], term by term in [`crate::attention::attention_workspace_bytes`]),
+    /// for planners. The families of this crate answer for their composed path (the one a CUDA
+    /// device runs), with the query blocks they use ([`crate::Llama::with_attention_chunk`],
+    /// [`crate::Gpt::with_attention_chunk`]). The default: multi-head attention over
+    /// [`Dims::heads`] heads of `hidden / heads`, the whole sequence as one block (the eager
+    /// attention of a model that does not say).
+    fn attention_workspace(&self, batch: usize, seq_len: usize, dtype: DType) -> AttentionBytes {
+        let d = self.dims();
+        let heads = d.heads.max(1);
+        let shape = AttentionShape { batch, seq_len, heads, kv_heads: heads, head_dim: d.hidden / heads };
+        crate::attention::attention_workspace_bytes(shape, seq_len, dtype)
     }
 }
 

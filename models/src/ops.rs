@@ -181,19 +181,6 @@ pub(crate) fn scale(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Ok(x.broadcast_mul(w)?)
 }
 
-/// The attention probabilities `softmax(scores + mask)` over the last dim, `scores`
-/// `[.., T, T]`, `mask` `[T, T]` (0 or -inf, in the softmax's dtype: F32 for half scores, else
-/// the scores'). Half dtypes widen the scores to F32, add the mask and normalize there, and
-/// cast the probabilities back (transformers' eager attention: `softmax(w, dim=-1,
-/// dtype=torch.float32).to(query.dtype)`); the backward flows through the casts.
-pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> Result<Tensor> {
-    if is_half(scores.dtype()) {
-        let p = softmax_last_dim(&widen(scores)?.broadcast_add(mask)?)?;
-        return Ok(p.to_dtype(scores.dtype())?);
-    }
-    softmax_last_dim(&scores.broadcast_add(mask)?)
-}
-
 /// The dtype the attention mask and softmax use for scores of `dtype`: F32 for half dtypes,
 /// else `dtype`.
 pub(crate) fn softmax_dtype(dtype: DType) -> DType {

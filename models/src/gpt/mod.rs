@@ -83,9 +83,7 @@
 //! threads. Results do not depend on the thread count: gemm splits output blocks, not the
 //! reduction dimension, and the fused row sums add fixed blocks in a fixed order.
 
-use std::sync::Mutex;
-
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Tensor, Var};
 
 use crate::kernels;
 use crate::lm::{HeadLossGrads, UnitGrads};
@@ -105,15 +103,6 @@ mod tests;
 pub use crate::moe::{CombineGrads, ExpertGrads, LossParts, Routing, TrunkOut};
 pub use config::{GptConfig, MoeConfig};
 
-/// A causal mask `[T, T]` (0 on and below the diagonal, -inf above) cached per
-/// `(T, dtype, device)`.
-struct CachedMask {
-    seq_len: usize,
-    dtype: DType,
-    device: Device,
-    mask: Tensor,
-}
-
 /// The byte-level GPT, computed one unit at a time.
 ///
 /// Holds the configuration, the unit layouts and a small cache of causal masks; no parameters
@@ -128,7 +117,11 @@ struct CachedMask {
 pub struct Gpt {
     pub(super) config: GptConfig,
     pub(super) units: Vec<UnitSpec>,
-    masks: Mutex<Vec<CachedMask>>,
+    /// The composed path's causal masks (one `[chunk, chunk]` triangle per dtype and device).
+    masks: crate::attention::Masks,
+    /// Query positions per block of the composed attention; `None`: the default
+    /// ([`crate::AttentionShape::default_chunk`]).
+    attention_chunk: Option<usize>,
     /// Use the fused CPU kernels ([`kernels`]) where they apply; `false` forces the op
     /// compositions everywhere (tests compare the two).
     fused_cpu_kernels: bool,
@@ -148,7 +141,13 @@ impl Gpt {
     pub fn new(config: GptConfig) -> Result<Self> {
         config.validate()?;
         let units = config.units();
-        Ok(Self { config, units, masks: Mutex::new(Vec::new()), fused_cpu_kernels: true })
+        Ok(Self {
+            config,
+            units,
+            masks: crate::attention::Masks::default(),
+            attention_chunk: None,
+            fused_cpu_kernels: true,
+        })
     }
 
     /// The same model computed with candle op compositions only (no fused CPU kernels): the
@@ -158,6 +157,26 @@ impl Gpt {
     pub fn composed_only(mut self) -> Self {
         self.fused_cpu_kernels = false;
         self
+    }
+
+    /// The same model with the composed path's attention computed over blocks of `chunk` query
+    /// positions ([`crate::attention`]): the largest block holds `B · H · chunk · T` scores
+    /// (F32 for half dtypes) instead of the whole sequence's `B · H · T · T`, forward and
+    /// backward. `None` (the default) takes [`crate::AttentionShape::default_chunk`] (64 MiB of
+    /// F32 scores per block); a chunk `>= T` computes the sequence as one block. The fused CPU
+    /// kernels (F32/F64 on `Device::Cpu`, unless [`Gpt::composed_only`]) are not chunked.
+    ///
+    /// # Errors
+    /// [`Error::Config`] (`attention_chunk`) for `Some(0)`.
+    pub fn with_attention_chunk(mut self, chunk: Option<usize>) -> Result<Self> {
+        self.attention_chunk = crate::attention::check_chunk(chunk)?;
+        Ok(self)
+    }
+
+    /// The configured query positions per attention block (`None`: the default); see
+    /// [`Gpt::with_attention_chunk`].
+    pub fn attention_chunk(&self) -> Option<usize> {
+        self.attention_chunk
     }
 
     /// The configuration.
@@ -501,23 +520,6 @@ impl Gpt {
         Ok(g)
     }
 
-    /// The causal mask `[T, T]` in `dtype` (the softmax's: F32 for half scores): 0 where key
-    /// position ≤ query position, -inf after.
-    fn causal_mask(&self, t: usize, dtype: DType, device: &Device) -> Result<Tensor> {
-        let mut cache = self.masks.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(m) = cache.iter().find(|m| m.seq_len == t && m.dtype == dtype && m.device.same_device(device)) {
-            return Ok(m.mask.clone());
-        }
-        let data: Vec<f32> = (0..t * t).map(|k| if k % t > k / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-        let mask = Tensor::from_vec(data, (t, t), device)?.to_dtype(dtype)?;
-        // A handful of (T, dtype, device) combinations at most; keep the cache small anyway.
-        if cache.len() >= 8 {
-            cache.remove(0);
-        }
-        cache.push(CachedMask { seq_len: t, dtype, device: device.clone(), mask: mask.clone() });
-        Ok(mask)
-    }
-
     /// Embedding: `wte[tokens] + wpe[0..T]` → `[B, T, d]`.
     pub(super) fn embed_math(&self, p: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
@@ -587,16 +589,15 @@ impl Gpt {
         let q = head(0)?.affine(1.0 / (hd as f64).sqrt(), 0.0)?;
         let k = head(1)?.contiguous()?;
         let v = head(2)?.contiguous()?;
-        let att = ops::matmul(&q, &k.t()?)?; // [B, H, T, T]
-        let att = if fused {
-            kernels::causal_softmax(&att)?
+        let y = if fused {
+            let att = kernels::causal_softmax(&ops::matmul(&q, &k.t()?)?)?; // [B, H, T, T]
+            ops::matmul(&att, &v)?.transpose(1, 2)? // [B, T, H, hd]
         } else {
-            // In F32 for half dtypes (transformers' eager attention), cast back.
-            ops::masked_softmax(&att, &self.causal_mask(t, ops::softmax_dtype(x.dtype()), x.device())?)?
+            // Over query blocks, the softmax in F32 for half dtypes (transformers' eager
+            // attention): [B, T, H, hd].
+            self.masks.attention(&q, &k, &v, self.attention_chunk)?
         };
-        let y = ops::matmul(&att, &v)? // [B, H, T, hd]
-            .transpose(1, 2)?
-            .reshape((b * t, d))?;
+        let y = y.reshape((b * t, d))?;
         let y = linear(&y, bi::PROJ_W, bi::PROJ_B)?;
         Ok((x + y.reshape((b, t, d))?)?)
     }
@@ -693,6 +694,21 @@ impl crate::CausalLm for Gpt {
             UnitKind::Expert { .. } => matmuls,
             UnitKind::Head => 2.0 * (self.config.vocab_size * self.config.d_model) as f64 * tokens as f64,
         }
+    }
+
+    /// The composed path's attention core over `n_head` heads of `d_model / n_head`, in blocks
+    /// of [`Gpt::attention_chunk`] (or the default) query positions. (The fused CPU kernels,
+    /// F32/F64 on `Device::Cpu`, hold the whole sequence's scores:
+    /// [`crate::attention_workspace_bytes`] with `chunk = seq_len`.)
+    fn attention_workspace(&self, batch: usize, seq_len: usize, dtype: DType) -> crate::AttentionBytes {
+        let shape = crate::AttentionShape {
+            batch,
+            seq_len,
+            heads: self.config.n_head,
+            kv_heads: self.config.n_head,
+            head_dim: self.config.head_dim(),
+        };
+        crate::attention_workspace_bytes(shape, shape.chunk(self.attention_chunk), dtype)
     }
 }
 

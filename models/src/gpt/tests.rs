@@ -165,9 +165,10 @@ pub(super) const FD_STEP: f64 = 1e-5;
 pub(super) const FD_RTOL: f64 = 1e-6;
 pub(super) const FD_ATOL: f64 = 1e-9;
 
-fn check_finite_differences(tied: bool, composed: bool) {
+/// `chunk`: the composed attention's query positions per block (`None`: the default).
+fn check_finite_differences(tied: bool, composed: bool, chunk: Option<usize>) {
     let cfg = tiny(tied);
-    let mut gpt = Gpt::new(cfg.clone()).unwrap();
+    let mut gpt = Gpt::new(cfg.clone()).unwrap().with_attention_chunk(chunk).unwrap();
     if composed {
         gpt = gpt.composed_only();
     }
@@ -230,18 +231,47 @@ fn check_finite_differences(tied: bool, composed: bool) {
 
 #[test]
 fn gradients_match_finite_differences_untied() {
-    check_finite_differences(false, false);
+    check_finite_differences(false, false, None);
 }
 
 #[test]
 fn gradients_match_finite_differences_tied() {
-    check_finite_differences(true, false);
+    check_finite_differences(true, false, None);
 }
 
 /// The op-composition path (what non-CPU devices run) against finite differences too.
 #[test]
 fn gradients_match_finite_differences_composed_ops() {
-    check_finite_differences(true, true);
+    check_finite_differences(true, true, None);
+    // T = 5 over query blocks of 2 (2 + 2 + 1).
+    check_finite_differences(false, true, Some(2));
+}
+
+/// The composed GPT whose attention runs over query blocks (of 1 and 5 positions at T = 12)
+/// against one block: the loss and every unit's gradient, F32 within rounding (1e-5 of each
+/// unit's largest gradient), BF16 within 2^-5 of it (the blocks order F32 sums differently
+/// before each rounding to BF16; a missed block or key is an error of order 1).
+#[test]
+fn attention_blocks_match_one_block() {
+    let cfg = GptConfig { d_model: 16, n_head: 4, n_layer: 2, max_seq_len: 12, ..GptConfig::default() };
+    let build = |chunk| Gpt::new(cfg.clone()).unwrap().composed_only().with_attention_chunk(Some(chunk)).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(22);
+    let tokens = ids(2, 12, 256, &mut rng);
+    let targets = ids(2, 12, 256, &mut rng);
+    let flats = random_params(&cfg, 0.3, &mut rng);
+    for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1.0 / 32.0)] {
+        let params = to_tensors(&flats, dtype);
+        let (l1, g1) = build(12).loss_and_grads(&params, &tokens, &targets).unwrap();
+        for chunk in [1, 5] {
+            let (l, g) = build(chunk).loss_and_grads(&params, &tokens, &targets).unwrap();
+            assert!((l - l1).abs() <= tol * l1.abs(), "{dtype:?} chunk {chunk}: loss {l} vs {l1}");
+            for (u, (a, b)) in g.iter().zip(&g1).enumerate() {
+                let scale = to_vec(b).iter().fold(0f64, |m, x| m.max(x.abs()));
+                let diff = max_abs_diff(a, b);
+                assert!(diff <= tol * scale, "{dtype:?} chunk {chunk} unit {u}: {diff:e} vs scale {scale:e}");
+            }
+        }
+    }
 }
 
 /// Fused CPU kernels and op compositions compute the same function and gradients (up to

@@ -62,11 +62,12 @@ fn load(dir: &Path) -> (HfCheckpoint, LlamaConfig, Vec<Vec<f32>>) {
 
 /// The model loaded through the reader reproduces transformers' logits, loss and every
 /// parameter's gradient, computed unit by unit (forward keeping each unit's input, the head's
-/// loss backward, then each unit's backward by recomputation in reverse).
-fn check_oracle(case: &str, composed: bool) {
+/// loss backward, then each unit's backward by recomputation in reverse). `chunk`: the
+/// composed attention's query positions per block (`None`: the default).
+fn check_oracle(case: &str, composed: bool, chunk: Option<usize>) {
     let dir = fixtures().join(case);
     let (_, cfg, flats) = load(&dir);
-    let mut model = Llama::new(cfg.clone()).unwrap();
+    let mut model = Llama::new(cfg.clone()).unwrap().with_attention_chunk(chunk).unwrap();
     if composed {
         model = model.composed_only();
     }
@@ -80,13 +81,13 @@ fn check_oracle(case: &str, composed: bool) {
     assert_eq!(logits.dims(), r["logits"].shape.as_slice());
     let got = logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let (ratio, abs) = tolerance_ratio(&got, r["logits"].as_f32().unwrap(), 1e-4, 1e-5);
-    eprintln!("{case} composed={composed}: logits max |err| {abs:.2e}, {ratio:.3} of the tolerance");
+    eprintln!("{case} composed={composed} chunk={chunk:?}: logits max |err| {abs:.2e}, {ratio:.3} of the tolerance");
     assert!(ratio <= 1.0, "{case}: logits off by {ratio} x the tolerance");
 
     let (loss, grads) = loss_and_grads(&model, &params, &tokens, &targets).unwrap();
     let want = r["loss"].as_f32().unwrap()[0] as f64;
     let loss_err = (loss - want).abs();
-    eprintln!("{case} composed={composed}: loss {loss} vs {want}, |err| {loss_err:.2e}");
+    eprintln!("{case} composed={composed} chunk={chunk:?}: loss {loss} vs {want}, |err| {loss_err:.2e}");
     assert!(loss_err <= 1e-5 + 1e-4 * want.abs(), "{case}: loss {loss} vs {want}");
 
     let (mut worst, mut worst_name, mut worst_abs, mut checked) = (0f64, String::new(), 0f64, 0);
@@ -114,14 +115,17 @@ fn check_oracle(case: &str, composed: bool) {
 
 #[test]
 fn llama_gqa_matches_transformers() {
-    check_oracle("llama_gqa", false);
-    check_oracle("llama_gqa", true);
+    check_oracle("llama_gqa", false, None);
+    check_oracle("llama_gqa", true, None);
+    // Attention over query blocks of 5 (not dividing the fixture's T).
+    check_oracle("llama_gqa", true, Some(5));
 }
 
 #[test]
 fn qwen2_tied_matches_transformers() {
-    check_oracle("qwen2_tied", false);
-    check_oracle("qwen2_tied", true);
+    check_oracle("qwen2_tied", false, None);
+    check_oracle("qwen2_tied", true, None);
+    check_oracle("qwen2_tied", true, Some(5));
 }
 
 // ---- BF16 against the f32 oracle -------------------------------------------------------------
@@ -150,10 +154,10 @@ const BF16_LOGITS_RTOL: f64 = 3e-2;
 const BF16_GRAD_RTOL: f64 = 5e-2;
 
 /// The model in BF16 against transformers' f32 logits, loss and every gradient (bounds above).
-fn check_oracle_bf16(case: &str) {
+fn check_oracle_bf16(case: &str, chunk: Option<usize>) {
     let dir = fixtures().join(case);
     let (_, cfg, flats) = load(&dir);
-    let model = Llama::new(cfg).unwrap().composed_only();
+    let model = Llama::new(cfg).unwrap().composed_only().with_attention_chunk(chunk).unwrap();
     let r = reference(&dir);
     let tokens = ids_tensor(&r["input_ids"], false);
     let targets = ids_tensor(&r["labels"], true);
@@ -179,12 +183,14 @@ fn check_oracle_bf16(case: &str) {
 
 #[test]
 fn llama_gqa_in_bf16_matches_transformers_f32() {
-    check_oracle_bf16("llama_gqa");
+    check_oracle_bf16("llama_gqa", None);
+    check_oracle_bf16("llama_gqa", Some(5));
 }
 
 #[test]
 fn qwen2_tied_in_bf16_matches_transformers_f32() {
-    check_oracle_bf16("qwen2_tied");
+    check_oracle_bf16("qwen2_tied", None);
+    check_oracle_bf16("qwen2_tied", Some(5));
 }
 
 #[test]

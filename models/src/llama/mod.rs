@@ -27,7 +27,10 @@
 //! - Grouped-query attention (Ainslie et al. 2023): query head `h` reads key/value head
 //!   `h / (H / KV)` (transformers' `repeat_kv`), computed without repeating k and v: the queries
 //!   of a group are stacked along the sequence axis (`[B, KV, (H/KV)·T, hd]`) and multiply their
-//!   group's keys once. Scores scaled by `1/sqrt(hd)`, causal softmax.
+//!   group's keys once. Scores scaled by `1/sqrt(hd)`, causal softmax. The op compositions
+//!   compute it over blocks of query positions ([`crate::attention`],
+//!   [`Llama::with_attention_chunk`]): no tensor of the whole sequence's `[B, H, T, T]` scores,
+//!   forward or backward.
 //! - SwiGLU MLP (Shazeer 2020); `gate_proj` and `up_proj` run as one `[2I, d]` matmul (their
 //!   tensors are adjacent in the flat vector).
 //!
@@ -60,6 +63,7 @@ use std::sync::Mutex;
 
 use candle_core::{DType, Device, Tensor, Var};
 
+use crate::attention::{self, AttentionBytes, AttentionShape};
 use crate::kernels;
 use crate::lm::{CausalLm, HeadLossGrads, UnitGrads};
 use crate::ops::{self, cross_entropy, input_err, rms_norm_composed, rope_composed, scalar, swiglu_composed};
@@ -81,8 +85,7 @@ use fused as lk;
 /// A computation group of a unit's flat vector: `(offset, shape)`.
 type Group = (usize, Vec<usize>);
 
-/// The RoPE tables (and, for the composed path, the causal mask) of one `(T, dtype, device,
-/// path)`.
+/// The RoPE tables of one `(T, dtype, device, path)`.
 #[derive(Clone)]
 struct Tables {
     seq_len: usize,
@@ -92,9 +95,6 @@ struct Tables {
     /// Fused: `[T, hd/2]`; composed: `[T, hd]` (the half repeated, as transformers' `emb`).
     cos: Tensor,
     sin: Tensor,
-    /// Composed only: `[T, T]`, 0 on and below the diagonal, -inf above, in the softmax's dtype
-    /// (F32 for half dtypes, see `ops::masked_softmax`).
-    mask: Option<Tensor>,
 }
 
 /// The projections of one attention (views of a layer's groups): `[out, in]` weights and
@@ -145,6 +145,11 @@ pub struct Llama {
     groups: Vec<Vec<Group>>,
     block: BlockGroups,
     tables: Mutex<Vec<Tables>>,
+    /// The composed path's causal masks (one `[chunk, chunk]` triangle per dtype and device).
+    masks: attention::Masks,
+    /// Query positions per block of the composed attention; `None`: the default
+    /// ([`AttentionShape::default_chunk`]).
+    attention_chunk: Option<usize>,
     /// Use the fused CPU kernels where they apply; `false` forces the op compositions.
     fused_cpu_kernels: bool,
 }
@@ -174,7 +179,16 @@ impl Llama {
                 _ => u.params.iter().map(|p| (p.offset, p.shape.clone())).collect(),
             })
             .collect();
-        Ok(Self { config, units, groups, block, tables: Mutex::new(Vec::new()), fused_cpu_kernels: true })
+        Ok(Self {
+            config,
+            units,
+            groups,
+            block,
+            tables: Mutex::new(Vec::new()),
+            masks: attention::Masks::default(),
+            attention_chunk: None,
+            fused_cpu_kernels: true,
+        })
     }
 
     /// The same model computed with candle op compositions only (no fused CPU kernels): the
@@ -184,6 +198,26 @@ impl Llama {
     pub fn composed_only(mut self) -> Self {
         self.fused_cpu_kernels = false;
         self
+    }
+
+    /// The same model with the composed path's attention computed over blocks of `chunk` query
+    /// positions ([`crate::attention`]): the largest block holds `B · H · chunk · T` scores
+    /// (F32 for half dtypes) instead of the whole sequence's `B · H · T · T`, forward and
+    /// backward. `None` (the default) takes [`AttentionShape::default_chunk`] (64 MiB of F32
+    /// scores per block); a chunk `>= T` computes the sequence as one block. The fused CPU
+    /// kernels (F32/F64 on `Device::Cpu`, unless [`Llama::composed_only`]) are not chunked.
+    ///
+    /// # Errors
+    /// [`crate::Error::Config`] (`attention_chunk`) for `Some(0)`.
+    pub fn with_attention_chunk(mut self, chunk: Option<usize>) -> Result<Self> {
+        self.attention_chunk = attention::check_chunk(chunk)?;
+        Ok(self)
+    }
+
+    /// The configured query positions per attention block (`None`: the default); see
+    /// [`Llama::with_attention_chunk`].
+    pub fn attention_chunk(&self) -> Option<usize> {
+        self.attention_chunk
     }
 
     /// The configuration (with its defaults resolved).
@@ -255,6 +289,7 @@ impl Llama {
     /// The self-attention of a layer on its normed input `h` `[B, T, d]` → `[B, T, d]` (before
     /// the residual add): projections, RoPE on q and k, grouped-query causal attention scaled by
     /// `1/sqrt(hd)`, `o_proj` (transformers' `LlamaAttention.forward` with the eager kernel).
+    /// The op compositions run the attention core over query blocks ([`crate::attention`]).
     pub(crate) fn attention(&self, p: &AttnParams<'_>, h: &Tensor) -> Result<Tensor> {
         let (b, t, d) = h.dims3()?;
         let (nh, kv, hd) = (self.config.num_attention_heads, self.config.kv_heads(), self.config.head_dim());
@@ -276,21 +311,19 @@ impl Llama {
         };
         // [B, KV, T, hd]
         let v = v.transpose(1, 2)?.contiguous()?;
-        // Query heads kv·rep .. kv·rep + rep share key/value head kv: stack them along T.
-        let q = q.reshape((b, kv, rep * t, hd))?;
-        let att = ops::matmul(&q, &k.t()?)?.reshape((b, nh, t, t))?;
-        let att = if fused {
-            kernels::causal_softmax(&att)?
+        let y = if fused {
+            // Query heads kv·rep .. kv·rep + rep share key/value head kv: stack them along T.
+            let q = q.reshape((b, kv, rep * t, hd))?;
+            let att = ops::matmul(&q, &k.t()?)?.reshape((b, nh, t, t))?;
+            let att = kernels::causal_softmax(&att)?;
+            // [B, KV, rep·T, hd] = [B, H, T, hd]
+            ops::matmul(&att.reshape((b, kv, rep * t, t))?, &v)?.reshape((b, nh, t, hd))?.transpose(1, 2)?
         } else {
-            // In F32 for half dtypes (transformers' eager attention), cast back.
-            let mask = tab.mask.as_ref().expect("composed tables carry the mask");
-            ops::masked_softmax(&att, mask)?
+            // Over query blocks, the softmax in F32 for half dtypes (transformers' eager
+            // attention): [B, T, H, hd].
+            self.masks.attention(&q, &k, &v, self.attention_chunk)?
         };
-        // [B, KV, rep·T, hd] = [B, H, T, hd]
-        let y = ops::matmul(&att.reshape((b, kv, rep * t, t))?, &v)?
-            .reshape((b, nh, t, hd))?
-            .transpose(1, 2)?
-            .reshape((n, nh * hd))?;
+        let y = y.reshape((n, nh * hd))?;
         Ok(self.linear(&y, p.o_w, p.o_b, fused)?.reshape((b, t, d))?)
     }
 
@@ -377,7 +410,7 @@ impl Llama {
         self.config.tie_word_embeddings.then(|| &params[0])
     }
 
-    /// The RoPE tables (and causal mask) for `(t, dtype, device)`, cached (at most 8 entries).
+    /// The RoPE tables for `(t, dtype, device)`, cached (at most 8 entries).
     fn tables(&self, t: usize, dtype: DType, device: &Device, fused: bool) -> Result<Tables> {
         let mut cache = self.tables.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(e) = cache
@@ -397,14 +430,7 @@ impl Llama {
             Ok(v.to_dtype(dtype)?)
         };
         let (cos, sin) = (table(cos)?, table(sin)?);
-        let mask = if fused {
-            None
-        } else {
-            let data: Vec<f32> = (0..t * t).map(|k| if k % t > k / t { f32::NEG_INFINITY } else { 0.0 }).collect();
-            // In the softmax's dtype: F32 for half dtypes (-inf is exact in every float dtype).
-            Some(Tensor::from_vec(data, (t, t), device)?.to_dtype(ops::softmax_dtype(dtype))?)
-        };
-        let e = Tables { seq_len: t, dtype, device: device.clone(), fused, cos, sin, mask };
+        let e = Tables { seq_len: t, dtype, device: device.clone(), fused, cos, sin };
         if cache.len() >= 8 {
             cache.remove(0);
         }
@@ -736,5 +762,21 @@ impl CausalLm for Llama {
             }
             UnitKind::Expert { .. } => 2.0 * spec.numel as f64 * tokens as f64,
         }
+    }
+
+    /// The composed path's attention core over `num_attention_heads` query heads, `kv_heads`
+    /// key/value heads of `head_dim`, in blocks of [`Llama::attention_chunk`] (or the default)
+    /// query positions. (The fused CPU kernels, F32/F64 on `Device::Cpu`, hold the whole
+    /// sequence's scores: [`attention::attention_workspace_bytes`] with `chunk = seq_len`.)
+    fn attention_workspace(&self, batch: usize, seq_len: usize, dtype: DType) -> AttentionBytes {
+        let c = &self.config;
+        let shape = AttentionShape {
+            batch,
+            seq_len,
+            heads: c.num_attention_heads,
+            kv_heads: c.kv_heads(),
+            head_dim: c.head_dim(),
+        };
+        attention::attention_workspace_bytes(shape, shape.chunk(self.attention_chunk), dtype)
     }
 }

@@ -410,8 +410,10 @@ fn loss_from(model: &Llama, params: &[Tensor], start: usize, input: &Tensor, tar
     model.head_loss(&params[n - 1], &x, tied, targets).unwrap()
 }
 
-fn check_model_fd(cfg: LlamaConfig, composed: bool, seed: u64) {
-    let mut model = Llama::new(cfg.clone()).unwrap();
+/// `chunk`: the composed attention's query positions per block (`None`: the default, one
+/// block at these sizes).
+fn check_model_fd(cfg: LlamaConfig, composed: bool, chunk: Option<usize>, seed: u64) {
+    let mut model = Llama::new(cfg.clone()).unwrap().with_attention_chunk(chunk).unwrap();
     if composed {
         model = model.composed_only();
     }
@@ -455,9 +457,9 @@ fn check_model_fd(cfg: LlamaConfig, composed: bool, seed: u64) {
 
 #[test]
 fn model_gradients_match_finite_differences() {
-    check_model_fd(tiny(false), false, 21);
-    check_model_fd(tiny(true), false, 22);
-    check_model_fd(qwen2_tiny(), false, 23);
+    check_model_fd(tiny(false), false, None, 21);
+    check_model_fd(tiny(true), false, None, 22);
+    check_model_fd(qwen2_tiny(), false, None, 23);
     let llama3 = LlamaConfig {
         rope_scaling: RopeScaling::Llama3 {
             factor: 8.0,
@@ -467,13 +469,64 @@ fn model_gradients_match_finite_differences() {
         },
         ..tiny(false)
     };
-    check_model_fd(llama3, false, 24);
+    check_model_fd(llama3, false, None, 24);
 }
 
 #[test]
 fn model_gradients_match_finite_differences_composed_ops() {
-    check_model_fd(tiny(false), true, 31);
-    check_model_fd(qwen2_tiny(), true, 32);
+    check_model_fd(tiny(false), true, None, 31);
+    check_model_fd(qwen2_tiny(), true, None, 32);
+    // T = 6 over blocks of 4 queries (4 + 2) and of 1.
+    check_model_fd(tiny(false), true, Some(4), 33);
+    check_model_fd(qwen2_tiny(), true, Some(1), 34);
+}
+
+/// A decoder layer whose composed attention runs over query blocks (of 1, 4 and 5 positions at
+/// T = 13: blocks that divide T and that do not) against the same layer as one block: the
+/// output and every gradient (each parameter, the input) within F32 rounding (1e-5 of each
+/// tensor's largest element) and, in BF16, within 2^-5 of it (a BF16 result is rounded once
+/// from F32 sums that the blocks order differently, and a gradient passes through a few such
+/// roundings; a missed block or key is an error of order 1). GQA with q/k/v/o and MLP biases,
+/// GQA without, and Qwen2's multi-head attention with q/k/v biases.
+#[test]
+fn attention_blocks_match_one_block_in_a_decoder_layer() {
+    let t = 13;
+    let cases = [
+        ("gqa, biases", tiny(false)),
+        ("gqa, no bias", LlamaConfig { attention_bias: Some(false), mlp_bias: false, ..tiny(false) }),
+        ("qwen2 mha, qkv bias", qwen2_tiny()),
+    ];
+    for (k, (name, cfg)) in cases.into_iter().enumerate() {
+        let cfg = LlamaConfig { max_position_embeddings: 16, ..cfg };
+        let one = Llama::new(cfg.clone()).unwrap().composed_only().with_attention_chunk(Some(t)).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(50 + k as u64);
+        let unit = &one.units()[1];
+        let flat = &random_params(one.units(), 0.4, &mut rng)[1];
+        let x = randn(&[2, t, cfg.hidden_size], 0.0, &mut rng);
+        let g = randn(&[2, t, cfg.hidden_size], 0.0, &mut rng);
+        for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1.0 / 32.0)] {
+            let p = Tensor::from_slice(flat, unit.numel, &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let (x, g) = (x.to_dtype(dtype).unwrap(), g.to_dtype(dtype).unwrap());
+            let y1 = one.forward(1, &p, &x, None).unwrap();
+            let g1 = one.backward(1, &p, &x, &g, None).unwrap();
+            for chunk in [1, 4, 5] {
+                let blocks =
+                    Llama::new(cfg.clone()).unwrap().composed_only().with_attention_chunk(Some(chunk)).unwrap();
+                let y = blocks.forward(1, &p, &x, None).unwrap();
+                let gb = blocks.backward(1, &p, &x, &g, None).unwrap();
+                let rel = |a: &Tensor, b: &Tensor| max_abs_diff(a, b) / max_abs(b);
+                let what = format!("{name} {dtype:?} chunk {chunk}");
+                assert!(rel(&y, &y1) <= tol, "{what}: output off by {:e}", rel(&y, &y1));
+                let gx = rel(gb.grad_input.as_ref().unwrap(), g1.grad_input.as_ref().unwrap());
+                assert!(gx <= tol, "{what}: input gradient off by {gx:e}");
+                for ps in &unit.params {
+                    let part = |t: &Tensor| t.narrow(0, ps.offset, ps.numel()).unwrap();
+                    let e = rel(&part(&gb.grad_params), &part(&g1.grad_params));
+                    assert!(e <= tol, "{what}: gradient of {} off by {e:e}", ps.name);
+                }
+            }
+        }
+    }
 }
 
 /// Fused CPU kernels and op compositions: the same loss and gradients (f64: to rounding; f32:

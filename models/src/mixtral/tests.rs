@@ -65,11 +65,12 @@ fn forward_all(model: &Llama, params: &[Tensor], tokens: &Tensor) -> (Tensor, Te
     (model.forward(head, &params[head], &x, None).unwrap(), Tensor::stack(&router, 0).unwrap())
 }
 
-fn check_oracle(composed: bool) {
+/// `chunk`: the composed attention's query positions per block (`None`: the default).
+fn check_oracle(composed: bool, chunk: Option<usize>) {
     let (_, cfg, params) = load();
     assert_eq!(cfg.family, LlamaFamily::Mixtral);
     assert_eq!((cfg.num_experts(), cfg.top_k(), cfg.aux_loss_weight()), (4, 2, 0.02));
-    let mut model = Llama::new(cfg.clone()).unwrap();
+    let mut model = Llama::new(cfg.clone()).unwrap().with_attention_chunk(chunk).unwrap();
     if composed {
         model = model.composed_only();
     }
@@ -84,7 +85,7 @@ fn check_oracle(composed: bool) {
     for (name, t) in [("logits", &logits), ("router_logits", &router)] {
         let got: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
         let q = ratio(&got, r[name].as_f32().unwrap(), 1e-4, 1e-5);
-        eprintln!("composed={composed}: {name} {q:.3} of the tolerance");
+        eprintln!("composed={composed} chunk={chunk:?}: {name} {q:.3} of the tolerance");
         assert!(q <= 1.0, "{name} off by {q} x the tolerance");
     }
 
@@ -93,7 +94,7 @@ fn check_oracle(composed: bool) {
     let aux = parts.aux / cfg.aux_loss_weight();
     for (name, got) in [("loss_ce", parts.ce), ("aux_loss", aux), ("loss", parts.total())] {
         let q = ratio(&[got as f32], &[scalar(name)], 1e-4, 1e-5);
-        eprintln!("composed={composed}: {name} {got} vs {}", scalar(name));
+        eprintln!("composed={composed} chunk={chunk:?}: {name} {got} vs {}", scalar(name));
         assert!(q <= 1.0, "{name}: {got} vs {}", scalar(name));
     }
 
@@ -113,17 +114,22 @@ fn check_oracle(composed: bool) {
         }
     }
     assert_eq!(checked, r.keys().filter(|k| k.starts_with("grad.")).count());
-    eprintln!("composed={composed}: {checked} gradients, worst {:.3} of the tolerance ({})", worst.0, worst.1);
+    eprintln!(
+        "composed={composed} chunk={chunk:?}: {checked} gradients, worst {:.3} of the tolerance ({})",
+        worst.0, worst.1
+    );
 }
 
 #[test]
 fn mixtral_matches_transformers() {
-    check_oracle(false);
+    check_oracle(false, None);
 }
 
 #[test]
 fn mixtral_composed_matches_transformers() {
-    check_oracle(true);
+    check_oracle(true, None);
+    // Attention over query blocks of 5 (not dividing the fixture's T).
+    check_oracle(true, Some(5));
 }
 
 // ---- BF16 against the f32 oracle -------------------------------------------------------------
@@ -331,4 +337,56 @@ fn pooled_aux_loss_is_the_sum_of_the_blocks_shares_and_needs_finishing() {
     assert!((shares - pooled).abs() <= 1e-12 * pooled.abs().max(1.0), "{shares} vs {pooled}");
     assert!(pooled > 0.0);
     moe.trunk_backward(0, &params[cfg.block_unit(0)], &x, &r0, &g, &gh, &gates).unwrap();
+}
+
+/// A Mixtral trunk (attention, norm, router) whose composed attention runs over query blocks of
+/// 1, 4 and 5 positions at T = 13 (GQA: 4 query heads over 2 key/value heads) against one
+/// block: `x1`, `h`, the router's probabilities and choices, and the trunk's backward (every
+/// parameter, the input) within F32 rounding (1e-5 of each tensor's largest element).
+#[test]
+fn trunk_attention_blocks_match_one_block() {
+    let t = 13;
+    let cfg = LlamaConfig {
+        num_key_value_heads: Some(2),
+        max_position_embeddings: 16,
+        router_aux_loss_coef: Some(0.1),
+        ..LlamaConfig::mixtral(32, 16, 24, 1, 4, 4, 2)
+    };
+    let build = |chunk| Llama::new(cfg.clone()).unwrap().composed_only().with_attention_chunk(Some(chunk)).unwrap();
+    let one = build(t);
+    let trunk = cfg.block_unit(0);
+    let flat = &crate::init_params(one.units(), 5)[trunk];
+    let p = Tensor::from_slice(flat, flat.len(), &Device::Cpu).unwrap();
+    let wave = |n: usize, f: f64| (0..n).map(|i| ((i as f64) * f).sin()).collect::<Vec<f64>>();
+    let x = Tensor::from_vec(wave(2 * t * 16, 0.37), (2, t, 16), &Device::Cpu).unwrap().to_dtype(p.dtype()).unwrap();
+    let gy = Tensor::from_vec(wave(2 * t * 16, 0.91), (2, t, 16), &Device::Cpu).unwrap().to_dtype(p.dtype()).unwrap();
+    let gh = gy.reshape((2 * t, 16)).unwrap().affine(-0.5, 0.1).unwrap();
+    let moe = one.moe().unwrap();
+    let t1 = moe.trunk_forward(0, &p, &x).unwrap();
+    let mut routing = t1.routing.clone();
+    moe.finish_forward(&mut [&mut routing]).unwrap();
+    let gates: Vec<Option<Tensor>> = (0..4).map(|e| routing.gates(e).map(|g| g.affine(2.0, -0.5).unwrap())).collect();
+    let g1 = moe.trunk_backward(0, &p, &x, &routing, &gy, &gh, &gates).unwrap();
+    let rel = |a: &Tensor, b: &Tensor| {
+        let (a, b) = (crate::shared_tests::to_vec(a), crate::shared_tests::to_vec(b));
+        let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+        err / b.iter().map(|y| y.abs()).fold(0.0, f64::max)
+    };
+    for chunk in [1, 4, 5] {
+        let blocks = build(chunk);
+        let moe = blocks.moe().unwrap();
+        let tb = moe.trunk_forward(0, &p, &x).unwrap();
+        for (name, a, b) in [("x1", &tb.x1, &t1.x1), ("h", &tb.h, &t1.h), ("probs", &tb.probs, &t1.probs)] {
+            assert!(rel(a, b) <= 1e-5, "chunk {chunk}: {name} off by {:e}", rel(a, b));
+        }
+        assert_eq!(tb.routing.choices, t1.routing.choices, "chunk {chunk}: the same experts");
+        let gb = moe.trunk_backward(0, &p, &x, &routing, &gy, &gh, &gates).unwrap();
+        let gx = rel(gb.grad_input.as_ref().unwrap(), g1.grad_input.as_ref().unwrap());
+        assert!(gx <= 1e-5, "chunk {chunk}: input gradient off by {gx:e}");
+        for ps in &one.units()[trunk].params {
+            let part = |t: &Tensor| t.narrow(0, ps.offset, ps.numel()).unwrap();
+            let e = rel(&part(&gb.grad_params), &part(&g1.grad_params));
+            assert!(e <= 1e-5, "chunk {chunk}: gradient of {} off by {e:e}", ps.name);
+        }
+    }
 }
