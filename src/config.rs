@@ -575,6 +575,13 @@ pub struct DeviceConfig {
     /// Default: `true`.
     #[serde(default = "default_true")]
     pub event_tracking: bool,
+    /// Query positions per block of the composed attention (`oogc_models::attention`): each
+    /// block holds `[batch, heads, attention_chunk, keys]` f32 scores, never the whole
+    /// sequence's `[batch, heads, T, T]`, forward and backward. Unset: the largest chunk whose
+    /// f32 scores fit 64 MiB (one block when the whole sequence fits). Must be ≥ 1. The fused
+    /// CPU kernels (`ops = "auto"` on the sim device in f32) compute the whole sequence.
+    #[serde(default)]
+    pub attention_chunk: Option<usize>,
 }
 
 /// `[device] ops`: the fused CPU kernels or the candle op compositions.
@@ -681,6 +688,7 @@ impl Default for DeviceConfig {
             latency_us: 0.0,
             ops: OpsPath::Auto,
             event_tracking: true,
+            attention_chunk: None,
         }
     }
 }
@@ -1136,6 +1144,12 @@ impl TrainConfig {
             return bad("threads.compute", "must be ≥ 1".into());
         }
         let moe = &self.moe;
+        if self.device.attention_chunk == Some(0) {
+            return bad(
+                "device.attention_chunk",
+                "0 query positions per attention block: give at least 1, or leave it out for the default".into(),
+            );
+        }
         if let Some(g) = moe.cpu_gflops {
             if !(g.is_finite() && g > 0.0) {
                 return bad("moe.cpu_gflops", format!("{g} must be a finite number of GFLOP/s > 0"));
@@ -1246,6 +1260,8 @@ gpu = "1.5MiB"
             ("gpu = \"1.5MiB\"", "gpu = \"1MiB\"\nhost = \"0B\"", "budgets.host"),
             ("seq_len = 16", "seq_len = 0", "train.seq_len"),
             ("seq_len = 16", "seq_len = 16\nmicro_batches = 0", "train.micro_batches"),
+            ("gpu = \"1.5MiB\"", "gpu = \"1.5MiB\"\n[device]\nattention_chunk = 0", "device.attention_chunk"),
+            ("gpu = \"1.5MiB\"", "gpu = \"1.5MiB\"\n[moe]\ncpu_gflops = -1.0", "moe.cpu_gflops"),
         ] {
             let err = TrainConfig::from_toml_str(&MINIMAL.replace(from, to)).unwrap_err();
             assert!(matches!(&err, ConfigError::Invalid { key: k, .. } if k == key), "{to}: {err}");

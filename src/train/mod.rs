@@ -366,11 +366,12 @@ pub fn build_model(cfg: &TrainConfig, vocab_size: usize) -> Result<Arc<dyn Causa
     let composed = cfg.device.ops == OpsPath::Composed;
     Ok(match &cfg.model {
         ModelConfig::Gpt(g) => {
-            let gpt = Gpt::new(gpt_config(g, cfg.train.seq_len, vocab_size))?;
+            let gpt = Gpt::new(gpt_config(g, cfg.train.seq_len, vocab_size))?
+                .with_attention_chunk(cfg.device.attention_chunk)?;
             Arc::new(if composed { gpt.composed_only() } else { gpt })
         }
         ModelConfig::Llama(l) => {
-            let llama = Llama::new(llama_config(l, vocab_size)?)?;
+            let llama = Llama::new(llama_config(l, vocab_size)?)?.with_attention_chunk(cfg.device.attention_chunk)?;
             Arc::new(if composed { llama.composed_only() } else { llama })
         }
     })
