@@ -408,7 +408,7 @@ impl GpuMemory {
 /// sequence, the model's widths (Llama family: key/value heads and head width from its config;
 /// GPT: as many key/value heads as heads; MoE: an expert's width × top-k as the MLP), its units'
 /// parameters (the largest block or MoE trunk, the head, the embedding), the compute dtype and
-/// `[activations] offload`; the attention chunk is the default bound.
+/// `[activations] offload`, `[device] attention_chunk` (unset: the models crate's default).
 ///
 /// # Errors
 /// [`PlanError::Model`] when a Llama config's checkpoint cannot be read.
@@ -448,7 +448,7 @@ pub fn device_shape(cfg: &TrainConfig, model: &dyn CausalLm) -> Result<DeviceSha
         embedding_params: numel(&|k| matches!(k, UnitKind::Embedding)),
         tied_head: model.tied_head(),
         activation_offload: cfg.activations.offload,
-        attention_chunk: None,
+        attention_chunk: cfg.device.attention_chunk.map(|c| c as u64),
     })
 }
 

@@ -16,7 +16,7 @@
 //! | `checkpoints` | the activation checkpoints kept on the device: `(layers·k + k)·B·T·d` elements of the compute dtype (`k` micro-batches; the head's inputs are the `+ k`); with `[activations] offload` only the `k` of the block in backward and the head's `k` | yes |
 //! | `input_gradients` | the gradients flowing between units, `2·k·B·T·d` elements of the compute dtype (the ones a unit receives and the ones it returns); with a tied head also the head's gradient of the embedding (its parameters, compute dtype) | yes |
 //! | `working_set` | the peak unit's backward (recompute + VJP) at its peak, less the two parts below: norms, residuals, MLP activations and their gradients (blocks); the logits `[B·T, V]` and the softmax/loss gradient in f32 (head); the rows' gradients summed in f32 (embedding) | yes |
-//! | `attention` | in a block's backward: the scores `[B, H, chunk, T]` (f32 for softmax) and their gradients, q/k/v and theirs, the causal mask `[T, T]` in f32 ([`attention_bytes`]) | yes |
+//! | `attention` | in a block's backward: q/k/v and their gradients, and the attention core's recomputation of one query block at a time ([`attention_bytes`]: the models crate's bound, `B·H·chunk·T` f32 scores, never `[B, H, T, T]`) | yes |
 //! | `autograd` | the peak unit's parameters copied into `Var`s, their gradients (one tensor per group, then the flat concatenation), and with `k > 1` the gradient summed over the micro-batches (f32 for half dtypes) | yes |
 //! | `cublas_workspace` | cuBLAS's workspace of candle's one handle: [`CUBLAS_WORKSPACE_BYTES`] | no |
 //! | `cuda_context` | the CUDA context (module images, local memory, the runtime's own reserve): [`CUDA_CONTEXT_BYTES`] | no |
@@ -32,29 +32,28 @@
 //!
 //! | unit | classes (elements) | phases |
 //! |---|---|---|
-//! | block | `X = N·d`, `Q = N·H·hd`, `K = N·KV·hd`, `M = N·I`, `S = B·H·chunk·T`, `P` (the block's parameters), `W` (its largest parameter group: `[2I, d]` gate/up) | 5: attention (scores), MLP, projections, parameter gradients, residual stream |
+//! | block | `X = N·d`, `Q = N·H·hd`, `K = N·KV·hd`, `M = N·I`, `P` (the block's parameters), `W` (its largest parameter group: `[2I, d]` gate/up), `A` (the attention core's backward peak, bytes: [`attention_bytes`]) | 4 (f32) or 5 (half): attention, MLP, projections, parameter gradients, residual stream |
 //! | head | `L = N·V`, `X`, `P` | 3: the loss's softmax and its gradient, the parameters' gradients, the norm |
 //! | embedding | `X`, `P`, `U·d` (`U = min(N, V)` distinct rows) | 2 |
 //!
 //! The coefficients are measured: the peak heap bytes of candle's composed Llama backward on
 //! the CPU (`composed_only`, the op sequence a CUDA device runs; in f32, and in f16 for half
 //! dtypes, which takes the same f32 upcasts as bf16 — the CPU's bf16 matmul adds f32 copies a
-//! GPU does not make) counted by a `GlobalAlloc`, over 300 random block shapes and 150 head and
-//! embedding shapes (d 64–1024, `I` 128–2048, 2–8 heads, 1–8 key/value heads, head width
-//! 16–128, vocabulary 512–8192, 32–384 tokens × 1–3 sequences), fitted phase by phase by
-//! non-negative least squares of relative errors: blocks within −6.6 %…+2.9 % (f32) and
-//! −4.1 %…+3.5 % (half), heads and embeddings within 1 % (f32) and −3.5 %…+1.5 % (half).
-//! `tests/device_plan.rs` measures other shapes again against this module. The phases'
-//! attention coefficients are those of today's unchunked attention, applied to one chunk's
-//! scores (`chunk = T` is today's code): a query-chunked attention recomputes one chunk at a
-//! time, so only a chunk's scores are alive. GPT blocks (LayerNorm, GELU MLP, fused qkv) and MoE
-//! blocks are planned with the Llama block's coefficients (`I` the MLP's width; MoE: an
-//! expert's width × top-k): approximate.
+//! GPU does not make) counted by a `GlobalAlloc`, over 300 random block shapes (query blocks of
+//! 16 rows to the whole sequence) and 150 head and embedding shapes (d 64–1024, `I` 128–2048,
+//! 2–8 heads, 1–8 key/value heads, head width 16–128, vocabulary 512–8192, 32–384 tokens × 1–3
+//! sequences), fitted phase by phase by non-negative least squares of relative errors (several
+//! random starts of the phases' assignment): blocks within −5.8 %…+2.8 % (f32) and
+//! −5.1 %…+5.7 % (half), heads and embeddings within 1 % (f32) and −3.5 %…+1.5 % (half).
+//! `tests/device_plan.rs` measures other shapes again against this module. GPT blocks
+//! (LayerNorm, GELU MLP, fused qkv) and MoE blocks are planned with the Llama block's
+//! coefficients (`I` the MLP's width; MoE: an expert's width × top-k): approximate.
 //!
 //! On the sim device candle's buffers are host memory: the plan's figure is what the run would
 //! need on a GPU. The real check is on the GPU: `oogc gpu-check` compares the pool's measured
 //! high-water mark with [`DevicePlan::in_pool_bytes`].
 
+use oogc_models::{attention_workspace_bytes, AttentionShape};
 use oogc_swapper::DType;
 use serde::Serialize;
 
@@ -76,10 +75,6 @@ pub const CUBLAS_WORKSPACE_BYTES: u64 = 32 << 20;
 /// H100 is commonly reported at 0.5 GB in `nvidia-smi` before any allocation. Outside the
 /// stream-ordered pool. gpu-check can measure it (`nvidia-smi`'s process memory less the pool's).
 pub const CUDA_CONTEXT_BYTES: u64 = 512 << 20;
-
-/// The most f32 bytes of attention scores a query chunk holds, assumed until the models
-/// crate's chunked attention gives its own bound ([`default_attention_chunk`]).
-pub const ATTENTION_CHUNK_SCORES_BYTES: u64 = 64 << 20;
 
 /// The shape of a run as its device memory depends on it (plain data).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
@@ -369,40 +364,46 @@ impl DevicePlan {
     /// passes the plan (`peak passed the plan; largest parts: ...`).
     pub fn largest_parts(&self, n: usize) -> Vec<DevicePart> {
         let mut parts: Vec<DevicePart> = self.parts().into_iter().filter(|p| p.bytes > 0).collect();
-        parts.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        parts.sort_by_key(|p| std::cmp::Reverse(p.bytes));
         parts.truncate(n);
         parts
     }
 }
 
-/// The default attention chunk: the most query rows whose f32 scores `[B, H, chunk, T]` stay
-/// within [`ATTENTION_CHUNK_SCORES_BYTES`], `max(1, min(T, 64 MiB / (B·H·T·4)))` (the bound the
-/// models crate's query-chunked attention is expected to keep).
+/// The default attention chunk: the models crate's (`AttentionShape::default_chunk`), the most
+/// query rows whose f32 scores `[B, H, chunk, T]` stay within 64 MiB, rounded down to a
+/// multiple of 16, within `1..=T`.
 pub fn default_attention_chunk(batch: u64, seq: u64, heads: u64) -> u64 {
-    let row_bytes = (batch * heads * seq * 4).max(1);
-    (ATTENTION_CHUNK_SCORES_BYTES / row_bytes).clamp(1, seq.max(1))
+    let shape = AttentionShape {
+        batch: batch as usize,
+        seq_len: seq as usize,
+        heads: heads as usize,
+        kv_heads: heads as usize,
+        head_dim: 1,
+    };
+    shape.default_chunk() as u64
 }
 
-/// A phase of a block's backward: bytes per element of `X`, `Q`, `K`, `M`, `S`, `P`, `W` (module
-/// docs).
+/// A phase of a block's backward: bytes per element of `X`, `Q`, `K`, `M`, `P`, `W`, and the
+/// share of `A` (module docs).
 type BlockPhase = [f64; 7];
 
-/// Blocks in f32: attention, MLP, parameter gradients, projections, residual stream.
-const BLOCK_F32: [BlockPhase; 5] = [
-    [82.2, 33.9, 34.4, 17.8, 56.0, 7.0, 0.8],
-    [68.4, 33.8, 30.8, 83.9, 20.7, 3.9, 2.4],
-    [80.6, 40.4, 34.9, 23.7, 19.3, 3.6, 22.7],
-    [92.3, 82.0, 56.6, 0.0, 28.1, 12.0, 1.3],
-    [98.0, 75.3, 71.2, 14.4, 27.8, 9.2, 3.6],
+/// Blocks in f32: attention, parameter gradients, MLP, projections.
+const BLOCK_F32: [BlockPhase; 4] = [
+    [51.75, 15.95, 36.89, 25.39, 12.6, 0.0, 0.78],
+    [79.53, 29.14, 43.16, 23.76, 3.9, 22.16, 0.02],
+    [68.91, 29.51, 32.48, 83.87, 4.0, 2.0, 0.0],
+    [96.66, 70.39, 67.72, 12.12, 11.47, 0.0, 0.0],
 ];
 
-/// Blocks in bf16/f16 (softmax, norms and the SwiGLU gate in f32).
+/// Blocks in bf16/f16 (softmax, norms and the SwiGLU gate in f32): residual stream, parameter
+/// gradients, projections, attention, MLP.
 const BLOCK_HALF: [BlockPhase; 5] = [
-    [76.1, 17.1, 16.7, 17.2, 60.3, 3.6, 0.3],
-    [70.6, 16.8, 15.7, 70.3, 24.2, 2.5, 0.2],
-    [74.6, 22.9, 40.7, 18.0, 26.3, 1.0, 12.7],
-    [78.1, 56.9, 27.4, 0.0, 18.4, 5.4, 2.0],
-    [105.3, 32.9, 36.3, 17.5, 32.7, 3.9, 0.5],
+    [105.74, 30.79, 31.63, 16.53, 4.05, 0.04, 0.0],
+    [76.28, 14.2, 15.37, 20.06, 2.1, 10.84, 0.0],
+    [79.99, 37.42, 31.56, 11.03, 5.97, 0.0, 0.0],
+    [76.17, 0.0, 0.0, 22.07, 0.0, 2.72, 0.86],
+    [70.18, 14.78, 15.12, 70.02, 2.39, 0.47, 0.0],
 ];
 
 /// A phase of the head's backward: bytes per element of `L = N·V`, `X`, `P`.
@@ -427,16 +428,12 @@ fn bytes(coefficient: f64, elements: u64) -> u64 {
     (coefficient * elements as f64).round() as u64
 }
 
-/// The bytes of a block's attention at the peak of its backward, one micro-batch of `batch`
-/// sequences of `seq` tokens with `heads` query heads and `kv_heads` key/value heads of width
-/// `head_dim`, scores computed `chunk` query rows at a time (`chunk = seq`: unchunked, today's
-/// composed attention), compute dtype `dtype`: the attention phase's coefficients (module docs)
-/// times the scores `S = B·H·chunk·T`, `Q = B·T·H·hd` and `K = B·T·KV·hd`, plus the causal mask
-/// `[T, T]` in f32 the model caches. One small function on purpose: the lead switches it to the
-/// models crate's own bound once chunked attention lands.
-///
-/// For f32 `56.0·S + 33.9·Q + 34.4·K + 4·T²` bytes; for half dtypes `60.3·S + 17.1·Q + 16.7·K +
-/// 4·T²`.
+/// The bytes of a block's attention core at the peak of its backward: the models crate's bound
+/// (`oogc_models::attention_workspace_bytes(..).backward_peak_bytes`: q, k, v, the output and
+/// their gradients, one query block's recomputed scores `B·H·chunk·T` in f32 and its
+/// workspace), for one micro-batch of `batch` sequences of `seq` tokens, `heads` query heads over
+/// `kv_heads` key/value heads of width `head_dim`, query blocks of `chunk` rows (clamped to
+/// `1..=seq`), compute dtype `dtype`.
 pub fn attention_bytes(
     batch: u64,
     seq: u64,
@@ -446,27 +443,35 @@ pub fn attention_bytes(
     chunk: u64,
     dtype: DType,
 ) -> u64 {
-    let phase = if matches!(dtype, DType::BF16 | DType::F16) { &BLOCK_HALF[0] } else { &BLOCK_F32[0] };
-    attention_part(phase, batch, seq, heads, kv_heads, head_dim, chunk)
+    let shape = AttentionShape {
+        batch: batch as usize,
+        seq_len: seq as usize,
+        heads: heads as usize,
+        kv_heads: kv_heads as usize,
+        head_dim: head_dim as usize,
+    };
+    let dtype = match dtype {
+        DType::BF16 => candle_core::DType::BF16,
+        DType::F16 => candle_core::DType::F16,
+        _ => candle_core::DType::F32,
+    };
+    attention_workspace_bytes(shape, chunk as usize, dtype).backward_peak_bytes
 }
 
-fn attention_part(p: &BlockPhase, batch: u64, seq: u64, heads: u64, kv: u64, hd: u64, chunk: u64) -> u64 {
-    let n = batch * seq;
-    let scores = batch * heads * chunk.clamp(1, seq.max(1)) * seq;
-    bytes(p[1], n * heads * hd) + bytes(p[2], n * kv * hd) + bytes(p[4], scores) + 4 * seq * seq
-}
-
-/// A block's backward at its peak: the largest phase (module docs), split into working set,
-/// attention and autograd.
+/// A block's backward at its peak: the largest phase (module docs), split into working set
+/// (`X`, `M`), attention (`Q`, `K` and the core's `A`) and autograd (`P`, `W`).
 pub fn block_peak(s: &DeviceShape) -> UnitPeak {
-    let phases = if s.half() { &BLOCK_HALF } else { &BLOCK_F32 };
+    let phases: &[BlockPhase] = if s.half() { &BLOCK_HALF } else { &BLOCK_F32 };
     let n = s.tokens();
+    let core = attention_bytes(s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, s.chunk(), s.dtype);
     phases
         .iter()
         .map(|p| UnitPeak {
             working_set_bytes: bytes(p[0], n * s.d_model) + bytes(p[3], n * s.d_ff),
-            attention_bytes: attention_part(p, s.batch, s.seq, s.heads, s.kv_heads, s.head_dim, s.chunk()),
-            autograd_bytes: bytes(p[5], s.block_params) + bytes(p[6], s.block_largest_group),
+            attention_bytes: bytes(p[1], n * s.heads * s.head_dim)
+                + bytes(p[2], n * s.kv_heads * s.head_dim)
+                + bytes(p[6], core),
+            autograd_bytes: bytes(p[4], s.block_params) + bytes(p[5], s.block_largest_group),
         })
         .max_by_key(UnitPeak::total_bytes)
         .unwrap_or_default()
@@ -533,15 +538,17 @@ mod tests {
 
     #[test]
     fn attention_of_a_small_case_by_hand() {
-        // B 1, T 16, H 2, KV 2, hd 32, unchunked, f32: S = 1·2·16·16 = 512, Q = K = 16·2·32 =
-        // 1024, mask 16·16·4 = 1024 B; each term rounded to bytes: 56.0·512 = 28672, 33.9·1024 =
-        // 34713.6 → 34714, 34.4·1024 = 35225.6 → 35226; 28672 + 34714 + 35226 + 1024 = 99636.
-        assert_eq!(attention_bytes(1, 16, 2, 2, 32, 16, DType::F32), 99_636);
-        // Chunks of 4 rows: S = 128, 56.0·128 = 7168: 7168 + 34714 + 35226 + 1024 = 78132.
-        assert_eq!(attention_bytes(1, 16, 2, 2, 32, 4, DType::F32), 78_132);
-        // bf16: 60.3·512 = 30873.6 → 30874, 17.1·1024 = 17510.4 → 17510, 16.7·1024 = 17100.8 →
-        // 17101; 30874 + 17510 + 17101 + 1024 = 66509.
-        assert_eq!(attention_bytes(1, 16, 2, 2, 32, 16, DType::BF16), 66_509);
+        // B 1, T 16, H 2, KV 2, hd 32, one block (chunk 16), f32 (s = f = 4 B): q/y/gy/gq 1024
+        // elements, k/v 1024, scores E = 2·16·16 = 512. In and out 2·1024·4 + 2·1024·4 = 16384,
+        // q's and y's gradients 2·1024·4 = 8192, k's and v's f32 sums 4·1024·4 = 16384 and
+        // copies 2·1024·4 = 8192, three scores-sized tensors 3·512·4 = 6144, the block's mask
+        // (2·16·16 + 16²)·4 = 3072 and rows 4·(2·16·32)·4 = 16384: 74752.
+        assert_eq!(attention_bytes(1, 16, 2, 2, 32, 16, DType::F32), 74_752);
+        // Blocks of 4 queries: E = 128 (1536), mask (2·4·16 + 4²)·4 = 576, rows 4·256·4 = 4096.
+        assert_eq!(attention_bytes(1, 16, 2, 2, 32, 4, DType::F32), 16384 + 8192 + 16384 + 8192 + 1536 + 576 + 4096);
+        // bf16 (s = 2, f = 4): 8192 + 4096 + 16384 + 4096 + 6144 + mask 3072 + rows 8192 + the
+        // block's widened q and k/v (1024 + 1024)·4 = 8192.
+        assert_eq!(attention_bytes(1, 16, 2, 2, 32, 16, DType::BF16), 58_368);
     }
 
     #[test]
@@ -556,18 +563,15 @@ mod tests {
     }
 
     #[test]
-    fn scores_scale_with_the_chunk_and_quadratically_unchunked() {
+    fn scores_scale_linearly_chunked_and_quadratically_whole() {
         let a = |t: u64, chunk: u64| attention_bytes(1, t, 32, 8, 128, chunk, DType::BF16) as f64;
-        let mask = |t: u64| (4 * t * t) as f64;
-        // Unchunked, the scores part quadruples with T (q/k/v double).
-        let qk = |t: u64| (17.1 * 32.0 + 16.7 * 8.0) * 128.0 * t as f64;
-        let scores = |t: u64, c: u64| a(t, c) - qk(t) - mask(t);
-        let r = scores(2048, 2048) / scores(1024, 1024);
-        assert!((r - 4.0).abs() < 1e-6, "{r}");
-        // Chunked at a fixed chunk, it doubles.
-        let r = scores(2048, 256) / scores(1024, 256);
-        assert!((r - 2.0).abs() < 1e-6, "{r}");
-        assert!(a(2048, 256) < a(2048, 2048) / 4.0);
+        // A fixed block of 256 queries: every term grows with T (the block's keys, q/k/v).
+        let r = a(8192, 256) / a(4096, 256);
+        assert!((r - 2.0).abs() < 0.05, "{r}");
+        // The whole sequence as one block: the scores' T² dominates at long T.
+        let r = a(8192, 8192) / a(4096, 4096);
+        assert!(r > 3.5 && r <= 4.0, "{r}");
+        assert!(a(2048, 256) < a(2048, 2048) / 2.0);
     }
 
     #[test]
@@ -576,10 +580,10 @@ mod tests {
         s.seq = 512;
         s.vocab = 32_000;
         s.head_params = 64 + 32_000 * 64;
-        s.attention_chunk = Some(s.seq);
+        s.attention_chunk = Some(64);
         let swapper = SwapperShare::default();
         let one = DevicePlan::new(&s, &swapper);
-        let two = DevicePlan::new(&DeviceShape { seq: 1024, attention_chunk: Some(1024), ..s }, &swapper);
+        let two = DevicePlan::new(&DeviceShape { seq: 1024, ..s }, &swapper);
         assert_eq!(two.checkpoints_bytes, 2 * one.checkpoints_bytes);
         assert_eq!(two.input_gradients_bytes, 2 * one.input_gradients_bytes);
         // The head's logits dominate here: its working set doubles.
