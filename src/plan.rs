@@ -9,6 +9,12 @@
 //! | [`plan_args_for_config`], [`moe_placement`] | what to plan for an `oogc train` config, MoE expert placement included |
 //! | [`PlannedModel`] | the model a plan is for: a GPT shape ([`PlannedModel::gpt`]) or a config's own model ([`PlannedModel::of_model`], sizes and FLOPs from `oogc-models`) |
 //! | [`plan_model`] | [`oogc_prefetch::plan::plan`] over those units; [`render_plan`] the table |
+//! | [`device_shape`], [`device_plan_for_config`], [`GpuMemory`] | what a config's run needs on the GPU, by part ([`crate::runtime::device_plan`]), and whether it fits |
+//!
+//! **A CUDA config** is planned with a GPU's figures ([`HardwareProfile::for_gpu`]): a profile's
+//! measured matrix-product rate in the compute dtype (`oogc bench probe --device cuda:N`), else
+//! the NVIDIA H100 SXM datasheet's ([`GpuDatasheet::H100_SXM`]), times the profile's model FLOP
+//! utilisation; the plan's `hardware:` line says which. Never the sim device's figures.
 //!
 //! **FLOP model** (forward, one step of `N = seq · batch` tokens; the backward with recompute is
 //! [`HardwareProfile::backward_flops_ratio`] × this): `2 · params · N` for the matmuls of a unit,
@@ -21,12 +27,13 @@ use std::fmt::Write as _;
 use oogc_moe_placement::{ColdMode, CostModel, CostModelConfig, ExpertShape, Placement};
 use oogc_optimizer::OptimizerConfig;
 use oogc_prefetch::plan::{plan, ModelUnit, PlanInput, PlanReport};
-use oogc_prefetch::{HardwareProfile, PrefetchConfig};
+use oogc_prefetch::{GpuDatasheet, HardwareProfile, PrefetchConfig};
 use oogc_swapper::{DType, StatePlacement};
 use serde::Serialize;
 
 use crate::config::TrainConfig;
 use crate::runtime::budget::OverheadInputs;
+use crate::runtime::device_plan::{DevicePlan, DeviceShape, SwapperShare};
 use crate::runtime::{param_nvme_traffic, HostPlan, NvmePlan, RuntimeConfig};
 use oogc_models::{CausalLm, UnitKind};
 
@@ -350,6 +357,123 @@ pub struct PlanArgs {
     /// [`crate::train::choose_device_units`]), with their GPU bytes (16 B per parameter + the
     /// compute copy), carved out of the GPU budget; empty for none.
     pub device_units: Vec<(String, u64)>,
+    /// What the run needs on the GPU and whether it fits (an `oogc train` config's; `None` for
+    /// a shape-only plan).
+    pub device: Option<GpuMemory>,
+}
+
+/// What a config's run needs on its GPU ([`DevicePlan`]) beside the GPU's memory.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct GpuMemory {
+    /// The parts.
+    pub plan: DevicePlan,
+    /// The GPU memory it is compared with, bytes: the profile's when it measured a GPU, else
+    /// the datasheet's ([`GpuDatasheet::H100_SXM`]).
+    pub device_memory_bytes: u64,
+    /// Where `device_memory_bytes` comes from.
+    pub device_memory_source: String,
+    /// The run's device is the sim device: candle's buffers are host memory there, the figure is
+    /// what the run would need on a GPU, and the sim device's memory is `[budgets] gpu`.
+    pub sim: bool,
+}
+
+impl GpuMemory {
+    /// Whether [`DevicePlan::total_bytes`] fits `device_memory_bytes`.
+    pub fn fits(&self) -> bool {
+        self.plan.fits(self.device_memory_bytes)
+    }
+
+    /// The JSON of `oogc plan --json`'s `device_plan`: `parts` (`name`, `bytes`, `in_pool`),
+    /// `in_pool_bytes`, `outside_pool_bytes`, `total_bytes`, `swapper_bytes`, `peak_unit`,
+    /// `attention_chunk`, `device_memory_bytes`, `device_memory_source`, `fits`, `sim`.
+    pub fn to_json(&self) -> serde_json::Value {
+        let p = &self.plan;
+        serde_json::json!({
+            "parts": p.parts(),
+            "in_pool_bytes": p.in_pool_bytes(),
+            "outside_pool_bytes": p.outside_pool_bytes(),
+            "total_bytes": p.total_bytes(),
+            "swapper_bytes": p.swapper_bytes(),
+            "peak_unit": p.peak_unit,
+            "attention_chunk": p.attention_chunk,
+            "device_memory_bytes": self.device_memory_bytes,
+            "device_memory_source": self.device_memory_source,
+            "fits": self.fits(),
+            "sim": self.sim,
+        })
+    }
+}
+
+/// The shape of `cfg`'s run for its device plan ([`DeviceShape`]): batch, micro-batches,
+/// sequence, the model's widths (Llama family: key/value heads and head width from its config;
+/// GPT: as many key/value heads as heads; MoE: an expert's width × top-k as the MLP), its units'
+/// parameters (the largest block or MoE trunk, the head, the embedding), the compute dtype and
+/// `[activations] offload`, `[device] attention_chunk` (unset: the models crate's default).
+///
+/// # Errors
+/// [`PlanError::Model`] when a Llama config's checkpoint cannot be read.
+pub fn device_shape(cfg: &TrainConfig, model: &dyn CausalLm) -> Result<DeviceShape, PlanError> {
+    let dims = model.dims();
+    let (d, heads) = (dims.hidden as u64, dims.heads.max(1) as u64);
+    let top_k = model.moe().map_or(1, |m| m.experts_per_token()) as u64;
+    let (kv_heads, head_dim, d_ff, largest_group) = match &cfg.model {
+        crate::config::ModelConfig::Llama(l) => {
+            let c = crate::train::llama_config(l, model.vocab_size()).map_err(|e| PlanError::Model(e.to_string()))?;
+            let (kv, hd, i) = (c.kv_heads() as u64, c.head_dim() as u64, c.intermediate_size as u64);
+            (kv, hd, i * top_k, (2 * i * d).max(heads * hd * d))
+        }
+        crate::config::ModelConfig::Gpt(g) => {
+            let ff = g.moe.as_ref().map_or(g.d_ff(), |m| m.d_expert.unwrap_or_else(|| g.d_ff())) as u64;
+            (heads, d / heads, ff * top_k, (3 * d * d).max(ff * d))
+        }
+    };
+    let numel = |f: &dyn Fn(&UnitKind) -> bool| {
+        model.units().iter().filter(|u| f(&u.kind)).map(|u| u.numel as u64).max().unwrap_or(0)
+    };
+    Ok(DeviceShape {
+        dtype: cfg.train.compute_dtype.dtype(),
+        batch: cfg.train.batch_size as u64,
+        micro_batches: cfg.train.micro_batches.max(1) as u64,
+        seq: cfg.train.seq_len as u64,
+        d_model: d,
+        d_ff,
+        heads,
+        kv_heads,
+        head_dim,
+        layers: dims.layers as u64,
+        vocab: model.vocab_size() as u64,
+        block_params: numel(&|k| matches!(k, UnitKind::Block(_) | UnitKind::MoeTrunk(_))),
+        block_largest_group: largest_group,
+        head_params: numel(&|k| matches!(k, UnitKind::Head)),
+        embedding_params: numel(&|k| matches!(k, UnitKind::Embedding)),
+        tied_head: model.tied_head(),
+        activation_offload: cfg.activations.offload,
+        attention_chunk: cfg.device.attention_chunk.map(|c| c as u64),
+    })
+}
+
+/// What `cfg`'s run of `model` needs on its GPU ([`DevicePlan`]): [`device_shape`] and the
+/// swapper's share of `[budgets] gpu` as the runtime carves it (gradient and activation staging,
+/// candle's copies of the units in use as on CUDA, the device optimizers of
+/// `device_optimizer_bytes`). What the trainer compares the pool's peak with.
+///
+/// # Errors
+/// As [`device_shape`].
+pub fn device_plan_for_config(
+    cfg: &TrainConfig,
+    model: &dyn CausalLm,
+    device_optimizer_bytes: u64,
+) -> Result<DevicePlan, PlanError> {
+    let dtype = cfg.train.compute_dtype.dtype();
+    let units: Vec<u64> = model.units().iter().map(|u| dtype.num_bytes(u.numel) as u64).collect();
+    let share = SwapperShare::new(
+        cfg.budgets.gpu.as_u64(),
+        &units,
+        crate::train::max_units_in_use(model),
+        crate::train::activation_offload(cfg, model),
+        device_optimizer_bytes,
+    );
+    Ok(DevicePlan::new(&device_shape(cfg, model)?, &share))
 }
 
 /// The plan of an `oogc train` config: its model ([`PlannedModel::of_model`]: the model the
@@ -365,9 +489,15 @@ pub struct PlanArgs {
 /// Hugging Face checkpoint unreadable, bad dimensions).
 pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace: bool) -> Result<PlanArgs, PlanError> {
     let mut hardware = hardware.clone();
-    if cfg.device.kind.is_sim() && cfg.device.link_gbps > 0.0 {
+    let sim = cfg.device.kind.is_sim();
+    let dtype = cfg.train.compute_dtype.dtype();
+    if sim && cfg.device.link_gbps > 0.0 {
         hardware.h2d_gbps = cfg.device.link_gbps;
         hardware.d2h_gbps = cfg.device.link_gbps;
+    }
+    let sheet = GpuDatasheet::H100_SXM;
+    if !sim {
+        hardware = hardware.for_gpu(dtype.num_bytes(1) as u64, &sheet);
     }
     let model_err = |e: crate::train::TrainError| PlanError::Model(e.to_string());
     let vocab = crate::train::vocab_size(cfg).map_err(model_err)?;
@@ -376,20 +506,25 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
     let top_k = model.moe().map_or(1, |m| m.experts_per_token());
     // A step computes all its micro-batches' sequences; each unit still moves once per phase.
     let sequences = cfg.train.batch_size * cfg.train.micro_batches.max(1);
-    let dtype = cfg.train.compute_dtype.dtype();
     let planned =
         PlannedModel::of_model(&*model, cfg.model.family(), dtype, sequences, cfg.train.seq_len, top_k, placements);
     // The residency manager's share of the GPU budget, staging carved out as the runtime does.
     let largest = model.units().iter().map(|u| dtype.num_bytes(u.numel) as u64).max().unwrap_or(0);
     let staging = crate::runtime::staging_bytes(largest, crate::train::activation_offload(cfg, &*model));
     let compute_budget = cfg.budgets.gpu.as_u64().saturating_sub(staging);
-    let device_units = crate::train::choose_device_units(cfg, &*model, compute_budget)
+    let device_units: Vec<(String, u64)> = crate::train::choose_device_units(cfg, &*model, compute_budget)
         .into_iter()
         .map(|u| {
             let spec = &model.units()[u.0];
             (spec.name.clone(), crate::runtime::device_optimizer_bytes(spec.numel, dtype))
         })
         .collect();
+    let plan = device_plan_for_config(cfg, &*model, device_units.iter().map(|(_, b)| b).sum())?;
+    let (device_memory_bytes, device_memory_source) = match (hardware.device_memory_bytes, &hardware.device_name) {
+        (Some(b), Some(name)) if hardware.has_gpu_figures() => (b, format!("{name}, the profile's")),
+        _ => (sheet.memory_bytes, format!("{}, the {}'s", sheet.name, sheet.citation)),
+    };
+    let device = Some(GpuMemory { plan, device_memory_bytes, device_memory_source, sim });
     Ok(PlanArgs {
         model: planned,
         gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
@@ -406,6 +541,7 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
         shard_parameters: cfg.ranks.shard_parameters,
         overhead: Some(crate::train::overhead_inputs(cfg, &*model, text_bytes(cfg))),
         device_units,
+        device,
     })
 }
 
@@ -550,6 +686,59 @@ fn gib(b: u64) -> String {
     format!("{:.3} GiB", b as f64 / (1u64 << 30) as f64)
 }
 
+/// The "GPU memory" section of [`render_plan`].
+fn render_gpu_memory(out: &mut String, g: &GpuMemory, gpu_budget_bytes: u64) {
+    let p = &g.plan;
+    let what = if g.sim {
+        "what the run would need on a GPU (a model: on the sim device candle's buffers are host memory)"
+    } else {
+        "what the run needs on the device"
+    };
+    writeln!(out, "GPU memory: {what}; [budgets] gpu covers the swapper's part only").expect("writing to a String");
+    let note = |name: &str| match name {
+        "residency" => "compute copies in the residency manager".to_string(),
+        "gradient_staging" => "the runtime's gradient staging".to_string(),
+        "activation_staging" => "activation checkpoints' staging ([activations] offload)".to_string(),
+        "in_use_copies" => "candle's copies of the units in use".to_string(),
+        "device_optimizers" => "[optimizer] device_units".to_string(),
+        "checkpoints" => "activation checkpoints kept on the device".to_string(),
+        "input_gradients" => "gradients between units".to_string(),
+        "working_set" => format!("the {} backward's activations and their gradients", p.peak_unit),
+        "attention" => format!("scores of {}-row query chunks, q/k/v and their gradients", p.attention_chunk),
+        "autograd" => format!("the {}'s parameters as Vars and their gradients", p.peak_unit),
+        "cublas_workspace" => "cuBLAS workspace (outside the pool)".to_string(),
+        _ => "CUDA context (outside the pool; stated)".to_string(),
+    };
+    for part in p.parts().iter().filter(|q| q.bytes > 0) {
+        writeln!(out, "  {:<20} {:>14} {:>16}  {}", part.name, part.bytes, gib(part.bytes), note(part.name))
+            .expect("writing to a String");
+    }
+    writeln!(
+        out,
+        "  {:<20} {:>14} {:>16}  in the stream-ordered pool {} B (what device_peak_bytes measures) + outside it {} B",
+        "total",
+        p.total_bytes(),
+        gib(p.total_bytes()),
+        p.in_pool_bytes(),
+        p.outside_pool_bytes()
+    )
+    .expect("writing to a String");
+    let verdict = if g.fits() { "fits" } else { "does NOT fit" };
+    if g.sim {
+        writeln!(
+            out,
+            "  sim device: its memory is [budgets] gpu ({gpu_budget_bytes} B), which holds the swapper's part ({} B); \
+             on a GPU the run {verdict} {} ({} B)",
+            p.swapper_bytes(),
+            g.device_memory_source,
+            g.device_memory_bytes
+        )
+    } else {
+        writeln!(out, "  {verdict} the GPU: {} ({} B)", g.device_memory_source, g.device_memory_bytes)
+    }
+    .expect("writing to a String");
+}
+
 /// A plan as a human-readable table (what `oogc plan` prints).
 pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
     let mut out = String::new();
@@ -619,8 +808,8 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
     writeln!(out, "hardware: {}", args.hardware.source).expect("writing to a String");
     writeln!(
         out,
-        "compute: {:.1} GFLOP/s, backward {:.2} x forward",
-        args.hardware.device_gflops, args.hardware.backward_flops_ratio
+        "compute: {:.1} GFLOP/s, backward {:.2} x forward; links: H2D {:.1} GB/s, D2H {:.1} GB/s",
+        args.hardware.device_gflops, args.hardware.backward_flops_ratio, args.hardware.h2d_gbps, args.hardware.d2h_gbps
     )
     .expect("writing to a String");
     out.push('\n');
@@ -682,6 +871,10 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
     };
     writeln!(out, "{:<10} {:>14} {:>16}  {on_nvme}", "nvme", r.memory.nvme_bytes, gib(r.memory.nvme_bytes))
         .expect("writing to a String");
+    if let Some(g) = &args.device {
+        out.push('\n');
+        render_gpu_memory(&mut out, g, args.gpu_budget_bytes);
+    }
     out.push('\n');
     let pct = |x: f64| 100.0 * x / r.step_s.max(1e-12);
     writeln!(
@@ -711,6 +904,19 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
     .expect("writing to a String");
     for w in &r.warnings {
         writeln!(out, "warning: {w}").expect("writing to a String");
+    }
+    if let Some(g) = args.device.as_ref().filter(|g| !g.fits() && !g.sim) {
+        let largest: Vec<String> =
+            g.plan.largest_parts(3).iter().map(|p| format!("{} {}", p.name, gib(p.bytes))).collect();
+        writeln!(
+            out,
+            "warning: the run needs {} on the GPU but it has {}: lower [train] batch_size or seq_len, or [budgets] gpu \
+             (largest parts: {})",
+            gib(g.plan.total_bytes()),
+            gib(g.device_memory_bytes),
+            largest.join(", ")
+        )
+        .expect("writing to a String");
     }
     out
 }
@@ -892,6 +1098,80 @@ mod tests {
         cfg.device.kind = crate::config::DeviceKind::Cuda(0);
         let hot = moe_placement(&cfg, &*model, &hw).iter().flatten().filter(|&&q| q == Placement::Resident).count();
         assert!(hot > 0, "{hot}");
+    }
+
+    #[test]
+    fn a_cuda_config_is_planned_with_the_datasheet_and_says_so() {
+        let cfg = example("llama-8b-h100.toml");
+        let args = plan_args_for_config(&cfg, &HardwareProfile::default(), false).unwrap();
+        let text = render_plan(&args, &plan_model(&args).unwrap());
+        assert!(text.contains("GPU figures from the NVIDIA H100"), "{text}");
+        assert!(text.contains("989 TFLOP/s bf16"), "{text}");
+        // None of the sim device's figures: its source, its 50 GFLOP/s, its 15 GB/s links.
+        for sim in ["sim device", "compute: 50.0 GFLOP/s", "H2D 15.0 GB/s"] {
+            assert!(!text.contains(sim), "{sim} in:\n{text}");
+        }
+        assert!(
+            text.contains("GPU memory: what the run needs on the device") && text.contains("fits the GPU"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_profiles_gpu_rate_scales_the_compute() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = example("llama-8b-h100.toml");
+        let plan_with = |tflops: f64| {
+            let path = dir.path().join(format!("gpu-{tflops}.toml"));
+            std::fs::write(
+                &path,
+                format!(
+                    "h2d_gbps = 50.0\nd2h_gbps = 50.0\ndevice_name = \"NVIDIA H100 80GB HBM3\"\n\
+                     device_memory_bytes = 85520809984\ndevice_bf16_tflops = {tflops}\ndevice_f32_tflops = 50.0\n\
+                     source = \"test\"\n"
+                ),
+            )
+            .unwrap();
+            let args = plan_args_for_config(&cfg, &HardwareProfile::load(&path).unwrap(), false).unwrap();
+            let r = plan_model(&args).unwrap();
+            (args, r)
+        };
+        let (a400, r400) = plan_with(400.0);
+        let (_, r800) = plan_with(800.0);
+        let ratio = r400.compute_s / r800.compute_s;
+        assert!((ratio - 2.0).abs() < 1e-9, "{ratio}");
+        assert_eq!(a400.hardware.device_gflops, 400.0 * 0.5 * 1000.0);
+        // The profile's GPU memory is what the plan compares with.
+        let gpu = a400.device.unwrap();
+        assert_eq!(gpu.device_memory_bytes, 85_520_809_984);
+        assert!(gpu.device_memory_source.contains("NVIDIA H100 80GB HBM3"), "{}", gpu.device_memory_source);
+    }
+
+    #[test]
+    fn the_gpu_figure_of_the_main_job() {
+        // configs/llama-shakespeare.toml: d 128, 4 blocks, 4 query heads of 32 over 2 key/value
+        // heads, SwiGLU 344, batch 16 × 128 tokens, f32, on the sim device.
+        let cfg = example("llama-shakespeare.toml");
+        let args = plan_args_for_config(&cfg, &HardwareProfile::default(), false).unwrap();
+        let g = args.device.as_ref().unwrap();
+        assert!(g.sim);
+        let p = &g.plan;
+        // A block: q and o 128·128 each, k and v 128·64 each, gate/up 2·344·128, down 344·128,
+        // two norms of 128: 181,504 parameters, 726,016 B in f32 — the largest unit.
+        let block = 4 * (2 * 16_384 + 2 * 8_192 + 3 * 344 * 128 + 2 * 128);
+        assert_eq!(block, 726_016);
+        assert_eq!((p.gradient_staging_bytes, p.in_use_copies_bytes), (block, block));
+        // Checkpoints: 4 blocks' inputs + the head's, [16, 128, 128] f32 = 1 MiB each.
+        assert_eq!(p.checkpoints_bytes, 5 << 20);
+        assert_eq!(p.input_gradients_bytes, 2 << 20);
+        // The swapper's share is the GPU budget (1900 KiB): staging, candle's copy, residency.
+        assert_eq!(p.swapper_bytes(), 1900 << 10);
+        assert_eq!(p.peak_unit, crate::runtime::device_plan::PeakUnit::Block);
+        assert_eq!(p.attention_chunk, 128);
+        assert!(p.attention_bytes > 0 && g.fits());
+        let json = g.to_json();
+        assert_eq!(json["total_bytes"].as_u64(), Some(p.total_bytes()));
+        assert_eq!(json["parts"].as_array().map(Vec::len), Some(12));
     }
 
     #[test]

@@ -61,3 +61,51 @@ fn the_scale_run_outgrows_host_memory_and_fits_its_budgets() {
     assert!(plan.min_bytes <= host && plan.gradients_bytes < 4 * params as u64 / 8, "{plan:?}");
     oogc::train::check_budgets(&cfg, &*model, &|_| Ok(u64::MAX)).unwrap();
 }
+
+/// The machine `configs/llama-8b-h100.toml` is for (README "GPU"): one H100 (about 78 GiB of
+/// its 80 GB usable), 128 GiB of RAM, a 64 GiB disk.
+const GPU_MACHINE_GPU_BYTES: u64 = 78 << 30;
+/// Predicted peak RSS allowed: 128 GiB less 8 GiB for the OS, the CUDA driver and page cache.
+const GPU_MACHINE_RSS_BYTES: u64 = 120 << 30;
+/// NVMe store allowed: the 64 GiB disk less 8 GiB for the OS and the carried build.
+const GPU_MACHINE_NVME_BYTES: u64 = 56 << 30;
+
+/// Llama-3-8B's shape on the GPU machine: `oogc plan` (datasheet figures, no profile) puts every
+/// tier within that machine, plans it without allocating its 8 B parameters, and predicts the
+/// step with the H100's bf16 rate, not the sim device's.
+#[test]
+fn the_8b_config_fits_every_tier_of_the_gpu_machine() {
+    use oogc::prefetch::HardwareProfile;
+    let cfg = TrainConfig::load(&common::repo_root().join("configs/llama-8b-h100.toml")).unwrap();
+    assert!(!cfg.device.kind.is_sim(), "a CUDA config");
+    let rss_before = oogc::runtime::budget::rss_bytes().unwrap_or(0);
+    let args = oogc::plan::plan_args_for_config(&cfg, &HardwareProfile::default(), false).unwrap();
+    let rss_after = oogc::runtime::budget::rss_bytes().unwrap_or(0);
+    // Planning builds the model's layout only: 8 B parameters would be 16 GB in bf16.
+    assert!(rss_after.saturating_sub(rss_before) < 1 << 30, "planning grew RSS {rss_before} -> {rss_after} B");
+    let params: u64 = args.model.units.iter().map(|u| u.numel).sum();
+    assert!((8_000_000_000..8_100_000_000).contains(&params), "{params} parameters");
+
+    let report = oogc::plan::plan_model(&args).unwrap();
+    assert!(report.warnings.is_empty(), "{:?}", report.warnings);
+    // Host: the ledger's minimum within the budget, the predicted peak RSS within the machine.
+    let (host, nvme) = oogc::plan::host_and_nvme_plan(&args, &report);
+    host.check().unwrap();
+    let rss = args.overhead.as_ref().unwrap().predicted_peak_rss_bytes(&host);
+    assert!(rss <= GPU_MACHINE_RSS_BYTES, "predicted peak RSS {rss} B > {GPU_MACHINE_RSS_BYTES} B");
+    // NVMe: the store (compute copies + slack) within the disk.
+    let nvme = nvme.expect("parameters on NVMe").capacity_bytes;
+    assert!(nvme <= GPU_MACHINE_NVME_BYTES, "NVMe store {nvme} B > {GPU_MACHINE_NVME_BYTES} B");
+    // GPU: the whole device figure, not only [budgets] gpu.
+    let gpu = args.device.as_ref().expect("a config's plan has a device figure");
+    assert!(!gpu.sim && gpu.fits());
+    let total = gpu.plan.total_bytes();
+    assert!(total <= GPU_MACHINE_GPU_BYTES, "GPU {total} B > {GPU_MACHINE_GPU_BYTES} B");
+    assert!(total > gpu.plan.swapper_bytes() + gpu.plan.working_set_bytes, "{:?}", gpu.plan);
+    // The step at the datasheet's bf16 rate × the default MFU, said so.
+    assert_eq!(args.hardware.device_gflops, 989.0 * 0.5 * 1000.0);
+    assert!(args.hardware.source.contains("H100") && !args.hardware.source.contains("sim device"));
+    let forward: f64 = args.model.units.iter().map(|u| u.forward_flops).sum();
+    let compute = (1.0 + args.hardware.backward_flops_ratio) * forward / (args.hardware.device_gflops * 1e9);
+    assert!((report.compute_s - compute).abs() <= 1e-6 * compute, "{} vs {compute}", report.compute_s);
+}

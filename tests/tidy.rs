@@ -45,6 +45,10 @@ const UNSAFE_FILES: &[(&str, &str)] = &[
         "turns cudarc's per-slice event tracking off when `[device] event_tracking = false` (the runtime orders its streams itself)",
     ),
     (
+        "tests/device_plan.rs",
+        "a counting GlobalAlloc over System: the peak bytes candle's composed backward allocates, against the device plan",
+    ),
+    (
         "python/src/dlpack.rs",
         "DLPack FFI: DLManagedTensor structs and Python capsules handing pinned unit memory to torch and reading tensors in place",
     ),

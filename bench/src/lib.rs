@@ -7,7 +7,7 @@
 //! | `oogc bench moe` | [`moe`] | expert bytes moved, hit rate and predicted MoE step of expert placement policies replaying a routing trace |
 //! | `oogc bench step` | [`step`] | real training steps under ours, on-demand and all-resident, beside the lower bound and the plan ([`machine`] records the machine) |
 //! | `oogc bench plan` | [`plan_check`] | `oogc plan`'s predicted step (compute probed for the config's shape) beside the measured one, per config, within 15% or not |
-//! | `oogc plan --probe-compute`, `--hardware-probe` | [`probe`] | candle's compute rate for a model's block, and this machine's memory, NVMe and Adam figures, for the planner |
+//! | `oogc plan --probe-compute`, `--hardware-probe`, `oogc bench probe` | [`probe`] | candle's compute rate for a model's block (the config's dtype), this machine's memory, NVMe and Adam figures, and a GPU's matrix-product TFLOP/s, H2D/D2H, name and memory ([`probe::gpu_profile`]), for the planner |
 //! | `oogc bench swap` | [`swap`] | host↔sim-device copies and the residency manager, beside memcpy or the link throttle |
 //! | `oogc bench all` | [`all`], [`plots`] | every benchmark above (quick or full sizes): one JSON file each and PNG + SVG plots in one directory |
 //! | (in `oogc bench all`) | [`timeline`] | a step timeline (compute, H2D, D2H, NVMe, optimizer lanes) from a real run's trace, and how much of the transfers and optimizer overlapped compute |

@@ -1,8 +1,14 @@
 //! The machine's figures for the planner: the compute probe behind `oogc plan --probe-compute`
-//! (candle's forward and backward of one block of the model on this CPU, the sim device, or with
-//! `--device cuda:N` on that GPU: `device_gflops` and `backward_flops_ratio`) and the hardware probe behind `oogc plan
-//! --hardware-probe` (STREAM triad, the NVMe store's write and read on a directory, a scalar fp32
-//! Adam loop, and the compute probe) into a [`HardwareProfile`].
+//! (candle's forward and backward of one block of the model in the config's compute dtype on
+//! this CPU, the sim device, or with `--device cuda:N` on that GPU: `device_gflops` and
+//! `backward_flops_ratio`), the hardware probe behind `oogc plan --hardware-probe` (STREAM
+//! triad, the NVMe store's write and read on a directory, a scalar fp32 Adam loop, and the
+//! compute probe), and the GPU probe behind `oogc bench probe --device cuda:N` ([`gpu_profile`]:
+//! bf16 and f32 matrix-product TFLOP/s on candle's stream, H2D and D2H GB/s on the swapper's copy
+//! stream, the GPU's name and memory) into a [`HardwareProfile`].
+//!
+//! On CUDA every timed region ends with a synchronisation of candle's stream and holds no
+//! device-to-host copy (a read-back would serialise the stream and time the copy too).
 //!
 //! [`ComputeShape::block_forward_flops`] counts FLOPs with the planner's formulas
 //! ([`oogc::plan`]), so the probed GFLOP/s is the rate that turns the planner's FLOPs into the
@@ -11,7 +17,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 use oogc::config::TrainConfig;
 use std::sync::Arc;
 
@@ -41,13 +47,17 @@ pub struct ComputeShape {
     /// candle's CPU compute threads (the sim device's; [`oogc::run::compute_threads`]).
     pub threads: usize,
     /// Where candle runs the block: [`BenchDevice::Sim`] (the CPU, the default) or
-    /// [`BenchDevice::Cuda`] (`candle_core::Device::new_cuda`; needs the `cuda` feature).
+    /// [`BenchDevice::Cuda`] (`candle_core::Device::new_cuda_with_stream`, a stream of candle's
+    /// own as the runtime opens it; needs the `cuda` feature).
     pub device: BenchDevice,
+    /// The dtype the block computes in: the config's compute dtype (`[train] compute_dtype`),
+    /// f32 for [`ComputeShape::representative`].
+    pub dtype: DType,
 }
 
 impl ComputeShape {
     /// The shape of an `oogc train` config: its model (as the trainer builds it), `train.seq_len`,
-    /// `train.batch_size`, `[threads] compute`.
+    /// `train.batch_size`, `[threads] compute`, `[train] compute_dtype`.
     ///
     /// # Errors
     /// The config's model cannot be built (tokenizer.json, Hugging Face checkpoint, dimensions).
@@ -61,6 +71,8 @@ impl ComputeShape {
             batch: cfg.train.batch_size,
             threads: oogc::run::compute_threads(cfg),
             device: BenchDevice::Sim,
+            dtype: oogc::runtime::tensor::candle_dtype(cfg.train.compute_dtype.dtype())
+                .map_err(oogc::train::TrainError::from)?,
         })
     }
 
@@ -77,6 +89,7 @@ impl ComputeShape {
             batch: 16,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             device: BenchDevice::Sim,
+            dtype: DType::F32,
         }
     }
 
@@ -120,7 +133,11 @@ impl ComputeShape {
             BenchDevice::Sim => String::new(),
             d @ BenchDevice::Cuda(_) => format!(", on {d}"),
         };
-        format!("{}: {kind}, seq {} x batch {}, {} threads{on}", self.family, self.seq_len, self.batch, self.threads)
+        let dtype = if self.dtype == DType::F32 { String::new() } else { format!(", {:?}", self.dtype).to_lowercase() };
+        format!(
+            "{}: {kind}, seq {} x batch {}, {} threads{dtype}{on}",
+            self.family, self.seq_len, self.batch, self.threads
+        )
     }
 }
 
@@ -200,12 +217,14 @@ pub fn with_compute_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Sen
     Ok(pool.install(f))
 }
 
-/// Times candle's forward and backward of one block of `shape` on the CPU (the sim device's
-/// compute) on `shape.threads` threads, or on the CUDA GPU `shape.device` names (the device
-/// synchronised before each time is read), the way the trainer calls them: the dense block's
-/// [`Gpt::forward`] and [`Gpt::backward`] (recompute + VJP), or the MoE block's trunk, routed
-/// experts and combine, and their backward as `Trainer::train_step` runs it; gradients copied
-/// out to host vectors as the trainer pushes them. Input: the embedding of pseudo-random bytes.
+/// Times candle's forward and backward of one block of `shape` in `shape.dtype` on the CPU (the
+/// sim device's compute) on `shape.threads` threads, or on the CUDA GPU `shape.device` names (on
+/// a stream of candle's own, synchronised before each time is read; nothing is read back inside
+/// a timed region), the way the trainer calls them: the dense block's [`Gpt::forward`] and
+/// [`Gpt::backward`] (recompute + VJP), or the MoE block's trunk, routed experts and combine, and
+/// their backward as `Trainer::train_step` runs it; on the CPU the gradients are copied out to
+/// host vectors as the trainer pushes them (on a GPU the push is a D2H on the copy stream, beside
+/// compute, so it is not timed). Input: the embedding of pseudo-random tokens.
 /// One warm-up, then repetitions until 9, or 3 and 1 s, or 3 s (so at least one); the
 /// medians. About 1 s for the example configs' blocks.
 ///
@@ -225,12 +244,22 @@ pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> Result<Comp
     let dev = match shape.device {
         BenchDevice::Sim => Device::Cpu,
         BenchDevice::Cuda(n) => {
-            Device::new_cuda(n).with_context(|| format!("opening cuda:{n} for the compute probe"))?
+            Device::new_cuda_with_stream(n).with_context(|| format!("opening cuda:{n} for the compute probe"))?
         }
     };
     let tensor = |unit: usize| {
         let flat = init_unit_from_seed(&model.units()[unit], 1);
-        Tensor::from_slice(&flat, flat.len(), &dev)
+        Tensor::from_slice(&flat, flat.len(), &dev)?.to_dtype(shape.dtype)
+    };
+    // What the trainer does with a unit's gradients: on the CPU a copy into a host vector; on a
+    // GPU nothing inside the timed region (its D2H runs on the copy stream).
+    let push = |g: &Tensor| -> Result<()> {
+        if dev.is_cpu() {
+            copy_out(g)?;
+        } else {
+            std::hint::black_box(g);
+        }
+        Ok(())
     };
     let (b, t) = (shape.batch.max(1), shape.seq_len.max(1));
     let vocab = model.vocab_size() as u64;
@@ -259,8 +288,7 @@ pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> Result<Comp
     let backward = || -> Result<()> {
         let Some(moe) = moe else {
             let g = model.backward(block, &p_block, &x, &grad_y, None)?;
-            std::hint::black_box(g.grad_params.to_vec1::<f32>()?);
-            return Ok(());
+            return push(&g.grad_params);
         };
         let tr = moe.trunk_forward(0, &p_block, &x)?;
         let routing = &tr.routing;
@@ -271,14 +299,13 @@ pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> Result<Comp
             let grad_out =
                 moe.expert_grad_output(routing, e, &grad_y)?.ok_or(Error::Internal { what: "an active expert" })?;
             let g = moe.expert_backward(p, &h_e, &grad_out)?;
-            std::hint::black_box(g.grad_params.to_vec1::<f32>()?);
+            push(&g.grad_params)?;
             grad_gates[e] = moe.expert_grad_gate(routing, e, &grad_y, &g.output)?;
             grad_inputs[e] = Some(g.grad_input);
         }
         let grad_h = routing.scatter_input_grads(&grad_inputs)?;
         let g = moe.trunk_backward(0, &p_block, &x, routing, &grad_y, &grad_h, &grad_gates)?;
-        std::hint::black_box(g.grad_params.to_vec1::<f32>()?);
-        Ok(())
+        push(&g.grad_params)
     };
     forward()?;
     backward()?;
@@ -317,6 +344,18 @@ pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> Result<Comp
     })
 }
 
+/// Copies a tensor's elements into a host vector of its dtype and drops it (the trainer's push
+/// on the sim device).
+fn copy_out(t: &Tensor) -> Result<()> {
+    let t = t.flatten_all()?;
+    match t.dtype() {
+        DType::BF16 => drop(std::hint::black_box(t.to_vec1::<half::bf16>()?)),
+        DType::F16 => drop(std::hint::black_box(t.to_vec1::<half::f16>()?)),
+        _ => drop(std::hint::black_box(t.to_dtype(DType::F32)?.to_vec1::<f32>()?)),
+    }
+    Ok(())
+}
+
 /// What the hardware probe measures.
 #[derive(Debug, Clone)]
 pub struct ProbeArgs {
@@ -330,6 +369,9 @@ pub struct ProbeArgs {
     pub adam_params: usize,
     /// The block [`probe_compute`] times; `None`: the compute figures keep their defaults.
     pub compute: Option<ComputeShape>,
+    /// A CUDA GPU whose figures ([`gpu_profile`]: matrix-product TFLOP/s, H2D and D2H, name and
+    /// memory) join the profile; `None`: no GPU is measured.
+    pub gpu: Option<usize>,
 }
 
 impl Default for ProbeArgs {
@@ -342,6 +384,7 @@ impl Default for ProbeArgs {
             triad_elems: 2 << 20,
             adam_params: 1 << 20,
             compute: Some(ComputeShape::representative()),
+            gpu: None,
         }
     }
 }
@@ -425,9 +468,10 @@ pub fn nvme_gbps(dir: &std::path::Path, bytes: u64) -> Result<(f64, f64, String)
 }
 
 /// Measures this machine: host memory bandwidth (triad), NVMe read/write through the store,
-/// the CPU Adam rate and, with [`ProbeArgs::compute`], the sim device's compute rate and
-/// backward/forward ratio ([`probe_compute`]). H2D/D2H keep their defaults (no GPU is measured
-/// here; edit the file on a GPU machine, where the compute figures must be the GPU's too).
+/// the CPU Adam rate, with [`ProbeArgs::compute`] the compute rate and backward/forward ratio
+/// of a block ([`probe_compute`]), and with [`ProbeArgs::gpu`] the GPU's figures
+/// ([`gpu_profile`]: its H2D/D2H replace the defaults). Without a GPU, H2D/D2H keep their
+/// defaults.
 ///
 /// # Errors
 /// NVMe store errors (directory missing, no room); compute probe errors.
@@ -454,7 +498,154 @@ pub fn probe(args: &ProbeArgs) -> Result<HardwareProfile> {
     if let Some(c) = &compute {
         c.apply(&mut profile);
     }
+    if let Some(n) = args.gpu {
+        let gpu = gpu_profile(n)?;
+        profile.source = format!(
+            "{}; {}",
+            profile.source.replace("h2d/d2h are defaults", "h2d/d2h measured on the GPU"),
+            gpu.source.replace("; host figures are defaults", "")
+        );
+        profile = HardwareProfile {
+            h2d_gbps: gpu.h2d_gbps,
+            d2h_gbps: gpu.d2h_gbps,
+            device_name: gpu.device_name,
+            device_memory_bytes: gpu.device_memory_bytes,
+            device_bf16_tflops: gpu.device_bf16_tflops,
+            device_f32_tflops: gpu.device_f32_tflops,
+            ..profile
+        };
+    }
     Ok(profile)
+}
+
+/// What [`gpu_profile_with`] measures on a CUDA GPU.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GpuProbeArgs {
+    /// The GPU's ordinal.
+    pub ordinal: usize,
+    /// Side of the square bf16 matrix product (`n × n × n`). Default: 8192.
+    pub bf16_n: usize,
+    /// Side of the square f32 matrix product. Default: 4096.
+    pub f32_n: usize,
+    /// Products run and synchronised before the timing (clocks up, cuBLAS picks its kernels).
+    /// Default: 3.
+    pub warmups: usize,
+    /// Products timed, back to back, between two synchronisations of candle's stream. Default: 10.
+    pub reps: usize,
+    /// Bytes per H2D and D2H copy. Default: 256 MiB.
+    pub copy_bytes: usize,
+    /// Timed copies each way. Default: 8.
+    pub copy_repeats: usize,
+}
+
+impl GpuProbeArgs {
+    /// The defaults for GPU `ordinal`: an 8192³ bf16 and a 4096³ f32 product, 3 warm-ups and 10
+    /// timed each; 8 copies of 256 MiB each way.
+    pub fn new(ordinal: usize) -> Self {
+        Self { ordinal, bf16_n: 8192, f32_n: 4096, warmups: 3, reps: 10, copy_bytes: 256 << 20, copy_repeats: 8 }
+    }
+}
+
+/// The matrix-product rate of `dev` in `dtype`, TFLOP/s (10¹² FLOP/s): `2·n³` FLOPs per
+/// product of two `n × n` matrices of normal random values, `warmups` products first, then
+/// `reps` products issued back to back between two synchronisations of the device's stream (on
+/// a GPU: no read-back in between; each product's output is freed, stream-ordered, as the next
+/// is issued).
+///
+/// # Errors
+/// candle failures (out of device memory, a dtype the device does not multiply).
+pub fn matmul_tflops(dev: &Device, dtype: DType, n: usize, warmups: usize, reps: usize) -> Result<f64> {
+    let a = Tensor::randn(0f32, 1.0, (n, n), dev)?.to_dtype(dtype)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), dev)?.to_dtype(dtype)?;
+    for _ in 0..warmups {
+        std::hint::black_box(a.matmul(&b)?);
+    }
+    dev.synchronize()?;
+    let t = Instant::now();
+    for _ in 0..reps.max(1) {
+        std::hint::black_box(a.matmul(&b)?);
+    }
+    dev.synchronize()?;
+    let s = t.elapsed().as_secs_f64().max(1e-12);
+    Ok(2.0 * (n as f64).powi(3) * reps.max(1) as f64 / s * 1e-12)
+}
+
+/// [`gpu_profile_with`] with [`GpuProbeArgs::new`]: what `oogc bench probe --device cuda:N`
+/// and `oogc gpu-check` write for `oogc plan --profile`.
+///
+/// # Errors
+/// As [`gpu_profile_with`].
+pub fn gpu_profile(ordinal: usize) -> Result<HardwareProfile> {
+    gpu_profile_with(&GpuProbeArgs::new(ordinal))
+}
+
+/// Measures GPU `args.ordinal` for the planner: bf16 and f32 matrix-product TFLOP/s
+/// ([`matmul_tflops`] on candle's device opened with its own stream,
+/// `Device::new_cuda_with_stream`, as the runtime opens it), H2D and D2H GB/s of the swapper's
+/// copies of driver-pinned memory on its copy stream ([`crate::swap::run_cuda`]'s `cuda-htod` and
+/// `cuda-dtoh` rows), and the GPU's name and memory (the driver's). The host's figures (NVMe,
+/// CPU Adam, memory bandwidth) are [`HardwareProfile::default`]'s: [`probe`] measures them.
+///
+/// # Errors
+/// candle's `NotCompiledWithCudaSupport` or the swapper's [`oogc_swapper::Error::NotCompiledWithCuda`]
+/// without the `cuda` feature; [`oogc_swapper::Error::NoCudaDevice`] without a driver or GPU
+/// `ordinal`; device memory for the matrices or the copies.
+pub fn gpu_profile_with(args: &GpuProbeArgs) -> Result<HardwareProfile> {
+    let n = args.ordinal;
+    let (bf16, f32) = {
+        let dev = Device::new_cuda_with_stream(n).with_context(|| format!("opening cuda:{n} for the GPU probe"))?;
+        let bf16 = matmul_tflops(&dev, DType::BF16, args.bf16_n, args.warmups, args.reps)
+            .with_context(|| format!("timing a {0}x{0}x{0} bf16 matrix product on cuda:{n}", args.bf16_n))?;
+        let f32 = matmul_tflops(&dev, DType::F32, args.f32_n, args.warmups, args.reps)
+            .with_context(|| format!("timing a {0}x{0}x{0} f32 matrix product on cuda:{n}", args.f32_n))?;
+        (bf16, f32)
+    };
+    let copies = crate::swap::SwapBenchArgs {
+        size_bytes: args.copy_bytes,
+        repeats: args.copy_repeats,
+        ..crate::swap::SwapBenchArgs::default()
+    };
+    let rows = crate::swap::run_cuda(n, &copies).context("timing the swapper's H2D and D2H copies")?;
+    let gbps = |name: &str| rows.iter().find(|r| r.name == name).map(|r| r.gbps);
+    let (Some(h2d), Some(d2h)) = (gbps("cuda-htod"), gbps("cuda-dtoh")) else {
+        return Err(Error::Internal { what: "the cuda-htod and cuda-dtoh rows of the swap benchmark" });
+    };
+    let (name, memory_bytes) = gpu_identity(n)?;
+    Ok(HardwareProfile {
+        h2d_gbps: h2d,
+        d2h_gbps: d2h,
+        device_name: Some(name.clone()),
+        device_memory_bytes: Some(memory_bytes),
+        device_bf16_tflops: Some(bf16),
+        device_f32_tflops: Some(f32),
+        source: format!(
+            "oogc bench probe --device cuda:{n} ({name}): {bf16:.0} TFLOP/s bf16 ({0}^3), {f32:.1} TFLOP/s f32 ({1}^3) \
+             on candle's stream; H2D {h2d:.1} GB/s, D2H {d2h:.1} GB/s ({2} MiB copies of pinned memory on the \
+             swapper's copy stream); host figures are defaults",
+            args.bf16_n,
+            args.f32_n,
+            args.copy_bytes >> 20
+        ),
+        ..HardwareProfile::default()
+    })
+}
+
+/// The GPU's name and total memory in bytes, as its driver reports them.
+#[cfg(feature = "cuda")]
+fn gpu_identity(ordinal: usize) -> Result<(String, u64)> {
+    use oogc_swapper::DeviceBackend;
+    let dev = oogc_swapper::CudaDevice::new(ordinal, None).with_context(|| format!("opening cuda:{ordinal}"))?;
+    let (_, total) = dev
+        .context()
+        .mem_get_info()
+        .map_err(|e| oogc_swapper::Error::Cuda { op: "mem_get_info", message: e.to_string() })?;
+    Ok((dev.name(), total as u64))
+}
+
+/// Without the `cuda` feature: [`oogc_swapper::Error::NotCompiledWithCuda`].
+#[cfg(not(feature = "cuda"))]
+fn gpu_identity(ordinal: usize) -> Result<(String, u64)> {
+    Err(oogc_swapper::Error::NotCompiledWithCuda).with_context(|| format!("opening cuda:{ordinal}"))
 }
 
 #[cfg(test)]
@@ -480,6 +671,7 @@ mod tests {
             batch: 2,
             threads: 1,
             device: BenchDevice::Sim,
+            dtype: DType::F32,
         }
     }
 
@@ -499,6 +691,33 @@ mod tests {
         let units = model_units(&s, &ff).unwrap();
         let block: f64 = units[1..units.len() - 1].iter().map(|u| u.forward_flops).sum();
         assert!((moe.block_forward_flops() - block).abs() < 1e-6 * block);
+    }
+
+    #[test]
+    fn the_compute_probe_times_the_configs_dtype() {
+        let shape = ComputeShape { dtype: DType::BF16, ..tiny_shape(false) };
+        assert!(shape.describe().contains("bf16"), "{}", shape.describe());
+        let c = probe_compute(&shape).unwrap();
+        assert!(c.device_gflops > 0.0 && c.backward_flops_ratio > 0.0, "{c:?}");
+    }
+
+    #[test]
+    fn the_matmul_rate_counts_two_n_cubed_flops_per_product() {
+        // On the CPU (the same code times a GPU; candle's CPU matmul has no bf16): a positive,
+        // finite rate.
+        for dtype in [DType::F32, DType::F16] {
+            let t = matmul_tflops(&Device::Cpu, dtype, 64, 1, 2).unwrap();
+            assert!(t.is_finite() && t > 0.0, "{dtype:?}: {t}");
+        }
+        assert_eq!(GpuProbeArgs::new(3).ordinal, 3);
+        assert_eq!((GpuProbeArgs::new(0).bf16_n, GpuProbeArgs::new(0).f32_n), (8192, 4096));
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn the_gpu_probe_without_the_cuda_feature_says_so() {
+        let e = gpu_profile(0).unwrap_err().report();
+        assert!(e.contains("cuda:0") && e.to_lowercase().contains("cuda support"), "{e}");
     }
 
     #[test]

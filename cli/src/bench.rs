@@ -1,4 +1,4 @@
-//! `oogc bench`: the offload benchmarks (nvme, swap, evict, adam, moe, step, plan, all) of `oogc-bench`, as tables or JSON Lines.
+//! `oogc bench`: the offload benchmarks (nvme, swap, evict, adam, moe, step, plan, all) of `oogc-bench`, as tables or JSON Lines, and `probe`, the machine's figures for `oogc plan --profile`.
 
 use std::path::PathBuf;
 
@@ -7,7 +7,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use oogc::config::TrainConfig;
 use oogc::optimizer::{DType, Isa};
 use oogc::swapper::EngineChoice;
-use oogc_bench::{adam, all, evict, moe, nvme, plan_check, step, swap};
+use oogc_bench::{adam, all, evict, moe, nvme, plan_check, probe, step, swap};
 use serde::Serialize;
 
 use crate::args::{
@@ -47,10 +47,35 @@ pub(crate) enum BenchCommand {
     /// probed around the steps) beside the median of real training steps, and whether it is
     /// within 15%.
     Plan(PlanBenchCmd),
+    /// Measure this machine for `oogc plan --profile`: with --device cuda:N the GPU (bf16 and
+    /// f32 matrix-product TFLOP/s on candle's stream, H2D and D2H GB/s of the swapper's copies,
+    /// its name and memory) and the host (memory triad, NVMe through the store, CPU Adam); with
+    /// --device sim the host and the sim device's compute (as `oogc plan --hardware-probe`).
+    /// Prints the profile (TOML) or writes it (--out).
+    Probe(ProbeCmd),
     /// The whole suite (nvme, swap, adam, evict, moe; with --config also step, the step timeline
     /// and the plan check) with --quick or full sizes: one JSON file per benchmark
     /// (`{ "benchmark", "args", "rows" }`) and PNG + SVG plots in --out DIR.
     All(AllCmd),
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct ProbeCmd {
+    /// `sim` (this CPU) or `cuda:N` (GPU N; needs a build with the `cuda` feature).
+    #[arg(long, value_name = "DEVICE", default_value = "sim")]
+    pub(crate) device: swap::BenchDevice,
+    /// Write the profile (TOML) here instead of printing it.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) out: Option<PathBuf>,
+    /// Directory for the NVMe store's temporary file (default: the temp dir).
+    #[arg(long, value_name = "DIR")]
+    pub(crate) probe_dir: Option<PathBuf>,
+    /// MiB written then read through the NVMe store.
+    #[arg(long, value_name = "MIB", default_value_t = 64, value_parser = clap::value_parser!(u64).range(8..))]
+    pub(crate) probe_mib: u64,
+    /// Only the GPU's figures (--device cuda:N): the host's keep their defaults.
+    #[arg(long)]
+    pub(crate) gpu_only: bool,
 }
 
 #[derive(Debug, Args)]
@@ -566,6 +591,37 @@ pub(crate) fn bench_adam(cmd: AdamCmd) -> anyhow::Result<()> {
     }
 }
 
+pub(crate) fn bench_probe(cmd: ProbeCmd) -> anyhow::Result<()> {
+    let profile = match (cmd.device, cmd.gpu_only) {
+        (swap::BenchDevice::Cuda(n), true) => probe::gpu_profile(n).context("oogc bench probe")?,
+        (swap::BenchDevice::Sim, true) => anyhow::bail!("--gpu-only needs --device cuda:N"),
+        (device, false) => {
+            let args = probe::ProbeArgs {
+                dir: cmd.probe_dir.unwrap_or_else(std::env::temp_dir),
+                nvme_bytes: cmd.probe_mib << 20,
+                // On a GPU the plan computes at the GPU's matrix-product rate, not a block's on
+                // this CPU.
+                compute: (device == swap::BenchDevice::Sim).then(probe::ComputeShape::representative),
+                gpu: match device {
+                    swap::BenchDevice::Cuda(n) => Some(n),
+                    swap::BenchDevice::Sim => None,
+                },
+                ..probe::ProbeArgs::default()
+            };
+            probe::probe(&args).context("oogc bench probe")?
+        }
+    };
+    let toml = profile.to_toml_string();
+    match &cmd.out {
+        Some(path) => {
+            std::fs::write(path, &toml).with_context(|| format!("writing the profile to {}", path.display()))?;
+            eprintln!("wrote {}", path.display());
+        }
+        None => print!("{toml}"),
+    }
+    Ok(())
+}
+
 pub(crate) fn bench_all(cmd: AllCmd) -> anyhow::Result<()> {
     let size = match (cmd.quick, cmd.tiny) {
         (_, true) => all::SuiteSize::Tiny,
@@ -600,5 +656,6 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Step(cmd) => bench_step(cmd),
         BenchCommand::Plan(cmd) => bench_plan(cmd),
         BenchCommand::All(cmd) => bench_all(cmd),
+        BenchCommand::Probe(cmd) => bench_probe(cmd),
     }
 }

@@ -1,4 +1,4 @@
-//! `oogc plan`: memory per tier, the minimum GPU budget and the predicted step of a GPT under budgets, or of an `oogc train` config; `--hardware-probe` measures this machine.
+//! `oogc plan`: memory per tier (the GPU's whole figure included), the minimum GPU budget and the predicted step of a GPT under budgets, or of an `oogc train` config; `--profile` plans with measured figures (a CUDA config without one: a named GPU's datasheet); `--hardware-probe` measures this machine.
 
 use std::path::PathBuf;
 
@@ -59,7 +59,8 @@ pub(crate) enum StateArg {
 pub(crate) struct PlanCmd {
     /// Plan the run of an `oogc train` config: its model, batch, GPU and host budgets, optimizer
     /// state tier and prefetch depth replace --layers/--d-model/--seq-len/--batch/--gpu-budget/
-    /// --host-budget/--optimizer-state/--max-depth (f32 compute copies, as on the sim device).
+    /// --host-budget/--optimizer-state/--max-depth (compute copies in its [train] compute_dtype),
+    /// and the plan adds what the run needs on the GPU ("GPU memory").
     #[arg(long, value_name = "FILE")]
     pub(crate) config: Option<PathBuf>,
     #[command(flatten)]
@@ -80,8 +81,11 @@ pub(crate) struct PlanCmd {
     /// Prefetch window, units ahead.
     #[arg(long, value_name = "N", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) max_depth: u64,
-    /// Hardware profile (TOML; see `--hardware-probe`); defaults: the sim device.
-    #[arg(long, value_name = "FILE")]
+    /// Hardware profile (TOML) to plan with: written by `oogc bench probe --device cuda:N --out
+    /// FILE` on the GPU machine (GPU figures: matrix-product TFLOP/s, H2D/D2H, memory), by
+    /// gpu-check, or by `--hardware-probe`. Without it: the sim device's defaults for a sim
+    /// config; for a CUDA config the NVIDIA H100 SXM datasheet's GPU figures (the plan says so).
+    #[arg(long = "profile", visible_alias = "hardware", value_name = "FILE")]
     pub(crate) hardware: Option<PathBuf>,
     /// Data-parallel ranks (`mpirun -np N oogc train`): the host and NVMe figures are one rank's,
     /// holding 1/N of the optimizer state; the bytes each rank moves over MPI per step are added.
@@ -123,14 +127,16 @@ pub(crate) struct PlanCmd {
     pub(crate) probe_adam_params: usize,
     /// Print the plan as one JSON object (fields: units, params, model_bytes, min_gpu_budget_bytes,
     /// memory, step_s, compute_s, exposed_transfer_s, exposed_optimizer_s, lower_bound_s, sim, warnings,
-    /// host_plan: the host budget by ledger category, nvme_plan: the NVMe store's size).
+    /// host_plan: the host budget by ledger category, nvme_plan: the NVMe store's size, hardware:
+    /// the figures planned with, device_plan: what the run needs on the GPU, by part, with
+    /// in_pool_bytes, outside_pool_bytes, total_bytes, device_memory_bytes and fits).
     #[arg(long)]
     pub(crate) json: bool,
 }
 
 pub(crate) fn load_hardware(path: Option<&PathBuf>) -> anyhow::Result<HardwareProfile> {
     match path {
-        Some(p) => HardwareProfile::load(p).context("--hardware"),
+        Some(p) => HardwareProfile::load(p).context("--profile"),
         None => Ok(HardwareProfile::default()),
     }
 }
@@ -149,6 +155,10 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
                     None => probe::ComputeShape::representative(),
                 }
             }),
+            gpu: match cmd.device {
+                oogc_bench::swap::BenchDevice::Cuda(n) => Some(n),
+                oogc_bench::swap::BenchDevice::Sim => None,
+            },
         };
         let profile = probe::probe(&args).context("oogc plan --hardware-probe")?;
         let toml = profile.to_toml_string();
@@ -163,13 +173,22 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
     }
     if let Some(path) = &cmd.config {
         let cfg = TrainConfig::load(path)?;
-        let mut hardware = load_hardware(cmd.hardware.as_ref())?;
+        let hardware = load_hardware(cmd.hardware.as_ref())?;
+        let mut args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some())?;
         if cmd.probe_compute {
+            if !cfg.device.kind.is_sim() && cmd.device == oogc_bench::swap::BenchDevice::Sim {
+                anyhow::bail!(
+                    "--probe-compute --device sim times this CPU, but {} computes on `{}`\n  fix: run it on the GPU \
+                     machine with --device cuda:N (or plan with --profile FILE from `oogc bench probe --device cuda:N`)",
+                    path.display(),
+                    cfg.device.kind
+                );
+            }
+            // After the config's GPU figures: the block measured in the config's dtype wins.
             let shape = probe::ComputeShape { device: cmd.device, ..probe::ComputeShape::for_config(&cfg)? };
             let probe = probe::probe_compute(&shape).context("--probe-compute")?;
-            probe.apply(&mut hardware);
+            probe.apply(&mut args.hardware);
         }
-        let mut args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some())?;
         args.world_size = cmd.world_size as usize;
         return finish_plan(&cmd, args);
     }
@@ -203,6 +222,7 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         shard_parameters: oogc::config::RanksConfig::default().shard_parameters,
         overhead: None,
         device_units: Vec::new(),
+        device: None,
     };
     finish_plan(&cmd, args)
 }
@@ -222,6 +242,10 @@ pub(crate) fn finish_plan(cmd: &PlanCmd, args: planner::PlanArgs) -> anyhow::Res
         if let Some(o) = &args.overhead {
             v["host_overhead"] = serde_json::to_value(o.overhead(&host)).context("serializing the overhead")?;
             v["predicted_peak_rss_bytes"] = o.predicted_peak_rss_bytes(&host).into();
+        }
+        v["hardware"] = serde_json::to_value(&args.hardware).context("serializing the hardware profile")?;
+        if let Some(d) = &args.device {
+            v["device_plan"] = d.to_json();
         }
         println!("{}", serde_json::to_string(&v).context("serializing the plan")?);
     } else {

@@ -324,6 +324,60 @@ fn plan_refuses_an_unknown_profile_key_naming_it() {
 }
 
 #[test]
+fn plan_with_a_gpu_profile_plans_a_cuda_config_with_it_and_refuses_an_unknown_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = common::repo_root().join("configs/llama-8b-h100.toml");
+    let cfg = cfg.to_str().unwrap();
+    // Without a profile: the datasheet's figures, said so, and the GPU figure in the JSON.
+    let out = oogc(&["plan", "--config", cfg, "--json"]);
+    assert!(out.status.success(), "stderr:\n{}", text(&out.stderr));
+    let r = &json_rows(&out)[0];
+    assert!(r["hardware"]["source"].as_str().unwrap().contains("datasheet"), "{}", r["hardware"]);
+    let d = &r["device_plan"];
+    assert_eq!(d["fits"], true, "{d}");
+    let parts: u64 = d["parts"].as_array().unwrap().iter().map(|p| p["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(d["total_bytes"].as_u64(), Some(parts), "{d}");
+    // A profile as `oogc bench probe --device cuda:N` writes it.
+    let hw = dir.path().join("gpu.toml");
+    let profile = "h2d_gbps = 52.0\nd2h_gbps = 50.0\ndevice_name = \"NVIDIA H100 80GB HBM3\"\n\
+                   device_memory_bytes = 85520809984\ndevice_bf16_tflops = 760.0\ndevice_f32_tflops = 48.0\n";
+    std::fs::write(&hw, profile).unwrap();
+    let out = oogc(&["plan", "--config", cfg, "--profile", hw.to_str().unwrap()]);
+    let stdout = text(&out.stdout);
+    assert!(out.status.success(), "stderr:\n{}", text(&out.stderr));
+    assert!(stdout.contains("GPU figures of the profile (NVIDIA H100 80GB HBM3)"), "{stdout}");
+    assert!(stdout.contains("compute: 380000.0 GFLOP/s") && !stdout.contains("datasheet"), "{stdout}");
+    // A key misspelt: refused, naming it and the file.
+    std::fs::write(&hw, profile.replace("device_bf16_tflops", "device_bf16_tflop")).unwrap();
+    let out = oogc(&["plan", "--config", cfg, "--profile", hw.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(stderr.contains("device_bf16_tflop") && stderr.contains("gpu.toml"), "{stderr}");
+}
+
+#[test]
+fn bench_probe_writes_a_profile_or_says_why_not_on_cuda() {
+    let dir = tempfile::tempdir().unwrap();
+    let hw = dir.path().join("hw.toml");
+    let dir_arg = dir.path().to_str().unwrap();
+    let out = oogc(&["bench", "probe", "--out", hw.to_str().unwrap(), "--probe-dir", dir_arg, "--probe-mib", "8"]);
+    assert!(out.status.success(), "stderr:\n{}", text(&out.stderr));
+    let profile = oogc::prefetch::HardwareProfile::load(&hw).unwrap();
+    assert!(profile.nvme_read_gbps > 0.0 && profile.device_gflops > 0.0 && !profile.has_gpu_figures());
+    // On CUDA: a build without the feature, or a machine without a GPU, says so.
+    let out = oogc(&["bench", "probe", "--device", "cuda:0", "--gpu-only", "--out", hw.to_str().unwrap()]);
+    if out.status.success() {
+        let profile = oogc::prefetch::HardwareProfile::load(&hw).unwrap();
+        assert!(profile.device_bf16_tflops.is_some_and(|t| t > 0.0) && profile.device_memory_bytes.is_some());
+    } else {
+        let stderr = text(&out.stderr);
+        assert!(stderr.to_lowercase().contains("cuda"), "{stderr}");
+        assert!(std::env::var("OOGC_REQUIRE_GPU").as_deref() != Ok("1"), "OOGC_REQUIRE_GPU=1: {stderr}");
+        eprintln!("skipped: no CUDA GPU probed ({})", stderr.trim());
+    }
+}
+
+#[test]
 fn bench_adam_prints_json_rows_per_thread_count() {
     for (grad, out, bytes) in [("f32", "none", 28), ("f16", "f32", 30)] {
         let out_ = oogc(&[

@@ -26,7 +26,7 @@ pub mod sim;
 
 pub use driver::PrefetchDriver;
 pub use error::{Error, Result};
-pub use plan::{HardwareProfile, ModelUnit, PlanInput, PlanReport};
+pub use plan::{GpuDatasheet, HardwareProfile, ModelUnit, PlanInput, PlanReport, DEFAULT_GPU_MFU};
 pub use policy::{CursorHandle, FifoPolicy, NextUsePolicy, PolicyKind, PRIORITY_DEAD, PRIORITY_UNKNOWN};
 pub use prefetcher::{CopyView, PrefetchConfig, PrefetchPlan, Prefetcher, ResidentView, Stop, TierSnapshot};
 pub use schedule::{check_budget, min_working_set, Phase, Schedule, ScheduleEntry, TraceRecorder};

@@ -8,6 +8,13 @@
 //! [`HardwareProfile::device_gflops`]. `oogc plan --probe-compute` measures both figures on
 //! the sim device for a model's shape.
 //!
+//! **A GPU's figures.** A profile may carry a GPU's measured figures ([`HardwareProfile::device_name`],
+//! [`HardwareProfile::device_memory_bytes`], [`HardwareProfile::device_bf16_tflops`],
+//! [`HardwareProfile::device_f32_tflops`]: `oogc bench probe --device cuda:N` writes them). A
+//! CUDA run is planned with [`HardwareProfile::for_gpu`]: the compute rate is the compute
+//! dtype's matmul TFLOP/s × [`HardwareProfile::device_mfu`], and without measured figures those
+//! of a named datasheet ([`GpuDatasheet::H100_SXM`]), said so in the profile's `source`.
+//!
 //! A unit marked [`ModelUnit::host_compute`] (an MoE expert computed on the CPU from its host
 //! copy) moves nothing over H2D/D2H; its compute is charged to the same compute stream at
 //! [`HardwareProfile::device_gflops`], which is exact for the sim device (its "GPU" is this
@@ -61,6 +68,70 @@ pub struct HardwareProfile {
     pub host_memory_gbps: f64,
     /// Where the figures come from (`defaults (sim device)`, or what the probe measured and when).
     pub source: String,
+    /// The GPU's name as the driver reports it (`NVIDIA H100 80GB HBM3`); absent in a profile
+    /// without GPU figures.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_name: Option<String>,
+    /// The GPU's memory, bytes (the driver's total); absent: unknown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_memory_bytes: Option<u64>,
+    /// The GPU's measured bf16 matrix-product rate, TFLOP/s (10¹² FLOP/s): an 8192³ product on
+    /// candle's stream (`oogc bench probe --device cuda:N`); absent: unknown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_bf16_tflops: Option<f64>,
+    /// The GPU's measured f32 matrix-product rate, TFLOP/s (a 4096³ product); absent: unknown.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_f32_tflops: Option<f64>,
+    /// Model FLOP utilisation of a training step on a GPU against its matrix-product rate
+    /// (dimensionless, in (0, 1]): a CUDA run is planned at `tflops × device_mfu`
+    /// ([`HardwareProfile::for_gpu`]). Default: [`DEFAULT_GPU_MFU`] (assumed; `oogc bench step`
+    /// on the GPU measures a step). Unused on the sim device.
+    pub device_mfu: f64,
+}
+
+/// The default [`HardwareProfile::device_mfu`]: half the matrix-product rate. An assumption, not
+/// a measurement: Megatron-LM trains GPT models at about half of an A100's peak (52 % in
+/// Narayanan et al., SC 2021; 54–56 % model FLOP utilisation in Korthikanti et al. 2022) with
+/// fused kernels; the candle compositions here (f32 softmax, unfused element-wise ops, no flash
+/// attention) lose more, and a measured profile's rate is the matmul's achieved rate (about 0.8
+/// of the datasheet's on an H100), not the peak, which gives some of it back.
+pub const DEFAULT_GPU_MFU: f64 = 0.5;
+
+/// A GPU's datasheet figures: what a CUDA run is planned with when no profile measured the GPU
+/// ([`HardwareProfile::for_gpu`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct GpuDatasheet {
+    /// The GPU.
+    pub name: &'static str,
+    /// GPU memory, bytes.
+    pub memory_bytes: u64,
+    /// Dense bf16 tensor-core rate, TFLOP/s (without sparsity).
+    pub bf16_tflops: f64,
+    /// f32 rate (not tensor cores), TFLOP/s.
+    pub f32_tflops: f64,
+    /// Nominal host link per direction, GB/s (10⁹ B/s).
+    pub link_gbps: f64,
+    /// The fraction of `link_gbps` a pinned `cudaMemcpyAsync` achieves, dimensionless.
+    pub link_fraction: f64,
+    /// Where the figures come from.
+    pub citation: &'static str,
+}
+
+impl GpuDatasheet {
+    /// NVIDIA H100 SXM5 80 GB (the NVIDIA H100 Tensor Core GPU datasheet): BF16 tensor core
+    /// 1,979 TFLOP/s with sparsity, so 989 dense; FP32 67 TFLOP/s; 80 GB HBM3; PCIe Gen5
+    /// 128 GB/s (both directions: 64 GB/s each way). Pinned copies reach about 0.8 of the
+    /// nominal link (PCIe 5.0 x16's 64 GB/s carries about 52 GB/s of payload after encoding
+    /// and packet headers).
+    pub const H100_SXM: GpuDatasheet = GpuDatasheet {
+        name: "NVIDIA H100 SXM 80 GB",
+        memory_bytes: 80_000_000_000,
+        bf16_tflops: 989.0,
+        f32_tflops: 67.0,
+        link_gbps: 64.0,
+        link_fraction: 0.8,
+        citation: "NVIDIA H100 Tensor Core GPU datasheet",
+    };
 }
 
 impl Default for HardwareProfile {
@@ -75,6 +146,11 @@ impl Default for HardwareProfile {
             backward_flops_ratio: 3.0,
             host_memory_gbps: 40.0,
             source: "defaults (sim device)".into(),
+            device_name: None,
+            device_memory_bytes: None,
+            device_bf16_tflops: None,
+            device_f32_tflops: None,
+            device_mfu: DEFAULT_GPU_MFU,
         }
     }
 }
@@ -129,12 +205,78 @@ impl HardwareProfile {
             ("device_gflops", self.device_gflops),
             ("backward_flops_ratio", self.backward_flops_ratio),
             ("host_memory_gbps", self.host_memory_gbps),
+            ("device_bf16_tflops", self.device_bf16_tflops.unwrap_or(1.0)),
+            ("device_f32_tflops", self.device_f32_tflops.unwrap_or(1.0)),
         ] {
             if !(v.is_finite() && v > 0.0) {
                 return Err(Error::Config { key: key.into(), reason: format!("{v} must be a finite number > 0") });
             }
         }
+        if !(self.device_mfu.is_finite() && self.device_mfu > 0.0 && self.device_mfu <= 1.0) {
+            return Err(Error::Config {
+                key: "device_mfu".into(),
+                reason: format!("{} must be a fraction in (0, 1]", self.device_mfu),
+            });
+        }
+        if self.device_memory_bytes == Some(0) {
+            return Err(Error::Config { key: "device_memory_bytes".into(), reason: "0 must be > 0".into() });
+        }
         Ok(())
+    }
+
+    /// Whether the profile carries a GPU's measured matrix-product rates.
+    pub fn has_gpu_figures(&self) -> bool {
+        self.device_bf16_tflops.is_some() || self.device_f32_tflops.is_some()
+    }
+
+    /// The profile for a run on a CUDA GPU computing in `dtype_bytes`-byte elements (2: bf16,
+    /// the tensor cores' rate; 4: f32): `device_gflops` = the dtype's matrix-product TFLOP/s ×
+    /// [`HardwareProfile::device_mfu`] × 1000, from the profile's measured figures, else (and
+    /// for a dtype it did not measure) from `datasheet`, whose memory and links
+    /// (`link_gbps × link_fraction`) are taken too when the profile measured no GPU; the host's
+    /// figures (NVMe, CPU Adam, memory) stay the profile's. `source` says which figures came
+    /// from where, so a plan never shows the sim device's figures for a GPU silently.
+    pub fn for_gpu(&self, dtype_bytes: u64, datasheet: &GpuDatasheet) -> HardwareProfile {
+        let mut hw = self.clone();
+        let (measured, dtype) =
+            if dtype_bytes <= 2 { (self.device_bf16_tflops, "bf16") } else { (self.device_f32_tflops, "f32") };
+        let sheet = if dtype_bytes <= 2 { datasheet.bf16_tflops } else { datasheet.f32_tflops };
+        let tflops = measured.unwrap_or(sheet);
+        hw.device_gflops = tflops * self.device_mfu * 1000.0;
+        let host = if self.source == HardwareProfile::default().source {
+            "host figures (NVMe, CPU Adam, memory): defaults, not measured on this machine".to_string()
+        } else {
+            format!("host figures from the profile ({})", self.source)
+        };
+        let compute = format!(
+            "compute {tflops:.0} TFLOP/s {dtype} x {:.2} model FLOP utilisation (device_mfu) = {:.0} TFLOP/s",
+            self.device_mfu,
+            hw.device_gflops / 1000.0
+        );
+        if self.has_gpu_figures() {
+            let name = self.device_name.as_deref().unwrap_or("the GPU");
+            let from = if measured.is_some() {
+                "measured".to_string()
+            } else {
+                format!("not measured: the {} datasheet's", datasheet.name)
+            };
+            hw.source = format!(
+                "GPU figures of the profile ({name}): {compute} ({dtype} rate {from}); H2D {:.1} GB/s, D2H {:.1} GB/s; {host}",
+                hw.h2d_gbps, hw.d2h_gbps
+            );
+        } else {
+            let link = datasheet.link_gbps * datasheet.link_fraction;
+            hw.h2d_gbps = link;
+            hw.d2h_gbps = link;
+            hw.device_name = Some(datasheet.name.into());
+            hw.device_memory_bytes = hw.device_memory_bytes.or(Some(datasheet.memory_bytes));
+            hw.source = format!(
+                "no --profile with GPU figures: GPU figures from the {} ({}): {compute}; H2D and D2H {link:.1} GB/s \
+                 ({:.0} GB/s per direction nominal x {:.2}); {host}",
+                datasheet.citation, datasheet.name, datasheet.link_gbps, datasheet.link_fraction
+            );
+        }
+        hw
     }
 
     /// The links as the simulator takes them.
@@ -359,6 +501,58 @@ mod tests {
         assert_eq!(p.backward_flops_ratio, 3.0);
         let e = HardwareProfile::from_toml_str("backward_flops_ratio = -1.0").unwrap_err();
         assert!(e.to_string().contains("backward_flops_ratio"), "{e}");
+    }
+
+    #[test]
+    fn gpu_figures_are_optional_and_checked() {
+        // A profile of before the GPU keys loads with none of them, and the default MFU.
+        let old = "h2d_gbps = 25.0\nnvme_read_gbps = 3.1\ncpu_adam_params_per_s = 1.2e9\nsource = \"x\"\n";
+        let p = HardwareProfile::from_toml_str(old).unwrap();
+        assert!(!p.has_gpu_figures() && p.device_name.is_none() && p.device_memory_bytes.is_none());
+        assert_eq!(p.device_mfu, 0.5);
+        // Written and read back with them.
+        let gpu = HardwareProfile {
+            device_name: Some("NVIDIA H100 80GB HBM3".into()),
+            device_memory_bytes: Some(85_520_809_984),
+            device_bf16_tflops: Some(760.0),
+            device_f32_tflops: Some(50.0),
+            ..p
+        };
+        let back = HardwareProfile::from_toml_str(&gpu.to_toml_string()).unwrap();
+        assert_eq!(back, gpu);
+        for (bad, key) in [
+            ("device_bf16_tflops = 0.0", "device_bf16_tflops"),
+            ("device_mfu = 1.5", "device_mfu"),
+            ("device_memory_bytes = 0", "device_memory_bytes"),
+            ("device_bf16_tflop = 3.0", "device_bf16_tflop"),
+        ] {
+            let e = HardwareProfile::from_toml_str(bad).unwrap_err().to_string();
+            assert!(e.contains(key), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_gpu_run_computes_at_the_dtypes_rate_or_the_datasheets() {
+        let sheet = GpuDatasheet::H100_SXM;
+        // No GPU figures: the datasheet's rate, memory and link, said so.
+        let hw = HardwareProfile::default().for_gpu(2, &sheet);
+        assert_eq!(hw.device_gflops, 989.0 * 0.5 * 1000.0);
+        assert_eq!((hw.h2d_gbps, hw.d2h_gbps), (64.0 * 0.8, 64.0 * 0.8));
+        assert_eq!(hw.device_memory_bytes, Some(80_000_000_000));
+        assert!(hw.source.contains("datasheet") && !hw.source.contains("sim device"), "{}", hw.source);
+        assert_eq!(HardwareProfile::default().for_gpu(4, &sheet).device_gflops, 67.0 * 0.5 * 1000.0);
+        // Measured figures: the dtype's, the profile's links kept.
+        let measured = HardwareProfile {
+            device_bf16_tflops: Some(700.0),
+            device_f32_tflops: Some(40.0),
+            h2d_gbps: 50.0,
+            device_mfu: 0.4,
+            ..HardwareProfile::default()
+        };
+        let bf16 = measured.for_gpu(2, &sheet);
+        assert_eq!((bf16.device_gflops, bf16.h2d_gbps), (700.0 * 0.4 * 1000.0, 50.0));
+        assert_eq!(measured.for_gpu(4, &sheet).device_gflops, 40.0 * 0.4 * 1000.0);
+        assert!(bf16.source.contains("measured"), "{}", bf16.source);
     }
 
     fn input(units: Vec<ModelUnit>) -> PlanInput {

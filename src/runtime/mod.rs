@@ -62,6 +62,7 @@ mod cuda;
 #[path = "cuda_dummy.rs"]
 mod cuda;
 mod device_optim;
+pub mod device_plan;
 mod gathered;
 mod grads;
 mod home;
