@@ -353,6 +353,13 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
     observer.start(first, last);
     let mut tokens = 0usize;
     let mut rss_guard = RssGuard::new(trainer.host_overhead());
+    // The plan of the GPU's memory (what the pool's per-step peak is held to on CUDA); a model
+    // the planner cannot describe only loses the warning.
+    let mut device_guard =
+        crate::plan::device_plan_for_config(&cfg, trainer.model(), trainer.runtime().device_optimizer_bytes())
+            .map(DeviceGuard::new)
+            .map_err(|e| tracing::debug!(error = %e, "no device plan: the device peak is not checked"))
+            .ok();
     let run_start = Instant::now();
     if cfg.train.eval_at_start && trainer.step() < last {
         let v = trainer.evaluate()?;
@@ -379,6 +386,11 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
             rss_guard.check(rss, trainer.runtime().host_ledger());
         }
         let s = &out.stats;
+        if let (Some(guard), Some(peak)) = (device_guard.as_mut(), s.device_peak_bytes) {
+            if let Some(msg) = guard.over(peak) {
+                tracing::warn!("{msg}");
+            }
+        }
         tokens += out.tokens;
         summary.train_s += s.step_s;
         summary.exposed_transfer_s += s.stall_transfer_s;
@@ -624,6 +636,41 @@ impl RssGuard {
     }
 }
 
+/// Holds each step's device peak (CUDA: the memory pool's high-water mark,
+/// [`crate::runtime::StepStats::device_peak_bytes`]) to the plan's bytes in the pool
+/// ([`crate::runtime::device_plan::DevicePlan::in_pool_bytes`]). Past it, one warning names the
+/// figures and the plan's largest parts, then stays quiet.
+#[derive(Debug)]
+struct DeviceGuard {
+    plan: crate::runtime::device_plan::DevicePlan,
+    warned: bool,
+}
+
+impl DeviceGuard {
+    fn new(plan: crate::runtime::device_plan::DevicePlan) -> Self {
+        Self { plan, warned: false }
+    }
+
+    /// The warning when `peak_bytes` passes the plan for the first time; `None` otherwise.
+    fn over(&mut self, peak_bytes: u64) -> Option<String> {
+        let planned = self.plan.in_pool_bytes();
+        if self.warned || peak_bytes <= planned {
+            return None;
+        }
+        self.warned = true;
+        let mut parts: Vec<_> = self.plan.parts().into_iter().filter(|p| p.in_pool && p.bytes > 0).collect();
+        parts.sort_by_key(|p| std::cmp::Reverse(p.bytes));
+        let largest: Vec<String> = parts.iter().take(3).map(|p| format!("{} {} B", p.name, p.bytes)).collect();
+        Some(format!(
+            "device memory: the step's pool peak was {peak_bytes} B, above the plan's {planned} B in the pool \
+             ({:.2} ×); the plan's largest parts: {}\n  fix: lower the batch or [device] attention_chunk, offload \
+             activations ([activations] offload = true), or report the shape (the device model missed it)",
+            peak_bytes as f64 / planned.max(1) as f64,
+            largest.join(", ")
+        ))
+    }
+}
+
 /// The host memory figures of `trainer`'s run so far.
 fn host_report(trainer: &Trainer) -> HostReport {
     let rt = trainer.runtime();
@@ -713,6 +760,36 @@ impl RunSummary {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_device_guard_warns_once_past_the_plans_pool_bytes_naming_its_largest_parts() {
+        use crate::runtime::device_plan::{DevicePlan, PeakUnit};
+        let plan = DevicePlan {
+            residency_bytes: 500,
+            gradient_staging_bytes: 100,
+            activation_staging_bytes: 0,
+            in_use_copies_bytes: 100,
+            device_optimizer_bytes: 0,
+            checkpoints_bytes: 50,
+            input_gradients_bytes: 10,
+            peak_unit: PeakUnit::Head,
+            working_set_bytes: 300,
+            attention_bytes: 40,
+            autograd_bytes: 60,
+            attention_chunk: 16,
+            cublas_workspace_bytes: 7000,
+            cuda_context_bytes: 9000,
+        };
+        let planned = plan.in_pool_bytes();
+        assert_eq!(planned, 1160, "the parts outside the pool are not compared with its peak");
+        let mut guard = DeviceGuard::new(plan);
+        assert_eq!(guard.over(planned), None);
+        let msg = guard.over(planned + 1).expect("past the plan");
+        assert!(msg.contains("1161 B") && msg.contains("1160 B"), "{msg}");
+        assert!(msg.contains("residency 500 B") && msg.contains("fix:"), "{msg}");
+        assert!(!msg.contains("cuda_context"), "the largest parts named are the pool's: {msg}");
+        assert_eq!(guard.over(2 * planned), None, "once");
+    }
 
     #[test]
     fn the_rss_guard_warns_once_past_the_budget_plus_the_overhead_naming_the_largest_parts() {
