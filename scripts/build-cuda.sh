@@ -43,7 +43,7 @@ if [ ! -x "$ROOT/py/nvidia/cu13/bin/nvcc" ]; then
   # The setup script looks for cudarc 0.19's sources under ~/.cargo/registry/src. Where cargo
   # keeps them elsewhere (CARGO_HOME), it runs with a HOME whose .cargo/registry/src holds a link
   # to the locked cudarc (pip's config and cache stay the user's: XDG_*, ~/.pip).
-  CUDARC_DIR=$(cargo metadata --locked --format-version 1 | python3 -c 'import sys, json
+  CUDARC_DIR=$(cargo metadata --locked --format-version 1 --all-features | python3 -c 'import sys, json
 for p in json.load(sys.stdin)["packages"]:
     if p["name"] == "cudarc" and p["version"].startswith("0.19."):
         print(p["manifest_path"].rsplit("/", 1)[0])' | tail -1)
