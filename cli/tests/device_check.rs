@@ -162,6 +162,7 @@ fn the_limits_checker_names_each_broken_limit() {
     std::fs::write(bad.join("a/b/c/too-deep.txt"), "x").unwrap();
     std::fs::write(bad.join("bad name.txt"), "x").unwrap();
     std::fs::write(bad.join("not-a.tar.gz"), "plain text").unwrap();
+    std::fs::write(bad.join("ninth-file.txt"), "x").unwrap();
     std::os::unix::fs::symlink("/etc/hostname", bad.join("link")).unwrap();
     // Sparse files: their sizes count, no disk is written.
     for i in 0..5 {
