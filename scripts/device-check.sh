@@ -27,19 +27,22 @@
 # binary, default dist/oogc-cuda/run.sh; CI: target/debug/oogc with --device sim); OOGC_DEVICE
 # (default cuda:0, unless --device is given); OOGC_DEVICE_CHECK_DIR (reports and scratch, default
 # /tmp/oogc-device-check, emptied first); OOGC_DEVICE_CHECK_LIMIT_S (gpu-check's hard limit, default
-# 540; the default budget is 40 s less). Exit status: gpu-check's when it failed (1: a check
+# 540; the default budget is 40 s less, half of it under 80 s). Exit status: gpu-check's when it failed (1: a check
 # failed; 124: the hard limit), else 3 when $OUT breaks a limit, else 0.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-REPO=$PWD
 if [ -z "${OUT:-}" ]; then
   echo "error: OUT is not set: the folder whose files come back (the device tool sets it)" >&2
   echo "fix: OUT=\$(mktemp -d) $0 $*" >&2
   exit 2
 fi
+# Paths given relative to where it was called from, before moving to the repository's root.
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd) || { echo "error: cannot create OUT=$OUT" >&2; exit 2; }
-BIN=${OOGC_BIN:-dist/oogc-cuda/run.sh}
-DIR=${OOGC_DEVICE_CHECK_DIR:-/tmp/oogc-device-check}
+BIN=${OOGC_BIN:-}
+[ -n "$BIN" ] && [[ "$BIN" == */* ]] && [ -e "$BIN" ] && BIN=$(realpath -s "$BIN")
+DIR=$(realpath -m "${OOGC_DEVICE_CHECK_DIR:-/tmp/oogc-device-check}")
+cd "$(dirname "$0")/.."
+REPO=$PWD
+BIN=${BIN:-dist/oogc-cuda/run.sh}
 LIMIT_S=${OOGC_DEVICE_CHECK_LIMIT_S:-540}
 TAR_CAP=$((15 << 20)) LOG_CAP=$((15 << 20))
 START_S=$(date +%s)
@@ -57,7 +60,8 @@ say() { printf '[device-check %3ds] %s\n' $(($(date +%s) - START_S)) "$*"; }
 ARGS=("$@")
 has_arg() { local a; for a in "${ARGS[@]}"; do [ "$a" = "$1" ] && return 0; done; return 1; }
 has_arg --device || ARGS+=(--device "${OOGC_DEVICE:-cuda:0}")
-has_arg --budget-s || ARGS+=(--budget-s $((LIMIT_S - 40)))
+# The harness's own budget: 40 s inside the hard limit (half of it for a limit under 80 s).
+has_arg --budget-s || ARGS+=(--budget-s $((LIMIT_S >= 80 ? LIMIT_S - 40 : LIMIT_S / 2)))
 
 # env.txt: the machine, before the run (each probe bounded).
 env_txt() {
