@@ -77,8 +77,9 @@ impl std::fmt::Display for Holder {
     }
 }
 
-/// `YYYY-MM-DD HH:MM:SS UTC` of a Unix time (Howard Hinnant's civil-from-days).
-fn utc(unix_s: u64) -> String {
+/// `YYYY-MM-DD HH:MM:SS UTC` of a Unix time in seconds (Howard Hinnant's civil-from-days); also
+/// the date in `oogc gpu-check`'s report.
+pub fn utc(unix_s: u64) -> String {
     let (days, secs) = ((unix_s / 86_400) as i64, unix_s % 86_400);
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
@@ -406,5 +407,9 @@ mod tests {
     fn utc_formats_a_known_time() {
         assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
         assert_eq!(utc(1_700_000_000), "2023-11-14 22:13:20 UTC");
+        // Leap days, and a century that is not a leap year (`date -u -d @S`).
+        assert_eq!(utc(951_782_400), "2000-02-29 00:00:00 UTC");
+        assert_eq!(utc(4_107_542_399), "2100-02-28 23:59:59 UTC");
+        assert_eq!(utc(4_107_542_400), "2100-03-01 00:00:00 UTC");
     }
 }

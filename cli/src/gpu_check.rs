@@ -1,6 +1,7 @@
-//! `oogc gpu-check --out DIR [--device sim|cuda:N] [--quick] [--only N,M] [--shared DIR]`: every
-//! GPU check in one command (DESIGN.md, "GPU backends"), run on the GPU machine from
-//! `dist/oogc-cuda/` by `scripts/gpu-check.sh`, and by CI on the sim device with `--quick`.
+//! `oogc gpu-check --out DIR [--work DIR] [--device sim|cuda:N] [--quick] [--only N,M] [--shared DIR]`:
+//! every GPU check in one command (DESIGN.md, "GPU backends"), run on the GPU machine from
+//! `dist/oogc-cuda/` by `scripts/device-check.sh` (which packs the reports into the few files the
+//! device tool brings back), and by CI on the sim device with `--quick`.
 //!
 //! | # | check | on CUDA | on the sim device |
 //! |---|---|---|---|
@@ -22,7 +23,16 @@
 //! check keeps what it measured. As each check finishes, its JSON row is appended to
 //! `DIR/gpu-check.jsonl` and its Markdown line to `DIR/gpu-check.md` (flushed). Exit status 0
 //! only when no check failed; a check that cannot run where it is (no GPU, no torch) is a skip
-//! with its reason, never a pass.
+//! with its reason, never a pass. SIGINT or SIGTERM (an outer timeout) stops the run: the check
+//! in flight is killed and fails with its figures so far, the rest are skipped, the report ends
+//! with its summary.
+//!
+//! `--out` holds the reports only: `gpu-check.md`, `gpu-check.jsonl`, `logs/N-name.log` (each
+//! child's output), `rows/` (each child's row and partial figures) and `traces/` (check 9's Chrome
+//! trace). Scratch goes to `--work` (default: a fresh `oogc-gpu-check-PID` in the system's temp
+//! directory, printed, kept): the token cache (`tokens/`), and per check `N-name/` (NVMe files,
+//! the pip tree, its subprocesses' `*.stdout`/`*.stderr`). Every row carries `git_rev`, the
+//! revision the binary was built from (`cli/build.rs`).
 
 mod common;
 mod env;
@@ -34,6 +44,8 @@ mod transfers;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context as _;
@@ -46,9 +58,13 @@ use common::{Ctx, Figures, Verdict};
 /// `oogc gpu-check`: the GPU checks of DESIGN.md in one command (see the module docs).
 #[derive(Debug, Args)]
 pub(crate) struct GpuCheckCmd {
-    /// Directory for gpu-check.jsonl, gpu-check.md, logs/ and scratch files (work/).
+    /// Directory for the reports: gpu-check.jsonl, gpu-check.md, logs/, rows/, traces/.
     #[arg(long)]
     out: PathBuf,
+    /// Directory for scratch: the token cache, NVMe files, the pip tree, subprocesses' output
+    /// (default: a fresh `oogc-gpu-check-PID` in the system's temp directory, kept).
+    #[arg(long)]
+    work: Option<PathBuf>,
     /// The device: `sim` or `cuda:N`.
     #[arg(long, default_value = "sim", value_parser = parse_device)]
     device: DeviceKind,
@@ -125,12 +141,31 @@ const CHECKS: &[CheckDef] = &[
 pub(crate) fn run(cmd: GpuCheckCmd) -> anyhow::Result<ExitCode> {
     let shared = resolve_shared(cmd.shared.as_deref())?;
     match cmd.child {
-        Some(id) => run_child(&cmd, id, shared),
+        Some(id) => {
+            let work = cmd.work.clone().context("internal: a check's process needs --work")?;
+            run_child(&cmd, id, shared, &work)
+        }
         None => {
             crate::init_tracing(None);
             run_parent(&cmd, shared)
         }
     }
+}
+
+/// `--work`, else a fresh `oogc-gpu-check-PID` in the system's temp directory (emptied first).
+fn resolve_work(given: Option<&Path>) -> anyhow::Result<PathBuf> {
+    let dir = match given {
+        Some(dir) => std::path::absolute(dir).with_context(|| format!("--work {}", dir.display()))?,
+        None => {
+            let dir = std::env::temp_dir().join(format!("oogc-gpu-check-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&dir);
+            dir
+        }
+    };
+    std::fs::create_dir_all(&dir).with_context(|| {
+        format!("creating the scratch directory {}\n  fix: pass --work DIR on a writable disk", dir.display())
+    })?;
+    Ok(dir)
 }
 
 /// `--shared`, else `../shared` beside the repository (known at build time) when it exists,
@@ -177,8 +212,16 @@ fn run_parent(cmd: &GpuCheckCmd, shared: PathBuf) -> anyhow::Result<ExitCode> {
         );
     }
     let out = &cmd.out;
-    for sub in ["logs", "rows", "work"] {
+    for sub in ["logs", "rows", "traces"] {
         std::fs::create_dir_all(out.join(sub)).with_context(|| format!("creating {}", out.join(sub).display()))?;
+    }
+    let work = resolve_work(cmd.work.as_deref())?;
+    eprintln!("gpu-check: reports in {}, scratch in {}", out.display(), work.display());
+    // SIGINT/SIGTERM (Ctrl-C, an outer timeout): the signal's number, read between checks and
+    // while a check runs.
+    let stop = Arc::new(AtomicUsize::new(0));
+    for sig in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        signal_hook::flag::register_usize(sig, stop.clone(), sig as usize).context("installing a signal handler")?;
     }
     let exe = std::env::current_exe().context("the path of this binary")?;
     let sim = cmd.device.is_sim();
@@ -193,13 +236,16 @@ fn run_parent(cmd: &GpuCheckCmd, shared: PathBuf) -> anyhow::Result<ExitCode> {
     let md_path = out.join("gpu-check.md");
     let mut jsonl = std::fs::File::create(&jsonl_path).with_context(|| format!("creating {}", jsonl_path.display()))?;
     let mut md = std::fs::File::create(&md_path).with_context(|| format!("creating {}", md_path.display()))?;
-    md.write_all(header(cmd, &exe, &shared, total_s).as_bytes())?;
+    md.write_all(header(cmd, &exe, &shared, &work, total_s).as_bytes())?;
     md.flush()?;
     let (mut passed, mut failed, mut skipped) = (0, 0, 0);
     for def in selected(cmd) {
         let left_s = deadline.saturating_duration_since(Instant::now()).as_secs_f64();
         let budget_s = (if sim { def.sim_budget_s } else { def.cuda_budget_s }).min(left_s);
-        let row = if left_s < def.min_start_s {
+        let signal = stop.load(Ordering::SeqCst);
+        let mut row = if signal != 0 {
+            skip_row(def, cmd.device, format!("not started: the run was stopped by {}", signal_name(signal)))
+        } else if left_s < def.min_start_s {
             skip_row(
                 def,
                 cmd.device,
@@ -209,8 +255,9 @@ fn run_parent(cmd: &GpuCheckCmd, shared: PathBuf) -> anyhow::Result<ExitCode> {
                 ),
             )
         } else {
-            run_in_child(cmd, def, &exe, &shared, budget_s)
+            run_in_child(cmd, def, &Paths { exe: &exe, shared: &shared, work: &work }, budget_s, &stop)
         };
+        row["git_rev"] = json!(crate::GIT_REV);
         match row["status"].as_str() {
             Some("pass") => passed += 1,
             Some("skip") => skipped += 1,
@@ -224,49 +271,66 @@ fn run_parent(cmd: &GpuCheckCmd, shared: PathBuf) -> anyhow::Result<ExitCode> {
         print!("{line}");
         std::io::stdout().flush()?;
     }
+    let signal = stop.load(Ordering::SeqCst);
     let summary = format!(
-        "\n{passed} passed, {failed} failed, {skipped} skipped in {:.1} s ({}).\n",
+        "\n{passed} passed, {failed} failed, {skipped} skipped in {:.1} s ({}{}).\n",
         start.elapsed().as_secs_f64(),
-        if failed == 0 { "no check failed" } else { "FAILED" }
+        if failed == 0 { "no check failed" } else { "FAILED" },
+        if signal != 0 { format!("; stopped by {}", signal_name(signal)) } else { String::new() }
     );
     md.write_all(summary.as_bytes())?;
     md.flush()?;
     print!("{summary}");
-    eprintln!("gpu-check: rows in {}, report in {}", jsonl_path.display(), md_path.display());
+    eprintln!(
+        "gpu-check: rows in {}, report in {}, scratch in {} (kept)",
+        jsonl_path.display(),
+        md_path.display(),
+        work.display()
+    );
     Ok(if failed == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
-/// The Markdown report's header: the run and the machine, then the table's head.
-fn header(cmd: &GpuCheckCmd, exe: &Path, shared: &Path, total_s: f64) -> String {
+/// The Markdown report's header: the date, the build (version, git revision), the device (the
+/// GPU, its driver), the host, the command, then the table's head.
+fn header(cmd: &GpuCheckCmd, exe: &Path, shared: &Path, work: &Path, total_s: f64) -> String {
     let m = oogc_bench::machine::record(None);
     let mut s = String::from("# oogc gpu-check\n\n");
-    let args: Vec<String> = std::env::args().collect();
-    s += &format!("- command: `{}`\n", args.join(" "));
+    s += &format!("- date: {} (unix time {})\n", oogc::lock::utc(m.timestamp_unix_s), m.timestamp_unix_s);
     s += &format!(
-        "- device: `{}`; binary: {} (CUDA {}), version {}\n",
-        device_name(cmd.device),
+        "- oogc {}, git rev `{}`; binary {} (CUDA {})\n",
+        env!("CARGO_PKG_VERSION"),
+        crate::GIT_REV,
         exe.display(),
-        if cfg!(feature = "cuda") { "built in" } else { "not built in" },
-        env!("CARGO_PKG_VERSION")
+        if cfg!(feature = "cuda") { "built in" } else { "not built in" }
     );
+    let gpu = match (cmd.device.is_sim(), env::nvidia_smi_summary()) {
+        (_, Some(gpu)) => format!("GPU {gpu} (index, name, driver, memory, compute capability)"),
+        (true, None) => "no GPU (the sim device: the CPU stands in)".to_string(),
+        (false, None) => "nvidia-smi not found".to_string(),
+    };
+    s += &format!("- device: `{}`; {gpu}\n", device_name(cmd.device));
+    s += &format!("- driver: {}\n", env::driver_version().unwrap_or_else(|| "none found".into()));
     s += &format!(
-        "- host: {}, {} cores, {:.1} GiB, kernel {}, git {}\n",
+        "- host: {}, {} cores, {:.1} GiB, kernel {}\n",
         m.cpu_model,
         m.cores,
         m.memory_bytes as f64 / (1u64 << 30) as f64,
         m.kernel,
-        m.git_rev
     );
-    if let Some(gpu) = env::nvidia_smi_summary() {
-        s += &format!("- GPU: {gpu}\n");
-    }
-    s += &format!(
-        "- data: {}; budget {total_s:.0} s; started at unix time {}\n\n",
-        shared.display(),
-        m.timestamp_unix_s
-    );
+    let args: Vec<String> = std::env::args().collect();
+    s += &format!("- command: `{}`\n", args.join(" "));
+    s += &format!("- data: {}; scratch: {}; budget {total_s:.0} s\n\n", shared.display(), work.display());
     s += "| # | check | status | s | figures | error / notes |\n|---|---|---|---|---|---|\n";
     s
+}
+
+/// The name of a signal the run handles.
+fn signal_name(sig: usize) -> &'static str {
+    match sig as i32 {
+        signal_hook::consts::SIGINT => "SIGINT",
+        signal_hook::consts::SIGTERM => "SIGTERM",
+        _ => "a signal",
+    }
 }
 
 /// A row for a check that did not start.
@@ -277,10 +341,18 @@ fn skip_row(def: &CheckDef, device: DeviceKind, reason: String) -> Value {
     })
 }
 
+/// The paths a check's process is started with: this binary, the data, the run's scratch.
+struct Paths<'a> {
+    exe: &'a Path,
+    shared: &'a Path,
+    work: &'a Path,
+}
+
 /// Starts `def` in a child with `budget_s`, waits for it (killing it and its process group at
-/// the budget), and returns its row, or a failure row made from what it left.
-fn run_in_child(cmd: &GpuCheckCmd, def: &CheckDef, exe: &Path, shared: &Path, budget_s: f64) -> Value {
-    let out = &cmd.out;
+/// the budget, or when `stop` holds a signal's number), and returns its row, or a failure row
+/// made from what it left.
+fn run_in_child(cmd: &GpuCheckCmd, def: &CheckDef, paths: &Paths, budget_s: f64, stop: &AtomicUsize) -> Value {
+    let (exe, out) = (paths.exe, &cmd.out);
     let log_path = out.join("logs").join(format!("{}-{}.log", def.id, def.name));
     let row_path = common::row_path(out, def.id);
     let partial_path = common::partial_path(out, def.id);
@@ -314,10 +386,12 @@ fn run_in_child(cmd: &GpuCheckCmd, def: &CheckDef, exe: &Path, shared: &Path, bu
         .arg("gpu-check")
         .arg("--out")
         .arg(out)
+        .arg("--work")
+        .arg(paths.work)
         .arg("--device")
         .arg(device_name(cmd.device))
         .arg("--shared")
-        .arg(shared)
+        .arg(paths.shared)
         .arg("--child")
         .arg(def.id.to_string())
         .arg("--child-budget-s")
@@ -333,15 +407,25 @@ fn run_in_child(cmd: &GpuCheckCmd, def: &CheckDef, exe: &Path, shared: &Path, bu
         Err(e) => return fail(format!("cannot start {}: {e}", exe.display()), json!({})),
     };
     let deadline = started + Duration::from_secs_f64(budget_s);
+    // `Ok`: the child's exit status; `Err`: why it was killed.
     let status = loop {
         match child.try_wait() {
-            Ok(Some(status)) => break Some(status),
-            Ok(None) if Instant::now() >= deadline => break None,
+            Ok(Some(status)) => break Ok(status),
+            Ok(None) if Instant::now() >= deadline => {
+                break Err(format!("timed out after {budget_s:.0} s (the check's budget)"))
+            }
+            Ok(None) if stop.load(Ordering::SeqCst) != 0 => {
+                break Err(format!(
+                    "stopped by {} after {:.0} s (the run's outer time limit, or Ctrl-C)",
+                    signal_name(stop.load(Ordering::SeqCst)),
+                    started.elapsed().as_secs_f64()
+                ))
+            }
             Ok(None) => std::thread::sleep(Duration::from_millis(50)),
             Err(e) => return fail(format!("waiting for the check's process: {e}"), json!({})),
         }
     };
-    if status.is_none() {
+    if status.is_err() {
         common::kill_group(&mut child);
     }
     let figures = std::fs::read(&partial_path)
@@ -349,10 +433,8 @@ fn run_in_child(cmd: &GpuCheckCmd, def: &CheckDef, exe: &Path, shared: &Path, bu
         .and_then(|b| serde_json::from_slice::<Value>(&b).ok())
         .unwrap_or_else(|| json!({}));
     match status {
-        None => {
-            fail(format!("timed out after {budget_s:.0} s (the check's budget): killed; figures so far kept"), figures)
-        }
-        Some(status) => match std::fs::read(&row_path).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok()) {
+        Err(why) => fail(format!("{why}: killed; figures so far kept"), figures),
+        Ok(status) => match std::fs::read(&row_path).ok().and_then(|b| serde_json::from_slice::<Value>(&b).ok()) {
             Some(row) => {
                 let _ = std::fs::remove_file(&partial_path);
                 row
@@ -414,16 +496,19 @@ fn scalar_figures(figures: &Value) -> String {
 
 /// The child: runs check `id` and writes its row (`rows/N.json`); exits 0 whatever the check's
 /// status (the row says it).
-fn run_child(cmd: &GpuCheckCmd, id: usize, shared: PathBuf) -> anyhow::Result<ExitCode> {
+fn run_child(cmd: &GpuCheckCmd, id: usize, shared: PathBuf, work_root: &Path) -> anyhow::Result<ExitCode> {
     let def = CHECKS.iter().find(|c| c.id == id).with_context(|| format!("no check {id}"))?;
     let budget_s = cmd.child_budget_s.unwrap_or(if cmd.device.is_sim() { def.sim_budget_s } else { def.cuda_budget_s });
-    let work = cmd.out.join("work").join(format!("{}-{}", def.id, def.name));
+    let work = work_root.join(format!("{}-{}", def.id, def.name));
     let _ = std::fs::remove_dir_all(&work);
     std::fs::create_dir_all(&work).with_context(|| format!("creating {}", work.display()))?;
-    // Check 9 reads the copy/compute overlap from a Chrome trace of its own run.
-    let trace = (def.id == 9 && !cmd.device.is_sim()).then(|| work.join("trace.json"));
+    // Check 9 reads the copy/compute overlap from a Chrome trace of its own run (a report: in
+    // --out, which device-check.sh packs).
+    let trace = (def.id == 9 && !cmd.device.is_sim())
+        .then(|| cmd.out.join("traces").join(format!("{}-{}.json", def.id, def.name)));
     let guard = crate::init_tracing(trace.as_deref());
-    let ctx = Ctx::new(cmd.device, cmd.quick, shared, cmd.out.clone(), work, budget_s, guard, trace)?;
+    let dirs = common::Dirs { shared, out: cmd.out.clone(), work_root: work_root.to_path_buf(), work };
+    let ctx = Ctx::new(cmd.device, cmd.quick, dirs, budget_s, guard, trace)?;
     let mut figures = Figures::new(common::partial_path(&cmd.out, id));
     let started = Instant::now();
     let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (def.run)(&ctx, &mut figures)));
@@ -449,7 +534,7 @@ fn run_child(cmd: &GpuCheckCmd, id: usize, shared: PathBuf) -> anyhow::Result<Ex
     let row = json!({
         "id": def.id, "name": def.name, "device": device_name(cmd.device), "status": status,
         "seconds": seconds, "budget_s": budget_s, "figures": Value::Object(figures), "notes": notes,
-        "error": error,
+        "error": error, "git_rev": crate::GIT_REV,
     });
     common::write_atomic(&common::row_path(&cmd.out, id), serde_json::to_vec(&row)?.as_slice())?;
     eprintln!("gpu-check child {id}: {status} in {seconds:.1} s");
@@ -463,4 +548,16 @@ pub(crate) fn read_row(out: &Path, id: usize) -> Option<Map<String, Value>> {
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .rfind(|r| r["id"].as_u64() == Some(id as u64))
         .and_then(|r| r.as_object().cloned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signal_names() {
+        assert_eq!(signal_name(signal_hook::consts::SIGTERM as usize), "SIGTERM");
+        assert_eq!(signal_name(signal_hook::consts::SIGINT as usize), "SIGINT");
+        assert_eq!(signal_name(0), "a signal");
+    }
 }

@@ -31,11 +31,19 @@ use crate::inspect::InspectCmd;
 use crate::plan::PlanCmd;
 use crate::train::TrainCmd;
 
+/// `oogc --version`: the package's version and the git revision it was built from (`cli/build.rs`:
+/// 12 hex digits, `-dirty` when tracked files differed from it, `unknown` without git), e.g.
+/// `0.1.0 (rev 62018f8c1d2e)`.
+pub(crate) const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (rev ", env!("OOGC_GIT_REV"), ")");
+
+/// The git revision this binary was built from (see [`VERSION`]).
+pub(crate) const GIT_REV: &str = env!("OOGC_GIT_REV");
+
 /// oogc: an out-of-GPU-core training runtime (tiered GPU / pinned host / NVMe memory).
 ///
 /// Logs go to stderr; set RUST_LOG (e.g. `RUST_LOG=oogc_swapper=debug`) to see more than warnings.
 #[derive(Debug, Parser)]
-#[command(name = "oogc", version, propagate_version = true)]
+#[command(name = "oogc", version = VERSION, propagate_version = true)]
 pub(crate) struct Cli {
     #[command(subcommand)]
     pub(crate) command: Command,

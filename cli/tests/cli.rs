@@ -150,6 +150,34 @@ fn bad_link_gbps_is_refused_naming_the_flag() {
 }
 
 #[test]
+fn version_names_the_git_revision_it_was_built_from() {
+    let out = oogc(&["--version"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    let rev = stdout
+        .trim()
+        .strip_prefix(&format!("oogc {} (rev ", env!("CARGO_PKG_VERSION")))
+        .and_then(|r| r.strip_suffix(')'))
+        .unwrap_or_else(|| panic!("not `oogc VERSION (rev REV)`: {stdout}"));
+    // The oracle: git itself, where the tests run in a checkout (the binary was built from HEAD;
+    // `-dirty` depends on the tree at build time, so only the hash is compared).
+    let head =
+        Command::new("git").args(["rev-parse", "--short=12", "HEAD"]).current_dir(env!("CARGO_MANIFEST_DIR")).output();
+    match head {
+        Ok(h) if h.status.success() && std::env::var_os("OOGC_GIT_REV").is_none() => {
+            let head = text(&h.stdout).trim().to_string();
+            assert!(rev == head || rev == format!("{head}-dirty"), "rev {rev}, HEAD {head}");
+        }
+        _ => {
+            eprintln!(
+                "skipped: the revision is not compared with git (no git checkout here, or OOGC_GIT_REV set): {rev}"
+            );
+            assert!(!rev.is_empty(), "{stdout}");
+        }
+    }
+}
+
+#[test]
 fn help_mentions_bench() {
     let out = oogc(&["--help"]);
     assert!(out.status.success());

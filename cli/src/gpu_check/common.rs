@@ -66,9 +66,11 @@ pub(crate) struct Ctx {
     pub quick: bool,
     /// Where the data is (`data/`, `fixtures/llama/`).
     pub shared: PathBuf,
-    /// The run's output directory (`gpu-check.jsonl` of the checks before this one).
+    /// The run's reports directory, `--out` (`gpu-check.jsonl` of the checks before this one).
     pub out: PathBuf,
-    /// This check's scratch directory (emptied at its start).
+    /// The run's scratch directory, `--work` (what the checks share: the token cache).
+    pub work_root: PathBuf,
+    /// This check's scratch directory, `N-name/` in `work_root` (emptied at its start).
     pub work: PathBuf,
     /// This binary's directory (`swapper-tests` and the data of dist/oogc-cuda are beside it).
     pub exe_dir: PathBuf,
@@ -79,24 +81,31 @@ pub(crate) struct Ctx {
     trace_guard: Mutex<Option<tracing_chrome::FlushGuard>>,
 }
 
+/// The directories of a check's process (see the fields of [`Ctx`] of the same names).
+pub(crate) struct Dirs {
+    pub shared: PathBuf,
+    pub out: PathBuf,
+    pub work_root: PathBuf,
+    pub work: PathBuf,
+}
+
 impl Ctx {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         device: DeviceKind,
         quick: bool,
-        shared: PathBuf,
-        out: PathBuf,
-        work: PathBuf,
+        dirs: Dirs,
         budget_s: f64,
         trace_guard: Option<tracing_chrome::FlushGuard>,
         trace: Option<PathBuf>,
     ) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("the path of this binary")?;
+        let Dirs { shared, out, work_root, work } = dirs;
         Ok(Self {
             device,
             quick,
             shared,
             out,
+            work_root,
             work,
             exe_dir: exe.parent().unwrap_or(Path::new(".")).to_path_buf(),
             deadline: Instant::now() + Duration::from_secs_f64(budget_s.max(1.0)),

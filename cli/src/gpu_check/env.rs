@@ -11,14 +11,28 @@ use oogc::swapper::{CudaDevice, Device};
 
 use super::common::{run_with_timeout, tail, torch_version, verdict, Ctx, Figures, Verdict};
 
+/// `nvidia-smi --query-gpu=FIELDS --format=csv,noheader`: one line per GPU; `None` without
+/// nvidia-smi (or when it fails, or prints nothing).
+fn nvidia_smi_query(fields: &str) -> Option<String> {
+    let out =
+        Command::new("nvidia-smi").arg(format!("--query-gpu={fields}")).arg("--format=csv,noheader").output().ok()?;
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    (out.status.success() && !text.is_empty()).then_some(text)
+}
+
 /// `nvidia-smi`'s name, driver, memory and compute capability of each GPU, one line; `None`
 /// without nvidia-smi.
 pub(crate) fn nvidia_smi_summary() -> Option<String> {
-    let out = Command::new("nvidia-smi")
-        .args(["--query-gpu=index,name,driver_version,memory.total,compute_cap", "--format=csv,noheader"])
-        .output()
-        .ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).trim().replace('\n', "; "))
+    nvidia_smi_query("index,name,driver_version,memory.total,compute_cap").map(|s| s.replace('\n', "; "))
+}
+
+/// The NVIDIA driver's version: nvidia-smi's `driver_version` (of the first GPU), else the first
+/// line of `/proc/driver/nvidia/version`; `None` without either (no driver: the sim device's host).
+pub(crate) fn driver_version() -> Option<String> {
+    nvidia_smi_query("driver_version").and_then(|s| s.lines().next().map(str::to_string)).or_else(|| {
+        let text = std::fs::read_to_string("/proc/driver/nvidia/version").ok()?;
+        text.lines().next().map(|l| l.trim().to_string())
+    })
 }
 
 /// Check 1.

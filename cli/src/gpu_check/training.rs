@@ -97,7 +97,7 @@ impl Run {
             optimizer_threads: 1,
             text: ctx.text(),
             tokenizer: ctx.tokenizer(),
-            cache_dir: ctx.out.join("work/tokens"),
+            cache_dir: ctx.work_root.join("tokens"),
         }
     }
 
