@@ -163,6 +163,9 @@ cp -r "$SHARED/fixtures/llama/llama_gqa" "$SHARED/fixtures/llama/qwen2_tied" "$S
    "$DIST/data/fixtures/llama/"
 # Check 4's device-optimizer vectors: three of torch's AdamW/Adam cases (4.6 MB; the cases
 # cli/src/gpu_check/numerics.rs names in DEVICE_ADAM_CASES).
+# Check 11's config (its data and NVMe paths are replaced by the check's).
+mkdir -p "$DIST/data/configs"
+cp configs/llama-8b-h100.toml "$DIST/data/configs/"
 mkdir -p "$DIST/data/fixtures/adamw"
 cp "$SHARED/fixtures/adamw/cases.json" "$SHARED/fixtures/adamw/README.md" "$DIST/data/fixtures/adamw/"
 for c in adam_l2 adamw_bigeps adamw_nowd_tiny; do cp "$SHARED"/fixtures/adamw/$c.*.f32 "$DIST/data/fixtures/adamw/"; done

@@ -12,12 +12,14 @@
 # 500 s, each check in a child with its own budget). gpu-check runs at most 540 s (then SIGTERM:
 # the check in flight fails with its figures so far, the rest are skipped; SIGKILL 15 s later),
 # so packing ends well inside the tool's 600 s. Whatever happens (a crash, the timeout, a
-# signal), what exists is packed. $OUT afterwards, 5 files:
+# signal), what exists is packed. $OUT afterwards, 5 or 6 files:
 #
 #   gpu-check.md            the Markdown report (header: date, git rev, device, driver; a line per check)
 #   gpu-check.jsonl         one JSON row per check (each with its git_rev)
 #   device-check.log        this script's and gpu-check's whole output (head and tail if over 15 MiB)
 #   env.txt                 the machine: nvidia-smi, the driver, the binary's libraries, torch, disk
+#   gpu-profile.toml        check 8's GPU profile (bf16/f32 TFLOP/s, copy-stream GB/s) for
+#                           `oogc plan --profile`; on CUDA only (6 files then)
 #   gpu-check-files.tar.gz  logs/ (each check's output), rows/ (rows, partial figures), traces/,
 #                           work/ (the checks' subprocess outputs: swapper tests, peers, pip),
 #                           BUILD.txt (dist's build record) and MANIFEST.txt (every file, and what
@@ -95,6 +97,8 @@ finish() {
       echo "device-check: gpu-check wrote no $f (exit $GPU_RC): see device-check.log" >"$OUT/$f"
     fi
   done
+  # Check 8's GPU profile, for `oogc plan --profile` here (small; absent on the sim device).
+  [ -s "$REPORTS/gpu-profile.toml" ] && head -c "$LOG_CAP" "$REPORTS/gpu-profile.toml" >"$OUT/gpu-profile.toml"
   # The tarball: reports but the two above, the scratch's text outputs (not the NVMe files, the
   # pip tree or the token cache), dist's build record.
   local stage=$DIR/pack/gpu-check-files

@@ -12,10 +12,10 @@
 //! | 5 | round trips | fetch, gradient and activation bytes exact under a long kernel chain; a missing event detected | the same; the happens-before checker as the negative control |
 //! | 6 | training | a tiny Llama 20 steps: offloaded at the minimum GPU budget vs all-resident (bitwise), vs the sim (tolerance), parameters on NVMe with immediate updates, activation offload, a tiny Mixtral under ours/fetch/lru | the same runs; fused vs composed stands in for CUDA vs sim |
 //! | 7 | bf16 | bf16 against f32 over 50 steps | the same |
-//! | 8 | bandwidth | H2D/D2H GB/s of the copy stream vs torch's pinned `copy_` (target ≥ 0.9 ×) | the sim link vs a memcpy |
-//! | 9 | throughput | a ≥ 1 B Llama in bf16, GPU budget ≤ ¼ of parameters + state, vs all-resident (target ≥ 0.9 ×) | skip: needs CUDA |
+//! | 8 | bandwidth | H2D/D2H GB/s of the copy stream vs torch's pinned `copy_` (target ≥ 0.9 ×); the GPU profile (`gpu-profile.toml` in the reports: bf16/f32 TFLOP/s, the copy stream's GB/s) for `oogc plan --profile` | the sim link vs a memcpy |
+//! | 9 | throughput | a ≥ 1 B Llama in bf16, GPU budget ≤ ¼ of parameters + state, vs all-resident (target ≥ 0.9 ×); MFU, the pool's peak against the device plan (within ±10 %), H2D against the copy stream | skip: needs CUDA |
 //! | 10 | peers | PyTorch resident (AdamW fused), FSDP2 + CPUOffloadPolicy, oogc.torch.offload | skip: needs CUDA |
-//! | 11 | 6 B | a ≥ 6 B Llama with a GPU budget ≤ 20 GiB, if time remains | skip: needs CUDA |
+//! | 11 | 8 B | `configs/llama-8b-h100.toml` (Llama-3-8B's shape, bf16, GPU budget 20 GiB) three steps, if time remains: tokens/s, MFU, the pool's peak against the plan, H2D against the copy stream | skip: needs CUDA |
 //!
 //! Each check runs in a child process of this binary (`--child N`) with a time budget: past it
 //! the child (and what it started) is killed and the row says so; a crash (a CUDA abort) fails
@@ -133,7 +133,7 @@ const CHECKS: &[CheckDef] = &[
     check(8, "bandwidth", 60.0, 120.0, 10.0, transfers::bandwidth),
     check(9, "throughput-1b", 200.0, 30.0, 60.0, training::throughput),
     check(10, "peers", 180.0, 30.0, 60.0, peers::peers),
-    check(11, "llama-6b", 600.0, 30.0, 150.0, training::six_b),
+    check(11, "llama-8b", 600.0, 30.0, 150.0, training::llama_8b),
 ];
 
 /// Runs the command: the parent (every selected check in a child, rows written as they finish)

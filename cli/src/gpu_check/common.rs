@@ -58,6 +58,26 @@ pub(crate) fn cpu() -> Device {
     Device::Cpu
 }
 
+/// The GPU profile check 8 writes into the reports (`oogc plan --profile FILE`), which the
+/// throughput checks read for their MFU and link figures.
+pub(crate) fn profile_path(out: &Path) -> PathBuf {
+    out.join("gpu-profile.toml")
+}
+
+/// The peak bf16 TFLOP/s and H2D GB/s the throughput checks divide by: check 8's measured
+/// profile when it exists, else the NVIDIA H100 SXM datasheet's (named in the returned source).
+pub(crate) fn gpu_peaks(out: &Path) -> (f64, f64, String) {
+    let sheet = oogc::prefetch::GpuDatasheet::H100_SXM;
+    match oogc::prefetch::HardwareProfile::load(&profile_path(out)) {
+        Ok(p) => (
+            p.device_bf16_tflops.unwrap_or(sheet.bf16_tflops),
+            p.h2d_gbps,
+            format!("measured ({})", profile_path(out).display()),
+        ),
+        Err(_) => (sheet.bf16_tflops, sheet.link_gbps * sheet.link_fraction, format!("the {} datasheet", sheet.name)),
+    }
+}
+
 /// The context of one check in its child process.
 pub(crate) struct Ctx {
     /// The device the checks run on.

@@ -357,6 +357,23 @@ pub(crate) fn bandwidth(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
         ));
         return Ok(Verdict::Pass);
     }
+    // The profile `oogc plan --profile` reads (matrix-product TFLOP/s on candle's stream, the
+    // copy stream's GB/s): into the reports, so it comes back with them.
+    if let Some(n) = ctx.cuda_ordinal() {
+        drop(dev);
+        match oogc_bench::probe::gpu_profile(n) {
+            Ok(p) => {
+                f.set("profile_bf16_tflops", p.device_bf16_tflops);
+                f.set("profile_f32_tflops", p.device_f32_tflops);
+                f.set("profile_h2d_gbps", p.h2d_gbps);
+                f.set("profile_d2h_gbps", p.d2h_gbps);
+                let path = super::common::profile_path(&ctx.out);
+                std::fs::write(&path, p.to_toml_string())?;
+                f.note(format!("GPU profile written to {} (oogc plan --profile)", path.display()));
+            }
+            Err(e) => f.note(format!("GPU profile not measured: {e}")),
+        }
+    }
     // torch's pinned copy_ on the same GPU, timed with CUDA events.
     let script = super::peers::write_script(ctx)?;
     let torch = match torch_version(&ctx.work) {
