@@ -2,7 +2,8 @@
 //! `oogc gpu-check` row and its report's header): `git rev-parse --short=12 HEAD`, with `-dirty`
 //! when a tracked file differs from HEAD (`git status --porcelain --untracked-files=no`), else
 //! `unknown` (no git, or not a checkout). `OOGC_GIT_REV` set in the build's environment wins (a
-//! build from a source archive can name its revision).
+//! build from a source archive can name its revision). `OOGC_GIT_REV_FROM` says which (`git`,
+//! `env`, `unknown`).
 //!
 //! Rebuilt when HEAD moves (HEAD, the branch's ref, packed-refs), the index changes, or a file of
 //! a workspace member changes (what makes the tree dirty for the binary's code); an edit to
@@ -13,11 +14,14 @@ use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-env-changed=OOGC_GIT_REV");
-    let rev = match std::env::var("OOGC_GIT_REV") {
-        Ok(r) if !r.trim().is_empty() => r.trim().to_string(),
-        _ => git_rev().unwrap_or_else(|| "unknown".into()),
+    let (rev, from) = match std::env::var("OOGC_GIT_REV") {
+        Ok(r) if !r.trim().is_empty() => (r.trim().to_string(), "env"),
+        _ => git_rev().map_or(("unknown".into(), "unknown"), |r| (r, "git")),
     };
     println!("cargo:rustc-env=OOGC_GIT_REV={rev}");
+    // Where it came from (`git`, `env` or `unknown`), for the test that compares it with git: cargo
+    // also sets OOGC_GIT_REV when it runs the package's tests, so that variable cannot tell.
+    println!("cargo:rustc-env=OOGC_GIT_REV_FROM={from}");
 }
 
 /// `git` in the workspace root, its trimmed stdout when it succeeds.

@@ -54,5 +54,6 @@ echo "python-tests: pip install ./python in $((SECONDS - t1)) s"
 
 t2=$SECONDS
 # From the repository root, so that `import oogc` is the installed package, not python/oogc/.
-"$venv/bin/python" -m pytest python/tests -q -p no:cacheprovider "$@"
+# -rs: every skip's reason in the summary (python/tests/skips.py counts them in OOGC_SKIP_LOG).
+"$venv/bin/python" -m pytest python/tests -q -rs -p no:cacheprovider "$@"
 echo "python-tests: pytest in $((SECONDS - t2)) s; all in $((SECONDS - t0)) s"

@@ -235,9 +235,11 @@ fn as_rank_or_skipped(test: &str) -> bool {
         return true;
     }
     if !cfg!(feature = "mpi") {
-        eprintln!(
-            "SKIPPED {test}: built without the `mpi` feature (run `cargo test -p oogc --features mpi --test \
-             ranks`, with Open MPI installed, as .ci/run does)"
+        oogc::swapper::skip::skip(
+            oogc::swapper::skip::Capability::Ranks,
+            test,
+            "built without the `mpi` feature (run `cargo test -p oogc --features mpi --test ranks`, with Open MPI \
+             installed, as .ci/run does)",
         );
         return true;
     }
@@ -518,7 +520,8 @@ fn a_rank_that_dies_ends_the_run_naming_it() {
     let took = started.elapsed();
     let said = String::from_utf8_lossy(&ran.stderr).into_owned() + &String::from_utf8_lossy(&ran.stdout);
     assert!(!ran.status.success(), "mpirun succeeded with a dead rank:\n{said}");
-    assert!(took < std::time::Duration::from_secs(30), "the run took {took:?} to end");
+    // A hang guard (a rank left waiting in a collective forever), not a speed bar.
+    assert!(took < std::time::Duration::from_secs(120), "the run took {took:?} to end: a rank hung");
     assert!(said.contains("rank 1"), "the launcher's output does not name rank 1:\n{said}");
     assert!(!dir.path().join("rank0.json").exists(), "rank 0 finished its run alone");
 }

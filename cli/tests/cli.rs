@@ -2,15 +2,16 @@
 //! `--json` (JSON Lines on stdout), `plan` (JSON, a budget below the minimum, the hardware probe
 //! and profiles), a missing `--dir`, and `--help`.
 //!
-//! The io_uring test prints `skipped: <why>` (to stderr, past the harness's capture) where the
-//! store reports io_uring unavailable; `OOGC_REQUIRE_URING=1` turns that skip into a failure.
+//! The io_uring, git and GPU-probe tests skip through `oogc::swapper::skip` (a line on stderr
+//! past the harness's capture, counted in `OOGC_SKIP_LOG`) where the machine lacks them;
+//! `OOGC_REQUIRE=io_uring` (or `OOGC_REQUIRE_URING=1`) turns the io_uring skip into a failure.
 
 #[path = "../../tests/common/mod.rs"]
 mod common;
 
-use std::io::Write;
 use std::process::{Command, Output};
 
+use oogc::swapper::skip::{skip, Capability};
 use serde_json::Value;
 
 fn oogc(args: &[&str]) -> Output {
@@ -74,12 +75,8 @@ fn bench_nvme_uring_prints_json_rows_or_skips_loudly() {
     let dir = tempfile::tempdir().unwrap();
     let out = bench_nvme_json("uring", dir.path());
     let stderr = text(&out.stderr);
-    if !out.status.success()
-        && stderr.contains("io_uring is unavailable")
-        && std::env::var("OOGC_REQUIRE_URING").as_deref() != Ok("1")
-    {
-        let line = format!("bench_nvme_uring: skipped: {}\n", stderr.trim());
-        let _ = std::io::stderr().write_all(line.as_bytes());
+    if !out.status.success() && stderr.contains("io_uring is unavailable") {
+        skip(Capability::IoUring, "bench_nvme_uring", stderr.trim());
         return;
     }
     check_nvme_rows(&out, "uring");
@@ -164,13 +161,15 @@ fn version_names_the_git_revision_it_was_built_from() {
     let head =
         Command::new("git").args(["rev-parse", "--short=12", "HEAD"]).current_dir(env!("CARGO_MANIFEST_DIR")).output();
     match head {
-        Ok(h) if h.status.success() && std::env::var_os("OOGC_GIT_REV").is_none() => {
+        Ok(h) if h.status.success() && env!("OOGC_GIT_REV_FROM") == "git" => {
             let head = text(&h.stdout).trim().to_string();
             assert!(rev == head || rev == format!("{head}-dirty"), "rev {rev}, HEAD {head}");
         }
         _ => {
-            eprintln!(
-                "skipped: the revision is not compared with git (no git checkout here, or OOGC_GIT_REV set): {rev}"
+            skip(
+                Capability::Git,
+                "version_names_the_git_revision_it_was_built_from",
+                &format!("the revision is not compared with git (no git checkout here, or OOGC_GIT_REV set for the build): {rev}"),
             );
             assert!(!rev.is_empty(), "{stdout}");
         }
@@ -400,8 +399,7 @@ fn bench_probe_writes_a_profile_or_says_why_not_on_cuda() {
     } else {
         let stderr = text(&out.stderr);
         assert!(stderr.to_lowercase().contains("cuda"), "{stderr}");
-        assert!(std::env::var("OOGC_REQUIRE_GPU").as_deref() != Ok("1"), "OOGC_REQUIRE_GPU=1: {stderr}");
-        eprintln!("skipped: no CUDA GPU probed ({})", stderr.trim());
+        skip(Capability::Gpu, "bench_probe", &format!("no CUDA GPU probed ({})", stderr.trim()));
     }
 }
 

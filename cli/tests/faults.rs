@@ -176,11 +176,11 @@ fn sigterm_checkpoints_the_finished_step_and_exits_3_and_a_second_signal_exits_a
         assert!(tmp_seen.elapsed() < Duration::from_secs(60), "no checkpoint write seen");
         std::thread::sleep(Duration::from_millis(2));
     }
-    let at = Instant::now();
     signal(&child, "-TERM");
     let out = child.wait_with_output().unwrap();
+    // 128 + 15 is the second signal's exit, taken inside the paused write; had the process slept
+    // the write out and stopped gracefully, it would exit with 3 (no clock needed to tell them).
     assert_eq!(out.status.code(), Some(128 + 15), "{}", stderr(&out));
-    assert!(at.elapsed() < Duration::from_millis(1000), "exited in {:?}, not at once", at.elapsed());
     let ckpts = oogc::checkpoint::list(&ckpt).unwrap();
     assert!(!ckpts.is_empty());
     for (_, p) in ckpts {

@@ -36,8 +36,9 @@ from torch import nn
 
 import oogc
 import oogc.torch
+from skips import need
 
-transformers = pytest.importorskip("transformers", reason="transformers is needed for the Llama oracle")
+transformers = need("transformers", "test_offload_bf16", "the Llama oracle")
 
 from llama_run import BETAS, EPS, LR, STEPS, WD, batches
 

@@ -17,8 +17,9 @@ import torch
 
 import oogc
 import oogc.torch
+from skips import need
 
-transformers = pytest.importorskip("transformers", reason="transformers is needed for the Llama oracle")
+transformers = need("transformers", "test_offload_llama", "the Llama oracle")
 
 from llama_run import BETAS, EPS, LR, STEPS, WD, batches, offload_config
 

@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("transformers", reason="transformers is needed for the Llama model")
-dist = pytest.importorskip("torch.distributed", reason="torch.distributed is needed for ranks")
+from skips import need, skip
+
+need("transformers", "test_offload_ranks", "the Llama model")
+dist = need("torch.distributed", "test_offload_ranks", "ranks under torchrun")
 
 HERE = Path(__file__).parent
 RUN = HERE / "ranks_run.py"
@@ -36,8 +38,7 @@ def run(cmd, what):
 
 def test_two_ranks_under_torchrun_match_one_process_with_the_whole_batch(llama_gqa, shakespeare, tmp_path):
     if not dist.is_available() or not dist.is_gloo_available():
-        print("skipped: this torch has no gloo backend (torch.distributed unavailable)")
-        pytest.skip("torch.distributed with gloo is needed")
+        skip("python", "test_offload_ranks", "this torch has no gloo backend (torch.distributed with gloo is needed)")
     text = HERE.parents[2] / "shared" / "data" / "tinyshakespeare.txt"
     ranks, one = tmp_path / "ranks", tmp_path / "one"
     ranks.mkdir()

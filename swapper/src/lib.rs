@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod nvme;
 pub mod policy;
 pub mod residency;
+pub mod skip;
 pub mod tier;
 
 pub use device::{

@@ -1,14 +1,16 @@
 //! Behaviour of the NVMe store through its public API: round trips through both engines,
 //! striping, corruption, bad directories, a write that fails mid-way, and the io_uring fallback.
 //!
-//! Tests that need something this machine may not have (io_uring, `mount`) print
-//! `skipped: <why>`; `OOGC_REQUIRE_URING=1` turns a missing io_uring into a failure.
+//! Tests that need something this machine may not have (io_uring, `mount`) skip through
+//! `oogc_swapper::skip` (a line on stderr, counted in `OOGC_SKIP_LOG`);
+//! `OOGC_REQUIRE=io_uring,mount` turns those skips into failures.
 
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Arc;
 
+use oogc_swapper::skip::{skip, Capability};
 use oogc_swapper::{
     EngineChoice, EngineKind, Error, NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId, Tier,
 };
@@ -41,8 +43,8 @@ fn config(dirs: &[&Path], capacity_bytes: u64, engine: EngineChoice) -> NvmeConf
 fn open_or_skip(cfg: NvmeConfig) -> Option<NvmeStore> {
     match NvmeStore::open(cfg) {
         Ok(s) => Some(s),
-        Err(Error::UringUnavailable { reason }) if std::env::var_os("OOGC_REQUIRE_URING").is_none() => {
-            println!("skipped: io_uring unavailable here ({reason})");
+        Err(Error::UringUnavailable { reason }) => {
+            skip(Capability::IoUring, "nvme", &format!("io_uring unavailable here ({reason})"));
             None
         }
         Err(e) => panic!("open failed: {e}"),
@@ -217,8 +219,12 @@ fn bad_directories_are_refused_before_anything_is_written() {
             }
             other => {
                 let _ = Command::new("umount").arg(&ro).status();
-                println!(
-                    "skipped: running as root, permission bits do not apply, and a read-only bind mount failed ({other:?})"
+                skip(
+                    Capability::Mount,
+                    "nvme: the read-only directory",
+                    &format!(
+                        "running as root, permission bits do not apply, and a read-only bind mount failed ({other:?})"
+                    ),
                 );
             }
         }

@@ -933,25 +933,20 @@ impl HostMemory for CudaPinnedMemory {
 
 #[cfg(test)]
 mod tests {
-    //! GPU tests: each prints `skipped: no CUDA device (<reason>)` and passes where there is no
-    //! GPU, unless `OOGC_REQUIRE_GPU=1`, which makes the skip a failure (STYLE.md 9).
-
-    use std::io::Write;
+    //! GPU tests: each skips (`<test>: skipped (gpu): no CUDA device (<reason>)`, through
+    //! [`crate::skip`]) and passes where there is no GPU, unless `OOGC_REQUIRE_GPU=1` (or
+    //! `OOGC_REQUIRE=gpu`), which makes the skip a failure (STYLE.md 9).
 
     use super::*;
     use crate::host::{PinnedPool, PinnedPoolConfig};
 
-    /// Device 0 with `capacity`, or `None` after printing the skip line (written to stderr
-    /// directly, past the test harness's capture, so a skip is never silent).
+    /// Device 0 with `capacity`, or `None` after the skip line ([`crate::skip`]: to stderr past
+    /// the test harness's capture, counted, a failure under `OOGC_REQUIRE_GPU=1`).
     fn gpu(test: &str, capacity: Option<u64>) -> Option<CudaDevice> {
         match CudaDevice::new(0, capacity) {
             Ok(dev) => Some(dev),
             Err(Error::NoCudaDevice { reason }) => {
-                if std::env::var("OOGC_REQUIRE_GPU").as_deref() == Ok("1") {
-                    panic!("{test}: OOGC_REQUIRE_GPU=1 but no CUDA device: {reason}");
-                }
-                let line = format!("{test}: skipped: no CUDA device ({reason})\n");
-                let _ = std::io::stderr().write_all(line.as_bytes());
+                crate::skip::skip(crate::skip::Capability::Gpu, test, &format!("no CUDA device ({reason})"));
                 None
             }
             Err(e) => panic!("{test}: CUDA device 0 is present but unusable: {e}"),
