@@ -2,8 +2,9 @@
 # The Python package's tests on a clean machine: a venv (target/python-venv) with CPU torch,
 # transformers, pytest and maturin; `pip install ./python` (maturin builds the extension with
 # cargo, in this workspace's target dir); pytest python/tests. Needs python3 (>= 3.9, with
-# venv), cargo, network for pip, and ../shared beside the checkout (the llama_gqa fixture and
-# tinyshakespeare).
+# venv), cargo, network for pip, ../shared beside the checkout (the llama_gqa and mixtral_moe
+# fixtures and tinyshakespeare), and the `oogc` binary for test_trainer_vs_torch.py
+# (target/debug/oogc: `cargo build -p oogc-cli`, or OOGC_BIN=PATH).
 #
 #   scripts/python-tests.sh            # after `cargo build --workspace` (CI): the extension in the dev
 #                                      # profile, reusing the build's dependencies

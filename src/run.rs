@@ -53,6 +53,10 @@ pub struct RunOptions {
     /// in flight, writes a checkpoint (when the config has a checkpoint directory) and returns
     /// with [`RunSummary::stopped`]. The library installs no signal handler itself.
     pub stop: Option<Arc<AtomicBool>>,
+    /// Write each step's token windows to this file as they are drawn (`oogc train
+    /// --dump-batches`; [`crate::train::BatchDump`]: the format). Created or truncated; it holds
+    /// this invocation's steps.
+    pub dump_batches: Option<PathBuf>,
 }
 
 /// What a caller of [`run`] sees while the run goes on (the CLI draws a progress bar from it).
@@ -267,7 +271,8 @@ pub fn gb(bytes: u64) -> String {
 /// Runs the training described by `cfg`, telling `observer` of each step.
 ///
 /// # Errors
-/// Whatever [`Trainer`] returns; I/O errors of the metrics file (named).
+/// Whatever [`Trainer`] returns; I/O errors of the metrics file (named); [`TrainError::BatchDump`]
+/// when `dump_batches` cannot be created (before anything is written).
 pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) -> Result<RunSummary> {
     // With ranks, a stop is decided together: any rank's request stops every rank after the
     // same step (mpirun forwards the signal, but the ranks may see it at different steps).
@@ -280,6 +285,8 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
         crate::dist::all_reduce_sum_f64(&mut any);
         any[0] > 0.0
     };
+    // A bad path is refused before the run writes anything.
+    let dump = opts.dump_batches.as_deref().map(crate::train::BatchDump::create).transpose()?;
     let mut resumed_from = None;
     let mut trainer = match &opts.resume {
         Some(dir) => {
@@ -308,6 +315,9 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
         }
         None => Trainer::open(cfg.clone(), None, &mut |done, total| observer.tokenize(done, total))?,
     };
+    if let Some(dump) = dump {
+        trainer.dump_batches(dump)?;
+    }
     let last = opts.steps.unwrap_or(cfg.train.steps);
     let first = trainer.step() + 1;
     // Data-parallel ranks: rank 0 writes the metrics (with every rank's step time).

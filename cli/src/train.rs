@@ -39,6 +39,11 @@ pub(crate) struct TrainCmd {
     /// Print the summary as one JSON object on stdout.
     #[arg(long)]
     pub(crate) json: bool,
+    /// Write each step's token windows to FILE (JSON Lines, one line per micro-batch:
+    /// `{"step": n, "micro": m, "inputs": [[ids]...], "targets": [[ids]...]}`, targets the
+    /// inputs shifted by one), so another implementation can train on the same batches.
+    #[arg(long, value_name = "FILE")]
+    pub(crate) dump_batches: Option<PathBuf>,
 }
 
 /// Exit status of a run stopped by SIGINT/SIGTERM after writing its checkpoint (not 0: the run
@@ -85,6 +90,7 @@ pub(crate) fn train(cmd: TrainCmd, cfg: TrainConfig) -> anyhow::Result<ExitCode>
         steps: cmd.steps,
         fallback: cmd.fallback,
         stop: Some(stop),
+        dump_batches: cmd.dump_batches.clone(),
     };
     // Rank 0 reports (the progress bar, the summary); the other ranks train quietly.
     let progress = !cmd.no_progress && world.is_root() && std::io::IsTerminal::is_terminal(&std::io::stderr());

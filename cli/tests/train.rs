@@ -104,6 +104,18 @@ fn bad_input_names_the_cause_and_writes_nothing() {
         assert!(err.contains("fix") || err.contains("README"), "no fix in: {err}");
         assert_eq!(std::fs::read_to_string(&metrics).unwrap(), "previous run\n", "{needle}: metrics overwritten");
     }
+    // A batch dump that cannot be created: refused before anything is written.
+    let good_path = dir.path().join("good.toml");
+    std::fs::write(&good_path, &good).unwrap();
+    let out = oogc()
+        .args(["train", "--no-progress", "--dump-batches", "/nonexistent/batches.jsonl", "--config"])
+        .arg(&good_path)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("batch dump /nonexistent/batches.jsonl") && err.contains("fix:"), "{err}");
+    assert_eq!(std::fs::read_to_string(&metrics).unwrap(), "previous run\n", "metrics overwritten");
     // A fresh run into a checkpoint directory that holds another run's checkpoint.
     let ckpt_dir = dir.path().join("ckpt");
     std::fs::create_dir_all(&ckpt_dir).unwrap();
@@ -136,10 +148,32 @@ fn train_writes_trace_metrics_and_a_checkpoint_that_inspect_and_plan_read() {
     );
     let cfg = dir.path().join("run.toml");
     std::fs::write(&cfg, text).unwrap();
-    let out = oogc().args(["train", "--no-progress", "--json", "--config"]).arg(&cfg).output().unwrap();
+    let dump = dir.path().join("batches.jsonl");
+    let out = oogc()
+        .args(["train", "--no-progress", "--json", "--dump-batches"])
+        .arg(&dump)
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let summary: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(summary["last_step"], 4);
+    // One line per step (one micro-batch each): the windows' inputs and their shifted targets.
+    let batches: Vec<serde_json::Value> =
+        std::fs::read_to_string(&dump).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(
+        batches.iter().map(|b| (b["step"].as_u64(), b["micro"].as_u64())).collect::<Vec<_>>(),
+        [(Some(1), Some(0)), (Some(2), Some(0)), (Some(3), Some(0)), (Some(4), Some(0))]
+    );
+    for b in &batches {
+        let rows = |k: &str| -> Vec<Vec<u64>> { serde_json::from_value(b[k].clone()).unwrap() };
+        let (inputs, targets) = (rows("inputs"), rows("targets"));
+        assert!(!inputs.is_empty() && inputs.len() == targets.len());
+        for (i, t) in inputs.iter().zip(&targets) {
+            assert_eq!(i[1..], t[..t.len() - 1]);
+        }
+    }
     assert!(summary["h2d_bytes"].as_u64().unwrap() > 0 && summary["nvme_write_bytes"].as_u64().unwrap() > 0);
     assert!(summary["final_val_loss"].as_f64().unwrap() > 0.0);
 

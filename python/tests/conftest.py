@@ -25,3 +25,22 @@ def shakespeare() -> bytes:
     if not path.exists():
         pytest.fail(f"tinyshakespeare is missing at {path} (../shared beside the checkout)")
     return path.read_bytes()
+
+
+@pytest.fixture(scope="session")
+def mixtral_moe() -> Path:
+    path = SHARED / "fixtures" / "llama" / "mixtral_moe"
+    if not (path / "config.json").exists():
+        pytest.fail(f"the mixtral_moe fixture is missing at {path} (../shared beside the checkout)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def oogc_bin() -> Path:
+    """The `oogc` binary: $OOGC_BIN, else the workspace's debug build (CI builds it first)."""
+    import os
+
+    path = Path(os.environ.get("OOGC_BIN", REPO / "target" / "debug" / "oogc"))
+    if not os.access(path, os.X_OK):
+        pytest.fail(f"the oogc binary is missing at {path}: build it (cargo build -p oogc-cli) or set OOGC_BIN")
+    return path

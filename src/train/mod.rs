@@ -35,8 +35,10 @@ use crate::data::{Batch, Corpus, Sampler};
 use crate::runtime::budget::{HostOverhead, OverheadInputs, RunShape};
 use crate::runtime::{rank_units, HostPlan, NvmePlan, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
 
+mod dump;
 mod moe;
 
+pub use dump::BatchDump;
 pub use moe::{ExpertPlacement, ExpertTraffic};
 
 /// Anything that stops a training run; every variant's message names the cause and the fix.
@@ -63,6 +65,14 @@ pub enum TrainError {
     /// A run directory is held by another run, or cannot be locked.
     #[error(transparent)]
     Lock(#[from] crate::lock::LockError),
+    /// The batch dump (`oogc train --dump-batches`) cannot be written.
+    #[error("batch dump {path}: {reason}")]
+    BatchDump {
+        /// The dump file.
+        path: PathBuf,
+        /// What went wrong and the fix.
+        reason: String,
+    },
     /// The checkpoint does not belong to this config.
     #[error("checkpoint {path}: {reason}")]
     Mismatch {
@@ -518,6 +528,8 @@ pub struct Trainer {
     /// Whether the run writes checkpoints (`[checkpoint] dir`, which only rank 0 keeps): every
     /// rank gathers the state for them.
     checkpoints: bool,
+    /// `--dump-batches`: each step's windows written as they are drawn ([`Trainer::dump_batches`]).
+    batch_dump: Option<BatchDump>,
     /// The run's exclusive hold on its checkpoint and NVMe directories (released on drop, after
     /// the runtime has removed its store files).
     _lock: crate::lock::RunLock,
@@ -645,6 +657,7 @@ impl Trainer {
             moe,
             world,
             checkpoints,
+            batch_dump: None,
             _lock: lock,
         })
     }
@@ -754,6 +767,28 @@ impl Trainer {
         Ok(Tensor::from_slice(ids, (b, t), self.rt.compute_device())?)
     }
 
+    /// From the next step on, writes each step's token windows to `dump` as the sampler draws
+    /// them, before the step computes ([`BatchDump`]: JSON Lines, one line per micro-batch with
+    /// its `inputs` and `targets`), so that another implementation can train on the same batches.
+    ///
+    /// # Errors
+    /// [`TrainError::BatchDump`] in a data-parallel run of several ranks (each rank trains on its
+    /// own shard of the batch).
+    pub fn dump_batches(&mut self, dump: BatchDump) -> Result<()> {
+        if self.world.size > 1 {
+            return Err(TrainError::BatchDump {
+                path: dump.path().into(),
+                reason: format!(
+                    "a dump holds one process's batches, and this run has {} ranks, each training on its shard\n  \
+                     fix: dump a run of one process (the ranks' shards together are its batches)",
+                    self.world.size
+                ),
+            });
+        }
+        self.batch_dump = Some(dump);
+        Ok(())
+    }
+
     /// Fixes where experts run (MoE), overriding the placer; between steps only.
     pub fn set_expert_placement(&mut self, placement: ExpertPlacement) {
         if let Some(m) = &mut self.moe {
@@ -838,6 +873,9 @@ impl Trainer {
         let (rank, ranks) = (self.world.rank, self.world.size);
         let shard = crate::data::Shard { rank, ranks };
         let batch = self.data.next_batch_shard(&mut self.sampler, micro * k, self.cfg.train.seq_len, shard);
+        if let Some(dump) = &mut self.batch_dump {
+            dump.write_step(step, &batch, k)?;
+        }
         let per_micro = batch.inputs.len() / k;
         let split = |ids: &[u32]| ids.chunks(per_micro).map(|c| self.tokens(c)).collect::<Result<Vec<_>>>();
         let inputs = split(&batch.inputs)?;
