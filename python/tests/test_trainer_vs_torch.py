@@ -87,7 +87,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers", reason="transformers is needed for the trainer's oracle")
+from skips import need
+
+transformers = need("transformers", "test_trainer_vs_torch", "the trainer's oracle")
 
 from conftest import SHARED
 
