@@ -711,12 +711,70 @@ fn tidy() {
     }
     assert!(texts.iter().any(|(p, _)| p == ORDERING_FILE), "{ORDERING_FILE} is missing: update ORDERING_FILE");
 
+    // 8. skips through the one helper
+    for (path, text) in &texts {
+        v.extend(skip_violations(path, text));
+    }
+    let py_dir = root().join("python/tests");
+    for entry in std::fs::read_dir(&py_dir).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.ends_with(".py") {
+            let rel = format!("python/tests/{name}");
+            v.extend(skip_violations(&rel, &read(&rel)));
+        }
+    }
+
     assert!(v.is_empty(), "tidy: {} problem(s):\n{}\n", v.len(), v.join("\n"));
     // Checked on the workspace, not timed on a loaded machine: a hint, not a failure.
     let secs = started.elapsed().as_secs_f64();
     if secs > 1.0 {
         eprintln!("tidy took {secs:.2} s over {} files: keep it under 1 s", texts.len());
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rule 8: a skip goes through the one helper (`oogc_swapper::skip`, `python/tests/skips.py`),
+// which says it past the harness's capture, counts it and refuses it where it is required.
+
+/// The helpers themselves, and this file (the rule's examples).
+const SKIP_HELPERS: &[&str] = &["swapper/src/skip.rs", "python/tests/skips.py", "tests/tidy.rs"];
+
+/// A skip written by hand in `text` (Rust or Python): a print of a `skipped` line, or pytest's
+/// own `importorskip` / `pytest.skip`.
+fn skip_violations(path: &str, text: &str) -> Vec<String> {
+    if SKIP_HELPERS.contains(&path) {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let squeezed: String = line.split_whitespace().collect::<Vec<_>>().join(" ");
+        let lower = squeezed.to_lowercase();
+        let printed = ["println!(\"skipped", "eprintln!(\"skipped", "print(\"skipped", "print(f\"skipped"]
+            .iter()
+            .any(|p| lower.contains(p));
+        let pytest = !lower.trim_start().starts_with('#')
+            && (squeezed.contains("pytest.importorskip(") || squeezed.contains("pytest.skip("));
+        if printed || pytest {
+            out.push(format!(
+                "{path}:{}: a skip by hand: skip through `oogc_swapper::skip::skip` (Rust) or `skips.skip`/`skips.need` \
+                 (Python), which print past the capture, count it in OOGC_SKIP_LOG and honour OOGC_REQUIRE",
+                n + 1
+            ));
+        }
+    }
+    out
+}
+
+#[test]
+fn a_skip_by_hand_fails() {
+    let rust = "fn t() {\n    println!(\"skipped: io_uring unavailable\");\n    eprintln!(\"SKIPPED x\");\n}\n";
+    assert_eq!(skip_violations("swapper/tests/nvme.rs", rust).len(), 2);
+    let py = "transformers = pytest.importorskip(\"transformers\")\n    pytest.skip(\"no gloo\")\n";
+    assert_eq!(skip_violations("python/tests/test_x.py", py).len(), 2);
+    // Through the helpers, or in the helpers themselves: fine.
+    let good = "skip(Capability::IoUring, \"nvme\", &why);\ntransformers = need(\"transformers\", \"t\", \"why\")\n";
+    assert!(skip_violations("swapper/tests/nvme.rs", good).is_empty());
+    assert!(skip_violations("python/tests/skips.py", py).is_empty());
 }
 
 // ---------------------------------------------------------------------------------------------
