@@ -11,12 +11,17 @@ REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 
 
+def checkpoint(name: str) -> Path:
+    """The Hugging Face checkpoint `name` of ../shared/fixtures/llama, or a failure naming it."""
+    path = SHARED / "fixtures" / "llama" / name
+    if not (path / "config.json").exists():
+        pytest.fail(f"the {name} fixture is missing at {path} (../shared beside the checkout)")
+    return path
+
+
 @pytest.fixture(scope="session")
 def llama_gqa() -> Path:
-    path = SHARED / "fixtures" / "llama" / "llama_gqa"
-    if not (path / "config.json").exists():
-        pytest.fail(f"the llama_gqa fixture is missing at {path} (../shared beside the checkout)")
-    return path
+    return checkpoint("llama_gqa")
 
 
 @pytest.fixture(scope="session")
@@ -29,10 +34,7 @@ def shakespeare() -> bytes:
 
 @pytest.fixture(scope="session")
 def mixtral_moe() -> Path:
-    path = SHARED / "fixtures" / "llama" / "mixtral_moe"
-    if not (path / "config.json").exists():
-        pytest.fail(f"the mixtral_moe fixture is missing at {path} (../shared beside the checkout)")
-    return path
+    return checkpoint("mixtral_moe")
 
 
 @pytest.fixture(scope="session")
