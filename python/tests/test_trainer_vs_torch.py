@@ -369,6 +369,15 @@ def report(case: str, **figures) -> None:
 LLAMA = transformers.LlamaForCausalLM
 
 
+def f32_llama_against_pytorch(case: str, oogc_bin: Path, llama_gqa: Path, run: Path, steps: list, hp: Hyper) -> None:
+    """PyTorch trains llama_gqa on `steps`; the oogc run in `run` (its metrics and exported
+    weights) is held to it at the f32 tolerances of the module docstring, and `case` reported."""
+    theirs, weights = torch_train(llama_gqa, LLAMA, steps, hp)
+    worst = compare(read_metrics(run / "metrics.jsonl"), theirs, hp, loss_tol=1e-5, norm_tol=1e-5)
+    w = compare_weights(exported(oogc_bin, run, LLAMA), weights, initial(LLAMA, llama_gqa), tol=1e-5 * largest(weights), bulk_tol=1e-4)
+    report(case, **worst, **w)
+
+
 @pytest.mark.parametrize("kind", ["adamw", "adam"])
 def test_f32_llama_matches_pytorch(oogc_bin, llama_gqa, corpus, tmp_path, kind):
     hp = Hyper(kind=kind)
@@ -376,10 +385,7 @@ def test_f32_llama_matches_pytorch(oogc_bin, llama_gqa, corpus, tmp_path, kind):
     train(oogc_bin, config, tmp_path / "batches.jsonl")
     steps = read_batches(tmp_path / "batches.jsonl")
     assert len(steps) == STEPS and all(len(m) == 1 and m[0][0].shape == (4, SEQ) for m in steps)
-    theirs, weights = torch_train(llama_gqa, LLAMA, steps, hp)
-    worst = compare(read_metrics(tmp_path / "metrics.jsonl"), theirs, hp, loss_tol=1e-5, norm_tol=1e-5)
-    w = compare_weights(exported(oogc_bin, tmp_path, LLAMA), weights, initial(LLAMA, llama_gqa), tol=1e-5 * largest(weights), bulk_tol=1e-4)
-    report(f"f32 {kind}", **worst, **w)
+    f32_llama_against_pytorch(f"f32 {kind}", oogc_bin, llama_gqa, tmp_path, steps, hp)
 
 
 def test_a_resume_in_the_middle_matches_the_uninterrupted_pytorch_run(oogc_bin, llama_gqa, corpus, tmp_path):
@@ -397,11 +403,8 @@ def test_a_resume_in_the_middle_matches_the_uninterrupted_pytorch_run(oogc_bin, 
     assert len(steps) == len(straight) == STEPS
     for t, (ours, theirs) in enumerate(zip(steps, straight), 1):
         assert all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0])), f"step {t}: resumed windows differ"
-    theirs, weights = torch_train(llama_gqa, LLAMA, steps, hp)
     # The metrics file holds the whole run: the resumed process appended to it.
-    worst = compare(read_metrics(tmp_path / "resumed" / "metrics.jsonl"), theirs, hp, loss_tol=1e-5, norm_tol=1e-5)
-    w = compare_weights(exported(oogc_bin, tmp_path / "resumed", LLAMA), weights, initial(LLAMA, llama_gqa), tol=1e-5 * largest(weights), bulk_tol=1e-4)
-    report("resume", **worst, **w)
+    f32_llama_against_pytorch("resume", oogc_bin, llama_gqa, tmp_path / "resumed", steps, hp)
 
 
 def test_micro_batches_match_pytorch_gradient_accumulation(oogc_bin, llama_gqa, corpus, tmp_path):
@@ -410,10 +413,7 @@ def test_micro_batches_match_pytorch_gradient_accumulation(oogc_bin, llama_gqa, 
     train(oogc_bin, config, tmp_path / "batches.jsonl")
     steps = read_batches(tmp_path / "batches.jsonl")
     assert len(steps) == STEPS and all(len(m) == 2 and m[1][0].shape == (2, SEQ) for m in steps)
-    theirs, weights = torch_train(llama_gqa, LLAMA, steps, hp)
-    worst = compare(read_metrics(tmp_path / "metrics.jsonl"), theirs, hp, loss_tol=1e-5, norm_tol=1e-5)
-    w = compare_weights(exported(oogc_bin, tmp_path, LLAMA), weights, initial(LLAMA, llama_gqa), tol=1e-5 * largest(weights), bulk_tol=1e-4)
-    report("micro-batches", **worst, **w)
+    f32_llama_against_pytorch("micro-batches", oogc_bin, llama_gqa, tmp_path, steps, hp)
 
 
 def test_bf16_compute_matches_pytorch_bf16_with_fp32_masters(oogc_bin, llama_gqa, corpus, tmp_path):
