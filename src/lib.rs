@@ -10,7 +10,7 @@
 //! | [`prefetch`] | traced schedule, next-use (Belady) eviction, lookahead prefetch, simulator, planner |
 //! | [`moe_placement`] | expert placement (later issue) |
 //! | [`runtime`] | `Runtime`: fetch → compute → release per unit, gradients D2H to the pipelined optimizer |
-//! | [`models`], [`train`], [`run`] | the byte-level GPT on candle, its trainer, the `oogc train` loop |
+//! | [`models`], [`train`], [`run`] | the model families on candle (Llama, Mistral, Qwen2, Mixtral, the byte-level GPT / MoE-GPT), the trainer, the `oogc train` loop |
 //! | [`config`], [`data`], [`checkpoint`] | the TOML config, training text, safetensors checkpoints |
 //! | [`checksum`], [`lock`], [`hooks`] | crc32c in safetensors metadata, exclusive run directories, test hooks of the fault-injection soak |
 #![deny(unsafe_code)]

@@ -51,20 +51,27 @@ pub(crate) struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
-    /// Train the byte-level GPT of a TOML config out of GPU core (sim device unless the config
-    /// says `device.kind = "cuda:N"`): progress bar, validation, metrics, checkpoints, summary.
+    /// Train the model of a TOML config out of GPU core — a Llama, Mistral, Qwen2 or Mixtral
+    /// (from a Hugging Face checkpoint, `[model] init`, or from scratch) or the byte-level GPT /
+    /// MoE-GPT — on the sim device unless the config says `device.kind = "cuda:N"`; under
+    /// `mpirun -np N` (feature `mpi`) as N data-parallel ranks. Progress bar, validation, metrics,
+    /// checkpoints (`--resume`), summary.
     Train(TrainCmd),
-    /// Summarize a checkpoint (a ckpt-*.safetensors file, or a checkpoint directory: its newest).
+    /// Summarize a checkpoint (a ckpt-*.safetensors file, or a checkpoint directory: its newest);
+    /// `--verify` checks every tensor's crc32c. Also reads a Hugging Face safetensors file.
     Inspect(InspectCmd),
     /// Write a Llama-family run's checkpoint as a Hugging Face checkpoint (`--hf OUT_DIR`:
     /// config.json, sharded safetensors + index, tokenizer.json) that transformers loads.
     Export(ExportCmd),
-    /// Offload benchmarks: a table on stdout, or JSON Lines with --json.
+    /// Offload benchmarks (NVMe, swap, Adam, eviction, MoE placement, the end-to-end step, the
+    /// plan's accuracy; `all` for every one with plots): a table on stdout, or JSON with --json.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Plan a GPT under budgets: memory per tier, the minimum GPU budget, and the predicted step
-    /// time (compute, exposed transfer, exposed optimizer) from the step simulator; or, with
-    /// --hardware-probe, measure this machine into a hardware profile (TOML).
+    /// Plan a config's run under its budgets (any family): bytes per tier (GPU, host, NVMe), the
+    /// GPU memory section, the predicted peak RSS, the minimum GPU budget and the predicted step
+    /// time (compute, exposed transfer, exposed optimizer) from the step simulator, with a
+    /// hardware profile's figures (`--profile`); or, with --hardware-probe, measure this machine
+    /// into a hardware profile (TOML).
     Plan(PlanCmd),
     /// Every GPU check in one run (`--device cuda:N` on the GPU machine, `sim` in CI): one JSON
     /// row per check in OUT/gpu-check.jsonl and a Markdown report in OUT/gpu-check.md, written

@@ -1,5 +1,5 @@
-//! The reference trainer: a model of `oogc-models` (the byte-level GPT or MoE-GPT) trained out of
-//! GPU core through a [`Runtime`], from a [`TrainConfig`]. `oogc train` drives it; tests drive it
+//! The trainer: a model of `oogc-models` (a Llama-family decoder, Mixtral, the byte-level GPT or
+//! MoE-GPT) trained out of GPU core through a [`Runtime`], from a [`TrainConfig`]. `oogc train` drives it; tests drive it
 //! directly. It talks to the tiers only through the [`Runtime`]'s API.
 //!
 //! One step (DESIGN.md, "One training step"): the forward fetches the embedding and the blocks in
