@@ -10,7 +10,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use oogc::models::{init_params, unit_tensor, Gpt, GptConfig};
+use oogc::models::{init_params, loss_and_grads, unit_tensor, CausalLm, Gpt, GptConfig};
 
 fn main() -> anyhow::Result<()> {
     let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse()).collect::<Result<_, _>>()?;
@@ -43,10 +43,10 @@ fn main() -> anyhow::Result<()> {
     let mut last_grads = Vec::new();
     for _ in 0..reps {
         let t0 = Instant::now();
-        gpt.loss(&params, &tokens, &targets)?;
+        oogc::models::loss(&gpt, &params, &tokens, &targets)?;
         fwd.push(t0.elapsed().as_secs_f64());
         let t0 = Instant::now();
-        let (l, grads) = gpt.loss_and_grads(&params, &tokens, &targets)?;
+        let (l, grads) = loss_and_grads(&gpt, &params, &tokens, &targets)?;
         step.push(t0.elapsed().as_secs_f64());
         loss = l;
         last_grads = grads;

@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use oogc::models::{init_params, unit_tensor, Gpt, GptConfig, MoeConfig};
+use oogc::models::{init_params, loss, loss_parts_and_grads, unit_tensor, CausalLm, Gpt, GptConfig, MoeConfig, MoeLm};
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -52,8 +52,8 @@ fn main() -> anyhow::Result<()> {
         let gpt = Gpt::new(cfg.clone())?;
         let params: Vec<Tensor> =
             init_params(&cfg.units(), 0).iter().map(|f| unit_tensor(f, DType::F32, &dev)).collect::<Result<_, _>>()?;
-        let (fwd, _) = time(reps, || Ok(gpt.loss(&params, &tokens, &targets)?))?;
-        let (step, (parts, _)) = time(reps, || Ok(gpt.loss_parts_and_grads(&params, &tokens, &targets)?))?;
+        let (fwd, _) = time(reps, || Ok(loss(&gpt, &params, &tokens, &targets)?))?;
+        let (step, (parts, _)) = time(reps, || Ok(loss_parts_and_grads(&gpt, &params, &tokens, &targets)?))?;
         println!(
             "{:5}: {} params in {} units; forward {:.1} ms, forward + recompute backward {:.1} ms = {:.0} tokens/s; \
              ce {:.4} aux {:.4}",
@@ -72,7 +72,7 @@ fn main() -> anyhow::Result<()> {
         // One MoE block, call by call.
         let x = gpt.forward(0, &params[0], &tokens, None)?;
         let trunk = &params[cfg.block_unit(0)];
-        let (tf, tr) = time(reps, || Ok(gpt.moe_trunk_forward(0, trunk, &x)?))?;
+        let (tf, tr) = time(reps, || Ok(gpt.trunk_forward(0, trunk, &x)?))?;
         let inputs: Vec<Option<Tensor>> =
             (0..e).map(|x| tr.routing.expert_input(x, &tr.h)).collect::<Result<_, _>>()?;
         let (ef, outs) = time(reps, || {
@@ -83,8 +83,8 @@ fn main() -> anyhow::Result<()> {
                 .collect::<Result<Vec<_>, _>>()
                 .map_err(anyhow::Error::from)
         })?;
-        let (cf, y) = time(reps, || Ok(gpt.moe_combine(&tr.x1, &tr.routing, &outs)?))?;
-        let (cb, cg) = time(reps, || Ok(gpt.moe_combine_backward(&tr.routing, &y, &outs)?))?;
+        let (cf, y) = time(reps, || Ok(gpt.combine(&tr.x1, &tr.routing, &outs)?))?;
+        let (cb, cg) = time(reps, || Ok(tr.routing.combine_backward(&y, &outs)?))?;
         let (eb, grad_inputs) = time(reps, || {
             let mut gi = vec![None; e];
             for (x, h) in inputs.iter().enumerate() {
@@ -95,8 +95,7 @@ fn main() -> anyhow::Result<()> {
             Ok(gi)
         })?;
         let grad_h = tr.routing.scatter_input_grads(&grad_inputs)?;
-        let (tb, _) =
-            time(reps, || Ok(gpt.moe_trunk_backward(0, trunk, &x, &tr.routing, &y, &grad_h, &cg.grad_gates)?))?;
+        let (tb, _) = time(reps, || Ok(gpt.trunk_backward(0, trunk, &x, &tr.routing, &y, &grad_h, &cg.grad_gates)?))?;
         println!(
             "  block 0: trunk forward (incl. routing) {:.2} ms, experts forward {:.2} ms, combine {:.2} ms, \
              combine backward {:.2} ms, experts backward {:.2} ms, trunk backward {:.2} ms; tokens per expert {:?}",

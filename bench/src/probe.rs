@@ -220,8 +220,8 @@ pub fn with_compute_threads<R: Send>(threads: usize, f: impl FnOnce() -> R + Sen
 /// Times candle's forward and backward of one block of `shape` in `shape.dtype` on the CPU (the
 /// sim device's compute) on `shape.threads` threads, or on the CUDA GPU `shape.device` names (on
 /// a stream of candle's own, synchronised before each time is read; nothing is read back inside
-/// a timed region), the way the trainer calls them: the dense block's [`Gpt::forward`] and
-/// [`Gpt::backward`] (recompute + VJP), or the MoE block's trunk, routed experts and combine, and
+/// a timed region), the way the trainer calls them: the dense block's [`CausalLm::forward`] and
+/// [`CausalLm::backward`] (recompute + VJP), or the MoE block's trunk, routed experts and combine, and
 /// their backward as `Trainer::train_step` runs it; on the CPU the gradients are copied out to
 /// host vectors as the trainer pushes them (on a GPU the push is a D2H on the copy stream, beside
 /// compute, so it is not timed). Input: the embedding of pseudo-random tokens.

@@ -43,7 +43,8 @@ pub use attention::{attention_workspace_bytes, AttentionBytes, AttentionShape};
 pub use gpt::{Gpt, GptConfig, MoeConfig};
 pub use llama::{Llama, LlamaConfig, LlamaFamily, RopeScaling};
 pub use lm::{
-    loss_and_grads, loss_parts_and_grads, CausalLm, Dims, HeadLossGrads, MoeLm, TokenLoss, UnitGrads, IGNORE_INDEX,
+    forward_all, loss, loss_and_grads, loss_parts, loss_parts_and_grads, CausalLm, Dims, HeadLossGrads, MoeLm,
+    TokenLoss, UnitGrads, IGNORE_INDEX,
 };
 pub use mixtral::{Mixtral, MixtralConfig};
 pub use moe::{CombineGrads, ExpertGrads, LossParts, Routing, TrunkOut};

@@ -13,7 +13,20 @@
 //! With MoE blocks ([`CausalLm::moe`]) each block is a trunk unit and one unit per expert; the
 //! trunk routes the tokens and the trainer calls each routed expert where its placement says
 //! (see [`MoeLm`], which spells out the calls and their order). [`loss_parts_and_grads`] is that
-//! loop, in memory, for any [`CausalLm`], dense or MoE ([`loss_and_grads`]: its total).
+//! loop, in memory, for any [`CausalLm`], dense or MoE ([`loss_and_grads`]: its total;
+//! [`forward_all`], [`loss_parts`] and [`loss`] the forward pass alone).
+//!
+//! # The unit calls, once
+//!
+//! The unit calls are written here once for every family of this crate: the dispatch by unit
+//! kind with its checks, the recompute-and-VJP backward, the head's loss and its backward
+//! (`unit_forward`, `unit_backward`, `unit_head_loss`, `unit_head_loss_backward`), and the MoE
+//! block's trunk and expert calls (`trunk_forward`, `expert_forward`, `expert_backward`,
+//! `trunk_backward`). A family implements the crate-internal `Family` trait — its views of a
+//! unit's flat vector, its embedding, dense block and head, and optionally a loss and a
+//! backward of its own (the Llama family's fused CPU layer and head) — and, with MoE blocks,
+//! `MoeFamily` (its trunk, routing, expert, gates and load-balancing term); its `impl CausalLm`
+//! and `impl MoeLm` take the calls from the `unit_calls!` and `moe_calls!` macros.
 //!
 //! # Targets and the ignore index
 //!
@@ -23,7 +36,7 @@
 //! only ([`TokenLoss`] gives the sum and the count, so losses of several batches can be pooled
 //! per token).
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, Var};
 
 use crate::attention::{AttentionBytes, AttentionShape};
 use crate::unit::{UnitKind, UnitSpec};
@@ -250,6 +263,41 @@ pub fn count_targets(targets: &Tensor) -> Result<usize> {
     Ok(crate::ops::host_targets(targets)?.iter().filter(|&&t| t != IGNORE_INDEX).count())
 }
 
+/// Logits `[B, T, vocab_size]` of the whole model: the unit forwards in order (an MoE block as
+/// a trainer runs it: trunk, each expert with tokens, combine). `params[u]` is unit `u`'s flat
+/// vector, `tokens` `[B, T]` U32.
+///
+/// # Errors
+/// [`crate::Error::Input`] for a wrong number of parameter vectors or unit order; any error of
+/// the unit calls.
+pub fn forward_all(model: &dyn CausalLm, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
+    let pass = forward_pass(model, params, tokens, false)?;
+    let last = params.len() - 1;
+    model.forward(last, &params[last], &pass.x, model.tied_head().then(|| &params[0]))
+}
+
+/// The objective of the whole model on `tokens` → `targets` (both `[B, T]` U32) in its two
+/// parts, without gradients: the head's [`CausalLm::head_loss`] and, for an MoE model, the
+/// weighted load-balancing term ([`MoeLm::aux_loss`]; 0 for a dense model).
+///
+/// # Errors
+/// As [`forward_all`] and [`CausalLm::head_loss`].
+pub fn loss_parts(model: &dyn CausalLm, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<LossParts> {
+    let pass = forward_pass(model, params, tokens, false)?;
+    let last = params.len() - 1;
+    let ce = model.head_loss(&params[last], &pass.x, model.tied_head().then(|| &params[0]), targets)?;
+    Ok(LossParts { ce, aux: pass.aux })
+}
+
+/// [`loss_parts`]' total ([`LossParts::total`]; the mean cross-entropy of a dense model).
+///
+/// # Errors
+/// As [`loss_parts`].
+pub fn loss(model: &dyn CausalLm, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<f64> {
+    let parts = loss_parts(model, params, tokens, targets)?;
+    Ok(if model.moe().is_some() { parts.total() } else { parts.ce })
+}
+
 /// Loss and gradients of a [`CausalLm`] over one batch, composed of the unit calls exactly as
 /// the out-of-core trainer runs them (the in-memory reference of the module docs): forward unit
 /// by unit keeping each unit's input, then [`CausalLm::head_loss_backward`] and
@@ -272,63 +320,15 @@ pub fn loss_and_grads(
     tokens: &Tensor,
     targets: &Tensor,
 ) -> Result<(f64, Vec<Tensor>)> {
-    if model.moe().is_some() {
-        let (parts, grads) = loss_parts_and_grads(model, params, tokens, targets)?;
-        return Ok((parts.total(), grads));
-    }
-    dense_loss_and_grads(model, params, tokens, targets)
-}
-
-/// [`loss_and_grads`] of a dense model.
-fn dense_loss_and_grads(
-    model: &dyn CausalLm,
-    params: &[Tensor],
-    tokens: &Tensor,
-    targets: &Tensor,
-) -> Result<(f64, Vec<Tensor>)> {
-    let units = model.units();
-    let n = units.len();
-    if params.len() != n || n < 2 {
-        return Err(crate::ops::input_err("number of unit parameter vectors", n.to_string(), params.len().to_string()));
-    }
-    let tied = model.tied_head().then(|| &params[0]);
-    // checkpoints[u] = output of unit u = input of unit u + 1, u in 0..n-1.
-    let mut checkpoints: Vec<Tensor> = Vec::with_capacity(n - 1);
-    let mut x = model.forward(0, &params[0], tokens, None)?;
-    for (u, p) in params.iter().enumerate().take(n - 1).skip(1) {
-        let y = model.forward(u, p, &x, None)?;
-        checkpoints.push(std::mem::replace(&mut x, y));
-    }
-    checkpoints.push(x);
-
-    let mut grads: Vec<Option<Tensor>> = vec![None; n];
-    let head = model.head_loss_backward(&params[n - 1], &checkpoints[n - 2], tied, targets)?;
-    let mut g = head
-        .grads
-        .grad_input
-        .ok_or_else(|| crate::ops::input_err("head gradients", "an input gradient".into(), "None".into()))?;
-    grads[n - 1] = Some(head.grads.grad_params);
-    for u in (1..n - 1).rev() {
-        let ug = model.backward(u, &params[u], &checkpoints[u - 1], &g, None)?;
-        grads[u] = Some(ug.grad_params);
-        g = ug
-            .grad_input
-            .ok_or_else(|| crate::ops::input_err("block gradients", "an input gradient".into(), "None".into()))?;
-    }
-    let mut g0 = model.backward(0, &params[0], tokens, &g, None)?.grad_params;
-    if let Some(gt) = head.grads.grad_tied_wte {
-        g0 = (g0 + gt)?;
-    }
-    grads[0] = Some(g0);
-    Ok((head.loss, grads.into_iter().map(|g| g.expect("every unit's gradient is set")).collect()))
+    let (parts, grads) = loss_parts_and_grads(model, params, tokens, targets)?;
+    Ok((if model.moe().is_some() { parts.total() } else { parts.ce }, grads))
 }
 
 /// The MoE side of [`loss_and_grads`]: the objective in its two parts ([`LossParts`]: the
 /// cross-entropy and the weighted load-balancing term) and its gradient, one flat vector per
-/// unit, in unit order — for any [`CausalLm`], dense (`aux = 0`, the dense loop of
-/// [`loss_and_grads`]) or MoE. An MoE block runs exactly the calls, in the order, that
-/// [`MoeLm`]'s docs prescribe for a trainer, experts in index order; an expert without tokens
-/// is not called and its gradient is zero.
+/// unit, in unit order — for any [`CausalLm`], dense (`aux = 0`) or MoE. An MoE block runs
+/// exactly the calls, in the order, that [`MoeLm`]'s docs prescribe for a trainer, experts in
+/// index order; an expert without tokens is not called and its gradient is zero.
 ///
 /// This is the in-memory reference a trainer's MoE path can be compared with (same calls, same
 /// order: the same bits).
@@ -342,55 +342,18 @@ pub fn loss_parts_and_grads(
     tokens: &Tensor,
     targets: &Tensor,
 ) -> Result<(LossParts, Vec<Tensor>)> {
-    let Some(moe) = model.moe() else {
-        let (ce, grads) = dense_loss_and_grads(model, params, tokens, targets)?;
-        return Ok((LossParts { ce, aux: 0.0 }, grads));
-    };
-    let units = model.units();
-    let n = units.len();
-    if params.len() != n || n < 2 {
-        return Err(crate::ops::input_err("number of unit parameter vectors", n.to_string(), params.len().to_string()));
-    }
-    let blocks = block_layout(units)?;
+    let pass = forward_pass(model, params, tokens, true)?;
+    let n = params.len();
     let tied = model.tied_head().then(|| &params[0]);
-
-    // Forward: keep each block's input and (MoE) routing.
-    let mut x = model.forward(0, &params[0], tokens, None)?;
-    let mut inputs = Vec::with_capacity(blocks.len());
-    let mut routings: Vec<Option<Routing>> = Vec::with_capacity(blocks.len());
-    for block in &blocks {
-        let y = match block {
-            BlockUnits::Dense(u) => {
-                routings.push(None);
-                model.forward(*u, &params[*u], &x, None)?
-            }
-            BlockUnits::Moe { block, trunk, experts } => {
-                let t = moe.trunk_forward(*block, &params[*trunk], &x)?;
-                let mut outs = vec![None; experts.len()];
-                for (e, (&u, out)) in experts.iter().zip(outs.iter_mut()).enumerate() {
-                    if let Some(h_e) = t.routing.expert_input(e, &t.h)? {
-                        *out = Some(moe.expert_forward(&params[u], &h_e)?);
-                    }
-                }
-                let y = moe.combine(&t.x1, &t.routing, &outs)?;
-                routings.push(Some(t.routing));
-                y
-            }
-        };
-        inputs.push(std::mem::replace(&mut x, y));
-    }
-    let mut finished: Vec<&mut Routing> = routings.iter_mut().flatten().collect();
-    moe.finish_forward(&mut finished)?;
-    let aux = moe.aux_loss(&routings.iter().flatten().collect::<Vec<_>>());
 
     // The head, then the blocks in reverse, each recomputed from its input.
     let mut grads: Vec<Option<Tensor>> = vec![None; n];
-    let head = model.head_loss_backward(&params[n - 1], &x, tied, targets)?;
+    let head = model.head_loss_backward(&params[n - 1], &pass.x, tied, targets)?;
     let mut g = head.grads.grad_input.ok_or_else(|| missing_grad("head"))?;
     grads[n - 1] = Some(head.grads.grad_params);
-    for ((block, x_in), routing) in blocks.iter().zip(&inputs).zip(&routings).rev() {
-        match (block, routing) {
-            (BlockUnits::Moe { block, trunk, experts }, Some(routing)) => {
+    for ((block, x_in), routing) in pass.blocks.iter().zip(&pass.inputs).zip(&pass.routings).rev() {
+        match (block, routing, model.moe()) {
+            (BlockUnits::Moe { block, trunk, experts }, Some(routing), Some(moe)) => {
                 let t = moe.trunk_forward(*block, &params[*trunk], x_in)?;
                 let mut grad_inputs = vec![None; experts.len()];
                 let mut grad_gates = vec![None; experts.len()];
@@ -411,7 +374,7 @@ pub fn loss_parts_and_grads(
                 grads[*trunk] = Some(tg.grad_params);
                 g = tg.grad_input.ok_or_else(|| missing_grad("trunk"))?;
             }
-            (BlockUnits::Dense(u), _) | (BlockUnits::Moe { trunk: u, .. }, None) => {
+            (BlockUnits::Dense(u), ..) | (BlockUnits::Moe { trunk: u, .. }, ..) => {
                 let ug = model.backward(*u, &params[*u], x_in, &g, None)?;
                 grads[*u] = Some(ug.grad_params);
                 g = ug.grad_input.ok_or_else(|| missing_grad("block"))?;
@@ -424,7 +387,82 @@ pub fn loss_parts_and_grads(
     }
     grads[0] = Some(g0);
     let grads = grads.into_iter().map(|g| g.expect("every unit's gradient is set")).collect();
-    Ok((LossParts { ce: head.loss, aux }, grads))
+    Ok((LossParts { ce: head.loss, aux: pass.aux }, grads))
+}
+
+/// The head's input `[B, T, d]` and every MoE block's routing (finished by
+/// [`MoeLm::finish_forward`]), in block order: the forward pass of [`forward_all`].
+///
+/// # Errors
+/// As [`forward_all`].
+#[cfg(test)]
+pub(crate) fn forward_hidden(
+    model: &dyn CausalLm,
+    params: &[Tensor],
+    tokens: &Tensor,
+) -> Result<(Tensor, Vec<Routing>)> {
+    let pass = forward_pass(model, params, tokens, false)?;
+    Ok((pass.x, pass.routings.into_iter().flatten().collect()))
+}
+
+/// One forward pass over the blocks, as a trainer runs it.
+struct Pass {
+    /// The head's input `[B, T, d]`.
+    x: Tensor,
+    /// The blocks between the embedding and the head.
+    blocks: Vec<BlockUnits>,
+    /// Each block's input (when kept).
+    inputs: Vec<Tensor>,
+    /// Each block's routing (`None` for a dense block), finished.
+    routings: Vec<Option<Routing>>,
+    /// [`MoeLm::aux_loss`] of the pass's routings; 0 for a dense model.
+    aux: f64,
+}
+
+/// The embedding and the blocks of `model` on `tokens`, keeping each block's input when `keep`.
+fn forward_pass(model: &dyn CausalLm, params: &[Tensor], tokens: &Tensor, keep: bool) -> Result<Pass> {
+    let units = model.units();
+    let n = units.len();
+    if params.len() != n || n < 2 {
+        return Err(crate::ops::input_err("number of unit parameter vectors", n.to_string(), params.len().to_string()));
+    }
+    let blocks = block_layout(units)?;
+    let mut x = model.forward(0, &params[0], tokens, None)?;
+    let mut inputs = Vec::with_capacity(if keep { blocks.len() } else { 0 });
+    let mut routings: Vec<Option<Routing>> = Vec::with_capacity(blocks.len());
+    for block in &blocks {
+        let y = match (block, model.moe()) {
+            (BlockUnits::Moe { block, trunk, experts }, Some(moe)) => {
+                let t = moe.trunk_forward(*block, &params[*trunk], &x)?;
+                let mut outs = vec![None; experts.len()];
+                for (e, (&u, out)) in experts.iter().zip(outs.iter_mut()).enumerate() {
+                    if let Some(h_e) = t.routing.expert_input(e, &t.h)? {
+                        *out = Some(moe.expert_forward(&params[u], &h_e)?);
+                    }
+                }
+                let y = moe.combine(&t.x1, &t.routing, &outs)?;
+                routings.push(Some(t.routing));
+                y
+            }
+            (BlockUnits::Dense(u), _) | (BlockUnits::Moe { trunk: u, .. }, None) => {
+                routings.push(None);
+                model.forward(*u, &params[*u], &x, None)?
+            }
+        };
+        let x_in = std::mem::replace(&mut x, y);
+        if keep {
+            inputs.push(x_in);
+        }
+    }
+    let aux = match model.moe() {
+        Some(moe) => {
+            let mut finished: Vec<&mut Routing> = routings.iter_mut().flatten().collect();
+            moe.finish_forward(&mut finished)?;
+            moe.aux_loss(&routings.iter().flatten().collect::<Vec<_>>())
+        }
+        None => 0.0,
+    };
+    Ok(Pass { x, blocks, inputs, routings, aux })
 }
 
 fn missing_grad(what: &str) -> crate::Error {
@@ -591,3 +629,548 @@ pub trait MoeLm: Send + Sync {
         routings.iter().map(|r| r.aux_loss()).sum()
     }
 }
+
+// ---- the unit calls, once for every family ----------------------------------------------------
+
+/// What a model family gives the unit calls of [`CausalLm`], which [`unit_calls!`] implements
+/// once for every family ([`unit_forward`], [`unit_backward`], [`unit_head_loss`],
+/// [`unit_head_loss_backward`]): the views of a unit's flat vector, its embedding, dense block
+/// and head, and optionally a loss and backward passes of its own (the fused CPU kernels). The
+/// checks (unit index, parameters, token ids, hidden states, targets, the tied embedding) and
+/// the recompute-and-VJP backward are the loop's.
+pub(crate) trait Family: CausalLm {
+    /// Views of unit `unit`'s parameters (or computation groups) into its flat vector, no copy.
+    /// The default: one view per [`crate::ParamSpec`].
+    fn views(&self, unit: usize, flat: &Tensor) -> Result<Vec<Tensor>> {
+        crate::ops::views(&self.units()[unit], flat)
+    }
+
+    /// The tied head's argument name and the config key that ties it, for its errors.
+    fn tie_names(&self) -> (&'static str, &'static str);
+
+    /// Embedding: token ids `[B, T]` (checked) → `[B, T, d]`, from the embedding's views.
+    fn embed(&self, p: &[Tensor], tokens: &Tensor) -> Result<Tensor>;
+
+    /// The embedding's flat gradient for half dtypes, accumulated in F32: `grad_wte` `[V, d]` is
+    /// the scatter-add of the rows' gradients ([`crate::ops::embedding_grad`]); a family with
+    /// more parameters in its embedding unit appends theirs (the GPT's `wpe`). `grad_output`
+    /// is `[B, T, d]`, checked.
+    fn embed_backward_wide(&self, tokens: &Tensor, grad_output: &Tensor, grad_wte: Tensor) -> Result<Tensor> {
+        let _ = (tokens, grad_output);
+        Ok(grad_wte.flatten_all()?)
+    }
+
+    /// A dense block: `[B, T, d]` (checked) → `[B, T, d]`.
+    fn block(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor>;
+
+    /// The head: `[B, T, d]` (checked) → logits `[B, T, V]`; `tied` is the embedding's `[V, d]`
+    /// ([`tied_view`]) when the head is tied.
+    fn head(&self, p: &[Tensor], tied: Option<&Tensor>, x: &Tensor) -> Result<Tensor>;
+
+    /// The mean cross-entropy of `logits` `[B, T, V]` over the `count` targets that are not
+    /// ignored (checked), as a scalar tensor. The default: the op composition, in F32 for half
+    /// dtypes (transformers upcasts the logits).
+    fn loss(&self, logits: &Tensor, targets: &Tensor, count: usize) -> Result<Tensor> {
+        let _ = count;
+        crate::ops::cross_entropy(&crate::ops::widen(logits)?, targets)
+    }
+
+    /// A dense block's backward of the family's own (a hand-written fused CPU backward) when it
+    /// has one for `x`; `None`: the loop recomputes the block under autograd. Arguments checked.
+    fn own_block_backward(
+        &self,
+        unit: usize,
+        params: &Tensor,
+        x: &Tensor,
+        grad_y: &Tensor,
+    ) -> Result<Option<UnitGrads>> {
+        let _ = (unit, params, x, grad_y);
+        Ok(None)
+    }
+
+    /// The head's training backward of the family's own (fused CPU kernels) when it has one for
+    /// `x`; `None`: the loop's autograd. `params` and `x` checked, `targets` not.
+    fn own_head_loss_backward(
+        &self,
+        params: &Tensor,
+        x: &Tensor,
+        tied: Option<&Tensor>,
+        targets: &Tensor,
+    ) -> Result<Option<HeadLossGrads>> {
+        let _ = (params, x, tied, targets);
+        Ok(None)
+    }
+}
+
+/// Hidden states `[B, 1 <= T <= max_seq_len, hidden]` in `dtype`.
+pub(crate) fn check_hidden(
+    model: &(impl CausalLm + ?Sized),
+    x: &Tensor,
+    dtype: DType,
+    what: &'static str,
+) -> Result<()> {
+    crate::ops::check_hidden(x, dtype, model.dims().hidden, model.max_seq_len(), what)
+}
+
+/// Token ids `[B, T <= max_seq_len]` U32 below `vocab_size`.
+fn check_tokens(model: &(impl CausalLm + ?Sized), tokens: &Tensor) -> Result<()> {
+    crate::ops::check_ids(tokens, model.vocab_size(), model.max_seq_len(), "embedding input")
+}
+
+/// Targets `[B, T]` like the logits' first dims; returns the number of counted positions.
+fn check_targets(model: &(impl CausalLm + ?Sized), targets: &Tensor, logits: &Tensor) -> Result<usize> {
+    crate::ops::check_targets(targets, &logits.dims()[..2], model.vocab_size())
+}
+
+/// `grad` has the output's shape `want`.
+fn check_grad_shape(want: &[usize], grad: &Tensor) -> Result<()> {
+    if want != grad.dims() {
+        return Err(crate::ops::input_err("grad_output shape", format!("{want:?}"), format!("{:?}", grad.dims())));
+    }
+    Ok(())
+}
+
+/// The embedding `[V, d]` a tied head reads, as a view of the embedding unit's flat vector
+/// `tied` (checked: present, its shape, the head params' `dtype`); `None` when the head is not
+/// tied.
+pub(crate) fn tied_view<F: Family>(f: &F, tied: Option<&Tensor>, dtype: DType) -> Result<Option<Tensor>> {
+    if !f.tied_head() {
+        return Ok(None);
+    }
+    let (what, key) = f.tie_names();
+    let flat = crate::ops::tied_flat(tied, &f.units()[0], dtype, what, key)?;
+    let (v, d) = (f.vocab_size(), f.dims().hidden);
+    Ok(Some(flat.narrow(0, 0, v * d)?.reshape((v, d))?))
+}
+
+/// The error of a dense unit call on an MoE unit.
+fn moe_unit_err(spec: &UnitSpec) -> crate::Error {
+    crate::ops::input_err(
+        "unit kind",
+        "the embedding, a dense block or the head (MoE units: MoeLm's trunk and expert calls)".into(),
+        format!("{:?} (unit {})", spec.kind, spec.name),
+    )
+}
+
+/// [`CausalLm::forward`] of a family.
+pub(crate) fn unit_forward<F: Family>(
+    f: &F,
+    unit: usize,
+    params: &Tensor,
+    input: &Tensor,
+    tied: Option<&Tensor>,
+) -> Result<Tensor> {
+    let spec = crate::ops::unit_spec(f.units(), unit)?;
+    crate::ops::check_params(spec, params)?;
+    let p = f.views(unit, params)?;
+    match spec.kind {
+        UnitKind::Embedding => {
+            check_tokens(f, input)?;
+            f.embed(&p, input)
+        }
+        UnitKind::Block(_) => {
+            check_hidden(f, input, params.dtype(), "block input")?;
+            f.block(&p, input)
+        }
+        UnitKind::Head => {
+            check_hidden(f, input, params.dtype(), "head input")?;
+            let w = tied_view(f, tied, params.dtype())?;
+            f.head(&p, w.as_ref(), input)
+        }
+        UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => Err(moe_unit_err(spec)),
+    }
+}
+
+/// [`CausalLm::backward`] of a family: the family's own backward where it has one, else the
+/// unit recomputed from `input` with its parameters (and input, and a tied head's embedding) as
+/// candle `Var`s, and the vector-Jacobian product with `grad_output`.
+pub(crate) fn unit_backward<F: Family>(
+    f: &F,
+    unit: usize,
+    params: &Tensor,
+    input: &Tensor,
+    grad_output: &Tensor,
+    tied: Option<&Tensor>,
+) -> Result<UnitGrads> {
+    let spec = crate::ops::unit_spec(f.units(), unit)?;
+    crate::ops::check_params(spec, params)?;
+    let dtype = params.dtype();
+    if grad_output.dtype() != dtype {
+        return Err(crate::ops::input_err(
+            "grad_output dtype",
+            format!("{dtype:?}"),
+            format!("{:?}", grad_output.dtype()),
+        ));
+    }
+    match spec.kind {
+        UnitKind::Block(_) => {
+            check_hidden(f, input, dtype, "block input")?;
+            check_grad_shape(input.dims(), grad_output)?;
+            if let Some(g) = f.own_block_backward(unit, params, input, grad_output)? {
+                return Ok(g);
+            }
+        }
+        UnitKind::Embedding if crate::ops::is_half(dtype) => {
+            // The scatter-add of the rows' gradients in F32 (candle's `index_select` backward
+            // would accumulate in the half dtype).
+            check_tokens(f, input)?;
+            let (b, t) = input.dims2()?;
+            let d = f.dims().hidden;
+            check_grad_shape(&[b, t, d], grad_output)?;
+            let ids = input.flatten_all()?;
+            let wte = crate::ops::embedding_grad(&ids, &grad_output.reshape((b * t, d))?, f.vocab_size())?;
+            let grad_params = f.embed_backward_wide(input, grad_output, wte)?;
+            return Ok(UnitGrads { grad_params, grad_input: None, grad_tied_wte: None });
+        }
+        _ => {}
+    }
+    let vars = vars(f, unit, params)?;
+    let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let (out, x_var, tied_var) = match spec.kind {
+        UnitKind::Embedding => {
+            check_tokens(f, input)?;
+            (f.embed(&p, input)?, None, None)
+        }
+        UnitKind::Block(_) => {
+            let x = Var::from_tensor(input)?;
+            (f.block(&p, x.as_tensor())?, Some(x), None)
+        }
+        UnitKind::Head => {
+            check_hidden(f, input, dtype, "head input")?;
+            let x = Var::from_tensor(input)?;
+            let w = tied_var(f, tied, dtype)?;
+            (f.head(&p, w.as_ref().map(Var::as_tensor), x.as_tensor())?, Some(x), w)
+        }
+        UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => return Err(moe_unit_err(spec)),
+    };
+    check_grad_shape(out.dims(), grad_output)?;
+    let grads = (out * grad_output)?.sum_all()?.backward()?;
+    crate::ops::collect_grads(&vars, x_var.as_ref(), tied_var.as_ref(), &grads, f.units()[0].numel)
+}
+
+/// [`CausalLm::head_loss`] of a family.
+pub(crate) fn unit_head_loss<F: Family>(
+    f: &F,
+    params: &Tensor,
+    input: &Tensor,
+    tied: Option<&Tensor>,
+    targets: &Tensor,
+) -> Result<f64> {
+    let logits = unit_forward(f, f.units().len() - 1, params, input, tied)?;
+    let count = check_targets(f, targets, &logits)?;
+    crate::ops::scalar(&f.loss(&logits, targets, count)?)
+}
+
+/// [`CausalLm::head_loss_backward`] of a family: its own where it has one, else the head and
+/// its loss recomputed under autograd.
+pub(crate) fn unit_head_loss_backward<F: Family>(
+    f: &F,
+    params: &Tensor,
+    input: &Tensor,
+    tied: Option<&Tensor>,
+    targets: &Tensor,
+) -> Result<HeadLossGrads> {
+    let unit = f.units().len() - 1;
+    crate::ops::check_params(&f.units()[unit], params)?;
+    let dtype = params.dtype();
+    check_hidden(f, input, dtype, "head input")?;
+    if let Some(g) = f.own_head_loss_backward(params, input, tied, targets)? {
+        return Ok(g);
+    }
+    let vars = vars(f, unit, params)?;
+    let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let x = Var::from_tensor(input)?;
+    let w = tied_var(f, tied, dtype)?;
+    let logits = f.head(&p, w.as_ref().map(Var::as_tensor), x.as_tensor())?;
+    let tokens = check_targets(f, targets, &logits)?;
+    let loss = f.loss(&logits, targets, tokens)?;
+    let grads = loss.backward()?;
+    let grads = crate::ops::collect_grads(&vars, Some(&x), w.as_ref(), &grads, f.units()[0].numel)?;
+    Ok(HeadLossGrads { loss: crate::ops::scalar(&loss)?, tokens, grads })
+}
+
+/// One `Var` per view of unit `unit`, copied out of the flat vector (one pass over the unit's
+/// bytes).
+///
+/// Separate leaves rather than one flat `Var` with narrowed views: candle's backward of `narrow`
+/// pads each parameter's gradient to the full flat length and adds it, which costs a pass over
+/// the whole unit per parameter; here the flat gradient is one `cat`.
+fn vars<F: Family>(f: &F, unit: usize, flat: &Tensor) -> Result<Vec<Var>> {
+    f.views(unit, flat)?.iter().map(|v| Ok(Var::from_tensor(v)?)).collect()
+}
+
+/// [`tied_view`] as a `Var`.
+fn tied_var<F: Family>(f: &F, tied: Option<&Tensor>, dtype: DType) -> Result<Option<Var>> {
+    Ok(match tied_view(f, tied, dtype)? {
+        Some(w) => Some(Var::from_tensor(&w)?),
+        None => None,
+    })
+}
+
+/// The unit calls of [`CausalLm`] (`forward`, `backward`, `head_loss`, `head_loss_backward`)
+/// for a type that implements [`Family`]: written inside its `impl CausalLm`.
+macro_rules! unit_calls {
+    () => {
+        fn forward(
+            &self,
+            unit: usize,
+            params: &candle_core::Tensor,
+            input: &candle_core::Tensor,
+            tied: Option<&candle_core::Tensor>,
+        ) -> crate::Result<candle_core::Tensor> {
+            crate::lm::unit_forward(self, unit, params, input, tied)
+        }
+
+        fn backward(
+            &self,
+            unit: usize,
+            params: &candle_core::Tensor,
+            input: &candle_core::Tensor,
+            grad_output: &candle_core::Tensor,
+            tied: Option<&candle_core::Tensor>,
+        ) -> crate::Result<crate::UnitGrads> {
+            crate::lm::unit_backward(self, unit, params, input, grad_output, tied)
+        }
+
+        fn head_loss(
+            &self,
+            params: &candle_core::Tensor,
+            input: &candle_core::Tensor,
+            tied: Option<&candle_core::Tensor>,
+            targets: &candle_core::Tensor,
+        ) -> crate::Result<f64> {
+            crate::lm::unit_head_loss(self, params, input, tied, targets)
+        }
+
+        fn head_loss_backward(
+            &self,
+            params: &candle_core::Tensor,
+            input: &candle_core::Tensor,
+            tied: Option<&candle_core::Tensor>,
+            targets: &candle_core::Tensor,
+        ) -> crate::Result<crate::HeadLossGrads> {
+            crate::lm::unit_head_loss_backward(self, params, input, tied, targets)
+        }
+    };
+}
+pub(crate) use unit_calls;
+
+// ---- the MoE calls, once for every MoE family -------------------------------------------------
+
+/// What an MoE family gives the calls of [`MoeLm`], which [`moe_calls!`] implements once
+/// ([`trunk_forward`], [`expert_forward`], [`expert_backward`], [`trunk_backward`]): where its
+/// units are, its trunk, router and expert, and the parts of the objective its trunk's backward
+/// differentiates (the gates, the load-balancing term).
+pub(crate) trait MoeFamily: Family + MoeLm {
+    /// Experts per MoE block, `E`.
+    fn num_experts(&self) -> usize;
+
+    /// Block `block`'s trunk unit.
+    ///
+    /// # Errors
+    /// [`crate::Error::Input`] on a model without MoE blocks or a block index out of range.
+    fn trunk_unit(&self, block: usize) -> Result<usize>;
+
+    /// Expert 0 of block 0's unit (every expert has its layout).
+    ///
+    /// # Errors
+    /// [`crate::Error::Input`] on a model without MoE blocks.
+    fn expert_unit0(&self) -> Result<usize>;
+
+    /// The trunk on its views: `(x1 [B, T, d], h [N, d], logits [N, E], probs [N, E])`, `probs`
+    /// in F32 for half dtypes.
+    fn trunk_math(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)>;
+
+    /// The routing of `probs` `[N, E]`, gates in `dtype` (the params').
+    fn route(&self, probs: &Tensor, dtype: DType) -> Result<Routing>;
+
+    /// One expert on its views and rows `[n_e, d]` → `[n_e, d]`.
+    fn expert_math(&self, p: &[Tensor], h: &Tensor) -> Result<Tensor>;
+
+    /// The gates of every (token, slot), `[N · k]`, differentiable in `probs` for fixed
+    /// `choices` `[N, k]`.
+    fn gate_values(&self, probs: &Tensor, choices: &Tensor, top_k: usize) -> Result<Tensor>;
+
+    /// What the trunk's backward needs of `routing` beyond its shape (Mixtral: the pooled
+    /// load-balancing weights of [`MoeLm::finish_forward`]).
+    ///
+    /// # Errors
+    /// [`crate::Error::Input`] when it is missing.
+    fn check_finished(&self, routing: &Routing) -> Result<()> {
+        let _ = routing;
+        Ok(())
+    }
+
+    /// The load-balancing term of the objective through this block's `probs` (a scalar in
+    /// `probs`' dtype), `None` when the objective has none.
+    fn aux_term(&self, probs: &Tensor, routing: &Routing) -> Result<Option<Tensor>>;
+}
+
+/// Expert rows `[n_e, hidden]` in `dtype`.
+fn check_expert_rows(model: &(impl CausalLm + ?Sized), h: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
+    let d = model.dims().hidden;
+    if !matches!(h.dims(), &[_, w] if w == d) || h.dtype() != dtype {
+        return Err(crate::ops::input_err(
+            what,
+            format!("{dtype:?} [n_e, {d}]"),
+            format!("{:?} {:?}", h.dtype(), h.dims()),
+        ));
+    }
+    Ok(())
+}
+
+/// [`MoeLm::trunk_forward`] of a family.
+pub(crate) fn trunk_forward<F: MoeFamily>(f: &F, block: usize, params: &Tensor, x: &Tensor) -> Result<TrunkOut> {
+    let unit = f.trunk_unit(block)?;
+    crate::ops::check_params(&f.units()[unit], params)?;
+    check_hidden(f, x, params.dtype(), "MoE trunk input")?;
+    let p = f.views(unit, params)?;
+    let (x1, h, logits, probs) = f.trunk_math(&p, x)?;
+    let routing = f.route(&probs, params.dtype())?;
+    Ok(TrunkOut { x1, h, logits, probs, routing })
+}
+
+/// [`MoeLm::expert_forward`] of a family: `n_e = 0` gives `[0, d]` without computing.
+pub(crate) fn expert_forward<F: MoeFamily>(f: &F, params: &Tensor, h_e: &Tensor) -> Result<Tensor> {
+    let unit = f.expert_unit0()?;
+    crate::ops::check_params(&f.units()[unit], params)?;
+    check_expert_rows(f, h_e, params.dtype(), "expert input")?;
+    if h_e.dim(0)? == 0 {
+        return Ok(h_e.clone());
+    }
+    f.expert_math(&f.views(unit, params)?, h_e)
+}
+
+/// [`MoeLm::expert_backward`] of a family, by recomputation under autograd; `n_e = 0` gives
+/// zero gradients.
+pub(crate) fn expert_backward<F: MoeFamily>(
+    f: &F,
+    params: &Tensor,
+    h_e: &Tensor,
+    grad_out_e: &Tensor,
+) -> Result<crate::ExpertGrads> {
+    let unit = f.expert_unit0()?;
+    crate::ops::check_params(&f.units()[unit], params)?;
+    check_expert_rows(f, h_e, params.dtype(), "expert input")?;
+    if let Some(empty) = crate::moe::expert_backward_trivial(params, h_e, grad_out_e)? {
+        return Ok(empty);
+    }
+    let vars = vars(f, unit, params)?;
+    let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let x = Var::from_tensor(h_e)?;
+    let out = f.expert_math(&p, x.as_tensor())?;
+    let grads = (&out * grad_out_e)?.sum_all()?.backward()?;
+    let g = crate::ops::collect_grads(&vars, Some(&x), None, &grads, f.units()[0].numel)?;
+    Ok(crate::ExpertGrads {
+        grad_params: g.grad_params,
+        grad_input: g.grad_input.expect("the expert's input is a Var"),
+        output: out.detach(),
+    })
+}
+
+/// [`MoeLm::trunk_backward`] of a family: the trunk recomputed from `x` under autograd, the VJP
+/// of `(x1, h, gates)` with `grad_y` (through the residual), `grad_h` and `grad_gates`, plus the
+/// family's load-balancing term; the top-k choices are `routing`'s.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn trunk_backward<F: MoeFamily>(
+    f: &F,
+    block: usize,
+    params: &Tensor,
+    x: &Tensor,
+    routing: &Routing,
+    grad_y: &Tensor,
+    grad_h: &Tensor,
+    grad_gates: &[Option<Tensor>],
+) -> Result<UnitGrads> {
+    let unit = f.trunk_unit(block)?;
+    crate::ops::check_params(&f.units()[unit], params)?;
+    let dtype = params.dtype();
+    check_hidden(f, x, dtype, "MoE trunk input")?;
+    let (e, k) = (f.num_experts(), f.experts_per_token());
+    if routing.num_experts() != e || routing.top_k() != k {
+        return Err(crate::ops::input_err(
+            "routing",
+            format!("a routing of this model ({e} experts, top-{k})"),
+            format!("{} experts, top-{}", routing.num_experts(), routing.top_k()),
+        ));
+    }
+    let (b, t, _) = x.dims3()?;
+    if routing.num_tokens != b * t || routing.dtype != dtype {
+        return Err(crate::ops::input_err(
+            "routing",
+            format!("the routing of this call ({} tokens, {dtype:?})", b * t),
+            format!("{} tokens, {:?}", routing.num_tokens, routing.dtype),
+        ));
+    }
+    f.check_finished(routing)?;
+    routing.check_x1(grad_y, "grad_y")?;
+    routing.check_rows(grad_h, "grad_h")?;
+    let (slot_idx, gate_grads) = routing.gate_grad_rows(grad_gates)?;
+
+    let vars = vars(f, unit, params)?;
+    let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+    let xv = Var::from_tensor(x)?;
+    let (x1, h, _, probs) = f.trunk_math(&p, xv.as_tensor())?;
+    let mut obj = ((&x1 * grad_y)?.sum_all()? + (&h * grad_h)?.sum_all()?)?;
+    if !slot_idx.is_empty() {
+        let n_slots = routing.num_tokens * routing.top_k;
+        let g = Tensor::zeros(n_slots, dtype, x.device())?.index_add(
+            &Tensor::cat(&slot_idx, 0)?,
+            &Tensor::cat(&gate_grads, 0)?,
+            0,
+        )?;
+        let gates = f.gate_values(&probs, &routing.choices_t, routing.top_k)?.to_dtype(dtype)?;
+        obj = (obj + (gates * g)?.sum_all()?.to_dtype(dtype)?)?;
+    }
+    if let Some(term) = f.aux_term(&probs, routing)? {
+        obj = (obj + term.to_dtype(dtype)?)?;
+    }
+    let grads = obj.backward()?;
+    crate::ops::collect_grads(&vars, Some(&xv), None, &grads, f.units()[0].numel)
+}
+
+/// The unit calls of [`MoeLm`] (`trunk_forward`, `expert_forward`, `expert_backward`,
+/// `trunk_backward`) for a type that implements [`MoeFamily`]: written inside its `impl MoeLm`.
+macro_rules! moe_calls {
+    () => {
+        fn trunk_forward(
+            &self,
+            block: usize,
+            params: &candle_core::Tensor,
+            x: &candle_core::Tensor,
+        ) -> crate::Result<crate::TrunkOut> {
+            crate::lm::trunk_forward(self, block, params, x)
+        }
+
+        fn expert_forward(
+            &self,
+            params: &candle_core::Tensor,
+            h_e: &candle_core::Tensor,
+        ) -> crate::Result<candle_core::Tensor> {
+            crate::lm::expert_forward(self, params, h_e)
+        }
+
+        fn expert_backward(
+            &self,
+            params: &candle_core::Tensor,
+            h_e: &candle_core::Tensor,
+            grad_out_e: &candle_core::Tensor,
+        ) -> crate::Result<crate::ExpertGrads> {
+            crate::lm::expert_backward(self, params, h_e, grad_out_e)
+        }
+
+        fn trunk_backward(
+            &self,
+            block: usize,
+            params: &candle_core::Tensor,
+            x: &candle_core::Tensor,
+            routing: &crate::Routing,
+            grad_y: &candle_core::Tensor,
+            grad_h: &candle_core::Tensor,
+            grad_gates: &[Option<candle_core::Tensor>],
+        ) -> crate::Result<crate::UnitGrads> {
+            crate::lm::trunk_backward(self, block, params, x, routing, grad_y, grad_h, grad_gates)
+        }
+    };
+}
+pub(crate) use moe_calls;

@@ -24,11 +24,11 @@
 //! jitter noise (training-time only in transformers) is not implemented and refused in
 //! `config.json` ([`crate::hf`]).
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Tensor};
 
 use crate::llama::{AttnParams, Llama, LlamaConfig, LlamaFamily};
-use crate::lm::{MoeLm, UnitGrads};
-use crate::moe::{ExpertGrads, ExpertRoute, Routing, TrunkOut};
+use crate::lm::{MoeFamily, MoeLm};
+use crate::moe::{ExpertRoute, Routing};
 use crate::ops::{self, input_err, softmax_last_dim};
 use crate::Result;
 
@@ -72,29 +72,6 @@ impl Llama {
                 "a Mixtral model (family mixtral)".into(),
                 format!("family {}", self.config().family.model_type()),
             ));
-        }
-        Ok(())
-    }
-
-    fn trunk_unit(&self, block: usize) -> Result<usize> {
-        self.moe_check()?;
-        let layers = self.config().num_hidden_layers;
-        if block >= layers {
-            return Err(input_err("block index", format!("< {layers}"), block.to_string()));
-        }
-        Ok(self.config().block_unit(block))
-    }
-
-    /// Expert (0, 0)'s unit: every expert has its layout.
-    fn expert_unit0(&self) -> Result<usize> {
-        self.moe_check()?;
-        Ok(self.config().expert_unit(0, 0))
-    }
-
-    fn check_expert_rows(&self, h: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
-        let d = self.config().hidden_size;
-        if !matches!(h.dims(), &[_, w] if w == d) || h.dtype() != dtype {
-            return Err(input_err(what, format!("{dtype:?} [n_e, {d}]"), format!("{:?} {:?}", h.dtype(), h.dims())));
         }
         Ok(())
     }
@@ -189,6 +166,69 @@ impl Llama {
     }
 }
 
+/// Mixtral's trunk (`x1 = x + attn(rms(x))`, `h = rms(x1)`, the router's logits and
+/// probabilities, the [`Routing`]: top-k, renormalized gates in the params' dtype, index tensors
+/// on `x`'s device), its SwiGLU experts (`w2(silu(w1 h_e) ⊙ w3 h_e)`) and the pooled
+/// load-balancing loss through each layer's probabilities with [`Routing::aux_weights`] (from
+/// [`MoeLm::finish_forward`]); the calls are [`crate::lm`]'s. Every call refuses a model of
+/// another family with [`crate::Error::Input`].
+impl MoeFamily for Llama {
+    fn num_experts(&self) -> usize {
+        self.config().num_experts()
+    }
+
+    fn trunk_unit(&self, block: usize) -> Result<usize> {
+        self.moe_check()?;
+        let layers = self.config().num_hidden_layers;
+        if block >= layers {
+            return Err(input_err("block index", format!("< {layers}"), block.to_string()));
+        }
+        Ok(self.config().block_unit(block))
+    }
+
+    fn expert_unit0(&self) -> Result<usize> {
+        self.moe_check()?;
+        Ok(self.config().expert_unit(0, 0))
+    }
+
+    fn trunk_math(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        self.mixtral_trunk_math(p, x)
+    }
+
+    fn route(&self, probs: &Tensor, dtype: DType) -> Result<Routing> {
+        self.mixtral_route(probs, dtype)
+    }
+
+    fn expert_math(&self, p: &[Tensor], h: &Tensor) -> Result<Tensor> {
+        self.mlp(&p[0], None, &p[1], None, h)
+    }
+
+    fn gate_values(&self, probs: &Tensor, choices: &Tensor, _top_k: usize) -> Result<Tensor> {
+        gate_values(probs, choices)
+    }
+
+    /// With a load-balancing loss in the objective, a routing [`MoeLm::finish_forward`] has
+    /// finished.
+    fn check_finished(&self, routing: &Routing) -> Result<()> {
+        if self.config().aux_loss_weight() != 0.0 && routing.aux_weights.is_none() {
+            return Err(input_err(
+                "routing",
+                "a routing finished by MoeLm::finish_forward (the pooled load-balancing weights)".into(),
+                "an unfinished routing".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    fn aux_term(&self, probs: &Tensor, routing: &Routing) -> Result<Option<Tensor>> {
+        if self.config().aux_loss_weight() == 0.0 {
+            return Ok(None);
+        }
+        let (_, w) = routing.aux_weights.as_ref().expect("checked by check_finished");
+        Ok(Some(probs.broadcast_mul(w)?.sum_all()?))
+    }
+}
+
 /// The MoE calls of a Mixtral model (see [`MoeLm`] for their order); every call refuses a
 /// model of another family with [`crate::Error::Input`].
 impl MoeLm for Llama {
@@ -196,132 +236,7 @@ impl MoeLm for Llama {
         self.config().top_k()
     }
 
-    /// Forward of layer `block`'s trunk: `x1 = x + attn(rms(x))`, `h = rms(x1)` `[N, d]`, the
-    /// router's logits and probabilities `[N, E]` and the [`Routing`] (top-k, renormalized
-    /// gates in the params' dtype, index tensors on `x`'s device).
-    ///
-    /// # Errors
-    /// [`crate::Error::Input`] on a block index `>= num_hidden_layers`, a wrong shape or dtype;
-    /// [`crate::Error::Candle`] from the ops.
-    fn trunk_forward(&self, block: usize, params: &Tensor, x: &Tensor) -> Result<TrunkOut> {
-        let unit = self.trunk_unit(block)?;
-        ops::check_params(&self.units()[unit], params)?;
-        self.check_hidden_input(x, params.dtype(), "MoE trunk input")?;
-        let p = self.unit_views(unit, params)?;
-        let (x1, h, logits, probs) = self.mixtral_trunk_math(&p, x)?;
-        let routing = self.mixtral_route(&probs, params.dtype())?;
-        Ok(TrunkOut { x1, h, logits, probs, routing })
-    }
-
-    /// One expert (any layer's): `w2(silu(w1 h_e) ⊙ w3 h_e)`, `[n_e, d]` → `[n_e, d]`, a pure
-    /// function of its arguments; `n_e = 0` gives `[0, d]` without computing.
-    ///
-    /// # Errors
-    /// [`crate::Error::Input`] on a wrong shape or dtype; [`crate::Error::Candle`].
-    fn expert_forward(&self, params: &Tensor, h_e: &Tensor) -> Result<Tensor> {
-        let unit = self.expert_unit0()?;
-        ops::check_params(&self.units()[unit], params)?;
-        self.check_expert_rows(h_e, params.dtype(), "expert input")?;
-        if h_e.dim(0)? == 0 {
-            return Ok(h_e.clone());
-        }
-        let p = self.unit_views(unit, params)?;
-        self.mlp(&p[0], None, &p[1], None, h_e)
-    }
-
-    /// Backward of one expert by recomputation with `grad_out_e` `[n_e, d]`; `n_e = 0` gives
-    /// zero gradients.
-    ///
-    /// # Errors
-    /// As [`MoeLm::expert_forward`]; [`crate::Error::Input`] when `grad_out_e` does not match.
-    fn expert_backward(&self, params: &Tensor, h_e: &Tensor, grad_out_e: &Tensor) -> Result<ExpertGrads> {
-        let unit = self.expert_unit0()?;
-        ops::check_params(&self.units()[unit], params)?;
-        let dtype = params.dtype();
-        self.check_expert_rows(h_e, dtype, "expert input")?;
-        if let Some(empty) = crate::moe::expert_backward_trivial(params, h_e, grad_out_e)? {
-            return Ok(empty);
-        }
-        let vars = self.unit_vars(unit, params)?;
-        let x = Var::from_tensor(h_e)?;
-        let out = self.mlp(vars[0].as_tensor(), None, vars[1].as_tensor(), None, x.as_tensor())?;
-        let grads = (&out * grad_out_e)?.sum_all()?.backward()?;
-        let g = ops::collect_grads(&vars, Some(&x), None, &grads, self.units()[0].numel)?;
-        Ok(ExpertGrads {
-            grad_params: g.grad_params,
-            grad_input: g.grad_input.expect("the expert's input is a Var"),
-            output: out.detach(),
-        })
-    }
-
-    /// Backward of layer `block`'s trunk by recomputation from `x` `[B, T, d]`: the VJP of
-    /// `(x1, h, gates)` with `grad_y` (through the residual), `grad_h` `[N, d]` and
-    /// `grad_gates`, plus the pooled load-balancing loss through this layer's probabilities
-    /// with `routing`'s [`Routing::aux_weights`] (from [`MoeLm::finish_forward`]). The top-k
-    /// choices are `routing`'s.
-    ///
-    /// # Errors
-    /// [`crate::Error::Input`] on a wrong block, shape or dtype, a routing of another shape, or
-    /// (with a load-balancing loss in the objective) a routing that [`MoeLm::finish_forward`]
-    /// has not finished; [`crate::Error::Candle`] from the ops.
-    fn trunk_backward(
-        &self,
-        block: usize,
-        params: &Tensor,
-        x: &Tensor,
-        routing: &Routing,
-        grad_y: &Tensor,
-        grad_h: &Tensor,
-        grad_gates: &[Option<Tensor>],
-    ) -> Result<UnitGrads> {
-        let unit = self.trunk_unit(block)?;
-        ops::check_params(&self.units()[unit], params)?;
-        let dtype = params.dtype();
-        self.check_hidden_input(x, dtype, "MoE trunk input")?;
-        self.check_routing(routing)?;
-        let (b, t, _) = x.dims3()?;
-        if routing.num_tokens != b * t || routing.dtype != dtype {
-            return Err(input_err(
-                "routing",
-                format!("the routing of this call ({} tokens, {dtype:?})", b * t),
-                format!("{} tokens, {:?}", routing.num_tokens, routing.dtype),
-            ));
-        }
-        let aux = self.config().aux_loss_weight() != 0.0;
-        if aux && routing.aux_weights.is_none() {
-            return Err(input_err(
-                "routing",
-                "a routing finished by MoeLm::finish_forward (the pooled load-balancing weights)".into(),
-                "an unfinished routing".into(),
-            ));
-        }
-        routing.check_x1(grad_y, "grad_y")?;
-        routing.check_rows(grad_h, "grad_h")?;
-        let (slot_idx, gate_grads) = routing.gate_grad_rows(grad_gates)?;
-
-        let vars = self.unit_vars(unit, params)?;
-        let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let xv = Var::from_tensor(x)?;
-        let (x1, h, _, probs) = self.mixtral_trunk_math(&p, xv.as_tensor())?;
-        let mut obj = ((&x1 * grad_y)?.sum_all()? + (&h * grad_h)?.sum_all()?)?;
-        if !slot_idx.is_empty() {
-            let n_slots = routing.num_tokens * routing.top_k;
-            let g = Tensor::zeros(n_slots, dtype, x.device())?.index_add(
-                &Tensor::cat(&slot_idx, 0)?,
-                &Tensor::cat(&gate_grads, 0)?,
-                0,
-            )?;
-            let gates = gate_values(&probs, &routing.choices_t)?.to_dtype(dtype)?;
-            obj = (obj + (gates * g)?.sum_all()?.to_dtype(dtype)?)?;
-        }
-        if aux {
-            let (_, w) = routing.aux_weights.as_ref().expect("checked above");
-            let term = probs.broadcast_mul(w)?.sum_all()?.to_dtype(dtype)?;
-            obj = (obj + term)?;
-        }
-        let grads = obj.backward()?;
-        ops::collect_grads(&vars, Some(&xv), None, &grads, self.units()[0].numel)
-    }
+    crate::lm::moe_calls!();
 
     /// Pools the forward pass's routings (one per layer, in order): `N = Σ N_i`, `c_e` the
     /// picks of expert `e` over all `N · k` choices, and gives each routing the weights

@@ -32,14 +32,13 @@ pub struct LossParts {
 }
 
 impl LossParts {
-    /// `ce + aux`: the objective whose gradient [`crate::lm::loss_parts_and_grads`] (and
-    /// [`crate::Gpt::loss_parts_and_grads`]) returns.
+    /// `ce + aux`: the objective whose gradient [`crate::lm::loss_parts_and_grads`] returns.
     pub fn total(&self) -> f64 {
         self.ce + self.aux
     }
 }
 
-/// Output of [`MoeLm::trunk_forward`](crate::MoeLm::trunk_forward) (MoE-GPT: [`crate::Gpt::moe_trunk_forward`]; Mixtral:
+/// Output of [`MoeLm::trunk_forward`](crate::MoeLm::trunk_forward) (MoE-GPT: [`crate::Gpt`]; Mixtral:
 /// [`crate::Mixtral`]).
 #[derive(Debug, Clone)]
 pub struct TrunkOut {

@@ -232,15 +232,6 @@ pub(crate) fn views(spec: &UnitSpec, flat: &Tensor) -> Result<Vec<Tensor>> {
     spec.params.iter().map(|p| Ok(flat.narrow(0, p.offset, p.numel())?.reshape(p.shape.as_slice())?)).collect()
 }
 
-/// One `Var` per parameter, copied out of the flat vector (one pass over the unit's bytes).
-///
-/// Separate leaves rather than one flat `Var` with narrowed views: candle's backward of `narrow`
-/// pads each parameter's gradient to the full flat length and adds it, which costs a pass over
-/// the whole unit per parameter; here the flat gradient is one `cat`.
-pub(crate) fn vars(spec: &UnitSpec, flat: &Tensor) -> Result<Vec<Var>> {
-    views(spec, flat)?.iter().map(|v| Ok(Var::from_tensor(v)?)).collect()
-}
-
 /// A scalar tensor's value widened to f64.
 pub(crate) fn scalar(t: &Tensor) -> Result<f64> {
     Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)

@@ -29,7 +29,7 @@
 //! The block is `y = x1 + Σ_e scatter(idx_e, gate_e · expert_e(h[idx_e]))` and the objective
 //! is `CE + Σ_blocks aux` ([`LossParts`]); gates, capacity and the auxiliary loss are defined
 //! in [`MoeConfig`]. The MoE unit calls (trunk forward, expert forward, combine, and their
-//! backward) are described in [`Gpt::loss_parts_and_grads`], which runs them as a trainer does.
+//! backward) are [`crate::MoeLm`]'s; [`crate::lm::loss_parts_and_grads`] runs them as a trainer does.
 //!
 //! Blocks are pre-LN: `x + proj(attn(ln_1(x)))`, then `x + mlp(ln_2(x))` with causal
 //! multi-head self-attention and a GELU (tanh form) MLP. LayerNorm, softmax and the
@@ -57,8 +57,9 @@
 //!           g_0 = backward(0, p_0, tokens, g).grad_params (+ g_tied when the head is tied)
 //! ```
 //!
-//! [`Gpt::loss_and_grads`] is exactly this loop, in memory (for the MoE block's calls see
-//! [`Gpt::loss_parts_and_grads`]). Nothing is kept between calls but
+//! [`crate::lm::loss_and_grads`] is exactly this loop, in memory (for the MoE block's calls see
+//! [`crate::lm::loss_parts_and_grads`]). The unit calls are written once for every family in
+//! [`crate::lm`]; this module gives the GPT's embedding, block and head. Nothing is kept between calls but
 //! what the caller keeps; a unit's activations live only during its own call.
 //!
 //! # Tied head
@@ -83,13 +84,13 @@
 //! threads. Results do not depend on the thread count: gemm splits output blocks, not the
 //! reduction dimension, and the fused row sums add fixed blocks in a fixed order.
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Tensor};
 
 use crate::kernels;
-use crate::lm::{HeadLossGrads, UnitGrads};
-use crate::ops::{self, cross_entropy, gelu_composed, input_err, layer_norm, linear, scalar, vars, views};
+use crate::lm::Family;
+use crate::ops::{self, gelu_composed, layer_norm, linear};
 use crate::unit::{UnitKind, UnitSpec};
-use crate::{Error, Result};
+use crate::Result;
 
 use config::block_idx as bi;
 
@@ -184,371 +185,12 @@ impl Gpt {
         &self.config
     }
 
-    /// The units in forward order ([`GptConfig::num_units`] of them), as [`GptConfig::units`].
-    pub fn units(&self) -> &[UnitSpec] {
-        &self.units
-    }
-
-    /// Forward of unit `unit`.
-    ///
-    /// - embedding: `input` token ids `[B, T]` (U32, `T <= max_seq_len`) → hidden `[B, T, d]`;
-    /// - block: hidden `[B, T, d]` → hidden `[B, T, d]`;
-    /// - head: hidden `[B, T, d]` → logits `[B, T, vocab_size]`.
-    ///
-    /// `params` is the unit's flat vector; `tied_wte` is the **embedding unit's** flat vector and
-    /// is required by the head when `tied_head` is set (ignored otherwise and by other units).
-    /// Nothing is kept after the call.
-    ///
-    /// MoE trunk and expert units are refused (`what = "unit kind"`): their calls take and
-    /// return more than one tensor, see [`Gpt::moe_trunk_forward`] and [`Gpt::expert_forward`].
-    ///
-    /// # Errors
-    /// [`Error::Input`] on a wrong unit index, kind, shape, dtype, sequence length or token id;
-    /// [`Error::Candle`] from the ops.
-    pub fn forward(&self, unit: usize, params: &Tensor, input: &Tensor, tied_wte: Option<&Tensor>) -> Result<Tensor> {
-        let spec = self.unit_spec(unit)?;
-        self.check_params(spec, params)?;
-        let p = views(spec, params)?;
-        match spec.kind {
-            UnitKind::Embedding => {
-                self.check_tokens(input, "embedding input")?;
-                self.embed_math(&p, input)
-            }
-            UnitKind::Block(_) => {
-                self.check_hidden(input, params.dtype(), "block input")?;
-                self.block_math(&p, input)
-            }
-            UnitKind::Head => {
-                self.check_hidden(input, params.dtype(), "head input")?;
-                let w_out = self.head_out_weight(&p, tied_wte, params.dtype())?;
-                self.head_math(&p, &w_out, input)
-            }
-            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => Err(moe_unit_err(spec)),
-        }
-    }
-
-    /// Backward of unit `unit` by recomputation: runs the unit's forward again from its
-    /// checkpointed `input` with its parameters (and the input) as candle `Var`s, then takes the
-    /// vector-Jacobian product with `grad_output` (same shape as the forward's output; for the
-    /// head, the gradient of the logits). Only this unit's activations live during the call
-    /// (activation checkpointing, Chen et al. 2016).
-    ///
-    /// For the head of the training loss use [`Gpt::head_loss_backward`], which takes the targets.
-    ///
-    /// # Errors
-    /// As [`Gpt::forward`], and [`Error::Input`] when `grad_output` does not match the output.
-    pub fn backward(
-        &self,
-        unit: usize,
-        params: &Tensor,
-        input: &Tensor,
-        grad_output: &Tensor,
-        tied_wte: Option<&Tensor>,
-    ) -> Result<UnitGrads> {
-        let spec = self.unit_spec(unit)?;
-        self.check_params(spec, params)?;
-        let dtype = params.dtype();
-        if grad_output.dtype() != dtype {
-            return Err(input_err("grad_output dtype", format!("{dtype:?}"), format!("{:?}", grad_output.dtype())));
-        }
-        if spec.kind == UnitKind::Embedding && ops::is_half(dtype) {
-            self.check_tokens(input, "embedding input")?;
-            return self.embed_backward_f32(input, grad_output, dtype);
-        }
-        let vars = vars(spec, params)?;
-        let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let (out, x_var, wte_var) = match spec.kind {
-            UnitKind::Embedding => {
-                self.check_tokens(input, "embedding input")?;
-                (self.embed_math(&p, input)?, None, None)
-            }
-            UnitKind::Block(_) => {
-                self.check_hidden(input, dtype, "block input")?;
-                let x = Var::from_tensor(input)?;
-                (self.block_math(&p, x.as_tensor())?, Some(x), None)
-            }
-            UnitKind::Head => {
-                self.check_hidden(input, dtype, "head input")?;
-                let x = Var::from_tensor(input)?;
-                let wte = self.tied_wte_var(tied_wte, dtype)?;
-                let w_out = match &wte {
-                    Some(w) => w.as_tensor().t()?,
-                    None => p[2].clone(),
-                };
-                (self.head_math(&p, &w_out, x.as_tensor())?, Some(x), wte)
-            }
-            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => return Err(moe_unit_err(spec)),
-        };
-        if out.dims() != grad_output.dims() {
-            return Err(input_err(
-                "grad_output shape",
-                format!("{:?}", out.dims()),
-                format!("{:?}", grad_output.dims()),
-            ));
-        }
-        let grads = (out * grad_output)?.sum_all()?.backward()?;
-        self.collect(spec, &vars, x_var.as_ref(), wte_var.as_ref(), &grads)
-    }
-
-    /// Validation loss of the head: mean cross-entropy in nats of `softmax(logits)` against
-    /// `targets` (`[B, T]` U32; positions whose target is [`crate::lm::IGNORE_INDEX`] are left
-    /// out of the mean), no gradient kept. `input` is the head's input `[B, T, d]`.
-    ///
-    /// The loss is returned as f64 (the mean is computed in the params' dtype, then widened) so
-    /// that finite-difference checks in F64 keep their precision.
-    ///
-    /// # Errors
-    /// As [`Gpt::forward`], and [`Error::Input`] when `targets` is not `[B, T]` U32 below
-    /// `vocab_size`.
-    pub fn head_loss(
-        &self,
-        params: &Tensor,
-        input: &Tensor,
-        tied_wte: Option<&Tensor>,
-        targets: &Tensor,
-    ) -> Result<f64> {
-        let logits = self.forward(self.units.len() - 1, params, input, tied_wte)?;
-        self.check_targets(targets, &logits)?;
-        scalar(&cross_entropy(&ops::widen(&logits)?, targets)?)
-    }
-
-    /// The head's training backward: recomputes the head from its checkpointed `input`
-    /// (`[B, T, d]`), returns the mean cross-entropy (nats) against `targets` (`[B, T]` U32) and
-    /// the gradients of that loss: the head's flat params, its input, and, when the head is tied,
-    /// the embedding unit's flat vector ([`UnitGrads::grad_tied_wte`], which the trainer adds to
-    /// the embedding's own gradient).
-    ///
-    /// # Errors
-    /// As [`Gpt::head_loss`].
-    pub fn head_loss_backward(
-        &self,
-        params: &Tensor,
-        input: &Tensor,
-        tied_wte: Option<&Tensor>,
-        targets: &Tensor,
-    ) -> Result<HeadLossGrads> {
-        let spec = &self.units[self.units.len() - 1];
-        self.check_params(spec, params)?;
-        let dtype = params.dtype();
-        self.check_hidden(input, dtype, "head input")?;
-        let vars = vars(spec, params)?;
-        let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let x = Var::from_tensor(input)?;
-        let wte = self.tied_wte_var(tied_wte, dtype)?;
-        let w_out = match &wte {
-            Some(w) => w.as_tensor().t()?,
-            None => p[2].clone(),
-        };
-        let logits = self.head_math(&p, &w_out, x.as_tensor())?;
-        let tokens = self.check_targets(targets, &logits)?;
-        // In F32 for half dtypes, as transformers upcasts the logits.
-        let loss = cross_entropy(&ops::widen(&logits)?, targets)?;
-        let grads = loss.backward()?;
-        let grads = self.collect(spec, &vars, Some(&x), wte.as_ref(), &grads)?;
-        Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads })
-    }
-
-    /// Logits `[B, T, vocab_size]` of the whole model: the unit forwards in order.
-    /// `params[u]` is unit `u`'s flat vector (`n_layer + 2` of them); `tokens` is `[B, T]` U32.
-    ///
-    /// With MoE the blocks run as a trainer runs them: [`Gpt::moe_trunk_forward`], then
-    /// [`Gpt::expert_forward`] for every expert that received tokens, then [`Gpt::moe_combine`].
-    ///
-    /// # Errors
-    /// As [`Gpt::forward`]; [`Error::Input`] when `params` has the wrong length.
-    pub fn forward_all(&self, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
-        let x = self.forward_trunk(params, tokens)?.0;
-        let last = self.units.len() - 1;
-        self.forward(last, &params[last], &x, self.tied(params))
-    }
-
-    /// The training objective of the whole model on `tokens` → `targets` (both `[B, T]` U32):
-    /// the mean cross-entropy (nats) plus, with MoE, the blocks' load-balancing losses
-    /// ([`LossParts::total`]). For the dense model this is the mean cross-entropy.
-    ///
-    /// # Errors
-    /// As [`Gpt::forward_all`] and [`Gpt::head_loss`].
-    pub fn loss(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<f64> {
-        Ok(self.loss_parts(params, tokens, targets)?.total())
-    }
-
-    /// The cross-entropy and the auxiliary loss of the whole model, separately (see
-    /// [`LossParts`]).
-    ///
-    /// # Errors
-    /// As [`Gpt::loss`].
-    pub fn loss_parts(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<LossParts> {
-        let (x, aux) = self.forward_trunk(params, tokens)?;
-        let last = self.units.len() - 1;
-        let ce = self.head_loss(&params[last], &x, self.tied(params), targets)?;
-        Ok(LossParts { ce, aux })
-    }
-
-    /// Loss and gradients of the whole model, composed of the unit calls exactly as the
-    /// out-of-core trainer runs them (the in-memory reference): forward unit by unit keeping
-    /// each unit's input, then [`Gpt::head_loss_backward`] and [`Gpt::backward`] in reverse,
-    /// each recomputing its unit. The tied head's `wte` gradient is added to the embedding's.
-    ///
-    /// Returns the objective ([`Gpt::loss`]: the mean cross-entropy in nats, plus the MoE
-    /// auxiliary loss) and its gradient, one flat vector per unit, in unit order. With MoE see
-    /// [`Gpt::loss_parts_and_grads`] for the unit calls.
-    ///
-    /// # Errors
-    /// As [`Gpt::forward_all`].
-    pub fn loss_and_grads(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<(f64, Vec<Tensor>)> {
-        let (parts, grads) = self.loss_parts_and_grads(params, tokens, targets)?;
-        Ok((parts.total(), grads))
-    }
-
-    /// As [`Gpt::loss_and_grads`], with the cross-entropy and the auxiliary loss apart; the
-    /// gradients are those of [`LossParts::total`].
-    ///
-    /// With MoE, block `i` runs forward as [`Gpt::moe_trunk_forward`] → [`Gpt::expert_forward`]
-    /// for each expert with tokens → [`Gpt::moe_combine`], keeping the trunk's input `x`, `h`,
-    /// the [`Routing`] and the experts' outputs; backward (after the head's) as
-    /// [`Gpt::moe_combine_backward`] → [`Gpt::expert_backward`] for each expert with tokens, in
-    /// reverse expert order (an expert without tokens is not called; its gradient is zero) →
-    /// [`Routing::scatter_input_grads`] → [`Gpt::moe_trunk_backward`].
-    ///
-    /// # Errors
-    /// As [`Gpt::forward_all`].
-    pub fn loss_parts_and_grads(
-        &self,
-        params: &[Tensor],
-        tokens: &Tensor,
-        targets: &Tensor,
-    ) -> Result<(LossParts, Vec<Tensor>)> {
-        if self.config.moe.is_some() {
-            return self.moe_loss_parts_and_grads(params, tokens, targets);
-        }
-        self.check_num_units(params)?;
-        // The dense loop is the trait's (forward keeping each unit's input, head, reverse).
-        let (ce, grads) = crate::lm::loss_and_grads(self, params, tokens, targets)?;
-        Ok((LossParts { ce, aux: 0.0 }, grads))
-    }
-
-    // ---- internals -----------------------------------------------------------------------
-
-    /// The head's input `[B, T, d]` and the sum of the blocks' auxiliary losses (0 when dense).
-    fn forward_trunk(&self, params: &[Tensor], tokens: &Tensor) -> Result<(Tensor, f64)> {
-        if self.config.moe.is_some() {
-            let (x, routings) = self.moe_forward_hidden(params, tokens)?;
-            return Ok((x, routings.iter().map(Routing::aux_loss).sum()));
-        }
-        self.check_num_units(params)?;
-        let mut x = self.forward(0, &params[0], tokens, None)?;
-        for (u, p) in params.iter().enumerate().take(self.units.len() - 1).skip(1) {
-            x = self.forward(u, p, &x, None)?;
-        }
-        Ok((x, 0.0))
-    }
-
-    pub(super) fn tied<'a>(&self, params: &'a [Tensor]) -> Option<&'a Tensor> {
-        self.config.tied_head.then(|| &params[0])
-    }
-
-    pub(super) fn check_num_units(&self, params: &[Tensor]) -> Result<()> {
-        if params.len() != self.units.len() {
-            return Err(input_err(
-                "number of unit parameter vectors",
-                self.units.len().to_string(),
-                params.len().to_string(),
-            ));
-        }
-        Ok(())
-    }
-
-    pub(super) fn unit_spec(&self, unit: usize) -> Result<&UnitSpec> {
-        ops::unit_spec(&self.units, unit)
-    }
-
-    pub(super) fn check_params(&self, spec: &UnitSpec, params: &Tensor) -> Result<()> {
-        ops::check_params(spec, params)
-    }
-
-    pub(super) fn check_hidden(&self, x: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
-        ops::check_hidden(x, dtype, self.config.d_model, self.config.max_seq_len, what)
-    }
-
-    fn check_tokens(&self, tokens: &Tensor, what: &'static str) -> Result<()> {
-        ops::check_ids(tokens, self.config.vocab_size, self.config.max_seq_len, what)
-    }
-
-    /// Targets are `[B, T]` U32 like the logits' first dims, each `< vocab_size` or
-    /// [`crate::lm::IGNORE_INDEX`]; returns the number of counted positions.
-    fn check_targets(&self, targets: &Tensor, logits: &Tensor) -> Result<usize> {
-        ops::check_targets(targets, &logits.dims()[..2], self.config.vocab_size)
-    }
-
-    /// `[d, V]` output weight of the head for forward (a view, no copy).
-    fn head_out_weight(&self, p: &[Tensor], tied_wte: Option<&Tensor>, dtype: DType) -> Result<Tensor> {
-        match self.tied_wte_view(tied_wte, dtype)? {
-            Some(wte) => Ok(wte.t()?),
-            None => Ok(p[2].clone()),
-        }
-    }
-
-    /// `wte` `[V, d]` as a view of the embedding's flat vector, when the head is tied.
-    fn tied_wte_view(&self, tied_wte: Option<&Tensor>, dtype: DType) -> Result<Option<Tensor>> {
-        if !self.config.tied_head {
-            return Ok(None);
-        }
-        let flat = ops::tied_flat(tied_wte, &self.units[0], dtype, "tied_wte", "model.tied_head = true")?;
-        let (v, d) = (self.config.vocab_size, self.config.d_model);
-        Ok(Some(flat.narrow(0, 0, v * d)?.reshape((v, d))?))
-    }
-
-    fn tied_wte_var(&self, tied_wte: Option<&Tensor>, dtype: DType) -> Result<Option<Var>> {
-        Ok(match self.tied_wte_view(tied_wte, dtype)? {
-            Some(w) => Some(Var::from_tensor(&w)?),
-            None => None,
-        })
-    }
-
-    /// Flattens the gradients of `vars` into one vector in layout order, plus the input's and
-    /// the tied `wte`'s.
-    pub(super) fn collect(
-        &self,
-        spec: &UnitSpec,
-        vars: &[Var],
-        x: Option<&Var>,
-        wte: Option<&Var>,
-        grads: &candle_core::backprop::GradStore,
-    ) -> Result<UnitGrads> {
-        let g = ops::collect_grads(vars, x, wte, grads, self.units[0].numel)?;
-        debug_assert_eq!(g.grad_params.dims(), [spec.numel]);
-        Ok(g)
-    }
-
     /// Embedding: `wte[tokens] + wpe[0..T]` → `[B, T, d]`.
     pub(super) fn embed_math(&self, p: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
         let d = self.config.d_model;
         let x = p[0].index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, d))?;
         Ok(x.broadcast_add(&p[1].narrow(0, 0, t)?)?)
-    }
-
-    /// The embedding's backward for half dtypes, accumulated in F32: `wte`'s gradient is the
-    /// scatter-add of the rows' gradients, `wpe`'s (rows `0..T`) their sum over the batch, both
-    /// in F32 (candle's `index_select` and broadcast backward would accumulate in the half
-    /// dtype), rounded once to `dtype`.
-    fn embed_backward_f32(&self, tokens: &Tensor, grad_output: &Tensor, dtype: DType) -> Result<UnitGrads> {
-        let (b, t) = tokens.dims2()?;
-        let (v, s, d) = (self.config.vocab_size, self.config.max_seq_len, self.config.d_model);
-        if grad_output.dims() != [b, t, d] {
-            return Err(input_err(
-                "grad_output shape",
-                format!("{:?}", [b, t, d]),
-                format!("{:?}", grad_output.dims()),
-            ));
-        }
-        let wte = ops::embedding_grad(&tokens.flatten_all()?, &grad_output.reshape((b * t, d))?, v)?;
-        let mut wpe = grad_output.to_dtype(DType::F32)?.sum(0)?.to_dtype(dtype)?; // [T, d]
-        if t < s {
-            wpe = Tensor::cat(&[&wpe, &Tensor::zeros((s - t, d), dtype, wpe.device())?], 0)?;
-        }
-        let grad_params = Tensor::cat(&[&wte.flatten_all()?, &wpe.flatten_all()?], 0)?;
-        Ok(UnitGrads { grad_params, grad_input: None, grad_tied_wte: None })
     }
 
     /// Whether the fused CPU kernels apply to computations on `x`.
@@ -610,13 +252,41 @@ impl Gpt {
     }
 }
 
-/// The error of [`Gpt::forward`]/[`Gpt::backward`] on an MoE unit.
-fn moe_unit_err(spec: &UnitSpec) -> Error {
-    input_err(
-        "unit kind",
-        "the embedding, a dense block or the head (MoE units: moe_trunk_forward, expert_forward, ...)".into(),
-        format!("{:?} (unit {})", spec.kind, spec.name),
-    )
+/// The GPT's embedding (`wte[tokens] + wpe`), pre-LN block and head; the unit calls are
+/// [`crate::lm`]'s.
+impl Family for Gpt {
+    fn tie_names(&self) -> (&'static str, &'static str) {
+        ("tied_wte", "model.tied_head = true")
+    }
+
+    fn embed(&self, p: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
+        self.embed_math(p, tokens)
+    }
+
+    /// `wte`'s scatter-add, then `wpe`'s gradient (rows `0..T`): the rows' gradients summed
+    /// over the batch in F32, rounded once, zeros for the rows past `T`.
+    fn embed_backward_wide(&self, tokens: &Tensor, grad_output: &Tensor, grad_wte: Tensor) -> Result<Tensor> {
+        let t = tokens.dim(1)?;
+        let (s, d, dtype) = (self.config.max_seq_len, self.config.d_model, grad_output.dtype());
+        let mut wpe = grad_output.to_dtype(DType::F32)?.sum(0)?.to_dtype(dtype)?; // [T, d]
+        if t < s {
+            wpe = Tensor::cat(&[&wpe, &Tensor::zeros((s - t, d), dtype, wpe.device())?], 0)?;
+        }
+        Ok(Tensor::cat(&[&grad_wte.flatten_all()?, &wpe.flatten_all()?], 0)?)
+    }
+
+    fn block(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
+        self.block_math(p, x)
+    }
+
+    /// `ln_f(x) @ w_out` with `w_out` the head's `[d, V]` or the tied `wte`'s transpose.
+    fn head(&self, p: &[Tensor], tied: Option<&Tensor>, x: &Tensor) -> Result<Tensor> {
+        let w_out = match tied {
+            Some(wte) => wte.t()?,
+            None => p[2].clone(),
+        };
+        self.head_math(p, &w_out, x)
+    }
 }
 
 impl crate::CausalLm for Gpt {
@@ -636,34 +306,7 @@ impl crate::CausalLm for Gpt {
         self.config.tied_head
     }
 
-    fn forward(&self, unit: usize, params: &Tensor, input: &Tensor, tied: Option<&Tensor>) -> Result<Tensor> {
-        Gpt::forward(self, unit, params, input, tied)
-    }
-
-    fn backward(
-        &self,
-        unit: usize,
-        params: &Tensor,
-        input: &Tensor,
-        grad_output: &Tensor,
-        tied: Option<&Tensor>,
-    ) -> Result<UnitGrads> {
-        Gpt::backward(self, unit, params, input, grad_output, tied)
-    }
-
-    fn head_loss(&self, params: &Tensor, input: &Tensor, tied: Option<&Tensor>, targets: &Tensor) -> Result<f64> {
-        Gpt::head_loss(self, params, input, tied, targets)
-    }
-
-    fn head_loss_backward(
-        &self,
-        params: &Tensor,
-        input: &Tensor,
-        tied: Option<&Tensor>,
-        targets: &Tensor,
-    ) -> Result<HeadLossGrads> {
-        Gpt::head_loss_backward(self, params, input, tied, targets)
-    }
+    crate::lm::unit_calls!();
 
     fn moe(&self) -> Option<&dyn crate::MoeLm> {
         self.config.moe.is_some().then_some(self as &dyn crate::MoeLm)
@@ -717,28 +360,5 @@ impl crate::MoeLm for Gpt {
         self.config.moe.as_ref().map_or(1, |m| m.top_k)
     }
 
-    fn trunk_forward(&self, block: usize, params: &Tensor, x: &Tensor) -> Result<TrunkOut> {
-        self.moe_trunk_forward(block, params, x)
-    }
-
-    fn expert_forward(&self, params: &Tensor, h_e: &Tensor) -> Result<Tensor> {
-        Gpt::expert_forward(self, params, h_e)
-    }
-
-    fn expert_backward(&self, params: &Tensor, h_e: &Tensor, grad_out_e: &Tensor) -> Result<ExpertGrads> {
-        Gpt::expert_backward(self, params, h_e, grad_out_e)
-    }
-
-    fn trunk_backward(
-        &self,
-        block: usize,
-        params: &Tensor,
-        x: &Tensor,
-        routing: &Routing,
-        grad_y: &Tensor,
-        grad_h: &Tensor,
-        grad_gates: &[Option<Tensor>],
-    ) -> Result<UnitGrads> {
-        self.moe_trunk_backward(block, params, x, routing, grad_y, grad_h, grad_gates)
-    }
+    crate::lm::moe_calls!();
 }

@@ -9,10 +9,12 @@ use rand_chacha::ChaCha8Rng;
 use super::moe::{aux_value, combine_math, gate_values};
 use super::tests::{ids, max_abs_diff, random_params, to_tensors, FD_ATOL, FD_RTOL, FD_STEP};
 use super::*;
+use crate::lm::{CausalLm, MoeLm};
 use crate::ops::{cross_entropy, views};
 use crate::shared_tests::{assert_grads_within, bf16_uniform, to_vec, BF16_SPACING};
 use crate::unit::{init_params, init_unit_from_seed, ParamInit, ParamSpec, UnitKind};
 use crate::unit_tensor;
+use crate::Error;
 
 /// The tiny MoE config of the gradient checks: d = 8, 2 heads, 2 layers, E = 4 experts of width
 /// 12, `aux_loss_coef` 0.5 (large, so the auxiliary gradient weighs in the check).
@@ -198,6 +200,27 @@ fn moe_init_is_deterministic_router_and_experts() {
 
 // ---- routing ---------------------------------------------------------------------------------
 
+/// One MoE block through the unit calls, as a trainer runs it: `(y, trunk output, expert
+/// outputs)`.
+fn moe_block_forward(
+    gpt: &Gpt,
+    i: usize,
+    params: &[Tensor],
+    x: &Tensor,
+) -> crate::Result<(Tensor, TrunkOut, Vec<Option<Tensor>>)> {
+    let cfg = gpt.config();
+    let tr = gpt.trunk_forward(i, &params[cfg.block_unit(i)], x)?;
+    let mut outs = Vec::with_capacity(tr.routing.num_experts());
+    for e in 0..tr.routing.num_experts() {
+        outs.push(match tr.routing.expert_input(e, &tr.h)? {
+            Some(h_e) => Some(gpt.expert_forward(&params[cfg.expert_unit(i, e)], &h_e)?),
+            None => None,
+        });
+    }
+    let y = gpt.combine(&tr.x1, &tr.routing, &outs)?;
+    Ok((y, tr, outs))
+}
+
 fn probs_tensor(rows: &[&[f64]]) -> Tensor {
     let e = rows[0].len();
     let flat: Vec<f64> = rows.iter().flat_map(|r| r.iter().copied()).collect();
@@ -243,14 +266,14 @@ fn routing_top1_capacity_drops_in_token_order() {
     let r = gpt.route(&probs_tensor(&rows)).unwrap();
     let out0 = Tensor::ones((3, 2), DType::F64, &cpu()).unwrap();
     let out1 = Tensor::full(10f64, (1, 2), &cpu()).unwrap();
-    let y = gpt.moe_combine(&x1, &r, &[Some(out0), Some(out1)]).unwrap();
+    let y = gpt.combine(&x1, &r, &[Some(out0), Some(out1)]).unwrap();
     let y = y.reshape((6, 2)).unwrap().to_vec2::<f64>().unwrap();
     let expect = [[0.9, 1.9], [2.6, 3.6], [11.0, 12.0], [6.8, 7.8], [8.0, 9.0], [10.0, 11.0]];
     for (a, b) in y.iter().zip(expect) {
         assert!((a[0] - b[0]).abs() < 1e-12 && (a[1] - b[1]).abs() < 1e-12, "{y:?}");
     }
     // A missing output of an active expert is an error naming the argument.
-    assert!(matches!(gpt.moe_combine(&x1, &r, &[None, None]), Err(Error::Input { what: "expert_outputs", .. })));
+    assert!(matches!(gpt.combine(&x1, &r, &[None, None]), Err(Error::Input { what: "expert_outputs", .. })));
 }
 
 /// Top-2 (GShard): gates renormalized over the chosen pair; capacity drops per slot in token
@@ -298,7 +321,7 @@ fn fd_case(gpt: &Gpt, first_seed: u64) -> (u64, Tensor, Tensor, Vec<Vec<f64>>) {
         let mut x = gpt.forward(0, &params[0], &tokens, None).unwrap();
         let (mut ok, mut dropped) = (true, 0);
         for i in 0..cfg.n_layer {
-            let (y, _, tr, _) = gpt.moe_block_forward(i, &params, &x).unwrap();
+            let (y, tr, _) = moe_block_forward(gpt, i, &params, &x).unwrap();
             ok &= tr.routing.counts().iter().all(|&c| c > 0) && min_gap(&tr) >= 1e-3;
             dropped += tr.routing.dropped();
             x = y;
@@ -338,12 +361,12 @@ fn objective_from(
     };
     let (mut aux, mut choices) = (0.0, Vec::new());
     for i in start.unwrap_or(0)..cfg.n_layer {
-        let (y, _, tr, _) = gpt.moe_block_forward(i, params, &x).unwrap();
+        let (y, tr, _) = moe_block_forward(gpt, i, params, &x).unwrap();
         aux += tr.routing.aux_loss();
         choices.push(tr.routing.choices().to_vec());
         x = y;
     }
-    let ce = gpt.head_loss(&params[cfg.head_unit()], &x, gpt.tied(params), targets).unwrap();
+    let ce = gpt.head_loss(&params[cfg.head_unit()], &x, cfg.tied_head.then(|| &params[0]), targets).unwrap();
     (ce + aux, choices)
 }
 
@@ -363,8 +386,8 @@ fn check_moe_finite_differences(cfg: GptConfig, first_seed: u64) {
     let gpt = Gpt::new(cfg.clone()).unwrap();
     let (seed, tokens, targets, mut flats) = fd_case(&gpt, first_seed);
     let params = to_tensors(&flats, DType::F64);
-    let (parts, grads) = gpt.loss_parts_and_grads(&params, &tokens, &targets).unwrap();
-    let ref_parts = gpt.loss_parts(&params, &tokens, &targets).unwrap();
+    let (parts, grads) = crate::lm::loss_parts_and_grads(&gpt, &params, &tokens, &targets).unwrap();
+    let ref_parts = crate::lm::loss_parts(&gpt, &params, &tokens, &targets).unwrap();
     assert_eq!(parts, ref_parts);
     assert!(parts.aux > 0.0);
 
@@ -377,7 +400,7 @@ fn check_moe_finite_differences(cfg: GptConfig, first_seed: u64) {
     let mut counts = Vec::new();
     for i in 0..cfg.n_layer {
         block_in.push(x.clone());
-        let (y, _, tr, _) = gpt.moe_block_forward(i, &params, &x).unwrap();
+        let (y, tr, _) = moe_block_forward(&gpt, i, &params, &x).unwrap();
         base_choices.push(tr.routing.choices().to_vec());
         dropped += tr.routing.dropped();
         counts.push(tr.routing.counts());
@@ -478,10 +501,10 @@ fn moe_aux_loss_gradient_matches_finite_differences() {
     let targets = ids(2, 5, 256, &mut rng);
     let mut flats = moe_random_params(&cfg, &mut rng);
     let params = to_tensors(&flats, DType::F64);
-    let (p1, g1) = gpt.loss_parts_and_grads(&params, &tokens, &targets).unwrap();
-    let (p0, g0) = gpt0.loss_parts_and_grads(&params, &tokens, &targets).unwrap();
+    let (p1, g1) = crate::lm::loss_parts_and_grads(&gpt, &params, &tokens, &targets).unwrap();
+    let (p0, g0) = crate::lm::loss_parts_and_grads(&gpt0, &params, &tokens, &targets).unwrap();
     assert_eq!((p0.ce, p0.aux), (p1.ce, 0.0));
-    let (_, base) = gpt.moe_forward_hidden(&params, &tokens).unwrap();
+    let (_, base) = crate::lm::forward_hidden(&gpt, &params, &tokens).unwrap();
     let base_choices: Vec<&[u32]> = base.iter().map(|r| r.choices()).collect();
     let mut worst = 0f64;
     for (u, spec) in gpt.units().iter().enumerate() {
@@ -502,7 +525,7 @@ fn moe_aux_loss_gradient_matches_finite_differences() {
                 flats[u][i] = v;
                 let mut ps = params.clone();
                 ps[u] = Tensor::from_slice(&flats[u], spec.numel, &cpu()).unwrap();
-                let (_, routings) = gpt.moe_forward_hidden(&ps, &tokens).unwrap();
+                let (_, routings) = crate::lm::forward_hidden(&gpt, &ps, &tokens).unwrap();
                 let choices: Vec<&[u32]> = routings.iter().map(|r| r.choices()).collect();
                 assert_eq!(choices, base_choices, "{} element {i}: the FD step flipped a top-k choice", spec.name);
                 routings.iter().map(Routing::aux_loss).sum::<f64>()
@@ -531,7 +554,7 @@ fn whole_graph(gpt: &Gpt, params: &[Tensor], tokens: &Tensor, targets: &Tensor) 
     let mut x = gpt.embed_math(&pv[0], tokens).unwrap();
     let mut aux_terms = Vec::new();
     for i in 0..cfg.n_layer {
-        let (x1, h, probs) = gpt.trunk_math(&pv[cfg.block_unit(i)], &x).unwrap();
+        let (x1, h, _, probs) = gpt.trunk_math(&pv[cfg.block_unit(i)], &x).unwrap();
         let routing = gpt.route(&probs.detach()).unwrap();
         let gate_all = gate_values(&probs, routing.choices_tensor(), moe.top_k).unwrap();
         let (mut gates, mut outs) = (Vec::new(), Vec::new());
@@ -590,7 +613,7 @@ fn moe_unitwise_equals_whole_graph() {
         let tokens = ids(3, 10, 256, &mut rng);
         let targets = ids(3, 10, 256, &mut rng);
         let params = to_tensors(&moe_random_params(&cfg, &mut rng), dtype);
-        let (parts, grads) = gpt.loss_parts_and_grads(&params, &tokens, &targets).unwrap();
+        let (parts, grads) = crate::lm::loss_parts_and_grads(&gpt, &params, &tokens, &targets).unwrap();
         let (ref_parts, ref_grads) = whole_graph(&gpt, &params, &tokens, &targets);
         assert_eq!(parts, ref_parts, "top_k={top_k} cf={cf:?} {dtype:?}");
         let mut worst = 0f64;
@@ -623,8 +646,8 @@ fn moe_fused_kernels_match_composed_ops() {
         let composed = Gpt::new(cfg.clone()).unwrap().composed_only();
         let (_, tokens, targets, flats) = fd_case(&fused, 34);
         let params = to_tensors(&flats, dtype);
-        let (l1, g1) = fused.loss_parts_and_grads(&params, &tokens, &targets).unwrap();
-        let (l2, g2) = composed.loss_parts_and_grads(&params, &tokens, &targets).unwrap();
+        let (l1, g1) = crate::lm::loss_parts_and_grads(&fused, &params, &tokens, &targets).unwrap();
+        let (l2, g2) = crate::lm::loss_parts_and_grads(&composed, &params, &tokens, &targets).unwrap();
         assert!((l1.ce - l2.ce).abs() <= rtol * l2.ce && (l1.aux - l2.aux).abs() <= rtol * l2.aux, "{l1:?} vs {l2:?}");
         for (u, (a, b)) in g1.iter().zip(&g2).enumerate() {
             let scale = to_vec(b).iter().fold(0f64, |m, x| m.max(x.abs()));
@@ -656,7 +679,7 @@ fn expert_without_tokens_is_never_called_and_has_zero_gradient() {
             flats[cfg.expert_unit(i, 3)].fill(f64::NAN);
         }
         let params = to_tensors(&flats, DType::F64);
-        let (parts, grads) = gpt.loss_parts_and_grads(&params, &tokens, &targets).unwrap();
+        let (parts, grads) = crate::lm::loss_parts_and_grads(&gpt, &params, &tokens, &targets).unwrap();
         assert!(parts.ce.is_finite() && parts.aux.is_finite(), "{parts:?}");
         for (u, g) in grads.iter().enumerate() {
             let g = to_vec(g);
@@ -666,7 +689,7 @@ fn expert_without_tokens_is_never_called_and_has_zero_gradient() {
                 assert!(g.iter().all(|x| x.is_finite()), "{}", units[u].name);
             }
         }
-        let (_, routings) = gpt.moe_forward_hidden(&params, &tokens).unwrap();
+        let (_, routings) = crate::lm::forward_hidden(&gpt, &params, &tokens).unwrap();
         for r in &routings {
             assert!(!r.is_active(3) && r.index(3).is_none() && r.gates(3).is_none());
             assert_eq!(r.counts()[3], 0);
@@ -686,7 +709,7 @@ fn moe_is_deterministic() {
     let targets = ids(2, 6, 256, &mut rng);
     let run = || {
         let gpt = Gpt::new(cfg.clone()).unwrap();
-        let (p, g) = gpt.loss_parts_and_grads(&params, &tokens, &targets).unwrap();
+        let (p, g) = crate::lm::loss_parts_and_grads(&gpt, &params, &tokens, &targets).unwrap();
         (p, g.iter().map(|t| t.to_vec1::<f32>().unwrap()).collect::<Vec<_>>())
     };
     let (a, b) = (run(), run());
@@ -696,8 +719,8 @@ fn moe_is_deterministic() {
     assert!((a.0.ce - 256f64.ln()).abs() < 0.05, "{:?}", a.0);
     assert!((a.0.aux / (0.5 * cfg.n_layer as f64) - 1.0).abs() < 0.05, "{:?}", a.0);
     let gpt = Gpt::new(cfg.clone()).unwrap();
-    assert_eq!(gpt.loss(&params, &tokens, &targets).unwrap(), a.0.total());
-    assert_eq!(gpt.forward_all(&params, &tokens).unwrap().dims(), [2, 6, 256]);
+    assert_eq!(crate::lm::loss(&gpt, &params, &tokens, &targets).unwrap(), a.0.total());
+    assert_eq!(crate::lm::forward_all(&gpt, &params, &tokens).unwrap().dims(), [2, 6, 256]);
 }
 
 /// The expert calls are pure row-wise functions: a subset of rows gives the same rows, the
@@ -739,22 +762,22 @@ fn moe_bad_inputs_are_errors_naming_the_argument() {
     assert_eq!(what(gpt.forward(trunk, &params[trunk], &x, None).map(drop)), "unit kind");
     assert_eq!(what(gpt.forward(trunk + 1, &params[trunk + 1], &x, None).map(drop)), "unit kind");
     // Wrong block, params, input.
-    assert_eq!(what(gpt.moe_trunk_forward(2, &params[trunk], &x).map(drop)), "block index");
-    assert_eq!(what(gpt.moe_trunk_forward(0, &params[trunk + 1], &x).map(drop)), "unit parameters shape");
+    assert_eq!(what(gpt.trunk_forward(2, &params[trunk], &x).map(drop)), "block index");
+    assert_eq!(what(gpt.trunk_forward(0, &params[trunk + 1], &x).map(drop)), "unit parameters shape");
     let h = Tensor::zeros((3, 7), DType::F32, &cpu()).unwrap();
     assert_eq!(what(gpt.expert_forward(&params[trunk + 1], &h).map(drop)), "expert input");
     // Routing-shaped arguments.
-    let tr = gpt.moe_trunk_forward(0, &params[trunk], &x).unwrap();
+    let tr = gpt.trunk_forward(0, &params[trunk], &x).unwrap();
     assert_eq!(what(tr.routing.scatter_input_grads(&[None]).map(drop)), "grad_inputs");
     let grad_h = Tensor::zeros((3, 8), DType::F32, &cpu()).unwrap();
     let none = vec![None; 4];
     let wrong_y = Tensor::zeros((1, 4, 8), DType::F32, &cpu()).unwrap();
     assert_eq!(
-        what(gpt.moe_trunk_backward(0, &params[trunk], &x, &tr.routing, &wrong_y, &grad_h, &none).map(drop)),
+        what(gpt.trunk_backward(0, &params[trunk], &x, &tr.routing, &wrong_y, &grad_h, &none).map(drop)),
         "grad_y"
     );
     let active = (0..4).find(|&e| tr.routing.is_active(e)).unwrap();
-    let r = gpt.moe_trunk_backward(0, &params[trunk], &x, &tr.routing, &x, &grad_h, &none);
+    let r = gpt.trunk_backward(0, &params[trunk], &x, &tr.routing, &x, &grad_h, &none);
     assert_eq!(what(r.map(drop)), "grad_gates", "expert {active} is active, its gate gradient is missing");
     // The expert API on a dense model.
     let dense = Gpt::new(GptConfig { moe: None, ..cfg }).unwrap();
@@ -776,7 +799,7 @@ fn bf16_router_softmax_gates_and_aux_are_in_f32() {
         let tokens = ids(2, 6, 256, &mut rng);
         let params = to_tensors(&moe_random_params(&cfg, &mut rng), DType::BF16);
         let x = gpt.forward(0, &params[0], &tokens, None).unwrap();
-        let tr = gpt.moe_trunk_forward(0, &params[cfg.block_unit(0)], &x).unwrap();
+        let tr = gpt.trunk_forward(0, &params[cfg.block_unit(0)], &x).unwrap();
         assert_eq!((tr.logits.dtype(), tr.probs.dtype()), (DType::BF16, DType::F32));
         let (n, e) = tr.probs.dims2().unwrap();
         let (logits, probs) = (to_vec(&tr.logits), to_vec(&tr.probs));
@@ -856,13 +879,13 @@ fn moe_gpt_in_bf16_tracks_f32() {
         let targets = ids(2, 6, 256, &mut rng);
         let bf16 = to_tensors(&moe_random_params(&cfg, &mut rng), DType::BF16);
         let f32s: Vec<Tensor> = bf16.iter().map(|p| p.to_dtype(DType::F32).unwrap()).collect();
-        let (_, r16) = gpt.moe_forward_hidden(&bf16, &tokens).unwrap();
-        let (_, r32) = gpt.moe_forward_hidden(&f32s, &tokens).unwrap();
+        let (_, r16) = crate::lm::forward_hidden(&gpt, &bf16, &tokens).unwrap();
+        let (_, r32) = crate::lm::forward_hidden(&gpt, &f32s, &tokens).unwrap();
         for (a, b) in r16.iter().zip(&r32) {
             assert_eq!((a.choices(), a.counts()), (b.choices(), b.counts()), "top_k={top_k}: the same routing");
         }
-        let (l16, g16) = gpt.loss_parts_and_grads(&bf16, &tokens, &targets).unwrap();
-        let (l32, g32) = gpt.loss_parts_and_grads(&f32s, &tokens, &targets).unwrap();
+        let (l16, g16) = crate::lm::loss_parts_and_grads(&gpt, &bf16, &tokens, &targets).unwrap();
+        let (l32, g32) = crate::lm::loss_parts_and_grads(&gpt, &f32s, &tokens, &targets).unwrap();
         eprintln!("top_k={top_k}: bf16 {l16:?} vs f32 {l32:?}");
         assert!((l16.ce - l32.ce).abs() <= 1e-2 * l32.ce, "{l16:?} vs {l32:?}");
         assert!((l16.aux - l32.aux).abs() <= 1e-2 * l32.aux, "{l16:?} vs {l32:?}");

@@ -7,6 +7,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
 use super::*;
+use crate::lm::CausalLm;
 use crate::ops::{cross_entropy, views};
 use crate::shared_tests::{
     assert_bf16_accumulation_far_off, assert_grads_within, assert_rows_equal_row_0, assert_within_bf16_spacing,
@@ -14,6 +15,7 @@ use crate::shared_tests::{
 };
 use crate::unit::{init_params, init_unit, init_unit_from_seed, ParamInit, ParamSpec, UnitKind};
 use crate::unit_tensor;
+use crate::Error;
 
 fn tiny(tied: bool) -> GptConfig {
     GptConfig {
@@ -178,8 +180,8 @@ fn check_finite_differences(tied: bool, composed: bool, chunk: Option<usize>) {
     let targets = ids(b, t, cfg.vocab_size, &mut rng);
     let mut flats = random_params(&cfg, 0.3, &mut rng);
     let params = to_tensors(&flats, DType::F64);
-    let (loss, grads) = gpt.loss_and_grads(&params, &tokens, &targets).unwrap();
-    assert!((loss - gpt.loss(&params, &tokens, &targets).unwrap()).abs() < 1e-12);
+    let (loss, grads) = crate::lm::loss_and_grads(&gpt, &params, &tokens, &targets).unwrap();
+    assert!((loss - crate::lm::loss(&gpt, &params, &tokens, &targets).unwrap()).abs() < 1e-12);
 
     // Inputs of each unit at the unperturbed parameters.
     let mut inputs = vec![tokens.clone()];
@@ -261,9 +263,9 @@ fn attention_blocks_match_one_block() {
     let flats = random_params(&cfg, 0.3, &mut rng);
     for (dtype, tol) in [(DType::F32, 1e-5), (DType::BF16, 1.0 / 32.0)] {
         let params = to_tensors(&flats, dtype);
-        let (l1, g1) = build(12).loss_and_grads(&params, &tokens, &targets).unwrap();
+        let (l1, g1) = crate::lm::loss_and_grads(&build(12), &params, &tokens, &targets).unwrap();
         for chunk in [1, 5] {
-            let (l, g) = build(chunk).loss_and_grads(&params, &tokens, &targets).unwrap();
+            let (l, g) = crate::lm::loss_and_grads(&build(chunk), &params, &tokens, &targets).unwrap();
             assert!((l - l1).abs() <= tol * l1.abs(), "{dtype:?} chunk {chunk}: loss {l} vs {l1}");
             for (u, (a, b)) in g.iter().zip(&g1).enumerate() {
                 let scale = to_vec(b).iter().fold(0f64, |m, x| m.max(x.abs()));
@@ -286,8 +288,8 @@ fn fused_kernels_match_composed_ops() {
         let tokens = ids(2, 12, 256, &mut rng);
         let targets = ids(2, 12, 256, &mut rng);
         let params = to_tensors(&random_params(&cfg, 0.3, &mut rng), dtype);
-        let (l1, g1) = fused.loss_and_grads(&params, &tokens, &targets).unwrap();
-        let (l2, g2) = composed.loss_and_grads(&params, &tokens, &targets).unwrap();
+        let (l1, g1) = crate::lm::loss_and_grads(&fused, &params, &tokens, &targets).unwrap();
+        let (l2, g2) = crate::lm::loss_and_grads(&composed, &params, &tokens, &targets).unwrap();
         assert!((l1 - l2).abs() <= rtol * l2.abs(), "{dtype:?}: {l1} vs {l2}");
         for (u, (a, b)) in g1.iter().zip(&g2).enumerate() {
             let scale = to_vec(b).iter().fold(0f64, |m, x| m.max(x.abs()));
@@ -338,7 +340,7 @@ fn unitwise_backward_equals_whole_graph_backward() {
         let tokens = ids(3, 10, 256, &mut rng);
         let targets = ids(3, 10, 256, &mut rng);
         let params = to_tensors(&random_params(&cfg, 0.2, &mut rng), dtype);
-        let (loss, grads) = gpt.loss_and_grads(&params, &tokens, &targets).unwrap();
+        let (loss, grads) = crate::lm::loss_and_grads(&gpt, &params, &tokens, &targets).unwrap();
         let (ref_loss, ref_grads) = whole_graph_loss_and_grads(&gpt, &params, &tokens, &targets);
         assert_eq!(loss, ref_loss);
         for (u, (g, r)) in grads.iter().zip(&ref_grads).enumerate() {
@@ -402,13 +404,13 @@ fn causality(composed: bool) {
         init_params(&cfg.units(), 1).iter().map(|f| unit_tensor(f, DType::F32, &Device::Cpu).unwrap()).collect();
     let mut rng = ChaCha8Rng::seed_from_u64(9);
     let tokens = ids(2, 12, 256, &mut rng);
-    let base = gpt.forward_all(&params, &tokens).unwrap();
+    let base = crate::lm::forward_all(&gpt, &params, &tokens).unwrap();
     assert_eq!(base.dims(), [2, 12, 256]);
     for k in [0, 5, 11] {
         let mut v = tokens.to_vec2::<u32>().unwrap();
         v[1][k] = (v[1][k] + 1) % 256;
         let changed = Tensor::new(v, &Device::Cpu).unwrap();
-        let out = gpt.forward_all(&params, &changed).unwrap();
+        let out = crate::lm::forward_all(&gpt, &params, &changed).unwrap();
         let a = base.to_vec3::<f32>().unwrap();
         let b = out.to_vec3::<f32>().unwrap();
         for t in 0..12 {
@@ -431,7 +433,7 @@ fn init_loss_is_near_uniform() {
     let params: Vec<Tensor> =
         init_params(&cfg.units(), 1).iter().map(|f| unit_tensor(f, DType::F32, &Device::Cpu).unwrap()).collect();
     let mut rng = ChaCha8Rng::seed_from_u64(2);
-    let loss = gpt.loss(&params, &ids(4, 16, 256, &mut rng), &ids(4, 16, 256, &mut rng)).unwrap();
+    let loss = crate::lm::loss(&gpt, &params, &ids(4, 16, 256, &mut rng), &ids(4, 16, 256, &mut rng)).unwrap();
     assert!((loss - 256f64.ln()).abs() < 0.05, "{loss}");
 }
 
@@ -551,8 +553,8 @@ fn gpt_in_bf16_tracks_f32() {
         let targets = ids(3, 6, cfg.vocab_size, &mut rng);
         let bf16 = to_tensors(&random_params(&cfg, 0.3, &mut rng), DType::BF16);
         let f32s: Vec<Tensor> = bf16.iter().map(|p| p.to_dtype(DType::F32).unwrap()).collect();
-        let (l16, g16) = gpt.loss_and_grads(&bf16, &tokens, &targets).unwrap();
-        let (l32, g32) = gpt.loss_and_grads(&f32s, &tokens, &targets).unwrap();
+        let (l16, g16) = crate::lm::loss_and_grads(&gpt, &bf16, &tokens, &targets).unwrap();
+        let (l32, g32) = crate::lm::loss_and_grads(&gpt, &f32s, &tokens, &targets).unwrap();
         let q = (l16 - l32).abs() / l32;
         eprintln!("tied={tied}: bf16 loss {l16} vs f32 {l32}, relative error {q:.2e}");
         assert!(q <= 1e-2, "tied={tied}: loss {l16} vs {l32}");

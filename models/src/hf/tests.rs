@@ -77,7 +77,7 @@ fn check_oracle(case: &str, composed: bool, chunk: Option<usize>) {
     assert!(targets.flatten_all().unwrap().to_vec1::<u32>().unwrap().contains(&IGNORE_INDEX));
     let params: Vec<Tensor> = flats.iter().map(|f| Tensor::from_slice(f, f.len(), &Device::Cpu).unwrap()).collect();
 
-    let logits = model.forward_all(&params, &tokens).unwrap();
+    let logits = crate::lm::forward_all(&model, &params, &tokens).unwrap();
     assert_eq!(logits.dims(), r["logits"].shape.as_slice());
     let got = logits.flatten_all().unwrap().to_vec1::<f32>().unwrap();
     let (ratio, abs) = tolerance_ratio(&got, r["logits"].as_f32().unwrap(), 1e-4, 1e-5);
@@ -166,7 +166,7 @@ fn check_oracle_bf16(case: &str, chunk: Option<usize>) {
         .map(|f| Tensor::from_slice(f, f.len(), &Device::Cpu).unwrap().to_dtype(candle_core::DType::BF16).unwrap())
         .collect();
 
-    let logits = model.forward_all(&params, &tokens).unwrap();
+    let logits = crate::lm::forward_all(&model, &params, &tokens).unwrap();
     assert_eq!(logits.dtype(), candle_core::DType::BF16);
     let q = rel_max_abs(&to_f32(&logits), r["logits"].as_f32().unwrap());
     eprintln!("{case} bf16: logits max |err| / max |ref| {q:.2e}");

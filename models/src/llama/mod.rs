@@ -51,7 +51,9 @@
 //! against transformers' f32 oracle in BF16 (`hf/tests.rs`, `mixtral/tests.rs`).
 //!
 //! One training step runs unit by unit exactly as for the GPT ([`crate::lm`], activation
-//! checkpointing): [`crate::lm::loss_and_grads`] is that loop in memory. A tied head takes the
+//! checkpointing): [`crate::lm::loss_and_grads`] is that loop in memory. The unit calls are
+//! [`crate::lm`]'s; this module gives the family's embedding, decoder layer and head, and the
+//! fused CPU path's own backward of a layer and of the head's loss. A tied head takes the
 //! embedding unit's flat vector (`tied`) and returns its gradient as
 //! [`UnitGrads::grad_tied_wte`]. Threads: as the GPT (`RAYON_NUM_THREADS`, see [`crate::gpt`]).
 //!
@@ -61,12 +63,12 @@
 
 use std::sync::Mutex;
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor};
 
 use crate::attention::{self, AttentionBytes, AttentionShape};
 use crate::kernels;
-use crate::lm::{CausalLm, HeadLossGrads, UnitGrads};
-use crate::ops::{self, cross_entropy, input_err, rms_norm_composed, rope_composed, scalar, swiglu_composed};
+use crate::lm::{CausalLm, Family, HeadLossGrads, UnitGrads};
+use crate::ops::{self, cross_entropy, rms_norm_composed, rope_composed, scalar, swiglu_composed};
 use crate::unit::{UnitKind, UnitSpec};
 use crate::Result;
 
@@ -230,35 +232,6 @@ impl Llama {
         &self.units
     }
 
-    /// Logits `[B, T, vocab_size]` of the whole model (the unit forwards in order); `params[u]`
-    /// is unit `u`'s flat vector, `tokens` `[B, T]` U32.
-    ///
-    /// # Errors
-    /// As [`Llama::forward`]; [`crate::Error::Input`] when `params` has the wrong length.
-    pub fn forward_all(&self, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
-        let x = self.forward_hidden(params, tokens)?;
-        let last = self.units.len() - 1;
-        self.forward(last, &params[last], &x, self.tied(params))
-    }
-
-    /// The mean cross-entropy of the whole model (see [`Llama::head_loss`]).
-    ///
-    /// # Errors
-    /// As [`Llama::forward_all`] and [`Llama::head_loss`].
-    pub fn loss(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<f64> {
-        let x = self.forward_hidden(params, tokens)?;
-        let last = self.units.len() - 1;
-        self.head_loss(&params[last], &x, self.tied(params), targets)
-    }
-
-    /// Loss and gradients, unit by unit as the trainer runs them: [`crate::lm::loss_and_grads`].
-    ///
-    /// # Errors
-    /// As [`crate::lm::loss_and_grads`].
-    pub fn loss_and_grads(&self, params: &[Tensor], tokens: &Tensor, targets: &Tensor) -> Result<(f64, Vec<Tensor>)> {
-        crate::lm::loss_and_grads(self, params, tokens, targets)
-    }
-
     // ---- pieces (shared with an MoE layer) ----------------------------------------------------
 
     /// Whether the fused CPU kernels apply to computations on `x`.
@@ -391,25 +364,6 @@ impl Llama {
 
     // ---- helpers -------------------------------------------------------------------------------
 
-    fn forward_hidden(&self, params: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
-        if params.len() != self.units.len() {
-            return Err(input_err(
-                "number of unit parameter vectors",
-                self.units.len().to_string(),
-                params.len().to_string(),
-            ));
-        }
-        let mut x = self.forward(0, &params[0], tokens, None)?;
-        for (u, p) in params.iter().enumerate().take(self.units.len() - 1).skip(1) {
-            x = self.forward(u, p, &x, None)?;
-        }
-        Ok(x)
-    }
-
-    fn tied<'a>(&self, params: &'a [Tensor]) -> Option<&'a Tensor> {
-        self.config.tie_word_embeddings.then(|| &params[0])
-    }
-
     /// The RoPE tables for `(t, dtype, device)`, cached (at most 8 entries).
     fn tables(&self, t: usize, dtype: DType, device: &Device, fused: bool) -> Result<Tables> {
         let mut cache = self.tables.lock().unwrap_or_else(|e| e.into_inner());
@@ -442,81 +396,89 @@ impl Llama {
     pub(crate) fn block_groups(&self) -> &BlockGroups {
         &self.block
     }
-
-    /// Views of unit `unit`'s groups (`[2I, d]` gate/up merged) into `flat`, checked first.
-    pub(crate) fn unit_views(&self, unit: usize, flat: &Tensor) -> Result<Vec<Tensor>> {
-        self.views(unit, flat)
-    }
-
-    /// One `Var` per group of unit `unit` (see [`Llama::unit_views`]).
-    pub(crate) fn unit_vars(&self, unit: usize, flat: &Tensor) -> Result<Vec<Var>> {
-        self.vars(unit, flat)
-    }
-
-    /// A hidden-state input `[B, T <= max, d]` in `dtype`.
-    pub(crate) fn check_hidden_input(&self, x: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
-        self.check_hidden(x, dtype, what)
-    }
-
-    /// Views of unit `unit`'s groups into its flat vector (no copy).
-    fn views(&self, unit: usize, flat: &Tensor) -> Result<Vec<Tensor>> {
-        self.groups[unit].iter().map(|(off, shape)| Ok(group_view(flat, *off, shape)?)).collect()
-    }
-
-    /// One `Var` per group, copied out of the flat vector (see `ops::vars` for why).
-    fn vars(&self, unit: usize, flat: &Tensor) -> Result<Vec<Var>> {
-        self.views(unit, flat)?.iter().map(|v| Ok(Var::from_tensor(v)?)).collect()
-    }
-
-    fn unit_spec(&self, unit: usize) -> Result<&UnitSpec> {
-        ops::unit_spec(&self.units, unit)
-    }
-
-    fn check_params(&self, spec: &UnitSpec, params: &Tensor) -> Result<()> {
-        ops::check_params(spec, params)
-    }
-
-    fn check_hidden(&self, x: &Tensor, dtype: DType, what: &'static str) -> Result<()> {
-        ops::check_hidden(x, dtype, self.config.hidden_size, self.config.max_position_embeddings, what)
-    }
-
-    fn check_tokens(&self, tokens: &Tensor) -> Result<()> {
-        ops::check_ids(tokens, self.config.vocab_size, self.config.max_position_embeddings, "embedding input")
-    }
-
-    /// Targets `[B, T]` like the logits' first dims; returns the number of counted positions.
-    fn check_targets(&self, targets: &Tensor, logits: &Tensor) -> Result<usize> {
-        ops::check_targets(targets, &logits.dims()[..2], self.config.vocab_size)
-    }
-
-    /// `lm_head` `[V, d]`: the head's own weight, or the embedding's when tied (a view).
-    fn head_out_weight(&self, p: &[Tensor], tied: Option<&Tensor>, dtype: DType) -> Result<Tensor> {
-        match self.tied_view(tied, dtype)? {
-            Some(w) => Ok(w),
-            None => Ok(p[1].clone()),
-        }
-    }
-
-    /// The embedding `[V, d]` as a view of the embedding unit's flat vector, when tied.
-    fn tied_view(&self, tied: Option<&Tensor>, dtype: DType) -> Result<Option<Tensor>> {
-        if !self.config.tie_word_embeddings {
-            return Ok(None);
-        }
-        let flat = ops::tied_flat(tied, &self.units[0], dtype, "tied", "tie_word_embeddings = true")?;
-        Ok(Some(flat.reshape((self.config.vocab_size, self.config.hidden_size))?))
-    }
-
-    fn tied_var(&self, tied: Option<&Tensor>, dtype: DType) -> Result<Option<Var>> {
-        Ok(match self.tied_view(tied, dtype)? {
-            Some(w) => Some(Var::from_tensor(&w)?),
-            None => None,
-        })
-    }
 }
 
 /// `flat[off .. off + numel(shape)]` viewed as `shape`.
 fn group_view(flat: &Tensor, off: usize, shape: &[usize]) -> candle_core::Result<Tensor> {
     flat.narrow(0, off, shape.iter().product())?.reshape(shape)
+}
+
+/// The Llama family's embedding, decoder layer and head, with the fused CPU path's own
+/// backward of a layer and of the head's loss (`layer.rs`); the unit calls are [`crate::lm`]'s.
+impl Family for Llama {
+    /// Views of unit `unit`'s computation groups (`[2I, d]` gate/up merged) into its flat
+    /// vector (no copy).
+    fn views(&self, unit: usize, flat: &Tensor) -> Result<Vec<Tensor>> {
+        self.groups[unit].iter().map(|(off, shape)| Ok(group_view(flat, *off, shape)?)).collect()
+    }
+
+    fn tie_names(&self) -> (&'static str, &'static str) {
+        ("tied", "tie_word_embeddings = true")
+    }
+
+    fn embed(&self, p: &[Tensor], tokens: &Tensor) -> Result<Tensor> {
+        self.embed_math(&p[0], tokens)
+    }
+
+    fn block(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
+        self.block_math(p, x)
+    }
+
+    /// `rms_norm(x, model.norm) lm_headᵀ`, `lm_head` the head's `[V, d]` or the tied embedding.
+    fn head(&self, p: &[Tensor], tied: Option<&Tensor>, x: &Tensor) -> Result<Tensor> {
+        let w_out = match tied {
+            Some(w) => w.clone(),
+            None => p[1].clone(),
+        };
+        self.head_math(&p[0], &w_out, x)
+    }
+
+    fn loss(&self, logits: &Tensor, targets: &Tensor, count: usize) -> Result<Tensor> {
+        self.loss_math(logits, targets, count)
+    }
+
+    /// The fused CPU path (`Device::Cpu`, F32/F64): the hand-written backward of `layer.rs`.
+    fn own_block_backward(
+        &self,
+        unit: usize,
+        params: &Tensor,
+        x: &Tensor,
+        grad_y: &Tensor,
+    ) -> Result<Option<UnitGrads>> {
+        if !self.fused(x) {
+            return Ok(None);
+        }
+        let (grad_params, gx) = self.block_backward_fused(&self.views(unit, params)?, x, grad_y)?;
+        Ok(Some(UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte: None }))
+    }
+
+    /// The fused CPU path (`Device::Cpu`, F32/F64): the hand-written backward of `layer.rs`.
+    fn own_head_loss_backward(
+        &self,
+        params: &Tensor,
+        x: &Tensor,
+        tied: Option<&Tensor>,
+        targets: &Tensor,
+    ) -> Result<Option<HeadLossGrads>> {
+        if !self.fused(x) {
+            return Ok(None);
+        }
+        let p = self.views(self.units.len() - 1, params)?;
+        let w_out = match crate::lm::tied_view(self, tied, params.dtype())? {
+            Some(w) => w,
+            None => p[1].clone(),
+        };
+        let (b, t, _) = x.dims3()?;
+        let tokens = ops::check_targets(targets, &[b, t], self.config.vocab_size)?;
+        let (loss, gx, g_norm, g_out) = self.head_loss_backward_fused(&p[0], &w_out, x, targets, tokens)?;
+        let (grad_params, grad_tied_wte) = if self.config.tie_word_embeddings {
+            (g_norm, Some(g_out.flatten_all()?))
+        } else {
+            (Tensor::cat(&[&g_norm, &g_out.flatten_all()?], 0)?, None)
+        };
+        let grads = UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte };
+        Ok(Some(HeadLossGrads { loss: scalar(&loss)?, tokens, grads }))
+    }
 }
 
 /// The unit calls (the model's API; see [`crate::lm`] for the step they make up).
@@ -537,192 +499,7 @@ impl CausalLm for Llama {
         self.config.tie_word_embeddings
     }
 
-    /// Forward of unit `unit`:
-    ///
-    /// - embedding: token ids `[B, T]` U32 (`T <= max_position_embeddings`) → `[B, T, d]`;
-    /// - decoder layer: `[B, T, d]` → `[B, T, d]`;
-    /// - head: `[B, T, d]` → logits `[B, T, vocab_size]`.
-    ///
-    /// `tied` is the embedding unit's flat vector, required by the head when
-    /// `tie_word_embeddings` (ignored otherwise).
-    ///
-    /// # Errors
-    /// [`crate::Error::Input`] on a wrong unit index, shape, dtype, sequence length, token id or
-    /// a missing `tied`; [`crate::Error::Candle`] from the ops.
-    fn forward(&self, unit: usize, params: &Tensor, input: &Tensor, tied: Option<&Tensor>) -> Result<Tensor> {
-        let spec = self.unit_spec(unit)?;
-        self.check_params(spec, params)?;
-        let p = self.views(unit, params)?;
-        match spec.kind {
-            UnitKind::Embedding => {
-                self.check_tokens(input)?;
-                self.embed_math(&p[0], input)
-            }
-            UnitKind::Block(_) => {
-                self.check_hidden(input, params.dtype(), "block input")?;
-                self.block_math(&p, input)
-            }
-            UnitKind::Head => {
-                self.check_hidden(input, params.dtype(), "head input")?;
-                let w_out = self.head_out_weight(&p, tied, params.dtype())?;
-                self.head_math(&p[0], &w_out, input)
-            }
-            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => {
-                Err(input_err("unit kind", "a dense Llama unit".into(), format!("{:?}", spec.kind)))
-            }
-        }
-    }
-
-    /// Backward of unit `unit` by recomputation from its checkpointed `input`: the
-    /// vector-Jacobian product with `grad_output` (the forward output's shape and dtype; for the
-    /// head, the gradient of the logits). For the training loss use
-    /// [`CausalLm::head_loss_backward`].
-    ///
-    /// # Errors
-    /// As [`CausalLm::forward`], and [`crate::Error::Input`] when `grad_output` does not match.
-    fn backward(
-        &self,
-        unit: usize,
-        params: &Tensor,
-        input: &Tensor,
-        grad_output: &Tensor,
-        tied: Option<&Tensor>,
-    ) -> Result<UnitGrads> {
-        let spec = self.unit_spec(unit)?;
-        self.check_params(spec, params)?;
-        let dtype = params.dtype();
-        if grad_output.dtype() != dtype {
-            return Err(input_err("grad_output dtype", format!("{dtype:?}"), format!("{:?}", grad_output.dtype())));
-        }
-        if matches!(spec.kind, UnitKind::Block(_)) && self.fused(input) {
-            // The fused CPU path: a hand-written backward (layer.rs).
-            self.check_hidden(input, dtype, "block input")?;
-            if grad_output.dims() != input.dims() {
-                return Err(input_err(
-                    "grad_output shape",
-                    format!("{:?}", input.dims()),
-                    format!("{:?}", grad_output.dims()),
-                ));
-            }
-            let (grad_params, gx) = self.block_backward_fused(&self.views(unit, params)?, input, grad_output)?;
-            return Ok(UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte: None });
-        }
-        if spec.kind == UnitKind::Embedding && ops::is_half(dtype) {
-            // Half dtypes: the scatter-add of the rows' gradients in F32 (candle's
-            // `index_select` backward would accumulate in the half dtype).
-            self.check_tokens(input)?;
-            let (b, t) = input.dims2()?;
-            let d = self.config.hidden_size;
-            if grad_output.dims() != [b, t, d] {
-                return Err(input_err(
-                    "grad_output shape",
-                    format!("{:?}", [b, t, d]),
-                    format!("{:?}", grad_output.dims()),
-                ));
-            }
-            let g =
-                ops::embedding_grad(&input.flatten_all()?, &grad_output.reshape((b * t, d))?, self.config.vocab_size)?;
-            let grad_params = g.flatten_all()?;
-            return Ok(UnitGrads { grad_params, grad_input: None, grad_tied_wte: None });
-        }
-        let vars = self.vars(unit, params)?;
-        let p: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
-        let (out, x_var, tied_var) = match spec.kind {
-            UnitKind::Embedding => {
-                self.check_tokens(input)?;
-                (self.embed_math(&p[0], input)?, None, None)
-            }
-            UnitKind::Block(_) => {
-                self.check_hidden(input, dtype, "block input")?;
-                let x = Var::from_tensor(input)?;
-                (self.block_math(&p, x.as_tensor())?, Some(x), None)
-            }
-            UnitKind::Head => {
-                self.check_hidden(input, dtype, "head input")?;
-                let x = Var::from_tensor(input)?;
-                let tied_var = self.tied_var(tied, dtype)?;
-                let w_out = match &tied_var {
-                    Some(w) => w.as_tensor().clone(),
-                    None => p[1].clone(),
-                };
-                (self.head_math(&p[0], &w_out, x.as_tensor())?, Some(x), tied_var)
-            }
-            UnitKind::MoeTrunk(_) | UnitKind::Expert { .. } => {
-                return Err(input_err("unit kind", "a dense Llama unit".into(), format!("{:?}", spec.kind)))
-            }
-        };
-        if out.dims() != grad_output.dims() {
-            return Err(input_err(
-                "grad_output shape",
-                format!("{:?}", out.dims()),
-                format!("{:?}", grad_output.dims()),
-            ));
-        }
-        let grads = (out * grad_output)?.sum_all()?.backward()?;
-        ops::collect_grads(&vars, x_var.as_ref(), tied_var.as_ref(), &grads, self.units[0].numel)
-    }
-
-    /// Validation loss: mean cross-entropy (nats) of the head on its input `[B, T, d]` against
-    /// `targets` `[B, T]` U32 over the positions whose target is not
-    /// [`crate::lm::IGNORE_INDEX`] (0 when none is counted), widened to f64.
-    ///
-    /// # Errors
-    /// As [`CausalLm::forward`]; [`crate::Error::Input`] for targets of the wrong shape or dtype or
-    /// an id `>= vocab_size` other than the ignore index.
-    fn head_loss(&self, params: &Tensor, input: &Tensor, tied: Option<&Tensor>, targets: &Tensor) -> Result<f64> {
-        let logits = self.forward(self.units.len() - 1, params, input, tied)?;
-        let count = self.check_targets(targets, &logits)?;
-        scalar(&self.loss_math(&logits, targets, count)?)
-    }
-
-    /// The head's training backward: recomputes the head from `input` (`[B, T, d]`), returns the
-    /// mean cross-entropy against `targets` (as [`CausalLm::head_loss`]), the number of counted
-    /// positions, and the gradients of that mean: the head's flat params, its input, and when
-    /// tied the embedding unit's flat vector ([`UnitGrads::grad_tied_wte`]).
-    ///
-    /// # Errors
-    /// As [`CausalLm::head_loss`].
-    fn head_loss_backward(
-        &self,
-        params: &Tensor,
-        input: &Tensor,
-        tied: Option<&Tensor>,
-        targets: &Tensor,
-    ) -> Result<HeadLossGrads> {
-        let unit = self.units.len() - 1;
-        let spec = &self.units[unit];
-        self.check_params(spec, params)?;
-        let dtype = params.dtype();
-        self.check_hidden(input, dtype, "head input")?;
-        if self.fused(input) {
-            // The fused CPU path: a hand-written backward (layer.rs).
-            let p = self.views(unit, params)?;
-            let w_out = self.head_out_weight(&p, tied, dtype)?;
-            let (b, t, _) = input.dims3()?;
-            let tokens = ops::check_targets(targets, &[b, t], self.config.vocab_size)?;
-            let (loss, gx, g_norm, g_out) = self.head_loss_backward_fused(&p[0], &w_out, input, targets, tokens)?;
-            let (grad_params, grad_tied_wte) = if self.config.tie_word_embeddings {
-                (g_norm, Some(g_out.flatten_all()?))
-            } else {
-                (Tensor::cat(&[&g_norm, &g_out.flatten_all()?], 0)?, None)
-            };
-            let grads = UnitGrads { grad_params, grad_input: Some(gx), grad_tied_wte };
-            return Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads });
-        }
-        let vars = self.vars(unit, params)?;
-        let x = Var::from_tensor(input)?;
-        let tied_var = self.tied_var(tied, dtype)?;
-        let w_out = match &tied_var {
-            Some(w) => w.as_tensor().clone(),
-            None => vars[1].as_tensor().clone(),
-        };
-        let logits = self.head_math(vars[0].as_tensor(), &w_out, x.as_tensor())?;
-        let tokens = self.check_targets(targets, &logits)?;
-        let loss = self.loss_math(&logits, targets, tokens)?;
-        let grads = loss.backward()?;
-        let grads = ops::collect_grads(&vars, Some(&x), tied_var.as_ref(), &grads, self.units[0].numel)?;
-        Ok(HeadLossGrads { loss: scalar(&loss)?, tokens, grads })
-    }
+    crate::lm::unit_calls!();
 
     /// Mixtral's MoE calls ([`crate::mixtral`]); `None` for the dense families.
     fn moe(&self) -> Option<&dyn crate::MoeLm> {

@@ -428,7 +428,7 @@ fn check_model_fd(cfg: LlamaConfig, composed: bool, chunk: Option<usize>, seed: 
     let mut flats = random_params(&units, 0.4, &mut rng);
     let params = to_tensors(&flats, DType::F64);
     let (loss, grads) = loss_and_grads(&model, &params, &tokens, &targets).unwrap();
-    assert!((loss - model.loss(&params, &tokens, &targets).unwrap()).abs() < 1e-12);
+    assert!((loss - crate::lm::loss(&model, &params, &tokens, &targets).unwrap()).abs() < 1e-12);
     let mut inputs = vec![tokens.clone()];
     for u in 0..params.len() - 1 {
         let x = model.forward(u, &params[u], &inputs[u], None).unwrap();
@@ -543,11 +543,11 @@ fn fused_kernels_match_composed_ops() {
             tv[2][7] = IGNORE_INDEX;
             let targets = Tensor::new(tv, &Device::Cpu).unwrap();
             let params = to_tensors(&random_params(fused.units(), 0.3, &mut rng), dtype);
-            let (l1, g1) = fused.loss_and_grads(&params, &tokens, &targets).unwrap();
-            let (l2, g2) = composed.loss_and_grads(&params, &tokens, &targets).unwrap();
+            let (l1, g1) = crate::lm::loss_and_grads(&fused, &params, &tokens, &targets).unwrap();
+            let (l2, g2) = crate::lm::loss_and_grads(&composed, &params, &tokens, &targets).unwrap();
             assert!((l1 - l2).abs() <= rtol * l2.abs(), "{dtype:?}: {l1} vs {l2}");
-            let logits1 = fused.forward_all(&params, &tokens).unwrap();
-            let logits2 = composed.forward_all(&params, &tokens).unwrap();
+            let logits1 = crate::lm::forward_all(&fused, &params, &tokens).unwrap();
+            let logits2 = crate::lm::forward_all(&composed, &params, &tokens).unwrap();
             assert!(max_abs_diff(&logits1, &logits2) <= rtol * max_abs(&logits2));
             for (u, (a, b)) in g1.iter().zip(&g2).enumerate() {
                 let (diff, scale) = (max_abs_diff(a, b), max_abs(b));
@@ -664,11 +664,11 @@ fn future_tokens_do_not_change_earlier_logits() {
             init_params(model.units(), 1).iter().map(|f| unit_tensor(f, DType::F32, &Device::Cpu).unwrap()).collect();
         let mut rng = ChaCha8Rng::seed_from_u64(9);
         let tokens = ids(2, 12, 32, &mut rng);
-        let base = model.forward_all(&params, &tokens).unwrap().to_vec3::<f32>().unwrap();
+        let base = crate::lm::forward_all(&model, &params, &tokens).unwrap().to_vec3::<f32>().unwrap();
         for k in [0, 5, 11] {
             let mut v = tokens.to_vec2::<u32>().unwrap();
             v[1][k] = (v[1][k] + 1) % 32;
-            let out = model.forward_all(&params, &Tensor::new(v, &Device::Cpu).unwrap()).unwrap();
+            let out = crate::lm::forward_all(&model, &params, &Tensor::new(v, &Device::Cpu).unwrap()).unwrap();
             let out = out.to_vec3::<f32>().unwrap();
             for t in 0..12 {
                 if t < k {
@@ -694,7 +694,7 @@ fn ignored_targets_leave_the_mean_and_the_gradients() {
     ign[0][2] = IGNORE_INDEX;
     ign[1][5] = IGNORE_INDEX;
     let head = model.units().len() - 1;
-    let x = model.forward_all(&params[..1], &tokens).err(); // wrong length: an input error
+    let x = crate::lm::forward_all(&model, &params[..1], &tokens).err(); // wrong length: an input error
     assert!(matches!(x, Some(Error::Input { .. })));
     let mut h = model.forward(0, &params[0], &tokens, None).unwrap();
     for (u, p) in params.iter().enumerate().take(head).skip(1) {
