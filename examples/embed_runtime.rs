@@ -32,7 +32,7 @@ fn main() -> anyhow::Result<()> {
     let numel = WIDTH * WIDTH + WIDTH;
     // The GPU budget holds two layers (one in use, one prefetched) plus gradient staging; the
     // model's parameters and optimizer state are 4 × 16 B/param.
-    let mut rt = Runtime::new(RuntimeConfig::sim(3 * numel as u64 * 4))?;
+    let mut rt = Runtime::new(RuntimeConfig::sim(3 * numel as u64 * 4), oogc::dist::Ranks::single())?;
     let mut units = Vec::new();
     for l in 0..LAYERS {
         let init: Vec<f32> = (0..numel).map(|i| ((i * 7919 + l * 104729) % 1000) as f32 / 1000.0 * 0.2 - 0.1).collect();

@@ -668,12 +668,12 @@ fn default_link_gbps() -> f64 {
 }
 
 impl DeviceConfig {
-    /// The runtime's device of this process: the sim device with the link's bandwidth and
-    /// latency, or the CUDA device `kind` names (for `"cuda"`, the process's local rank's:
+    /// The runtime's device of the process at `world`: the sim device with the link's bandwidth
+    /// and latency, or the CUDA device `kind` names (for `"cuda"`, the process's local rank's:
     /// [`DeviceKind::cuda_ordinal`] of [`crate::dist::World::local_rank`]) with `event_tracking`.
-    pub fn spec(&self) -> crate::runtime::DeviceSpec {
+    pub fn spec(&self, world: crate::dist::World) -> crate::runtime::DeviceSpec {
         use crate::runtime::DeviceSpec;
-        match self.kind.cuda_ordinal(crate::dist::world().local_rank) {
+        match self.kind.cuda_ordinal(world.local_rank) {
             None => DeviceSpec::Sim { link_gbps: self.link_gbps, latency_us: self.latency_us },
             Some(ordinal) => DeviceSpec::Cuda { ordinal, event_tracking: self.event_tracking },
         }

@@ -1,17 +1,19 @@
-//! Data-parallel ranks over MPI (feature `mpi`): the process's place in the run ([`World`]) and
-//! the few host-buffer collectives the trainer needs, through the `mpi` crate (rsmpi) over the
-//! system's Open MPI. A run started without `mpirun` is a world of one, exactly as before, and
-//! every collective is then a no-op.
+//! Data-parallel ranks as a value: the process's place in the run ([`World`]) and the few
+//! host-buffer collectives the trainer needs ([`Collectives`]), together a [`Ranks`] that the
+//! entry point makes once and passes down (`Runtime::new`, `Trainer::new`, `run::run`); the
+//! planners take the [`World`]. Nothing here is process-global: a run started without `mpirun`
+//! is given [`Ranks::single`] (a world of one, every collective a no-op), exactly as before.
 //!
 //! | piece | what it is |
 //! |---|---|
-//! | [`init`] | initialises MPI once per process when `mpirun` started it (`MPI_THREAD_MULTIPLE`); keep the returned [`MpiGuard`] alive until the end (dropping it finalises MPI) |
-//! | [`init_with`] | the ranks of another engine instead: a [`Collectives`] (the Python module's over torch.distributed, for `torchrun`) |
-//! | [`world`] | rank, world size, local rank (`OMPI_COMM_WORLD_*`): a world of one without [`init`] |
+//! | [`init`] | initialises MPI once per process when `mpirun` started it (`MPI_THREAD_MULTIPLE`, feature `mpi`, through the `mpi` crate over the system's Open MPI); the returned [`MpiGuard`] gives the run's [`Ranks`] and finalises MPI when dropped |
+//! | [`Ranks::new`] | the ranks of another engine instead: a [`Collectives`] of the program that set them up (the Python module's over torch.distributed, for `torchrun`) |
+//! | [`World`] | rank, world size, local rank (`OMPI_COMM_WORLD_*`); [`World::SINGLE`] without ranks |
+//! | [`Collectives`] | the engine's calls: all-reduce (f64 sum), reduce-scatter (f32 sum), all-gather (bytes), abort; [`SingleProcess`] is the no-op of a world of one |
 //! | [`shard_range`] | the elements of a unit whose master weights and Adam state a rank holds (ZeRO-style: `⌈numel / ranks⌉` each, in rank order) |
-//! | [`reduce_scatter_mean_grads`] | this rank's shard of a unit's gradients averaged over the ranks (summed in f32, divided by the world size, back in their dtype) |
-//! | [`all_gather_shards`] | a unit's bytes (a compute copy, master weights) from every rank's shard |
-//! | [`all_reduce_sum_f64`], [`all_gather_f64`] | the trainer's scalars: losses, validation sums, per-rank figures, the global norm |
+//! | [`Ranks::reduce_scatter_mean_grads`] | the drain thread's step: this rank's shard of a unit's gradients averaged over the ranks (summed in f32, divided by the world size, back in their dtype) |
+//! | [`Ranks::all_gather_shards`] | the fetch's step: a unit's bytes (a compute copy, master weights) from every rank's shard |
+//! | [`Ranks::all_reduce_sum_f64`], [`Ranks::all_gather_f64`] | the trainer's scalars: losses, validation sums, per-rank figures, the global norm |
 //!
 //! **Sharding (ZeRO-style).** With more than one rank the runtime's optimizer holds only this
 //! rank's [`shard_range`] of every unit: its fp32 master weights and Adam state (host or NVMe),
@@ -32,22 +34,19 @@
 //! all-gathers of sharded units at their fetch, each after waiting until the drain thread
 //! reduced every gradient pushed before it; the norm and the all-gathers in `finish_step`, after
 //! the same wait; the loss, validation and checkpoint gathers between steps). So the two never
-//! interleave differently on two ranks; a process-wide lock keeps any two calls from
-//! overlapping.
+//! interleave differently on two ranks; the implementation keeps any two calls from overlapping
+//! (the MPI one holds a lock of its own; another engine's does the same).
 //!
-//! **Engines.** The collectives go to one backend per process: MPI ([`init`], feature `mpi`) or
-//! a [`Collectives`] given to [`init_with`] by the program that set the ranks up (the Python
-//! module's `oogc.torch.offload(..., process_group=...)` under `torchrun`: gloo on the CPU, NCCL
-//! on GPUs). Both run under the same lock in the same order. A collective that fails ends the
-//! process with the cause (as MPI's default error handler does): the ranks are out of step and
-//! nothing can be resumed but a checkpoint; the launcher (`mpirun`, `torchrun`) then stops the
-//! others.
+//! **Failures.** A collective that fails is an error ([`DistError::Collective`]) returned up to
+//! the caller: the ranks are out of step and nothing can be resumed but a checkpoint. The entry
+//! point decides: the CLI ends every rank ([`Ranks::abort`]: `MPI_Abort`) and exits; the Python
+//! module raises, and its launcher (`torchrun`) stops the others. Nothing here ends the process.
 //!
 //! Without the `mpi` feature the binary needs no MPI library (the CUDA bundle, a machine without
 //! Open MPI); started by `mpirun` with more than one rank it refuses to run ([`DistError`]),
 //! naming the rebuild that fixes it.
 
-use std::sync::OnceLock;
+use std::sync::Arc;
 
 use oogc_optimizer::Grads;
 use serde::Serialize;
@@ -122,7 +121,7 @@ pub enum DistError {
         /// The level granted.
         granted: String,
     },
-    /// [`init_with`] was given a rank outside its world.
+    /// [`Ranks::new`] was given a rank outside its world.
     #[error("rank {rank} of a world of {size}: a rank is 0..size, and a world has at least one rank")]
     BadWorld {
         /// The rank given.
@@ -142,27 +141,33 @@ pub enum DistError {
         /// From MPI.
         size: usize,
     },
+    /// A collective failed (a rank died, a timeout): the ranks are out of step, and the run cannot
+    /// go on; the entry point ends it ([`Ranks::abort`]) and it resumes from its last checkpoint.
+    #[error(
+        "rank {rank} of {size}: the collective {op} failed: {message}; the ranks are out of step, so this run \
+         cannot go on (the launcher stops the other ranks); resume from the last checkpoint"
+    )]
+    Collective {
+        /// The collective (`"all-reduce (sum, f64)"`, ...).
+        op: &'static str,
+        /// This process's rank.
+        rank: usize,
+        /// The world size.
+        size: usize,
+        /// The engine's message.
+        message: String,
+    },
 }
 
-static WORLD: OnceLock<World> = OnceLock::new();
-
-/// Where this process's collectives go (set once, with [`WORLD`]).
-static BACKEND: OnceLock<Backend> = OnceLock::new();
-
-enum Backend {
-    #[cfg(feature = "mpi")]
-    Mpi,
-    External(Box<dyn Collectives>),
-}
-
-/// Serialises this process's collectives (see the module docs).
-static COLLECTIVE: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
-
-/// The collectives of ranks that another engine set up (torch.distributed's process group under
-/// `torchrun`, ...), for [`init_with`]. Every rank calls the same methods in the same order
-/// (the runtime guarantees it, and never calls two at once); buffers are host memory.
+/// The collectives of a run's ranks, over the engine that set them up: MPI ([`init`], feature
+/// `mpi`), torch.distributed's process group under `torchrun` (the Python module's), or none
+/// ([`SingleProcess`]). Every rank calls the same methods in the same order (the runtime
+/// guarantees it); an implementation keeps two calls from overlapping (the runtime calls from
+/// two threads, one after the other); buffers are host memory.
 ///
-/// An `Err` is the engine's message; the run cannot go on after it (see the module docs).
+/// The methods are the engine's raw calls; the runtime and the trainer reach them through
+/// [`Ranks`], which skips them in a world of one and turns a failure into
+/// [`DistError::Collective`].
 pub trait Collectives: Send + Sync {
     /// `values` (f64) summed over the ranks, in place.
     ///
@@ -183,11 +188,180 @@ pub trait Collectives: Send + Sync {
     /// # Errors
     /// The engine's failure, as text.
     fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<(), String>;
+
+    /// Ends every rank of the run now, where the engine can (MPI: `MPI_Abort` with `code`, which
+    /// does not return), so that the others do not wait forever in their next collective. The
+    /// default returns: the caller then ends this process, and the engine's launcher
+    /// (`torchrun`) stops the others.
+    fn abort(&self, code: i32) {
+        let _ = code;
+    }
 }
 
-/// This process's world: the one [`init`] set up, else a world of one.
-pub fn world() -> World {
-    WORLD.get().copied().unwrap_or(World::SINGLE)
+/// The collectives of a world of one: each leaves its data as it is (a sum over one rank, the
+/// one block scattered, the one block gathered). [`Ranks`] does not even call them.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SingleProcess;
+
+impl Collectives for SingleProcess {
+    fn all_reduce_sum_f64(&self, _values: &mut [f64]) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String> {
+        let n = recv.len();
+        recv.copy_from_slice(&send[..n]);
+        Ok(())
+    }
+
+    fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<(), String> {
+        recv[..send.len()].copy_from_slice(send);
+        Ok(())
+    }
+}
+
+/// A run's ranks: this process's [`World`] and the [`Collectives`] it shares with the others.
+/// Made once by the entry point ([`init`] under `mpirun`, [`Ranks::new`] for another engine's,
+/// [`Ranks::single`] otherwise) and passed down by value (cloning shares the collectives).
+///
+/// Its methods are the named collective steps of a run, each a no-op in a world of one (no call
+/// reaches the collectives) and each an error when the engine fails
+/// ([`DistError::Collective`]): the run cannot go on after it.
+#[derive(Clone)]
+pub struct Ranks {
+    world: World,
+    collectives: Arc<dyn Collectives>,
+}
+
+impl std::fmt::Debug for Ranks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ranks").field("world", &self.world).finish_non_exhaustive()
+    }
+}
+
+impl Ranks {
+    /// A run of one process: [`World::SINGLE`] and [`SingleProcess`].
+    pub fn single() -> Self {
+        Self { world: World::SINGLE, collectives: Arc::new(SingleProcess) }
+    }
+
+    /// The ranks of `world` over `collectives` (another engine's: the Python module's over
+    /// torch.distributed). A world of one never calls `collectives`.
+    ///
+    /// # Errors
+    /// [`DistError::BadWorld`] when `world` is not a world (rank beyond the size, size 0).
+    pub fn new(world: World, collectives: Arc<dyn Collectives>) -> Result<Self, DistError> {
+        if world.size == 0 || world.rank >= world.size {
+            return Err(DistError::BadWorld { rank: world.rank, size: world.size });
+        }
+        Ok(Self { world, collectives })
+    }
+
+    /// This process's place in the run.
+    pub fn world(&self) -> World {
+        self.world
+    }
+
+    fn failed(&self, op: &'static str, message: String) -> DistError {
+        let w = self.world;
+        tracing::error!(rank = w.rank, op, error = %message, "collective failed");
+        DistError::Collective { op, rank: w.rank, size: w.size, message }
+    }
+
+    /// `values` summed over the ranks, in place (f64): the global norm's sum of squares, the
+    /// step's loss, the validation sums, the collective stop. A no-op in a world of one.
+    ///
+    /// # Errors
+    /// [`DistError::Collective`] when the engine fails.
+    pub fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), DistError> {
+        if values.is_empty() || self.world.size == 1 {
+            return Ok(());
+        }
+        self.collectives.all_reduce_sum_f64(values).map_err(|e| self.failed("all-reduce (sum, f64)", e))
+    }
+
+    /// `value` of every rank, in rank order (`[value]` in a world of one): the per-rank step
+    /// times of the metrics.
+    ///
+    /// # Errors
+    /// [`DistError::Collective`] when the engine fails.
+    pub fn all_gather_f64(&self, value: f64) -> Result<Vec<f64>, DistError> {
+        if self.world.size == 1 {
+            return Ok(vec![value]);
+        }
+        let mut bytes = vec![0u8; 8 * self.world.size];
+        self.collectives
+            .all_gather_bytes(&value.to_ne_bytes(), &mut bytes)
+            .map_err(|e| self.failed("all-gather (f64)", e))?;
+        Ok(bytemuck::pod_collect_to_vec(&bytes))
+    }
+
+    /// The gradient drain thread's step: this rank's shard ([`shard_range`]) of a unit's
+    /// gradients averaged over the ranks: a reduce-scatter (`MPI_Reduce_scatter_block`, summed
+    /// in f32, the unit padded to equal blocks), divided by the world size, returned in the
+    /// gradients' dtype. The whole gradients, unchanged, in a world of one.
+    ///
+    /// # Errors
+    /// [`DistError::Collective`] when the engine fails.
+    pub fn reduce_scatter_mean_grads(&self, grads: Grads) -> Result<Grads, DistError> {
+        let world = self.world;
+        if world.size == 1 {
+            return Ok(grads);
+        }
+        let dtype = grads.dtype();
+        let numel = grads.len();
+        let per = numel.div_ceil(world.size);
+        let mut send = match Grads::converted(grads.as_slice(), oogc_swapper::DType::F32) {
+            Grads::F32(v) => v,
+            _ => unreachable!("converted to f32"),
+        };
+        send.resize(per * world.size, 0.0);
+        let mut mine = vec![0.0f32; per];
+        self.collectives
+            .reduce_scatter_sum_f32(&send, &mut mine)
+            .map_err(|e| self.failed("reduce-scatter (sum, f32)", e))?;
+        mine.truncate(shard_range(numel, world.rank, world.size).len());
+        let inv = 1.0 / world.size as f32;
+        mine.iter_mut().for_each(|g| *g *= inv);
+        let mean = Grads::F32(mine);
+        Ok(if dtype == oogc_swapper::DType::F32 { mean } else { Grads::converted(mean.as_slice(), dtype) })
+    }
+
+    /// The fetch's step: a unit of `numel` elements of `elem_bytes` bytes each, gathered from
+    /// every rank's shard ([`shard_range`]; `shard` is this rank's,
+    /// `shard.len() == range.len() × elem_bytes`): an all-gather of equal padded blocks,
+    /// `numel × elem_bytes` bytes in rank order. `shard` itself in a world of one.
+    ///
+    /// # Errors
+    /// [`DistError::Collective`] when the engine fails.
+    ///
+    /// # Panics
+    /// When `shard` is not this rank's shard's size.
+    pub fn all_gather_shards(&self, shard: &[u8], numel: usize, elem_bytes: usize) -> Result<Vec<u8>, DistError> {
+        let world = self.world;
+        let range = shard_range(numel, world.rank, world.size);
+        assert_eq!(shard.len(), range.len() * elem_bytes, "rank {}'s shard of a unit of {numel}", world.rank);
+        if world.size == 1 {
+            return Ok(shard.to_vec());
+        }
+        let block = numel.div_ceil(world.size) * elem_bytes;
+        let mut send = shard.to_vec();
+        send.resize(block, 0);
+        let mut all = vec![0u8; block * world.size];
+        self.collectives.all_gather_bytes(&send, &mut all).map_err(|e| self.failed("all-gather (bytes)", e))?;
+        all.truncate(numel * elem_bytes);
+        Ok(all)
+    }
+
+    /// Ends every rank of the run now where the engine can (`MPI_Abort` with `code`, which does
+    /// not return): what the entry point does when a rank failed, so that the others do not
+    /// wait forever in their next collective (nor in `MPI_Finalize`). Returns in a world of one
+    /// and with another engine's ranks: the caller then ends this process.
+    pub fn abort(&self, code: i32) {
+        if self.world.size > 1 {
+            self.collectives.abort(code);
+        }
+    }
 }
 
 /// What `mpirun` (Open MPI) announced in this process's environment — `OMPI_COMM_WORLD_RANK`,
@@ -200,9 +374,11 @@ pub fn launched_by_mpirun() -> Option<World> {
     Some(World { rank, size, local_rank: var("OMPI_COMM_WORLD_LOCAL_RANK").unwrap_or(rank) })
 }
 
-/// Keeps MPI initialised; finalises it when dropped. Hold it for the whole run, on the thread
-/// that called [`init`] (it is neither `Send` nor `Sync`).
+/// The run's [`Ranks`] and, under `mpirun`, MPI kept initialised: dropping it finalises MPI, so
+/// hold it for the whole run, on the thread that called [`init`] (it is neither `Send` nor
+/// `Sync`), and drop every runtime and trainer made with its ranks first.
 pub struct MpiGuard {
+    ranks: Ranks,
     #[cfg(feature = "mpi")]
     _universe: Option<mpi::environment::Universe>,
     _not_send: std::marker::PhantomData<*const ()>,
@@ -210,13 +386,21 @@ pub struct MpiGuard {
 
 impl std::fmt::Debug for MpiGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MpiGuard").field("world", &world()).finish()
+        f.debug_struct("MpiGuard").field("world", &self.ranks.world).finish()
     }
 }
 
-/// Sets up this process's world: when `mpirun` started it (with the `mpi` feature), initialises
+impl MpiGuard {
+    /// The run's ranks: MPI's when `mpirun` started the process, else [`Ranks::single`].
+    pub fn ranks(&self) -> Ranks {
+        self.ranks.clone()
+    }
+}
+
+/// Sets up this process's ranks: when `mpirun` started it (with the `mpi` feature), initialises
 /// MPI with `MPI_THREAD_MULTIPLE` and reads rank and size from it; otherwise a world of one (no
-/// MPI call at all). Call once, first thing, and keep the guard until the end of `main`.
+/// MPI call at all). Call once, first thing, keep the guard until the end of `main`, and pass
+/// [`MpiGuard::ranks`] down.
 ///
 /// # Errors
 /// [`DistError::NotBuiltWithMpi`] when started by `mpirun` with more than one rank without the
@@ -224,6 +408,7 @@ impl std::fmt::Debug for MpiGuard {
 /// [`DistError::Mismatch`] from MPI.
 pub fn init() -> Result<MpiGuard, DistError> {
     let none = || MpiGuard {
+        ranks: Ranks::single(),
         #[cfg(feature = "mpi")]
         _universe: None,
         _not_send: std::marker::PhantomData,
@@ -250,120 +435,61 @@ pub fn init() -> Result<MpiGuard, DistError> {
             return Err(DistError::Mismatch { env_rank: env.rank, env_size: env.size, rank, size });
         }
         let world = World { rank, size, local_rank: env.local_rank };
-        WORLD.set(world).map_err(|_| DistError::AlreadyInitialized)?;
-        BACKEND.set(Backend::Mpi).map_err(|_| DistError::AlreadyInitialized)?;
         tracing::info!(rank, size, local_rank = world.local_rank, "MPI initialised");
-        Ok(MpiGuard { _universe: Some(universe), _not_send: std::marker::PhantomData })
+        let collectives: Arc<dyn Collectives> =
+            if size == 1 { Arc::new(SingleProcess) } else { Arc::new(mpi_world::MpiCollectives::default()) };
+        let ranks = Ranks::new(world, collectives)?;
+        Ok(MpiGuard { ranks, _universe: Some(universe), _not_send: std::marker::PhantomData })
     }
 }
 
-/// The backend, locked for one collective; `None` in a world of one.
-fn backend() -> Option<(&'static Backend, parking_lot::MutexGuard<'static, ()>)> {
-    if world().size == 1 {
-        return None;
-    }
-    let backend = BACKEND.get()?;
-    Some((backend, COLLECTIVE.lock()))
-}
-
-/// An external collective's result, or the end of the process when it failed (see the module
-/// docs).
-fn or_exit<T>(op: &str, result: Result<T, String>) -> T {
-    result.unwrap_or_else(|e| {
-        let w = world();
-        eprintln!(
-            "oogc: rank {} of {}: the collective {op} failed: {e}; this rank stops (the ranks are out of step; \
-             the launcher stops the others; resume from the last checkpoint)",
-            w.rank, w.size
-        );
-        tracing::error!(rank = w.rank, op, error = %e, "collective failed");
-        std::process::exit(1)
-    })
-}
-
-/// Sets up this process's world from another engine's ranks: `world` and the [`Collectives`]
-/// every later collective goes to (the Python module's over torch.distributed). A `world` of one
-/// changes nothing (no collective is ever called).
-///
-/// # Errors
-/// [`DistError::AlreadyInitialized`] when this process's world was set already (by [`init`]
-/// under `mpirun`, or an earlier call with another world); calling it again with the same world
-/// keeps the first backend and is not an error. [`DistError::BadWorld`] when `world` is not a
-/// world (rank beyond the size, size 0).
-pub fn init_with(world: World, collectives: Box<dyn Collectives>) -> Result<(), DistError> {
-    if world.size == 0 || world.rank >= world.size {
-        return Err(DistError::BadWorld { rank: world.rank, size: world.size });
-    }
-    if let Some(have) = WORLD.get() {
-        return if *have == world { Ok(()) } else { Err(DistError::AlreadyInitialized) };
-    }
-    if world.size == 1 {
-        return Ok(());
-    }
-    WORLD.set(world).map_err(|_| DistError::AlreadyInitialized)?;
-    BACKEND.set(Backend::External(collectives)).map_err(|_| DistError::AlreadyInitialized)?;
-    tracing::info!(
-        rank = world.rank,
-        size = world.size,
-        local_rank = world.local_rank,
-        "ranks set up by another engine"
-    );
-    Ok(())
-}
-
+/// The MPI engine: `MPI_COMM_WORLD` through rsmpi, one call at a time.
 #[cfg(feature = "mpi")]
-fn comm() -> mpi::topology::SimpleCommunicator {
-    mpi::topology::SimpleCommunicator::world()
-}
+mod mpi_world {
+    use mpi::collective::SystemOperation;
+    use mpi::topology::SimpleCommunicator;
+    use mpi::traits::{Communicator, CommunicatorCollectives};
 
-/// `values` summed over the ranks, in place (f64). A no-op in a world of one.
-pub fn all_reduce_sum_f64(values: &mut [f64]) {
-    if values.is_empty() {
-        return;
+    use super::Collectives;
+
+    /// MPI's collectives on the world communicator; the lock serialises them (the runtime's
+    /// drain thread and the trainer's thread call one after the other, never at once, but MPI
+    /// is told nothing of that order).
+    #[derive(Default)]
+    pub(super) struct MpiCollectives {
+        one_at_a_time: parking_lot::Mutex<()>,
     }
-    let Some((backend, _one)) = backend() else { return };
-    match backend {
-        #[cfg(feature = "mpi")]
-        Backend::Mpi => {
-            use mpi::collective::SystemOperation;
-            use mpi::traits::CommunicatorCollectives;
+
+    fn comm() -> SimpleCommunicator {
+        SimpleCommunicator::world()
+    }
+
+    // MPI's default error handler (`MPI_ERRORS_ARE_FATAL`) ends the run on a failure: these
+    // calls return only on success.
+    impl Collectives for MpiCollectives {
+        fn all_reduce_sum_f64(&self, values: &mut [f64]) -> Result<(), String> {
+            let _one = self.one_at_a_time.lock();
             let send = values.to_vec();
             comm().all_reduce_into(&send[..], values, SystemOperation::sum());
+            Ok(())
         }
-        Backend::External(c) => or_exit("all-reduce (sum, f64)", c.all_reduce_sum_f64(values)),
-    }
-}
 
-/// `value` of every rank, in rank order (`[value]` in a world of one).
-pub fn all_gather_f64(value: f64) -> Vec<f64> {
-    let Some((backend, _one)) = backend() else { return vec![value] };
-    let mut out = vec![0.0; world().size];
-    match backend {
-        #[cfg(feature = "mpi")]
-        Backend::Mpi => {
-            use mpi::traits::CommunicatorCollectives;
-            comm().all_gather_into(&value, &mut out[..]);
+        fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) -> Result<(), String> {
+            let _one = self.one_at_a_time.lock();
+            comm().reduce_scatter_block_into(send, recv, SystemOperation::sum());
+            Ok(())
         }
-        Backend::External(c) => {
-            let mut bytes = vec![0u8; 8 * out.len()];
-            or_exit("all-gather (f64)", c.all_gather_bytes(&value.to_ne_bytes(), &mut bytes));
-            out = bytemuck::pod_collect_to_vec(&bytes);
-        }
-    }
-    out
-}
 
-/// Ends every rank of the run now (`MPI_Abort` with `code`): what a rank that failed does, so
-/// that the others do not wait forever in their next collective (nor in `MPI_Finalize`). In a
-/// world of one, or with another engine's ranks (whose launcher stops the others when this
-/// process ends), exits the process with `code`.
-pub fn abort(code: i32) -> ! {
-    #[cfg(feature = "mpi")]
-    if world().size > 1 && matches!(BACKEND.get(), Some(Backend::Mpi)) {
-        use mpi::traits::Communicator;
-        comm().abort(code)
+        fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<(), String> {
+            let _one = self.one_at_a_time.lock();
+            comm().all_gather_into(send, recv);
+            Ok(())
+        }
+
+        fn abort(&self, code: i32) {
+            comm().abort(code)
+        }
     }
-    std::process::exit(code)
 }
 
 /// The elements of a flat unit of `numel` that rank `rank` of `ranks` owns (its master
@@ -374,95 +500,29 @@ pub fn shard_range(numel: usize, rank: usize, ranks: usize) -> std::ops::Range<u
     (rank * per).min(numel)..((rank + 1) * per).min(numel)
 }
 
-/// This rank's shard ([`shard_range`]) of a unit's gradients averaged over the ranks: a
-/// reduce-scatter (`MPI_Reduce_scatter_block`, summed in f32, the unit padded to equal blocks),
-/// divided by the world size, returned in the gradients' dtype. The whole gradients, unchanged,
-/// in a world of one.
-pub fn reduce_scatter_mean_grads(grads: Grads) -> Grads {
-    let world = world();
-    if world.size == 1 {
-        return grads;
-    }
-    let dtype = grads.dtype();
-    let numel = grads.len();
-    let per = numel.div_ceil(world.size);
-    let mut send = match Grads::converted(grads.as_slice(), oogc_swapper::DType::F32) {
-        Grads::F32(v) => v,
-        _ => unreachable!("converted to f32"),
-    };
-    send.resize(per * world.size, 0.0);
-    let mut mine = vec![0.0f32; per];
-    if let Some((backend, _one)) = backend() {
-        match backend {
-            #[cfg(feature = "mpi")]
-            Backend::Mpi => {
-                use mpi::collective::SystemOperation;
-                use mpi::traits::CommunicatorCollectives;
-                comm().reduce_scatter_block_into(&send[..], &mut mine[..], SystemOperation::sum());
-            }
-            Backend::External(c) => {
-                or_exit("reduce-scatter (sum, f32)", c.reduce_scatter_sum_f32(&send, &mut mine));
-            }
-        }
-    }
-    mine.truncate(shard_range(numel, world.rank, world.size).len());
-    let inv = 1.0 / world.size as f32;
-    mine.iter_mut().for_each(|g| *g *= inv);
-    let mean = Grads::F32(mine);
-    if dtype == oogc_swapper::DType::F32 {
-        mean
-    } else {
-        Grads::converted(mean.as_slice(), dtype)
-    }
-}
-
-/// A unit of `numel` elements of `elem_bytes` bytes each, gathered from every rank's shard
-/// ([`shard_range`]; `shard` is this rank's, `shard.len() == range.len() × elem_bytes`): an
-/// all-gather of equal padded blocks, `numel × elem_bytes` bytes in rank order. `shard` itself
-/// in a world of one.
-///
-/// # Panics
-/// When `shard` is not this rank's shard's size.
-pub fn all_gather_shards(shard: &[u8], numel: usize, elem_bytes: usize) -> Vec<u8> {
-    let world = world();
-    let range = shard_range(numel, world.rank, world.size);
-    assert_eq!(shard.len(), range.len() * elem_bytes, "rank {}'s shard of a unit of {numel}", world.rank);
-    if world.size == 1 {
-        return shard.to_vec();
-    }
-    let block = numel.div_ceil(world.size) * elem_bytes;
-    let mut send = shard.to_vec();
-    send.resize(block, 0);
-    let mut all = vec![0u8; block * world.size];
-    if let Some((backend, _one)) = backend() {
-        match backend {
-            #[cfg(feature = "mpi")]
-            Backend::Mpi => {
-                use mpi::traits::CommunicatorCollectives;
-                comm().all_gather_into(&send[..], &mut all[..]);
-            }
-            Backend::External(c) => or_exit("all-gather (bytes)", c.all_gather_bytes(&send, &mut all)),
-        }
-    }
-    all.truncate(numel * elem_bytes);
-    all
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn a_world_of_one_leaves_everything_as_it_is() {
-        // No mpirun in the test's environment: no MPI call is made.
-        assert_eq!(world(), World::SINGLE);
+        let ranks = Ranks::single();
+        assert_eq!(ranks.world(), World::SINGLE);
         let g = Grads::F32(vec![1.5, -2.0]);
-        assert_eq!(reduce_scatter_mean_grads(g.clone()), g);
-        assert_eq!(all_gather_shards(&[1, 2, 3, 4], 2, 2), vec![1, 2, 3, 4]);
+        assert_eq!(ranks.reduce_scatter_mean_grads(g.clone()).unwrap(), g);
+        assert_eq!(ranks.all_gather_shards(&[1, 2, 3, 4], 2, 2).unwrap(), vec![1, 2, 3, 4]);
         let mut v = [3.0, 4.0];
-        all_reduce_sum_f64(&mut v);
+        ranks.all_reduce_sum_f64(&mut v).unwrap();
         assert_eq!(v, [3.0, 4.0]);
-        assert_eq!(all_gather_f64(7.0), vec![7.0]);
+        assert_eq!(ranks.all_gather_f64(7.0).unwrap(), vec![7.0]);
+        ranks.abort(1);
+        // The no-op collectives are right for one rank when called directly too.
+        let mut recv = [0.0f32; 2];
+        SingleProcess.reduce_scatter_sum_f32(&[1.0, 2.0], &mut recv).unwrap();
+        assert_eq!(recv, [1.0, 2.0]);
+        let mut all = [0u8; 3];
+        SingleProcess.all_gather_bytes(&[7, 8, 9], &mut all).unwrap();
+        assert_eq!(all, [7, 8, 9]);
     }
 
     struct Unreachable;
@@ -479,16 +539,46 @@ mod tests {
     }
 
     #[test]
-    fn another_engine_s_world_is_checked_and_a_world_of_one_changes_nothing() {
-        let bad = init_with(World { rank: 2, size: 2, local_rank: 0 }, Box::new(Unreachable));
+    fn another_engine_s_world_is_checked_and_a_world_of_one_calls_nothing() {
+        let bad = Ranks::new(World { rank: 2, size: 2, local_rank: 0 }, Arc::new(Unreachable));
         assert!(matches!(bad, Err(DistError::BadWorld { rank: 2, size: 2 })), "{bad:?}");
-        let empty = init_with(World { rank: 0, size: 0, local_rank: 0 }, Box::new(Unreachable));
+        let empty = Ranks::new(World { rank: 0, size: 0, local_rank: 0 }, Arc::new(Unreachable));
         assert!(matches!(empty, Err(DistError::BadWorld { .. })), "{empty:?}");
-        init_with(World::SINGLE, Box::new(Unreachable)).expect("a world of one");
-        assert_eq!(world(), World::SINGLE);
+        let one = Ranks::new(World::SINGLE, Arc::new(Unreachable)).expect("a world of one");
+        assert_eq!(one.world(), World::SINGLE);
         let mut v = [1.0];
-        all_reduce_sum_f64(&mut v);
+        one.all_reduce_sum_f64(&mut v).unwrap();
         assert_eq!(v, [1.0]);
+        assert_eq!(one.all_gather_f64(2.0).unwrap(), vec![2.0]);
+    }
+
+    /// Two ranks whose engine fails every call.
+    struct Failing;
+    impl Collectives for Failing {
+        fn all_reduce_sum_f64(&self, _: &mut [f64]) -> Result<(), String> {
+            Err("rank 1 died".into())
+        }
+        fn reduce_scatter_sum_f32(&self, _: &[f32], _: &mut [f32]) -> Result<(), String> {
+            Err("rank 1 died".into())
+        }
+        fn all_gather_bytes(&self, _: &[u8], _: &mut [u8]) -> Result<(), String> {
+            Err("rank 1 died".into())
+        }
+    }
+
+    #[test]
+    fn a_failed_collective_is_an_error_naming_it_and_the_rank() {
+        let ranks = Ranks::new(World { rank: 0, size: 2, local_rank: 0 }, Arc::new(Failing)).unwrap();
+        let e = ranks.all_reduce_sum_f64(&mut [1.0]).unwrap_err();
+        assert!(matches!(&e, DistError::Collective { op: "all-reduce (sum, f64)", rank: 0, size: 2, .. }), "{e:?}");
+        assert!(e.to_string().contains("rank 1 died"), "{e}");
+        let e = ranks.reduce_scatter_mean_grads(Grads::F32(vec![1.0; 4])).unwrap_err();
+        assert!(matches!(e, DistError::Collective { op: "reduce-scatter (sum, f32)", .. }), "{e:?}");
+        let e = ranks.all_gather_shards(&[0; 2], 4, 1).unwrap_err();
+        assert!(matches!(e, DistError::Collective { op: "all-gather (bytes)", .. }), "{e:?}");
+        assert!(ranks.all_gather_f64(1.0).is_err());
+        // The default abort returns: the caller ends the process.
+        ranks.abort(1);
     }
 
     #[test]

@@ -10,6 +10,7 @@
 use oogc_moe_placement::{CostModelConfig, PlacerConfig};
 
 use crate::config::{ConfigError, MoePolicy, TrainConfig};
+use crate::dist::World;
 
 /// H2D/D2H rate the cost model starts from when the link is not throttled: a PCIe 4 x16 link's
 /// achievable rate, GB/s.
@@ -39,20 +40,20 @@ pub fn places_experts(cfg: &TrainConfig) -> bool {
 /// Whether the hot experts of `cfg`'s run keep their optimizer on the device (`[moe]
 /// device_optimizer`, with `policy = "ours"`): `true` when set so; unset, when the expert budget
 /// holds at least one expert of `expert_params` parameters with its optimizer
-/// ([`crate::runtime::device_optimizer_bytes`]). Off with data-parallel ranks (each rank's
-/// optimizer holds a shard of every expert's state).
+/// ([`crate::runtime::device_optimizer_bytes`]). Off with data-parallel ranks (`world.size > 1`:
+/// each rank's optimizer holds a shard of every expert's state).
 ///
 /// # Errors
 /// [`ConfigError::Invalid`] naming `moe.expert_budget` when `device_optimizer = true` and the
 /// budget cannot hold one such expert, or naming `moe.device_optimizer` when it is `true` with
 /// several ranks.
-pub fn device_optimizer(cfg: &TrainConfig, expert_params: usize) -> Result<bool, ConfigError> {
+pub fn device_optimizer(cfg: &TrainConfig, expert_params: usize, world: World) -> Result<bool, ConfigError> {
     if !places_experts(cfg) {
         return Ok(false);
     }
     let need = crate::runtime::device_optimizer_bytes(expert_params, cfg.train.compute_dtype.dtype());
     let fits = expert_budget_bytes(cfg) >= need;
-    let ranks = crate::dist::world().size;
+    let ranks = world.size;
     if ranks > 1 {
         // Each rank's optimizer holds a shard of every expert's state.
         return match cfg.moe.device_optimizer {
@@ -84,10 +85,10 @@ pub fn device_optimizer(cfg: &TrainConfig, expert_params: usize) -> Result<bool,
 }
 
 /// GPU bytes of one hot expert of `expert_params` parameters in `cfg`'s run: its compute copy,
-/// and its optimizer when [`device_optimizer`] says so (an error there counts as not).
-pub fn hot_expert_bytes(cfg: &TrainConfig, expert_params: usize) -> u64 {
+/// and its optimizer when [`device_optimizer`] says so for `world` (an error there counts as not).
+pub fn hot_expert_bytes(cfg: &TrainConfig, expert_params: usize, world: World) -> u64 {
     let dtype = cfg.train.compute_dtype.dtype();
-    if device_optimizer(cfg, expert_params).unwrap_or(false) {
+    if device_optimizer(cfg, expert_params, world).unwrap_or(false) {
         crate::runtime::device_optimizer_bytes(expert_params, dtype)
     } else {
         dtype.num_bytes(expert_params) as u64
@@ -97,11 +98,11 @@ pub fn hot_expert_bytes(cfg: &TrainConfig, expert_params: usize) -> u64 {
 /// The placer's settings for `cfg`: the expert budget, `[moe] popularity_decay` and
 /// `cpu_compute`, and the cost model's rates (module docs) with `cpu_gflops` the CPU's GEMM rate
 /// in GFLOP/s (measured by the trainer, profiled by the planner); with hot experts of
-/// `expert_params` parameters keeping their optimizer on the device ([`device_optimizer`]), the
-/// hot set counts and moves their optimizer state.
-pub fn placer_config(cfg: &TrainConfig, cpu_gflops: f64, expert_params: usize) -> PlacerConfig {
+/// `expert_params` parameters keeping their optimizer on the device ([`device_optimizer`] for
+/// `world`), the hot set counts and moves their optimizer state.
+pub fn placer_config(cfg: &TrainConfig, cpu_gflops: f64, expert_params: usize, world: World) -> PlacerConfig {
     let mut pc = PlacerConfig::new(expert_budget_bytes(cfg));
-    if device_optimizer(cfg, expert_params).unwrap_or(false) {
+    if device_optimizer(cfg, expert_params, world).unwrap_or(false) {
         // A hot expert holds its optimizer too, moves its state (12 B per parameter) to enter,
         // and keeps its gradients on the device.
         pc.hot_expert_bytes =

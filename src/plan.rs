@@ -587,7 +587,8 @@ pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &Hardwar
     // The sim device's GPU is this CPU, at the profile's rate; on a GPU the cost model's CPU rate.
     let cpu_gflops =
         if cfg.device.kind.is_sim() { hardware.device_gflops } else { CostModelConfig::default().cpu_gflops };
-    let pc = crate::moe::placer_config(cfg, cpu_gflops, numel as usize);
+    // `oogc plan` runs as one process: the placements of a world of one.
+    let pc = crate::moe::placer_config(cfg, cpu_gflops, numel as usize, crate::dist::World::SINGLE);
     let cost = CostModel::new(
         ExpertShape { param_bytes: bytes, grad_bytes: bytes, flops_per_token: 8.0 * numel as f64 },
         pc.cost,
@@ -598,7 +599,7 @@ pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &Hardwar
     };
     let mode = if cfg.moe.cpu_compute { ColdMode::FetchOrCpu } else { ColdMode::FetchOnly };
     // A hot expert's GPU bytes: its compute copy, and its optimizer when it lives there.
-    let hot_bytes = crate::moe::hot_expert_bytes(cfg, numel as usize);
+    let hot_bytes = crate::moe::hot_expert_bytes(cfg, numel as usize, crate::dist::World::SINGLE);
     let capacity = ((pc.hot_set.budget_bytes / hot_bytes.max(1)) as usize).min(layers * experts);
     let horizon = 1.0 / (1.0 - cfg.moe.popularity_decay).max(1e-6);
     let worth_keeping = cost.hot_benefit_s(tokens as f64, 1.0, mode, pc.hot_set.keeps_gradients) * horizon

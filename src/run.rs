@@ -268,22 +268,30 @@ pub fn gb(bytes: u64) -> String {
     format!("{:.2} GB", bytes as f64 / 1e9)
 }
 
-/// Runs the training described by `cfg`, telling `observer` of each step.
+/// Runs the training described by `cfg` as this process's place among `ranks`
+/// ([`crate::dist::Ranks::single`] for one process), telling `observer` of each step.
 ///
 /// # Errors
 /// Whatever [`Trainer`] returns; I/O errors of the metrics file (named); [`TrainError::BatchDump`]
-/// when `dump_batches` cannot be created (before anything is written).
-pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) -> Result<RunSummary> {
+/// when `dump_batches` cannot be created (before anything is written); a failed collective
+/// between the ranks (the caller ends the run: [`crate::dist::Ranks::abort`]).
+pub fn run(
+    cfg: TrainConfig,
+    ranks: crate::dist::Ranks,
+    opts: &RunOptions,
+    observer: &mut dyn RunObserver,
+) -> Result<RunSummary> {
+    let world = ranks.world();
     // With ranks, a stop is decided together: any rank's request stops every rank after the
     // same step (mpirun forwards the signal, but the ranks may see it at different steps).
-    let stop_requested = || {
+    let stop_requested = || -> Result<bool> {
         let local = opts.stop.as_ref().is_some_and(|s| s.load(Ordering::SeqCst));
-        if crate::dist::world().size == 1 {
-            return local;
+        if world.size == 1 {
+            return Ok(local);
         }
         let mut any = [f64::from(u8::from(local))];
-        crate::dist::all_reduce_sum_f64(&mut any);
-        any[0] > 0.0
+        ranks.all_reduce_sum_f64(&mut any).map_err(crate::runtime::RuntimeError::from)?;
+        Ok(any[0] > 0.0)
     };
     // A bad path is refused before the run writes anything.
     let dump = opts.dump_batches.as_deref().map(crate::train::BatchDump::create).transpose()?;
@@ -309,11 +317,13 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
             } else {
                 dir.clone()
             };
-            let t = Trainer::open(cfg.clone(), Some(&from), &mut |done, total| observer.tokenize(done, total))?;
+            let t = Trainer::open(cfg.clone(), ranks.clone(), Some(&from), &mut |done, total| {
+                observer.tokenize(done, total)
+            })?;
             resumed_from = Some(if from.is_dir() { crate::checkpoint::latest(&from)? } else { from });
             t
         }
-        None => Trainer::open(cfg.clone(), None, &mut |done, total| observer.tokenize(done, total))?,
+        None => Trainer::open(cfg.clone(), ranks.clone(), None, &mut |done, total| observer.tokenize(done, total))?,
     };
     if let Some(dump) = dump {
         trainer.dump_batches(dump)?;
@@ -321,7 +331,6 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
     let last = opts.steps.unwrap_or(cfg.train.steps);
     let first = trainer.step() + 1;
     // Data-parallel ranks: rank 0 writes the metrics (with every rank's step time).
-    let world = crate::dist::world();
     let mut metrics = match cfg.output.metrics.as_ref().filter(|_| world.is_root()) {
         Some(path) => {
             let io =
@@ -384,7 +393,7 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
     let mut saved_step = resumed_from.as_ref().map(|_| trainer.step());
     summary.checkpoint = resumed_from;
     while trainer.step() < last {
-        if stop_requested() {
+        if stop_requested()? {
             summary.stopped = true;
             break;
         }
@@ -445,7 +454,10 @@ pub fn run(cfg: TrainConfig, opts: &RunOptions, observer: &mut dyn RunObserver) 
             expert_h2d_bytes: (!out.routed_tokens.is_empty()).then_some(out.expert_traffic.h2d_bytes),
             expert_hit_rate: (!out.routed_tokens.is_empty())
                 .then(|| out.expert_traffic.hits as f64 / out.expert_traffic.uses.max(1) as f64),
-            rank_step_s: (world.size > 1).then(|| crate::dist::all_gather_f64(s.step_s)),
+            rank_step_s: match world.size {
+                1 => None,
+                _ => Some(ranks.all_gather_f64(s.step_s).map_err(crate::runtime::RuntimeError::from)?),
+            },
             rss_bytes,
             minor_faults,
             device_units: (s.device_units > 0).then_some(s.device_units),

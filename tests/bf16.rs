@@ -20,7 +20,7 @@ fn offloaded(dir: &std::path::Path, compute_dtype: ComputeDType) -> (TrainConfig
 fn offloaded_bf16_training_equals_in_memory_bf16_training_bitwise() {
     let dir = tempfile::tempdir().unwrap();
     let (cfg, copy_bytes) = offloaded(dir.path(), ComputeDType::Bf16);
-    let mut t = Trainer::new(cfg.clone()).unwrap();
+    let mut t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     assert_eq!(t.runtime().compute_dtype(), oogc::optimizer::DType::BF16);
     let mut losses = Vec::new();
     let mut clipped = 0;
@@ -47,7 +47,7 @@ fn offloaded_bf16_training_equals_in_memory_bf16_training_bitwise() {
 
 /// `(h2d, d2h, nvme read, nvme write)` bytes of each of `steps` steps of `cfg`.
 fn traffic(cfg: &TrainConfig, steps: usize) -> Vec<[u64; 4]> {
-    let mut t = Trainer::new(cfg.clone()).unwrap();
+    let mut t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     (0..steps)
         .map(|_| {
             let s = t.train_step().unwrap().stats;
@@ -111,7 +111,7 @@ fn bf16_activation_checkpoints_offload_as_bf16() {
         c.activations.offload = offload;
         // Room for the two staging buffers of the offload.
         c.budgets.gpu = bytesize::ByteSize::b(2 * cfg.budgets.gpu.as_u64());
-        let mut t = Trainer::new(c).unwrap();
+        let mut t = Trainer::new(c, oogc::dist::Ranks::single()).unwrap();
         let losses: Vec<f64> = (0..3).map(|_| t.train_step().unwrap().loss).collect();
         let peak = t.runtime().host_ledger().report().of(oogc::swapper::HostUse::Activations).peak_bytes;
         (losses, t.master_weights().unwrap(), peak)
@@ -134,7 +134,7 @@ fn composed_ops_rehearse_the_gpu_op_sequence_on_the_sim_device() {
     let (fused, _) = offloaded(dir.path(), ComputeDType::F32);
     let mut composed = fused.clone();
     composed.device.ops = oogc::config::OpsPath::Composed;
-    let mut t = Trainer::new(composed.clone()).unwrap();
+    let mut t = Trainer::new(composed.clone(), oogc::dist::Ranks::single()).unwrap();
     let losses: Vec<f64> = (0..4).map(|_| t.train_step().unwrap().loss).collect();
     let params = t.master_weights().unwrap();
     let reference = reference::train(&composed, 4);

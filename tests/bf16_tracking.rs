@@ -65,7 +65,7 @@ fn main_job(dir: &std::path::Path, dtype: ComputeDType, shape: Shape) -> TrainCo
 /// The validation losses (nats/token) before the first step and at every evaluation.
 fn validation_losses(cfg: TrainConfig) -> Vec<f64> {
     let (steps, every) = (cfg.train.steps, cfg.train.eval_interval);
-    let mut t = Trainer::new(cfg).unwrap();
+    let mut t = Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
     let mut val = vec![t.evaluate().unwrap().nats_per_token];
     for step in 1..=steps {
         let out = t.train_step().unwrap();

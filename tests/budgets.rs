@@ -36,7 +36,7 @@ fn tiny_eighth_on_gpu(dir: &std::path::Path) -> (TrainConfig, Vec<usize>, u64) {
 /// Runs `steps` and checks the ledger against the budget and every category against its
 /// planned bytes; returns the losses and the final master weights.
 fn run_checked(cfg: TrainConfig, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>, Trainer) {
-    let mut t = Trainer::new(cfg).unwrap();
+    let mut t = Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
     let losses: Vec<f64> = (0..steps).map(|_| t.train_step().unwrap().loss).collect();
     let params = t.master_weights().unwrap();
     let rt = t.runtime();
@@ -63,7 +63,7 @@ fn parameters_on_nvme_train_bitwise_as_parameters_in_host_memory() {
     on_nvme.budgets.params = StatePlacement::Nvme;
     // A host budget whose compute-copy share holds about a third of the copies: the host tier
     // evicts (writing the optimizer's new copies back to NVMe) and reads them again.
-    let plan = oogc::train::host_plan(&on_nvme, &*model_of(&on_nvme));
+    let plan = oogc::train::host_plan(&on_nvme, &*model_of(&on_nvme), oogc::dist::World::SINGLE);
     let all_copies: u64 = units.iter().map(|&n| oogc::swapper::host::size_class(4 * n) as u64).sum();
     on_nvme.budgets.host = bytesize::ByteSize::b(plan.min_bytes + all_copies / 3);
     on_nvme.optimizer.rollback_budget = Some(bytesize::ByteSize::b(0));
@@ -90,14 +90,14 @@ fn immediate_updates_hold_a_few_units_gradients_and_train_bitwise_as_the_referen
     let (mut cfg, units, param_bytes) = tiny_eighth_on_gpu(dir.path());
     cfg.budgets.params = StatePlacement::Nvme;
     cfg.optimizer.clip_norm = 0.0;
-    let held = oogc::train::host_plan(&cfg, &*model_of(&cfg));
+    let held = oogc::train::host_plan(&cfg, &*model_of(&cfg), oogc::dist::World::SINGLE);
     cfg.optimizer.nonfinite = oogc::optimizer::NonFinite::Stop;
-    let plan = oogc::train::host_plan(&cfg, &*model_of(&cfg));
+    let plan = oogc::train::host_plan(&cfg, &*model_of(&cfg), oogc::dist::World::SINGLE);
     // The plan no longer holds every unit's gradients, nor any speculation.
     assert!(plan.gradients_bytes < held.gradients_bytes, "{plan:?} vs {held:?}");
     assert_eq!((plan.speculation_bytes, plan.speculative_units), (0, 0), "{plan:?}");
     assert!(plan.min_bytes < held.min_bytes, "{plan:?} vs {held:?}");
-    let nvme = oogc::train::nvme_plan(&cfg, &units).unwrap();
+    let nvme = oogc::train::nvme_plan(&cfg, &units, oogc::dist::World::SINGLE).unwrap();
     assert_eq!(nvme.speculation_bytes, 0, "{nvme:?}");
     cfg.budgets.host = bytesize::ByteSize::b(plan.min_bytes);
 
@@ -121,9 +121,12 @@ fn offloaded_activation_checkpoints_train_bitwise_and_move_once_each_way() {
     let d = model.dims();
     assert_eq!(a.checkpoints, d.layers * 2);
     assert_eq!(a.checkpoint_bytes, 4 * 4 * 16 * d.hidden);
-    let plan = oogc::train::host_plan(&offloaded, &*model);
+    let plan = oogc::train::host_plan(&offloaded, &*model, oogc::dist::World::SINGLE);
     assert!(plan.activations_bytes >= (a.checkpoints * a.checkpoint_bytes) as u64, "{plan:?}");
-    assert!(plan.min_bytes >= oogc::train::host_plan(&kept, &*model).min_bytes + plan.activations_bytes);
+    assert!(
+        plan.min_bytes
+            >= oogc::train::host_plan(&kept, &*model, oogc::dist::World::SINGLE).min_bytes + plan.activations_bytes
+    );
 
     let steps = 6;
     let (losses_k, params_k, tk) = run_checked(kept, steps);
@@ -155,9 +158,9 @@ fn a_host_budget_below_the_minimum_is_refused_before_anything_is_written() {
     let nvme = dir.path().join("nvme-not-yet");
     let mut cfg = TrainConfig::from_toml_str(&tiny("64MiB", "nvme", &nvme, 2)).unwrap();
     cfg.budgets.host = bytesize::ByteSize::kib(256);
-    let min = oogc::train::host_plan(&cfg, &*model_of(&cfg)).min_bytes;
+    let min = oogc::train::host_plan(&cfg, &*model_of(&cfg), oogc::dist::World::SINGLE).min_bytes;
     assert!(min > 256 << 10);
-    let err = Trainer::new(cfg).err().expect("refused").to_string();
+    let err = Trainer::new(cfg, oogc::dist::Ranks::single()).err().expect("refused").to_string();
     assert!(err.contains(&min.to_string()) && err.contains("[budgets] host") && err.contains("fix"), "{err}");
     assert!(!nvme.exists(), "nothing is written before the refusal");
 }
@@ -170,17 +173,19 @@ fn an_nvme_file_system_too_small_is_refused_before_anything_is_written() {
     cfg.budgets.params = StatePlacement::Nvme;
     let units = units_of(&cfg);
     // The file system as a function: 1 MiB free where the store needs more.
-    let store = oogc::train::nvme_plan(&cfg, &units).unwrap();
-    let err = oogc::train::check_budgets(&cfg, &*model_of(&cfg), &|_| Ok(1 << 20)).unwrap_err().to_string();
+    let store = oogc::train::nvme_plan(&cfg, &units, oogc::dist::World::SINGLE).unwrap();
+    let err = oogc::train::check_budgets(&cfg, &*model_of(&cfg), &|_| Ok(1 << 20), oogc::dist::World::SINGLE)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains(&store.capacity_bytes.to_string()) && err.contains(&(1u64 << 20).to_string()), "{err}");
     assert!(err.contains("free space"), "{err}");
     // The real file system, with a store larger than any disk here.
     cfg.budgets.nvme_size = Some(bytesize::ByteSize::pib(1000));
-    let err = Trainer::new(cfg.clone()).err().expect("refused").to_string();
+    let err = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).err().expect("refused").to_string();
     assert!(err.contains("NVMe store") && err.contains("free space"), "{err}");
     // Below what the run needs.
     cfg.budgets.nvme_size = Some(bytesize::ByteSize::kib(64));
-    let err = Trainer::new(cfg).err().expect("refused").to_string();
+    let err = Trainer::new(cfg, oogc::dist::Ranks::single()).err().expect("refused").to_string();
     assert!(err.contains("nvme_size") && err.contains(&store.min_bytes.to_string()), "{err}");
     assert!(!nvme.exists(), "nothing is written before the refusal");
 }
@@ -210,7 +215,7 @@ proptest! {
         if params_nvme {
             cfg.budgets.params = StatePlacement::Nvme;
         }
-        let min = oogc::train::host_plan(&cfg, &*model_of(&cfg)).min_bytes;
+        let min = oogc::train::host_plan(&cfg, &*model_of(&cfg), oogc::dist::World::SINGLE).min_bytes;
         cfg.budgets.host = bytesize::ByteSize::b(min + (min as f64 * slack) as u64);
         let (losses, params, t) = run_checked(cfg.clone(), 3);
         prop_assert!(t.runtime().host_ledger().report().of(HostUse::Activations).peak_bytes == 0);
@@ -239,7 +244,7 @@ fn the_default_nvme_store_outlasts_fragmentation() {
     cfg.checkpoint.dir = None;
     cfg.output.metrics = None;
     assert_eq!(cfg.budgets.nvme_size, None, "the default size is what is tested");
-    let mut t = Trainer::new(cfg).unwrap();
+    let mut t = Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
     for step in 1..=60 {
         let out = t.train_step().unwrap_or_else(|e| panic!("step {step}: {e}"));
         assert!(out.loss.is_finite(), "step {step}: loss {}", out.loss);

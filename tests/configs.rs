@@ -37,7 +37,7 @@ fn the_main_job_is_a_llama_out_of_gpu_core() {
     let gpu = cfg.budgets.gpu.as_u64();
     assert!(8 * gpu <= params_and_state, "GPU budget {gpu} B > 1/8 of parameters + state ({params_and_state} B)");
     // Its host budget and NVMe store pass the trainer's own checks (free space aside: any).
-    oogc::train::check_budgets(&cfg, &*model, &|_| Ok(u64::MAX)).unwrap();
+    oogc::train::check_budgets(&cfg, &*model, &|_| Ok(u64::MAX), oogc::dist::World::SINGLE).unwrap();
 }
 
 #[test]
@@ -57,9 +57,9 @@ fn the_scale_run_outgrows_host_memory_and_fits_its_budgets() {
     assert!(host <= 8 << 30, "host budget {host} B > 8 GiB");
     // Immediate updates: without them the held gradients alone (4 B per parameter) would not fit.
     assert!(oogc::train::optimizer_config(&cfg).updates_immediately());
-    let plan = oogc::train::host_plan(&cfg, &*model);
+    let plan = oogc::train::host_plan(&cfg, &*model, oogc::dist::World::SINGLE);
     assert!(plan.min_bytes <= host && plan.gradients_bytes < 4 * params as u64 / 8, "{plan:?}");
-    oogc::train::check_budgets(&cfg, &*model, &|_| Ok(u64::MAX)).unwrap();
+    oogc::train::check_budgets(&cfg, &*model, &|_| Ok(u64::MAX), oogc::dist::World::SINGLE).unwrap();
 }
 
 /// The machine `configs/llama-8b-h100.toml` is for (README "GPU"): one H100 (about 78 GiB of

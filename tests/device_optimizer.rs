@@ -36,7 +36,7 @@ fn param_excess(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f64, String) {
 /// GPU bytes of the device optimizers of `cfg`'s model's first `k` units (the order
 /// `device_units` places them in for a Llama: the embedding, then the blocks).
 fn device_bytes(cfg: &TrainConfig, k: usize) -> u64 {
-    let t = Trainer::new(cfg.clone()).unwrap();
+    let t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     let dtype = cfg.train.compute_dtype.dtype();
     t.model().units().iter().take(k).map(|u| oogc::runtime::device_optimizer_bytes(u.numel, dtype)).sum()
 }
@@ -60,7 +60,7 @@ fn a_llama_with_device_optimizers_tracks_the_all_cpu_run() {
     // Room for three units' device optimizers beside the offloaded rest.
     cfg.budgets.gpu = bytesize::ByteSize::b(cfg.budgets.gpu.as_u64() + device_bytes(&cfg, 3));
     cfg.optimizer.device_units = DeviceUnits::Count(3);
-    let mut t = Trainer::new(cfg.clone()).unwrap();
+    let mut t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     let rt = t.runtime();
     let placed: Vec<usize> =
         (0..rt.num_units()).filter(|&u| rt.optimizer_place(UnitId(u)) == OptimizerPlace::Device).collect();
@@ -85,10 +85,10 @@ fn a_bf16_llama_with_device_optimizers_tracks_the_all_cpu_run() {
     let (mut cfg, copy_bytes) = common::offloaded_tiny_llama(dir.path(), oogc::config::ComputeDType::Bf16);
     // "auto" takes the spare budget only: none while the compute copies do not all fit.
     cfg.optimizer.device_units = DeviceUnits::Auto(oogc::config::AutoKeyword::Auto);
-    assert!(Trainer::new(cfg.clone()).unwrap().runtime().device_optimizer_bytes() == 0);
+    assert!(Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap().runtime().device_optimizer_bytes() == 0);
     // Every compute copy (and staging) with room to spare for two units' optimizers.
     cfg.budgets.gpu = bytesize::ByteSize::b(2 * copy_bytes + device_bytes(&cfg, 2));
-    let mut t = Trainer::new(cfg.clone()).unwrap();
+    let mut t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     let on_device = (0..t.runtime().num_units())
         .filter(|&u| t.runtime().optimizer_place(UnitId(u)) == OptimizerPlace::Device)
         .count();
@@ -105,7 +105,7 @@ fn too_many_device_units_are_refused_with_the_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let (mut cfg, _) = common::offloaded_tiny_llama(dir.path(), oogc::config::ComputeDType::F32);
     cfg.optimizer.device_units = DeviceUnits::Count(8);
-    let err = Trainer::new(cfg).err().expect("refused").to_string();
+    let err = Trainer::new(cfg, oogc::dist::Ranks::single()).err().expect("refused").to_string();
     assert!(err.contains("GPU bytes") && err.contains("[budgets] gpu"), "{err}");
 }
 
@@ -125,7 +125,7 @@ fn a_resumed_run_with_device_optimizers_continues_exactly() {
 /// A sim runtime of `cfg` with one unit per entry of `sizes` (parameters), master weights from
 /// a fixed pattern.
 fn runtime_with_units(cfg: RuntimeConfig, sizes: &[usize]) -> Runtime {
-    let mut rt = Runtime::new(cfg).unwrap();
+    let mut rt = Runtime::new(cfg, oogc::dist::Ranks::single()).unwrap();
     for (k, &n) in sizes.iter().enumerate() {
         let master: Vec<f32> = (0..n).map(|i| ((i * 7 + k) % 13) as f32 * 0.1 - 0.6).collect();
         rt.add_unit(&format!("u{k}"), &master).unwrap();
@@ -272,7 +272,7 @@ fn a_mixtral_with_hot_experts_optimized_on_the_device_tracks_the_all_cpu_run() {
         "expert_budget = \"200KiB\"\ndevice_optimizer = true\ncpu_compute = false\ncpu_gflops = 20.0\n[device]\nkind = \"sim\"\nlink_gbps = 0.05",
     );
     let cfg = TrainConfig::from_toml_str(&text).unwrap();
-    let mut t = Trainer::new(cfg.clone()).unwrap();
+    let mut t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     let (mut losses, mut most, mut hits) = (Vec::new(), 0, 0);
     for _ in 0..20 {
         let out = t.train_step().unwrap();
@@ -294,6 +294,9 @@ fn an_expert_budget_below_one_device_expert_is_refused_by_name() {
     let dir = tempfile::tempdir().unwrap();
     let (nvme, cache) = (dir.path().join("nvme"), dir.path().join("tokens"));
     let text = common::tiny_mixtral(&nvme, &cache, "1MiB", "ours") + "device_optimizer = true\n";
-    let err = Trainer::new(TrainConfig::from_toml_str(&text).unwrap()).err().expect("refused").to_string();
+    let err = Trainer::new(TrainConfig::from_toml_str(&text).unwrap(), oogc::dist::Ranks::single())
+        .err()
+        .expect("refused")
+        .to_string();
     assert!(err.contains("moe.expert_budget") && err.contains("92160"), "{err}");
 }

@@ -66,7 +66,7 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
         compute_dtype: DType::F32,
         ..OptimizerConfig::default()
     };
-    let mut rt = Runtime::new(rc).unwrap();
+    let mut rt = Runtime::new(rc, oogc::dist::Ranks::single()).unwrap();
     for u in &units {
         rt.add_unit(&u.name, &ckpt.read_unit(u).unwrap()).unwrap();
     }
@@ -203,7 +203,7 @@ fn a_checkpoint_imported_then_exported_is_bitwise_the_input() {
     for case in ["llama_gqa", "qwen2_tied"] {
         let work = tempfile::tempdir().unwrap();
         let cfg = oogc::config::TrainConfig::from_toml_str(&init_config(&fixtures().join(case), work.path())).unwrap();
-        let mut t = oogc::train::Trainer::new(cfg).unwrap();
+        let mut t = oogc::train::Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
         let saved = t.save_checkpoint().unwrap().expect("a checkpoint dir");
         drop(t);
         let out = work.path().join("hf");
@@ -256,7 +256,7 @@ fn an_unsupported_config_key_is_refused_by_name() {
         serde_json::json!({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64});
     std::fs::write(&config, serde_json::to_vec(&json).unwrap()).unwrap();
     let cfg = oogc::config::TrainConfig::from_toml_str(&init_config(&case, work.path())).unwrap();
-    let err = oogc::train::Trainer::new(cfg).err().expect("refused").to_string();
+    let err = oogc::train::Trainer::new(cfg, oogc::dist::Ranks::single()).err().expect("refused").to_string();
     assert!(err.contains("rope_scaling") && err.contains("yarn"), "{err}");
     assert!(err.contains("config.json"), "{err}");
     // And an unknown [model] key of the run config, by name.

@@ -88,7 +88,7 @@ fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, 
         compute_dtype: DType::F32,
         ..OptimizerConfig::default()
     };
-    let mut rt = Runtime::new(rc).unwrap();
+    let mut rt = Runtime::new(rc, oogc::dist::Ranks::single()).unwrap();
     for u in &units {
         rt.add_unit(&u.name, &ckpt.read_unit(u).unwrap()).unwrap();
         if matches!(u.kind, UnitKind::Expert { .. }) {
@@ -270,7 +270,7 @@ dir = "{work}/ckpt"
 fn a_mixtral_checkpoint_imported_then_exported_is_bitwise_the_input() {
     let work = tempfile::tempdir().unwrap();
     let cfg = oogc::config::TrainConfig::from_toml_str(&init_config(work.path())).unwrap();
-    let mut t = oogc::train::Trainer::new(cfg).unwrap();
+    let mut t = oogc::train::Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
     let saved = t.save_checkpoint().unwrap().expect("a checkpoint dir");
     drop(t);
     let out = work.path().join("hf");

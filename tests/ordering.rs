@@ -39,7 +39,7 @@ fn scenario(call: OrderingCall, dir: &std::path::Path) -> Result<(), String> {
             cfg.activations.offload = true;
             // Room for the activation offload's two staging buffers.
             cfg.budgets.gpu = bytesize::ByteSize::b(2 * cfg.budgets.gpu.as_u64());
-            let mut t = Trainer::new(cfg).map_err(|e| e.to_string())?;
+            let mut t = Trainer::new(cfg, oogc::dist::Ranks::single()).map_err(|e| e.to_string())?;
             for _ in 0..2 {
                 t.train_step().map_err(|e| e.to_string())?;
             }
@@ -54,11 +54,14 @@ fn scenario(call: OrderingCall, dir: &std::path::Path) -> Result<(), String> {
 /// are still on the device.
 fn warm_before_staging(activations: bool) -> oogc::runtime::Result<()> {
     let offload = oogc::runtime::ActivationOffload { checkpoints: 1, checkpoint_bytes: 4 * 64 };
-    let mut rt = Runtime::new(RuntimeConfig {
-        prefetch_depth: 0,
-        activation_offload: activations.then_some(offload),
-        ..RuntimeConfig::sim(1 << 20)
-    })?;
+    let mut rt = Runtime::new(
+        RuntimeConfig {
+            prefetch_depth: 0,
+            activation_offload: activations.then_some(offload),
+            ..RuntimeConfig::sim(1 << 20)
+        },
+        oogc::dist::Ranks::single(),
+    )?;
     let units = [rt.add_unit("a", &[0.25f32; 3000])?, rt.add_unit("b", &[-0.5f32; 1000])?];
     for &u in &units {
         drop(rt.fetch(u, Phase::Eval)?);
@@ -83,7 +86,8 @@ fn warm_before_staging(activations: bool) -> oogc::runtime::Result<()> {
 /// Two units, a step, unit 0's optimizer to the device (state H2D), a step, back to the host
 /// (state D2H), a step.
 fn place_and_back() -> oogc::runtime::Result<()> {
-    let mut rt = Runtime::new(RuntimeConfig { prefetch_depth: 0, ..RuntimeConfig::sim(1 << 20) })?;
+    let mut rt =
+        Runtime::new(RuntimeConfig { prefetch_depth: 0, ..RuntimeConfig::sim(1 << 20) }, oogc::dist::Ranks::single())?;
     let units = [rt.add_unit("a", &[0.25f32; 3000])?, rt.add_unit("b", &[-0.5f32; 1000])?];
     let step = |rt: &mut Runtime, t: u64| -> oogc::runtime::Result<()> {
         rt.begin_step(t, 1e-3)?;
@@ -120,7 +124,10 @@ fn each_ordering_call_left_out_is_caught_and_named() {
     }
     // A name that is no ordering call is refused when the runtime is built, with the names.
     std::env::set_var(oogc::hooks::DROP_ORDERING_ENV, "grads");
-    let err = Runtime::new(RuntimeConfig::sim(1 << 20)).err().expect("an unknown call name is refused").to_string();
+    let err = Runtime::new(RuntimeConfig::sim(1 << 20), oogc::dist::Ranks::single())
+        .err()
+        .expect("an unknown call name is refused")
+        .to_string();
     std::env::remove_var(oogc::hooks::DROP_ORDERING_ENV);
     assert!(err.contains("not an ordering call") && err.contains("grads.dtoh_after_write"), "{err}");
 }

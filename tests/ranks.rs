@@ -10,6 +10,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use oogc::config::TrainConfig;
+use oogc::dist::Ranks;
 use oogc::runtime::UnitId;
 use oogc::train::Trainer;
 
@@ -117,8 +118,8 @@ fn state(t: &Trainer) -> Vec<UnitState> {
     (0..rt.num_units()).map(|u| rt.unit_state(UnitId(u)).expect("unit state")).collect()
 }
 
-fn train_resumed(cfg: TrainConfig, from: &Path) -> Outcome {
-    let t = Trainer::resume(cfg, from).expect("resume");
+fn train_resumed(cfg: TrainConfig, from: &Path, ranks: &Ranks) -> Outcome {
+    let t = Trainer::resume(cfg, ranks.clone(), from).expect("resume");
     assert_eq!(t.step(), STEPS / 2);
     let loaded = state(&t);
     Outcome { loaded, ..run_to(t, STEPS, true) }
@@ -142,7 +143,8 @@ fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
     // The budget check before the run (and the summary's plan peak) plans what the runtime
     // applies: on each rank its shards, MoE experts' compute copies whole.
     let applied = t.runtime().host_plan().cloned().expect("a host plan from the first step on");
-    assert_eq!(oogc::train::host_plan(t.config(), t.model()), applied, "train::host_plan against the runtime's plan");
+    let planned = oogc::train::host_plan(t.config(), t.model(), t.world());
+    assert_eq!(planned, applied, "train::host_plan against the runtime's plan");
     let mut saved = Vec::new();
     if save {
         t.save_checkpoint().expect("checkpoint");
@@ -171,27 +173,28 @@ fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
     }
 }
 
-fn train(cfg: TrainConfig) -> Outcome {
-    train_steps(cfg, STEPS)
+fn train(cfg: TrainConfig, ranks: &Ranks) -> Outcome {
+    train_steps(cfg, STEPS, ranks)
 }
 
-fn train_steps(cfg: TrainConfig, steps: u64) -> Outcome {
-    run_to(Trainer::new(cfg).expect("trainer"), steps, false)
+fn train_steps(cfg: TrainConfig, steps: u64, ranks: &Ranks) -> Outcome {
+    run_to(Trainer::new(cfg, ranks.clone()).expect("trainer"), steps, false)
 }
 
 /// One rank of an `mpirun` run of this test binary: what `OOGC_RANKS_MODE` asks, its outcome
 /// written to `OOGC_RANKS_OUT`.
 fn rank_main() {
     let out = PathBuf::from(std::env::var("OOGC_RANKS_OUT").expect("OOGC_RANKS_OUT set by the parent"));
-    let _mpi = oogc::dist::init().expect("MPI");
-    let world = oogc::dist::world();
+    let mpi = oogc::dist::init().expect("MPI");
+    let ranks = mpi.ranks();
+    let world = ranks.world();
     assert_eq!(world.size, RANKS, "started with -np {RANKS}");
     match std::env::var("OOGC_RANKS_MODE").as_deref() {
-        Ok("train") => rank_train(&out, world),
+        Ok("train") => rank_train(&out, &ranks),
         // Rank 1 poisons its gradients at step 2 (OOGC_NAN_GRADS), or aborts at step 3
         // (OOGC_CRASH_AT): 4 steps.
         Ok("faults") => {
-            write_outcome(&out, world.rank, "", &train_steps(config(&out, 4 / RANKS), 4));
+            write_outcome(&out, world.rank, "", &train_steps(config(&out, 4 / RANKS), 4, &ranks));
         }
         other => panic!("OOGC_RANKS_MODE {other:?}"),
     }
@@ -246,17 +249,20 @@ fn as_rank_or_skipped(test: &str) -> bool {
     false
 }
 
-fn rank_train(out: &Path, world: oogc::dist::World) {
-    write_outcome(out, world.rank, "", &train(config(out, 4 / RANKS)));
-    write_outcome(out, world.rank, "-tight", &train_steps(tight_config(&out.join("tight"), 4 / RANKS), TIGHT_STEPS));
+fn rank_train(out: &Path, ranks: &Ranks) {
+    let world = ranks.world();
+    write_outcome(out, world.rank, "", &train(config(out, 4 / RANKS), ranks));
+    let tight = tight_config(&out.join("tight"), 4 / RANKS);
+    write_outcome(out, world.rank, "-tight", &train_steps(tight, TIGHT_STEPS, ranks));
     let features = features_config(&out.join("features"), 2 / RANKS);
-    write_outcome(out, world.rank, "-features", &train_steps(features, FEATURES_STEPS));
-    write_outcome(out, world.rank, "-moe", &train_steps(moe_config(&out.join("moe"), 2 / RANKS), MOE_STEPS));
+    write_outcome(out, world.rank, "-features", &train_steps(features, FEATURES_STEPS, ranks));
+    write_outcome(out, world.rank, "-moe", &train_steps(moe_config(&out.join("moe"), 2 / RANKS), MOE_STEPS, ranks));
     // Resumed at another world size: the one process's checkpoint of step STEPS / 2, re-sharded.
     let cfg = config_with_checkpoints(&out.join("resumed"), 4 / RANKS, &out.join("ckpt-ranks"));
-    write_outcome(out, world.rank, "-resumed", &train_resumed(cfg, &out.join("ckpt-one")));
+    write_outcome(out, world.rank, "-resumed", &train_resumed(cfg, &out.join("ckpt-one"), ranks));
     // Resumed at the same world size: the checkpoint these ranks just wrote, as loaded.
-    let again = Trainer::resume(config(&out.join("again"), 4 / RANKS), &out.join("ckpt-ranks")).expect("resume");
+    let again =
+        Trainer::resume(config(&out.join("again"), 4 / RANKS), ranks.clone(), &out.join("ckpt-ranks")).expect("resume");
     let loaded = state(&again);
     let outcome = Outcome { loaded, ..Outcome::default() };
     write_outcome(out, world.rank, "-again", &outcome);
@@ -292,8 +298,8 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     std::fs::create_dir_all(&ranks_dir).unwrap();
     // A checkpoint of step STEPS / 2 from one process, for the ranks to resume from.
     let one_saved = {
-        let mut t = Trainer::new(config_with_checkpoints(&dir.path().join("half"), 4, &ranks_dir.join("ckpt-one")))
-            .expect("trainer");
+        let cfg = config_with_checkpoints(&dir.path().join("half"), 4, &ranks_dir.join("ckpt-one"));
+        let mut t = Trainer::new(cfg, Ranks::single()).expect("trainer");
         for _ in 0..STEPS / 2 {
             t.train_step().expect("step");
         }
@@ -310,7 +316,7 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
         assert_eq!(o.val, ranks[0].val);
     }
     // The oracle: one process, the whole batch (the ranks' shards together), the same steps.
-    let one = train(config(&dir.path().join("one"), 4));
+    let one = train(config(&dir.path().join("one"), 4), &Ranks::single());
     let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-12);
     for (s, (a, b)) in ranks[0].losses.iter().zip(&one.losses).enumerate() {
         assert!(rel(*a, *b) < 1e-5, "step {}: loss {a} over 2 ranks, {b} in one process", s + 1);
@@ -372,7 +378,7 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     // and gathered again, the same on both ranks (or they would hang in mismatched
     // all-gathers), and the run is still the one process's.
     let tight = read_outcomes(&ranks_dir, "-tight");
-    let one_tight = train_steps(tight_config(&dir.path().join("one-tight"), 4), TIGHT_STEPS);
+    let one_tight = train_steps(tight_config(&dir.path().join("one-tight"), 4), TIGHT_STEPS, &Ranks::single());
     assert_eq!(tight[0].gathers, tight[1].gathers);
     assert!(
         tight[0].gathers > units * TIGHT_STEPS && tight[0].gathers < 2 * units * TIGHT_STEPS,
@@ -383,7 +389,8 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     // Micro-batches, activation offload, parameter shards on NVMe, immediate updates: the same
     // run as one process's with the whole batch.
     let features = read_outcomes(&ranks_dir, "-features");
-    let one_features = train_steps(features_config(&dir.path().join("one-features"), 2), FEATURES_STEPS);
+    let one_features =
+        train_steps(features_config(&dir.path().join("one-features"), 2), FEATURES_STEPS, &Ranks::single());
     assert!(features[0].gathers > 0, "the features run gathered nothing");
     assert_same_run("micro-batches etc.", &features, &one_features);
     assert_eq!(features[0].losses.len() as u64, FEATURES_STEPS);
@@ -393,7 +400,7 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     // they need, whole; an expert only the other rank used gets zero gradients here; the
     // trunks are sharded and gathered. The same run as one process's.
     let moe = read_outcomes(&ranks_dir, "-moe");
-    let one_moe = train_steps(moe_config(&dir.path().join("one-moe"), 2), MOE_STEPS);
+    let one_moe = train_steps(moe_config(&dir.path().join("one-moe"), 2), MOE_STEPS, &Ranks::single());
     // The cases the ranks must agree on happened: an expert routed tokens by one rank only (the
     // other pushes zeros), and one routed none by either (neither pushes, neither updates it).
     let (mut one_side, mut neither) = (0, 0);
@@ -459,8 +466,9 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     for (r, again) in read_outcomes(&ranks_dir, "-again").iter().enumerate() {
         assert!(again.loaded == *saved, "rank {r} resumed the ranks' checkpoint as another state");
     }
-    let reloaded = Trainer::resume(config(&dir.path().join("reload"), 4), &ranks_dir.join("ckpt-ranks"))
-        .expect("the ranks' checkpoint loads in one process");
+    let reloaded =
+        Trainer::resume(config(&dir.path().join("reload"), 4), Ranks::single(), &ranks_dir.join("ckpt-ranks"))
+            .expect("the ranks' checkpoint loads in one process");
     assert!(state(&reloaded) == *saved, "one process loaded the ranks' checkpoint as another state");
     // And the run moved them: the comparison is not between two untouched initialisations.
     let init = train_zero_steps(&dir.path().join("init"));
@@ -484,7 +492,7 @@ fn max_abs_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
 }
 
 fn train_zero_steps(dir: &Path) -> Vec<Vec<f32>> {
-    Trainer::new(config(dir, 4)).unwrap().master_weights().unwrap()
+    Trainer::new(config(dir, 4), Ranks::single()).unwrap().master_weights().unwrap()
 }
 
 #[test]

@@ -17,7 +17,7 @@ fn layer(params: &Tensor, x: &Tensor) -> candle_core::Result<Tensor> {
 /// losses, the final master weights and the H2D bytes.
 fn train(cpu_middle: bool, steps: u64) -> (Vec<f32>, Vec<Vec<f32>>, u64) {
     let numel = W * W + W;
-    let mut rt = Runtime::new(RuntimeConfig::sim(4 * numel as u64 * 4)).unwrap();
+    let mut rt = Runtime::new(RuntimeConfig::sim(4 * numel as u64 * 4), oogc::dist::Ranks::single()).unwrap();
     let units: Vec<UnitId> = (0..3)
         .map(|l| {
             let init: Vec<f32> = (0..numel).map(|i| (((i * 31 + l * 17) % 97) as f32 / 97.0 - 0.5) * 0.3).collect();

@@ -13,6 +13,9 @@
 //! | [`ignore_violations`] | no `#[ignore]` (STYLE.md §9: hardware-dependent tests skip loudly instead) |
 //! | [`docs_lint_violations`], [`crate_doc_violations`] | `missing_docs = "warn"` in `[workspace.lints.rust]`, `[lints] workspace = true` in every member, a `//!` doc at the top of every crate root |
 //! | [`ordering_call_violations`] | the runtime (`src/runtime/`) calls the device's ordering and copy methods only in [`ORDERING_FILE`], where each call has a name the test hook can leave out (`tests/ordering.rs` leaves out each) |
+//! | [`skip_violations`] | a skip goes through the one helper (`oogc_swapper::skip`, `python/tests/skips.py`) |
+//! | [`static_state_violations`] | no `static` item in the non-test code of [`STATELESS_FILES`] (`src/dist.rs`: the ranks are a value passed down, never process-global) |
+//! | [`process_exit_violations`] | no `process::exit` outside `cli/`: the library returns errors and the binary decides to exit (or `MPI_Abort`) |
 //!
 //! Comments, doc comments and string literals are not code ([`code_only`]): a word in a comment
 //! or a doc example (`# anyhow::Ok(())` in a doc test, which builds with the dev-dependencies)
@@ -715,6 +718,14 @@ fn tidy() {
     for (path, text) in &texts {
         v.extend(skip_violations(path, text));
     }
+    // 9. no process-global state where the ranks live; 10. exits only in the binary
+    for (path, text) in &texts {
+        v.extend(static_state_violations(path, text));
+        v.extend(process_exit_violations(path, text));
+    }
+    for f in STATELESS_FILES {
+        assert!(texts.iter().any(|(p, _)| p == f), "{f} is missing: update STATELESS_FILES");
+    }
     let py_dir = root().join("python/tests");
     for entry in std::fs::read_dir(&py_dir).unwrap().flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -775,6 +786,81 @@ fn a_skip_by_hand_fails() {
     let good = "skip(Capability::IoUring, \"nvme\", &why);\ntransformers = need(\"transformers\", \"t\", \"why\")\n";
     assert!(skip_violations("swapper/tests/nvme.rs", good).is_empty());
     assert!(skip_violations("python/tests/skips.py", py).is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rule 9: no `static` state where the ranks live; rule 10: `process::exit` only in the binary.
+
+/// Files whose non-test code holds no `static` item: the run's ranks and collectives are a value
+/// (`dist::Ranks`) made by the entry point and passed down, never process-global state.
+const STATELESS_FILES: &[&str] = &["src/dist.rs"];
+
+/// A `static` item (not a `'static` lifetime) in the non-test code of a [`STATELESS_FILES`] file.
+fn static_state_violations(path: &str, text: &str) -> Vec<String> {
+    if !STATELESS_FILES.contains(&path) {
+        return Vec::new();
+    }
+    let code = non_test_code(path, &code_only(text));
+    find_word(&code, "static")
+        .into_iter()
+        .filter(|&(_, end)| !code[..end - "static".len()].ends_with('\''))
+        .map(|(line, _)| {
+            format!(
+                "{path}:{line}: a `static` item: the ranks are a value (`dist::Ranks`, made by the entry point and \
+                 passed down), not process-global state; hold it in a value instead"
+            )
+        })
+        .collect()
+}
+
+/// `process::exit` (or `exit` imported from `std::process`) in the code of a file outside
+/// `cli/`: the library returns an error and the binary decides to exit (or to end every rank,
+/// `dist::Ranks::abort`).
+fn process_exit_violations(path: &str, text: &str) -> Vec<String> {
+    if path.starts_with("cli/") {
+        return Vec::new();
+    }
+    let code = code_only(text);
+    let mut v = Vec::new();
+    for (n, line) in code.lines().enumerate() {
+        let imported = line.contains("use std::process::") && !find_word(line, "exit").is_empty();
+        if line.contains("process::exit") || imported {
+            v.push(format!(
+                "{path}:{}: `process::exit` outside cli/: return an error and let the binary decide to exit (or \
+                 end every rank with `dist::Ranks::abort`)",
+                n + 1
+            ));
+        }
+    }
+    v
+}
+
+#[test]
+fn static_state_in_the_ranks_module_fails() {
+    let bad = "static WORLD: OnceLock<World> = OnceLock::new();\npub static mut N: u32 = 0;\n";
+    let v = static_state_violations("src/dist.rs", bad);
+    assert!(v.len() == 2 && v[0].starts_with("src/dist.rs:1"), "{v:?}");
+    // A `'static` lifetime, a comment, a string, a test module or another file: fine.
+    let good = "fn op(&self) -> &'static str { \"static\" } // no static here\n\
+                #[cfg(test)]\nmod tests {\n    static N: u32 = 0;\n}\n";
+    assert!(
+        static_state_violations("src/dist.rs", good).is_empty(),
+        "{:?}",
+        static_state_violations("src/dist.rs", good)
+    );
+    assert!(static_state_violations("src/hooks.rs", bad).is_empty());
+}
+
+#[test]
+fn process_exit_outside_the_binary_fails() {
+    let bad = "fn f() {\n    std::process::exit(1)\n}\n";
+    let v = process_exit_violations("src/dist.rs", bad);
+    assert!(v.len() == 1 && v[0].starts_with("src/dist.rs:2"), "{v:?}");
+    assert_eq!(process_exit_violations("python/src/ranks.rs", "use std::process::{abort, exit};\n").len(), 1);
+    // In the binary, in a comment or a string, or `abort`: fine.
+    assert!(process_exit_violations("cli/src/train.rs", bad).is_empty());
+    let good = "// process::exit is the CLI's\nconst S: &str = \"process::exit\";\nfn g() { std::process::abort() }\n";
+    assert!(process_exit_violations("src/hooks.rs", good).is_empty());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ use oogc::train::Trainer;
 use common::{tiny, tiny_mixtral, tiny_moe};
 
 fn run_steps(cfg: TrainConfig, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>, Trainer) {
-    let mut t = Trainer::new(cfg).unwrap();
+    let mut t = Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
     let mut losses = Vec::new();
     let mut clipped = 0;
     for _ in 0..steps {
@@ -29,7 +29,7 @@ fn run_steps(cfg: TrainConfig, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>, Trainer)
 fn offloaded_training_equals_in_memory_training_bitwise() {
     let dir = tempfile::tempdir().unwrap();
     let mut offloaded = TrainConfig::from_toml_str(&tiny("64MiB", "nvme", dir.path(), 2)).unwrap();
-    let t = Trainer::new(offloaded.clone()).unwrap();
+    let t = Trainer::new(offloaded.clone(), oogc::dist::Ranks::single()).unwrap();
     let param_bytes = t.num_params() as u64 * 4;
     drop(t);
     // GPU budget: 1/8 of the parameters' bytes; optimizer state on NVMe; prefetch depth 2.
@@ -58,7 +58,7 @@ fn offloaded_training_equals_in_memory_training_bitwise() {
 fn a_budget_below_the_working_set_is_refused_with_the_minimum() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = TrainConfig::from_toml_str(&tiny("4KiB", "host", dir.path(), 2)).unwrap();
-    let err = Trainer::new(cfg).err().expect("refused").to_string();
+    let err = Trainer::new(cfg, oogc::dist::Ranks::single()).err().expect("refused").to_string();
     assert!(err.contains("minimum working set") && err.contains("budgets] gpu"), "{err}");
 }
 
@@ -67,7 +67,7 @@ fn moe_training_with_hot_and_cpu_experts_equals_in_memory_moe_training() {
     use oogc::train::ExpertPlacement;
     let dir = tempfile::tempdir().unwrap();
     let run = |cfg: TrainConfig, placement: Option<ExpertPlacement>| {
-        let mut t = Trainer::new(cfg).unwrap();
+        let mut t = Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
         if let Some(p) = placement {
             t.set_expert_placement(p);
         }
@@ -162,7 +162,7 @@ fn assert_micro_batches_match_the_big_batch(micro: TrainConfig, steps: u64) {
 /// those bytes.
 fn offloaded_tiny_gpt(dir: &std::path::Path) -> (TrainConfig, u64) {
     let mut cfg = TrainConfig::from_toml_str(&tiny("64MiB", "nvme", dir, 2)).unwrap();
-    let param_bytes = Trainer::new(cfg.clone()).unwrap().num_params() as u64 * 4;
+    let param_bytes = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap().num_params() as u64 * 4;
     cfg.budgets.gpu = bytesize::ByteSize::b(param_bytes / 8);
     (cfg, param_bytes)
 }
@@ -201,7 +201,7 @@ fn parameter_traffic_per_step_does_not_grow_with_micro_batches() {
     let traffic = |k: usize| {
         let mut c = cfg.clone();
         c.train.micro_batches = k;
-        let mut t = Trainer::new(c).unwrap();
+        let mut t = Trainer::new(c, oogc::dist::Ranks::single()).unwrap();
         let steps: Vec<_> = (0..6).map(|_| t.train_step().unwrap()).collect();
         let tokens = steps[0].tokens;
         (steps.iter().map(|s| (s.stats.h2d_bytes, s.stats.d2h_bytes)).collect::<Vec<_>>(), tokens)
@@ -239,7 +239,7 @@ fn offloaded_mixtral_training_equals_in_memory_training_bitwise_under_every_poli
     let dir = tempfile::tempdir().unwrap();
     let (nvme, cache) = (dir.path().join("nvme"), dir.path().join("tokens"));
     let cfg = TrainConfig::from_toml_str(&tiny_mixtral(&nvme, &cache, "64MiB", "ours")).unwrap();
-    let t = Trainer::new(cfg.clone()).unwrap();
+    let t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     let param_bytes = t.num_params() as u64 * 4;
     assert!(t.model().moe().is_some());
     drop(t);
@@ -250,7 +250,7 @@ fn offloaded_mixtral_training_equals_in_memory_training_bitwise_under_every_poli
         let gpu = "400KiB";
         assert!(400 * 1024 < param_bytes);
         let cfg = TrainConfig::from_toml_str(&tiny_mixtral(&nvme, &cache, gpu, policy)).unwrap();
-        let mut t = Trainer::new(cfg).unwrap();
+        let mut t = Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
         let mut losses = Vec::new();
         let (mut uses, mut cpu) = (0, 0);
         for _ in 0..12 {
@@ -280,7 +280,7 @@ fn a_mixtral_with_micro_batches_is_refused_by_name() {
     let text =
         tiny_mixtral(&nvme, &cache, "1MiB", "ours").replace("batch_size = 4", "batch_size = 2\nmicro_batches = 2");
     let cfg = TrainConfig::from_toml_str(&text).unwrap();
-    let err = Trainer::new(cfg).err().expect("refused").to_string();
+    let err = Trainer::new(cfg, oogc::dist::Ranks::single()).err().expect("refused").to_string();
     assert!(err.contains("train.micro_batches") && err.contains("micro_batches = 1"), "{err}");
     assert!(!nvme.exists(), "nothing written before the refusal");
 }

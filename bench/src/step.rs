@@ -273,7 +273,7 @@ pub(crate) fn measure_with(
     mut at: impl FnMut(Moment) -> Result<()>,
 ) -> Result<Measured> {
     let result = (|| -> Result<Measured> {
-        let mut t = Trainer::new(cfg.clone())?;
+        let mut t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single())?;
         for _ in 0..warmup {
             t.train_step()?;
         }

@@ -48,7 +48,7 @@ optimizer = 2
 }
 
 fn run(cfg: &str, steps: usize) -> (Vec<f64>, Vec<Vec<f32>>, f64) {
-    let mut t = Trainer::new(TrainConfig::from_toml_str(cfg).unwrap()).unwrap();
+    let mut t = Trainer::new(TrainConfig::from_toml_str(cfg).unwrap(), oogc::dist::Ranks::single()).unwrap();
     let mut losses = Vec::new();
     let mut optimizer_stall = 0.0;
     for _ in 0..steps {
@@ -82,7 +82,9 @@ fn overlap_optimizer_defaults_to_true_and_parses() {
 #[test]
 fn the_turn_splits_each_step_into_forward_and_backward() {
     let nvme = tempfile::tempdir().unwrap();
-    let mut t = Trainer::new(TrainConfig::from_toml_str(&tiny(nvme.path(), 2, true)).unwrap()).unwrap();
+    let mut t =
+        Trainer::new(TrainConfig::from_toml_str(&tiny(nvme.path(), 2, true)).unwrap(), oogc::dist::Ranks::single())
+            .unwrap();
     for _ in 0..3 {
         let s = t.train_step().unwrap().stats;
         let f = s.forward;

@@ -75,9 +75,11 @@ fn install_stop_handlers(stop: &Arc<AtomicBool>) -> anyhow::Result<()> {
 }
 
 pub(crate) fn train(cmd: TrainCmd, cfg: TrainConfig) -> anyhow::Result<ExitCode> {
-    // Started by mpirun: MPI is initialised here and finalised when this returns.
-    let _mpi = oogc::dist::init().context("oogc train: setting up the ranks")?;
-    let world = oogc::dist::world();
+    // Started by mpirun: MPI is initialised here and finalised when this returns; its ranks (a
+    // world of one otherwise) are passed down to the run.
+    let mpi = oogc::dist::init().context("oogc train: setting up the ranks")?;
+    let ranks = mpi.ranks();
+    let world = ranks.world();
     let mut cfg = cfg;
     oogc::run::size_compute_threads(&cfg)?;
     if let Some(data) = &cmd.data {
@@ -96,12 +98,14 @@ pub(crate) fn train(cmd: TrainCmd, cfg: TrainConfig) -> anyhow::Result<ExitCode>
     let progress = !cmd.no_progress && world.is_root() && std::io::IsTerminal::is_terminal(&std::io::stderr());
     let mut bar = ProgressObserver::new(progress);
     let ckpt_dir = cfg.checkpoint.dir.clone();
-    let summary = match oogc::run::run(cfg, &opts, &mut bar).context("oogc train") {
+    let summary = match oogc::run::run(cfg, ranks.clone(), &opts, &mut bar).context("oogc train") {
         Ok(s) => s,
         Err(e) if world.size > 1 => {
-            // The other ranks would wait for this one in their next collective: end them all.
+            // The other ranks would wait for this one in their next collective: end them all
+            // (MPI_Abort does not return), then this process.
             eprintln!("rank {} of {}: error: {e:#}", world.rank, world.size);
-            oogc::dist::abort(1)
+            ranks.abort(1);
+            std::process::exit(1)
         }
         Err(e) => return Err(e),
     };

@@ -59,6 +59,15 @@ pub enum Error {
         /// The gradients' sum of squares (NaN or inf).
         sumsq: f64,
     },
+    /// The [`crate::NormReduce`] failed (a collective between ranks): the step was rolled back
+    /// for every unit.
+    #[error("step {step}: making the global norm the run's failed: {reason}; the step was rolled back")]
+    NormReduce {
+        /// The step (1-based).
+        step: u64,
+        /// The reduction's failure.
+        reason: String,
+    },
     /// A call out of order (`submit` without `begin_step`, two `submit`s of one unit in a step, ...).
     #[error("{0}")]
     Protocol(String),

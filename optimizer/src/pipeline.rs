@@ -463,8 +463,9 @@ struct Shared {
 /// whole model, for optimizers that each hold a shard of it (data-parallel ranks sharding the
 /// optimizer state, ZeRO-style: an all-reduce of the partial sums). Every shard's optimizer then
 /// takes the same norm, clip scale and non-finite skip. Called once per step, from
-/// [`PipelinedOptimizer::finish_step`]'s thread.
-pub type NormReduce = Arc<dyn Fn(f64) -> f64 + Send + Sync>;
+/// [`PipelinedOptimizer::finish_step`]'s thread. An `Err` (the collective failed, as text) fails
+/// that step as a job error does ([`Error::NormReduce`]): rolled back for every unit.
+pub type NormReduce = Arc<dyn Fn(f64) -> std::result::Result<f64, String> + Send + Sync>;
 
 /// The pipelined optimizer: per-unit AdamW/Adam updates submitted during the backward, with
 /// exact global-norm clipping and non-finite skips (see the module docs for the scheme).
@@ -1059,8 +1060,9 @@ impl PipelinedOptimizer {
     /// updated (as a parameter without gradient in torch).
     ///
     /// # Errors
-    /// [`Error::Protocol`] without an open step; the first job error (NVMe I/O, a panic): the
-    /// step is then rolled back for every unit (as a skipped step) and not counted.
+    /// [`Error::Protocol`] without an open step; the first job error (NVMe I/O, a panic) or
+    /// [`Error::NormReduce`] (the [`NormReduce`] failed): the step is then rolled back for every
+    /// unit (as a skipped step) and not counted.
     pub fn finish_step(&self) -> Result<StepReport> {
         let sh = &self.shared;
         let open = {
@@ -1087,7 +1089,13 @@ impl PipelinedOptimizer {
         sums.extend(open.external.iter().map(|(&u, &s)| (u, s)));
         let grad_norm = match self.shared.norm_reduce.lock().clone() {
             // The partial sum of squares made the run's (in the same order as `global_norm`).
-            Some(reduce) => reduce(sums.values().fold(0.0f64, |a, s| a + s)).sqrt(),
+            Some(reduce) => match reduce(sums.values().fold(0.0f64, |a, s| a + s)) {
+                Ok(sumsq) => sumsq.sqrt(),
+                Err(reason) => {
+                    first_error.get_or_insert(Error::NormReduce { step: open.t, reason });
+                    f64::NAN
+                }
+            },
             None => global_norm(sums.values().copied()),
         };
         let skipped = !grad_norm.is_finite() || first_error.is_some();

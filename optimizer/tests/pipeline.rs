@@ -451,7 +451,7 @@ fn shards_of_a_model_joined_by_a_norm_reduce_update_as_the_whole_model() {
         let opt = PipelinedOptimizer::new(cfg.clone(), None).unwrap();
         let other = Arc::new(parking_lot::Mutex::new(0.0f64));
         let o = other.clone();
-        opt.set_norm_reduce(Arc::new(move |sumsq| sumsq + *o.lock()));
+        opt.set_norm_reduce(Arc::new(move |sumsq| Ok(sumsq + *o.lock())));
         for &i in half {
             let master = noise(77 + i as u64, SIZES[i], 2.0);
             opt.add_unit(TensorId(i as u64), &master, StatePlacement::Host).unwrap();

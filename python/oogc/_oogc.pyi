@@ -284,8 +284,9 @@ def init_ranks(rank: int, world_size: int, local_rank: int, collectives: Any) ->
     blocks of ``block`` f32; returns this rank's block summed) and
     ``all_gather_bytes(buf: bytearray) -> bytearray`` (every rank's equal ``buf`` in rank
     order), called from the runtime's gradient thread too (with the GIL), one at a time, in the
-    same order on every rank. A method that raises ends the process with its message (the ranks
-    are out of step). ``oogc.torch.offload(..., process_group=...)`` calls this with
+    same order on every rank. A method that raises makes the runtime call that needed it raise
+    ``OogcError`` with its message (from the gradient thread: at the next call that waits for
+    it); the ranks are then out of step and the run cannot go on. ``oogc.torch.offload(..., process_group=...)`` calls this with
     ``oogc.torch._TorchCollectives``. Once per process; again with the same world, a no-op.
 
     Raises:

@@ -37,6 +37,7 @@
 use std::path::Path;
 
 use oogc::config::{BudgetsConfig, DeviceConfig, OpsPath, PrefetchSection};
+use oogc::dist::World;
 use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
 use oogc::runtime::RuntimeConfig;
 use oogc::swapper::{DType, NvmeConfig, StatePlacement};
@@ -163,19 +164,20 @@ impl Config {
         Ok(config)
     }
 
-    /// The library's runtime config; `default_dtype` is the compute dtype when the config has
-    /// no `compute_dtype` (`None`: f32, as `oogc train`).
+    /// The library's runtime config for the process at `world` (its device and NVMe
+    /// directories); `default_dtype` is the compute dtype when the config has no `compute_dtype`
+    /// (`None`: f32, as `oogc train`).
     ///
     /// # Errors
     /// [`Error::Config`] when optimizer state on NVMe lacks `nvme_dirs` or `nvme_size`, a count
     /// is zero, or `device.ops` is not `"auto"`.
-    pub fn runtime_config(&self, default_dtype: Option<ComputeDType>) -> Result<RuntimeConfig> {
+    pub fn runtime_config(&self, default_dtype: Option<ComputeDType>, world: World) -> Result<RuntimeConfig> {
         if self.device.ops != OpsPath::Auto {
             return Err(Error::Config(
                 "device.ops: torch computes the units of a Python runtime; only \"auto\" applies here".into(),
             ));
         }
-        let device = self.device.spec();
+        let device = self.device.spec(world);
         let on_nvme =
             self.budgets.optimizer_state == StatePlacement::Nvme || self.budgets.params == StatePlacement::Nvme;
         let nvme = match on_nvme {
@@ -199,7 +201,6 @@ impl Config {
                 // With ranks (`oogc.torch.offload(..., process_group=...)`), each its own
                 // directories: `{rank}`/`{local_rank}` expanded, else a `rank{r}` subdirectory.
                 // The `rank{r}` subdirectory is made when the listed directory exists.
-                let world = oogc::dist::world();
                 let mut dirs = Vec::new();
                 for dir in &self.budgets.nvme_dirs {
                     let mine = world.rank_dir(dir);

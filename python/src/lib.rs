@@ -124,8 +124,10 @@ impl PyRuntime {
                 config.get_type().name()?
             )));
         };
-        let rc = config.runtime_config(default_dtype)?;
-        let rt = py.detach(|| Runtime::new(rc))?;
+        // This process's ranks: torch.distributed's after `init_ranks`, else a world of one.
+        let ranks = ranks::process_ranks();
+        let rc = config.runtime_config(default_dtype, ranks.world())?;
+        let rt = py.detach(|| Runtime::new(rc, ranks))?;
         Ok(Self { state: Mutex::new(State { rt, ids: HashMap::new(), adam_step: 0 }) })
     }
 

@@ -2,12 +2,19 @@
 //! forwarded to a Python object, `oogc.torch._TorchCollectives` over a process group (gloo on
 //! the CPU, NCCL on GPUs).
 //!
-//! The runtime calls them from its gradient thread as well as from the caller's, so each call
-//! takes the GIL ([`Python::attach`]); every `Runtime` method that may wait for that thread runs
-//! without the GIL (`PyRuntime::with`), so the two never wait on each other. Buffers cross as
-//! `bytearray`s (one copy each way; the Python side views them with `torch.frombuffer`).
+//! The runtime calls them from its gradient thread as well as from the caller's, one at a time
+//! (a lock of [`PyCollectives`]'s own), so each call takes the GIL ([`Python::attach`]); every
+//! `Runtime` method that may wait for that thread runs without the GIL (`PyRuntime::with`), so
+//! the two never wait on each other. Buffers cross as `bytearray`s (one copy each way; the
+//! Python side views them with `torch.frombuffer`).
+//!
+//! The process's ranks are the Python module's to hold ([`process_ranks`]): `init_ranks` sets
+//! them once, and every `Runtime` made after it is given them (`oogc::runtime::Runtime::new`);
+//! the library itself keeps no ranks of its own.
 
-use oogc::dist::{Collectives, World};
+use std::sync::{Arc, OnceLock};
+
+use oogc::dist::{Collectives, DistError, Ranks, World};
 use pyo3::prelude::*;
 use pyo3::types::PyByteArray;
 
@@ -18,6 +25,8 @@ use crate::error::{Error, Result};
 /// (see `oogc.torch._TorchCollectives`).
 struct PyCollectives {
     obj: Py<PyAny>,
+    /// One collective at a time: the runtime's two threads never overlap two calls.
+    one_at_a_time: parking_lot::Mutex<()>,
 }
 
 impl PyCollectives {
@@ -30,6 +39,7 @@ impl PyCollectives {
         extra: Option<usize>,
         want: usize,
     ) -> std::result::Result<Vec<u8>, String> {
+        let _one = self.one_at_a_time.lock();
         Python::attach(|py| {
             let buf = PyByteArray::new(py, send);
             let obj = self.obj.bind(py);
@@ -82,17 +92,39 @@ impl Collectives for PyCollectives {
 #[pyo3(signature = (rank, world_size, local_rank, collectives))]
 pub fn init_ranks(rank: usize, world_size: usize, local_rank: usize, collectives: Py<PyAny>) -> Result<()> {
     let world = World { rank, size: world_size, local_rank };
-    oogc::dist::init_with(world, Box::new(PyCollectives { obj: collectives })).map_err(|e| {
+    let usage = |e: DistError| {
         Error::Usage(format!(
             "init_ranks(rank {rank}, world size {world_size}): {e} (this process is {:?}; one world per process)",
-            oogc::dist::world()
+            process_ranks().world()
         ))
-    })
+    };
+    let collectives = PyCollectives { obj: collectives, one_at_a_time: parking_lot::Mutex::new(()) };
+    let ranks = Ranks::new(world, Arc::new(collectives)).map_err(usage)?;
+    if let Some(have) = PROCESS_RANKS.get() {
+        // Again with the same world keeps the first collectives.
+        return if have.world() == world { Ok(()) } else { Err(usage(DistError::AlreadyInitialized)) };
+    }
+    if world.size == 1 {
+        // A world of one changes nothing (no collective is ever called).
+        return Ok(());
+    }
+    PROCESS_RANKS.set(ranks).map_err(|_| usage(DistError::AlreadyInitialized))?;
+    Ok(())
+}
+
+/// The ranks `init_ranks` set up in this Python process (set once; a torch.distributed process
+/// group is the process's, as `torchrun` made it).
+static PROCESS_RANKS: OnceLock<Ranks> = OnceLock::new();
+
+/// This process's ranks for a new `Runtime`: those [`init_ranks`] set up, else a world of one
+/// ([`Ranks::single`]).
+pub(crate) fn process_ranks() -> Ranks {
+    PROCESS_RANKS.get().cloned().unwrap_or_else(Ranks::single)
 }
 
 /// This process's world: `(rank, world_size, local_rank)`, `(0, 1, 0)` without ranks.
 #[pyfunction]
 pub fn world() -> (usize, usize, usize) {
-    let w = oogc::dist::world();
+    let w = process_ranks().world();
     (w.rank, w.size, w.local_rank)
 }

@@ -31,6 +31,7 @@ use serde::Serialize;
 
 use super::grads::GRAD_LANDING_BUFFERS;
 use super::{RuntimeConfig, RuntimeError};
+use crate::dist::World;
 
 /// Prefetch threads of the residency manager (its default), which may write compute copies back
 /// to NVMe at once.
@@ -221,9 +222,16 @@ pub struct HostPlan {
 impl HostPlan {
     /// The plan of a run of `units` (parameters per unit, in unit order) under `config`, with
     /// `max_units_in_use` units pinned at once by the trainer and `nvme_speculation_bytes` of
-    /// NVMe room for speculated NVMe units' second extents (see [`NvmePlan`]).
-    pub fn new(config: &RuntimeConfig, units: &[usize], max_units_in_use: usize, nvme_speculation_bytes: u64) -> Self {
-        let (shards, copies) = rank_units(units, &[], config.shard_parameters);
+    /// NVMe room for speculated NVMe units' second extents (see [`NvmePlan`]), for rank
+    /// `world.rank` of `world.size` ([`rank_units`]).
+    pub fn new(
+        config: &RuntimeConfig,
+        units: &[usize],
+        max_units_in_use: usize,
+        nvme_speculation_bytes: u64,
+        world: World,
+    ) -> Self {
+        let (shards, copies) = rank_units(world, units, &[], config.shard_parameters);
         Self::with_shards(config, units, &shards, &copies, max_units_in_use, nvme_speculation_bytes)
     }
 
@@ -420,9 +428,9 @@ pub struct NvmePlan {
 impl NvmePlan {
     /// The store of a run of `units` (parameters per unit) with state and parameters placed as
     /// `state` and `params`, compute copies of `opt.compute_dtype`, `opt`'s threads and chunks,
-    /// and an explicit size `nvme_size` if the config gives one; with data-parallel ranks this
-    /// rank's shards of the state, and of the compute copies when `shard_parameters`
-    /// ([`RuntimeConfig::shard_parameters`]). `None` when nothing lives on NVMe.
+    /// and an explicit size `nvme_size` if the config gives one; with data-parallel ranks
+    /// (`world`) this rank's shards of the state, and of the compute copies when
+    /// `shard_parameters` ([`RuntimeConfig::shard_parameters`]). `None` when nothing lives on NVMe.
     pub fn new(
         units: &[usize],
         state: StatePlacement,
@@ -430,8 +438,9 @@ impl NvmePlan {
         opt: &OptimizerConfig,
         nvme_size: Option<u64>,
         shard_parameters: bool,
+        world: World,
     ) -> Option<Self> {
-        let (shards, copies) = rank_units(units, &[], shard_parameters);
+        let (shards, copies) = rank_units(world, units, &[], shard_parameters);
         Self::with_shards(&shards, &copies, state, params, opt, nvme_size)
     }
 
@@ -618,23 +627,22 @@ fn proc_status_kib(key: &str) -> Option<u64> {
     line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()
 }
 
-/// The elements of each unit (`units`, whole sizes) that this rank's optimizer holds: its shard
-/// with data-parallel ranks ([`crate::dist::shard_range`] of [`crate::dist::world`]), the whole
-/// unit in a world of one. The state, held gradients, streams and speculation are planned on
-/// these; compute copies too with [`RuntimeConfig::shard_parameters`].
-pub(super) fn optimizer_units(units: &[usize]) -> Vec<usize> {
-    let w = crate::dist::world();
+/// The elements of each unit (`units`, whole sizes) that rank `w.rank`'s optimizer holds: its
+/// shard with data-parallel ranks ([`crate::dist::shard_range`] over `w.size`), the whole unit
+/// in a world of one. The state, held gradients, streams and speculation are planned on these;
+/// compute copies too with [`RuntimeConfig::shard_parameters`].
+pub(super) fn optimizer_units(w: World, units: &[usize]) -> Vec<usize> {
     units.iter().map(|&n| crate::dist::shard_range(n, w.rank, w.size).len()).collect()
 }
 
-/// This rank's [`optimizer_units`] of `units`, and the elements of each unit its compute-copy
+/// Rank `world.rank`'s [`optimizer_units`] of `units`, and the elements of each unit its compute-copy
 /// home holds: the same shards with `shard_parameters`
 /// ([`RuntimeConfig::shard_parameters`]), else the whole units. Units marked in `whole` (MoE
 /// experts, registered with [`crate::runtime::Runtime::add_unscheduled_unit`]: every rank keeps
 /// their copies whole) count whole either way; `whole` shorter than `units` marks none of the rest.
 /// In a world of one, both are `units`.
-pub fn rank_units(units: &[usize], whole: &[bool], shard_parameters: bool) -> (Vec<usize>, Vec<usize>) {
-    let shards = optimizer_units(units);
+pub fn rank_units(world: World, units: &[usize], whole: &[bool], shard_parameters: bool) -> (Vec<usize>, Vec<usize>) {
+    let shards = optimizer_units(world, units);
     let copies = if shard_parameters {
         let is_whole = |k: usize| whole.get(k).copied().unwrap_or(false);
         shards.iter().enumerate().map(|(k, &s)| if is_whole(k) { units[k] } else { s }).collect()
@@ -665,21 +673,25 @@ mod tests {
             (StatePlacement::Nvme, StatePlacement::Nvme),
             (StatePlacement::Host, StatePlacement::Nvme),
         ] {
-            let big = HostPlan::new(&config(1 << 30, state, params), &units, 1, u64::MAX);
+            let big = HostPlan::new(&config(1 << 30, state, params), &units, 1, u64::MAX, World::SINGLE);
             big.check().unwrap();
             assert!(big.peak_bytes() <= big.budget_bytes, "{big:?}");
             assert_eq!(big.speculative_units, units.len(), "room for every unit's second buffers: {big:?}");
             // At the minimum: no speculation, still runs.
-            let tight = HostPlan::new(&config(big.min_bytes, state, params), &units, 1, u64::MAX);
+            let tight = HostPlan::new(&config(big.min_bytes, state, params), &units, 1, u64::MAX, World::SINGLE);
             tight.check().unwrap();
             assert_eq!(tight.speculation_bytes, 0);
             assert_eq!(tight.peak_bytes(), tight.min_bytes, "{tight:?}");
-            let e = HostPlan::new(&config(big.min_bytes - 1, state, params), &units, 1, u64::MAX).check().unwrap_err();
+            let e = HostPlan::new(&config(big.min_bytes - 1, state, params), &units, 1, u64::MAX, World::SINGLE)
+                .check()
+                .unwrap_err();
             assert!(e.to_string().contains(&big.min_bytes.to_string()) && e.to_string().contains("[budgets] host"));
         }
         let many = [450_000; 12];
-        let on_host = HostPlan::new(&config(1 << 30, StatePlacement::Host, StatePlacement::Host), &many, 1, 0);
-        let on_nvme = HostPlan::new(&config(1 << 30, StatePlacement::Host, StatePlacement::Nvme), &many, 1, 0);
+        let on_host =
+            HostPlan::new(&config(1 << 30, StatePlacement::Host, StatePlacement::Host), &many, 1, 0, World::SINGLE);
+        let on_nvme =
+            HostPlan::new(&config(1 << 30, StatePlacement::Host, StatePlacement::Nvme), &many, 1, 0, World::SINGLE);
         assert!(on_nvme.compute_copies_min_bytes < on_host.compute_copies_min_bytes);
     }
 
@@ -687,12 +699,20 @@ mod tests {
     fn nvme_plan_is_sized_from_the_state_and_checked_against_free_space() {
         let units = [70_000, 450_000, 50_000];
         let opt = OptimizerConfig { compute_dtype: DType::F32, ..OptimizerConfig::default() };
-        let p = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, &opt, None, false).unwrap();
+        let p = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, &opt, None, false, World::SINGLE)
+            .unwrap();
         let params: u64 = units.iter().map(|&n| DType::F32.num_bytes(n) as u64).sum();
         assert!(p.state_bytes >= 3 * params && p.params_bytes >= params);
         // bf16 compute copies: half the parameter bytes on NVMe (within the 4 KiB padding).
-        let half =
-            NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, &OptimizerConfig::default(), None, false);
+        let half = NvmePlan::new(
+            &units,
+            StatePlacement::Nvme,
+            StatePlacement::Nvme,
+            &OptimizerConfig::default(),
+            None,
+            false,
+            World::SINGLE,
+        );
         let half = half.unwrap();
         assert_eq!(OptimizerConfig::default().compute_dtype, DType::BF16);
         assert!(half.params_bytes >= params / 2 && half.params_bytes < params / 2 + 3 * 4096, "{half:?}");
@@ -703,11 +723,20 @@ mod tests {
         p.check(&dirs, &|_| Ok(u64::MAX)).unwrap();
         let e = p.check(&dirs, &|_| Ok(1 << 20)).unwrap_err().to_string();
         assert!(e.contains(&p.capacity_bytes.to_string()) && e.contains(&(1u64 << 20).to_string()), "{e}");
-        let small =
-            NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Host, &opt, Some(1 << 20), false).unwrap();
+        let small = NvmePlan::new(
+            &units,
+            StatePlacement::Nvme,
+            StatePlacement::Host,
+            &opt,
+            Some(1 << 20),
+            false,
+            World::SINGLE,
+        )
+        .unwrap();
         let e = small.check(&dirs, &|_| Ok(u64::MAX)).unwrap_err().to_string();
         assert!(e.contains("nvme_size") && e.contains(&small.min_bytes.to_string()), "{e}");
-        assert!(NvmePlan::new(&units, StatePlacement::Host, StatePlacement::Host, &opt, None, false).is_none());
+        assert!(NvmePlan::new(&units, StatePlacement::Host, StatePlacement::Host, &opt, None, false, World::SINGLE)
+            .is_none());
     }
 
     #[test]

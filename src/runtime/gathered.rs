@@ -15,7 +15,24 @@
 
 use std::sync::Arc;
 
-use super::UnitId;
+use oogc_swapper::DType;
+
+use super::{Result, UnitId};
+
+/// The fetch's collective step (and the end of a step's, for units whose new copy is whole on
+/// every rank): a unit's compute copy of `numel` elements of `dtype` from every rank's shard
+/// (`shard` is this rank's [`crate::dist::shard_range`]), as bytes
+/// ([`crate::dist::Ranks::all_gather_shards`]). Every rank calls it for the same units in the
+/// same order. `shard` itself in a world of one.
+///
+/// # Errors
+/// The collective failed ([`super::RuntimeError::Dist`]).
+///
+/// # Panics
+/// When `shard` is not this rank's shard's size.
+pub(super) fn all_gather_unit(ranks: &crate::dist::Ranks, shard: &[u8], numel: usize, dtype: DType) -> Result<Vec<u8>> {
+    Ok(ranks.all_gather_shards(shard, numel, dtype.size_in_bytes())?)
+}
 
 /// One gathered unit: the whole compute copy as a tensor on the compute device.
 struct Entry {

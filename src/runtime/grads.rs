@@ -3,7 +3,9 @@
 //! the copy engine into pinned host memory, and a drain thread submits
 //! them to the [`PipelinedOptimizer`] as each copy lands, so the update overlaps the rest of the
 //! backward. With `hold` (the ZeRO-Infinity-like baseline) the landed gradients are kept and
-//! submitted at the end of the step instead.
+//! submitted at the end of the step instead. With data-parallel ranks the drain thread's one
+//! collective step is [`reduce_scatter_grads`]: each unit's gradients, in push order, become
+//! this rank's shard averaged over the ranks before the optimizer sees them.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -45,6 +47,8 @@ struct GradJob {
 /// What the caller and the drain thread share.
 struct Shared {
     optimizer: PipelinedOptimizer,
+    /// The run's ranks: with more than one, each unit's gradients are reduce-scattered.
+    ranks: crate::dist::Ranks,
     /// Free device buffers for gradient staging.
     staging: Mutex<Vec<DeviceBuffer>>,
     staging_returned: Condvar,
@@ -74,11 +78,19 @@ pub(super) struct GradPipe {
 
 impl GradPipe {
     /// Starts the drain thread. `pool` is where the D2H copies land; every gradient vector is
-    /// claimed from `ledger` ([`HostUse::Gradients`]) before it is made.
-    pub(super) fn new(optimizer: PipelinedOptimizer, pool: PinnedPool, ledger: Arc<HostLedger>, hold: bool) -> Self {
+    /// claimed from `ledger` ([`HostUse::Gradients`]) before it is made; with more than one of
+    /// `ranks`, each unit's are reduce-scattered ([`reduce_scatter_grads`]).
+    pub(super) fn new(
+        optimizer: PipelinedOptimizer,
+        ranks: crate::dist::Ranks,
+        pool: PinnedPool,
+        ledger: Arc<HostLedger>,
+        hold: bool,
+    ) -> Self {
         let (handles_tx, handles) = crossbeam_channel::unbounded();
         let shared = Arc::new(Shared {
             optimizer,
+            ranks,
             staging: Mutex::new(Vec::new()),
             staging_returned: Condvar::new(),
             drain_error: Mutex::new(None),
@@ -183,14 +195,15 @@ impl GradPipe {
         numel: usize,
         make: impl FnOnce() -> Result<Grads>,
     ) -> Result<UpdateHandle> {
-        if crate::dist::world().size > 1 {
+        let world = self.shared.ranks.world();
+        if world.size > 1 {
             // The drain thread's reductions of earlier units first: every rank reduces the
             // units in push order.
             self.wait_submitted()?;
         }
         self.shared.optimizer.wait_for_gradient_room();
-        let claim = self.shared.ledger.claim(HostUse::Gradients, held_grad_bytes(dtype, numel))?;
-        let grads = crate::dist::reduce_scatter_mean_grads(make()?);
+        let claim = self.shared.ledger.claim(HostUse::Gradients, held_grad_bytes(world, dtype, numel))?;
+        let grads = reduce_scatter_grads(&self.shared.ranks, make()?)?;
         Ok(self.shared.optimizer.submit_claimed(unit.tensor(), grads, claim)?)
     }
 
@@ -298,21 +311,31 @@ fn drain_loop(rx: Receiver<GradJob>, shared: Arc<Shared>) {
 /// the ranks (one reduce-scatter per unit, in push order: the same order on every rank); the
 /// whole vector lives only until the reduce-scatter.
 fn make_grads(shared: &Shared, unit: UnitId, dtype: DType, bytes: &[u8]) -> Result<(Grads, HostClaim)> {
-    let world = crate::dist::world();
+    let world = shared.ranks.world();
     if world.size == 1 {
         return Ok(shared.optimizer.grad_pool().from_bytes(unit.tensor(), dtype, bytes)?);
     }
     let numel = bytes.len() / dtype.size_in_bytes().max(1);
-    let claim = shared.ledger.claim(HostUse::Gradients, held_grad_bytes(dtype, numel))?;
-    let grads = crate::dist::reduce_scatter_mean_grads(Grads::from_bytes(dtype, bytes)?);
+    let claim = shared.ledger.claim(HostUse::Gradients, held_grad_bytes(world, dtype, numel))?;
+    let grads = reduce_scatter_grads(&shared.ranks, Grads::from_bytes(dtype, bytes)?)?;
     Ok((grads, claim))
+}
+
+/// The drain thread's collective step (and a host caller's, [`GradPipe::submit_host`]): a
+/// unit's gradients as this rank's shard averaged over the ranks
+/// ([`crate::dist::Ranks::reduce_scatter_mean_grads`]), called for every unit in push order, the
+/// same on every rank. The gradients themselves in a world of one.
+///
+/// # Errors
+/// The collective failed ([`RuntimeError::Dist`]).
+fn reduce_scatter_grads(ranks: &crate::dist::Ranks, grads: Grads) -> Result<Grads> {
+    Ok(ranks.reduce_scatter_mean_grads(grads)?)
 }
 
 /// Bytes of a unit's `numel` gradients in `dtype` that the optimizer holds, the ledger's claim
 /// for them: this rank's shard ([`crate::dist::shard_range`]) after the reduce-scatter, the
 /// whole vector in a world of one.
-fn held_grad_bytes(dtype: DType, numel: usize) -> u64 {
-    let world = crate::dist::world();
+fn held_grad_bytes(world: crate::dist::World, dtype: DType, numel: usize) -> u64 {
     dtype.num_bytes(crate::dist::shard_range(numel, world.rank, world.size).len()) as u64
 }
 

@@ -27,9 +27,10 @@
 //! ([`DType::num_bytes`]).
 //!
 //! ```no_run
+//! use oogc::dist::Ranks;
 //! use oogc::runtime::{Phase, Runtime, RuntimeConfig};
 //! # fn grads_of(p: &candle_core::Tensor) -> candle_core::Tensor { p.ones_like().unwrap() }
-//! let mut rt = Runtime::new(RuntimeConfig::sim(64 << 20))?;
+//! let mut rt = Runtime::new(RuntimeConfig::sim(64 << 20), Ranks::single())?; // one process
 //! let unit = rt.add_unit("layer0", &[0.5f32; 4])?;
 //! rt.begin_step(1, 1e-3)?;
 //! let params = rt.fetch(unit, Phase::Forward)?;          // a [4] f32 tensor on the compute device
@@ -150,6 +151,10 @@ pub enum RuntimeError {
     /// A call out of order or with a wrong argument.
     #[error("runtime misuse: {0}")]
     Usage(String),
+    /// A collective between the data-parallel ranks failed, or the ranks are not a world: the
+    /// run cannot go on (the entry point ends it).
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
 }
 
 /// Result of runtime operations.
@@ -270,9 +275,9 @@ impl RuntimeConfig {
 
 /// The out-of-GPU-core runtime for one model on one device. See the module docs.
 pub struct Runtime {
-    /// This process's rank: with more than one, the optimizer holds this rank's shard of every
+    /// The run's ranks: with more than one, the optimizer holds this rank's shard of every
     /// unit ([`crate::dist::shard_range`]).
-    world: crate::dist::World,
+    ranks: crate::dist::Ranks,
     config: RuntimeConfig,
     /// candle's device for the units' tensors (the CPU for the sim device).
     compute_device: candle_core::Device,
@@ -327,13 +332,15 @@ pub struct Runtime {
 
 impl Runtime {
     /// Builds the device, the host ledger, the residency manager, the optimizer (and the NVMe
-    /// store when state or parameters live on NVMe).
+    /// store when state or parameters live on NVMe), for this process's place among `ranks`
+    /// ([`crate::dist::Ranks::single`] for one process): with more than one rank its optimizer
+    /// holds this rank's shard of every unit and its collectives go to `ranks`.
     ///
     /// # Errors
     /// [`RuntimeError::Swapper`] for a bad device (no CUDA device, not compiled with CUDA), a bad
     /// NVMe directory (named, with the bytes needed) or budget; [`RuntimeError::Optimizer`] for a
     /// bad optimizer config.
-    pub fn new(config: RuntimeConfig) -> Result<Self> {
+    pub fn new(config: RuntimeConfig, ranks: crate::dist::Ranks) -> Result<Self> {
         if !config.optimizer.compute_dtype.is_float() {
             return Err(RuntimeError::Usage(format!(
                 "compute copies are f32, bf16 or f16; set the optimizer's compute_dtype to one of them (got {})",
@@ -391,7 +398,7 @@ impl Runtime {
         // writes its shard's compute copy into a home of its own and `finish_step` all-gathers
         // the shards into the residency manager's whole copies. The norm it clips with is the
         // run's.
-        let world = crate::dist::world();
+        let world = ranks.world();
         // With sharded parameters the tiers hold exactly the optimizer's shard of each copy: the
         // optimizer writes it there, as in a world of one.
         let sharded = config.shard_parameters && world.size > 1;
@@ -403,10 +410,11 @@ impl Runtime {
         };
         let optimizer = PipelinedOptimizer::with_home(config.optimizer.clone(), nvme.clone(), ledger.clone(), home)?;
         if world.size > 1 {
-            optimizer.set_norm_reduce(Arc::new(|sumsq| {
+            let ranks = ranks.clone();
+            optimizer.set_norm_reduce(Arc::new(move |sumsq| {
                 let mut s = [sumsq];
-                crate::dist::all_reduce_sum_f64(&mut s);
-                s[0]
+                ranks.all_reduce_sum_f64(&mut s).map_err(|e| e.to_string())?;
+                Ok(s[0])
             }));
         }
         let activation_pool = PinnedPool::with_ledger(
@@ -421,9 +429,9 @@ impl Runtime {
             ledger.clone(),
             HostUse::Gradients,
         );
-        let grads = GradPipe::new(optimizer, grad_pool, ledger.clone(), !config.overlap_optimizer);
+        let grads = GradPipe::new(optimizer, ranks.clone(), grad_pool, ledger.clone(), !config.overlap_optimizer);
         Ok(Self {
-            world,
+            ranks,
             activations: ActivationPipe::new(activation_pool),
             config,
             compute_device,
@@ -487,7 +495,8 @@ impl Runtime {
         let unit = UnitId(self.units.len());
         let home = self.config.params_placement.tier();
         let dtype = self.compute_dtype();
-        let shard = crate::dist::shard_range(master.len(), self.world.rank, self.world.size);
+        let world = self.ranks.world();
+        let shard = crate::dist::shard_range(master.len(), world.rank, world.size);
         // Sharded parameters: the tiers hold this rank's shard of a scheduled unit's compute copy.
         let gathers = self.sharded() && scheduling == Scheduling::Scheduled;
         let kept = if gathers { shard.clone() } else { 0..master.len() };
@@ -499,8 +508,8 @@ impl Runtime {
                 "add_unit({name}): {} parameters leave rank {} of {} no shard of the unit; shard the parameters of \
                  units of at least one element per rank (shard_parameters = false keeps whole copies)",
                 master.len(),
-                self.world.rank,
-                self.world.size
+                world.rank,
+                world.size
             )));
         }
         let meta = TensorMeta::new(unit.tensor(), name, &[kept.len()], dtype, home);
@@ -625,7 +634,7 @@ impl Runtime {
     /// applies).
     pub fn plan_host(&self) -> HostPlan {
         let units: Vec<usize> = self.units.iter().map(|u| u.numel).collect();
-        let shards = budget::optimizer_units(&units);
+        let shards = budget::optimizer_units(self.ranks.world(), &units);
         let copies: Vec<usize> = self.units.iter().map(|u| u.home_numel).collect();
         HostPlan::with_shards(
             &self.config,
@@ -649,6 +658,7 @@ impl Runtime {
                 &self.config.optimizer,
                 Some(store.capacity_bytes()),
                 self.config.shard_parameters,
+                self.ranks.world(),
             )
             .map_or(0, |p| p.speculation_room_bytes())
         })
@@ -896,7 +906,8 @@ impl Runtime {
     ///
     /// # Errors
     /// [`RuntimeError::Usage`] for [`Phase::Optimizer`] (not a compute phase); swapper errors
-    /// (out of device memory with everything pinned, I/O), optimizer errors.
+    /// (out of device memory with everything pinned, I/O), optimizer errors;
+    /// [`RuntimeError::Dist`] when a sharded unit's all-gather failed.
     pub fn fetch(&mut self, unit: UnitId, phase: Phase) -> Result<UnitParams> {
         if let Some(d) = &self.units[unit.0].on_device {
             // Its optimizer keeps the compute copy on the device: nothing moves, nothing is
@@ -957,7 +968,7 @@ impl Runtime {
         // One collective at a time, in the same order on every rank: the gradients pushed before
         // this fetch are reduce-scattered (by the drain thread) before the unit is gathered.
         self.grads.wait_submitted()?;
-        let whole = crate::dist::all_gather_shards(&shard, numel, dtype.size_in_bytes());
+        let whole = gathered::all_gather_unit(&self.ranks, &shard, numel, dtype)?;
         self.stats.gather_s += t.elapsed().as_secs_f64();
         self.stats.gathers += 1;
         self.stats.gather_bytes += (whole.len() - shard.len()) as u64;
@@ -1198,7 +1209,8 @@ impl Runtime {
     /// published before this returns (the baseline's serial optimizer phase).
     ///
     /// # Errors
-    /// A failure of a gradient copy or of the optimizer.
+    /// A failure of a gradient copy or of the optimizer; with ranks, a failed collective
+    /// ([`RuntimeError::Dist`], or the optimizer's [`oogc_optimizer::Error::NormReduce`]).
     pub fn finish_step(&mut self) -> Result<StepStats> {
         let t = Instant::now();
         self.grads.wait_submitted()?;
@@ -1230,7 +1242,7 @@ impl Runtime {
             }
         }
         self.gathered.end_step();
-        if self.world.size > 1 && !report.skipped {
+        if self.ranks.world().size > 1 && !report.skipped {
             self.gather_updates()?;
         }
         self.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
@@ -1349,7 +1361,7 @@ impl Runtime {
             return Ok(0);
         }
         let name = self.units[unit.0].name.clone();
-        if self.world.size > 1 {
+        if self.ranks.world().size > 1 {
             return Err(RuntimeError::Usage(format!(
                 "place_optimizer({name}): device optimizers with data-parallel ranks are not supported (each rank's \
                  optimizer holds a shard); keep [optimizer] device_units = 0 and [moe] device_optimizer = false"
@@ -1476,7 +1488,7 @@ impl Runtime {
             optimizer.publish(unit)?;
             let mut shard = Vec::new();
             optimizer.read_compute_copy(unit, |bytes| shard = bytes.to_vec())?;
-            let full = crate::dist::all_gather_shards(&shard, u.numel, u.dtype.size_in_bytes());
+            let full = gathered::all_gather_unit(&self.ranks, &shard, u.numel, u.dtype)?;
             home::overwrite_host_copy(&self.residency, unit, &mut |b| b[..full.len()].copy_from_slice(&full))?;
             u.update = Update::Current;
         }
@@ -1550,21 +1562,22 @@ impl Runtime {
     /// all-gathered (a collective: every rank calls this for the same units in the same order).
     ///
     /// # Errors
-    /// Optimizer failures (NVMe read).
+    /// Optimizer failures (NVMe read); with ranks, a failed all-gather ([`RuntimeError::Dist`]).
     pub fn unit_state(&self, unit: UnitId) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
         if let Some(d) = &self.units[unit.0].on_device {
             // The device optimizer's state (a checkpoint's read, not counted as link traffic).
             return Ok((d.master.to_vec1()?, d.m.to_vec1()?, d.v.to_vec1()?));
         }
         let s = self.grads.optimizer().export_state(unit.tensor())?;
-        if self.world.size == 1 {
+        if self.ranks.world().size == 1 {
             return Ok((s.master, s.m, s.v));
         }
         let numel = self.units[unit.0].numel;
-        let gather = |shard: Vec<f32>| -> Vec<f32> {
-            bytemuck::pod_collect_to_vec(&crate::dist::all_gather_shards(bytemuck::cast_slice(&shard), numel, 4))
+        let gather = |shard: Vec<f32>| -> Result<Vec<f32>> {
+            let whole = self.ranks.all_gather_shards(bytemuck::cast_slice(&shard), numel, 4)?;
+            Ok(bytemuck::pod_collect_to_vec(&whole))
         };
-        Ok((gather(s.master), gather(s.m), gather(s.v)))
+        Ok((gather(s.master)?, gather(s.m)?, gather(s.v)?))
     }
 
     /// Replaces the unit's master weights and Adam state (a checkpoint being restored) and its
@@ -1593,7 +1606,8 @@ impl Runtime {
             return Ok(());
         }
         self.gathered.remove(unit);
-        if self.world.size > 1 {
+        let world = self.ranks.world();
+        if world.size > 1 {
             // This rank's shard to its optimizer (a checkpoint of any world size re-shards), which
             // writes the compute copy's shard into the tiers when they hold shards; else the
             // whole compute copy to the residency manager.
@@ -1603,7 +1617,7 @@ impl Runtime {
                     b[..copy.len()].copy_from_slice(&copy)
                 })?;
             }
-            let r = crate::dist::shard_range(numel, self.world.rank, self.world.size);
+            let r = crate::dist::shard_range(numel, world.rank, world.size);
             let state = oogc_optimizer::UnitState {
                 master: master[r.clone()].to_vec(),
                 m: m[r.clone()].to_vec(),

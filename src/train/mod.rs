@@ -32,6 +32,7 @@ use oogc_moe_placement::Placement;
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::config::{GptModelConfig, LlamaModelConfig, ModelConfig, OpsPath, TrainConfig};
 use crate::data::{Batch, Corpus, Sampler};
+use crate::dist::{Ranks, World};
 use crate::runtime::budget::{HostOverhead, OverheadInputs, RunShape};
 use crate::runtime::{rank_units, HostPlan, NvmePlan, Phase, Runtime, RuntimeConfig, StepStats, UnitId, UnitParams};
 
@@ -188,12 +189,13 @@ pub fn for_rank(mut cfg: TrainConfig, world: crate::dist::World) -> TrainConfig 
 /// The runtime's config from the run's config and its model: device, budgets, where the
 /// optimizer state and the parameters live (the NVMe store sized `[budgets] nvme_size`, else by
 /// [`NvmePlan`] over the model's units), prefetch depths, the CPU optimizer, the activation
-/// checkpoints it offloads ([`activation_offload`]).
-pub fn runtime_config(cfg: &TrainConfig, model: &dyn CausalLm) -> RuntimeConfig {
+/// checkpoints it offloads ([`activation_offload`]); for rank `world.rank` of `world.size` (its
+/// device and its shards of the NVMe store).
+pub fn runtime_config(cfg: &TrainConfig, model: &dyn CausalLm, world: World) -> RuntimeConfig {
     let units = unit_sizes(model);
-    let device = cfg.device.spec();
-    let nvme =
-        nvme_plan(cfg, &units).map(|p| oogc_swapper::NvmeConfig::new(cfg.budgets.nvme_dirs.clone(), p.capacity_bytes));
+    let device = cfg.device.spec(world);
+    let nvme = nvme_plan(cfg, &units, world)
+        .map(|p| oogc_swapper::NvmeConfig::new(cfg.budgets.nvme_dirs.clone(), p.capacity_bytes));
     RuntimeConfig {
         device,
         gpu_budget_bytes: cfg.budgets.gpu.as_u64(),
@@ -253,8 +255,9 @@ pub fn optimizer_config(cfg: &TrainConfig) -> oogc_optimizer::OptimizerConfig {
 }
 
 /// The NVMe store of a run of `units` (parameters per unit): [`NvmePlan`] with the config's
-/// placements and `[budgets] nvme_size`; `None` when nothing lives on NVMe.
-pub fn nvme_plan(cfg: &TrainConfig, units: &[usize]) -> Option<NvmePlan> {
+/// placements and `[budgets] nvme_size`, for rank `world.rank` of `world.size`; `None` when
+/// nothing lives on NVMe.
+pub fn nvme_plan(cfg: &TrainConfig, units: &[usize], world: World) -> Option<NvmePlan> {
     NvmePlan::new(
         units,
         cfg.budgets.optimizer_state,
@@ -262,6 +265,7 @@ pub fn nvme_plan(cfg: &TrainConfig, units: &[usize]) -> Option<NvmePlan> {
         &optimizer_config(cfg),
         cfg.budgets.nvme_size.map(|s| s.as_u64()),
         cfg.ranks.shard_parameters,
+        world,
     )
 }
 
@@ -276,13 +280,14 @@ pub fn max_units_in_use(model: &dyn CausalLm) -> usize {
 }
 
 /// The split of `[budgets] host` of a run of `model` (its units' parameters): [`HostPlan`], as
-/// the runtime applies it from the first step on (with ranks: this rank's shards, MoE experts'
-/// compute copies whole as the trainer registers them).
-pub fn host_plan(cfg: &TrainConfig, model: &dyn CausalLm) -> HostPlan {
+/// the runtime applies it from the first step on (with ranks, `world`: this rank's shards, MoE
+/// experts' compute copies whole as the trainer registers them).
+pub fn host_plan(cfg: &TrainConfig, model: &dyn CausalLm, world: World) -> HostPlan {
     let units = unit_sizes(model);
-    let room = nvme_plan(cfg, &units).map_or(0, |p| p.speculation_room_bytes());
-    let rc = runtime_config(cfg, model);
-    let (shards, copies) = rank_units(&units, &expert_units(&Layout::of(model), units.len()), rc.shard_parameters);
+    let room = nvme_plan(cfg, &units, world).map_or(0, |p| p.speculation_room_bytes());
+    let rc = runtime_config(cfg, model, world);
+    let whole = expert_units(&Layout::of(model), units.len());
+    let (shards, copies) = rank_units(world, &units, &whole, rc.shard_parameters);
     HostPlan::with_shards(&rc, &units, &shards, &copies, max_units_in_use(model), room)
 }
 
@@ -306,9 +311,9 @@ pub fn unit_sizes(model: &dyn CausalLm) -> Vec<usize> {
 
 /// The stated overhead of a run of `cfg` besides the host ledger, by part
 /// ([`HostOverhead::model`]): the process, the training text of `data_bytes`, on the sim device
-/// its memory and candle's buffers, and malloc's keep.
-pub fn host_overhead(cfg: &TrainConfig, model: &dyn CausalLm, data_bytes: u64) -> HostOverhead {
-    overhead_inputs(cfg, model, data_bytes).overhead(&host_plan(cfg, model))
+/// its memory and candle's buffers, and malloc's keep; for rank `world.rank` of `world.size`.
+pub fn host_overhead(cfg: &TrainConfig, model: &dyn CausalLm, data_bytes: u64, world: World) -> HostOverhead {
+    overhead_inputs(cfg, model, data_bytes).overhead(&host_plan(cfg, model, world))
 }
 
 /// What the overhead model needs of a run of `cfg` with `data_bytes` of text
@@ -336,7 +341,8 @@ pub fn overhead_inputs(cfg: &TrainConfig, model: &dyn CausalLm, data_bytes: u64)
 
 /// Checks the run's budgets before anything is written: the host budget against the run's
 /// minimum ([`HostPlan::check`]) and the NVMe store's size against its minimum and the free
-/// space of its directories (`free_bytes(dir)`, e.g. statvfs; [`NvmePlan::check`]).
+/// space of its directories (`free_bytes(dir)`, e.g. statvfs; [`NvmePlan::check`]), for rank
+/// `world.rank` of `world.size`.
 ///
 /// # Errors
 /// [`crate::runtime::RuntimeError::HostBudgetBelowMinimum`] or
@@ -345,10 +351,11 @@ pub fn check_budgets(
     cfg: &TrainConfig,
     model: &dyn CausalLm,
     free_bytes: &dyn Fn(&Path) -> std::io::Result<u64>,
+    world: World,
 ) -> Result<HostPlan> {
-    let plan = host_plan(cfg, model);
+    let plan = host_plan(cfg, model, world);
     plan.check()?;
-    if let Some(nvme) = nvme_plan(cfg, &unit_sizes(model)) {
+    if let Some(nvme) = nvme_plan(cfg, &unit_sizes(model), world) {
         nvme.check(&cfg.budgets.nvme_dirs, free_bytes)?;
     }
     Ok(plan)
@@ -523,8 +530,8 @@ pub struct Trainer {
     updates: u64,
     /// MoE: placement, popularity and the routing trace; `None` for a dense model.
     moe: Option<moe::MoeState>,
-    /// This process's rank in a data-parallel run ([`crate::dist::world`]).
-    world: crate::dist::World,
+    /// The run's ranks (a world of one without data-parallel ranks).
+    ranks: Ranks,
     /// Whether the run writes checkpoints (`[checkpoint] dir`, which only rank 0 keeps): every
     /// rank gathers the state for them.
     checkpoints: bool,
@@ -536,31 +543,39 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// A fresh run: parameters initialized from `train.seed`, state zero, step 0.
+    /// A fresh run: parameters initialized from `train.seed`, state zero, step 0; this process
+    /// as its place among `ranks` ([`Ranks::single`] for one process) trains its shard of each
+    /// batch, and the ranks' collectives make the run one.
     ///
     /// # Errors
     /// Bad config, missing or short data, a budget below the minimum working set, a bad NVMe
     /// directory — each naming the key or path.
-    pub fn new(cfg: TrainConfig) -> Result<Self> {
-        Self::open(cfg, None, &mut |_, _| {})
+    pub fn new(cfg: TrainConfig, ranks: Ranks) -> Result<Self> {
+        Self::open(cfg, ranks, None, &mut |_, _| {})
     }
 
     /// A fresh run (`resume` `None`), or one resumed from the newest checkpoint of a directory
-    /// (or a checkpoint file) as [`Trainer::resume`]; `progress(done_bytes, total_bytes)` is
+    /// (or a checkpoint file) as [`Trainer::resume`], among `ranks` as [`Trainer::new`];
+    /// `progress(done_bytes, total_bytes)` is
     /// called while the training text is tokenized (not when the token cache is reused).
     ///
     /// # Errors
     /// As [`Trainer::new`] and [`Trainer::resume`].
-    pub fn open(cfg: TrainConfig, resume: Option<&Path>, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
+    pub fn open(
+        cfg: TrainConfig,
+        ranks: Ranks,
+        resume: Option<&Path>,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self> {
         match resume {
-            Some(dir) => Self::resume_with(cfg, dir, progress),
-            None => Self::build(cfg, false, progress),
+            Some(dir) => Self::resume_with(cfg, ranks, dir, progress),
+            None => Self::build(cfg, ranks, false, progress),
         }
     }
 
-    fn build(cfg: TrainConfig, resuming: bool, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
+    fn build(cfg: TrainConfig, ranks: Ranks, resuming: bool, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
         cfg.validate()?;
-        let world = crate::dist::world();
+        let world = ranks.world();
         // Every rank takes part in a checkpoint (the state is gathered from its shards); rank 0
         // writes it.
         let checkpoints = cfg.checkpoint.dir.is_some();
@@ -574,7 +589,7 @@ impl Trainer {
         // A killed predecessor's store files count as free: taking its lock over removes them.
         let free =
             |dir: &Path| Ok(crate::runtime::budget::statvfs_free_bytes(dir)? + crate::lock::stale_store_bytes(dir));
-        check_budgets(&cfg, &*model, &free)?;
+        check_budgets(&cfg, &*model, &free, world)?;
         // Before anything is written: one run at a time owns its directories.
         let lock = crate::lock::RunLock::for_config(&cfg)?;
         if let Some(dir) = cfg.checkpoint.dir.as_deref().filter(|_| !resuming) {
@@ -607,7 +622,7 @@ impl Trainer {
                 })?;
             }
         }
-        let mut rt = Runtime::new(runtime_config(&cfg, &*model))?;
+        let mut rt = Runtime::new(runtime_config(&cfg, &*model, world), ranks.clone())?;
         // One unit at a time, straight into the runtime (never the whole model in memory): from
         // a Hugging Face checkpoint, or drawn from the run's seed.
         let init = match &cfg.model {
@@ -632,7 +647,7 @@ impl Trainer {
             }
         }
         let moe = match model.moe() {
-            Some(_) => Some(moe::MoeState::new(&cfg, &*model, &mut rt)?),
+            Some(_) => Some(moe::MoeState::new(&cfg, &*model, &mut rt, ranks.clone())?),
             None => None,
         };
         // A trunk stays pinned while its experts run (MoE); a tied head uses the embedding.
@@ -655,7 +670,7 @@ impl Trainer {
             step: 0,
             updates: 0,
             moe,
-            world,
+            ranks,
             checkpoints,
             batch_dump: None,
             _lock: lock,
@@ -663,16 +678,18 @@ impl Trainer {
     }
 
     /// Resumes from the newest checkpoint in `dir` (or a checkpoint file): parameters, optimizer
-    /// state, step and data position are restored, so the run continues exactly where it stopped.
+    /// state, step and data position are restored, so the run continues exactly where it stopped
+    /// (among `ranks` as [`Trainer::new`]: a checkpoint of any world size loads, each rank taking
+    /// its shard).
     ///
     /// # Errors
     /// As [`Trainer::new`]; [`TrainError::Checkpoint`] when there is no readable checkpoint;
     /// [`TrainError::Mismatch`] when its model differs from the config's.
-    pub fn resume(cfg: TrainConfig, dir: &Path) -> Result<Self> {
-        Self::resume_with(cfg, dir, &mut |_, _| {})
+    pub fn resume(cfg: TrainConfig, ranks: Ranks, dir: &Path) -> Result<Self> {
+        Self::resume_with(cfg, ranks, dir, &mut |_, _| {})
     }
 
-    fn resume_with(cfg: TrainConfig, dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
+    fn resume_with(cfg: TrainConfig, ranks: Ranks, dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
         let ckpt = checkpoint::load(dir)?;
         let path = if dir.is_dir() { checkpoint::latest(dir)? } else { dir.to_path_buf() };
         let mismatch = |reason: String| TrainError::Mismatch {
@@ -684,7 +701,7 @@ impl Trainer {
         if *saved_model != ours {
             return Err(mismatch(format!("checkpoint model {saved_model} != config model {ours}")));
         }
-        let mut t = Self::build(cfg, true, progress)?;
+        let mut t = Self::build(cfg, ranks, true, progress)?;
         if let (Some(saved), Some(ours)) = (ckpt.metadata.get("data_key"), t.data.key()) {
             if *saved != ours {
                 return Err(mismatch(format!(
@@ -753,7 +770,12 @@ impl Trainer {
             // The token file is mapped: its pages are the process's once read.
             Corpus::Tokens(t) => std::fs::metadata(t.cache_path()).map_or(0, |m| m.len()),
         };
-        host_overhead(&self.cfg, &*self.model, data)
+        host_overhead(&self.cfg, &*self.model, data, self.ranks.world())
+    }
+
+    /// This process's place in the run (a world of one without data-parallel ranks).
+    pub fn world(&self) -> World {
+        self.ranks.world()
     }
 
     /// Parameters in the model.
@@ -775,13 +797,13 @@ impl Trainer {
     /// [`TrainError::BatchDump`] in a data-parallel run of several ranks (each rank trains on its
     /// own shard of the batch).
     pub fn dump_batches(&mut self, dump: BatchDump) -> Result<()> {
-        if self.world.size > 1 {
+        if self.ranks.world().size > 1 {
             return Err(TrainError::BatchDump {
                 path: dump.path().into(),
                 reason: format!(
                     "a dump holds one process's batches, and this run has {} ranks, each training on its shard\n  \
                      fix: dump a run of one process (the ranks' shards together are its batches)",
-                    self.world.size
+                    self.ranks.world().size
                 ),
             });
         }
@@ -863,14 +885,15 @@ impl Trainer {
     /// tokens of `N` in all contributes its mean's gradient scaled by `n_j / N`.
     ///
     /// # Errors
-    /// Runtime, model or candle failures.
+    /// Runtime, model or candle failures; with ranks, a failed collective (the run cannot go
+    /// on: the caller ends it, [`Ranks::abort`]).
     pub fn train_step(&mut self) -> Result<StepOutcome> {
         crate::hooks::crash_point("step");
         let step = self.step + 1;
         let lr = lr_schedule(&self.cfg).lr(step);
         let (micro, k) = (self.cfg.train.batch_size, self.cfg.train.micro_batches.max(1));
         // This rank's windows of the step's global batch (all of it in a world of one).
-        let (rank, ranks) = (self.world.rank, self.world.size);
+        let (rank, ranks) = (self.ranks.world().rank, self.ranks.world().size);
         let shard = crate::data::Shard { rank, ranks };
         let batch = self.data.next_batch_shard(&mut self.sampler, micro * k, self.cfg.train.seq_len, shard);
         if let Some(dump) = &mut self.batch_dump {
@@ -983,7 +1006,7 @@ impl Trainer {
         // Every gradient reduction of the step is done (finish_step waited for them).
         let loss = if ranks > 1 {
             let mut l = [loss];
-            crate::dist::all_reduce_sum_f64(&mut l);
+            self.ranks.all_reduce_sum_f64(&mut l).map_err(crate::runtime::RuntimeError::from)?;
             l[0] / ranks as f64
         } else {
             loss
@@ -1004,13 +1027,13 @@ impl Trainer {
     /// (pending updates are awaited): nats per token and bits per byte.
     ///
     /// # Errors
-    /// Runtime, model or candle failures.
+    /// Runtime, model or candle failures; with ranks, a failed collective.
     pub fn evaluate(&mut self) -> Result<Evaluation> {
         let model = Arc::clone(&self.model);
         let (embed, head) = (self.layout.embed, self.layout.head);
         let (mut nats, mut targets, mut bytes) = (0.0, 0u64, 0u64);
         // Each rank evaluates its shard of every validation batch; the sums are the run's.
-        let ranks = self.world.size;
+        let ranks = self.ranks.world().size;
         for b in self.val.clone() {
             let inputs = self.tokens(&b.inputs)?;
             let target_ids = self.tokens(&b.targets)?;
@@ -1027,7 +1050,7 @@ impl Trainer {
         }
         if ranks > 1 {
             let mut sums = [nats, targets as f64, bytes as f64];
-            crate::dist::all_reduce_sum_f64(&mut sums);
+            self.ranks.all_reduce_sum_f64(&mut sums).map_err(crate::runtime::RuntimeError::from)?;
             (nats, targets, bytes) = (sums[0], sums[1] as u64, sums[2] as u64);
         }
         Ok(Evaluation {

@@ -117,6 +117,8 @@ pub(super) struct MoeState {
     /// every rank reduces the same experts' gradients in the same order, and an expert no rank
     /// used is not updated anywhere, as in one process with the whole batch).
     used_anywhere: HashMap<usize, Vec<bool>>,
+    /// The run's ranks (the routing counts are summed over them).
+    ranks: crate::dist::Ranks,
 }
 
 /// The arguments of [`MoeState::block_backward`] that say which block.
@@ -134,12 +136,18 @@ pub(super) struct BlockBackward<'a> {
 impl MoeState {
     /// The placer (popularity, hot set under `[moe] expert_budget`, the cost model calibrated
     /// from the link and a measured CPU GEMM rate: [`crate::moe::placer_config`]) and the
-    /// routing trace writer of an MoE run; the placer's popularity ranks expert copies for
-    /// eviction (the runtime's fallback policy).
+    /// routing trace writer of an MoE run among `ranks`; the placer's popularity ranks expert
+    /// copies for eviction (the runtime's fallback policy).
     ///
     /// # Errors
     /// An unwritable routing trace; an expert budget below one expert.
-    pub(super) fn new(cfg: &TrainConfig, model: &dyn CausalLm, rt: &mut Runtime) -> Result<Self> {
+    pub(super) fn new(
+        cfg: &TrainConfig,
+        model: &dyn CausalLm,
+        rt: &mut Runtime,
+        ranks: crate::dist::Ranks,
+    ) -> Result<Self> {
+        let world = ranks.world();
         let units = model.units();
         let experts: Vec<(UnitId, usize, usize)> = units
             .iter()
@@ -177,14 +185,14 @@ impl MoeState {
             }
             None => None,
         };
-        let device_optimizer = crate::moe::device_optimizer(cfg, expert_params)?;
+        let device_optimizer = crate::moe::device_optimizer(cfg, expert_params, world)?;
         let placer = if crate::moe::places_experts(cfg) {
             // On the sim device the "GPU" is this CPU: both rates are the CPU GEMM rate, measured
             // unless the config gives it.
             let cpu = cfg.moe.cpu_gflops.unwrap_or_else(|| {
                 oogc_moe_placement::calibrate_cpu_gemm() * cfg.threads.compute.unwrap_or(1).max(1) as f64
             });
-            let pc = crate::moe::placer_config(cfg, cpu, expert_params);
+            let pc = crate::moe::placer_config(cfg, cpu, expert_params, world);
             let placer = Placer::new(blocks as u32, per_block as u32, header.expert_shape(), pc)
                 .map_err(moe_err("moe.expert_budget"))?;
             let ids = experts.iter().map(|&(u, b, e)| (rt.unit_tensor(u), ExpertId::new(b as u32, e as u32)));
@@ -201,7 +209,7 @@ impl MoeState {
         let units = experts.iter().map(|&(u, b, e)| (ExpertId::new(b as u32, e as u32), u)).collect();
         if device_optimizer {
             tracing::info!(
-                hot_expert_bytes = crate::moe::hot_expert_bytes(cfg, expert_params),
+                hot_expert_bytes = crate::moe::hot_expert_bytes(cfg, expert_params, world),
                 "moe: hot experts keep their optimizer on the device"
             );
         }
@@ -215,6 +223,7 @@ impl MoeState {
             device_optimizer,
             traffic: ExpertTraffic::default(),
             used_anywhere: HashMap::new(),
+            ranks,
         })
     }
 
@@ -314,9 +323,9 @@ impl MoeState {
             moe.trunk_forward(block, p.tensor(), x)?
         };
         let counts = t.routing.counts();
-        if phase != Phase::Eval && crate::dist::world().size > 1 {
+        if phase != Phase::Eval && self.ranks.world().size > 1 {
             let mut anywhere: Vec<f64> = counts.iter().map(|&n| n as f64).collect();
-            crate::dist::all_reduce_sum_f64(&mut anywhere);
+            self.ranks.all_reduce_sum_f64(&mut anywhere).map_err(crate::runtime::RuntimeError::from)?;
             self.used_anywhere.insert(block, anywhere.iter().map(|&n| n > 0.0).collect());
         }
         let placements = self.place_block(block, &counts)?;

@@ -140,16 +140,16 @@ pub fn small_run(dir: &Path, name: &str, steps: u64, interval: u64, keep: usize)
 /// same (each config must have a `[checkpoint] dir` of its own).
 pub fn assert_resume_continues_exactly(config: &dyn Fn(&str) -> oogc::config::TrainConfig) {
     use oogc::train::Trainer;
-    let mut whole = Trainer::new(config("whole")).unwrap();
+    let mut whole = Trainer::new(config("whole"), oogc::dist::Ranks::single()).unwrap();
     let losses: Vec<f64> = (0..4).map(|_| whole.train_step().unwrap().loss).collect();
     let params = whole.master_weights().unwrap();
     drop(whole);
     let cfg = config("parts");
-    let mut first = Trainer::new(cfg.clone()).unwrap();
+    let mut first = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     let mut resumed_losses: Vec<f64> = (0..2).map(|_| first.train_step().unwrap().loss).collect();
     let ckpt = first.save_checkpoint().unwrap().expect("a checkpoint dir");
     drop(first);
-    let mut second = Trainer::resume(cfg, &ckpt).unwrap();
+    let mut second = Trainer::resume(cfg, oogc::dist::Ranks::single(), &ckpt).unwrap();
     resumed_losses.extend((0..2).map(|_| second.train_step().unwrap().loss));
     assert_eq!(resumed_losses, losses);
     assert_eq!(second.master_weights().unwrap(), params);
@@ -162,7 +162,7 @@ pub fn offloaded_tiny_llama(dir: &Path, compute_dtype: oogc::config::ComputeDTyp
     let mut cfg =
         oogc::config::TrainConfig::from_toml_str(&tiny_llama(&dir.join("nvme"), &dir.join("tokens"))).unwrap();
     cfg.train.compute_dtype = compute_dtype;
-    let t = oogc::train::Trainer::new(cfg.clone()).unwrap();
+    let t = oogc::train::Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     let dtype = compute_dtype.dtype();
     let copy_bytes = dtype.num_bytes(t.num_params()) as u64;
     let largest = t.model().units().iter().map(|u| dtype.num_bytes(u.numel) as u64).max().unwrap();

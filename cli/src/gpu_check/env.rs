@@ -142,7 +142,7 @@ pub(crate) fn environment(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict>
     let mut rc = RuntimeConfig::sim(64 << 20);
     rc.device = DeviceSpec::Cuda { ordinal, event_tracking: true };
     rc.host_budget_bytes = 1 << 30;
-    match Runtime::new(rc) {
+    match Runtime::new(rc, oogc::dist::Ranks::single()) {
         Ok(_) => f.set("runtime", "opened"),
         Err(e) => failures.push(format!("Runtime::new on cuda:{ordinal}: {e}")),
     }

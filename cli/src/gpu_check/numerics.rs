@@ -267,7 +267,7 @@ fn runtime_for(ctx: &Ctx, model: &dyn CausalLm, dtype: oogc::swapper::DType, in_
     }
     rc.host_budget_bytes = 1 << 30;
     rc.optimizer = OptimizerConfig { threads: 1, clip_norm: None, compute_dtype: dtype, ..OptimizerConfig::default() };
-    Ok(Runtime::new(rc)?)
+    Ok(Runtime::new(rc, oogc::dist::Ranks::single())?)
 }
 
 /// One step of a dense fixture through the runtime.

@@ -196,7 +196,7 @@ struct RunOut {
 /// Trains `run.steps` steps; the master weights at the end when `masters`.
 fn train(run: &Run, masters: bool) -> anyhow::Result<RunOut> {
     let cfg = run.config()?;
-    let mut t = Trainer::new(cfg.clone())?;
+    let mut t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single())?;
     run_trainer(&mut t, &cfg, run.steps, masters)
 }
 
@@ -273,7 +273,7 @@ fn gpu_figures(ctx: &Ctx, r: &RunOut, warmup: usize, f: &mut Figures, tag: &str,
 
 /// The minimum working set of `run`'s model (a trainer built, no step run).
 fn min_working_set(run: &Run) -> anyhow::Result<u64> {
-    let t = Trainer::new(run.config()?)?;
+    let t = Trainer::new(run.config()?, oogc::dist::Ranks::single())?;
     Ok(t.runtime().min_working_set_bytes(oogc::train::max_units_in_use(t.model())))
 }
 
@@ -625,7 +625,7 @@ pub(crate) fn llama_8b(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
         return Ok(skip);
     }
     let started = std::time::Instant::now();
-    let mut t = Trainer::new(cfg.clone())?;
+    let mut t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single())?;
     f.set("setup_s", started.elapsed().as_secs_f64());
     f.set("params", t.num_params());
     let out = run_trainer(&mut t, &cfg, 3, false)?;

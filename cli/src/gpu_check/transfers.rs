@@ -91,7 +91,7 @@ fn round_trip_run(ctx: &Ctx, dtype: oogc::swapper::DType, f: &mut Figures) -> an
         compute_dtype: dtype,
         ..OptimizerConfig::default()
     };
-    let mut rt = Runtime::new(rc)?;
+    let mut rt = Runtime::new(rc, oogc::dist::Ranks::single())?;
     let mut rng = Rng::new(11);
     let masters: Vec<Vec<f32>> = (0..s.units).map(|_| rng.bf16_exact_vec(s.numel)).collect();
     for (u, m) in masters.iter().enumerate() {
