@@ -103,7 +103,8 @@ fn wait_until(child: &mut Child, mut ready: impl FnMut() -> bool) -> Option<Exit
         if ready() {
             return None;
         }
-        assert!(start.elapsed() < Duration::from_secs(60), "the run made no progress for 60 s");
+        // A hang guard, not a speed check: generous for a busy machine's debug build.
+        assert!(start.elapsed() < Duration::from_secs(300), "the run made no progress for 300 s");
         std::thread::sleep(Duration::from_millis(1));
     }
 }
