@@ -515,7 +515,7 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
     let device_units: Vec<(String, u64)> = crate::train::choose_device_units(cfg, &*model, compute_budget)
         .into_iter()
         .map(|u| {
-            let spec = &model.units()[u.0];
+            let spec = &model.units()[u];
             (spec.name.clone(), crate::runtime::device_optimizer_bytes(spec.numel, dtype))
         })
         .collect();

@@ -375,7 +375,7 @@ pub fn run(
     // The plan of the GPU's memory (what the pool's per-step peak is held to on CUDA); a model
     // the planner cannot describe only loses the warning.
     let mut device_guard =
-        crate::plan::device_plan_for_config(&cfg, trainer.model(), trainer.runtime().device_optimizer_bytes())
+        crate::plan::device_plan_for_config(&cfg, trainer.model(), trainer.runtime().memory().device_optimizer_bytes())
             .map(DeviceGuard::new)
             .map_err(|e| tracing::debug!(error = %e, "no device plan: the device peak is not checked"))
             .ok();
@@ -402,7 +402,7 @@ pub fn run(
         let minor_faults = faults_before.zip(crate::runtime::budget::minor_faults()).map(|(a, b)| b.saturating_sub(a));
         let rss_bytes = crate::runtime::budget::rss_bytes();
         if let Some(rss) = rss_bytes {
-            rss_guard.check(rss, trainer.runtime().host_ledger());
+            rss_guard.check(rss, trainer.runtime().memory().host_ledger());
         }
         let s = &out.stats;
         if let (Some(guard), Some(peak)) = (device_guard.as_mut(), s.device_peak_bytes) {
@@ -496,7 +496,7 @@ pub fn run(
     summary.last_step = trainer.step();
     summary.tokens_per_s = tokens as f64 / summary.train_s.max(1e-9);
     summary.compute_s = (summary.train_s - summary.exposed_transfer_s - summary.exposed_optimizer_s).max(0.0);
-    let peak = trainer.runtime().peak_bytes();
+    let peak = trainer.runtime().memory().peak_bytes();
     summary.peak_gpu_bytes = peak.device;
     summary.peak_host_bytes = peak.host;
     summary.nvme_bytes = peak.nvme;
@@ -697,8 +697,8 @@ impl DeviceGuard {
 fn host_report(trainer: &Trainer) -> HostReport {
     let rt = trainer.runtime();
     let overhead = trainer.host_overhead();
-    let ledger = rt.host_ledger().report();
-    let plan = rt.host_plan().cloned().unwrap_or_else(|| rt.plan_host());
+    let ledger = rt.memory().host_ledger().report();
+    let plan = rt.memory().host_plan().cloned().unwrap_or_else(|| rt.memory().plan_host());
     HostReport {
         budget_bytes: ledger.budget_bytes,
         plan_peak_bytes: plan.peak_bytes(),

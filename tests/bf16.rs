@@ -32,7 +32,7 @@ fn offloaded_bf16_training_equals_in_memory_bf16_training_bitwise() {
     }
     assert!(clipped > 0, "the test should exercise clipping (clip_norm 0.5)");
     let params = t.master_weights().unwrap();
-    assert!(t.runtime().traffic().htod.bytes > copy_bytes, "units were evicted and fetched again");
+    assert!(t.runtime().memory().traffic().htod.bytes > copy_bytes, "units were evicted and fetched again");
     let reference = reference::train(&cfg, 12);
     assert_eq!(losses, reference.losses);
     assert_eq!(params, reference.params);
@@ -113,7 +113,7 @@ fn bf16_activation_checkpoints_offload_as_bf16() {
         c.budgets.gpu = bytesize::ByteSize::b(2 * cfg.budgets.gpu.as_u64());
         let mut t = Trainer::new(c, oogc::dist::Ranks::single()).unwrap();
         let losses: Vec<f64> = (0..3).map(|_| t.train_step().unwrap().loss).collect();
-        let peak = t.runtime().host_ledger().report().of(oogc::swapper::HostUse::Activations).peak_bytes;
+        let peak = t.runtime().memory().host_ledger().report().of(oogc::swapper::HostUse::Activations).peak_bytes;
         (losses, t.master_weights().unwrap(), peak)
     };
     let (kept, kept_params, _) = run(false);

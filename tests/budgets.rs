@@ -40,8 +40,8 @@ fn run_checked(cfg: TrainConfig, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>, Traine
     let losses: Vec<f64> = (0..steps).map(|_| t.train_step().unwrap().loss).collect();
     let params = t.master_weights().unwrap();
     let rt = t.runtime();
-    let ledger = rt.host_ledger().report();
-    let plan = rt.host_plan().expect("applied at the first step").clone();
+    let ledger = rt.memory().host_ledger().report();
+    let plan = rt.memory().host_plan().expect("applied at the first step").clone();
     assert!(ledger.peak_bytes <= ledger.budget_bytes, "{ledger:?}");
     for c in &ledger.categories {
         assert!(
@@ -77,10 +77,10 @@ fn parameters_on_nvme_train_bitwise_as_parameters_in_host_memory() {
     assert_eq!(params_n, reference.params);
     // The compute copies really lived on NVMe: the residency manager read and wrote them there
     // (the optimizer's state goes through the store directly, not through the manager).
-    let m = t.runtime().residency().metrics();
+    let m = t.runtime().memory().residency_metrics();
     assert!(m.nvme_read.bytes > param_bytes && m.nvme_write.bytes > param_bytes, "{m:?}");
     assert!(m.evictions > 0);
-    let plan = t.runtime().host_plan().unwrap();
+    let plan = t.runtime().memory().host_plan().unwrap();
     assert!(plan.compute_copies_bytes < all_copies, "{plan:?}");
 }
 
@@ -105,7 +105,7 @@ fn immediate_updates_hold_a_few_units_gradients_and_train_bitwise_as_the_referen
     let reference = reference::train(&cfg, 12);
     assert_eq!(losses, reference.losses, "immediate updates: losses differ from the in-memory loop");
     assert_eq!(params, reference.params, "immediate updates: master weights differ from the in-memory loop");
-    let g = t.runtime().host_ledger().report().of(HostUse::Gradients).peak_bytes;
+    let g = t.runtime().memory().host_ledger().report().of(HostUse::Gradients).peak_bytes;
     assert!(g < param_bytes, "gradients peak {g} B: every unit's ({param_bytes} B) was held");
 }
 
@@ -134,12 +134,12 @@ fn offloaded_activation_checkpoints_train_bitwise_and_move_once_each_way() {
     assert_eq!(losses_o, losses_k, "losses differ with activation checkpoints offloaded");
     assert_eq!(params_o, params_k, "master weights differ with activation checkpoints offloaded");
     // Every checkpoint went D2H once and came back H2D once, and none is left behind.
-    let (k, o) = (tk.runtime().traffic(), to.runtime().traffic());
+    let (k, o) = (tk.runtime().memory().traffic(), to.runtime().memory().traffic());
     let moved = steps * (a.checkpoints * a.checkpoint_bytes) as u64;
     assert_eq!(o.dtoh.bytes - k.dtoh.bytes, moved, "D2H");
     assert_eq!(o.htod.bytes - k.htod.bytes, moved, "H2D");
-    assert_eq!(to.runtime().stashed_activations(), 0);
-    let peak = to.runtime().host_ledger().report().of(HostUse::Activations).peak_bytes;
+    assert_eq!(to.runtime().memory().stashed_activations(), 0);
+    let peak = to.runtime().memory().host_ledger().report().of(HostUse::Activations).peak_bytes;
     assert!(peak >= (a.checkpoints * a.checkpoint_bytes) as u64 && peak <= plan.activations_bytes, "{peak}");
 }
 
@@ -218,7 +218,7 @@ proptest! {
         let min = oogc::train::host_plan(&cfg, &*model_of(&cfg), oogc::dist::World::SINGLE).min_bytes;
         cfg.budgets.host = bytesize::ByteSize::b(min + (min as f64 * slack) as u64);
         let (losses, params, t) = run_checked(cfg.clone(), 3);
-        prop_assert!(t.runtime().host_ledger().report().of(HostUse::Activations).peak_bytes == 0);
+        prop_assert!(t.runtime().memory().host_ledger().report().of(HostUse::Activations).peak_bytes == 0);
         let mut resident = cfg;
         resident.budgets.params = StatePlacement::Host;
         resident.budgets.optimizer_state = StatePlacement::Host;

@@ -9,7 +9,7 @@ mod reference;
 
 use oogc::config::{DeviceUnits, TrainConfig};
 use oogc::runtime::Phase;
-use oogc::runtime::{OptimizerPlace, Runtime, RuntimeConfig, UnitId};
+use oogc::runtime::{OptimizerPlace, Runtime, RuntimeConfig};
 use oogc::train::Trainer;
 
 /// Relative tolerance on the losses of 20 steps against the all-CPU reference, and on the
@@ -62,11 +62,15 @@ fn a_llama_with_device_optimizers_tracks_the_all_cpu_run() {
     cfg.optimizer.device_units = DeviceUnits::Count(3);
     let mut t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     let rt = t.runtime();
-    let placed: Vec<usize> =
-        (0..rt.num_units()).filter(|&u| rt.optimizer_place(UnitId(u)) == OptimizerPlace::Device).collect();
+    let placed: Vec<usize> = rt
+        .units()
+        .ids()
+        .filter(|&u| rt.units().optimizer_place(u) == OptimizerPlace::Device)
+        .map(|u| u.index())
+        .collect();
     // The embedding (the backward's last unit), then the first two blocks.
     assert_eq!(placed, vec![0, 1, 2]);
-    assert!(rt.device_optimizer_bytes() > 0);
+    assert!(rt.memory().device_optimizer_bytes() > 0);
     let mut losses = Vec::new();
     let mut clipped = 0;
     for _ in 0..20 {
@@ -85,14 +89,16 @@ fn a_bf16_llama_with_device_optimizers_tracks_the_all_cpu_run() {
     let (mut cfg, copy_bytes) = common::offloaded_tiny_llama(dir.path(), oogc::config::ComputeDType::Bf16);
     // "auto" takes the spare budget only: none while the compute copies do not all fit.
     cfg.optimizer.device_units = DeviceUnits::Auto(oogc::config::AutoKeyword::Auto);
-    assert!(Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap().runtime().device_optimizer_bytes() == 0);
+    assert!(
+        Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap().runtime().memory().device_optimizer_bytes()
+            == 0
+    );
     // Every compute copy (and staging) with room to spare for two units' optimizers.
     cfg.budgets.gpu = bytesize::ByteSize::b(2 * copy_bytes + device_bytes(&cfg, 2));
     let mut t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
-    let on_device = (0..t.runtime().num_units())
-        .filter(|&u| t.runtime().optimizer_place(UnitId(u)) == OptimizerPlace::Device)
-        .count();
-    assert!(on_device >= 2 && on_device < t.runtime().num_units(), "auto placed {on_device} units");
+    let units = t.runtime().units();
+    let on_device = units.ids().filter(|&u| units.optimizer_place(u) == OptimizerPlace::Device).count();
+    assert!(on_device >= 2 && on_device < t.runtime().units().len(), "auto placed {on_device} units");
     let losses: Vec<f64> = (0..12).map(|_| t.train_step().unwrap().loss).collect();
     let params = t.master_weights().unwrap();
     // bf16 compute copies round the same master weights to the same copies (within the
@@ -141,11 +147,12 @@ fn backward_step(
     grad: impl Fn(usize, &candle_core::Tensor) -> candle_core::Tensor,
 ) -> oogc::runtime::StepStats {
     rt.begin_step(t, 1e-2).unwrap();
-    for u in (0..rt.num_units()).rev() {
-        let p = rt.fetch(UnitId(u), Phase::Backward).unwrap();
+    for u in (0..rt.units().len()).rev() {
+        let id = rt.units().id(u).unwrap();
+        let p = rt.fetch(id, Phase::Backward).unwrap();
         let g = grad(u, p.tensor());
         drop(p);
-        rt.push_grads(UnitId(u), &g).unwrap();
+        rt.push_grads(id, &g).unwrap();
     }
     let stats = rt.finish_step().unwrap();
     rt.sync().unwrap();
@@ -154,7 +161,7 @@ fn backward_step(
 
 /// Every unit's master weights, `m` and `v`.
 fn states(rt: &Runtime) -> Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> {
-    (0..rt.num_units()).map(|u| rt.unit_state(UnitId(u)).unwrap()).collect()
+    rt.units().ids().map(|u| rt.unit_state(u).unwrap()).collect()
 }
 
 fn sine_grads(_unit: usize, p: &candle_core::Tensor) -> candle_core::Tensor {
@@ -175,11 +182,11 @@ fn re_placement_moves_state_without_changing_it() {
         for step in 1..=6u64 {
             if round_trip && step == 4 {
                 let before = states(&rt);
-                let h2d = rt.traffic().htod.bytes;
-                assert_eq!(rt.place_optimizer(UnitId(1), OptimizerPlace::Device).unwrap(), 12 * 2048);
-                assert_eq!(rt.traffic().htod.bytes - h2d, 12 * 2048, "the state moved over the link");
-                assert_eq!(rt.unit_state(UnitId(1)).unwrap(), before[1], "on the device, bitwise");
-                rt.place_optimizer(UnitId(1), OptimizerPlace::Host).unwrap();
+                let h2d = rt.memory().traffic().htod.bytes;
+                assert_eq!(rt.place_optimizer(rt.units().id(1).unwrap(), OptimizerPlace::Device).unwrap(), 12 * 2048);
+                assert_eq!(rt.memory().traffic().htod.bytes - h2d, 12 * 2048, "the state moved over the link");
+                assert_eq!(rt.unit_state(rt.units().id(1).unwrap()).unwrap(), before[1], "on the device, bitwise");
+                rt.place_optimizer(rt.units().id(1).unwrap(), OptimizerPlace::Host).unwrap();
                 assert_eq!(states(&rt), before, "back on the host, bitwise");
             }
             backward_step(&mut rt, step, sine_grads);
@@ -197,19 +204,23 @@ fn re_placement_moves_state_without_changing_it() {
 fn a_unit_moved_back_computes_with_its_device_updated_parameters() {
     let mut rt = runtime_with_units(without_prefetch(), &[1000, 3000]);
     backward_step(&mut rt, 1, sine_grads);
-    let before = rt.unit_state(UnitId(0)).unwrap();
-    rt.place_optimizer(UnitId(0), OptimizerPlace::Device).unwrap();
+    let before = rt.unit_state(rt.units().id(0).unwrap()).unwrap();
+    rt.place_optimizer(rt.units().id(0).unwrap(), OptimizerPlace::Device).unwrap();
     backward_step(&mut rt, 2, sine_grads);
     backward_step(&mut rt, 3, sine_grads);
-    let on_device = rt.unit_state(UnitId(0)).unwrap();
+    let on_device = rt.unit_state(rt.units().id(0).unwrap()).unwrap();
     assert_ne!(on_device.0, before.0, "updated on the device");
-    rt.place_optimizer(UnitId(0), OptimizerPlace::Host).unwrap();
-    assert_eq!(rt.unit_state(UnitId(0)).unwrap(), on_device, "the CPU optimizer took the device's state");
-    let p = rt.fetch(UnitId(0), Phase::Forward).unwrap();
+    rt.place_optimizer(rt.units().id(0).unwrap(), OptimizerPlace::Host).unwrap();
+    assert_eq!(
+        rt.unit_state(rt.units().id(0).unwrap()).unwrap(),
+        on_device,
+        "the CPU optimizer took the device's state"
+    );
+    let p = rt.fetch(rt.units().id(0).unwrap(), Phase::Forward).unwrap();
     assert_eq!(p.tensor().to_vec1::<f32>().unwrap(), on_device.0, "the fetch sees the device-updated parameters");
     drop(p);
     backward_step(&mut rt, 4, sine_grads);
-    assert_eq!(rt.device_optimizer_bytes(), 0);
+    assert_eq!(rt.memory().device_optimizer_bytes(), 0);
 }
 
 /// A unit updated on the device follows the CPU optimizer's run of the same unit within the
@@ -222,7 +233,7 @@ fn device_updates_share_the_steps_clip_and_skip() {
         cfg.optimizer.clip_norm = Some(0.05);
         let mut rt = runtime_with_units(cfg, &[3001, 1500]);
         if device {
-            rt.place_optimizer(UnitId(0), OptimizerPlace::Device).unwrap();
+            rt.place_optimizer(rt.units().id(0).unwrap(), OptimizerPlace::Device).unwrap();
         }
         let mut reports = Vec::new();
         let mut t = 1;
@@ -277,7 +288,7 @@ fn a_mixtral_with_hot_experts_optimized_on_the_device_tracks_the_all_cpu_run() {
     for _ in 0..20 {
         let out = t.train_step().unwrap();
         losses.push(out.loss);
-        most = most.max(t.runtime().device_optimizer_bytes());
+        most = most.max(t.runtime().memory().device_optimizer_bytes());
         hits += out.expert_traffic.hits;
     }
     // 200 KiB holds two experts of 4,608 parameters with their optimizers (92,160 B each).

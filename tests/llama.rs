@@ -20,7 +20,7 @@ use oogc::models::hf::HfCheckpoint;
 use oogc::models::llama::Llama;
 use oogc::models::{CausalLm, UnitKind};
 use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
-use oogc::runtime::{Phase, Runtime, RuntimeConfig, UnitId};
+use oogc::runtime::{Phase, Runtime, RuntimeConfig};
 use oogc::swapper::{DType, NvmeConfig, StatePlacement};
 
 use fixtures::{assert_close, by_param, floats, ids, tensors};
@@ -67,9 +67,8 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
         ..OptimizerConfig::default()
     };
     let mut rt = Runtime::new(rc, oogc::dist::Ranks::single()).unwrap();
-    for u in &units {
-        rt.add_unit(&u.name, &ckpt.read_unit(u).unwrap()).unwrap();
-    }
+    // The runtime's id of each model unit, in the model's order.
+    let unit_ids: Vec<_> = units.iter().map(|u| rt.add_unit(&u.name, &ckpt.read_unit(u).unwrap()).unwrap()).collect();
     rt.set_max_units_in_use(in_use);
     rt.begin_step(1, 1e-3).unwrap();
 
@@ -78,15 +77,15 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
     let head = units.len() - 1;
     assert!(matches!(units[head].kind, UnitKind::Head));
     // Forward, keeping each unit's input.
-    let mut x = model.forward(0, rt.fetch(UnitId(0), Phase::Forward).unwrap().tensor(), &tokens, None).unwrap();
+    let mut x = model.forward(0, rt.fetch(unit_ids[0], Phase::Forward).unwrap().tensor(), &tokens, None).unwrap();
     let mut inputs = Vec::new();
     for u in 1..head {
-        let y = model.forward(u, rt.fetch(UnitId(u), Phase::Forward).unwrap().tensor(), &x, None).unwrap();
+        let y = model.forward(u, rt.fetch(unit_ids[u], Phase::Forward).unwrap().tensor(), &x, None).unwrap();
         inputs.push(std::mem::replace(&mut x, y));
     }
     // The head: logits, then loss and backward.
-    let emb = model.tied_head().then(|| rt.fetch(UnitId(0), Phase::Backward).unwrap());
-    let p = rt.fetch(UnitId(head), Phase::Backward).unwrap();
+    let emb = model.tied_head().then(|| rt.fetch(unit_ids[0], Phase::Backward).unwrap());
+    let p = rt.fetch(unit_ids[head], Phase::Backward).unwrap();
     let logits = model.forward(head, p.tensor(), &x, emb.as_ref().map(|e| e.tensor())).unwrap();
     let logits: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
     assert_close(&format!("{case} logits"), &logits, &floats(&reference, "logits"), 1e-4, 1e-5);
@@ -97,12 +96,12 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
     grads.insert(head, out.grads.grad_params.to_vec1().unwrap());
     let mut g = out.grads.grad_input.unwrap();
     for u in (1..head).rev() {
-        let p = rt.fetch(UnitId(u), Phase::Backward).unwrap();
+        let p = rt.fetch(unit_ids[u], Phase::Backward).unwrap();
         let ug = model.backward(u, p.tensor(), &inputs[u - 1], &g, None).unwrap();
         grads.insert(u, ug.grad_params.to_vec1().unwrap());
         g = ug.grad_input.unwrap();
     }
-    let p = rt.fetch(UnitId(0), Phase::Backward).unwrap();
+    let p = rt.fetch(unit_ids[0], Phase::Backward).unwrap();
     let mut g0 = model.backward(0, p.tensor(), &tokens, &g, None).unwrap().grad_params;
     if let Some(extra) = out.grads.grad_tied_wte {
         g0 = (g0 + extra).unwrap();
@@ -141,18 +140,18 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
         for p in &unit.params {
             flat[p.offset..p.offset + p.numel()].copy_from_slice(&floats(&reference, &format!("grad.{}", p.name)));
         }
-        rt.push_grads_slice(UnitId(u), oogc::optimizer::GradSlice::F32(&flat)).unwrap();
+        rt.push_grads_slice(unit_ids[u], oogc::optimizer::GradSlice::F32(&flat)).unwrap();
     }
     let stats = rt.finish_step().unwrap();
     assert!(!stats.skipped && stats.clip_scale == 1.0, "{stats:?}");
     rt.sync().unwrap();
     for (u, _) in units.iter().enumerate() {
-        let (master, _, _) = rt.unit_state(UnitId(u)).unwrap();
+        let (master, _, _) = rt.unit_state(unit_ids[u]).unwrap();
         for (name, ours) in by_param(&model, u, &master) {
             assert_close(&format!("{case} AdamW step {name}"), &ours, &floats(&step, &name), 1e-5, 1e-7);
         }
     }
-    assert!(rt.traffic().nvme_write.bytes > 0, "the optimizer state went through NVMe");
+    assert!(rt.memory().traffic().nvme_write.bytes > 0, "the optimizer state went through NVMe");
 }
 
 #[test]

@@ -89,11 +89,14 @@ fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, 
         ..OptimizerConfig::default()
     };
     let mut rt = Runtime::new(rc, oogc::dist::Ranks::single()).unwrap();
+    // The runtime's id of each model unit, in the model's order.
+    let mut unit_ids = Vec::with_capacity(units.len());
     for u in &units {
-        rt.add_unit(&u.name, &ckpt.read_unit(u).unwrap()).unwrap();
+        let id = rt.add_unit(&u.name, &ckpt.read_unit(u).unwrap()).unwrap();
         if matches!(u.kind, UnitKind::Expert { .. }) {
-            rt.set_unscheduled(UnitId(u.index)).unwrap();
+            rt.set_unscheduled(id).unwrap();
         }
+        unit_ids.push(id);
     }
     rt.set_max_units_in_use(2);
     rt.begin_step(1, 1e-3).unwrap();
@@ -102,16 +105,16 @@ fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, 
     let targets = ids(&reference, "labels");
     let head = units.len() - 1;
     let mut held: HashMap<usize, UnitParams> = HashMap::new();
-    let mut x = model.forward(0, rt.fetch(UnitId(0), Phase::Forward).unwrap().tensor(), &tokens, None).unwrap();
+    let mut x = model.forward(0, rt.fetch(unit_ids[0], Phase::Forward).unwrap().tensor(), &tokens, None).unwrap();
     let (mut inputs, mut routings, mut router_logits) = (Vec::new(), Vec::new(), Vec::new());
     for b in 0..layers {
         let t =
-            moe.trunk_forward(b, rt.fetch(UnitId(cfg.block_unit(b)), Phase::Forward).unwrap().tensor(), &x).unwrap();
+            moe.trunk_forward(b, rt.fetch(unit_ids[cfg.block_unit(b)], Phase::Forward).unwrap().tensor(), &x).unwrap();
         let mut outs = vec![None; experts];
         for (e, out) in outs.iter_mut().enumerate() {
             let Some(h_e) = t.routing.expert_input(e, &t.h).unwrap() else { continue };
             let u = cfg.expert_unit(b, e);
-            let p = fetch(&mut rt, UnitId(u), place(b, e), Phase::Forward);
+            let p = fetch(&mut rt, unit_ids[u], place(b, e), Phase::Forward);
             *out = Some(moe.expert_forward(p.tensor(), &h_e).unwrap());
             if place(b, e) == Place::Resident {
                 held.insert(u, p);
@@ -128,7 +131,7 @@ fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, 
     let coef = cfg.aux_loss_weight();
     assert_close(&format!("{label} aux_loss"), &[(aux / coef) as f32], &floats(&reference, "aux_loss"), 1e-4, 1e-5);
 
-    let p = rt.fetch(UnitId(head), Phase::Backward).unwrap();
+    let p = rt.fetch(unit_ids[head], Phase::Backward).unwrap();
     let logits: Vec<f32> = model.forward(head, p.tensor(), &x, None).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     assert_close(&format!("{label} logits"), &logits, &floats(&reference, "logits"), 1e-4, 1e-5);
     let out = model.head_loss_backward(p.tensor(), &x, None, &targets).unwrap();
@@ -140,7 +143,7 @@ fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, 
     let mut g = out.grads.grad_input.unwrap();
     for b in (0..layers).rev() {
         let trunk = cfg.block_unit(b);
-        let pt = rt.fetch(UnitId(trunk), Phase::Backward).unwrap();
+        let pt = rt.fetch(unit_ids[trunk], Phase::Backward).unwrap();
         let routing = &routings[b];
         let t = moe.trunk_forward(b, pt.tensor(), &inputs[b]).unwrap();
         let (mut grad_inputs, mut grad_gates) = (vec![None; experts], vec![None; experts]);
@@ -151,7 +154,7 @@ fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, 
                 continue;
             };
             let go = moe.expert_grad_output(routing, e, &g).unwrap().unwrap();
-            let pe = held.remove(&u).unwrap_or_else(|| fetch(&mut rt, UnitId(u), place(b, e), Phase::Backward));
+            let pe = held.remove(&u).unwrap_or_else(|| fetch(&mut rt, unit_ids[u], place(b, e), Phase::Backward));
             let eg = moe.expert_backward(pe.tensor(), &h_e, &go).unwrap();
             drop(pe);
             grad_gates[e] = moe.expert_grad_gate(routing, e, &g, &eg.output).unwrap();
@@ -165,7 +168,7 @@ fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, 
         g = tg.grad_input.unwrap();
     }
     assert!(held.is_empty());
-    let p = rt.fetch(UnitId(0), Phase::Backward).unwrap();
+    let p = rt.fetch(unit_ids[0], Phase::Backward).unwrap();
     grads.insert(0, model.backward(0, p.tensor(), &tokens, &g, None).unwrap().grad_params.to_vec1().unwrap());
     drop(p);
 
@@ -196,21 +199,21 @@ fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, 
         match unit.kind {
             UnitKind::Expert { block, expert } if place(block, expert) == Place::Cpu => {
                 let flat = Tensor::from_vec(flat, unit.numel, &Device::Cpu).unwrap();
-                rt.push_grads_host(UnitId(u), &flat).unwrap()
+                rt.push_grads_host(unit_ids[u], &flat).unwrap()
             }
-            _ => rt.push_grads_slice(UnitId(u), oogc::optimizer::GradSlice::F32(&flat)).unwrap(),
+            _ => rt.push_grads_slice(unit_ids[u], oogc::optimizer::GradSlice::F32(&flat)).unwrap(),
         }
     }
     let stats = rt.finish_step().unwrap();
     assert!(!stats.skipped && stats.clip_scale == 1.0, "{stats:?}");
     rt.sync().unwrap();
     for u in 0..units.len() {
-        let (master, _, _) = rt.unit_state(UnitId(u)).unwrap();
+        let (master, _, _) = rt.unit_state(unit_ids[u]).unwrap();
         for (name, ours) in by_param(&model, u, &master) {
             assert_close(&format!("{label} AdamW step {name}"), &ours, &floats(&step, &name), 1e-5, 1e-7);
         }
     }
-    assert!(rt.traffic().nvme_write.bytes > 0, "the optimizer state went through NVMe");
+    assert!(rt.memory().traffic().nvme_write.bytes > 0, "the optimizer state went through NVMe");
 }
 
 #[test]

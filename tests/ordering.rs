@@ -10,7 +10,7 @@
 mod common;
 
 use oogc::config::ComputeDType;
-use oogc::runtime::{OptimizerPlace, OrderingCall, Phase, Runtime, RuntimeConfig, UnitId};
+use oogc::runtime::{OptimizerPlace, OrderingCall, Phase, Runtime, RuntimeConfig};
 use oogc::train::Trainer;
 
 /// The scenario that makes `call`: the training step of an offloaded tiny Llama (fetches and
@@ -43,7 +43,7 @@ fn scenario(call: OrderingCall, dir: &std::path::Path) -> Result<(), String> {
             for _ in 0..2 {
                 t.train_step().map_err(|e| e.to_string())?;
             }
-            t.runtime().residency().device().check_ordering().map_err(|e| e.to_string())
+            t.runtime().memory().check_ordering().map_err(|e| e.to_string())
         }
     }
 }
@@ -69,8 +69,8 @@ fn warm_before_staging(activations: bool) -> oogc::runtime::Result<()> {
     rt.begin_step(1, 1e-3)?;
     if activations {
         let x = candle_core::Tensor::arange(0f32, 64.0, rt.compute_device())?;
-        let id = rt.stash_activation(&x)?;
-        let back = rt.take_activation(id)?;
+        let id = rt.activations().stash(&x)?;
+        let back = rt.activations().take(id)?;
         assert_eq!(back.to_vec1::<f32>()?, x.to_vec1::<f32>()?);
     }
     for &u in units.iter().rev() {
@@ -80,7 +80,7 @@ fn warm_before_staging(activations: bool) -> oogc::runtime::Result<()> {
         rt.push_grads(u, &g)?;
     }
     rt.finish_step()?;
-    Ok(rt.residency().device().check_ordering()?)
+    Ok(rt.memory().check_ordering()?)
 }
 
 /// Two units, a step, unit 0's optimizer to the device (state H2D), a step, back to the host
@@ -100,11 +100,11 @@ fn place_and_back() -> oogc::runtime::Result<()> {
         rt.finish_step().map(|_| ())
     };
     step(&mut rt, 1)?;
-    rt.place_optimizer(UnitId(0), OptimizerPlace::Device)?;
+    rt.place_optimizer(units[0], OptimizerPlace::Device)?;
     step(&mut rt, 2)?;
-    rt.place_optimizer(UnitId(0), OptimizerPlace::Host)?;
+    rt.place_optimizer(units[0], OptimizerPlace::Host)?;
     step(&mut rt, 3)?;
-    Ok(rt.residency().device().check_ordering()?)
+    Ok(rt.memory().check_ordering()?)
 }
 
 #[test]

@@ -11,7 +11,6 @@ use std::path::{Path, PathBuf};
 
 use oogc::config::TrainConfig;
 use oogc::dist::Ranks;
-use oogc::runtime::UnitId;
 use oogc::train::Trainer;
 
 const STEPS: u64 = 20;
@@ -115,7 +114,7 @@ type UnitState = (Vec<f32>, Vec<f32>, Vec<f32>);
 /// rank calls it).
 fn state(t: &Trainer) -> Vec<UnitState> {
     let rt = t.runtime();
-    (0..rt.num_units()).map(|u| rt.unit_state(UnitId(u)).expect("unit state")).collect()
+    rt.units().ids().map(|u| rt.unit_state(u).expect("unit state")).collect()
 }
 
 fn train_resumed(cfg: TrainConfig, from: &Path, ranks: &Ranks) -> Outcome {
@@ -142,7 +141,7 @@ fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
     }
     // The budget check before the run (and the summary's plan peak) plans what the runtime
     // applies: on each rank its shards, MoE experts' compute copies whole.
-    let applied = t.runtime().host_plan().cloned().expect("a host plan from the first step on");
+    let applied = t.runtime().memory().host_plan().cloned().expect("a host plan from the first step on");
     let planned = oogc::train::host_plan(t.config(), t.model(), t.world());
     assert_eq!(planned, applied, "train::host_plan against the runtime's plan");
     let mut saved = Vec::new();
@@ -151,9 +150,9 @@ fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
         saved = state(&t);
     }
     let val = t.evaluate().expect("evaluate").nats_per_token;
-    let state_nvme_bytes = t.runtime().optimizer_nvme_bytes();
+    let state_nvme_bytes = t.runtime().memory().nvme_bytes();
     let masters = t.master_weights().expect("masters");
-    let ledger = t.runtime().host_ledger().report();
+    let ledger = t.runtime().memory().host_ledger().report();
     Outcome {
         losses,
         grad_norms,
@@ -166,7 +165,7 @@ fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
         gather_bytes,
         ledger_peak: ledger.peak_bytes,
         ledger_copies_peak: ledger.of(oogc::swapper::HostUse::ComputeCopies).peak_bytes,
-        device_peak: t.runtime().peak_bytes().device,
+        device_peak: t.runtime().memory().peak_bytes().device,
         routed,
         loaded: Vec::new(),
         saved,

@@ -16,6 +16,8 @@
 //! | [`skip_violations`] | a skip goes through the one helper (`oogc_swapper::skip`, `python/tests/skips.py`) |
 //! | [`static_state_violations`] | no `static` item in the non-test code of [`STATELESS_FILES`] (`src/dist.rs`: the ranks are a value passed down, never process-global) |
 //! | [`process_exit_violations`] | no `process::exit` outside `cli/`: the library returns errors and the binary decides to exit (or `MPI_Abort`) |
+//! | [`file_size_violations`] | no file of the root crate's `src/` over [`MAX_SRC_LINES`] lines, `src/runtime/mod.rs` under [`MAX_RUNTIME_MOD_LINES`] |
+//! | [`runtime_facade_violations`] | `Runtime` a façade: at most [`MAX_RUNTIME_FIELDS`] fields and [`MAX_RUNTIME_PUB_METHODS`] public methods over its `impl` blocks in `src/runtime/` |
 //!
 //! Comments, doc comments and string literals are not code ([`code_only`]): a word in a comment
 //! or a doc example (`# anyhow::Ok(())` in a doc test, which builds with the dev-dependencies)
@@ -65,10 +67,10 @@ const LIBRARY_CRATES: &[&str] = &[".", "swapper", "optimizer", "prefetch", "moe-
 /// CPU's by nature, each with why. Test code, `tests/`, `benches/` and `examples/` need no entry.
 /// (The models' fused CPU kernels dispatch on `Tensor::device().is_cpu()` and name no device.)
 const CPU_DEVICE_FILES: &[(&str, &str)] = &[
+    ("src/runtime/mod.rs", "the sim device's compute is candle on this CPU, by definition"),
     (
-        "src/runtime/mod.rs",
-        "the sim device's compute copies are CPU tensors (`device_tensor`), and `fetch_host` computes a cold \
-         MoE expert on the CPU from its host copy (the CPU-compute path of experts)",
+        "src/runtime/fetch.rs",
+        "`fetch_host` computes a cold MoE expert on the CPU from its host copy (the CPU-compute path of experts)",
     ),
     (
         "src/train/moe.rs",
@@ -726,6 +728,10 @@ fn tidy() {
     for f in STATELESS_FILES {
         assert!(texts.iter().any(|(p, _)| p == f), "{f} is missing: update STATELESS_FILES");
     }
+    // 12. the runtime's façade
+    let runtime_files: Vec<(&str, &str)> =
+        texts.iter().filter(|(p, _)| p.starts_with("src/runtime/")).map(|(p, t)| (p.as_str(), t.as_str())).collect();
+    v.extend(runtime_facade_violations(&runtime_files));
     let py_dir = root().join("python/tests");
     for entry in std::fs::read_dir(&py_dir).unwrap().flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -861,6 +867,134 @@ fn process_exit_outside_the_binary_fails() {
     assert!(process_exit_violations("cli/src/train.rs", bad).is_empty());
     let good = "// process::exit is the CLI's\nconst S: &str = \"process::exit\";\nfn g() { std::process::abort() }\n";
     assert!(process_exit_violations("src/hooks.rs", good).is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rules 11 and 12: files a reader can hold, and the runtime a façade over parts (issue 39).
+
+/// Lines a file of the root crate's `src/` may have.
+const MAX_SRC_LINES: usize = 800;
+/// Lines `src/runtime/mod.rs` must stay under.
+const MAX_RUNTIME_MOD_LINES: usize = 600;
+/// Fields `Runtime` may have.
+const MAX_RUNTIME_FIELDS: usize = 12;
+/// Public methods `Runtime` may have (over every `impl Runtime` block of `src/runtime/`).
+const MAX_RUNTIME_PUB_METHODS: usize = 25;
+
+/// A file of the root crate's `src/` longer than [`MAX_SRC_LINES`] lines, or `src/runtime/mod.rs`
+/// not under [`MAX_RUNTIME_MOD_LINES`].
+fn file_size_violations(path: &str, text: &str) -> Vec<String> {
+    if !path.starts_with("src/") {
+        return Vec::new();
+    }
+    let lines = text.lines().count();
+    let (limit, over) = if path == "src/runtime/mod.rs" {
+        (MAX_RUNTIME_MOD_LINES, lines >= MAX_RUNTIME_MOD_LINES)
+    } else {
+        (MAX_SRC_LINES, lines > MAX_SRC_LINES)
+    };
+    if over {
+        vec![format!("{path}: {lines} lines, over the {limit} a file may have: split it along a seam into a module")]
+    } else {
+        Vec::new()
+    }
+}
+
+/// The body of the first `{ .. }` block that follows `start` in `code` (brace-matched), or `None`.
+fn block_after<'a>(code: &'a str, start: usize) -> Option<&'a str> {
+    let open = start + code[start..].find('{')?;
+    let mut depth = 0usize;
+    for (i, c) in code[open..].char_indices() {
+        match c {
+            '{' => depth += 1,
+            '}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(&code[open + 1..open + i]);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// `Runtime`'s fields (in `src/runtime/mod.rs`) over [`MAX_RUNTIME_FIELDS`], or its public
+/// methods over every `impl Runtime` block of `files` (path, text) over
+/// [`MAX_RUNTIME_PUB_METHODS`]. Top-level items of a block are those at its first depth.
+fn runtime_facade_violations(files: &[(&str, &str)]) -> Vec<String> {
+    let mut v = Vec::new();
+    let mut methods = Vec::new();
+    for (path, text) in files {
+        let code = non_test_code(path, &code_only(text));
+        if let Some(at) = code.find("pub struct Runtime {") {
+            let body = block_after(&code, at).unwrap_or_default();
+            let fields = top_level_lines(body).filter(|l| l.contains(':') && l.ends_with(',')).count();
+            if fields > MAX_RUNTIME_FIELDS {
+                v.push(format!(
+                    "{path}: `Runtime` has {fields} fields, over {MAX_RUNTIME_FIELDS}: group them into a part with one job \
+                     (the unit table, the step, the schedule, the tiers)"
+                ));
+            }
+        }
+        let mut from = 0;
+        while let Some(at) = code[from..].find("impl Runtime {").map(|i| i + from) {
+            let body = block_after(&code, at).unwrap_or_default();
+            methods.extend(
+                top_level_lines(body)
+                    .filter_map(|l| l.strip_prefix("pub fn ").map(|r| r.split(['(', '<']).next().unwrap_or("")))
+                    .map(|name| format!("{path}: {name}")),
+            );
+            from = at + 1;
+        }
+    }
+    if methods.len() > MAX_RUNTIME_PUB_METHODS {
+        v.push(format!(
+            "`Runtime` has {} public methods, over {MAX_RUNTIME_PUB_METHODS}: move queries to a read-only view \
+             (`Runtime::units`, `Runtime::memory`) or merge calls:\n  {}",
+            methods.len(),
+            methods.join("\n  ")
+        ));
+    }
+    v
+}
+
+/// The trimmed lines of `body` at its first brace depth (a struct's fields, an impl's items).
+fn top_level_lines(body: &str) -> impl Iterator<Item = &str> {
+    let mut depth = 0i32;
+    body.lines().filter_map(move |line| {
+        let at_top = depth == 0;
+        depth += line.matches('{').count() as i32 - line.matches('}').count() as i32;
+        at_top.then(|| line.trim())
+    })
+}
+
+#[test]
+fn a_long_file_and_a_big_runtime_fail() {
+    let long = "fn f() {}\n".repeat(MAX_SRC_LINES + 1);
+    assert_eq!(file_size_violations("src/plan.rs", &long).len(), 1);
+    assert!(file_size_violations("src/plan.rs", &"\n".repeat(MAX_SRC_LINES)).is_empty());
+    assert!(file_size_violations("tests/train.rs", &long).is_empty(), "tests are not src/");
+    assert_eq!(file_size_violations("src/runtime/mod.rs", &"\n".repeat(MAX_RUNTIME_MOD_LINES)).len(), 1);
+
+    let fields: String = (0..=MAX_RUNTIME_FIELDS).map(|k| format!("    f{k}: u8,\n")).collect();
+    let nested = "    g: Vec<u8>,\n    h: Option<Box<dyn Fn(u8) -> u8>>,\n";
+    let big = format!("pub struct Runtime {{\n{fields}}}\n");
+    assert_eq!(runtime_facade_violations(&[("src/runtime/mod.rs", &big)]).len(), 1);
+    let small = format!("pub struct Runtime {{\n{nested}}}\n");
+    assert!(runtime_facade_violations(&[("src/runtime/mod.rs", &small)]).is_empty());
+
+    // Public methods count over every `impl Runtime` block; nested items and private ones do not.
+    let block = |n: usize| -> String {
+        let fns: String =
+            (0..n).map(|k| format!("    pub fn m{k}(&self) {{\n        fn inner() {{}}\n    }}\n")).collect();
+        format!("impl Runtime {{\n{fns}    fn private(&self) {{}}\n}}\n")
+    };
+    let half = MAX_RUNTIME_PUB_METHODS / 2 + 1;
+    let (a, b) = (block(half), block(half));
+    let v = runtime_facade_violations(&[("src/runtime/a.rs", &a), ("src/runtime/b.rs", &b)]);
+    assert!(v.len() == 1 && v[0].contains("src/runtime/b.rs: m0"), "{v:?}");
+    assert!(runtime_facade_violations(&[("src/runtime/a.rs", &a)]).is_empty());
 }
 
 // ---------------------------------------------------------------------------------------------

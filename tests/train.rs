@@ -42,7 +42,7 @@ fn offloaded_training_equals_in_memory_training_bitwise() {
     assert_eq!(params, reference.params);
     assert!(losses[19] < losses[0], "loss should fall: {losses:?}");
     // The offloaded run really moved bytes: evictions and re-fetches, and NVMe state traffic.
-    let traffic = t.runtime().traffic();
+    let traffic = t.runtime().memory().traffic();
     assert!(traffic.htod.bytes > 2 * param_bytes, "h2d {} vs params {param_bytes}", traffic.htod.bytes);
     assert!(traffic.nvme_read.bytes > 0 && traffic.nvme_write.bytes > 0);
 
@@ -117,7 +117,7 @@ fn offloaded_llama_training_on_bpe_tokens_equals_in_memory_training_bitwise() {
     assert_eq!(losses, reference.losses);
     assert_eq!(params, reference.params);
     assert!(losses[11] < losses[0], "loss should fall: {losses:?}");
-    assert!(t.runtime().traffic().htod.bytes > param_bytes, "units were evicted and fetched again");
+    assert!(t.runtime().memory().traffic().htod.bytes > param_bytes, "units were evicted and fetched again");
 }
 
 /// Largest `|a - b| / (abs + rel · |b|)` over two runs' parameters (≤ 1 passes), with where.
@@ -147,7 +147,7 @@ fn assert_micro_batches_match_the_big_batch(micro: TrainConfig, steps: u64) {
     big.train.batch_size *= k;
     big.train.micro_batches = 1;
     let (losses, params, t) = run_steps(micro, steps);
-    assert!(t.runtime().traffic().htod.bytes > 0);
+    assert!(t.runtime().memory().traffic().htod.bytes > 0);
     drop(t);
     let reference = reference::train(&big, steps);
     for (s, (a, b)) in losses.iter().zip(&reference.losses).enumerate() {
@@ -266,7 +266,10 @@ fn offloaded_mixtral_training_equals_in_memory_training_bitwise_under_every_poli
         if policy != "ours" {
             assert_eq!(cpu, 0, "{policy}: no CPU compute");
         }
-        assert!(t.runtime().traffic().htod.bytes > param_bytes, "{policy}: units were evicted and fetched again");
+        assert!(
+            t.runtime().memory().traffic().htod.bytes > param_bytes,
+            "{policy}: units were evicted and fetched again"
+        );
     }
 }
 

@@ -278,12 +278,12 @@ pub(crate) fn measure_with(
             t.train_step()?;
         }
         at(Moment::Warm)?;
-        let before = t.runtime().traffic();
+        let before = t.runtime().memory().traffic();
         let mut stats = Vec::with_capacity(steps);
         for _ in 0..steps {
             stats.push(t.train_step()?.stats);
         }
-        let after = t.runtime().traffic();
+        let after = t.runtime().memory().traffic();
         at(Moment::Measured)?;
         let n = steps as u64;
         let sum = |f: fn(&oogc::runtime::StepStats) -> u64| stats.iter().map(f).sum::<u64>() / n;

@@ -43,6 +43,9 @@ struct State {
     ids: HashMap<String, usize>,
     /// The Adam step of the last finished step that was not skipped (0 before any).
     adam_step: u64,
+    /// Where the units' tensors live: `sim` or `cuda:N` (from the config the runtime was built
+    /// with).
+    device: String,
 }
 
 /// The out-of-GPU-core runtime for one model on one device: units of flat parameters whose
@@ -61,19 +64,19 @@ fn unit_id(st: &State, unit: &Bound<'_, PyAny>) -> Result<UnitId> {
         return st
             .ids
             .get(name)
-            .map(|&i| UnitId(i))
-            .ok_or_else(|| Error::Usage(format!("no unit named {name:?} (units: {})", st.ids.len())));
+            .ok_or_else(|| Error::Usage(format!("no unit named {name:?} (units: {})", st.ids.len())))
+            .and_then(|&i| Ok(st.rt.units().id(i)?));
     }
     let id: usize =
         unit.extract().map_err(|_| Error::Usage(format!("a unit is an int id or a str name, got {unit}")))?;
-    if id >= st.rt.num_units() {
-        return Err(Error::Usage(format!("unit {id} is not registered ({} units)", st.rt.num_units())));
-    }
-    Ok(UnitId(id))
+    st.rt
+        .units()
+        .id(id)
+        .map_err(|_| Error::Usage(format!("unit {id} is not registered ({} units)", st.rt.units().len())))
 }
 
 fn label(st: &State, unit: UnitId) -> String {
-    format!("unit {} ({:?})", unit.0, st.rt.unit_info(unit).0)
+    format!("unit {} ({:?})", unit.index(), st.rt.units().name(unit))
 }
 
 fn phase(name: &str) -> Result<Phase> {
@@ -127,8 +130,12 @@ impl PyRuntime {
         // This process's ranks: torch.distributed's after `init_ranks`, else a world of one.
         let ranks = ranks::process_ranks();
         let rc = config.runtime_config(default_dtype, ranks.world())?;
+        let device = match rc.device {
+            oogc::runtime::DeviceSpec::Sim { .. } => "sim".to_string(),
+            oogc::runtime::DeviceSpec::Cuda { ordinal, .. } => format!("cuda:{ordinal}"),
+        };
         let rt = py.detach(|| Runtime::new(rc, ranks))?;
-        Ok(Self { state: Mutex::new(State { rt, ids: HashMap::new(), adam_step: 0 }) })
+        Ok(Self { state: Mutex::new(State { rt, ids: HashMap::new(), adam_step: 0, device }) })
     }
 
     /// Registers a unit and returns its id (units are numbered 0, 1, ... in registration order).
@@ -143,7 +150,7 @@ impl PyRuntime {
         if numel == 0 {
             return Err(Error::Usage(format!("add_unit({name:?}): a unit needs at least one parameter")));
         }
-        let add = |values: &[f32]| self.with(py, |st| Ok(st.rt.add_unit(name, values)?.0));
+        let add = |values: &[f32]| self.with(py, |st| Ok(st.rt.add_unit(name, values)?.index()));
         let id = match init {
             None => add(&vec![0.0; numel])?,
             Some(init) => dlpack::read_floats(init, &format!("add_unit({name:?}) init"), |values| {
@@ -189,7 +196,7 @@ impl PyRuntime {
         let (unit, label, numel) = {
             let st = self.state.lock();
             let u = unit_id(&st, unit)?;
-            (u, label(&st, u), st.rt.unit_info(u).1)
+            (u, label(&st, u), st.rt.units().numel(u))
         };
         let access = if writable { Access::Write } else { Access::Read };
         let pinned = self.with(py, |st| Ok(st.rt.fetch_pinned(unit, ph, access)?))?;
@@ -197,7 +204,7 @@ impl PyRuntime {
         // host waits for the unit's H2D before the memory is shared.
         py.detach(|| pinned.wait_arrival())?;
         let dtype = pinned.dtype().name();
-        Ok(Fetched { lease: Lease::new(pinned, label), unit: unit.0, numel, dtype, writable })
+        Ok(Fetched { lease: Lease::new(pinned, label), unit: unit.index(), numel, dtype, writable })
     }
 
     /// Hands `unit`'s gradients (`[numel]` float32, bfloat16 or float16, contiguous, CPU; read in
@@ -251,7 +258,7 @@ impl PyRuntime {
     /// Device bytes a step needs at the least with `max_units_in_use` units pinned at once.
     #[pyo3(signature = (max_units_in_use = 1))]
     fn min_working_set_bytes(&self, max_units_in_use: usize) -> u64 {
-        self.state.lock().rt.min_working_set_bytes(max_units_in_use)
+        self.state.lock().rt.memory().min_working_set_bytes(max_units_in_use)
     }
 
     /// How many units the trainer keeps pinned at once (for the working-set check).
@@ -263,7 +270,7 @@ impl PyRuntime {
     /// `N`).
     #[getter]
     fn device(&self) -> String {
-        self.state.lock().rt.device_kind().into()
+        self.state.lock().device.clone()
     }
 
     /// The compute copies' and gradients' element type: `"f32"`, `"bf16"` or `"f16"`.
@@ -275,19 +282,15 @@ impl PyRuntime {
     /// Units registered.
     #[getter]
     fn num_units(&self) -> usize {
-        self.state.lock().rt.num_units()
+        self.state.lock().rt.units().len()
     }
 
     /// `(name, numel)` of each unit, in id order.
     #[getter]
     fn units(&self) -> Vec<(String, usize)> {
         let st = self.state.lock();
-        (0..st.rt.num_units())
-            .map(|u| {
-                let (name, numel) = st.rt.unit_info(UnitId(u));
-                (name.to_string(), numel)
-            })
-            .collect()
+        let units = st.rt.units();
+        units.ids().map(|u| (units.name(u).to_string(), units.numel(u))).collect()
     }
 
     /// The last finished, not skipped, step (0 before any).
@@ -298,26 +301,26 @@ impl PyRuntime {
 
     /// A unit's id from its id or name. Raises UsageError.
     fn unit_id(&self, unit: &Bound<'_, PyAny>) -> Result<usize> {
-        Ok(unit_id(&self.state.lock(), unit)?.0)
+        Ok(unit_id(&self.state.lock(), unit)?.index())
     }
 
     /// Whether the unit has a copy on the device now.
     fn is_on_device(&self, unit: &Bound<'_, PyAny>) -> Result<bool> {
         let st = self.state.lock();
         let u = unit_id(&st, unit)?;
-        Ok(st.rt.is_on_device(u))
+        Ok(st.rt.memory().is_on_device(u))
     }
 
     /// Per link (`htod`, `dtoh`, `nvme_read`, `nvme_write`): bytes, ops, busy seconds; stalls,
     /// evictions, prefetch hits.
     fn traffic<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
-        let t = self.state.lock().rt.traffic();
+        let t = self.state.lock().rt.memory().traffic();
         to_py(py, &t)
     }
 
     /// Peak bytes per tier (`device`, `host`, `nvme`, `host_ledger`).
     fn peak_bytes<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
-        let p = self.state.lock().rt.peak_bytes();
+        let p = self.state.lock().rt.memory().peak_bytes();
         to_py(py, &p)
     }
 
@@ -355,14 +358,14 @@ impl PyRuntime {
     /// `{"step": int, "units": {name: {"master", "exp_avg", "exp_avg_sq"}}}` (tensor copies).
     fn state_dict<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyDict>> {
         self.sync(py)?;
-        let (n, step) = {
+        let (ids, step) = {
             let st = self.state.lock();
-            (st.rt.num_units(), st.adam_step)
+            (st.rt.units().ids().collect::<Vec<_>>(), st.adam_step)
         };
         let units = PyDict::new(py);
-        for u in 0..n {
-            let name = self.state.lock().rt.unit_info(UnitId(u)).0.to_string();
-            let (master, m, v) = self.with(py, |st| Ok(st.rt.unit_state(UnitId(u))?))?;
+        for u in ids {
+            let name = self.state.lock().rt.units().name(u).to_string();
+            let (master, m, v) = self.with(py, |st| Ok(st.rt.unit_state(u)?))?;
             let entry = PyDict::new(py);
             entry.set_item("master", torch_from(py, master)?)?;
             entry.set_item("exp_avg", torch_from(py, m)?)?;
@@ -414,7 +417,7 @@ impl PyRuntime {
         let st = self.state.lock();
         format!(
             "Runtime(units={}, step={}, compute_dtype={:?})",
-            st.rt.num_units(),
+            st.rt.units().len(),
             st.adam_step,
             st.rt.compute_dtype().name()
         )

@@ -14,14 +14,13 @@ use oogc_swapper::{DType, Device, DeviceBuffer, DeviceEvent, HostBuffer, Pending
 
 use super::ordering::{Order, OrderingCall};
 use super::tensor::{device_tensor, swapper_dtype, write_to_device};
-use super::{Result, RuntimeError};
+use super::{Result, Runtime, RuntimeError};
 
 /// Device staging buffers: one checkpoint copied D2H (or H2D, a block ahead) while the other
 /// is filled or read.
 pub(super) const STAGING: usize = 2;
 
-/// A stashed checkpoint, from [`super::Runtime::stash_activation`]; give it back to
-/// [`super::Runtime::take_activation`] once.
+/// A stashed checkpoint, from [`Activations::stash`]; give it back to [`Activations::take`] once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ActivationId(u64);
 
@@ -206,6 +205,75 @@ impl ActivationPipe {
             .map(|_| order.alloc_for_compute(device, OrderingCall::ActivationStagingAlloc, bytes.max(1)))
             .collect::<Result<Vec<_>>>()?;
         self.staging = staging;
+        Ok(())
+    }
+}
+
+/// The runtime's activation offload, lent for one call ([`Runtime::activations`]): stash a
+/// checkpoint D2H, prefetch it back a block ahead, take it.
+pub struct Activations<'a> {
+    pub(super) rt: &'a mut Runtime,
+}
+
+impl Activations<'_> {
+    /// Copies an activation checkpoint (`data`: any shape, f32, bf16 or f16, on the compute
+    /// device) D2H into pinned host memory claimed from the host ledger
+    /// ([`oogc_swapper::HostUse::Activations`]) and returns its handle; the caller drops its
+    /// device copy. Bring it back with [`prefetch`](Self::prefetch) (ahead) and
+    /// [`take`](Self::take).
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] without `RuntimeConfig::activation_offload`, before the first
+    /// [`Runtime::begin_step`], or for a checkpoint larger than configured; the host budget
+    /// ([`RuntimeError::Swapper`]) or the copy failing.
+    pub fn stash(&mut self, data: &Tensor) -> Result<ActivationId> {
+        self.check()?;
+        let tiers = &self.rt.tiers;
+        self.rt.activations.stash(tiers.residency.device(), tiers.order, data)
+    }
+
+    /// Starts the H2D copy of a stashed checkpoint back to the device (at most one at a time
+    /// besides the one being taken).
+    ///
+    /// # Errors
+    /// As [`stash`](Self::stash); an unknown or taken `id`.
+    pub fn prefetch(&mut self, id: ActivationId) -> Result<()> {
+        self.check()?;
+        let tiers = &self.rt.tiers;
+        self.rt.activations.prefetch(tiers.residency.device(), tiers.order, id)
+    }
+
+    /// A stashed checkpoint back on the compute device, as the tensor stashed (shape, dtype and
+    /// bits); its host memory is given back.
+    ///
+    /// # Errors
+    /// As [`prefetch`](Self::prefetch).
+    pub fn take(&mut self, id: ActivationId) -> Result<Tensor> {
+        self.check()?;
+        let tiers = &self.rt.tiers;
+        self.rt.activations.take(tiers.residency.device(), tiers.order, &tiers.compute_device, id)
+    }
+
+    /// Checkpoints stashed and not taken yet.
+    pub fn len(&self) -> usize {
+        self.rt.activations.len()
+    }
+
+    /// Whether every stashed checkpoint was taken.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn check(&self) -> Result<()> {
+        if self.rt.config.activation_offload.is_none() {
+            return Err(RuntimeError::Usage(
+                "activation offload is off: set RuntimeConfig::activation_offload ([activations] offload = true)"
+                    .into(),
+            ));
+        }
+        if !self.rt.carve.checked {
+            return Err(RuntimeError::Usage("stash activations after begin_step (the staging is made there)".into()));
+        }
         Ok(())
     }
 }

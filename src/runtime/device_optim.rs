@@ -20,6 +20,10 @@ use candle_core::{DType as CandleDType, Tensor};
 use oogc_optimizer::ElementConstants;
 use oogc_swapper::DType;
 
+use super::tensor::{self, candle_dtype, device_tensor};
+use super::unit::{Kind, OffDevice, Update};
+use super::{OrderingCall, Result, Runtime, RuntimeError, UnitId};
+
 /// Where a unit's optimizer (fp32 master weights, Adam `m` and `v`) lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OptimizerPlace {
@@ -93,6 +97,156 @@ impl DeviceState {
         self.copy = p.to_dtype(dtype)?;
         (self.master, self.m, self.v) = (p, m, v);
         Ok(())
+    }
+}
+
+impl Runtime {
+    /// GPU bytes a device optimizer could still take: the device budget less the minimum
+    /// working set and the device optimizers placed already.
+    fn device_optimizer_room(&mut self) -> Result<u64> {
+        self.check_working_set()?;
+        let floor = self.units.largest_bytes(self.units.max_in_use());
+        Ok(self.carve.base.saturating_sub(floor).saturating_sub(self.carve.device_optimizers))
+    }
+
+    /// Moves `unit`'s optimizer (fp32 master weights, Adam `m` and `v`) to `place`, between
+    /// steps: to the device, the state goes H2D over the link from the CPU optimizer's tier and
+    /// the compute copy is made there; from then the unit's fetches move nothing, its gradients
+    /// stay on the device and [`Runtime::finish_step`] updates it there after the step's
+    /// decision. Back to the host, the state goes D2H into the CPU optimizer (which rewrites the
+    /// compute copy's home from it). The state is not changed by the move (bitwise). Its GPU
+    /// bytes ([`device_optimizer_bytes`]) are carved out of the residency manager's budget
+    /// (evicting other copies if needed). Returns the bytes moved over the link.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] during a step, with data-parallel ranks (their optimizer holds a
+    /// shard), or when the GPU budget has no room for it beyond the minimum working set (the
+    /// message gives the bytes and the fix); swapper, optimizer or candle errors moving state.
+    pub fn place_optimizer(&mut self, unit: UnitId, place: OptimizerPlace) -> Result<u64> {
+        if self.units.optimizer_place(unit) == place {
+            return Ok(0);
+        }
+        let name = self.units.name(unit).to_string();
+        if self.ranks.world().size > 1 {
+            return Err(RuntimeError::Usage(format!(
+                "place_optimizer({name}): device optimizers with data-parallel ranks are not supported (each rank's \
+                 optimizer holds a shard); keep [optimizer] device_units = 0 and [moe] device_optimizer = false"
+            )));
+        }
+        if self.clock.in_step() || self.units.get(unit).update == Update::Pushed {
+            return Err(RuntimeError::Usage(format!("place_optimizer({name}) during a step: call it between steps")));
+        }
+        self.check_working_set()?;
+        self.publish(unit)?;
+        let u = self.units.get(unit);
+        let (tensor, numel, dtype) = (u.tensor, u.numel, u.dtype);
+        let bytes = device_optimizer_bytes(numel, dtype);
+        match place {
+            OptimizerPlace::Device => {
+                let room = self.device_optimizer_room()?;
+                if bytes > room {
+                    return Err(RuntimeError::Usage(format!(
+                        "place_optimizer({name}): its device optimizer needs {bytes} GPU bytes (16 B per parameter + \
+                         the compute copy), the GPU budget has {room} bytes beyond the minimum working set and the \
+                         device optimizers placed already\n  fix: raise [budgets] gpu, or lower [optimizer] \
+                         device_units / [moe] expert_budget"
+                    )));
+                }
+                self.carve.device_optimizers += bytes;
+                self.tiers.residency.set_device_budget_bytes(self.carve.residency_bytes())?;
+                let state = self.grads.optimizer().export_state(tensor)?;
+                let (master, m, v) =
+                    (self.upload_f32(&state.master)?, self.upload_f32(&state.m)?, self.upload_f32(&state.v)?);
+                let copy = master.to_dtype(candle_dtype(dtype)?)?;
+                let u = self.units.get_mut(unit);
+                let off = match u.kind {
+                    Kind::Unscheduled => OffDevice::Unscheduled,
+                    _ => OffDevice::Tiered,
+                };
+                u.kind = Kind::Device { state: Box::new(DeviceState { master, m, v, copy, grads: None }), off };
+                tracing::debug!(unit = unit.index(), bytes, "runtime: optimizer placed on the device");
+                Ok(12 * numel as u64)
+            }
+            OptimizerPlace::Host => {
+                let u = self.units.get_mut(unit);
+                let Kind::Device { state: d, off } = std::mem::replace(&mut u.kind, Kind::Tiered) else {
+                    unreachable!("placed on the device")
+                };
+                u.kind = off.into();
+                let state = oogc_optimizer::UnitState {
+                    master: self.download_f32(&d.master)?,
+                    m: self.download_f32(&d.m)?,
+                    v: self.download_f32(&d.v)?,
+                };
+                drop(d);
+                self.grads.optimizer().import_state(tensor, state)?;
+                self.carve.device_optimizers -= bytes;
+                self.tiers.residency.set_device_budget_bytes(self.carve.residency_bytes())?;
+                tracing::debug!(unit = unit.index(), bytes, "runtime: optimizer placed on the host");
+                Ok(12 * numel as u64)
+            }
+        }
+    }
+
+    /// Bytes of one H2D/D2H piece of a state move: the gradient landing pool's buffers serve
+    /// them (at least the largest unit's compute copy), whole f32 elements.
+    fn state_chunk_bytes(&self) -> usize {
+        (self.units.largest_bytes(1) as usize / 4).max(1) * 4
+    }
+
+    /// `values` H2D over the link (pieces through the landing pool and a device buffer), as an
+    /// f32 tensor `[len]` on the compute device. No host wait: compute waits for each piece's
+    /// copy event; the landing buffers go back to the pool once their copies are complete.
+    fn upload_f32(&self, values: &[f32]) -> Result<Tensor> {
+        let (device, order) = (self.tiers.device(), self.tiers.order);
+        let mut parts = Vec::new();
+        let mut in_flight = Vec::new();
+        for piece in bytemuck::cast_slice::<f32, u8>(values).chunks(self.state_chunk_bytes()) {
+            let mut host = self.grads.landing_buffer(piece.len())?;
+            host.as_mut_slice()[..piece.len()].copy_from_slice(piece);
+            let dev = order.alloc(device, piece.len())?;
+            let (transfer, copied) = order.htod_fresh(device, host, dev)?;
+            let (dev, host) = transfer.release_device()?;
+            in_flight.push(host);
+            order.compute_waits(device, OrderingCall::StateUploadComputeWaits, &copied)?;
+            parts.push(device_tensor(&dev, piece.len() / 4, DType::F32, &self.tiers.compute_device)?);
+            order.free_after_use(device, OrderingCall::StateUploadFreeAfterRead, dev)?;
+        }
+        // Between steps: the host buffers go back to the pool here (their copies finish while
+        // compute concatenates the pieces).
+        let tensor = if parts.is_empty() {
+            Tensor::zeros(0, CandleDType::F32, &self.tiers.compute_device)?
+        } else {
+            Tensor::cat(&parts, 0)?
+        };
+        for host in in_flight {
+            drop(host.wait()?);
+        }
+        Ok(tensor)
+    }
+
+    /// An f32 tensor on the compute device D2H over the link (pieces through a device buffer
+    /// and the landing pool), as host values.
+    fn download_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
+        let (device, order) = (self.tiers.device(), self.tiers.order);
+        let flat = t.flatten_all()?;
+        let n = flat.elem_count();
+        let per = self.state_chunk_bytes() / 4;
+        let mut out = Vec::with_capacity(n);
+        let mut start = 0;
+        while start < n {
+            let len = per.min(n - start);
+            let mut dev = order.alloc_for_compute(device, OrderingCall::StateDownloadAlloc, len * 4)?;
+            tensor::write_to_device(&flat.narrow(0, start, len)?, DType::F32, &mut dev, device)?;
+            let host = self.grads.landing_buffer(len * 4)?;
+            let transfer = order.dtoh_after_write(device, OrderingCall::StateDownloadDtohAfterWrite, dev, host)?;
+            // The host needs the bytes: it waits for this copy (a D2H, between steps).
+            let (host, dev) = transfer.wait()?;
+            out.extend(bytemuck::pod_collect_to_vec::<u8, f32>(&host.as_slice()[..len * 4]));
+            order.free_after_use(device, OrderingCall::StateDownloadFreeAfterWrite, dev)?;
+            start += len;
+        }
+        Ok(out)
     }
 }
 

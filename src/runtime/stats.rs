@@ -92,3 +92,65 @@ pub struct PeakBytes {
     /// memory (compute copies, optimizer state, second buffers, stream buffers, gradients).
     pub host_ledger: u64,
 }
+
+/// The step part of a runtime: the open step's number, learning rate and clock, and the
+/// [`StepStats`] it accumulates from [`super::Runtime::begin_step`] to
+/// [`super::Runtime::finish_step`].
+#[derive(Debug, Default)]
+pub(super) struct StepClock {
+    /// The open (or last) step's Adam step `t`.
+    pub(super) step: u64,
+    /// The open step's learning rate, for the device optimizers' update.
+    pub(super) lr: f32,
+    /// When the open step began (`None` between steps).
+    started: Option<std::time::Instant>,
+    /// The traffic counters when it began.
+    at_begin: Option<oogc_swapper::MetricsSnapshot>,
+    /// What the open step costs so far.
+    pub(super) stats: StepStats,
+}
+
+impl StepClock {
+    /// Opens step `step` with learning rate `lr`; `traffic` is the counters now.
+    pub(super) fn begin(&mut self, step: u64, lr: f32, traffic: oogc_swapper::MetricsSnapshot) {
+        self.step = step;
+        self.lr = lr;
+        self.stats = StepStats { step, clip_scale: 1.0, ..StepStats::default() };
+        self.at_begin = Some(traffic);
+        self.started = Some(std::time::Instant::now());
+    }
+
+    /// Whether a step is open.
+    pub(super) fn in_step(&self) -> bool {
+        self.started.is_some()
+    }
+
+    /// The turn from forward to backward (the first call of a step counts): time, stall and
+    /// link bytes so far become [`StepStats::forward`]; `traffic` gives the counters now.
+    pub(super) fn end_forward(&mut self, traffic: impl FnOnce() -> oogc_swapper::MetricsSnapshot) {
+        if self.stats.forward.wall_s > 0.0 {
+            return;
+        }
+        let (Some(start), Some(begin)) = (self.started, self.at_begin.as_ref()) else {
+            return;
+        };
+        let now = traffic();
+        self.stats.forward = PhaseStats {
+            wall_s: start.elapsed().as_secs_f64(),
+            stall_s: self.stats.stall_s(),
+            h2d_bytes: now.htod.bytes - begin.htod.bytes,
+            d2h_bytes: now.dtoh.bytes - begin.dtoh.bytes,
+        };
+    }
+
+    /// Closes the step: its link and NVMe bytes from `now` (the counters now) and its wall time.
+    pub(super) fn close(&mut self, now: &oogc_swapper::MetricsSnapshot) {
+        if let Some(begin) = self.at_begin.take() {
+            self.stats.h2d_bytes = now.htod.bytes - begin.htod.bytes;
+            self.stats.d2h_bytes = now.dtoh.bytes - begin.dtoh.bytes;
+            self.stats.nvme_read_bytes = now.nvme_read.bytes - begin.nvme_read.bytes;
+            self.stats.nvme_write_bytes = now.nvme_write.bytes - begin.nvme_write.bytes;
+        }
+        self.stats.step_s = self.started.take().map_or(0.0, |s| s.elapsed().as_secs_f64());
+    }
+}

@@ -1,5 +1,6 @@
-//! One registered unit's state in the runtime ([`Unit`]): its size, whether it is in the
-//! recorded schedule, and where its optimizer update stands ([`Update`]); and the guards a
+//! The units: what kind each is ([`Kind`]: how it is fetched, how its gradients leave, how its
+//! update is committed), where its optimizer update stands ([`Update`]), the table of them in
+//! registration order ([`Units`], the runtime's only `UnitId` → unit mapping); and the guards a
 //! fetch returns ([`UnitParams`] with a candle tensor, [`PinnedUnit`] with the pinned copy's
 //! memory for sharing it without a copy).
 
@@ -7,19 +8,60 @@ use std::sync::Arc;
 
 use oogc_optimizer::UpdateHandle;
 use oogc_prefetch::TraceRecorder;
-use oogc_swapper::{Access, DType, DeviceBuffer, Resident, Tier};
+use oogc_swapper::{Access, DType, DeviceBuffer, Resident, TensorId, Tier};
 use parking_lot::Mutex;
 
-use super::{Result, UnitId};
+use super::device_optim::{DeviceState, OptimizerPlace};
+use super::{Result, RuntimeError, UnitId};
 
-/// Whether a unit's uses are part of the recorded schedule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Scheduling {
-    /// Fetched in the same order every step: recorded, prefetched, ranked by next use.
-    Scheduled,
-    /// Used as data decides (MoE experts): not recorded, not prefetched, ranked by the fallback
-    /// eviction policy.
+/// What a unit is: each kind owns how the unit is fetched, how its gradients leave and how its
+/// update is committed. The runtime's calls match on it in one place each (`runtime/fetch.rs`,
+/// `runtime/push.rs`, `runtime/step.rs`).
+#[derive(Debug)]
+pub(super) enum Kind {
+    /// The swapper's tiers hold its whole compute copy. Fetched in the same order every step:
+    /// recorded, prefetched, ranked for eviction by next use. Its gradients go D2H to the CPU
+    /// optimizer; the new compute copy is published into its home at its next fetch (with ranks,
+    /// all-gathered from the ranks' shards at the step's end).
+    Tiered,
+    /// The tiers hold this rank's shard of its compute copy (sharded parameters, ZeRO-3): a
+    /// fetch brings the shard H2D and all-gathers the whole unit, kept for its next use while
+    /// the budget allows (`runtime/gathered.rs`). Its gradients are reduce-scattered by the
+    /// drain thread; the optimizer writes the new shard into the tiers and the gathered copy is
+    /// dropped at the step's end.
+    Gathered,
+    /// Used as data decides (an MoE expert placed by the placer): whole on every rank, not
+    /// recorded, not prefetched, ranked for eviction by the fallback policy; gradients and
+    /// update as [`Kind::Tiered`].
     Unscheduled,
+    /// Its optimizer is on the device: master weights, Adam state and compute copy are device
+    /// tensors, a fetch moves nothing, its gradients stay on the device and it is updated there
+    /// after the step's decision. `off` is the kind it takes back on the host.
+    Device {
+        /// The device optimizer's state.
+        state: Box<DeviceState>,
+        /// The kind the unit returns to when its optimizer goes back to the host.
+        off: OffDevice,
+    },
+}
+
+/// The kind a unit with a device optimizer returns to ([`Kind::Device`]); device optimizers
+/// exist only in a world of one, so never [`Kind::Gathered`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum OffDevice {
+    /// [`Kind::Tiered`].
+    Tiered,
+    /// [`Kind::Unscheduled`].
+    Unscheduled,
+}
+
+impl From<OffDevice> for Kind {
+    fn from(off: OffDevice) -> Self {
+        match off {
+            OffDevice::Tiered => Kind::Tiered,
+            OffDevice::Unscheduled => Kind::Unscheduled,
+        }
+    }
 }
 
 /// Where a unit's optimizer update stands.
@@ -39,39 +81,25 @@ pub(super) enum Update {
 #[derive(Debug)]
 pub(super) struct Unit {
     pub(super) name: String,
+    /// The swapper tensor of its compute copy, also the optimizer's key for it.
+    pub(super) tensor: TensorId,
     /// Parameters (elements of the flat vector).
     pub(super) numel: usize,
-    /// Elements of the compute copy the tiers hold: `numel`, or this rank's shard of them with
-    /// [`super::RuntimeConfig::shard_parameters`] (the rest is all-gathered at each fetch).
+    /// Elements of the compute copy the tiers hold: `numel`, or this rank's shard of them for a
+    /// [`Kind::Gathered`] unit.
     pub(super) home_numel: usize,
-    /// Whether the tiers hold only this rank's shard of its compute copy, all-gathered at each
-    /// fetch (with sharded parameters, a scheduled unit; an unscheduled one is kept whole).
-    pub(super) gathers: bool,
     /// The compute copy's element type (the runtime's compute dtype).
     pub(super) dtype: DType,
-    pub(super) scheduling: Scheduling,
+    pub(super) kind: Kind,
     pub(super) update: Update,
     /// The handle of the unit's latest submitted update (tells whether it is done without
     /// waiting).
     pub(super) handle: Option<UpdateHandle>,
-    /// Its optimizer on the device ([`super::OptimizerPlace::Device`]): master weights, Adam
-    /// state and compute copy as device tensors; the tiers' copies are stale meanwhile.
-    pub(super) on_device: Option<Box<super::device_optim::DeviceState>>,
 }
 
 impl Unit {
-    pub(super) fn new(name: &str, numel: usize, home_numel: usize, dtype: DType) -> Self {
-        Self {
-            name: name.to_string(),
-            numel,
-            home_numel,
-            gathers: false,
-            dtype,
-            scheduling: Scheduling::Scheduled,
-            update: Update::Current,
-            handle: None,
-            on_device: None,
-        }
+    pub(super) fn new(name: &str, tensor: TensorId, numel: usize, home_numel: usize, dtype: DType, kind: Kind) -> Self {
+        Self { name: name.to_string(), tensor, numel, home_numel, dtype, kind, update: Update::Current, handle: None }
     }
 
     /// Bytes of the compute copy (and of the unit's gradients, which have its dtype).
@@ -79,15 +107,184 @@ impl Unit {
         self.dtype.num_bytes(self.numel) as u64
     }
 
-    /// Bytes of the compute copy the tiers hold (the shard with sharded parameters).
+    /// Bytes of the compute copy the tiers hold (the shard for a [`Kind::Gathered`] unit).
     pub(super) fn home_bytes(&self) -> u64 {
         self.dtype.num_bytes(self.home_numel) as u64
+    }
+
+    /// Whether its fetches are part of the recorded schedule.
+    pub(super) fn scheduled(&self) -> bool {
+        matches!(self.kind, Kind::Tiered | Kind::Gathered)
+    }
+
+    /// Its device optimizer's state ([`Kind::Device`]).
+    pub(super) fn device(&self) -> Option<&DeviceState> {
+        match &self.kind {
+            Kind::Device { state, .. } => Some(state),
+            _ => None,
+        }
+    }
+
+    /// [`Unit::device`], mutable.
+    pub(super) fn device_mut(&mut self) -> Option<&mut DeviceState> {
+        match &mut self.kind {
+            Kind::Device { state, .. } => Some(state),
+            _ => None,
+        }
     }
 
     /// Whether its compute copy can be published now without waiting.
     pub(super) fn ready_to_publish(&self) -> bool {
         self.update == Update::StepFinished && self.handle.as_ref().is_some_and(|h| h.is_ready())
     }
+}
+
+/// The registered units in registration order: the one mapping from a [`UnitId`] to a unit (its
+/// name, size, swapper tensor and optimizer place). [`super::Runtime::units`] lends it read-only.
+#[derive(Debug)]
+pub struct Units {
+    list: Vec<Unit>,
+    /// Units a caller holds pinned at once (2 when a tied head uses the embedding).
+    max_in_use: usize,
+}
+
+impl Units {
+    pub(super) fn new() -> Self {
+        Self { list: Vec::new(), max_in_use: 1 }
+    }
+
+    /// The id the next registered unit gets.
+    pub(super) fn next_id(&self) -> UnitId {
+        UnitId(self.list.len())
+    }
+
+    pub(super) fn push(&mut self, unit: Unit) -> UnitId {
+        let id = self.next_id();
+        self.list.push(unit);
+        id
+    }
+
+    pub(super) fn get(&self, unit: UnitId) -> &Unit {
+        &self.list[unit.0]
+    }
+
+    pub(super) fn get_mut(&mut self, unit: UnitId) -> &mut Unit {
+        &mut self.list[unit.0]
+    }
+
+    /// The unit whose compute copy is swapper tensor `tensor` (tensors are numbered as units
+    /// are: [`UnitId`]'s one mapping).
+    pub(super) fn of_tensor(&self, tensor: TensorId) -> Option<&Unit> {
+        self.list.get(usize::try_from(tensor.0).ok()?).filter(|u| u.tensor == tensor)
+    }
+
+    pub(super) fn iter(&self) -> impl Iterator<Item = (UnitId, &Unit)> {
+        self.list.iter().enumerate().map(|(k, u)| (UnitId(k), u))
+    }
+
+    pub(super) fn iter_mut(&mut self) -> impl Iterator<Item = (UnitId, &mut Unit)> {
+        self.list.iter_mut().enumerate().map(|(k, u)| (UnitId(k), u))
+    }
+
+    pub(super) fn set_max_in_use(&mut self, units: usize) {
+        self.max_in_use = units.max(1);
+    }
+
+    /// Units a caller holds pinned at once ([`super::Runtime::set_max_units_in_use`]).
+    pub fn max_in_use(&self) -> usize {
+        self.max_in_use
+    }
+
+    /// Registered units.
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    /// Whether no unit is registered.
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// Every unit's id, in registration order.
+    pub fn ids(&self) -> impl ExactSizeIterator<Item = UnitId> + '_ {
+        (0..self.list.len()).map(UnitId)
+    }
+
+    /// The unit registered `index`-th (0-based), as a caller's own table of units would name it
+    /// (the Python bindings' integer ids).
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] for an index past the registered units.
+    pub fn id(&self, index: usize) -> Result<UnitId> {
+        if index < self.list.len() {
+            Ok(UnitId(index))
+        } else {
+            Err(RuntimeError::Usage(format!("unit {index}: only {} units are registered", self.list.len())))
+        }
+    }
+
+    /// The name it was registered with.
+    pub fn name(&self, unit: UnitId) -> &str {
+        &self.list[unit.0].name
+    }
+
+    /// Its parameters (elements of its flat vector).
+    pub fn numel(&self, unit: UnitId) -> usize {
+        self.list[unit.0].numel
+    }
+
+    /// The swapper tensor that holds its compute copy (what eviction policies and the swapper's
+    /// metrics and traces name).
+    pub fn tensor(&self, unit: UnitId) -> TensorId {
+        self.list[unit.0].tensor
+    }
+
+    /// Where its optimizer lives.
+    pub fn optimizer_place(&self, unit: UnitId) -> OptimizerPlace {
+        match self.list[unit.0].kind {
+            Kind::Device { .. } => OptimizerPlace::Device,
+            _ => OptimizerPlace::Host,
+        }
+    }
+
+    /// Bytes of the `k` (at least 1) largest units' compute copies together.
+    pub(super) fn largest_bytes(&self, k: usize) -> u64 {
+        largest(self.list.iter().map(Unit::bytes), k)
+    }
+
+    /// Bytes of the `k` (at least 1) largest compute copies the tiers hold, together.
+    pub(super) fn largest_home_bytes(&self, k: usize) -> u64 {
+        largest(self.list.iter().map(Unit::home_bytes), k)
+    }
+
+    /// Every unit's parameters, in order.
+    pub(super) fn numels(&self) -> Vec<usize> {
+        self.list.iter().map(|u| u.numel).collect()
+    }
+
+    /// Every unit's compute-copy elements in the tiers, in order.
+    pub(super) fn home_numels(&self) -> Vec<usize> {
+        self.list.iter().map(|u| u.home_numel).collect()
+    }
+
+    /// [`RuntimeError::Usage`] unless `len` gradients fit `unit` (`call` names the caller).
+    pub(super) fn check_grads_len(&self, unit: UnitId, len: usize, call: &str) -> Result<()> {
+        let u = self.get(unit);
+        if len != u.numel {
+            return Err(RuntimeError::Usage(format!(
+                "{call}({}): {len} gradients for a unit of {} parameters",
+                u.name, u.numel
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Bytes of the `k` (at least 1) largest of `sizes` together.
+fn largest(sizes: impl Iterator<Item = u64>, k: usize) -> u64 {
+    let mut sizes: Vec<u64> = sizes.collect();
+    sizes.sort_unstable_by(|a, b| b.cmp(a));
+    sizes.iter().take(k.max(1)).sum()
 }
 
 /// A unit pinned for compute: its parameters as one flat candle tensor (`[numel]`, the
@@ -151,6 +348,8 @@ pub enum DeviceMemory {
 pub struct PinnedUnit {
     pub(super) pin: Resident,
     pub(super) unit: UnitId,
+    /// The swapper tensor pinned (the unit's compute copy), named in the trace's release.
+    pub(super) tensor: TensorId,
     pub(super) numel: usize,
     pub(super) dtype: DType,
     pub(super) access: Access,
@@ -161,7 +360,7 @@ pub struct PinnedUnit {
 impl Drop for PinnedUnit {
     fn drop(&mut self) {
         if let Some(r) = &self.recorder {
-            r.lock().release(self.unit.tensor(), Tier::Device);
+            r.lock().release(self.tensor, Tier::Device);
         }
     }
 }

@@ -99,6 +99,9 @@ pub(super) struct MoeState {
     pub(super) placement: Option<ExpertPlacement>,
     /// Popularity statistics, hot set and cost model (`[moe] policy = "ours"`).
     pub(super) placer: Option<Placer>,
+    /// The run computes on the sim device (`[device] kind = "sim"`): its fetch times measure
+    /// this CPU's load, not a link.
+    sim: bool,
     /// The routing trace being written (`[moe] routing_trace`).
     routing_trace: Option<RoutingTraceWriter<BufWriter<std::fs::File>>>,
     /// Bytes of one expert's f32 compute copy.
@@ -145,19 +148,20 @@ impl MoeState {
         cfg: &TrainConfig,
         model: &dyn CausalLm,
         rt: &mut Runtime,
+        ids: &[UnitId],
         ranks: crate::dist::Ranks,
     ) -> Result<Self> {
         let world = ranks.world();
         let units = model.units();
+        let expert_params = units.iter().find(|u| matches!(u.kind, UnitKind::Expert { .. })).map_or(0, |u| u.numel);
         let experts: Vec<(UnitId, usize, usize)> = units
             .iter()
-            .enumerate()
-            .filter_map(|(k, u)| match u.kind {
-                UnitKind::Expert { block, expert } => Some((UnitId(k), block, expert)),
+            .zip(ids)
+            .filter_map(|(u, &id)| match u.kind {
+                UnitKind::Expert { block, expert } => Some((id, block, expert)),
                 _ => None,
             })
             .collect();
-        let expert_params = experts.first().map_or(0, |&(u, ..)| units[u.0].numel);
         let blocks = experts.iter().map(|&(_, b, _)| b + 1).max().unwrap_or(0);
         let per_block = experts.iter().map(|&(_, _, e)| e + 1).max().unwrap_or(0);
         let top_k = model.moe().map_or(1, |m| m.experts_per_token());
@@ -195,7 +199,7 @@ impl MoeState {
             let pc = crate::moe::placer_config(cfg, cpu, expert_params, world);
             let placer = Placer::new(blocks as u32, per_block as u32, header.expert_shape(), pc)
                 .map_err(moe_err("moe.expert_budget"))?;
-            let ids = experts.iter().map(|&(u, b, e)| (rt.unit_tensor(u), ExpertId::new(b as u32, e as u32)));
+            let ids = experts.iter().map(|&(u, b, e)| (rt.units().tensor(u), ExpertId::new(b as u32, e as u32)));
             rt.set_fallback_policy(Box::new(placer.fallback(ids)));
             Some(placer)
         } else {
@@ -216,6 +220,7 @@ impl MoeState {
         Ok(Self {
             placement: None,
             placer,
+            sim: cfg.device.kind.is_sim(),
             routing_trace,
             expert_bytes,
             lru,
@@ -263,12 +268,12 @@ impl MoeState {
         placement: Placement,
         phase: Phase,
     ) -> Result<UnitParams> {
-        let moves = placement != Placement::Cpu && !rt.is_on_device(unit);
+        let moves = placement != Placement::Cpu && !rt.memory().is_on_device(unit);
         // The cost model learns the link from timed fetches on a GPU. On the sim device the
         // link's rate is the configured throttle, and a fetch's wall time measures this CPU's
         // load as much as the link: the model keeps the configured rate, so placements (and
         // the numbers they lead to) do not depend on how busy the machine is.
-        let cold = moves && self.placer.is_some() && !rt.device_kind().is_sim();
+        let cold = moves && self.placer.is_some() && !self.sim;
         if phase != Phase::Eval {
             self.count_use(moves);
         }
@@ -319,7 +324,7 @@ impl MoeState {
         let moe = model.moe().expect("an MoE model");
         let t = {
             let p = rt.fetch(trunk, phase)?;
-            let _span = tracing::info_span!("compute::forward", unit = trunk.0).entered();
+            let _span = tracing::info_span!("compute::forward", unit = trunk.index()).entered();
             moe.trunk_forward(block, p.tensor(), x)?
         };
         let counts = t.routing.counts();
@@ -379,7 +384,7 @@ impl MoeState {
             let Some(h_e) = routing.expert_input(e, &t.h)? else {
                 if self.used_anywhere.get(&block).is_some_and(|used| used[e]) {
                     // Another rank's tokens used it: this rank's share of its gradients is zero.
-                    let (_, numel) = rt.unit_info(experts[e]);
+                    let numel = rt.units().numel(experts[e]);
                     let zeros = Tensor::zeros(numel, candle_core::DType::F32, &candle_core::Device::Cpu)?;
                     rt.push_grads_host(experts[e], &zeros)?;
                 }
@@ -394,7 +399,7 @@ impl MoeState {
                     pe
                 }
                 None => {
-                    self.count_use(placements[e] != Placement::Cpu && !rt.is_on_device(experts[e]));
+                    self.count_use(placements[e] != Placement::Cpu && !rt.memory().is_on_device(experts[e]));
                     Self::fetch_expert(rt, experts[e], placements[e], Phase::Backward)?
                 }
             };
@@ -423,7 +428,7 @@ impl MoeState {
         }
         let grad_h = routing.scatter_input_grads(&grad_inputs)?;
         let g = {
-            let _span = tracing::info_span!("compute::backward", unit = trunk.0).entered();
+            let _span = tracing::info_span!("compute::backward", unit = trunk.index()).entered();
             moe.trunk_backward(block, p.tensor(), x_in, routing, grad_y, &grad_h, &grad_gates)?
         };
         drop(p);

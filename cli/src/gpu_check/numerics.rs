@@ -23,7 +23,7 @@ use oogc::models::hf::{HfCheckpoint, NamedTensor};
 use oogc::models::llama::Llama;
 use oogc::models::{CausalLm, Gpt, GptConfig, UnitKind};
 use oogc::optimizer::OptimizerConfig;
-use oogc::runtime::{DeviceSpec, Phase, Runtime, RuntimeConfig, UnitId};
+use oogc::runtime::{DeviceSpec, Phase, Runtime, RuntimeConfig};
 use serde_json::json;
 
 use super::common::{
@@ -281,8 +281,10 @@ fn dense_step(
     let units = model.units().to_vec();
     let in_use = if model.tied_head() { 2 } else { 1 };
     let mut rt = runtime_for(ctx, model, dtype, in_use)?;
+    // The runtime's id of each model unit, in the model's order.
+    let mut ids = Vec::with_capacity(units.len());
     for u in &units {
-        rt.add_unit(&u.name, &ckpt.read_unit(u)?)?;
+        ids.push(rt.add_unit(&u.name, &ckpt.read_unit(u)?)?);
     }
     rt.set_max_units_in_use(in_use as usize);
     rt.begin_step(1, 1e-3)?;
@@ -290,38 +292,38 @@ fn dense_step(
     let tokens = fixture_ids(reference, "input_ids", &dev)?;
     let targets = fixture_ids(reference, "labels", &dev)?;
     let head = units.len() - 1;
-    let mut x = model.forward(0, rt.fetch(UnitId(0), Phase::Forward)?.tensor(), &tokens, None)?;
+    let mut x = model.forward(0, rt.fetch(ids[0], Phase::Forward)?.tensor(), &tokens, None)?;
     let mut inputs = Vec::new();
     for u in 1..head {
-        let y = model.forward(u, rt.fetch(UnitId(u), Phase::Forward)?.tensor(), &x, None)?;
+        let y = model.forward(u, rt.fetch(ids[u], Phase::Forward)?.tensor(), &x, None)?;
         inputs.push(std::mem::replace(&mut x, y));
     }
     rt.end_forward();
-    let emb = if model.tied_head() { Some(rt.fetch(UnitId(0), Phase::Backward)?) } else { None };
-    let p = rt.fetch(UnitId(head), Phase::Backward)?;
+    let emb = if model.tied_head() { Some(rt.fetch(ids[0], Phase::Backward)?) } else { None };
+    let p = rt.fetch(ids[head], Phase::Backward)?;
     let logits = host_f64(&model.forward(head, p.tensor(), &x, emb.as_ref().map(|e| e.tensor()))?)?;
     let out = model.head_loss_backward(p.tensor(), &x, emb.as_ref().map(|e| e.tensor()), &targets)?;
     drop((p, emb));
     let mut grads = BTreeMap::new();
     grads.insert(head, host_f64(&out.grads.grad_params)?);
-    rt.push_grads(UnitId(head), &out.grads.grad_params)?;
+    rt.push_grads(ids[head], &out.grads.grad_params)?;
     let mut g = out.grads.grad_input.clone().ok_or_else(|| anyhow::anyhow!("the head gave no input gradient"))?;
     for u in (1..head).rev() {
-        let p = rt.fetch(UnitId(u), Phase::Backward)?;
+        let p = rt.fetch(ids[u], Phase::Backward)?;
         let ug = model.backward(u, p.tensor(), &inputs[u - 1], &g, None)?;
         drop(p);
         grads.insert(u, host_f64(&ug.grad_params)?);
-        rt.push_grads(UnitId(u), &ug.grad_params)?;
+        rt.push_grads(ids[u], &ug.grad_params)?;
         g = ug.grad_input.ok_or_else(|| anyhow::anyhow!("unit {u} gave no input gradient"))?;
     }
-    let p = rt.fetch(UnitId(0), Phase::Backward)?;
+    let p = rt.fetch(ids[0], Phase::Backward)?;
     let mut g0 = model.backward(0, p.tensor(), &tokens, &g, None)?.grad_params;
     drop(p);
     if let Some(extra) = out.grads.grad_tied_wte {
         g0 = (g0 + extra)?;
     }
     grads.insert(0, host_f64(&g0)?);
-    rt.push_grads(UnitId(0), &g0)?;
+    rt.push_grads(ids[0], &g0)?;
     let stats = rt.finish_step()?;
     Ok(FixtureOut { logits, extra: vec![("loss".into(), vec![out.loss])], grads, h2d_bytes: stats.h2d_bytes })
 }
@@ -339,11 +341,14 @@ fn moe_step(
     let units = model.units().to_vec();
     let (layers, experts) = (cfg.num_hidden_layers, cfg.num_experts());
     let mut rt = runtime_for(ctx, model, dtype, 2)?;
+    // The runtime's id of each model unit, in the model's order.
+    let mut ids = Vec::with_capacity(units.len());
     for u in &units {
-        rt.add_unit(&u.name, &ckpt.read_unit(u)?)?;
+        let id = rt.add_unit(&u.name, &ckpt.read_unit(u)?)?;
         if matches!(u.kind, UnitKind::Expert { .. }) {
-            rt.set_unscheduled(UnitId(u.index))?;
+            rt.set_unscheduled(id)?;
         }
+        ids.push(id);
     }
     rt.set_max_units_in_use(2);
     rt.begin_step(1, 1e-3)?;
@@ -351,14 +356,14 @@ fn moe_step(
     let tokens = fixture_ids(reference, "input_ids", &dev)?;
     let targets = fixture_ids(reference, "labels", &dev)?;
     let head = units.len() - 1;
-    let mut x = model.forward(0, rt.fetch(UnitId(0), Phase::Forward)?.tensor(), &tokens, None)?;
+    let mut x = model.forward(0, rt.fetch(ids[0], Phase::Forward)?.tensor(), &tokens, None)?;
     let (mut inputs, mut routings, mut router_logits) = (Vec::new(), Vec::new(), Vec::new());
     for b in 0..layers {
-        let t = moe.trunk_forward(b, rt.fetch(UnitId(cfg.block_unit(b)), Phase::Forward)?.tensor(), &x)?;
+        let t = moe.trunk_forward(b, rt.fetch(ids[cfg.block_unit(b)], Phase::Forward)?.tensor(), &x)?;
         let mut outs = vec![None; experts];
         for (e, out) in outs.iter_mut().enumerate() {
             let Some(h_e) = t.routing.expert_input(e, &t.h)? else { continue };
-            let p = rt.fetch(UnitId(cfg.expert_unit(b, e)), Phase::Forward)?;
+            let p = rt.fetch(ids[cfg.expert_unit(b, e)], Phase::Forward)?;
             *out = Some(moe.expert_forward(p.tensor(), &h_e)?);
         }
         let y = moe.combine(&t.x1, &t.routing, &outs)?;
@@ -369,17 +374,17 @@ fn moe_step(
     moe.finish_forward(&mut routings.iter_mut().collect::<Vec<_>>())?;
     let aux = moe.aux_loss(&routings.iter().collect::<Vec<_>>());
     rt.end_forward();
-    let p = rt.fetch(UnitId(head), Phase::Backward)?;
+    let p = rt.fetch(ids[head], Phase::Backward)?;
     let logits = host_f64(&model.forward(head, p.tensor(), &x, None)?)?;
     let out = model.head_loss_backward(p.tensor(), &x, None, &targets)?;
     drop(p);
     let mut grads = BTreeMap::new();
     grads.insert(head, host_f64(&out.grads.grad_params)?);
-    rt.push_grads(UnitId(head), &out.grads.grad_params)?;
+    rt.push_grads(ids[head], &out.grads.grad_params)?;
     let mut g = out.grads.grad_input.clone().ok_or_else(|| anyhow::anyhow!("the head gave no input gradient"))?;
     for b in (0..layers).rev() {
         let trunk = cfg.block_unit(b);
-        let pt = rt.fetch(UnitId(trunk), Phase::Backward)?;
+        let pt = rt.fetch(ids[trunk], Phase::Backward)?;
         let routing = &routings[b];
         let t = moe.trunk_forward(b, pt.tensor(), &inputs[b])?;
         let (mut grad_inputs, mut grad_gates) = (vec![None; experts], vec![None; experts]);
@@ -388,32 +393,32 @@ fn moe_step(
             let Some(h_e) = routing.expert_input(e, &t.h)? else {
                 grads.insert(u, vec![0.0; units[u].numel]);
                 let zeros = Tensor::zeros(units[u].numel, pt.tensor().dtype(), &dev)?;
-                rt.push_grads(UnitId(u), &zeros)?;
+                rt.push_grads(ids[u], &zeros)?;
                 continue;
             };
             let go = moe
                 .expert_grad_output(routing, e, &g)?
                 .ok_or_else(|| anyhow::anyhow!("expert {e} has tokens but no output gradient"))?;
-            let pe = rt.fetch(UnitId(u), Phase::Backward)?;
+            let pe = rt.fetch(ids[u], Phase::Backward)?;
             let eg = moe.expert_backward(pe.tensor(), &h_e, &go)?;
             drop(pe);
             grad_gates[e] = moe.expert_grad_gate(routing, e, &g, &eg.output)?;
             grad_inputs[e] = Some(eg.grad_input);
             grads.insert(u, host_f64(&eg.grad_params)?);
-            rt.push_grads(UnitId(u), &eg.grad_params)?;
+            rt.push_grads(ids[u], &eg.grad_params)?;
         }
         let grad_h = routing.scatter_input_grads(&grad_inputs)?;
         let tg = moe.trunk_backward(b, pt.tensor(), &inputs[b], routing, &g, &grad_h, &grad_gates)?;
         drop(pt);
         grads.insert(trunk, host_f64(&tg.grad_params)?);
-        rt.push_grads(UnitId(trunk), &tg.grad_params)?;
+        rt.push_grads(ids[trunk], &tg.grad_params)?;
         g = tg.grad_input.ok_or_else(|| anyhow::anyhow!("trunk {b} gave no input gradient"))?;
     }
-    let p = rt.fetch(UnitId(0), Phase::Backward)?;
+    let p = rt.fetch(ids[0], Phase::Backward)?;
     let g0 = model.backward(0, p.tensor(), &tokens, &g, None)?.grad_params;
     drop(p);
     grads.insert(0, host_f64(&g0)?);
-    rt.push_grads(UnitId(0), &g0)?;
+    rt.push_grads(ids[0], &g0)?;
     let stats = rt.finish_step()?;
     let coef = cfg.aux_loss_weight();
     Ok(FixtureOut {

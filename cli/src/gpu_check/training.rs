@@ -202,10 +202,11 @@ fn train(run: &Run, masters: bool) -> anyhow::Result<RunOut> {
 
 /// Trains `t` (built from `cfg`) `steps` steps; the master weights at the end when `masters`.
 fn run_trainer(t: &mut Trainer, cfg: &TrainConfig, steps: u64, masters: bool) -> anyhow::Result<RunOut> {
-    let min_working_set = t.runtime().min_working_set_bytes(oogc::train::max_units_in_use(t.model()));
-    let plan_pool_bytes = oogc::plan::device_plan_for_config(cfg, t.model(), t.runtime().device_optimizer_bytes())
-        .ok()
-        .map(|p| p.in_pool_bytes());
+    let min_working_set = t.runtime().memory().min_working_set_bytes(oogc::train::max_units_in_use(t.model()));
+    let plan_pool_bytes =
+        oogc::plan::device_plan_for_config(cfg, t.model(), t.runtime().memory().device_optimizer_bytes())
+            .ok()
+            .map(|p| p.in_pool_bytes());
     let (mut losses, mut stats, mut expert_h2d_bytes, mut tokens_per_step) = (Vec::new(), Vec::new(), 0, 0);
     for _ in 0..steps {
         let o = t.train_step()?;
@@ -274,7 +275,7 @@ fn gpu_figures(ctx: &Ctx, r: &RunOut, warmup: usize, f: &mut Figures, tag: &str,
 /// The minimum working set of `run`'s model (a trainer built, no step run).
 fn min_working_set(run: &Run) -> anyhow::Result<u64> {
     let t = Trainer::new(run.config()?, oogc::dist::Ranks::single())?;
-    Ok(t.runtime().min_working_set_bytes(oogc::train::max_units_in_use(t.model())))
+    Ok(t.runtime().memory().min_working_set_bytes(oogc::train::max_units_in_use(t.model())))
 }
 
 /// Whether two runs are bitwise equal: losses and master weights; else what differs.

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device as CandleDevice, Tensor};
 use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
-use oogc::runtime::{ActivationOffload, DeviceSpec, Phase, Runtime, RuntimeConfig, UnitId};
+use oogc::runtime::{ActivationOffload, DeviceSpec, Phase, Runtime, RuntimeConfig};
 use oogc::swapper::{CudaDevice, Device, PinnedPool, PinnedPoolConfig, SimDevice, SimDeviceConfig};
 use serde_json::json;
 
@@ -94,9 +94,8 @@ fn round_trip_run(ctx: &Ctx, dtype: oogc::swapper::DType, f: &mut Figures) -> an
     let mut rt = Runtime::new(rc, oogc::dist::Ranks::single())?;
     let mut rng = Rng::new(11);
     let masters: Vec<Vec<f32>> = (0..s.units).map(|_| rng.bf16_exact_vec(s.numel)).collect();
-    for (u, m) in masters.iter().enumerate() {
-        rt.add_unit(&format!("unit{u}"), m)?;
-    }
+    let ids =
+        masters.iter().enumerate().map(|(u, m)| rt.add_unit(&format!("unit{u}"), m)).collect::<Result<Vec<_>, _>>()?;
     let dev = rt.compute_device().clone();
     let (mut fetch_bad, mut grad_bad, mut act_bad) = (0usize, 0usize, 0usize);
     let mut failures = Vec::new();
@@ -108,7 +107,7 @@ fn round_trip_run(ctx: &Ctx, dtype: oogc::swapper::DType, f: &mut Figures) -> an
         let mut reads = Vec::new();
         let mut stashed = Vec::new();
         for (u, act) in acts.iter().enumerate() {
-            let p = rt.fetch(UnitId(u), Phase::Forward)?;
+            let p = rt.fetch(ids[u], Phase::Forward)?;
             let first = (p.tensor() * 1.0)?;
             let z = chain_zero(&dev, s.chain_n, s.chain_k, cdtype)?;
             let after_chain = p.tensor().broadcast_add(&z)?;
@@ -116,23 +115,23 @@ fn round_trip_run(ctx: &Ctx, dtype: oogc::swapper::DType, f: &mut Figures) -> an
             reads.push((u, first, after_chain));
             let z = chain_zero(&dev, s.chain_n, s.chain_k, cdtype)?;
             let a = Tensor::from_slice(act, (b, t, d), &dev)?.to_dtype(cdtype)?.broadcast_add(&z)?;
-            stashed.push(rt.stash_activation(&a)?);
+            stashed.push(rt.activations().stash(&a)?);
         }
         rt.end_forward();
         for u in (0..s.units).rev() {
             if u > 0 {
-                rt.prefetch_activation(stashed[u - 1])?;
+                rt.activations().prefetch(stashed[u - 1])?;
             }
-            let a = rt.take_activation(stashed[u])?;
+            let a = rt.activations().take(stashed[u])?;
             act_bad += mismatches(&a, &acts[u])?;
-            let p = rt.fetch(UnitId(u), Phase::Backward)?;
+            let p = rt.fetch(ids[u], Phase::Backward)?;
             let first = (p.tensor() * 1.0)?;
             let z = chain_zero(&dev, s.chain_n, s.chain_k, cdtype)?;
             reads.push((u, first, p.tensor().broadcast_add(&z)?));
             drop(p);
             let z = chain_zero(&dev, s.chain_n, s.chain_k, cdtype)?;
             let g = Tensor::from_slice(&grads[u], s.numel, &dev)?.to_dtype(cdtype)?.broadcast_add(&z)?;
-            rt.push_grads(UnitId(u), &g)?;
+            rt.push_grads(ids[u], &g)?;
         }
         // Read the fetched copies back only now, after later fetches had the chance to reuse
         // their device memory.
@@ -142,7 +141,7 @@ fn round_trip_run(ctx: &Ctx, dtype: oogc::swapper::DType, f: &mut Figures) -> an
         let stats = rt.finish_step()?;
         rt.sync()?;
         for (u, g) in grads.iter().enumerate() {
-            let (master, m, _) = rt.unit_state(UnitId(u))?;
+            let (master, m, _) = rt.unit_state(ids[u])?;
             grad_bad += m.iter().zip(g).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
             // lr 0: the parameters (and the compute copies fetched next step) must not move.
             let moved = master.iter().zip(&masters[u]).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
@@ -155,7 +154,7 @@ fn round_trip_run(ctx: &Ctx, dtype: oogc::swapper::DType, f: &mut Figures) -> an
             json!({"h2d_bytes": stats.h2d_bytes, "d2h_bytes": stats.d2h_bytes, "stall_transfer_s": stats.stall_transfer_s}),
         );
     }
-    let traffic = rt.traffic();
+    let traffic = rt.memory().traffic();
     f.set(
         &format!("{dtype}.totals"),
         json!({

@@ -1,0 +1,85 @@
+//! A unit's optimizer state in and out, for checkpoints: [`Runtime::unit_state`] (all-gathered
+//! from the ranks' shards) and [`Runtime::load_unit_state`] (re-sharded for this rank), by kind:
+//! a device-resident unit's state is the device optimizer's.
+
+use super::tensor::candle_dtype;
+use super::unit::Kind;
+use super::{home, Result, Runtime, RuntimeError, UnitId};
+
+impl Runtime {
+    /// The unit's fp32 master weights, Adam `m` and `v` (each `[numel]`). Call [`Runtime::sync`]
+    /// first to see the latest update. With data-parallel ranks each holds a shard: the three are
+    /// all-gathered (a collective: every rank calls this for the same units in the same order).
+    ///
+    /// # Errors
+    /// Optimizer failures (NVMe read); with ranks, a failed all-gather ([`RuntimeError::Dist`]).
+    pub fn unit_state(&self, unit: UnitId) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+        let u = self.units.get(unit);
+        if let Some(d) = u.device() {
+            // The device optimizer's state (a checkpoint's read, not counted as link traffic).
+            return Ok((d.master.to_vec1()?, d.m.to_vec1()?, d.v.to_vec1()?));
+        }
+        let s = self.grads.optimizer().export_state(u.tensor)?;
+        if self.ranks.world().size == 1 {
+            return Ok((s.master, s.m, s.v));
+        }
+        let numel = u.numel;
+        let gather = |shard: Vec<f32>| -> Result<Vec<f32>> {
+            let whole = self.ranks.all_gather_shards(bytemuck::cast_slice(&shard), numel, 4)?;
+            Ok(bytemuck::pod_collect_to_vec(&whole))
+        };
+        Ok((gather(s.master)?, gather(s.m)?, gather(s.v)?))
+    }
+
+    /// Replaces the unit's master weights and Adam state (a checkpoint being restored) and its
+    /// compute copy.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Usage`] for a length mismatch; optimizer or swapper failures.
+    pub fn load_unit_state(&mut self, unit: UnitId, master: Vec<f32>, m: Vec<f32>, v: Vec<f32>) -> Result<()> {
+        let u = self.units.get(unit);
+        let numel = u.numel;
+        if master.len() != numel || m.len() != numel || v.len() != numel {
+            return Err(RuntimeError::Usage(format!("load_unit_state({}): lengths differ from {numel}", u.name)));
+        }
+        self.publish(unit)?;
+        let u = self.units.get_mut(unit);
+        let (tensor, dtype) = (u.tensor, u.dtype);
+        let copy_dtype = candle_dtype(dtype)?;
+        if let Some(d) = u.device_mut() {
+            // Restored where the optimizer lives: on the device.
+            let dev = &self.tiers.compute_device;
+            d.master = candle_core::Tensor::from_vec(master, numel, dev)?;
+            d.m = candle_core::Tensor::from_vec(m, numel, dev)?;
+            d.v = candle_core::Tensor::from_vec(v, numel, dev)?;
+            d.copy = d.master.to_dtype(copy_dtype)?;
+            d.grads = None;
+            return Ok(());
+        }
+        let gathers = matches!(u.kind, Kind::Gathered);
+        self.gathered.remove(unit);
+        let world = self.ranks.world();
+        if world.size > 1 {
+            // This rank's shard to its optimizer (a checkpoint of any world size re-shards), which
+            // writes the compute copy's shard into the tiers when they hold shards; else the
+            // whole compute copy to the residency manager.
+            if !gathers {
+                let copy = oogc_optimizer::compute_copy(&master, dtype);
+                home::overwrite_host_copy(&self.tiers.residency, tensor, &mut |b| {
+                    b[..copy.len()].copy_from_slice(&copy)
+                })?;
+            }
+            let r = crate::dist::shard_range(numel, world.rank, world.size);
+            let state = oogc_optimizer::UnitState {
+                master: master[r.clone()].to_vec(),
+                m: m[r.clone()].to_vec(),
+                v: v[r].to_vec(),
+            };
+            self.grads.optimizer().import_state(tensor, state)?;
+            return Ok(());
+        }
+        // The optimizer writes the compute copy into its home (the host copy) from `master`.
+        self.grads.optimizer().import_state(tensor, oogc_optimizer::UnitState { master, m, v })?;
+        Ok(())
+    }
+}
