@@ -143,7 +143,7 @@ impl TokenData {
         seq_len: usize,
     ) -> Result<Self, DataError> {
         let n = file.header.n_tokens as usize;
-        let split = super::split_point(n, val_fraction, seq_len).map_err(|needed| DataError::TooFewTokens {
+        let split = super::corpus::split_point(n, val_fraction, seq_len).map_err(|needed| DataError::TooFewTokens {
             path: path.to_path_buf(),
             tokens: n,
             needed,
