@@ -21,7 +21,7 @@
 //! |---|---|
 //! | `corpus.rs` | loading: [`DataSource`], [`TextFormat`], [`TextData`], [`Corpus`] |
 //! | `sampler.rs` | token access and batches: [`Split`], [`Batch`], [`Sampler`], [`Shard`] |
-//! | `tokens.rs` | the tokenized text and its token file ([`TokenData`]) |
+//! | `tokens/` | the tokenized text and its token file ([`TokenData`]; `tokens/build.rs` tokenizes) |
 //!
 //! This file holds the errors ([`DataError`]).
 
