@@ -110,28 +110,13 @@ pub struct StepRecord {
     pub lr: f32,
     /// Tokens per second of the step.
     pub tokens_per_s: f64,
-    /// Step wall time, seconds.
-    pub step_s: f64,
-    /// Time the step waited for transfers or optimizer updates, seconds.
+    /// Time the step waited for transfers or optimizer updates, seconds
+    /// (`stats.stall_transfer_s + stats.stall_optimizer_s`).
     pub stall_s: f64,
-    /// Of which waiting for H2D/D2H copies.
-    pub stall_transfer_s: f64,
-    /// Of which waiting for optimizer updates.
-    pub stall_optimizer_s: f64,
-    /// Bytes host→device.
-    pub h2d_bytes: u64,
-    /// Bytes device→host.
-    pub d2h_bytes: u64,
-    /// Bytes read from NVMe.
-    pub nvme_read_bytes: u64,
-    /// Bytes written to NVMe.
-    pub nvme_write_bytes: u64,
-    /// Global gradient norm before clipping.
-    pub grad_norm: f64,
-    /// Clip scale (1 = not clipped).
-    pub clip_scale: f32,
-    /// Step skipped for a non-finite gradient.
-    pub skipped: bool,
+    /// The runtime's figures of the step (time, stalls, bytes per link, the optimizer's
+    /// verdict), written inline: `step_s`, `stall_transfer_s`, ... are keys of the line itself.
+    #[serde(flatten)]
+    pub stats: StepFigures,
     /// MoE: the load-balancing loss (the objective is `loss + aux_loss`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub aux_loss: Option<f64>,
@@ -176,6 +161,52 @@ pub struct StepRecord {
     /// on the sim device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_peak_bytes: Option<u64>,
+}
+
+/// The figures of [`crate::runtime::StepStats`] that a metrics line carries as they are: always
+/// written, same names, same values ([`StepRecord::stats`], flattened into the line). The rest
+/// of `StepStats` is left out (`forward`, `device_update_s`, `gather_s`) or written by
+/// [`StepRecord`] only when it means something (`device_units`, `gathers`, ...:
+/// absent when zero; `device_peak_bytes`: absent on the sim device).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct StepFigures {
+    /// Step wall time, seconds.
+    pub step_s: f64,
+    /// Time waiting for H2D/D2H copies, seconds.
+    pub stall_transfer_s: f64,
+    /// Time waiting for optimizer updates, seconds.
+    pub stall_optimizer_s: f64,
+    /// Bytes host→device.
+    pub h2d_bytes: u64,
+    /// Bytes device→host.
+    pub d2h_bytes: u64,
+    /// Bytes read from NVMe.
+    pub nvme_read_bytes: u64,
+    /// Bytes written to NVMe.
+    pub nvme_write_bytes: u64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Clip scale (1 = not clipped).
+    pub clip_scale: f32,
+    /// Step skipped for a non-finite gradient.
+    pub skipped: bool,
+}
+
+impl From<&crate::runtime::StepStats> for StepFigures {
+    fn from(s: &crate::runtime::StepStats) -> Self {
+        Self {
+            step_s: s.step_s,
+            stall_transfer_s: s.stall_transfer_s,
+            stall_optimizer_s: s.stall_optimizer_s,
+            h2d_bytes: s.h2d_bytes,
+            d2h_bytes: s.d2h_bytes,
+            nvme_read_bytes: s.nvme_read_bytes,
+            nvme_write_bytes: s.nvme_write_bytes,
+            grad_norm: s.grad_norm,
+            clip_scale: s.clip_scale,
+            skipped: s.skipped,
+        }
+    }
 }
 
 /// What a run did, printed at the end.
@@ -438,17 +469,8 @@ pub fn run(
             val_bits_per_byte: val.map(|v| v.bits_per_byte),
             lr: out.lr,
             tokens_per_s: out.tokens as f64 / s.step_s.max(1e-9),
-            step_s: s.step_s,
             stall_s: s.stall_s(),
-            stall_transfer_s: s.stall_transfer_s,
-            stall_optimizer_s: s.stall_optimizer_s,
-            h2d_bytes: s.h2d_bytes,
-            d2h_bytes: s.d2h_bytes,
-            nvme_read_bytes: s.nvme_read_bytes,
-            nvme_write_bytes: s.nvme_write_bytes,
-            grad_norm: s.grad_norm,
-            clip_scale: s.clip_scale,
-            skipped: s.skipped,
+            stats: StepFigures::from(s),
             aux_loss: (!out.routed_tokens.is_empty()).then_some(out.aux_loss),
             cpu_tokens: (!out.routed_tokens.is_empty()).then_some(out.cpu_tokens),
             expert_h2d_bytes: (!out.routed_tokens.is_empty()).then_some(out.expert_traffic.h2d_bytes),
@@ -842,17 +864,19 @@ mod tests {
             val_loss: None,
             lr: 1e-3,
             tokens_per_s: 1.0,
-            step_s: 1.0,
             stall_s: 0.0,
-            stall_transfer_s: 0.0,
-            stall_optimizer_s: 0.0,
-            h2d_bytes: 0,
-            d2h_bytes: 0,
-            nvme_read_bytes: 0,
-            nvme_write_bytes: 0,
-            grad_norm: 0.5,
-            clip_scale: 1.0,
-            skipped: false,
+            stats: StepFigures {
+                step_s: 1.0,
+                stall_transfer_s: 0.0,
+                stall_optimizer_s: 0.0,
+                h2d_bytes: 0,
+                d2h_bytes: 0,
+                nvme_read_bytes: 0,
+                nvme_write_bytes: 0,
+                grad_norm: 0.5,
+                clip_scale: 1.0,
+                skipped: false,
+            },
             aux_loss: None,
             cpu_tokens: None,
             expert_h2d_bytes: None,
@@ -867,6 +891,45 @@ mod tests {
             gather_bytes: None,
         };
         serde_json::to_string(&r).unwrap() + "\n"
+    }
+
+    /// The runtime's figures are flattened into the line: the keys are the record's own and
+    /// `StepStats`' names, none nested, and a line reads back as the record it was.
+    #[test]
+    fn a_metrics_line_has_the_figures_at_the_top_level_and_reads_back() {
+        let mut r: StepRecord = serde_json::from_str(record(7).trim_end()).unwrap();
+        r.val_loss = Some(2.0);
+        r.val_bits_per_byte = Some(2.5);
+        r.aux_loss = Some(0.01);
+        r.cpu_tokens = Some(3);
+        r.expert_h2d_bytes = Some(4);
+        r.expert_hit_rate = Some(0.5);
+        r.rank_step_s = Some(vec![1.0, 1.5]);
+        r.rss_bytes = Some(5);
+        r.minor_faults = Some(6);
+        r.device_units = Some(2);
+        r.device_optimizer_bytes = Some(8);
+        r.gathers = Some(9);
+        r.gather_bytes = Some(10);
+        r.device_peak_bytes = Some(11);
+        r.stats.h2d_bytes = 12;
+        r.stats.clip_scale = 0.25;
+        r.stats.skipped = true;
+        let line = serde_json::to_string(&r).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        let mut keys: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        let mut want: Vec<&str> = "step loss val_loss val_bits_per_byte lr tokens_per_s step_s stall_s \
+             stall_transfer_s stall_optimizer_s h2d_bytes d2h_bytes nvme_read_bytes nvme_write_bytes grad_norm \
+             clip_scale skipped aux_loss cpu_tokens expert_h2d_bytes expert_hit_rate rank_step_s rss_bytes \
+             minor_faults device_units device_optimizer_bytes gathers gather_bytes device_peak_bytes"
+            .split_whitespace()
+            .collect();
+        want.sort_unstable();
+        assert_eq!(keys, want);
+        assert_eq!((v["step_s"].as_f64(), v["h2d_bytes"].as_u64()), (Some(1.0), Some(12)));
+        assert_eq!((v["clip_scale"].as_f64(), v["skipped"].as_bool()), (Some(0.25), Some(true)));
+        assert_eq!(serde_json::from_str::<StepRecord>(&line).unwrap(), r);
     }
 
     #[test]

@@ -190,7 +190,7 @@ impl oogc::run::RunObserver for ProgressObserver {
             "loss {:.3} | {:.0} tok/s | stall {:.0}% | H2D {} D2H {} NVMe r {} w {}",
             r.loss,
             r.tokens_per_s,
-            100.0 * r.stall_s / r.step_s.max(1e-9),
+            100.0 * r.stall_s / r.stats.step_s.max(1e-9),
             gb(totals.h2d_bytes),
             gb(totals.d2h_bytes),
             gb(totals.nvme_read_bytes),
