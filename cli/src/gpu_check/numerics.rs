@@ -294,8 +294,8 @@ fn dense_step(
     let head = units.len() - 1;
     let mut x = model.forward(0, rt.fetch(ids[0], Phase::Forward)?.tensor(), &tokens, None)?;
     let mut inputs = Vec::new();
-    for u in 1..head {
-        let y = model.forward(u, rt.fetch(ids[u], Phase::Forward)?.tensor(), &x, None)?;
+    for (u, &id) in ids.iter().enumerate().take(head).skip(1) {
+        let y = model.forward(u, rt.fetch(id, Phase::Forward)?.tensor(), &x, None)?;
         inputs.push(std::mem::replace(&mut x, y));
     }
     rt.end_forward();
