@@ -79,8 +79,8 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
     // Forward, keeping each unit's input.
     let mut x = model.forward(0, rt.fetch(unit_ids[0], Phase::Forward).unwrap().tensor(), &tokens, None).unwrap();
     let mut inputs = Vec::new();
-    for u in 1..head {
-        let y = model.forward(u, rt.fetch(unit_ids[u], Phase::Forward).unwrap().tensor(), &x, None).unwrap();
+    for (u, &id) in unit_ids.iter().enumerate().take(head).skip(1) {
+        let y = model.forward(u, rt.fetch(id, Phase::Forward).unwrap().tensor(), &x, None).unwrap();
         inputs.push(std::mem::replace(&mut x, y));
     }
     // The head: logits, then loss and backward.

@@ -207,8 +207,8 @@ fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, 
     let stats = rt.finish_step().unwrap();
     assert!(!stats.skipped && stats.clip_scale == 1.0, "{stats:?}");
     rt.sync().unwrap();
-    for u in 0..units.len() {
-        let (master, _, _) = rt.unit_state(unit_ids[u]).unwrap();
+    for (u, &id) in unit_ids.iter().enumerate() {
+        let (master, _, _) = rt.unit_state(id).unwrap();
         for (name, ours) in by_param(&model, u, &master) {
             assert_close(&format!("{label} AdamW step {name}"), &ours, &floats(&step, &name), 1e-5, 1e-7);
         }

@@ -904,7 +904,7 @@ fn file_size_violations(path: &str, text: &str) -> Vec<String> {
 }
 
 /// The body of the first `{ .. }` block that follows `start` in `code` (brace-matched), or `None`.
-fn block_after<'a>(code: &'a str, start: usize) -> Option<&'a str> {
+fn block_after(code: &str, start: usize) -> Option<&str> {
     let open = start + code[start..].find('{')?;
     let mut depth = 0usize;
     for (i, c) in code[open..].char_indices() {
