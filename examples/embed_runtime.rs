@@ -65,8 +65,8 @@ fn main() -> anyhow::Result<()> {
             println!(
                 "step {step:>3}  loss {:.5}  H2D {} B  D2H {} B  stall {:.1} ms",
                 loss.to_scalar::<f32>()?,
-                stats.h2d_bytes,
-                stats.d2h_bytes,
+                stats.figures.h2d_bytes,
+                stats.figures.d2h_bytes,
                 stats.stall_s() * 1e3
             );
         }

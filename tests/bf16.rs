@@ -26,8 +26,8 @@ fn offloaded_bf16_training_equals_in_memory_bf16_training_bitwise() {
     let mut clipped = 0;
     for _ in 0..12 {
         let out = t.train_step().unwrap();
-        assert!(out.loss.is_finite() && !out.stats.skipped, "{out:?}");
-        clipped += (out.stats.clip_scale < 1.0) as usize;
+        assert!(out.loss.is_finite() && !out.stats.figures.skipped, "{out:?}");
+        clipped += (out.stats.figures.clip_scale < 1.0) as usize;
         losses.push(out.loss);
     }
     assert!(clipped > 0, "the test should exercise clipping (clip_norm 0.5)");
@@ -51,7 +51,7 @@ fn traffic(cfg: &TrainConfig, steps: usize) -> Vec<[u64; 4]> {
     (0..steps)
         .map(|_| {
             let s = t.train_step().unwrap().stats;
-            [s.h2d_bytes, s.d2h_bytes, s.nvme_read_bytes, s.nvme_write_bytes]
+            [s.figures.h2d_bytes, s.figures.d2h_bytes, s.figures.nvme_read_bytes, s.figures.nvme_write_bytes]
         })
         .collect()
 }

@@ -69,8 +69,8 @@ fn validation_losses(cfg: TrainConfig) -> Vec<f64> {
     let mut val = vec![t.evaluate().unwrap().nats_per_token];
     for step in 1..=steps {
         let out = t.train_step().unwrap();
-        assert!(out.loss.is_finite() && !out.stats.skipped, "step {step}: {out:?}");
-        assert!(out.stats.grad_norm.is_finite(), "step {step}: grad norm {}", out.stats.grad_norm);
+        assert!(out.loss.is_finite() && !out.stats.figures.skipped, "step {step}: {out:?}");
+        assert!(out.stats.figures.grad_norm.is_finite(), "step {step}: grad norm {}", out.stats.figures.grad_norm);
         if step % every == 0 {
             val.push(t.evaluate().unwrap().nats_per_token);
         }

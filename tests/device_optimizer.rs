@@ -75,7 +75,7 @@ fn a_llama_with_device_optimizers_tracks_the_all_cpu_run() {
     let mut clipped = 0;
     for _ in 0..20 {
         let out = t.train_step().unwrap();
-        clipped += (out.stats.clip_scale < 1.0) as usize;
+        clipped += (out.stats.figures.clip_scale < 1.0) as usize;
         losses.push(out.loss);
     }
     assert!(clipped > 0, "the clip scale reaches the device updates too (clip_norm 0.5)");
@@ -246,8 +246,8 @@ fn device_updates_share_the_steps_clip_and_skip() {
                     g
                 }
             });
-            t += u64::from(!s.skipped);
-            reports.push((s.skipped, s.clip_scale, s.grad_norm));
+            t += u64::from(!s.figures.skipped);
+            reports.push((s.figures.skipped, s.figures.clip_scale, s.figures.grad_norm));
         }
         (reports, states(&rt))
     };

@@ -143,7 +143,7 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
         rt.push_grads_slice(unit_ids[u], oogc::optimizer::GradSlice::F32(&flat)).unwrap();
     }
     let stats = rt.finish_step().unwrap();
-    assert!(!stats.skipped && stats.clip_scale == 1.0, "{stats:?}");
+    assert!(!stats.figures.skipped && stats.figures.clip_scale == 1.0, "{stats:?}");
     rt.sync().unwrap();
     for (u, _) in units.iter().enumerate() {
         let (master, _, _) = rt.unit_state(unit_ids[u]).unwrap();

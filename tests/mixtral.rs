@@ -205,7 +205,7 @@ fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, 
         }
     }
     let stats = rt.finish_step().unwrap();
-    assert!(!stats.skipped && stats.clip_scale == 1.0, "{stats:?}");
+    assert!(!stats.figures.skipped && stats.figures.clip_scale == 1.0, "{stats:?}");
     rt.sync().unwrap();
     for (u, &id) in unit_ids.iter().enumerate() {
         let (master, _, _) = rt.unit_state(id).unwrap();

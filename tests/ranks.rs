@@ -130,14 +130,14 @@ fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
     let (mut h2d_bytes, mut gathers, mut gather_bytes, mut routed) = (0, 0, 0, Vec::new());
     while t.step() < last {
         let o = t.train_step().expect("step");
-        h2d_bytes += o.stats.h2d_bytes;
+        h2d_bytes += o.stats.figures.h2d_bytes;
         routed.push(o.routed_tokens.clone());
         gathers += o.stats.gathers;
         gather_bytes += o.stats.gather_bytes;
         losses.push(o.loss);
         // JSON has no NaN: a non-finite norm is written as -1.
-        grad_norms.push(if o.stats.grad_norm.is_finite() { o.stats.grad_norm } else { -1.0 });
-        skipped.push(o.stats.skipped);
+        grad_norms.push(if o.stats.figures.grad_norm.is_finite() { o.stats.figures.grad_norm } else { -1.0 });
+        skipped.push(o.stats.figures.skipped);
     }
     // The budget check before the run (and the summary's plan peak) plans what the runtime
     // applies: on each rank its shards, MoE experts' compute copies whole.

@@ -70,7 +70,7 @@ fn train(cpu_middle: bool, steps: u64) -> (Vec<f32>, Vec<Vec<f32>>, u64) {
             }
             grad = grads.get(&input).unwrap().clone();
         }
-        h2d += rt.finish_step().unwrap().h2d_bytes;
+        h2d += rt.finish_step().unwrap().figures.h2d_bytes;
     }
     rt.sync().unwrap();
     let params = units.iter().map(|&u| rt.unit_state(u).unwrap().0).collect();

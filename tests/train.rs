@@ -17,7 +17,7 @@ fn run_steps(cfg: TrainConfig, steps: u64) -> (Vec<f64>, Vec<Vec<f32>>, Trainer)
     let mut clipped = 0;
     for _ in 0..steps {
         let out = t.train_step().unwrap();
-        clipped += (out.stats.clip_scale < 1.0) as usize;
+        clipped += (out.stats.figures.clip_scale < 1.0) as usize;
         losses.push(out.loss);
     }
     assert!(clipped > 0, "the test should exercise clipping (clip_norm 0.5)");
@@ -74,7 +74,7 @@ fn moe_training_with_hot_and_cpu_experts_equals_in_memory_moe_training() {
         let mut out = Vec::new();
         for _ in 0..20 {
             let s = t.train_step().unwrap();
-            out.push((s.loss, s.aux_loss, s.cpu_tokens, s.stats.h2d_bytes));
+            out.push((s.loss, s.aux_loss, s.cpu_tokens, s.stats.figures.h2d_bytes));
         }
         (out, t.master_weights().unwrap())
     };
@@ -204,7 +204,7 @@ fn parameter_traffic_per_step_does_not_grow_with_micro_batches() {
         let mut t = Trainer::new(c, oogc::dist::Ranks::single()).unwrap();
         let steps: Vec<_> = (0..6).map(|_| t.train_step().unwrap()).collect();
         let tokens = steps[0].tokens;
-        (steps.iter().map(|s| (s.stats.h2d_bytes, s.stats.d2h_bytes)).collect::<Vec<_>>(), tokens)
+        (steps.iter().map(|s| (s.stats.figures.h2d_bytes, s.stats.figures.d2h_bytes)).collect::<Vec<_>>(), tokens)
     };
     let (one, tokens_one) = traffic(1);
     let (four, tokens_four) = traffic(4);

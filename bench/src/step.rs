@@ -288,17 +288,17 @@ pub(crate) fn measure_with(
         let n = steps as u64;
         let sum = |f: fn(&oogc::runtime::StepStats) -> u64| stats.iter().map(f).sum::<u64>() / n;
         Ok(Measured {
-            step_s: median(stats.iter().map(|s| s.step_s).collect()),
-            busy_s: median(stats.iter().map(|s| (s.step_s - s.stall_s()).max(0.0)).collect()),
+            step_s: median(stats.iter().map(|s| s.figures.step_s).collect()),
+            busy_s: median(stats.iter().map(|s| (s.figures.step_s - s.stall_s()).max(0.0)).collect()),
             forward_busy_s: median(stats.iter().map(|s| (s.forward.wall_s - s.forward.stall_s).max(0.0)).collect()),
             forward_h2d: sum(|s| s.forward.h2d_bytes),
             forward_d2h: sum(|s| s.forward.d2h_bytes),
-            stall_transfer_s: median(stats.iter().map(|s| s.stall_transfer_s).collect()),
-            stall_optimizer_s: median(stats.iter().map(|s| s.stall_optimizer_s).collect()),
-            h2d: sum(|s| s.h2d_bytes),
-            d2h: sum(|s| s.d2h_bytes),
-            nvme_r: sum(|s| s.nvme_read_bytes),
-            nvme_w: sum(|s| s.nvme_write_bytes),
+            stall_transfer_s: median(stats.iter().map(|s| s.figures.stall_transfer_s).collect()),
+            stall_optimizer_s: median(stats.iter().map(|s| s.figures.stall_optimizer_s).collect()),
+            h2d: sum(|s| s.figures.h2d_bytes),
+            d2h: sum(|s| s.figures.d2h_bytes),
+            nvme_r: sum(|s| s.figures.nvme_read_bytes),
+            nvme_w: sum(|s| s.figures.nvme_write_bytes),
             nvme_busy_s: ((after.nvme_read.busy_s - before.nvme_read.busy_s)
                 + (after.nvme_write.busy_s - before.nvme_write.busy_s))
                 / steps as f64,

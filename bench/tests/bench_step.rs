@@ -53,7 +53,7 @@ fn run(cfg: &str, steps: usize) -> (Vec<f64>, Vec<Vec<f32>>, f64) {
     let mut optimizer_stall = 0.0;
     for _ in 0..steps {
         let out = t.train_step().unwrap();
-        optimizer_stall += out.stats.stall_optimizer_s;
+        optimizer_stall += out.stats.figures.stall_optimizer_s;
         losses.push(out.loss);
     }
     (losses, t.master_weights().unwrap(), optimizer_stall)
@@ -88,10 +88,10 @@ fn the_turn_splits_each_step_into_forward_and_backward() {
     for _ in 0..3 {
         let s = t.train_step().unwrap().stats;
         let f = s.forward;
-        assert!(f.wall_s > 0.0 && f.wall_s < s.step_s, "{s:?}");
+        assert!(f.wall_s > 0.0 && f.wall_s < s.figures.step_s, "{s:?}");
         assert!(f.stall_s <= s.stall_s() + 1e-12, "{s:?}");
         // The forward fetches every unit but the head, which the backward fetches at the turn.
-        assert!(f.h2d_bytes > 0 && f.h2d_bytes < s.h2d_bytes, "{s:?}");
+        assert!(f.h2d_bytes > 0 && f.h2d_bytes < s.figures.h2d_bytes, "{s:?}");
         // Gradients go down only in the backward.
         assert_eq!(f.d2h_bytes, 0, "{s:?}");
     }

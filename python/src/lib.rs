@@ -237,7 +237,7 @@ impl PyRuntime {
     fn finish_step<'py>(&self, py: Python<'py>) -> Result<Bound<'py, PyAny>> {
         let stats = self.with(py, |st| {
             let stats = st.rt.finish_step()?;
-            if !stats.skipped {
+            if !stats.figures.skipped {
                 st.adam_step = stats.step;
             }
             Ok(stats)

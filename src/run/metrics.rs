@@ -6,6 +6,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
+use crate::runtime::StepFigures;
 use crate::train::{Result, TrainError};
 
 /// One line of the metrics file.
@@ -76,52 +77,6 @@ pub struct StepRecord {
     /// on the sim device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_peak_bytes: Option<u64>,
-}
-
-/// The figures of [`crate::runtime::StepStats`] that a metrics line carries as they are: always
-/// written, same names, same values ([`StepRecord::stats`], flattened into the line). The rest
-/// of `StepStats` is left out (`forward`, `device_update_s`, `gather_s`) or written by
-/// [`StepRecord`] only when it means something (`device_units`, `gathers`, ...:
-/// absent when zero; `device_peak_bytes`: absent on the sim device).
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct StepFigures {
-    /// Step wall time, seconds.
-    pub step_s: f64,
-    /// Time waiting for H2D/D2H copies, seconds.
-    pub stall_transfer_s: f64,
-    /// Time waiting for optimizer updates, seconds.
-    pub stall_optimizer_s: f64,
-    /// Bytes host→device.
-    pub h2d_bytes: u64,
-    /// Bytes device→host.
-    pub d2h_bytes: u64,
-    /// Bytes read from NVMe.
-    pub nvme_read_bytes: u64,
-    /// Bytes written to NVMe.
-    pub nvme_write_bytes: u64,
-    /// Global gradient norm before clipping.
-    pub grad_norm: f64,
-    /// Clip scale (1 = not clipped).
-    pub clip_scale: f32,
-    /// Step skipped for a non-finite gradient.
-    pub skipped: bool,
-}
-
-impl From<&crate::runtime::StepStats> for StepFigures {
-    fn from(s: &crate::runtime::StepStats) -> Self {
-        Self {
-            step_s: s.step_s,
-            stall_transfer_s: s.stall_transfer_s,
-            stall_optimizer_s: s.stall_optimizer_s,
-            h2d_bytes: s.h2d_bytes,
-            d2h_bytes: s.d2h_bytes,
-            nvme_read_bytes: s.nvme_read_bytes,
-            nvme_write_bytes: s.nvme_write_bytes,
-            grad_norm: s.grad_norm,
-            clip_scale: s.clip_scale,
-            skipped: s.skipped,
-        }
-    }
 }
 
 /// A line of a JSON-lines file cut short by a crash (the last line, without its newline).

@@ -15,7 +15,7 @@ mod metrics;
 mod summary;
 
 use metrics::trim_metrics_for_resume;
-pub use metrics::{read_metrics, MetricsFile, StepFigures, StepRecord, TornLine};
+pub use metrics::{read_metrics, MetricsFile, StepRecord, TornLine};
 use summary::host_report;
 pub use summary::{gb, HostReport, RunSummary};
 
@@ -242,13 +242,13 @@ pub fn run(
             }
         }
         tokens += out.tokens;
-        summary.train_s += s.step_s;
-        summary.exposed_transfer_s += s.stall_transfer_s;
-        summary.exposed_optimizer_s += s.stall_optimizer_s;
-        summary.h2d_bytes += s.h2d_bytes;
-        summary.d2h_bytes += s.d2h_bytes;
-        summary.nvme_read_bytes += s.nvme_read_bytes;
-        summary.nvme_write_bytes += s.nvme_write_bytes;
+        summary.train_s += s.figures.step_s;
+        summary.exposed_transfer_s += s.figures.stall_transfer_s;
+        summary.exposed_optimizer_s += s.figures.stall_optimizer_s;
+        summary.h2d_bytes += s.figures.h2d_bytes;
+        summary.d2h_bytes += s.figures.d2h_bytes;
+        summary.nvme_read_bytes += s.figures.nvme_read_bytes;
+        summary.nvme_write_bytes += s.figures.nvme_write_bytes;
         summary.gather_bytes += s.gather_bytes;
         summary.final_loss = out.loss;
         let step = trainer.step();
@@ -268,9 +268,9 @@ pub fn run(
             val_loss: val.map(|v| v.nats_per_token),
             val_bits_per_byte: val.map(|v| v.bits_per_byte),
             lr: out.lr,
-            tokens_per_s: out.tokens as f64 / s.step_s.max(1e-9),
+            tokens_per_s: out.tokens as f64 / s.figures.step_s.max(1e-9),
             stall_s: s.stall_s(),
-            stats: StepFigures::from(s),
+            stats: s.figures,
             aux_loss: (!out.routed_tokens.is_empty()).then_some(out.aux_loss),
             cpu_tokens: (!out.routed_tokens.is_empty()).then_some(out.cpu_tokens),
             expert_h2d_bytes: (!out.routed_tokens.is_empty()).then_some(out.expert_traffic.h2d_bytes),
@@ -278,7 +278,7 @@ pub fn run(
                 .then(|| out.expert_traffic.hits as f64 / out.expert_traffic.uses.max(1) as f64),
             rank_step_s: match world.size {
                 1 => None,
-                _ => Some(ranks.all_gather_f64(s.step_s).map_err(crate::runtime::RuntimeError::from)?),
+                _ => Some(ranks.all_gather_f64(s.figures.step_s).map_err(crate::runtime::RuntimeError::from)?),
             },
             rss_bytes,
             minor_faults,
@@ -288,8 +288,8 @@ pub fn run(
             gather_bytes: (s.gathers > 0).then_some(s.gather_bytes),
             device_peak_bytes: s.device_peak_bytes,
         };
-        if s.skipped {
-            observer.line(&format!("step {step}: skipped, a gradient was not finite (norm {})", s.grad_norm));
+        if s.figures.skipped {
+            observer.line(&format!("step {step}: skipped, a gradient was not finite (norm {})", s.figures.grad_norm));
         }
         if let Some((w, path)) = &mut metrics {
             let line = serde_json::to_string(&record).expect("record serializes");
@@ -418,6 +418,7 @@ impl DeviceGuard {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::StepFigures;
 
     #[test]
     fn the_device_guard_warns_once_past_the_plans_pool_bytes_naming_its_largest_parts() {

@@ -139,7 +139,7 @@ impl Runtime {
         self.check_working_set()?;
         self.publish(unit)?;
         let u = self.units.get(unit);
-        let (tensor, numel, dtype) = (u.tensor, u.numel, u.dtype);
+        let (tensor, numel, dtype) = (unit.tensor(), u.numel, u.dtype);
         let bytes = device_optimizer_bytes(numel, dtype);
         match place {
             OptimizerPlace::Device => {

@@ -113,10 +113,10 @@ impl Runtime {
         let span = tracing::info_span!("runtime::fetch", unit = unit.index(), ?phase);
         let _e = span.enter();
         self.publish(unit)?;
-        let tensor = self.units.get(unit).tensor;
+        let tensor = unit.tensor();
         let t = Instant::now();
         let pin = self.tiers.residency.acquire(tensor, Tier::Device, access)?;
-        self.clock.stats.stall_transfer_s += t.elapsed().as_secs_f64();
+        self.clock.stats.figures.stall_transfer_s += t.elapsed().as_secs_f64();
         let u = self.units.get(unit);
         let mut recorder = None;
         if phase != Phase::Eval && u.scheduled() {
@@ -145,9 +145,9 @@ impl Runtime {
         }
         let t = Instant::now();
         self.grads.wait_submitted()?;
-        self.grads.optimizer().publish(self.units.get(unit).tensor)?;
+        self.grads.optimizer().publish(unit.tensor())?;
         self.units.get_mut(unit).update = Update::Current;
-        self.clock.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
+        self.clock.stats.figures.stall_optimizer_s += t.elapsed().as_secs_f64();
         Ok(())
     }
 
@@ -195,7 +195,7 @@ impl Runtime {
         }
         self.publish(unit)?;
         let u = self.units.get(unit);
-        let (tensor, numel, dtype) = (u.tensor, u.numel, u.dtype);
+        let (tensor, numel, dtype) = (unit.tensor(), u.numel, u.dtype);
         let pin = self.tiers.residency.acquire(tensor, Tier::Host, Access::Read)?;
         // A host copy computed on the CPU: CPU by nature.
         let t =

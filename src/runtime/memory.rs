@@ -177,7 +177,8 @@ impl<'a> Memory<'a> {
     /// Whether `unit` has a copy on the device now (a fetch would move no bytes).
     pub fn is_on_device(&self, unit: UnitId) -> bool {
         let u = self.rt.units.get(unit);
-        matches!(u.kind, Kind::Device { .. }) || self.rt.tiers.residency.residency(u.tensor).is_ok_and(|r| r.device)
+        matches!(u.kind, Kind::Device { .. })
+            || self.rt.tiers.residency.residency(unit.tensor()).is_ok_and(|r| r.device)
     }
 
     /// The device's ordering check: a copy, free or reuse of a device buffer not ordered after

@@ -96,7 +96,7 @@ pub use error::{Result, RuntimeError};
 pub use memory::Memory;
 pub use oogc_prefetch::Phase;
 pub use ordering::OrderingCall;
-pub use stats::{PeakBytes, PhaseStats, StepStats};
+pub use stats::{PeakBytes, PhaseStats, StepFigures, StepStats};
 pub use unit::{DeviceMemory, PinnedUnit, UnitParams, Units};
 
 use activations::ActivationPipe;
@@ -130,9 +130,14 @@ impl UnitId {
     }
 
     /// The swapper tensor of the unit's compute copy and the optimizer's key for it — the one
-    /// mapping, numbered as units are (the unit table keeps it: `Unit::tensor`).
+    /// mapping (tensors are numbered as units are), with its inverse [`UnitId::of_tensor`].
     fn tensor(self) -> TensorId {
         TensorId(self.0 as u64)
+    }
+
+    /// The unit whose compute copy is swapper tensor `tensor` (not checked against a table).
+    fn of_tensor(tensor: TensorId) -> Option<Self> {
+        usize::try_from(tensor.0).ok().map(Self)
     }
 }
 
@@ -352,7 +357,7 @@ impl Runtime {
         // Gradients land in buffers of the largest unit's size (the plan's two): reused by every
         // unit's D2H instead of one size class giving way to another every step.
         self.grads.raise_landing_len(dtype.num_bytes(master.len()));
-        Ok(self.units.push(Unit::new(name, tensor, master.len(), kept.len(), dtype, kind)))
+        Ok(self.units.push(Unit::new(name, master.len(), kept.len(), dtype, kind)))
     }
 
     /// Declares how many units the caller pins at once (default 1; 2 for a tied LM head, which

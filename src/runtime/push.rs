@@ -76,7 +76,7 @@ impl Runtime {
         self.grads.check()?;
         let dtype = self.units.get(unit).dtype;
         let stall_s = self.grads.push(unit, src, dtype, self.tiers.device(), self.tiers.order)?;
-        self.clock.stats.stall_transfer_s += stall_s;
+        self.clock.stats.figures.stall_transfer_s += stall_s;
         self.units.get_mut(unit).update = Update::Pushed;
         self.record_optimizer_write(unit);
         Ok(())
@@ -87,7 +87,7 @@ impl Runtime {
     fn record_optimizer_write(&self, unit: UnitId) {
         let u = self.units.get(unit);
         if u.scheduled() {
-            self.scheduler.record_optimizer_write(u.tensor, u.home_bytes());
+            self.scheduler.record_optimizer_write(unit.tensor(), u.home_bytes());
         }
     }
 

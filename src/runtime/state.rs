@@ -19,7 +19,7 @@ impl Runtime {
             // The device optimizer's state (a checkpoint's read, not counted as link traffic).
             return Ok((d.master.to_vec1()?, d.m.to_vec1()?, d.v.to_vec1()?));
         }
-        let s = self.grads.optimizer().export_state(u.tensor)?;
+        let s = self.grads.optimizer().export_state(unit.tensor())?;
         if self.ranks.world().size == 1 {
             return Ok((s.master, s.m, s.v));
         }
@@ -44,7 +44,7 @@ impl Runtime {
         }
         self.publish(unit)?;
         let u = self.units.get_mut(unit);
-        let (tensor, dtype) = (u.tensor, u.dtype);
+        let (tensor, dtype) = (unit.tensor(), u.dtype);
         let copy_dtype = candle_dtype(dtype)?;
         if let Some(d) = u.device_mut() {
             // Restored where the optimizer lives: on the device.

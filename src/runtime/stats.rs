@@ -6,29 +6,10 @@
 pub struct StepStats {
     /// The optimizer step (1-based).
     pub step: u64,
-    /// Wall time from [`super::Runtime::begin_step`] to the end of
-    /// [`super::Runtime::finish_step`], seconds.
-    pub step_s: f64,
-    /// Time the caller was blocked in [`super::Runtime::fetch`] waiting for H2D copies (exposed
-    /// transfer), seconds.
-    pub stall_transfer_s: f64,
-    /// Time the caller was blocked waiting for optimizer updates (at fetch and at the end of the
-    /// step), seconds.
-    pub stall_optimizer_s: f64,
-    /// Bytes copied host→device.
-    pub h2d_bytes: u64,
-    /// Bytes copied device→host (gradients and write-backs).
-    pub d2h_bytes: u64,
-    /// Bytes read from NVMe (optimizer state, spilled compute copies).
-    pub nvme_read_bytes: u64,
-    /// Bytes written to NVMe.
-    pub nvme_write_bytes: u64,
-    /// Global gradient L2 norm before clipping.
-    pub grad_norm: f64,
-    /// Scale applied to the gradients (1 = not clipped).
-    pub clip_scale: f32,
-    /// The step was skipped: a gradient was not finite.
-    pub skipped: bool,
+    /// Its time, link traffic and the optimizer's verdict (what a metrics line carries as it
+    /// is, flattened: serialised as fields of the step).
+    #[serde(flatten)]
+    pub figures: StepFigures,
     /// The forward phase (from [`super::Runtime::begin_step`] to
     /// [`super::Runtime::end_forward`]); all zero when the caller did not mark the turn. The
     /// backward phase is the step minus this.
@@ -59,6 +40,36 @@ pub struct StepStats {
     pub device_peak_bytes: Option<u64>,
 }
 
+/// The figures of one step that every metrics line carries as they are (flattened into
+/// [`StepStats`] and into `crate::run::StepRecord`, same names, same values): time, link
+/// traffic and the optimizer's verdict.
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct StepFigures {
+    /// Wall time from [`super::Runtime::begin_step`] to the end of
+    /// [`super::Runtime::finish_step`], seconds.
+    pub step_s: f64,
+    /// Time the caller was blocked in [`super::Runtime::fetch`] waiting for H2D copies (exposed
+    /// transfer), seconds.
+    pub stall_transfer_s: f64,
+    /// Time the caller was blocked waiting for optimizer updates (at fetch and at the end of the
+    /// step), seconds.
+    pub stall_optimizer_s: f64,
+    /// Bytes copied host→device.
+    pub h2d_bytes: u64,
+    /// Bytes copied device→host (gradients and write-backs).
+    pub d2h_bytes: u64,
+    /// Bytes read from NVMe (optimizer state, spilled compute copies).
+    pub nvme_read_bytes: u64,
+    /// Bytes written to NVMe.
+    pub nvme_write_bytes: u64,
+    /// Global gradient L2 norm before clipping.
+    pub grad_norm: f64,
+    /// Scale applied to the gradients (1 = not clipped).
+    pub clip_scale: f32,
+    /// The step was skipped: a gradient was not finite.
+    pub skipped: bool,
+}
+
 /// Time and link traffic of one phase of a step (see [`StepStats::forward`]).
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct PhaseStats {
@@ -75,7 +86,7 @@ pub struct PhaseStats {
 impl StepStats {
     /// Total stall (exposed transfer + exposed optimizer), seconds.
     pub fn stall_s(&self) -> f64 {
-        self.stall_transfer_s + self.stall_optimizer_s
+        self.figures.stall_transfer_s + self.figures.stall_optimizer_s
     }
 }
 
@@ -115,7 +126,11 @@ impl StepClock {
     pub(super) fn begin(&mut self, step: u64, lr: f32, traffic: oogc_swapper::MetricsSnapshot) {
         self.step = step;
         self.lr = lr;
-        self.stats = StepStats { step, clip_scale: 1.0, ..StepStats::default() };
+        self.stats = StepStats {
+            step,
+            figures: StepFigures { clip_scale: 1.0, ..StepFigures::default() },
+            ..StepStats::default()
+        };
         self.at_begin = Some(traffic);
         self.started = Some(std::time::Instant::now());
     }
@@ -146,11 +161,11 @@ impl StepClock {
     /// Closes the step: its link and NVMe bytes from `now` (the counters now) and its wall time.
     pub(super) fn close(&mut self, now: &oogc_swapper::MetricsSnapshot) {
         if let Some(begin) = self.at_begin.take() {
-            self.stats.h2d_bytes = now.htod.bytes - begin.htod.bytes;
-            self.stats.d2h_bytes = now.dtoh.bytes - begin.dtoh.bytes;
-            self.stats.nvme_read_bytes = now.nvme_read.bytes - begin.nvme_read.bytes;
-            self.stats.nvme_write_bytes = now.nvme_write.bytes - begin.nvme_write.bytes;
+            self.stats.figures.h2d_bytes = now.htod.bytes - begin.htod.bytes;
+            self.stats.figures.d2h_bytes = now.dtoh.bytes - begin.dtoh.bytes;
+            self.stats.figures.nvme_read_bytes = now.nvme_read.bytes - begin.nvme_read.bytes;
+            self.stats.figures.nvme_write_bytes = now.nvme_write.bytes - begin.nvme_write.bytes;
         }
-        self.stats.step_s = self.started.take().map_or(0.0, |s| s.elapsed().as_secs_f64());
+        self.stats.figures.step_s = self.started.take().map_or(0.0, |s| s.elapsed().as_secs_f64());
     }
 }

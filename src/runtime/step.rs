@@ -122,7 +122,7 @@ impl Runtime {
         let t = Instant::now();
         self.grads.wait_submitted()?;
         for (unit, grads, claim) in self.grads.take_held() {
-            let handle = self.grads.optimizer().submit_claimed(self.units.get(unit).tensor, grads, claim)?;
+            let handle = self.grads.optimizer().submit_claimed(unit.tensor(), grads, claim)?;
             self.units.get_mut(unit).handle = Some(handle);
         }
         self.collect_handles();
@@ -154,7 +154,7 @@ impl Runtime {
         if self.ranks.world().size > 1 && !report.skipped {
             self.gather_updates()?;
         }
-        self.clock.stats.stall_optimizer_s += t.elapsed().as_secs_f64();
+        self.clock.stats.figures.stall_optimizer_s += t.elapsed().as_secs_f64();
         if !self.config.overlap_optimizer {
             // `publish` adds its own wait to `stall_optimizer_s`.
             self.sync()?;
@@ -163,11 +163,11 @@ impl Runtime {
         let device_units = self.units.iter().filter(|(_, u)| u.device().is_some()).count();
         let now = self.tiers.traffic();
         let stats = &mut self.clock.stats;
-        stats.grad_norm = report.grad_norm;
-        stats.clip_scale = report.clip_scale;
+        stats.figures.grad_norm = report.grad_norm;
+        stats.figures.clip_scale = report.clip_scale;
         stats.device_units = device_units;
         stats.device_optimizer_bytes = self.carve.device_optimizers;
-        stats.skipped = report.skipped;
+        stats.figures.skipped = report.skipped;
         self.clock.close(&now);
         self.clock.stats.device_peak_bytes = self.tiers.device().pool_peak_bytes()?;
         // A copy, free or reuse of a device buffer not ordered after the compute that used it
@@ -183,18 +183,18 @@ impl Runtime {
     fn add_device_sumsqs(&mut self) -> Result<Option<RuntimeError>> {
         let immediate = self.config.optimizer.updates_immediately();
         let mut failed = None;
-        for (_, u) in self.units.iter() {
+        for (id, u) in self.units.iter() {
             let Some(g) = u.device().and_then(|d| d.grads.as_ref()) else { continue };
             let sumsq = device_optim::sumsq(g)?;
             if immediate && !sumsq.is_finite() {
                 failed.get_or_insert(RuntimeError::Optimizer(oogc_optimizer::Error::NonFiniteGradient {
                     step: self.clock.step,
-                    unit: u.tensor,
+                    unit: id.tensor(),
                     sumsq,
                 }));
                 continue;
             }
-            self.grads.optimizer().add_external_sumsq(u.tensor, sumsq)?;
+            self.grads.optimizer().add_external_sumsq(id.tensor(), sumsq)?;
         }
         Ok(failed)
     }
@@ -225,16 +225,16 @@ impl Runtime {
     /// is current from here (its fetches publish nothing). Waits for the updates.
     fn gather_updates(&mut self) -> Result<()> {
         let optimizer = self.grads.optimizer();
-        for (_, u) in self.units.iter_mut() {
+        for (id, u) in self.units.iter_mut() {
             // A gathered unit's copy is gathered at its fetch instead.
             if u.update != Update::StepFinished || matches!(u.kind, Kind::Gathered) {
                 continue;
             }
-            optimizer.publish(u.tensor)?;
+            optimizer.publish(id.tensor())?;
             let mut shard = Vec::new();
-            optimizer.read_compute_copy(u.tensor, |bytes| shard = bytes.to_vec())?;
+            optimizer.read_compute_copy(id.tensor(), |bytes| shard = bytes.to_vec())?;
             let full = gathered::all_gather_unit(&self.ranks, &shard, u.numel, u.dtype)?;
-            home::overwrite_host_copy(&self.tiers.residency, u.tensor, &mut |b| {
+            home::overwrite_host_copy(&self.tiers.residency, id.tensor(), &mut |b| {
                 b[..full.len()].copy_from_slice(&full)
             })?;
             u.update = Update::Current;

@@ -81,8 +81,6 @@ pub(super) enum Update {
 #[derive(Debug)]
 pub(super) struct Unit {
     pub(super) name: String,
-    /// The swapper tensor of its compute copy, also the optimizer's key for it.
-    pub(super) tensor: TensorId,
     /// Parameters (elements of the flat vector).
     pub(super) numel: usize,
     /// Elements of the compute copy the tiers hold: `numel`, or this rank's shard of them for a
@@ -98,8 +96,8 @@ pub(super) struct Unit {
 }
 
 impl Unit {
-    pub(super) fn new(name: &str, tensor: TensorId, numel: usize, home_numel: usize, dtype: DType, kind: Kind) -> Self {
-        Self { name: name.to_string(), tensor, numel, home_numel, dtype, kind, update: Update::Current, handle: None }
+    pub(super) fn new(name: &str, numel: usize, home_numel: usize, dtype: DType, kind: Kind) -> Self {
+        Self { name: name.to_string(), numel, home_numel, dtype, kind, update: Update::Current, handle: None }
     }
 
     /// Bytes of the compute copy (and of the unit's gradients, which have its dtype).
@@ -175,7 +173,7 @@ impl Units {
     /// The unit whose compute copy is swapper tensor `tensor` (tensors are numbered as units
     /// are: [`UnitId`]'s one mapping).
     pub(super) fn of_tensor(&self, tensor: TensorId) -> Option<&Unit> {
-        self.list.get(usize::try_from(tensor.0).ok()?).filter(|u| u.tensor == tensor)
+        self.list.get(UnitId::of_tensor(tensor)?.0)
     }
 
     pub(super) fn iter(&self) -> impl Iterator<Item = (UnitId, &Unit)> {
@@ -236,7 +234,7 @@ impl Units {
     /// The swapper tensor that holds its compute copy (what eviction policies and the swapper's
     /// metrics and traces name).
     pub fn tensor(&self, unit: UnitId) -> TensorId {
-        self.list[unit.0].tensor
+        unit.tensor()
     }
 
     /// Where its optimizer lives.

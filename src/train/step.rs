@@ -190,7 +190,7 @@ impl Trainer {
         }
         let stats = self.rt.finish_step()?;
         self.step = step;
-        if !stats.skipped {
+        if !stats.figures.skipped {
             self.updates += 1;
         }
         if let Some(m) = &mut self.moe {

@@ -325,7 +325,7 @@ fn dense_step(
     grads.insert(0, host_f64(&g0)?);
     rt.push_grads(ids[0], &g0)?;
     let stats = rt.finish_step()?;
-    Ok(FixtureOut { logits, extra: vec![("loss".into(), vec![out.loss])], grads, h2d_bytes: stats.h2d_bytes })
+    Ok(FixtureOut { logits, extra: vec![("loss".into(), vec![out.loss])], grads, h2d_bytes: stats.figures.h2d_bytes })
 }
 
 /// One step of the Mixtral fixture through the runtime, every routed expert fetched.
@@ -430,7 +430,7 @@ fn moe_step(
             ("loss".into(), vec![out.loss + aux]),
         ],
         grads,
-        h2d_bytes: stats.h2d_bytes,
+        h2d_bytes: stats.figures.h2d_bytes,
     })
 }
 

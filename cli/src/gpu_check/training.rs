@@ -238,11 +238,12 @@ const PEAK_VS_PLAN: f64 = 0.10;
 /// the copy stream's peak; `failures` gets the peak's miss past [`PEAK_VS_PLAN`].
 fn gpu_figures(ctx: &Ctx, r: &RunOut, warmup: usize, f: &mut Figures, tag: &str, failures: &mut Vec<String>) -> String {
     let s = &r.stats[warmup.min(r.stats.len().saturating_sub(1))..];
-    let step_s = median(&s.iter().map(|x| x.step_s).collect::<Vec<_>>());
+    let step_s = median(&s.iter().map(|x| x.figures.step_s).collect::<Vec<_>>());
     let tps = r.tokens_per_step as f64 / step_s;
     let (peak_tflops, peak_h2d_gbps, source) = super::common::gpu_peaks(&ctx.out);
     let mfu = 6.0 * r.params as f64 * tps / (peak_tflops * 1e12);
-    let h2d_gbps = median(&s.iter().map(|x| x.h2d_bytes as f64 / x.step_s.max(1e-9) / 1e9).collect::<Vec<_>>());
+    let h2d_gbps =
+        median(&s.iter().map(|x| x.figures.h2d_bytes as f64 / x.figures.step_s.max(1e-9) / 1e9).collect::<Vec<_>>());
     f.set(&format!("{tag}_tokens_per_s"), tps);
     f.set(&format!("{tag}_mfu"), mfu);
     f.set(&format!("{tag}_h2d_gbps_over_step"), h2d_gbps);
@@ -311,7 +312,7 @@ pub(crate) fn tiny_runs(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
 
     // Offloaded at the minimum GPU budget: bitwise the resident run.
     let offloaded = train(&Run { gpu_bytes: min, ..base.clone() }, true)?;
-    let h2d: u64 = offloaded.stats.iter().map(|s| s.h2d_bytes).sum();
+    let h2d: u64 = offloaded.stats.iter().map(|s| s.figures.h2d_bytes).sum();
     f.set("offloaded", json!({"h2d_bytes": h2d, "bitwise": bitwise(&offloaded, &resident).is_ok()}));
     if let Err(e) = bitwise(&offloaded, &resident) {
         failures.push(format!("offloaded at the minimum budget differs from resident: {e}"));
@@ -346,7 +347,7 @@ pub(crate) fn tiny_runs(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
     let immediate = Run { gpu_bytes: min, immediate: true, ..base.clone() };
     let host = train(&immediate, true)?;
     let nvme = train(&Run { nvme: Some(ctx.work.join("nvme")), params_nvme: true, ..immediate.clone() }, true)?;
-    let nvme_bytes: u64 = nvme.stats.iter().map(|s| s.nvme_read_bytes + s.nvme_write_bytes).sum();
+    let nvme_bytes: u64 = nvme.stats.iter().map(|s| s.figures.nvme_read_bytes + s.figures.nvme_write_bytes).sum();
     f.set("nvme_immediate", json!({"nvme_bytes": nvme_bytes, "bitwise": bitwise(&nvme, &host).is_ok()}));
     if let Err(e) = bitwise(&nvme, &host) {
         failures.push(format!("parameters on NVMe with immediate updates differ from host memory: {e}"));
@@ -530,8 +531,9 @@ pub(crate) fn throughput(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> 
     let started = std::time::Instant::now();
     let offloaded = train(&Run { gpu_bytes: offloaded_budget, ..run.clone() }, false)?;
     let offloaded_s = started.elapsed().as_secs_f64();
-    let tps =
-        |r: &RunOut| r.tokens_per_step as f64 / median(&r.stats[WARMUP..].iter().map(|s| s.step_s).collect::<Vec<_>>());
+    let tps = |r: &RunOut| {
+        r.tokens_per_step as f64 / median(&r.stats[WARMUP..].iter().map(|s| s.figures.step_s).collect::<Vec<_>>())
+    };
     let (tr, to) = (tps(&resident), tps(&offloaded));
     let ratio = to / tr;
     f.set("tokens_per_s_resident", tr);
@@ -553,9 +555,9 @@ pub(crate) fn throughput(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> 
         let s = &r.stats[WARMUP..];
         let m = |g: &dyn Fn(&StepStats) -> f64| median(&s.iter().map(g).collect::<Vec<_>>());
         json!({
-            "step_s": m(&|x| x.step_s), "forward_s": m(&|x| x.forward.wall_s),
-            "stall_transfer_s": m(&|x| x.stall_transfer_s), "stall_optimizer_s": m(&|x| x.stall_optimizer_s),
-            "h2d_bytes": m(&|x| x.h2d_bytes as f64), "d2h_bytes": m(&|x| x.d2h_bytes as f64),
+            "step_s": m(&|x| x.figures.step_s), "forward_s": m(&|x| x.forward.wall_s),
+            "stall_transfer_s": m(&|x| x.figures.stall_transfer_s), "stall_optimizer_s": m(&|x| x.figures.stall_optimizer_s),
+            "h2d_bytes": m(&|x| x.figures.h2d_bytes as f64), "d2h_bytes": m(&|x| x.figures.d2h_bytes as f64),
         })
     };
     f.set("split_resident", split(&resident));
@@ -631,7 +633,7 @@ pub(crate) fn llama_8b(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
     f.set("params", t.num_params());
     let out = run_trainer(&mut t, &cfg, 3, false)?;
     f.set("losses", &out.losses);
-    f.set("step_s", out.stats.iter().map(|s| s.step_s).collect::<Vec<_>>());
+    f.set("step_s", out.stats.iter().map(|s| s.figures.step_s).collect::<Vec<_>>());
     let mut failures = Vec::new();
     let line = gpu_figures(ctx, &out, 1, f, "run", &mut failures);
     f.summary(format!("{:.2} B params, GPU budget 20 GiB: {line}", out.params as f64 / 1e9));

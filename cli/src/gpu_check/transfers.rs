@@ -151,7 +151,7 @@ fn round_trip_run(ctx: &Ctx, dtype: oogc::swapper::DType, f: &mut Figures) -> an
         }
         f.set(
             &format!("{dtype}.step{step}"),
-            json!({"h2d_bytes": stats.h2d_bytes, "d2h_bytes": stats.d2h_bytes, "stall_transfer_s": stats.stall_transfer_s}),
+            json!({"h2d_bytes": stats.figures.h2d_bytes, "d2h_bytes": stats.figures.d2h_bytes, "stall_transfer_s": stats.figures.stall_transfer_s}),
         );
     }
     let traffic = rt.memory().traffic();
