@@ -672,7 +672,7 @@ pub(crate) trait Family: CausalLm {
     /// dtypes (transformers upcasts the logits).
     fn loss(&self, logits: &Tensor, targets: &Tensor, count: usize) -> Result<Tensor> {
         let _ = count;
-        crate::ops::cross_entropy(&crate::ops::widen(logits)?, targets)
+        crate::kernels::cross_entropy_composed(&crate::ops::widen(logits)?, targets)
     }
 
     /// A dense block's backward of the family's own (a hand-written fused CPU backward) when it

@@ -35,8 +35,8 @@
 //! multi-head self-attention and a GELU (tanh form) MLP. LayerNorm, softmax and the
 //! cross-entropy are composed of candle ops that all have a backward (the fused candle-nn ones
 //! have none, see DESIGN.md "Traps"). On `Device::Cpu` in F32/F64, four pieces run as fused
-//! kernels with their own backward (`kernels.rs`: causal softmax, GELU, bias add, LayerNorm's
-//! scale-and-shift; about 2.5× faster per step than the op compositions); every other device or
+//! kernels with their own backward (`kernels/`: causal softmax, GELU, bias add, LayerNorm's
+//! scale-and-shift, each beside its composition; about 2.5× faster per step than the op compositions); every other device or
 //! dtype takes the op compositions. Both paths are checked against finite differences and
 //! against each other.
 //!
@@ -86,9 +86,9 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::kernels;
+use crate::kernels::{self, gelu, layer_norm, linear};
 use crate::lm::Family;
-use crate::ops::{self, gelu_composed, layer_norm, linear};
+use crate::ops;
 use crate::unit::{UnitKind, UnitSpec};
 use crate::Result;
 
@@ -207,7 +207,7 @@ impl Gpt {
         // MLP.
         let h = layer_norm(&x, &p[bi::LN2_W], &p[bi::LN2_B], self.config.ln_eps, fused)?.reshape((b * t, d))?;
         let h = linear(&h, &p[bi::FC_W], &p[bi::FC_B], fused)?;
-        let h = if fused { kernels::gelu(&h)? } else { gelu_composed(&h)? };
+        let h = gelu(&h, fused)?;
         let h = linear(&h, &p[bi::FC2_W], &p[bi::FC2_B], fused)?;
         Ok((x + h.reshape((b, t, d))?)?)
     }

@@ -14,12 +14,12 @@ use candle_core::{DType, Tensor};
 
 use super::config::{block_idx as bi, expert_idx as ei, MoeConfig};
 use super::Gpt;
-use crate::kernels;
+use crate::kernels::{gelu, layer_norm, linear, softmax_last_dim};
 use crate::lm::MoeFamily;
 #[cfg(test)]
 pub(super) use crate::moe::combine_math;
 use crate::moe::{ExpertRoute, Routing};
-use crate::ops::{self, gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim};
+use crate::ops::{self, input_err, scalar};
 use crate::Result;
 
 /// The gates of every (token, slot), `[N · k]` (flat slot `n · k + s`), as a differentiable
@@ -80,7 +80,7 @@ impl Gpt {
     pub(super) fn expert_math(&self, p: &[Tensor], h: &Tensor) -> Result<Tensor> {
         let fused = self.fused(h);
         let a = linear(h, &p[ei::FC_W], &p[ei::FC_B], fused)?;
-        let a = if fused { kernels::gelu(&a)? } else { gelu_composed(&a)? };
+        let a = gelu(&a, fused)?;
         linear(&a, &p[ei::PROJ_W], &p[ei::PROJ_B], fused)
     }
 

@@ -36,7 +36,7 @@
 //!
 //! On `Device::Cpu` in F32/F64 RMSNorm, RoPE (with the head transpose and the score scale),
 //! SwiGLU, the causal softmax and the cross-entropy run as fused kernels with their own backward
-//! (`fused.rs`, and the GPT's causal softmax in `kernels.rs`); other devices and dtypes take op compositions
+//! (`kernels/`, each op's kernel beside its composition); other devices and dtypes take op compositions
 //! that all have a backward (candle-nn's fused `rms_norm`, `softmax_last_dim` and `rope` have
 //! none, DESIGN.md "Traps"). Both paths are checked against finite differences and against each
 //! other, and against transformers' logits, loss and gradients (`shared/fixtures/llama`).
@@ -68,12 +68,11 @@ use candle_core::{DType, Device, Tensor};
 use crate::attention::{self, AttentionBytes, AttentionShape};
 use crate::kernels;
 use crate::lm::{CausalLm, Family, HeadLossGrads, UnitGrads};
-use crate::ops::{self, cross_entropy, rms_norm_composed, rope_composed, scalar, swiglu_composed};
+use crate::ops::{self, scalar};
 use crate::unit::{UnitKind, UnitSpec};
 use crate::Result;
 
 mod config;
-mod fused;
 mod layer;
 mod rope;
 #[cfg(test)]
@@ -82,7 +81,6 @@ mod tests;
 pub use config::{LlamaConfig, LlamaFamily, RopeScaling};
 
 use config::BlockGroups;
-use fused as lk;
 
 /// A computation group of a unit's flat vector: `(offset, shape)`.
 type Group = (usize, Vec<usize>);
@@ -241,22 +239,16 @@ impl Llama {
 
     /// RMSNorm of `x` `[.., d]` with weight `w` `[d]` and the config's eps.
     pub(crate) fn rms_norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        let eps = self.config.rms_norm_eps;
-        if self.fused(x) {
-            Ok(lk::rms_norm(x, w, eps)?)
-        } else {
-            rms_norm_composed(x, w, eps)
-        }
+        kernels::rms_norm(x, w, self.config.rms_norm_eps, self.fused(x))
     }
 
     /// `x Wᵀ (+ b)`: `x` `[N, in]`, `w` `[out, in]`, `b` `[out]` → `[N, out]`.
     fn linear(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, fused: bool) -> Result<Tensor> {
         let y = ops::matmul(x, &w.t()?)?;
-        Ok(match b {
-            None => y,
-            Some(b) if fused => kernels::bias_add(&y, b)?,
-            Some(b) => ops::bias_add(&y, b)?,
-        })
+        match b {
+            None => Ok(y),
+            Some(b) => kernels::bias_add(&y, b, fused),
+        }
     }
 
     /// The self-attention of a layer on its normed input `h` `[B, T, d]` → `[B, T, d]` (before
@@ -275,13 +267,9 @@ impl Llama {
         let v = self.linear(&h, p.v_w, p.v_b, fused)?.reshape((b, t, kv, hd))?;
         let tab = self.tables(t, h.dtype(), h.device(), fused)?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let (q, k) = if fused {
-            (lk::rope(&q, &tab.cos, &tab.sin, scale)?, lk::rope(&k, &tab.cos, &tab.sin, 1.0)?)
-        } else {
-            let q = rope_composed(&q.transpose(1, 2)?, &tab.cos, &tab.sin)?.affine(scale, 0.0)?;
-            let k = rope_composed(&k.transpose(1, 2)?, &tab.cos, &tab.sin)?.contiguous()?;
-            (q, k)
-        };
+        // [B, nh, T, hd], [B, KV, T, hd]
+        let q = kernels::rope(&q, &tab.cos, &tab.sin, scale, fused)?;
+        let k = kernels::rope(&k, &tab.cos, &tab.sin, 1.0, fused)?;
         // [B, KV, T, hd]
         let v = v.transpose(1, 2)?.contiguous()?;
         let y = if fused {
@@ -316,7 +304,7 @@ impl Llama {
         let fused = self.fused(h);
         let h = h.reshape(((), d))?;
         let gu = self.linear(&h, gate_up_w, gate_up_b, fused)?;
-        let a = if fused { lk::swiglu(&gu)? } else { swiglu_composed(&gu)? };
+        let a = kernels::swiglu(&gu, fused)?;
         Ok(self.linear(&a, down_w, down_b, fused)?.reshape(dims)?)
     }
 
@@ -354,12 +342,7 @@ impl Llama {
     /// The mean cross-entropy of `logits` `[B, T, V]` over the `count` targets that are not
     /// ignored, as a scalar tensor (F32 for half dtypes, as transformers upcasts the logits).
     fn loss_math(&self, logits: &Tensor, targets: &Tensor, count: usize) -> Result<Tensor> {
-        if self.fused(logits) {
-            let v = self.config.vocab_size;
-            let rows = lk::cross_entropy_rows(&logits.reshape(((), v))?, &targets.flatten_all()?)?;
-            return Ok((rows.sum_all()? * (1.0 / count.max(1) as f64))?);
-        }
-        cross_entropy(&ops::widen(logits)?, targets)
+        kernels::cross_entropy(logits, targets, count, self.fused(logits))
     }
 
     // ---- helpers -------------------------------------------------------------------------------
