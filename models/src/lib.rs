@@ -23,6 +23,7 @@
 
 pub mod attention;
 pub mod checksum;
+mod compute;
 pub mod gpt;
 pub mod hf;
 mod kernels;
@@ -40,6 +41,7 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Tensor};
 
 pub use attention::{attention_workspace_bytes, AttentionBytes, AttentionShape};
+pub use compute::Compute;
 pub use gpt::{Gpt, GptConfig, MoeConfig};
 pub use llama::{Llama, LlamaConfig, LlamaFamily, RopeScaling};
 pub use lm::{

@@ -67,7 +67,7 @@ impl Gpt {
     /// `probs` in F32 for half dtypes, the params' dtype otherwise.
     pub(super) fn trunk_math(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let (b, t, d) = x.dims3()?;
-        let fused = self.fused(x);
+        let fused = self.compute.fused(x);
         let x1 = self.attention_residual(p, x)?;
         let h = layer_norm(&x1, &p[bi::LN2_W], &p[bi::LN2_B], self.config.ln_eps, fused)?.reshape((b * t, d))?;
         let logits = linear(&h, &p[bi::ROUTER_W], &p[bi::ROUTER_B], fused)?;
@@ -78,7 +78,7 @@ impl Gpt {
 
     /// One expert's MLP on its rows `[n_e, d]` → `[n_e, d]`.
     pub(super) fn expert_math(&self, p: &[Tensor], h: &Tensor) -> Result<Tensor> {
-        let fused = self.fused(h);
+        let fused = self.compute.fused(h);
         let a = linear(h, &p[ei::FC_W], &p[ei::FC_B], fused)?;
         let a = gelu(&a, fused)?;
         linear(&a, &p[ei::PROJ_W], &p[ei::PROJ_B], fused)

@@ -29,7 +29,7 @@
 //!   of a group are stacked along the sequence axis (`[B, KV, (H/KV)·T, hd]`) and multiply their
 //!   group's keys once. Scores scaled by `1/sqrt(hd)`, causal softmax. The op compositions
 //!   compute it over blocks of query positions ([`crate::attention`],
-//!   [`Llama::with_attention_chunk`]): no tensor of the whole sequence's `[B, H, T, T]` scores,
+//!   [`CausalLm::with_attention_chunk`]): no tensor of the whole sequence's `[B, H, T, T]` scores,
 //!   forward or backward.
 //! - SwiGLU MLP (Shazeer 2020); `gate_proj` and `up_proj` run as one `[2I, d]` matmul (their
 //!   tensors are adjacent in the flat vector).
@@ -66,6 +66,7 @@ use std::sync::Mutex;
 use candle_core::{DType, Device, Tensor};
 
 use crate::attention::{self, AttentionBytes, AttentionShape};
+use crate::compute::Compute;
 use crate::kernels;
 use crate::lm::{CausalLm, Family, HeadLossGrads, UnitGrads};
 use crate::ops::{self, scalar};
@@ -145,13 +146,8 @@ pub struct Llama {
     groups: Vec<Vec<Group>>,
     block: BlockGroups,
     tables: Mutex<Vec<Tables>>,
-    /// The composed path's causal masks (one `[chunk, chunk]` triangle per dtype and device).
-    masks: attention::Masks,
-    /// Query positions per block of the composed attention; `None`: the default
-    /// ([`AttentionShape::default_chunk`]).
-    attention_chunk: Option<usize>,
-    /// Use the fused CPU kernels where they apply; `false` forces the op compositions.
-    fused_cpu_kernels: bool,
+    /// The fused kernels on or off, the composed attention's chunk and masks.
+    compute: Compute,
 }
 
 impl std::fmt::Debug for Llama {
@@ -179,45 +175,7 @@ impl Llama {
                 _ => u.params.iter().map(|p| (p.offset, p.shape.clone())).collect(),
             })
             .collect();
-        Ok(Self {
-            config,
-            units,
-            groups,
-            block,
-            tables: Mutex::new(Vec::new()),
-            masks: attention::Masks::default(),
-            attention_chunk: None,
-            fused_cpu_kernels: true,
-        })
-    }
-
-    /// The same model computed with candle op compositions only (no fused CPU kernels): the
-    /// path every non-CPU device (and every half dtype) takes, so CPU tests, benchmarks and a
-    /// simulated device can run the op sequence of a CUDA device. F32 results agree with the
-    /// fused path within rounding, not bitwise. [`CausalLm::fused_cpu_kernels`] tells which.
-    pub fn composed_only(mut self) -> Self {
-        self.fused_cpu_kernels = false;
-        self
-    }
-
-    /// The same model with the composed path's attention computed over blocks of `chunk` query
-    /// positions ([`crate::attention`]): the largest block holds `B · H · chunk · T` scores
-    /// (F32 for half dtypes) instead of the whole sequence's `B · H · T · T`, forward and
-    /// backward. `None` (the default) takes [`AttentionShape::default_chunk`] (64 MiB of F32
-    /// scores per block); a chunk `>= T` computes the sequence as one block. The fused CPU
-    /// kernels (F32/F64 on `Device::Cpu`, unless [`Llama::composed_only`]) are not chunked.
-    ///
-    /// # Errors
-    /// [`crate::Error::Config`] (`attention_chunk`) for `Some(0)`.
-    pub fn with_attention_chunk(mut self, chunk: Option<usize>) -> Result<Self> {
-        self.attention_chunk = attention::check_chunk(chunk)?;
-        Ok(self)
-    }
-
-    /// The configured query positions per attention block (`None`: the default); see
-    /// [`Llama::with_attention_chunk`].
-    pub fn attention_chunk(&self) -> Option<usize> {
-        self.attention_chunk
+        Ok(Self { config, units, groups, block, tables: Mutex::new(Vec::new()), compute: Compute::default() })
     }
 
     /// The configuration (with its defaults resolved).
@@ -232,14 +190,9 @@ impl Llama {
 
     // ---- pieces (shared with an MoE layer) ----------------------------------------------------
 
-    /// Whether the fused CPU kernels apply to computations on `x`.
-    pub(crate) fn fused(&self, x: &Tensor) -> bool {
-        self.fused_cpu_kernels && kernels::fused_supported(x)
-    }
-
     /// RMSNorm of `x` `[.., d]` with weight `w` `[d]` and the config's eps.
     pub(crate) fn rms_norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        kernels::rms_norm(x, w, self.config.rms_norm_eps, self.fused(x))
+        kernels::rms_norm(x, w, self.config.rms_norm_eps, self.compute.fused(x))
     }
 
     /// `x Wᵀ (+ b)`: `x` `[N, in]`, `w` `[out, in]`, `b` `[out]` → `[N, out]`.
@@ -260,7 +213,7 @@ impl Llama {
         let (nh, kv, hd) = (self.config.num_attention_heads, self.config.kv_heads(), self.config.head_dim());
         let rep = nh / kv;
         let n = b * t;
-        let fused = self.fused(h);
+        let fused = self.compute.fused(h);
         let h = h.reshape((n, d))?;
         let q = self.linear(&h, p.q_w, p.q_b, fused)?.reshape((b, t, nh, hd))?;
         let k = self.linear(&h, p.k_w, p.k_b, fused)?.reshape((b, t, kv, hd))?;
@@ -282,7 +235,7 @@ impl Llama {
         } else {
             // Over query blocks, the softmax in F32 for half dtypes (transformers' eager
             // attention): [B, T, H, hd].
-            self.masks.attention(&q, &k, &v, self.attention_chunk)?
+            self.compute.attention(&q, &k, &v)?
         };
         let y = y.reshape((n, nh * hd))?;
         Ok(self.linear(&y, p.o_w, p.o_b, fused)?.reshape((b, t, d))?)
@@ -301,7 +254,7 @@ impl Llama {
     ) -> Result<Tensor> {
         let dims = h.dims().to_vec();
         let d = *dims.last().expect("rank >= 1");
-        let fused = self.fused(h);
+        let fused = self.compute.fused(h);
         let h = h.reshape(((), d))?;
         let gu = self.linear(&h, gate_up_w, gate_up_b, fused)?;
         let a = kernels::swiglu(&gu, fused)?;
@@ -321,7 +274,7 @@ impl Llama {
     fn block_math(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
         // Outside a graph (no Var among the inputs) the fused CPU path runs the layer.rs forward,
         // the one its hand-written backward recomputes.
-        if self.fused(x) && !x.track_op() && p.iter().all(|t| !t.track_op()) {
+        if self.compute.fused(x) && !x.track_op() && p.iter().all(|t| !t.track_op()) {
             return self.block_math_fused(p, x);
         }
         let g = &self.block;
@@ -342,7 +295,7 @@ impl Llama {
     /// The mean cross-entropy of `logits` `[B, T, V]` over the `count` targets that are not
     /// ignored, as a scalar tensor (F32 for half dtypes, as transformers upcasts the logits).
     fn loss_math(&self, logits: &Tensor, targets: &Tensor, count: usize) -> Result<Tensor> {
-        kernels::cross_entropy(logits, targets, count, self.fused(logits))
+        kernels::cross_entropy(logits, targets, count, self.compute.fused(logits))
     }
 
     // ---- helpers -------------------------------------------------------------------------------
@@ -428,7 +381,7 @@ impl Family for Llama {
         x: &Tensor,
         grad_y: &Tensor,
     ) -> Result<Option<UnitGrads>> {
-        if !self.fused(x) {
+        if !self.compute.fused(x) {
             return Ok(None);
         }
         let (grad_params, gx) = self.block_backward_fused(&self.views(unit, params)?, x, grad_y)?;
@@ -443,7 +396,7 @@ impl Family for Llama {
         tied: Option<&Tensor>,
         targets: &Tensor,
     ) -> Result<Option<HeadLossGrads>> {
-        if !self.fused(x) {
+        if !self.compute.fused(x) {
             return Ok(None);
         }
         let p = self.views(self.units.len() - 1, params)?;
@@ -493,9 +446,12 @@ impl CausalLm for Llama {
         }
     }
 
-    /// `false` after [`Llama::composed_only`].
-    fn fused_cpu_kernels(&self) -> bool {
-        self.fused_cpu_kernels
+    fn compute(&self) -> &Compute {
+        &self.compute
+    }
+
+    fn compute_mut(&mut self) -> &mut Compute {
+        &mut self.compute
     }
 
     fn dims(&self) -> crate::Dims {
@@ -525,7 +481,7 @@ impl CausalLm for Llama {
     }
 
     /// The composed path's attention core over `num_attention_heads` query heads, `kv_heads`
-    /// key/value heads of `head_dim`, in blocks of [`Llama::attention_chunk`] (or the default)
+    /// key/value heads of `head_dim`, in blocks of [`CausalLm::attention_chunk`] (or the default)
     /// query positions. (The fused CPU kernels, F32/F64 on `Device::Cpu`, hold the whole
     /// sequence's scores: [`attention::attention_workspace_bytes`] with `chunk = seq_len`.)
     fn attention_workspace(&self, batch: usize, seq_len: usize, dtype: DType) -> AttentionBytes {
@@ -537,6 +493,6 @@ impl CausalLm for Llama {
             kv_heads: c.kv_heads(),
             head_dim: c.head_dim(),
         };
-        attention::attention_workspace_bytes(shape, shape.chunk(self.attention_chunk), dtype)
+        attention::attention_workspace_bytes(shape, shape.chunk(self.compute.attention_chunk()), dtype)
     }
 }
