@@ -1,13 +1,14 @@
 //! How a model computes its unit calls, written once for every family: which of each op's two
 //! forms runs ([`crate::kernels`]: the fused CPU kernel or the composition of candle ops) and
 //! over how many query positions per block the composed attention runs ([`crate::attention`]),
-//! with that attention's cache of causal masks. Set through [`crate::CausalLm::composed_only`]
-//! and [`crate::CausalLm::with_attention_chunk`].
+//! with that attention's cache of causal masks; and the attention core of every family in its
+//! two forms ([`Compute::attention`]). Set through [`crate::CausalLm::composed_only`] and
+//! [`crate::CausalLm::with_attention_chunk`].
 
 use candle_core::Tensor;
 
 use crate::attention::Masks;
-use crate::{kernels, Result};
+use crate::{kernels, ops, Result};
 
 /// A model's compute choices ([`crate::CausalLm::compute`]): the fused CPU kernels on or off,
 /// the composed attention's query positions per block, and the composed path's causal masks
@@ -70,9 +71,24 @@ impl Compute {
         self.fused_cpu_kernels && kernels::fused_supported(x)
     }
 
-    /// The composed path's causal attention core over blocks of the configured chunk
-    /// ([`Masks::attention`]): `q` `[B, H, T, hd]`, `k`, `v` `[B, KV, T, hd]` → `[B, T, H, hd]`.
-    pub(crate) fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        self.masks.attention(q, k, v, self.attention_chunk)
+    /// The causal (grouped-query) attention core: `q` `[B, H, T, hd]` (scaled), `k`, `v`
+    /// `[B, KV, T, hd]`, all contiguous → `[B, T, H, hd]`. When `fused` (F32/F64 on the CPU) the
+    /// whole sequence's scores `[B, H, T, T]` go through the fused causal softmax
+    /// ([`kernels::causal_softmax`]), the `H/KV` query heads that share key/value head `j`
+    /// stacked along T (`[B, KV, (H/KV)·T, hd]`) so that their group's keys multiply once;
+    /// otherwise the composition over query blocks of the configured chunk
+    /// ([`Masks::attention`]: the softmax in F32 for half dtypes, transformers' eager attention).
+    pub(crate) fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, fused: bool) -> Result<Tensor> {
+        if !fused {
+            return self.masks.attention(q, k, v, self.attention_chunk);
+        }
+        let (b, nh, t, hd) = q.dims4()?;
+        let kv = k.dim(1)?;
+        let rep = nh / kv;
+        let q = q.reshape((b, kv, rep * t, hd))?;
+        let att = ops::matmul(&q, &k.t()?)?.reshape((b, nh, t, t))?;
+        let att = kernels::causal_softmax(&att)?;
+        // [B, KV, rep·T, hd] = [B, H, T, hd]
+        Ok(ops::matmul(&att.reshape((b, kv, rep * t, t))?, v)?.reshape((b, nh, t, hd))?.transpose(1, 2)?)
     }
 }

@@ -86,7 +86,7 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::kernels::{self, gelu, layer_norm, linear};
+use crate::kernels::{gelu, layer_norm, linear};
 use crate::lm::Family;
 use crate::ops;
 use crate::unit::{UnitKind, UnitSpec};
@@ -185,15 +185,7 @@ impl Gpt {
         let q = head(0)?.affine(1.0 / (hd as f64).sqrt(), 0.0)?;
         let k = head(1)?.contiguous()?;
         let v = head(2)?.contiguous()?;
-        let y = if fused {
-            let att = kernels::causal_softmax(&ops::matmul(&q, &k.t()?)?)?; // [B, H, T, T]
-            ops::matmul(&att, &v)?.transpose(1, 2)? // [B, T, H, hd]
-        } else {
-            // Over query blocks, the softmax in F32 for half dtypes (transformers' eager
-            // attention): [B, T, H, hd].
-            self.compute.attention(&q, &k, &v)?
-        };
-        let y = y.reshape((b * t, d))?;
+        let y = self.compute.attention(&q, &k, &v, fused)?.reshape((b * t, d))?; // [B, T, H, hd]
         let y = linear(&y, bi::PROJ_W, bi::PROJ_B)?;
         Ok((x + y.reshape((b, t, d))?)?)
     }

@@ -211,7 +211,6 @@ impl Llama {
     pub(crate) fn attention(&self, p: &AttnParams<'_>, h: &Tensor) -> Result<Tensor> {
         let (b, t, d) = h.dims3()?;
         let (nh, kv, hd) = (self.config.num_attention_heads, self.config.kv_heads(), self.config.head_dim());
-        let rep = nh / kv;
         let n = b * t;
         let fused = self.compute.fused(h);
         let h = h.reshape((n, d))?;
@@ -225,19 +224,8 @@ impl Llama {
         let k = kernels::rope(&k, &tab.cos, &tab.sin, 1.0, fused)?;
         // [B, KV, T, hd]
         let v = v.transpose(1, 2)?.contiguous()?;
-        let y = if fused {
-            // Query heads kv·rep .. kv·rep + rep share key/value head kv: stack them along T.
-            let q = q.reshape((b, kv, rep * t, hd))?;
-            let att = ops::matmul(&q, &k.t()?)?.reshape((b, nh, t, t))?;
-            let att = kernels::causal_softmax(&att)?;
-            // [B, KV, rep·T, hd] = [B, H, T, hd]
-            ops::matmul(&att.reshape((b, kv, rep * t, t))?, &v)?.reshape((b, nh, t, hd))?.transpose(1, 2)?
-        } else {
-            // Over query blocks, the softmax in F32 for half dtypes (transformers' eager
-            // attention): [B, T, H, hd].
-            self.compute.attention(&q, &k, &v)?
-        };
-        let y = y.reshape((n, nh * hd))?;
+        // [B, T, H, hd]
+        let y = self.compute.attention(&q, &k, &v, fused)?.reshape((n, nh * hd))?;
         Ok(self.linear(&y, p.o_w, p.o_b, fused)?.reshape((b, t, d))?)
     }
 
