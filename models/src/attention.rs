@@ -1,6 +1,6 @@
 //! Causal (grouped-query) attention computed one **block of query positions** at a time: the
 //! attention core of the composed path, the one every non-CPU device and every half dtype
-//! takes (the fused CPU kernels of `kernels.rs` and `llama/fused.rs` keep their own). No tensor
+//! takes (the fused CPU kernels of `kernels/` keep their own). No tensor
 //! of `[B, H, T, T]` scores is ever held for the whole sequence (DESIGN.md, "GPU backends"):
 //! each block of `chunk` queries sees its `[B, H, chunk, end]` scores, and its backward
 //! recomputes them from q, k and v instead of keeping them — the recomputation of
@@ -296,7 +296,7 @@ fn block_rows(q5: &Tensor, s: usize, c: usize) -> Result<Tensor> {
 
 /// `softmax(widen(scores) + mask)` over the last dim for scores `[B, KV, rep·c, e]` and mask
 /// `[c, e]`: `(P in the softmax dtype, P in the scores' dtype)` (the same tensor unless half).
-/// The ops of `ops::softmax_last_dim` (the row max subtracted for range only) in the order of
+/// The ops of `kernels::softmax_last_dim` (the row max subtracted for range only) in the order of
 /// transformers' eager attention; each temporary is dropped as soon as the next exists, so at
 /// most two `[B, H, c, e]` temporaries live at once outside a graph.
 fn probs(scores: Tensor, mask: &Tensor, rep: usize) -> Result<(Tensor, Tensor)> {

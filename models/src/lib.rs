@@ -13,7 +13,7 @@
 //! | [`mixtral`] | Mixtral: the Llama family's attention with a sparse MoE feed-forward network per layer (top-k of `E` SwiGLU experts, each a unit; the load-balancing loss pooled over all layers): [`Mixtral`], [`MixtralConfig`] |
 //! | [`hf`] | Hugging Face checkpoints: `config.json` ↔ [`LlamaConfig`] (Mixtral's too), safetensors read unit by unit ([`hf::HfCheckpoint`]) and written in shards ([`hf::write_checkpoint`]) |
 //! | [`checksum`] | crc32c per tensor and for the file in safetensors `__metadata__` (oogc checkpoints and Hugging Face exports), verified on read |
-//! | `ops`, `kernels` | differentiable compositions shared by the families, and fused CPU kernels with their own backward |
+//! | `ops`, `kernels` | the checks, views and mixed-precision helpers shared by the families; their ops, each a fused CPU kernel with its own backward beside its composition of candle ops |
 //!
 //! Every call takes a unit's flat parameters as a 1-D [`Tensor`] on any candle device and
 //! computes in its dtype; nothing is kept between calls but what the caller keeps (activation
@@ -23,6 +23,7 @@
 
 pub mod attention;
 pub mod checksum;
+mod compute;
 pub mod gpt;
 pub mod hf;
 mod kernels;
@@ -40,6 +41,7 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Tensor};
 
 pub use attention::{attention_workspace_bytes, AttentionBytes, AttentionShape};
+pub use compute::Compute;
 pub use gpt::{Gpt, GptConfig, MoeConfig};
 pub use llama::{Llama, LlamaConfig, LlamaFamily, RopeScaling};
 pub use lm::{

@@ -39,6 +39,7 @@
 use candle_core::{DType, Tensor, Var};
 
 use crate::attention::{AttentionBytes, AttentionShape};
+use crate::compute::Compute;
 use crate::unit::{UnitKind, UnitSpec};
 use crate::{LossParts, Result, Routing, TrunkOut};
 
@@ -195,14 +196,56 @@ pub trait CausalLm: Send + Sync + std::fmt::Debug {
         None
     }
 
+    /// How the model computes ([`Compute`]): the fused CPU kernels on or off, the composed
+    /// attention's query positions per block; set by [`CausalLm::composed_only`] and
+    /// [`CausalLm::with_attention_chunk`].
+    fn compute(&self) -> &Compute;
+
+    /// [`CausalLm::compute`], to change (what the builders below write).
+    fn compute_mut(&mut self) -> &mut Compute;
+
     /// Whether the unit calls run fused CPU kernels where they apply (`Device::Cpu`, F32 or
-    /// F64). `false` for a model built with `composed_only()` ([`crate::Gpt::composed_only`],
-    /// [`crate::Llama::composed_only`]): it computes with the candle op compositions only, the
-    /// op sequence a CUDA device runs (half dtypes always take it). A trainer that asked for
-    /// the composed path can check here that it got it. The default is `false` (a model
-    /// without fused kernels).
+    /// F64). `false` for a model built with [`CausalLm::composed_only`]: it computes with the
+    /// candle op compositions only, the op sequence a CUDA device runs (half dtypes always take
+    /// it). A trainer that asked for the composed path can check here that it got it.
     fn fused_cpu_kernels(&self) -> bool {
-        false
+        self.compute().fused_cpu_kernels()
+    }
+
+    /// The same model computed with candle op compositions only (no fused CPU kernels): the
+    /// path every non-CPU device (and every half dtype) takes, so CPU tests, benchmarks and a
+    /// simulated device (`[device] ops = "composed"`) can run the op sequence of a CUDA device.
+    /// F32 results agree with the fused path within rounding, not bitwise.
+    /// [`CausalLm::fused_cpu_kernels`] tells which.
+    fn composed_only(mut self) -> Self
+    where
+        Self: Sized,
+    {
+        self.compute_mut().set_composed_only();
+        self
+    }
+
+    /// The same model with the composed path's attention computed over blocks of `chunk` query
+    /// positions ([`crate::attention`]): the largest block holds `B · H · chunk · T` scores
+    /// (F32 for half dtypes) instead of the whole sequence's `B · H · T · T`, forward and
+    /// backward. `None` (the default) takes [`AttentionShape::default_chunk`] (64 MiB of F32
+    /// scores per block); a chunk `>= T` computes the sequence as one block. The fused CPU
+    /// kernels (F32/F64 on `Device::Cpu`, unless [`CausalLm::composed_only`]) are not chunked.
+    ///
+    /// # Errors
+    /// [`crate::Error::Config`] (`attention_chunk`) for `Some(0)`.
+    fn with_attention_chunk(mut self, chunk: Option<usize>) -> Result<Self>
+    where
+        Self: Sized,
+    {
+        self.compute_mut().set_attention_chunk(chunk)?;
+        Ok(self)
+    }
+
+    /// The configured query positions per attention block (`None`: the default); see
+    /// [`CausalLm::with_attention_chunk`].
+    fn attention_chunk(&self) -> Option<usize> {
+        self.compute().attention_chunk()
     }
 
     /// Forward FLOPs of unit `unit` over `tokens` tokens of sequences of `seq_len` (for an
@@ -222,10 +265,9 @@ pub trait CausalLm: Send + Sync + std::fmt::Debug {
     /// peak, forward and backward, for `batch` sequences of `seq_len` tokens computed in `dtype`
     /// ([`AttentionBytes`], term by term in [`crate::attention::attention_workspace_bytes`]),
     /// for planners. The families of this crate answer for their composed path (the one a CUDA
-    /// device runs), with the query blocks they use ([`crate::Llama::with_attention_chunk`],
-    /// [`crate::Gpt::with_attention_chunk`]). The default: multi-head attention over
-    /// [`Dims::heads`] heads of `hidden / heads`, the whole sequence as one block (the eager
-    /// attention of a model that does not say).
+    /// device runs), with the query blocks they use ([`CausalLm::with_attention_chunk`]). The
+    /// default: multi-head attention over [`Dims::heads`] heads of `hidden / heads`, the whole
+    /// sequence as one block (the eager attention of a model that does not say).
     fn attention_workspace(&self, batch: usize, seq_len: usize, dtype: DType) -> AttentionBytes {
         let d = self.dims();
         let heads = d.heads.max(1);
@@ -672,7 +714,7 @@ pub(crate) trait Family: CausalLm {
     /// dtypes (transformers upcasts the logits).
     fn loss(&self, logits: &Tensor, targets: &Tensor, count: usize) -> Result<Tensor> {
         let _ = count;
-        crate::ops::cross_entropy(&crate::ops::widen(logits)?, targets)
+        crate::kernels::cross_entropy_composed(&crate::ops::widen(logits)?, targets)
     }
 
     /// A dense block's backward of the family's own (a hand-written fused CPU backward) when it

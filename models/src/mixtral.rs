@@ -26,10 +26,11 @@
 
 use candle_core::{DType, Tensor};
 
+use crate::kernels::softmax_last_dim;
 use crate::llama::{AttnParams, Llama, LlamaConfig, LlamaFamily};
 use crate::lm::{MoeFamily, MoeLm};
 use crate::moe::{ExpertRoute, Routing};
-use crate::ops::{self, input_err, softmax_last_dim};
+use crate::ops::{self, input_err};
 use crate::Result;
 
 /// A Mixtral decoder: the [`Llama`] type with family [`LlamaFamily::Mixtral`].

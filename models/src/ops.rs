@@ -1,11 +1,11 @@
-//! Differentiable building blocks shared by the model families, composed of candle ops that
-//! all have a backward (candle-nn's fused `layer_norm`, `rms_norm`, `softmax_last_dim` and
-//! `rope` have none: DESIGN.md, "Traps"), and the helpers that view a unit's flat vector as its
-//! parameters.
+//! What the model families share besides their ops (those are [`crate::kernels`]'s, each in
+//! its fused and composed forms): the checks of a unit call's inputs, the views of a unit's
+//! flat vector as its parameters and the collection of their gradients, the mixed-precision
+//! helpers (half dtypes widened to F32 where torch computes in F32; BF16 matmuls on the CPU
+//! through F32) and the embedding's gradient.
 
-use candle_core::{DType, Tensor, Var, D};
+use candle_core::{DType, Tensor, Var};
 
-use crate::kernels;
 use crate::lm::{UnitGrads, IGNORE_INDEX};
 use crate::unit::UnitSpec;
 use crate::{Error, Result};
@@ -122,12 +122,6 @@ pub(crate) fn collect_grads(
     Ok(UnitGrads { grad_params, grad_input, grad_tied_wte })
 }
 
-/// `h W + b` with `h` `[N, in]`, `w` `[in, out]`, `b` `[out]` → `[N, out]`.
-pub(crate) fn linear(h: &Tensor, w: &Tensor, b: &Tensor, fused: bool) -> Result<Tensor> {
-    let y = matmul(h, w)?;
-    Ok(if fused { kernels::bias_add(&y, b)? } else { bias_add(&y, b)? })
-}
-
 // ---- mixed precision -------------------------------------------------------------------------
 //
 // DESIGN.md "Precision": a half dtype (BF16, F16) computes the matmuls and elementwise ops in
@@ -159,26 +153,6 @@ pub(crate) fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         return Ok(wide.to_dtype(DType::BF16)?);
     }
     Ok(a.matmul(b)?)
-}
-
-/// `y + b` with `b` broadcast over the leading dims (a bias). Half dtypes add in F32 and round
-/// once (the same value as the half add), so that the bias gradient — a sum over every row —
-/// accumulates in F32.
-pub(crate) fn bias_add(y: &Tensor, b: &Tensor) -> Result<Tensor> {
-    if is_half(y.dtype()) {
-        return Ok(widen(y)?.broadcast_add(&widen(b)?)?.to_dtype(y.dtype())?);
-    }
-    Ok(y.broadcast_add(b)?)
-}
-
-/// `x ⊙ w` with `w` `[d]` broadcast over the leading dims (a norm's weight). Half dtypes multiply
-/// in F32 and round once (the same value as the half product, which is exact in F32), so that
-/// the weight's gradient — a sum over every row — accumulates in F32.
-pub(crate) fn scale(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if is_half(x.dtype()) {
-        return Ok(widen(x)?.broadcast_mul(&widen(w)?)?.to_dtype(x.dtype())?);
-    }
-    Ok(x.broadcast_mul(w)?)
 }
 
 /// The dtype the attention mask and softmax use for scores of `dtype`: F32 for half dtypes,
@@ -237,58 +211,6 @@ pub(crate) fn scalar(t: &Tensor) -> Result<f64> {
     Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
 }
 
-/// LayerNorm over the last dim composed of ops that all have a backward (candle-nn's fused
-/// `layer_norm`/`LayerNorm` have none). Half dtypes compute it all in F32 (statistics, scale
-/// and shift) and round the output once, as torch's `layer_norm` on half inputs.
-pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, fused: bool) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let xs = match dtype {
-        DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
-        _ => x.clone(),
-    };
-    let mean = xs.mean_keepdim(D::Minus1)?;
-    let xc = xs.broadcast_sub(&mean)?;
-    let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
-    let inv_std = (var + eps)?.sqrt()?.recip()?;
-    if is_half(dtype) {
-        // As torch's layer norm on half inputs: normalize, scale and shift in F32, round once;
-        // the weight's and bias's gradients accumulate over the rows in F32.
-        let y = xc.broadcast_mul(&inv_std)?.broadcast_mul(&widen(w)?)?.broadcast_add(&widen(b)?)?;
-        return Ok(y.to_dtype(dtype)?);
-    }
-    let xn = xc.broadcast_mul(&inv_std)?.to_dtype(dtype)?;
-    if fused {
-        Ok(kernels::scale_shift(&xn, w, b)?)
-    } else {
-        Ok(xn.broadcast_mul(w)?.broadcast_add(b)?)
-    }
-}
-
-/// Tanh-form GELU (GPT-2) composed of ops with a backward, written `x · sigmoid(2u)`,
-/// `u = sqrt(2/π) (x + 0.044715 x³)` (equal to `0.5 x (1 + tanh u)`), so its gradient is exact;
-/// candle's own `gelu` backward uses 6-digit constants.
-///
-/// Half dtypes compute it in F32 and round once, as torch's `gelu` kernel on half inputs (the
-/// composition in the half dtype would round after each of its five ops, forward and backward).
-pub(crate) fn gelu_composed(x: &Tensor) -> Result<Tensor> {
-    if is_half(x.dtype()) {
-        return Ok(gelu_composed(&widen(x)?)?.to_dtype(x.dtype())?);
-    }
-    const C: f64 = 0.797_884_560_802_865_4; // sqrt(2/π)
-    const A: f64 = 0.044_715;
-    let two_u = (x * x.sqr()?.affine(2.0 * C * A, 2.0 * C)?)?;
-    Ok((x * candle_nn::ops::sigmoid(&two_u)?)?)
-}
-
-/// Softmax over the last dim. The row max is subtracted for range only and detached: softmax is
-/// invariant to a per-row constant, so the gradient is exact and the max's backward is skipped.
-pub(crate) fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&max)?.exp()?;
-    let s = e.sum_keepdim(D::Minus1)?;
-    Ok(e.broadcast_div(&s)?)
-}
-
 /// `targets` (any shape, U32) read back to the host, flattened.
 ///
 /// # Errors
@@ -322,77 +244,4 @@ pub(crate) fn check_target_ids(targets: &Tensor, vocab: usize) -> Result<(Vec<u3
         count += 1;
     }
     Ok((ids, count))
-}
-
-/// Mean cross-entropy of `logits` `[B, T, V]` against `targets` `[B, T]` U32, as a scalar
-/// tensor: `Σ_counted (logsumexp(z) - z[target]) / count` over the positions whose target is not
-/// [`IGNORE_INDEX`] (the mean of transformers' `ForCausalLMLoss` with `ignore_index = -100`),
-/// the logsumexp's max detached (see [`softmax_last_dim`]). When no target is ignored this is
-/// `sum(lse - picked) · (1/N)`; ignored positions are gathered at id 0 and multiplied by a 0
-/// mask; with no counted position the result is 0 (torch gives NaN) and so are the gradients.
-pub(crate) fn cross_entropy(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
-    let v = logits.dim(D::Minus1)?;
-    let z = logits.reshape(((), v))?;
-    let n = z.dim(0)?;
-    let ids = host_targets(targets)?;
-    let count = ids.iter().filter(|&&t| t != IGNORE_INDEX).count();
-    let max = z.max_keepdim(D::Minus1)?.detach();
-    let lse = (z.broadcast_sub(&max)?.exp()?.sum_keepdim(D::Minus1)?.log()? + max)?; // [N, 1]
-    if count == n {
-        let picked = z.gather(&targets.reshape((n, 1))?, D::Minus1)?; // [N, 1]
-        return Ok(((lse - picked)?.sum_all()? * (1.0 / n as f64))?);
-    }
-    let dev = logits.device();
-    let safe: Vec<u32> = ids.iter().map(|&t| if t == IGNORE_INDEX { 0 } else { t }).collect();
-    let mask: Vec<f32> = ids.iter().map(|&t| if t == IGNORE_INDEX { 0.0 } else { 1.0 }).collect();
-    let safe = Tensor::from_vec(safe, (n, 1), dev)?;
-    let mask = Tensor::from_vec(mask, (n, 1), dev)?.to_dtype(logits.dtype())?;
-    let picked = z.gather(&safe, D::Minus1)?; // [N, 1]
-    Ok((((lse - picked)? * mask)?.sum_all()? * (1.0 / count.max(1) as f64))?)
-}
-
-/// RMSNorm over the last dim (Zhang & Sennrich 2019) composed of ops that all have a backward
-/// (candle-nn's fused `rms_norm`/`RmsNorm` have none), in the cast order of transformers'
-/// `LlamaRMSNorm`: the statistics in F32 (half dtypes are widened), `x · 1/sqrt(mean(x²) + eps)`
-/// cast back to `x`'s dtype, then multiplied by `w` `[d]` ([`scale`]: the weight's gradient
-/// accumulated in F32 for half dtypes).
-pub(crate) fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let dtype = x.dtype();
-    let xs = match dtype {
-        DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
-        _ => x.clone(),
-    };
-    let var = xs.sqr()?.mean_keepdim(D::Minus1)?;
-    let inv = (var + eps)?.sqrt()?.recip()?;
-    let xn = xs.broadcast_mul(&inv)?.to_dtype(dtype)?;
-    scale(&xn, w)
-}
-
-/// Rotary position embedding in transformers' `rotate_half` convention, composed of ops with a
-/// backward: `x · cos + rotate_half(x) · sin`, `rotate_half(x) = cat(−x[.., hd/2..], x[.., ..hd/2])`,
-/// with `x` `[B, nh, T, hd]` (any strides) and `cos`, `sin` `[T, hd]` (the half tables repeated).
-pub(crate) fn rope_composed(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let hd = x.dim(D::Minus1)?;
-    let half = hd / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let rotated = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    Ok((x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?)?)
-}
-
-/// SwiGLU composed of ops with a backward (candle's `silu` has an exact one): `gu` `[N, 2I]`
-/// (gate outputs, then up outputs) → `silu(gate) ⊙ up` `[N, I]`; the `silu` in F32 for half
-/// dtypes, rounded once, the product in `gu`'s dtype (transformers' `act_fn(gate) * up`).
-pub(crate) fn swiglu_composed(gu: &Tensor) -> Result<Tensor> {
-    let i = gu.dim(D::Minus1)? / 2;
-    let gate = gu.narrow(D::Minus1, 0, i)?;
-    let up = gu.narrow(D::Minus1, i, i)?;
-    let act = if is_half(gu.dtype()) {
-        // As torch's `silu` kernel on half inputs: computed in F32, rounded once (candle's half
-        // `silu` rounds after each of its ops, and so does its backward).
-        widen(&gate)?.silu()?.to_dtype(gu.dtype())?
-    } else {
-        gate.silu()?
-    };
-    Ok((act * up)?)
 }

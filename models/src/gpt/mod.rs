@@ -35,8 +35,8 @@
 //! multi-head self-attention and a GELU (tanh form) MLP. LayerNorm, softmax and the
 //! cross-entropy are composed of candle ops that all have a backward (the fused candle-nn ones
 //! have none, see DESIGN.md "Traps"). On `Device::Cpu` in F32/F64, four pieces run as fused
-//! kernels with their own backward (`kernels.rs`: causal softmax, GELU, bias add, LayerNorm's
-//! scale-and-shift; about 2.5× faster per step than the op compositions); every other device or
+//! kernels with their own backward (`kernels/`: causal softmax, GELU, bias add, LayerNorm's
+//! scale-and-shift, each beside its composition; about 2.5× faster per step than the op compositions); every other device or
 //! dtype takes the op compositions. Both paths are checked against finite differences and
 //! against each other.
 //!
@@ -86,9 +86,9 @@
 
 use candle_core::{DType, Tensor};
 
-use crate::kernels;
+use crate::kernels::{gelu, layer_norm, linear};
 use crate::lm::Family;
-use crate::ops::{self, gelu_composed, layer_norm, linear};
+use crate::ops;
 use crate::unit::{UnitKind, UnitSpec};
 use crate::Result;
 
@@ -118,14 +118,8 @@ pub use config::{GptConfig, MoeConfig};
 pub struct Gpt {
     pub(super) config: GptConfig,
     pub(super) units: Vec<UnitSpec>,
-    /// The composed path's causal masks (one `[chunk, chunk]` triangle per dtype and device).
-    masks: crate::attention::Masks,
-    /// Query positions per block of the composed attention; `None`: the default
-    /// ([`crate::AttentionShape::default_chunk`]).
-    attention_chunk: Option<usize>,
-    /// Use the fused CPU kernels ([`kernels`]) where they apply; `false` forces the op
-    /// compositions everywhere (tests compare the two).
-    fused_cpu_kernels: bool,
+    /// The fused kernels on or off, the composed attention's chunk and masks.
+    compute: crate::Compute,
 }
 
 impl std::fmt::Debug for Gpt {
@@ -142,42 +136,7 @@ impl Gpt {
     pub fn new(config: GptConfig) -> Result<Self> {
         config.validate()?;
         let units = config.units();
-        Ok(Self {
-            config,
-            units,
-            masks: crate::attention::Masks::default(),
-            attention_chunk: None,
-            fused_cpu_kernels: true,
-        })
-    }
-
-    /// The same model computed with candle op compositions only (no fused CPU kernels): the
-    /// path every non-CPU device (and every half dtype) takes, so CPU tests and the sim device
-    /// (`[device] ops = "composed"`) can run it. F32 results agree with the fused path within
-    /// rounding, not bitwise. [`crate::CausalLm::fused_cpu_kernels`] tells which.
-    pub fn composed_only(mut self) -> Self {
-        self.fused_cpu_kernels = false;
-        self
-    }
-
-    /// The same model with the composed path's attention computed over blocks of `chunk` query
-    /// positions ([`crate::attention`]): the largest block holds `B · H · chunk · T` scores
-    /// (F32 for half dtypes) instead of the whole sequence's `B · H · T · T`, forward and
-    /// backward. `None` (the default) takes [`crate::AttentionShape::default_chunk`] (64 MiB of
-    /// F32 scores per block); a chunk `>= T` computes the sequence as one block. The fused CPU
-    /// kernels (F32/F64 on `Device::Cpu`, unless [`Gpt::composed_only`]) are not chunked.
-    ///
-    /// # Errors
-    /// [`Error::Config`] (`attention_chunk`) for `Some(0)`.
-    pub fn with_attention_chunk(mut self, chunk: Option<usize>) -> Result<Self> {
-        self.attention_chunk = crate::attention::check_chunk(chunk)?;
-        Ok(self)
-    }
-
-    /// The configured query positions per attention block (`None`: the default); see
-    /// [`Gpt::with_attention_chunk`].
-    pub fn attention_chunk(&self) -> Option<usize> {
-        self.attention_chunk
+        Ok(Self { config, units, compute: crate::Compute::default() })
     }
 
     /// The configuration.
@@ -193,21 +152,16 @@ impl Gpt {
         Ok(x.broadcast_add(&p[1].narrow(0, 0, t)?)?)
     }
 
-    /// Whether the fused CPU kernels apply to computations on `x`.
-    pub(super) fn fused(&self, x: &Tensor) -> bool {
-        self.fused_cpu_kernels && kernels::fused_supported(x)
-    }
-
     /// Pre-LN block: `x + attn(ln_1(x))`, then `+ mlp(ln_2(.))` → `[B, T, d]`.
     pub(super) fn block_math(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        let fused = self.fused(x);
+        let fused = self.compute.fused(x);
         let x = self.attention_residual(p, x)?;
 
         // MLP.
         let h = layer_norm(&x, &p[bi::LN2_W], &p[bi::LN2_B], self.config.ln_eps, fused)?.reshape((b * t, d))?;
         let h = linear(&h, &p[bi::FC_W], &p[bi::FC_B], fused)?;
-        let h = if fused { kernels::gelu(&h)? } else { gelu_composed(&h)? };
+        let h = gelu(&h, fused)?;
         let h = linear(&h, &p[bi::FC2_W], &p[bi::FC2_B], fused)?;
         Ok((x + h.reshape((b, t, d))?)?)
     }
@@ -218,7 +172,7 @@ impl Gpt {
         let (b, t, d) = x.dims3()?;
         let (nh, hd) = (self.config.n_head, self.config.head_dim());
         let eps = self.config.ln_eps;
-        let fused = self.fused(x);
+        let fused = self.compute.fused(x);
         let linear = |h: &Tensor, w: usize, bias: usize| linear(h, &p[w], &p[bias], fused);
 
         // Attention.
@@ -231,15 +185,7 @@ impl Gpt {
         let q = head(0)?.affine(1.0 / (hd as f64).sqrt(), 0.0)?;
         let k = head(1)?.contiguous()?;
         let v = head(2)?.contiguous()?;
-        let y = if fused {
-            let att = kernels::causal_softmax(&ops::matmul(&q, &k.t()?)?)?; // [B, H, T, T]
-            ops::matmul(&att, &v)?.transpose(1, 2)? // [B, T, H, hd]
-        } else {
-            // Over query blocks, the softmax in F32 for half dtypes (transformers' eager
-            // attention): [B, T, H, hd].
-            self.masks.attention(&q, &k, &v, self.attention_chunk)?
-        };
-        let y = y.reshape((b * t, d))?;
+        let y = self.compute.attention(&q, &k, &v, fused)?.reshape((b * t, d))?; // [B, T, H, hd]
         let y = linear(&y, bi::PROJ_W, bi::PROJ_B)?;
         Ok((x + y.reshape((b, t, d))?)?)
     }
@@ -247,7 +193,7 @@ impl Gpt {
     /// Head: `ln_f(x) @ w_out` → logits `[B, T, V]`; `w_out` is `[d, V]`.
     pub(super) fn head_math(&self, p: &[Tensor], w_out: &Tensor, x: &Tensor) -> Result<Tensor> {
         let (b, t, d) = x.dims3()?;
-        let h = layer_norm(x, &p[0], &p[1], self.config.ln_eps, self.fused(x))?.reshape((b * t, d))?;
+        let h = layer_norm(x, &p[0], &p[1], self.config.ln_eps, self.compute.fused(x))?.reshape((b * t, d))?;
         Ok(ops::matmul(&h, w_out)?.reshape((b, t, self.config.vocab_size))?)
     }
 }
@@ -312,9 +258,12 @@ impl crate::CausalLm for Gpt {
         self.config.moe.is_some().then_some(self as &dyn crate::MoeLm)
     }
 
-    /// `false` after [`Gpt::composed_only`].
-    fn fused_cpu_kernels(&self) -> bool {
-        self.fused_cpu_kernels
+    fn compute(&self) -> &crate::Compute {
+        &self.compute
+    }
+
+    fn compute_mut(&mut self) -> &mut crate::Compute {
+        &mut self.compute
     }
 
     fn dims(&self) -> crate::Dims {
@@ -340,7 +289,7 @@ impl crate::CausalLm for Gpt {
     }
 
     /// The composed path's attention core over `n_head` heads of `d_model / n_head`, in blocks
-    /// of [`Gpt::attention_chunk`] (or the default) query positions. (The fused CPU kernels,
+    /// of [`crate::CausalLm::attention_chunk`] (or the default) query positions. (The fused CPU kernels,
     /// F32/F64 on `Device::Cpu`, hold the whole sequence's scores:
     /// [`crate::attention_workspace_bytes`] with `chunk = seq_len`.)
     fn attention_workspace(&self, batch: usize, seq_len: usize, dtype: DType) -> crate::AttentionBytes {
@@ -351,7 +300,7 @@ impl crate::CausalLm for Gpt {
             kv_heads: self.config.n_head,
             head_dim: self.config.head_dim(),
         };
-        crate::attention_workspace_bytes(shape, shape.chunk(self.attention_chunk), dtype)
+        crate::attention_workspace_bytes(shape, shape.chunk(self.compute.attention_chunk()), dtype)
     }
 }
 

@@ -14,12 +14,12 @@ use candle_core::{DType, Tensor};
 
 use super::config::{block_idx as bi, expert_idx as ei, MoeConfig};
 use super::Gpt;
-use crate::kernels;
+use crate::kernels::{gelu, layer_norm, linear, softmax_last_dim};
 use crate::lm::MoeFamily;
 #[cfg(test)]
 pub(super) use crate::moe::combine_math;
 use crate::moe::{ExpertRoute, Routing};
-use crate::ops::{self, gelu_composed, input_err, layer_norm, linear, scalar, softmax_last_dim};
+use crate::ops::{self, input_err, scalar};
 use crate::Result;
 
 /// The gates of every (token, slot), `[N · k]` (flat slot `n · k + s`), as a differentiable
@@ -67,7 +67,7 @@ impl Gpt {
     /// `probs` in F32 for half dtypes, the params' dtype otherwise.
     pub(super) fn trunk_math(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let (b, t, d) = x.dims3()?;
-        let fused = self.fused(x);
+        let fused = self.compute.fused(x);
         let x1 = self.attention_residual(p, x)?;
         let h = layer_norm(&x1, &p[bi::LN2_W], &p[bi::LN2_B], self.config.ln_eps, fused)?.reshape((b * t, d))?;
         let logits = linear(&h, &p[bi::ROUTER_W], &p[bi::ROUTER_B], fused)?;
@@ -78,9 +78,9 @@ impl Gpt {
 
     /// One expert's MLP on its rows `[n_e, d]` → `[n_e, d]`.
     pub(super) fn expert_math(&self, p: &[Tensor], h: &Tensor) -> Result<Tensor> {
-        let fused = self.fused(h);
+        let fused = self.compute.fused(h);
         let a = linear(h, &p[ei::FC_W], &p[ei::FC_B], fused)?;
-        let a = if fused { kernels::gelu(&a)? } else { gelu_composed(&a)? };
+        let a = gelu(&a, fused)?;
         linear(&a, &p[ei::PROJ_W], &p[ei::PROJ_B], fused)
     }
 

@@ -9,8 +9,9 @@ use rand_chacha::ChaCha8Rng;
 use super::moe::{aux_value, combine_math, gate_values};
 use super::tests::{ids, max_abs_diff, random_params, to_tensors, FD_ATOL, FD_RTOL, FD_STEP};
 use super::*;
+use crate::kernels::cross_entropy_composed;
 use crate::lm::{CausalLm, MoeLm};
-use crate::ops::{cross_entropy, views};
+use crate::ops::views;
 use crate::shared_tests::{assert_grads_within, bf16_uniform, to_vec, BF16_SPACING};
 use crate::unit::{init_params, init_unit_from_seed, ParamInit, ParamSpec, UnitKind};
 use crate::unit_tensor;
@@ -571,7 +572,7 @@ fn whole_graph(gpt: &Gpt, params: &[Tensor], tokens: &Tensor, targets: &Tensor) 
     let n = units.len();
     let w_out = if cfg.tied_head { pv[0][0].t().unwrap() } else { pv[n - 1][2].clone() };
     let logits = gpt.head_math(&pv[n - 1], &w_out, &x).unwrap();
-    let ce = cross_entropy(&logits, targets).unwrap();
+    let ce = cross_entropy_composed(&logits, targets).unwrap();
     let mut obj = ce.clone();
     let mut aux = 0.0;
     for a in &aux_terms {

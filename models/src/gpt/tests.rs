@@ -7,8 +7,9 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
 use super::*;
+use crate::kernels::cross_entropy_composed;
 use crate::lm::CausalLm;
-use crate::ops::{cross_entropy, views};
+use crate::ops::views;
 use crate::shared_tests::{
     assert_bf16_accumulation_far_off, assert_grads_within, assert_rows_equal_row_0, assert_within_bf16_spacing,
     bf16_uniform, to_vec,
@@ -311,7 +312,7 @@ fn whole_graph_loss_and_grads(gpt: &Gpt, params: &[Tensor], tokens: &Tensor, tar
     }
     let w_out = if gpt.config().tied_head { pv[0][0].t().unwrap() } else { pv[n - 1][2].clone() };
     let logits = gpt.head_math(&pv[n - 1], &w_out, &x).unwrap();
-    let loss = cross_entropy(&logits, targets).unwrap();
+    let loss = cross_entropy_composed(&logits, targets).unwrap();
     let g = loss.backward().unwrap();
     let grads = vars.iter().map(|v| g.get(v.as_tensor()).unwrap().clone()).collect();
     (to_vec(&loss.reshape(1).unwrap())[0], grads)
@@ -368,7 +369,7 @@ fn head_vjp_matches_loss_backward() {
         let tied_wte = tied.then(|| &params[0]);
         let full = gpt.head_loss_backward(&params[head], &x, tied_wte, &targets).unwrap();
         let logits = gpt.forward(head, &params[head], &x, tied_wte).unwrap();
-        let p = crate::ops::softmax_last_dim(&logits).unwrap();
+        let p = crate::kernels::softmax_last_dim(&logits).unwrap();
         let onehot = Tensor::zeros((2, 4, 256), DType::F64, &Device::Cpu)
             .unwrap()
             .scatter_add(&targets.unsqueeze(2).unwrap(), &Tensor::ones((2, 4, 1), DType::F64, &Device::Cpu).unwrap(), 2)

@@ -10,7 +10,7 @@ use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
 
 use super::*;
-use crate::lm::{loss_and_grads, IGNORE_INDEX};
+use crate::lm::{loss_and_grads, CausalLm, IGNORE_INDEX};
 use crate::shared_tests::{assert_fixture_grads_within, rel_max_abs, to_f32};
 use crate::{Error, Llama, LlamaConfig, LlamaFamily, RopeScaling};
 

@@ -18,9 +18,8 @@
 
 use candle_core::Tensor;
 
-use super::fused as lk;
 use super::{AttnParams, Llama};
-use crate::kernels;
+use crate::kernels::{self, rms_norm_backward, rms_norm_fused};
 use crate::Result;
 
 /// What the attention's backward needs from its forward (fused CPU path).
@@ -77,7 +76,7 @@ pub(crate) struct MlpGrads {
 fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let y = x.matmul(&w.t()?)?;
     Ok(match b {
-        Some(b) => kernels::bias_add(&y, b)?,
+        Some(b) => kernels::bias_add(&y, b, true)?,
         None => y,
     })
 }
@@ -101,8 +100,8 @@ impl Llama {
         let h = h.reshape((n, d))?;
         let tab = self.tables(t, h.dtype(), h.device(), true)?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let q = lk::rope(&linear(&h, a.q_w, a.q_b)?.reshape((b, t, nh, hd))?, &tab.cos, &tab.sin, scale)?;
-        let k = lk::rope(&linear(&h, a.k_w, a.k_b)?.reshape((b, t, kv, hd))?, &tab.cos, &tab.sin, 1.0)?;
+        let q = kernels::rope_fused(&linear(&h, a.q_w, a.q_b)?.reshape((b, t, nh, hd))?, &tab.cos, &tab.sin, scale)?;
+        let k = kernels::rope_fused(&linear(&h, a.k_w, a.k_b)?.reshape((b, t, kv, hd))?, &tab.cos, &tab.sin, 1.0)?;
         let v = linear(&h, a.v_w, a.v_b)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
         let q = q.reshape((b, kv, rep * t, hd))?;
         let p = kernels::causal_softmax(&q.matmul(&k.t()?)?.reshape((b, nh, t, t))?)?;
@@ -143,8 +142,8 @@ impl Llama {
         let gq = gs.matmul(&c.k)?; // [B, KV, rep·T, hd]
         let gk = gs.t()?.matmul(&c.q)?; // [B, KV, T, hd]
         drop(gs);
-        let gq = lk::rope_backward(&gq.reshape((b, nh, t, hd))?, &c.cos, &c.sin, scale)?.reshape((n, nh * hd))?;
-        let gk = lk::rope_backward(&gk, &c.cos, &c.sin, 1.0)?.reshape((n, kv * hd))?;
+        let gq = kernels::rope_backward(&gq.reshape((b, nh, t, hd))?, &c.cos, &c.sin, scale)?.reshape((n, nh * hd))?;
+        let gk = kernels::rope_backward(&gk, &c.cos, &c.sin, 1.0)?.reshape((n, kv * hd))?;
         let gv = gv.transpose(1, 2)?.contiguous()?.reshape((n, kv * hd))?;
         let (gh_q, q_w, q_b) = linear_backward(&c.h, a.q_w, a.q_b.is_some(), &gq)?;
         let (gh_k, k_w, k_b) = linear_backward(&c.h, a.k_w, a.k_b.is_some(), &gk)?;
@@ -164,7 +163,7 @@ impl Llama {
         h: &Tensor,
     ) -> Result<(Tensor, MlpCache)> {
         let gu = linear(h, gate_up_w, gate_up_b)?;
-        let a = lk::swiglu(&gu)?;
+        let a = kernels::swiglu_fused(&gu)?;
         let m = linear(&a, down_w, down_b)?;
         Ok((m, MlpCache { h: h.clone(), gu, a }))
     }
@@ -182,7 +181,7 @@ impl Llama {
     ) -> Result<(Tensor, MlpGrads)> {
         let (ga, down_w_g, down_b_g) = linear_backward(&c.a, down_w, has_down_b, gm)?;
         drop(c.a);
-        let ggu = lk::swiglu_backward(&c.gu, &ga)?;
+        let ggu = kernels::swiglu_backward(&c.gu, &ga)?;
         drop((ga, c.gu));
         let (gh, gate_up_w_g, gate_up_b_g) = linear_backward(&c.h, gate_up_w, has_gate_up_b, &ggu)?;
         Ok((gh, MlpGrads { gate_up_w: gate_up_w_g, gate_up_b: gate_up_b_g, down_w: down_w_g, down_b: down_b_g }))
@@ -194,10 +193,10 @@ impl Llama {
         let g = &self.block;
         let (b, t, d) = x.dims3()?;
         let eps = self.config.rms_norm_eps;
-        let n1 = lk::rms_norm(x, &p[g.ln1], eps)?;
+        let n1 = rms_norm_fused(x, &p[g.ln1], eps)?;
         let (o, attn) = self.attention_forward_fused(&AttnParams::of_block(p, g), &n1)?;
         let x1 = (x + o.reshape((b, t, d))?)?;
-        let n2 = lk::rms_norm(&x1, &p[g.ln2], eps)?.reshape((b * t, d))?;
+        let n2 = rms_norm_fused(&x1, &p[g.ln2], eps)?.reshape((b * t, d))?;
         let (m, mlp) = self.mlp_forward_fused(
             &p[g.gate_up_w],
             g.gate_up_b.map(|i| &p[i]),
@@ -232,12 +231,12 @@ impl Llama {
             cache.mlp,
             &gy,
         )?;
-        let (gx1_norm, ln2) = lk::rms_norm_backward(&cache.x1.reshape((n, d))?, &p[g.ln2], &gn2, eps)?;
+        let (gx1_norm, ln2) = rms_norm_backward(&cache.x1.reshape((n, d))?, &p[g.ln2], &gn2, eps)?;
         drop((gn2, cache.x1));
         let gx1 = (gy + gx1_norm)?;
         // x1 = x + attention(rms_norm(x))
         let (gn1, attn) = self.attention_backward_fused(&AttnParams::of_block(p, g), cache.attn, &gx1)?;
-        let (gx_norm, ln1) = lk::rms_norm_backward(&x.reshape((n, d))?, &p[g.ln1], &gn1, eps)?;
+        let (gx_norm, ln1) = rms_norm_backward(&x.reshape((n, d))?, &p[g.ln1], &gn1, eps)?;
         let gx = (gx1 + gx_norm)?.reshape((b, t, d))?;
         // The groups in flat order (see LlamaConfig::block_groups).
         let mut parts: Vec<Tensor> = vec![ln1, attn.q_w];
@@ -275,19 +274,19 @@ impl Llama {
         let n = b * t;
         let eps = self.config.rms_norm_eps;
         let x2 = x.reshape((n, d))?;
-        let h = lk::rms_norm(&x2, norm_w, eps)?;
+        let h = rms_norm_fused(&x2, norm_w, eps)?;
         let z = h.matmul(&w_out.t()?)?;
         let targets = targets.flatten_all()?;
-        let rows = lk::cross_entropy_rows(&z, &targets)?;
+        let rows = kernels::cross_entropy_rows(&z, &targets)?;
         let inv = 1.0 / count.max(1) as f64;
         let loss = (rows.sum_all()? * inv)?;
         let g_rows = Tensor::full(inv, n, x.device())?.to_dtype(x.dtype())?;
-        let gz = lk::cross_entropy_backward(&z, &targets, &g_rows)?;
+        let gz = kernels::cross_entropy_backward(&z, &targets, &g_rows)?;
         drop(z);
         let gh = gz.matmul(w_out)?;
         let gw_out = gz.t()?.matmul(&h)?;
         drop((gz, h));
-        let (gx, g_norm) = lk::rms_norm_backward(&x2, norm_w, &gh, eps)?;
+        let (gx, g_norm) = rms_norm_backward(&x2, norm_w, &gh, eps)?;
         Ok((loss, gx.reshape((b, t, d))?, g_norm, gw_out))
     }
 }

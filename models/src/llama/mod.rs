@@ -29,14 +29,14 @@
 //!   of a group are stacked along the sequence axis (`[B, KV, (H/KV)·T, hd]`) and multiply their
 //!   group's keys once. Scores scaled by `1/sqrt(hd)`, causal softmax. The op compositions
 //!   compute it over blocks of query positions ([`crate::attention`],
-//!   [`Llama::with_attention_chunk`]): no tensor of the whole sequence's `[B, H, T, T]` scores,
+//!   [`CausalLm::with_attention_chunk`]): no tensor of the whole sequence's `[B, H, T, T]` scores,
 //!   forward or backward.
 //! - SwiGLU MLP (Shazeer 2020); `gate_proj` and `up_proj` run as one `[2I, d]` matmul (their
 //!   tensors are adjacent in the flat vector).
 //!
 //! On `Device::Cpu` in F32/F64 RMSNorm, RoPE (with the head transpose and the score scale),
 //! SwiGLU, the causal softmax and the cross-entropy run as fused kernels with their own backward
-//! (`fused.rs`, and the GPT's causal softmax in `kernels.rs`); other devices and dtypes take op compositions
+//! (`kernels/`, each op's kernel beside its composition); other devices and dtypes take op compositions
 //! that all have a backward (candle-nn's fused `rms_norm`, `softmax_last_dim` and `rope` have
 //! none, DESIGN.md "Traps"). Both paths are checked against finite differences and against each
 //! other, and against transformers' logits, loss and gradients (`shared/fixtures/llama`).
@@ -66,14 +66,14 @@ use std::sync::Mutex;
 use candle_core::{DType, Device, Tensor};
 
 use crate::attention::{self, AttentionBytes, AttentionShape};
+use crate::compute::Compute;
 use crate::kernels;
 use crate::lm::{CausalLm, Family, HeadLossGrads, UnitGrads};
-use crate::ops::{self, cross_entropy, rms_norm_composed, rope_composed, scalar, swiglu_composed};
+use crate::ops::{self, scalar};
 use crate::unit::{UnitKind, UnitSpec};
 use crate::Result;
 
 mod config;
-mod fused;
 mod layer;
 mod rope;
 #[cfg(test)]
@@ -82,7 +82,6 @@ mod tests;
 pub use config::{LlamaConfig, LlamaFamily, RopeScaling};
 
 use config::BlockGroups;
-use fused as lk;
 
 /// A computation group of a unit's flat vector: `(offset, shape)`.
 type Group = (usize, Vec<usize>);
@@ -147,13 +146,8 @@ pub struct Llama {
     groups: Vec<Vec<Group>>,
     block: BlockGroups,
     tables: Mutex<Vec<Tables>>,
-    /// The composed path's causal masks (one `[chunk, chunk]` triangle per dtype and device).
-    masks: attention::Masks,
-    /// Query positions per block of the composed attention; `None`: the default
-    /// ([`AttentionShape::default_chunk`]).
-    attention_chunk: Option<usize>,
-    /// Use the fused CPU kernels where they apply; `false` forces the op compositions.
-    fused_cpu_kernels: bool,
+    /// The fused kernels on or off, the composed attention's chunk and masks.
+    compute: Compute,
 }
 
 impl std::fmt::Debug for Llama {
@@ -181,45 +175,7 @@ impl Llama {
                 _ => u.params.iter().map(|p| (p.offset, p.shape.clone())).collect(),
             })
             .collect();
-        Ok(Self {
-            config,
-            units,
-            groups,
-            block,
-            tables: Mutex::new(Vec::new()),
-            masks: attention::Masks::default(),
-            attention_chunk: None,
-            fused_cpu_kernels: true,
-        })
-    }
-
-    /// The same model computed with candle op compositions only (no fused CPU kernels): the
-    /// path every non-CPU device (and every half dtype) takes, so CPU tests, benchmarks and a
-    /// simulated device can run the op sequence of a CUDA device. F32 results agree with the
-    /// fused path within rounding, not bitwise. [`CausalLm::fused_cpu_kernels`] tells which.
-    pub fn composed_only(mut self) -> Self {
-        self.fused_cpu_kernels = false;
-        self
-    }
-
-    /// The same model with the composed path's attention computed over blocks of `chunk` query
-    /// positions ([`crate::attention`]): the largest block holds `B · H · chunk · T` scores
-    /// (F32 for half dtypes) instead of the whole sequence's `B · H · T · T`, forward and
-    /// backward. `None` (the default) takes [`AttentionShape::default_chunk`] (64 MiB of F32
-    /// scores per block); a chunk `>= T` computes the sequence as one block. The fused CPU
-    /// kernels (F32/F64 on `Device::Cpu`, unless [`Llama::composed_only`]) are not chunked.
-    ///
-    /// # Errors
-    /// [`crate::Error::Config`] (`attention_chunk`) for `Some(0)`.
-    pub fn with_attention_chunk(mut self, chunk: Option<usize>) -> Result<Self> {
-        self.attention_chunk = attention::check_chunk(chunk)?;
-        Ok(self)
-    }
-
-    /// The configured query positions per attention block (`None`: the default); see
-    /// [`Llama::with_attention_chunk`].
-    pub fn attention_chunk(&self) -> Option<usize> {
-        self.attention_chunk
+        Ok(Self { config, units, groups, block, tables: Mutex::new(Vec::new()), compute: Compute::default() })
     }
 
     /// The configuration (with its defaults resolved).
@@ -234,29 +190,18 @@ impl Llama {
 
     // ---- pieces (shared with an MoE layer) ----------------------------------------------------
 
-    /// Whether the fused CPU kernels apply to computations on `x`.
-    pub(crate) fn fused(&self, x: &Tensor) -> bool {
-        self.fused_cpu_kernels && kernels::fused_supported(x)
-    }
-
     /// RMSNorm of `x` `[.., d]` with weight `w` `[d]` and the config's eps.
     pub(crate) fn rms_norm(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        let eps = self.config.rms_norm_eps;
-        if self.fused(x) {
-            Ok(lk::rms_norm(x, w, eps)?)
-        } else {
-            rms_norm_composed(x, w, eps)
-        }
+        kernels::rms_norm(x, w, self.config.rms_norm_eps, self.compute.fused(x))
     }
 
     /// `x Wᵀ (+ b)`: `x` `[N, in]`, `w` `[out, in]`, `b` `[out]` → `[N, out]`.
     fn linear(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>, fused: bool) -> Result<Tensor> {
         let y = ops::matmul(x, &w.t()?)?;
-        Ok(match b {
-            None => y,
-            Some(b) if fused => kernels::bias_add(&y, b)?,
-            Some(b) => ops::bias_add(&y, b)?,
-        })
+        match b {
+            None => Ok(y),
+            Some(b) => kernels::bias_add(&y, b, fused),
+        }
     }
 
     /// The self-attention of a layer on its normed input `h` `[B, T, d]` → `[B, T, d]` (before
@@ -266,37 +211,21 @@ impl Llama {
     pub(crate) fn attention(&self, p: &AttnParams<'_>, h: &Tensor) -> Result<Tensor> {
         let (b, t, d) = h.dims3()?;
         let (nh, kv, hd) = (self.config.num_attention_heads, self.config.kv_heads(), self.config.head_dim());
-        let rep = nh / kv;
         let n = b * t;
-        let fused = self.fused(h);
+        let fused = self.compute.fused(h);
         let h = h.reshape((n, d))?;
         let q = self.linear(&h, p.q_w, p.q_b, fused)?.reshape((b, t, nh, hd))?;
         let k = self.linear(&h, p.k_w, p.k_b, fused)?.reshape((b, t, kv, hd))?;
         let v = self.linear(&h, p.v_w, p.v_b, fused)?.reshape((b, t, kv, hd))?;
         let tab = self.tables(t, h.dtype(), h.device(), fused)?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let (q, k) = if fused {
-            (lk::rope(&q, &tab.cos, &tab.sin, scale)?, lk::rope(&k, &tab.cos, &tab.sin, 1.0)?)
-        } else {
-            let q = rope_composed(&q.transpose(1, 2)?, &tab.cos, &tab.sin)?.affine(scale, 0.0)?;
-            let k = rope_composed(&k.transpose(1, 2)?, &tab.cos, &tab.sin)?.contiguous()?;
-            (q, k)
-        };
+        // [B, nh, T, hd], [B, KV, T, hd]
+        let q = kernels::rope(&q, &tab.cos, &tab.sin, scale, fused)?;
+        let k = kernels::rope(&k, &tab.cos, &tab.sin, 1.0, fused)?;
         // [B, KV, T, hd]
         let v = v.transpose(1, 2)?.contiguous()?;
-        let y = if fused {
-            // Query heads kv·rep .. kv·rep + rep share key/value head kv: stack them along T.
-            let q = q.reshape((b, kv, rep * t, hd))?;
-            let att = ops::matmul(&q, &k.t()?)?.reshape((b, nh, t, t))?;
-            let att = kernels::causal_softmax(&att)?;
-            // [B, KV, rep·T, hd] = [B, H, T, hd]
-            ops::matmul(&att.reshape((b, kv, rep * t, t))?, &v)?.reshape((b, nh, t, hd))?.transpose(1, 2)?
-        } else {
-            // Over query blocks, the softmax in F32 for half dtypes (transformers' eager
-            // attention): [B, T, H, hd].
-            self.masks.attention(&q, &k, &v, self.attention_chunk)?
-        };
-        let y = y.reshape((n, nh * hd))?;
+        // [B, T, H, hd]
+        let y = self.compute.attention(&q, &k, &v, fused)?.reshape((n, nh * hd))?;
         Ok(self.linear(&y, p.o_w, p.o_b, fused)?.reshape((b, t, d))?)
     }
 
@@ -313,10 +242,10 @@ impl Llama {
     ) -> Result<Tensor> {
         let dims = h.dims().to_vec();
         let d = *dims.last().expect("rank >= 1");
-        let fused = self.fused(h);
+        let fused = self.compute.fused(h);
         let h = h.reshape(((), d))?;
         let gu = self.linear(&h, gate_up_w, gate_up_b, fused)?;
-        let a = if fused { lk::swiglu(&gu)? } else { swiglu_composed(&gu)? };
+        let a = kernels::swiglu(&gu, fused)?;
         Ok(self.linear(&a, down_w, down_b, fused)?.reshape(dims)?)
     }
 
@@ -333,7 +262,7 @@ impl Llama {
     fn block_math(&self, p: &[Tensor], x: &Tensor) -> Result<Tensor> {
         // Outside a graph (no Var among the inputs) the fused CPU path runs the layer.rs forward,
         // the one its hand-written backward recomputes.
-        if self.fused(x) && !x.track_op() && p.iter().all(|t| !t.track_op()) {
+        if self.compute.fused(x) && !x.track_op() && p.iter().all(|t| !t.track_op()) {
             return self.block_math_fused(p, x);
         }
         let g = &self.block;
@@ -354,12 +283,7 @@ impl Llama {
     /// The mean cross-entropy of `logits` `[B, T, V]` over the `count` targets that are not
     /// ignored, as a scalar tensor (F32 for half dtypes, as transformers upcasts the logits).
     fn loss_math(&self, logits: &Tensor, targets: &Tensor, count: usize) -> Result<Tensor> {
-        if self.fused(logits) {
-            let v = self.config.vocab_size;
-            let rows = lk::cross_entropy_rows(&logits.reshape(((), v))?, &targets.flatten_all()?)?;
-            return Ok((rows.sum_all()? * (1.0 / count.max(1) as f64))?);
-        }
-        cross_entropy(&ops::widen(logits)?, targets)
+        kernels::cross_entropy(logits, targets, count, self.compute.fused(logits))
     }
 
     // ---- helpers -------------------------------------------------------------------------------
@@ -445,7 +369,7 @@ impl Family for Llama {
         x: &Tensor,
         grad_y: &Tensor,
     ) -> Result<Option<UnitGrads>> {
-        if !self.fused(x) {
+        if !self.compute.fused(x) {
             return Ok(None);
         }
         let (grad_params, gx) = self.block_backward_fused(&self.views(unit, params)?, x, grad_y)?;
@@ -460,7 +384,7 @@ impl Family for Llama {
         tied: Option<&Tensor>,
         targets: &Tensor,
     ) -> Result<Option<HeadLossGrads>> {
-        if !self.fused(x) {
+        if !self.compute.fused(x) {
             return Ok(None);
         }
         let p = self.views(self.units.len() - 1, params)?;
@@ -510,9 +434,12 @@ impl CausalLm for Llama {
         }
     }
 
-    /// `false` after [`Llama::composed_only`].
-    fn fused_cpu_kernels(&self) -> bool {
-        self.fused_cpu_kernels
+    fn compute(&self) -> &Compute {
+        &self.compute
+    }
+
+    fn compute_mut(&mut self) -> &mut Compute {
+        &mut self.compute
     }
 
     fn dims(&self) -> crate::Dims {
@@ -542,7 +469,7 @@ impl CausalLm for Llama {
     }
 
     /// The composed path's attention core over `num_attention_heads` query heads, `kv_heads`
-    /// key/value heads of `head_dim`, in blocks of [`Llama::attention_chunk`] (or the default)
+    /// key/value heads of `head_dim`, in blocks of [`CausalLm::attention_chunk`] (or the default)
     /// query positions. (The fused CPU kernels, F32/F64 on `Device::Cpu`, hold the whole
     /// sequence's scores: [`attention::attention_workspace_bytes`] with `chunk = seq_len`.)
     fn attention_workspace(&self, batch: usize, seq_len: usize, dtype: DType) -> AttentionBytes {
@@ -554,6 +481,6 @@ impl CausalLm for Llama {
             kv_heads: c.kv_heads(),
             head_dim: c.head_dim(),
         };
-        attention::attention_workspace_bytes(shape, shape.chunk(self.attention_chunk), dtype)
+        attention::attention_workspace_bytes(shape, shape.chunk(self.compute.attention_chunk()), dtype)
     }
 }

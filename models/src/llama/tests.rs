@@ -9,6 +9,10 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, Normal};
 
 use super::*;
+use crate::kernels::{
+    cross_entropy_composed, cross_entropy_rows, rms_norm_composed, rms_norm_fused, rope_composed, rope_fused,
+    swiglu_composed, swiglu_fused,
+};
 use crate::lm::{loss_and_grads, CausalLm, IGNORE_INDEX};
 use crate::shared_tests::{
     assert_bf16_accumulation_far_off, assert_rows_equal_row_0, assert_within_bf16_spacing, bf16_uniform, to_vec,
@@ -262,10 +266,10 @@ fn rms_norm_kernel_matches_finite_differences_and_composition() {
     let x = randn(&[3, 2, 6], 0.2, &mut rng);
     let w = randn(&[6], 1.0, &mut rng);
     let fused =
-        check_op_fd("rms_norm fused", &[x.clone(), w.clone()], &|t| fused::rms_norm(&t[0], &t[1], 1e-5).unwrap());
+        check_op_fd("rms_norm fused", &[x.clone(), w.clone()], &|t| rms_norm_fused(&t[0], &t[1], 1e-5).unwrap());
     let composed =
         check_op_fd("rms_norm composed", &[x.clone(), w.clone()], &|t| rms_norm_composed(&t[0], &t[1], 1e-5).unwrap());
-    let (a, b) = (fused::rms_norm(&x, &w, 1e-5).unwrap(), rms_norm_composed(&x, &w, 1e-5).unwrap());
+    let (a, b) = (rms_norm_fused(&x, &w, 1e-5).unwrap(), rms_norm_composed(&x, &w, 1e-5).unwrap());
     assert!(max_abs_diff(&a, &b) < 1e-14);
     for (g1, g2) in fused.iter().zip(&composed) {
         assert!(max_abs_diff(g1, g2) < 1e-13);
@@ -285,11 +289,11 @@ fn rope_kernel_matches_finite_differences_and_composition() {
     let sin_f = Tensor::cat(&[&sin_h, &sin_h], 1).unwrap();
     let scale = 0.7;
     let fused =
-        check_op_fd("rope fused", std::slice::from_ref(&x), &|ts| fused::rope(&ts[0], &cos_h, &sin_h, scale).unwrap());
+        check_op_fd("rope fused", std::slice::from_ref(&x), &|ts| rope_fused(&ts[0], &cos_h, &sin_h, scale).unwrap());
     let composed = check_op_fd("rope composed", std::slice::from_ref(&x), &|ts| {
         rope_composed(&ts[0].transpose(1, 2).unwrap(), &cos_f, &sin_f).unwrap().affine(scale, 0.0).unwrap()
     });
-    let a = fused::rope(&x, &cos_h, &sin_h, scale).unwrap();
+    let a = rope_fused(&x, &cos_h, &sin_h, scale).unwrap();
     let b2 = rope_composed(&x.transpose(1, 2).unwrap(), &cos_f, &sin_f).unwrap().affine(scale, 0.0).unwrap();
     assert_eq!(a.dims(), [b, nh, t, hd]);
     assert!(max_abs_diff(&a, &b2) < 1e-14);
@@ -304,9 +308,9 @@ fn rope_kernel_matches_finite_differences_and_composition() {
 fn swiglu_kernel_matches_finite_differences_and_composition() {
     let mut rng = ChaCha8Rng::seed_from_u64(3);
     let gu = randn(&[7, 10], 0.0, &mut rng);
-    let fused = check_op_fd("swiglu fused", std::slice::from_ref(&gu), &|t| fused::swiglu(&t[0]).unwrap());
+    let fused = check_op_fd("swiglu fused", std::slice::from_ref(&gu), &|t| swiglu_fused(&t[0]).unwrap());
     let composed = check_op_fd("swiglu composed", std::slice::from_ref(&gu), &|t| swiglu_composed(&t[0]).unwrap());
-    assert!(max_abs_diff(&fused::swiglu(&gu).unwrap(), &swiglu_composed(&gu).unwrap()) < 1e-15);
+    assert!(max_abs_diff(&swiglu_fused(&gu).unwrap(), &swiglu_composed(&gu).unwrap()) < 1e-15);
     assert!(max_abs_diff(&fused[0], &composed[0]) < 1e-14);
 }
 
@@ -320,21 +324,21 @@ fn cross_entropy_kernel_matches_finite_differences_and_composition() {
     tv[6] = IGNORE_INDEX;
     let targets = Tensor::from_vec(tv.clone(), b * t, &Device::Cpu).unwrap();
     let fused = check_op_fd("cross-entropy fused", std::slice::from_ref(&logits), &|ts| {
-        fused::cross_entropy_rows(&ts[0], &targets).unwrap().sum_all().unwrap().affine(1.0 / 6.0, 0.0).unwrap()
+        cross_entropy_rows(&ts[0], &targets).unwrap().sum_all().unwrap().affine(1.0 / 6.0, 0.0).unwrap()
     });
     let t2 = targets.reshape((b, t)).unwrap();
     let composed = check_op_fd("cross-entropy composed", std::slice::from_ref(&logits), &|ts| {
-        cross_entropy(&ts[0].reshape((b, t, v)).unwrap(), &t2).unwrap()
+        cross_entropy_composed(&ts[0].reshape((b, t, v)).unwrap(), &t2).unwrap()
     });
     assert!(max_abs_diff(&fused[0], &composed[0]) < 1e-15);
     // Ignored rows: zero loss, zero gradient.
-    let rows = fused::cross_entropy_rows(&logits, &targets).unwrap().to_vec1::<f64>().unwrap();
+    let rows = cross_entropy_rows(&logits, &targets).unwrap().to_vec1::<f64>().unwrap();
     assert_eq!((rows[1], rows[6]), (0.0, 0.0));
     let g = fused[0].to_vec2::<f64>().unwrap();
     assert!(g[1].iter().chain(&g[6]).all(|&x| x == 0.0));
     // The mean over the counted rows is the composed loss.
     let mean = rows.iter().sum::<f64>() / 6.0;
-    let c = crate::ops::scalar(&cross_entropy(&logits.reshape((b, t, v)).unwrap(), &t2).unwrap()).unwrap();
+    let c = crate::ops::scalar(&cross_entropy_composed(&logits.reshape((b, t, v)).unwrap(), &t2).unwrap()).unwrap();
     assert!((mean - c).abs() < 1e-14);
 }
 

@@ -131,7 +131,7 @@ fn generic_step_is_moe_gpts_bitwise() {
         let rs: [&Routing; 2] = [&r, &t.routing];
         assert_eq!(moe.aux_loss(&rs).to_bits(), (r.aux_loss() + t.routing.aux_loss()).to_bits());
         // The trunk's router logits are the probabilities' preimage.
-        let p = crate::ops::softmax_last_dim(&t.logits).unwrap();
+        let p = crate::kernels::softmax_last_dim(&t.logits).unwrap();
         assert_eq!(bits(&p), bits(&t.probs));
     }
 }
