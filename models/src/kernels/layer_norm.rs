@@ -2,7 +2,7 @@
 //! affine part (`x̂ · w + b`) a fused CPU kernel whose `w`/`b` gradients are fast row sums, or
 //! composed too.
 
-use candle_core::{CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CustomOp3, Layout, Result, Shape, Tensor, D};
 
 use super::rows::{row_sum_tensor, rows_par};
 use super::{float_storages, last_dim, Float, Host};
@@ -14,10 +14,7 @@ use crate::ops::{is_half, widen};
 /// the output once, as torch's `layer_norm` on half inputs.
 pub(crate) fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64, fused: bool) -> crate::Result<Tensor> {
     let dtype = x.dtype();
-    let xs = match dtype {
-        DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
-        _ => x.clone(),
-    };
+    let xs = widen(x)?;
     let mean = xs.mean_keepdim(D::Minus1)?;
     let xc = xs.broadcast_sub(&mean)?;
     let var = xc.sqr()?.mean_keepdim(D::Minus1)?;

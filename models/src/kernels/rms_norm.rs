@@ -1,7 +1,7 @@
 //! RMSNorm over the last dim (Zhang & Sennrich 2019), as transformers' `LlamaRMSNorm`: the
 //! fused CPU kernel (forward, and its backward to `x` and to the weight) and the composition.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
 
 use super::rows::row_sum_tensor;
@@ -32,10 +32,7 @@ pub(crate) fn rms_norm_fused(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor>
 /// accumulated in F32 for half dtypes).
 pub(crate) fn rms_norm_composed(x: &Tensor, w: &Tensor, eps: f64) -> crate::Result<Tensor> {
     let dtype = x.dtype();
-    let xs = match dtype {
-        DType::F16 | DType::BF16 => x.to_dtype(DType::F32)?,
-        _ => x.clone(),
-    };
+    let xs = widen(x)?;
     let var = xs.sqr()?.mean_keepdim(D::Minus1)?;
     let inv = (var + eps)?.sqrt()?.recip()?;
     let xn = xs.broadcast_mul(&inv)?.to_dtype(dtype)?;
