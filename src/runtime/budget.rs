@@ -137,10 +137,11 @@ impl HostOverhead {
     /// [`oogc_swapper::huge_malloc`]'s malloc settings; the fit's own shapes land within
     /// 0.93–1.05 of their peak RSS, and the four shapes of `cli/tests/host_memory.rs`, held out,
     /// within 0.93–0.97. Since then pooled gradient buffers lowered the held-out d_model 512
-    /// shape's ledger peak and RSS, leaving the prediction +7.5–10.2 % over the RSS (ten debug
-    /// runs) against a 0.49 × the whole gradients budget: the allocator part now takes the
-    /// gradients the ledger expects (their margins are not expected to be held, as in
-    /// [`HostPlan::expected_peak_bytes`]); the 19-shape fit has not been rerun.
+    /// shape's ledger peak and RSS, and with the allocator part at 0.49 × the whole gradients
+    /// budget, margins included, the prediction sat +7.5–10.2 % over the RSS (ten debug runs).
+    /// The allocator part now takes the gradients the ledger expects (the margins are not
+    /// expected to be held, as in [`HostPlan::expected_peak_bytes`]); the 19-shape fit has not
+    /// been rerun.
     pub fn model(shape: &RunShape, text_bytes: u64, sim_gpu_budget_bytes: Option<u64>, plan: &HostPlan) -> Self {
         let s = shape;
         let f = |x: u64, c: f64| (x as f64 * c) as u64;
