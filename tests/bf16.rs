@@ -4,8 +4,8 @@
 //! same unit calls); every link and the NVMe parameter traffic carry exactly half of f32's bytes;
 //! a bf16 run resumes bitwise.
 
-mod common;
-mod reference;
+use crate::common;
+use crate::reference;
 
 use oogc::config::{ComputeDType, TrainConfig};
 use oogc::train::Trainer;

@@ -12,10 +12,10 @@
 //! documented command:
 //!
 //! ```sh
-//! OOGC_BF16_TRACKING_STEPS=200 cargo test --release -p oogc --test bf16_tracking -- --nocapture
+//! OOGC_BF16_TRACKING_STEPS=200 cargo test --release -p oogc --test suite bf16_tracking:: -- --nocapture
 //! ```
 
-mod common;
+use crate::common;
 
 use oogc::config::{ComputeDType, TrainConfig};
 use oogc::train::Trainer;

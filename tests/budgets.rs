@@ -4,8 +4,8 @@
 //! a host budget or an NVMe file system too small is refused before anything is written, with
 //! the numbers.
 
-mod common;
-mod reference;
+use crate::common;
+use crate::reference;
 
 use oogc::config::TrainConfig;
 use oogc::swapper::{HostUse, StatePlacement};

@@ -4,8 +4,8 @@
 //! candle ops, not the CPU kernel's FMA order); moving state between the tiers is bitwise; a
 //! resumed run continues bitwise.
 
-mod common;
-mod reference;
+use crate::common;
+use crate::reference;
 
 use oogc::config::{DeviceUnits, TrainConfig};
 use oogc::runtime::Phase;

@@ -9,8 +9,8 @@
 //! the input tensors (its shards carrying verified crc32c checksums), and an unsupported
 //! `config.json` key is refused by name.
 
-mod common;
-mod fixtures;
+use crate::common;
+use crate::fixtures;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

@@ -9,8 +9,8 @@
 //! absolute of `step.safetensors`. Then the oogc path: `[model] family = "mixtral"`, `init =`
 //! the checkpoint, exported bitwise the input.
 
-mod common;
-mod fixtures;
+use crate::common;
+use crate::fixtures;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

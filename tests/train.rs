@@ -3,8 +3,8 @@
 //! swapper), dense and MoE, and a GPU budget below the working set is refused. (The CLI's runs:
 //! `cli/tests/train.rs`.)
 
-mod common;
-mod reference;
+use crate::common;
+use crate::reference;
 
 use oogc::config::TrainConfig;
 use oogc::train::Trainer;
