@@ -61,8 +61,8 @@ pub struct RunSummary {
     pub model_to_gpu_ratio: f64,
     /// Checkpoints written.
     pub checkpoints: Vec<PathBuf>,
-    /// The run was stopped early by [`RunOptions::stop`] (after `last_step`, checkpointed when
-    /// `checkpoint` is set).
+    /// The run was stopped early by [`RunOptions::stop`](crate::run::RunOptions::stop) (after
+    /// `last_step`, checkpointed when `checkpoint` is set).
     pub stopped: bool,
     /// The checkpoint a later `--resume` continues from (the newest written or resumed from);
     /// `None` without a checkpoint directory.

@@ -647,8 +647,9 @@ pub(super) fn optimizer_units(w: World, units: &[usize]) -> Vec<usize> {
     units.iter().map(|&n| crate::dist::shard_range(n, w.rank, w.size).len()).collect()
 }
 
-/// Rank `world.rank`'s [`optimizer_units`] of `units`, and the elements of each unit its compute-copy
-/// home holds: the same shards with `shard_parameters`
+/// Rank `world.rank`'s shards of `units` (the elements its optimizer holds, `optimizer_units`),
+/// and the elements of each unit its compute-copy home holds: the same shards with
+/// `shard_parameters`
 /// ([`RuntimeConfig::shard_parameters`]), else the whole units. Units marked in `whole` (MoE
 /// experts, registered with [`crate::runtime::Runtime::add_unscheduled_unit`]: every rank keeps
 /// their copies whole) count whole either way; `whole` shorter than `units` marks none of the rest.

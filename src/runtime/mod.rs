@@ -43,7 +43,7 @@
 
 //!
 //! **The house.** [`Runtime`] is a façade over parts with one job each: the unit table
-//! ([`Units`], `runtime/unit.rs`: each unit a [`unit::Kind`] — tiered, gathered, unscheduled or
+//! ([`Units`], `runtime/unit.rs`: each unit a `unit::Kind` — tiered, gathered, unscheduled or
 //! device-resident — that owns how it is fetched, how its gradients leave and how its update is
 //! committed), the step clock and its stats (`runtime/stats.rs`), the schedule and prefetch
 //! window (`runtime/schedule.rs`), the tiers and the carved budgets (`runtime/memory.rs`), the
