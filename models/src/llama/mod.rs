@@ -110,6 +110,9 @@ pub(crate) struct AttnParams<'a> {
     pub v_b: Option<&'a Tensor>,
     pub o_w: &'a Tensor,
     pub o_b: Option<&'a Tensor>,
+    /// Qwen3: the per-head RMSNorm weights of q and k, `[hd]` each.
+    pub q_norm: Option<&'a Tensor>,
+    pub k_norm: Option<&'a Tensor>,
 }
 
 impl<'a> AttnParams<'a> {
@@ -123,6 +126,8 @@ impl<'a> AttnParams<'a> {
             v_b: g.v_b.map(|i| &p[i]),
             o_w: &p[g.o_w],
             o_b: g.o_b.map(|i| &p[i]),
+            q_norm: g.q_norm.map(|i| &p[i]),
+            k_norm: g.k_norm.map(|i| &p[i]),
         }
     }
 }
@@ -205,7 +210,7 @@ impl Llama {
     }
 
     /// The self-attention of a layer on its normed input `h` `[B, T, d]` → `[B, T, d]` (before
-    /// the residual add): projections, RoPE on q and k, grouped-query causal attention scaled by
+    /// the residual add): projections, (Qwen3) an RMSNorm per head on q and k, RoPE on q and k, grouped-query causal attention scaled by
     /// `1/sqrt(hd)`, `o_proj` (transformers' `LlamaAttention.forward` with the eager kernel).
     /// The op compositions run the attention core over query blocks ([`crate::attention`]).
     pub(crate) fn attention(&self, p: &AttnParams<'_>, h: &Tensor) -> Result<Tensor> {
@@ -216,6 +221,15 @@ impl Llama {
         let h = h.reshape((n, d))?;
         let q = self.linear(&h, p.q_w, p.q_b, fused)?.reshape((b, t, nh, hd))?;
         let k = self.linear(&h, p.k_w, p.k_b, fused)?.reshape((b, t, kv, hd))?;
+        // Qwen3: an RMSNorm over each head's hd values (transformers' `Qwen3Attention`).
+        let q = match p.q_norm {
+            Some(w) => self.rms_norm(&q, w)?,
+            None => q,
+        };
+        let k = match p.k_norm {
+            Some(w) => self.rms_norm(&k, w)?,
+            None => k,
+        };
         let v = self.linear(&h, p.v_w, p.v_b, fused)?.reshape((b, t, kv, hd))?;
         let tab = self.tables(t, h.dtype(), h.device(), fused)?;
         let scale = 1.0 / (hd as f64).sqrt();
