@@ -20,12 +20,8 @@ fn fixtures() -> PathBuf {
 
 /// A case's directory: `llama/<case>`, else `moe/<case>` (`shared/fixtures/moe`, README there).
 fn case_dir(case: &str) -> PathBuf {
-    let dir = fixtures().join(case);
-    if dir.exists() {
-        dir
-    } else {
-        fixtures().join("../moe").join(case)
-    }
+    let dirs = [fixtures().join(case), fixtures().join("../moe").join(case)];
+    dirs.into_iter().find(|d| d.exists()).unwrap_or_else(|| panic!("no fixture `{case}` in llama/ or moe/"))
 }
 
 fn reference(dir: &Path) -> BTreeMap<String, NamedTensor> {

@@ -1,5 +1,7 @@
 //! The Llama family of decoders — Llama 2/3 (Touvron et al. 2023; Grattafiori et al. 2024),
-//! Mistral without sliding window (Jiang et al. 2023), Qwen2 (Yang et al. 2024) — on candle, cut
+//! Mistral without sliding window (Jiang et al. 2023), Qwen2 (Yang et al. 2024), Qwen3 (Yang et
+//! al. 2025: an RMSNorm over each head of q and k, `self_attn.{q,k}_norm` `[hd]`, after the
+//! projections and before RoPE) — on candle, cut
 //! into **units** whose parameters are each one flat vector, with the Hugging Face tensor names
 //! and layouts so that a checkpoint's tensors *are* the units' flat vectors ([`crate::hf`]).
 //!
@@ -10,7 +12,7 @@
 //! | `L + 1` | [`UnitKind::Head`] | `head` | `model.norm.weight` `[d]`, `lm_head.weight` `[V, d]` (untied only) | `[B, T, d]` → logits `[B, T, V]` |
 //!
 //! (exact layouts in [`LlamaConfig::units`].) The math is transformers' `modeling_llama.py`
-//! (and `modeling_qwen2.py`, `modeling_mistral.py`), in its float32 form:
+//! (and `modeling_qwen2.py`, `modeling_qwen3.py`, `modeling_mistral.py`), in its float32 form:
 //!
 //! ```text
 //! embed : x = embed_tokens[tokens]
