@@ -1,5 +1,6 @@
 //! The Llama family against transformers' numbers (`../shared/fixtures/llama/`, README there):
-//! `llama_gqa` (GQA, untied, 12 shards) and `qwen2_tied` (q/k/v bias, tied, one file), loaded
+//! `llama_gqa` (GQA, untied, 12 shards), `qwen2_tied` (q/k/v bias, tied, one file) and
+//! `../shared/fixtures/moe/qwen3_dense` (Qwen3's per-head q/k norm, 14 shards), loaded
 //! through the checkpoint reader and computed unit by unit **through the `Runtime`** (offloaded:
 //! a GPU budget below the model, optimizer state on NVMe) and in the plain in-memory loop of
 //! `oogc_models::loss_and_grads`: logits and loss within 1e-4 relative + 1e-5 absolute, every
@@ -29,11 +30,17 @@ fn fixtures() -> PathBuf {
     common::repo_root().join("../shared/fixtures/llama")
 }
 
+/// A case's directory: `llama/<case>`, else `moe/<case>` (`../shared/fixtures/moe`, README there).
+fn case_dir(case: &str) -> PathBuf {
+    let dirs = [fixtures().join(case), fixtures().join("../moe").join(case)];
+    dirs.into_iter().find(|d| d.exists()).unwrap_or_else(|| panic!("no fixture `{case}` in llama/ or moe/"))
+}
+
 /// One training step of `case` through an offloaded `Runtime`, checked against the fixture.
 /// `chunk`: run the model on the op compositions (a CUDA device's path) with its attention over
 /// blocks of that many query positions; `None`: the default model (fused CPU kernels).
 fn through_the_runtime(case: &str, chunk: Option<usize>) {
-    let dir = fixtures().join(case);
+    let dir = case_dir(case);
     let reference = tensors(&dir.join("reference.safetensors"));
     let step = tensors(&dir.join("step.safetensors"));
     let ckpt = HfCheckpoint::open(&dir).unwrap();
@@ -170,6 +177,13 @@ fn qwen2_tied_matches_transformers_through_the_offloaded_runtime() {
     through_the_runtime("qwen2_tied", None);
 }
 
+/// Qwen3 (`../shared/fixtures/moe/qwen3_dense`): the per-head q/k norm, fused and composed.
+#[test]
+fn qwen3_dense_matches_transformers_through_the_offloaded_runtime() {
+    through_the_runtime("qwen3_dense", None);
+    through_the_runtime("qwen3_dense", Some(5));
+}
+
 /// A run config that starts from the `case` checkpoint.
 fn init_config(case: &Path, work: &Path) -> String {
     format!(
@@ -199,16 +213,16 @@ dir = "{work}/ckpt"
 
 #[test]
 fn a_checkpoint_imported_then_exported_is_bitwise_the_input() {
-    for case in ["llama_gqa", "qwen2_tied"] {
+    for case in ["llama_gqa", "qwen2_tied", "qwen3_dense"] {
         let work = tempfile::tempdir().unwrap();
-        let cfg = oogc::config::TrainConfig::from_toml_str(&init_config(&fixtures().join(case), work.path())).unwrap();
+        let cfg = oogc::config::TrainConfig::from_toml_str(&init_config(&case_dir(case), work.path())).unwrap();
         let mut t = oogc::train::Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
         let saved = t.save_checkpoint().unwrap().expect("a checkpoint dir");
         drop(t);
         let out = work.path().join("hf");
         let e = oogc::export::export_hf(&saved, &out, &Default::default()).unwrap();
         assert_eq!(e.step, 0);
-        let original = HfCheckpoint::open(&fixtures().join(case)).unwrap();
+        let original = HfCheckpoint::open(&case_dir(case)).unwrap();
         let exported = HfCheckpoint::open(&out).unwrap();
         assert_eq!(original.tensors().keys().collect::<Vec<_>>(), exported.tensors().keys().collect::<Vec<_>>());
         for name in original.tensors().keys() {

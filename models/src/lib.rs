@@ -9,7 +9,7 @@
 //! | [`moe`] | what the MoE families share: [`Routing`] (tokens and gates per expert, top-k choices, load-balancing statistics), [`TrunkOut`], [`ExpertGrads`], the combine and its backward, [`LossParts`] |
 //! | [`attention`] | causal (grouped-query) attention over blocks of query positions with a recomputing backward — the composed path's attention core, which never holds the whole sequence's `[B, H, T, T]` scores — and the bytes it needs at its peak ([`attention_workspace_bytes`]) |
 //! | [`gpt`] | the byte-level GPT (GPT-2 architecture) and MoE-GPT (Switch / GShard routing) |
-//! | [`llama`] | the Llama family (Llama 2/3, Mistral, Qwen2): [`Llama`], [`LlamaConfig`], with Hugging Face tensor names |
+//! | [`llama`] | the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): [`Llama`], [`LlamaConfig`], with Hugging Face tensor names |
 //! | [`mixtral`] | Mixtral: the Llama family's attention with a sparse MoE feed-forward network per layer (top-k of `E` SwiGLU experts, each a unit; the load-balancing loss pooled over all layers): [`Mixtral`], [`MixtralConfig`] |
 //! | [`hf`] | Hugging Face checkpoints: `config.json` ↔ [`LlamaConfig`] (Mixtral's too), safetensors read unit by unit ([`hf::HfCheckpoint`]) and written in shards ([`hf::write_checkpoint`]) |
 //! | [`checksum`] | crc32c per tensor and for the file in safetensors `__metadata__` (oogc checkpoints and Hugging Face exports), verified on read |

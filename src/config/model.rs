@@ -85,7 +85,7 @@ impl<'de> Deserialize<'de> for ModelConfig {
                 table.remove("family");
                 GptModelConfig::deserialize(toml::Value::Table(table)).map(ModelConfig::Gpt).map_err(D::Error::custom)
             }
-            "llama" | "mistral" | "qwen2" | "mixtral" => match table.remove("init") {
+            "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral" => match table.remove("init") {
                 Some(toml::Value::String(dir)) => {
                     if let Some(key) = table.keys().find(|k| *k != "family") {
                         return Err(D::Error::custom(format!(
@@ -105,7 +105,7 @@ impl<'de> Deserialize<'de> for ModelConfig {
             },
             other => Err(D::Error::custom(format!(
                 "model.family `{other}`: use \"gpt\" (the byte-level GPT) or \"llama\", \"mistral\", \"qwen2\", \
-                 \"mixtral\" (the Llama family)"
+                 \"qwen3\", \"mixtral\" (the Llama family)"
             ))),
         }
     }

@@ -2,7 +2,8 @@
 //!
 //! Read: transformers 4 (`rope_theta` and `rope_scaling` at the top level — most Hub
 //! checkpoints) and transformers 5 (`rope_parameters` with `rope_theta`, `rope_type`, ...) both
-//! parse; defaults are those of transformers' `LlamaConfig`, `MistralConfig`, `Qwen2Config` where
+//! parse; defaults are those of transformers' `LlamaConfig`, `MistralConfig`, `Qwen2Config`,
+//! `Qwen3Config` where
 //! a key is absent or `null`; the five size keys are required. Options this crate does not
 //! implement are refused by name (sliding-window attention, RoPE types other than `default`,
 //! `linear` and `llama3`, partial rotary, activations other than SiLU, attention dropout,
@@ -71,7 +72,8 @@ pub fn read_config(path: &Path) -> Result<LlamaConfig> {
 /// errors.
 ///
 /// Accepted: `model_type` (or, without it, `architectures[0]`) `llama`/`LlamaForCausalLM`,
-/// `mistral`/`MistralForCausalLM`, `qwen2`/`Qwen2ForCausalLM`; RoPE as transformers 4 or 5
+/// `mistral`/`MistralForCausalLM`, `qwen2`/`Qwen2ForCausalLM`, `mixtral`/`MixtralForCausalLM`,
+/// `qwen3`/`Qwen3ForCausalLM`; RoPE as transformers 4 or 5
 /// writes it, `rope_type` (or the older `type`) `default`, `linear` or `llama3`.
 ///
 /// # Errors
@@ -166,6 +168,12 @@ pub fn config_json(config: &LlamaConfig, torch_dtype: &str, extra: &Map<String, 
             put("sliding_window", Value::Null);
             put("max_window_layers", c.num_hidden_layers.into());
         }
+        LlamaFamily::Qwen3 => {
+            put("attention_bias", c.qkv_bias().into());
+            put("use_sliding_window", false.into());
+            put("sliding_window", Value::Null);
+            put("max_window_layers", c.num_hidden_layers.into());
+        }
     }
     // transformers ≥ 4.56 and 5 name it `dtype` (and warn on the older `torch_dtype`).
     put("dtype", torch_dtype.into());
@@ -240,7 +248,7 @@ impl<'a> Keys<'a> {
 }
 
 const SUPPORTED: &str = "supported: llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), \
-                         mixtral (MixtralForCausalLM)";
+                         mixtral (MixtralForCausalLM), qwen3 (Qwen3ForCausalLM)";
 
 fn family_of_model_type(t: &str) -> Option<LlamaFamily> {
     match t {
@@ -248,12 +256,13 @@ fn family_of_model_type(t: &str) -> Option<LlamaFamily> {
         "mistral" => Some(LlamaFamily::Mistral),
         "qwen2" => Some(LlamaFamily::Qwen2),
         "mixtral" => Some(LlamaFamily::Mixtral),
+        "qwen3" => Some(LlamaFamily::Qwen3),
         _ => None,
     }
 }
 
 fn family_of_architecture(a: &str) -> Option<LlamaFamily> {
-    [LlamaFamily::Llama, LlamaFamily::Mistral, LlamaFamily::Qwen2, LlamaFamily::Mixtral]
+    [LlamaFamily::Llama, LlamaFamily::Mistral, LlamaFamily::Qwen2, LlamaFamily::Mixtral, LlamaFamily::Qwen3]
         .into_iter()
         .find(|f| f.architecture() == a)
 }
@@ -342,7 +351,7 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
                 Some(v) => return Err(sliding_window_err(&k, v)),
             }
         }
-        LlamaFamily::Qwen2 => {
+        LlamaFamily::Qwen2 | LlamaFamily::Qwen3 => {
             if k.bool("use_sliding_window")? == Some(true) {
                 return Err(k.err(
                     "use_sliding_window",
@@ -393,12 +402,12 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
     let (theta_default, max_pos_default) = match family {
         LlamaFamily::Llama => (10000.0, 2048),
         LlamaFamily::Mistral => (10000.0, 4096 * 32),
-        LlamaFamily::Qwen2 => (10000.0, 32768),
+        LlamaFamily::Qwen2 | LlamaFamily::Qwen3 => (10000.0, 32768),
         LlamaFamily::Mixtral => (1e6, 4096 * 32),
     };
     let (rope_theta, rope_scaling) = parse_rope(&k, theta_default)?;
     let attention_bias = match family {
-        LlamaFamily::Llama => Some(k.bool("attention_bias")?.unwrap_or(false)),
+        LlamaFamily::Llama | LlamaFamily::Qwen3 => Some(k.bool("attention_bias")?.unwrap_or(false)),
         // transformers' Mistral has no biases and Qwen2's q/k/v always have one, whatever the key.
         LlamaFamily::Mistral | LlamaFamily::Mixtral => Some(false),
         LlamaFamily::Qwen2 => Some(true),

@@ -18,6 +18,12 @@ fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/llama")
 }
 
+/// A case's directory: `llama/<case>`, else `moe/<case>` (`shared/fixtures/moe`, README there).
+fn case_dir(case: &str) -> PathBuf {
+    let dirs = [fixtures().join(case), fixtures().join("../moe").join(case)];
+    dirs.into_iter().find(|d| d.exists()).unwrap_or_else(|| panic!("no fixture `{case}` in llama/ or moe/"))
+}
+
 fn reference(dir: &Path) -> BTreeMap<String, NamedTensor> {
     read_tensors(&dir.join("reference.safetensors")).unwrap().into_iter().map(|t| (t.name.clone(), t)).collect()
 }
@@ -65,7 +71,7 @@ fn load(dir: &Path) -> (HfCheckpoint, LlamaConfig, Vec<Vec<f32>>) {
 /// loss backward, then each unit's backward by recomputation in reverse). `chunk`: the
 /// composed attention's query positions per block (`None`: the default).
 fn check_oracle(case: &str, composed: bool, chunk: Option<usize>) {
-    let dir = fixtures().join(case);
+    let dir = case_dir(case);
     let (_, cfg, flats) = load(&dir);
     let mut model = Llama::new(cfg.clone()).unwrap().with_attention_chunk(chunk).unwrap();
     if composed {
@@ -128,6 +134,14 @@ fn qwen2_tied_matches_transformers() {
     check_oracle("qwen2_tied", true, Some(5));
 }
 
+/// Qwen3: the per-head q/k RMSNorm before RoPE, `head_dim` 32 ≠ hidden / heads = 16, GQA 4/2.
+#[test]
+fn qwen3_dense_matches_transformers() {
+    check_oracle("qwen3_dense", false, None);
+    check_oracle("qwen3_dense", true, None);
+    check_oracle("qwen3_dense", true, Some(5));
+}
+
 // ---- BF16 against the f32 oracle -------------------------------------------------------------
 //
 // The checkpoints' parameters rounded to BF16 and run unit by unit (`loss_and_grads`) on the op
@@ -155,7 +169,7 @@ const BF16_GRAD_RTOL: f64 = 5e-2;
 
 /// The model in BF16 against transformers' f32 logits, loss and every gradient (bounds above).
 fn check_oracle_bf16(case: &str, chunk: Option<usize>) {
-    let dir = fixtures().join(case);
+    let dir = case_dir(case);
     let (_, cfg, flats) = load(&dir);
     let model = Llama::new(cfg).unwrap().composed_only().with_attention_chunk(chunk).unwrap();
     let r = reference(&dir);
@@ -191,6 +205,11 @@ fn llama_gqa_in_bf16_matches_transformers_f32() {
 fn qwen2_tied_in_bf16_matches_transformers_f32() {
     check_oracle_bf16("qwen2_tied", None);
     check_oracle_bf16("qwen2_tied", Some(5));
+}
+
+#[test]
+fn qwen3_dense_in_bf16_matches_transformers_f32() {
+    check_oracle_bf16("qwen3_dense", None);
 }
 
 #[test]
@@ -240,8 +259,8 @@ fn raw_tensors(dir: &Path) -> BTreeMap<String, (Vec<usize>, String, Vec<u8>)> {
 
 #[test]
 fn export_of_a_loaded_checkpoint_is_bitwise_the_input() {
-    for case in ["llama_gqa", "qwen2_tied"] {
-        let src = fixtures().join(case);
+    for case in ["llama_gqa", "qwen2_tied", "qwen3_dense"] {
+        let src = case_dir(case);
         let (ckpt, cfg, flats) = load(&src);
         let units = cfg.units();
         for max_shard_bytes in [5_000_000_000, 100_000] {
@@ -467,7 +486,7 @@ fn a_flipped_checksum_in_the_header_fails_at_open() {
 // ---- config.json -----------------------------------------------------------------------------
 
 fn fixture_config(case: &str) -> serde_json::Map<String, Value> {
-    let text = std::fs::read_to_string(fixtures().join(case).join("config.json")).unwrap();
+    let text = std::fs::read_to_string(case_dir(case).join("config.json")).unwrap();
     serde_json::from_str::<Value>(&text).unwrap().as_object().unwrap().clone()
 }
 
@@ -521,7 +540,14 @@ fn transformers_4_and_5_configs_parse_to_the_same_config() {
 #[test]
 fn config_json_written_then_read_is_the_same_config() {
     let mut configs: Vec<LlamaConfig> =
-        ["llama_gqa", "qwen2_tied"].iter().map(|c| parse(&fixture_config(c)).unwrap()).collect();
+        ["llama_gqa", "qwen2_tied", "qwen3_dense"].iter().map(|c| parse(&fixture_config(c)).unwrap()).collect();
+    // Qwen3's attention_bias covers q/k/v and o, as Llama's.
+    configs.push(LlamaConfig {
+        family: LlamaFamily::Qwen3,
+        head_dim: Some(48),
+        attention_bias: Some(true),
+        ..LlamaConfig::new(1024, 128, 300, 2, 4)
+    });
     configs.push(LlamaConfig {
         rope_scaling: RopeScaling::Llama3 {
             factor: 32.0,
@@ -622,6 +648,12 @@ fn unsupported_options_are_refused_by_name() {
     refused("llama_gqa", |m| drop(m.insert("rope_theta".into(), json!(5e5))), "rope_theta");
     // Mixtral is supported (mixtral/tests.rs), but not its router's jitter noise.
     refused("mixtral_moe", |m| drop(m.insert("router_jitter_noise".into(), json!(0.1))), "router_jitter_noise");
+    refused("qwen3_dense", |m| drop(m.insert("use_sliding_window".into(), json!(true))), "use_sliding_window");
+    refused(
+        "qwen3_dense",
+        |m| drop(m.insert("layer_types".into(), json!(["sliding_attention", "full_attention"]))),
+        "layer_types",
+    );
     let msg = refused("llama_gqa", |m| drop(m.insert("model_type".into(), json!("qwen2_moe"))), "model_type");
     assert!(msg.contains("mixtral") && msg.contains("supported"), "{msg}");
     refused("llama_gqa", |m| drop(m.insert("model_type".into(), json!("gemma"))), "model_type");

@@ -1,5 +1,5 @@
 //! [`LlamaConfig`]: the hyper-parameters of a Llama-family decoder (Llama 2/3, Mistral without
-//! sliding window, Qwen2), named as in Hugging Face's `config.json`, and the flat layout of each
+//! sliding window, Qwen2, Qwen3), named as in Hugging Face's `config.json`, and the flat layout of each
 //! unit ([`LlamaConfig::units`]) with the checkpoint's tensor names.
 
 use serde::{Deserialize, Serialize};
@@ -24,6 +24,10 @@ pub enum LlamaFamily {
     /// biases) and, in place of the MLP, a sparse MoE block of `num_local_experts` SwiGLU experts
     /// behind a router (`block_sparse_moe`); see [`crate::mixtral`].
     Mixtral,
+    /// `Qwen3ForCausalLM` (Yang et al. 2025, "Qwen3 Technical Report"): Llama's decoder with an
+    /// RMSNorm per head on q and k (`self_attn.q_norm`, `k_norm`, weight `[head_dim]`) after the
+    /// projection and before RoPE; `attention_bias` on q/k/v and o as Llama's, no MLP bias.
+    Qwen3,
 }
 
 impl LlamaFamily {
@@ -34,6 +38,7 @@ impl LlamaFamily {
             LlamaFamily::Mistral => "mistral",
             LlamaFamily::Qwen2 => "qwen2",
             LlamaFamily::Mixtral => "mixtral",
+            LlamaFamily::Qwen3 => "qwen3",
         }
     }
 
@@ -44,6 +49,7 @@ impl LlamaFamily {
             LlamaFamily::Mistral => "MistralForCausalLM",
             LlamaFamily::Qwen2 => "Qwen2ForCausalLM",
             LlamaFamily::Mixtral => "MixtralForCausalLM",
+            LlamaFamily::Qwen3 => "Qwen3ForCausalLM",
         }
     }
 }
@@ -101,7 +107,7 @@ impl RopeScaling {
 ///
 /// ```toml
 /// [model]
-/// family = "llama"          # or "mistral", "qwen2"
+/// family = "llama"          # or "mistral", "qwen2", "qwen3", "mixtral"
 /// vocab_size = 1024
 /// hidden_size = 256
 /// intermediate_size = 688
@@ -211,6 +217,9 @@ pub(crate) struct BlockGroups {
     pub v_b: Option<usize>,
     pub o_w: usize,
     pub o_b: Option<usize>,
+    /// Qwen3: the per-head RMSNorm weights of q and k, `[hd]` each (after `o_proj`).
+    pub q_norm: Option<usize>,
+    pub k_norm: Option<usize>,
     pub ln2: usize,
     /// `gate_proj.weight` and `up_proj.weight` back to back: one `[2I, d]` matrix.
     pub gate_up_w: usize,
@@ -340,10 +349,16 @@ impl LlamaConfig {
         self.attention_bias.unwrap_or(self.family == LlamaFamily::Qwen2)
     }
 
-    /// Whether `o_proj` has a bias: Llama's `attention_bias` (which covers q/k/v/o); never for
-    /// Mistral and Qwen2.
+    /// Whether `o_proj` has a bias: Llama's and Qwen3's `attention_bias` (which covers q/k/v/o);
+    /// never for Mistral and Qwen2.
     pub fn o_bias(&self) -> bool {
-        self.family == LlamaFamily::Llama && self.qkv_bias()
+        matches!(self.family, LlamaFamily::Llama | LlamaFamily::Qwen3) && self.qkv_bias()
+    }
+
+    /// Whether q and k are RMS-normed per head after their projection, before RoPE
+    /// (`self_attn.q_norm.weight`, `k_norm.weight`, `[head_dim]`, eps `rms_norm_eps`): Qwen3.
+    pub fn qk_norm(&self) -> bool {
+        self.family == LlamaFamily::Qwen3
     }
 
     /// The same config with every `None` default written out (`num_key_value_heads`,
@@ -503,6 +518,11 @@ impl LlamaConfig {
                     }
                 }
             }
+            LlamaFamily::Qwen3 => {
+                if self.mlp_bias {
+                    return cfg("model.mlp_bias", "Qwen3 has no MLP bias: leave mlp_bias unset".into());
+                }
+            }
             LlamaFamily::Qwen2 => {
                 if !self.qkv_bias() || self.mlp_bias {
                     return cfg(
@@ -524,7 +544,7 @@ impl LlamaConfig {
     /// | unit | kind | name | parameters (shape), in flat order |
     /// |---|---|---|---|
     /// | 0 | [`UnitKind::Embedding`] | `model.embed_tokens` | `model.embed_tokens.weight` `[V, d]` |
-    /// | `1 + i` | [`UnitKind::Block`]`(i)` | `model.layers.{i}` | `input_layernorm.weight` `[d]`, `self_attn.q_proj.weight` `[H·hd, d]` (+ `.bias` `[H·hd]`), `self_attn.k_proj.weight` `[KV·hd, d]` (+ bias), `self_attn.v_proj.weight` `[KV·hd, d]` (+ bias), `self_attn.o_proj.weight` `[d, H·hd]` (+ bias `[d]`), `post_attention_layernorm.weight` `[d]`, `mlp.gate_proj.weight` `[I, d]`, `mlp.up_proj.weight` `[I, d]` (+ `gate_proj.bias`, `up_proj.bias` `[I]`), `mlp.down_proj.weight` `[d, I]` (+ bias `[d]`) — each prefixed `model.layers.{i}.` |
+    /// | `1 + i` | [`UnitKind::Block`]`(i)` | `model.layers.{i}` | `input_layernorm.weight` `[d]`, `self_attn.q_proj.weight` `[H·hd, d]` (+ `.bias` `[H·hd]`), `self_attn.k_proj.weight` `[KV·hd, d]` (+ bias), `self_attn.v_proj.weight` `[KV·hd, d]` (+ bias), `self_attn.o_proj.weight` `[d, H·hd]` (+ bias `[d]`), (Qwen3: `self_attn.q_norm.weight`, `self_attn.k_norm.weight` `[hd]`), `post_attention_layernorm.weight` `[d]`, `mlp.gate_proj.weight` `[I, d]`, `mlp.up_proj.weight` `[I, d]` (+ `gate_proj.bias`, `up_proj.bias` `[I]`), `mlp.down_proj.weight` `[d, I]` (+ bias `[d]`) — each prefixed `model.layers.{i}.` |
     /// | `L + 1` | [`UnitKind::Head`] | `head` | `model.norm.weight` `[d]`, and unless tied `lm_head.weight` `[V, d]` |
     ///
     /// Mixtral: layer `i` is a trunk unit [`UnitKind::MoeTrunk`]`(i)` at
@@ -597,6 +617,10 @@ impl LlamaConfig {
         if self.o_bias() {
             b.push(format!("{prefix}.o_proj.bias"), vec![d], ParamInit::Zeros);
         }
+        if self.qk_norm() {
+            b.push(format!("{prefix}.q_norm.weight"), vec![hd], ParamInit::Ones);
+            b.push(format!("{prefix}.k_norm.weight"), vec![hd], ParamInit::Ones);
+        }
     }
 
     /// A SwiGLU MLP's parameters under `prefix` (`model.layers.{i}.mlp`) with hidden width
@@ -649,6 +673,8 @@ impl LlamaConfig {
         let v_b = qkv_bias.then(|| push(vec![kv]));
         let o_w = push(vec![d, q]);
         let o_b = self.o_bias().then(|| push(vec![d]));
+        let q_norm = self.qk_norm().then(|| push(vec![hd]));
+        let k_norm = self.qk_norm().then(|| push(vec![hd]));
         let ln2 = push(vec![d]);
         // A Mixtral trunk has the router in place of the MLP (gate_up_w and down_w name it).
         let router = self.is_moe().then(|| push(vec![self.num_experts(), d]));
@@ -672,6 +698,8 @@ impl LlamaConfig {
             v_b,
             o_w,
             o_b,
+            q_norm,
+            k_norm,
             ln2,
             gate_up_w,
             gate_up_b,

@@ -9,7 +9,8 @@
 //! `tests.rs`, against finite differences and against transformers' gradients):
 //!
 //! ```text
-//! attention: n = rms_norm(x)  q,k,v = n Wᵀ (+b)  Q = rope(q)/sqrt(hd)  K = rope(k)
+//! attention: n = rms_norm(x)  q,k,v = n Wᵀ (+b)  (Qwen3: q,k = rms_norm per head)
+//!            Q = rope(q)/sqrt(hd)  K = rope(k)
 //!            S = Q Kᵀ (grouped)  P = causal_softmax(S)  A = P V  o = A Woᵀ (+b)
 //! backward : gA = go Wo   gP = gA Vᵀ   gV = Pᵀ gA   gS = P ⊙ (gP − rowsum(gP ⊙ P))
 //!            gQ = gS K    gK = gSᵀ Q   gq = rope⁻¹(gQ)/sqrt(hd) ...  gW = gyᵀ x_in
@@ -36,6 +37,9 @@ pub(crate) struct AttnCache {
     p: Tensor,
     /// The heads' outputs merged, `o_proj`'s input `[N, H·hd]`.
     y: Tensor,
+    /// Qwen3: q and k before their per-head RMSNorm, `[N·H, hd]` and `[N·KV, hd]`.
+    q_pre_norm: Option<Tensor>,
+    k_pre_norm: Option<Tensor>,
     /// The RoPE tables `[T, hd/2]`.
     cos: Tensor,
     sin: Tensor,
@@ -52,6 +56,9 @@ pub(crate) struct AttnGrads {
     pub v_b: Option<Tensor>,
     pub o_w: Tensor,
     pub o_b: Option<Tensor>,
+    /// Qwen3: the q/k norms' weights `[hd]`.
+    pub q_norm: Option<Tensor>,
+    pub k_norm: Option<Tensor>,
 }
 
 /// What the MLP's backward needs from its forward.
@@ -82,6 +89,28 @@ fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 }
 
 /// Backward of `y = x Wᵀ (+ b)` for `gy` `[N, out]`: `(gx = gy W, gW = gyᵀ x, gb = Σ_rows gy)`.
+/// Qwen3's per-head RMSNorm of projections `y` `[N, heads·hd]` with weight `w` `[hd]` (none:
+/// `y` as it is), viewed as `[N·heads, hd]`: `(normed [N, heads·hd], y as [N·heads, hd] for the
+/// backward)`.
+fn head_norm(y: Tensor, w: Option<&Tensor>, hd: usize, eps: f64) -> Result<(Tensor, Option<Tensor>)> {
+    let Some(w) = w else { return Ok((y, None)) };
+    let dims = y.dims().to_vec();
+    let rows = y.reshape(((), hd))?;
+    Ok((rms_norm_fused(&rows, w, eps)?.reshape(dims)?, Some(rows)))
+}
+
+/// The backward of [`head_norm`] for `g` `[N, heads·hd]`: `(gradient of y, of w)`.
+fn head_norm_backward(
+    rows: Option<Tensor>,
+    w: Option<&Tensor>,
+    g: Tensor,
+    eps: f64,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (Some(rows), Some(w)) = (rows, w) else { return Ok((g, None)) };
+    let (gy, gw) = rms_norm_backward(&rows, w, &g.reshape(rows.dims())?, eps)?;
+    Ok((gy.reshape(g.dims())?, Some(gw)))
+}
+
 fn linear_backward(x: &Tensor, w: &Tensor, has_bias: bool, gy: &Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let gx = gy.matmul(w)?;
     let gw = gy.t()?.matmul(x)?;
@@ -100,8 +129,11 @@ impl Llama {
         let h = h.reshape((n, d))?;
         let tab = self.tables(t, h.dtype(), h.device(), true)?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let q = kernels::rope_fused(&linear(&h, a.q_w, a.q_b)?.reshape((b, t, nh, hd))?, &tab.cos, &tab.sin, scale)?;
-        let k = kernels::rope_fused(&linear(&h, a.k_w, a.k_b)?.reshape((b, t, kv, hd))?, &tab.cos, &tab.sin, 1.0)?;
+        let eps = self.config.rms_norm_eps;
+        let (q, q_pre_norm) = head_norm(linear(&h, a.q_w, a.q_b)?, a.q_norm, hd, eps)?;
+        let (k, k_pre_norm) = head_norm(linear(&h, a.k_w, a.k_b)?, a.k_norm, hd, eps)?;
+        let q = kernels::rope_fused(&q.reshape((b, t, nh, hd))?, &tab.cos, &tab.sin, scale)?;
+        let k = kernels::rope_fused(&k.reshape((b, t, kv, hd))?, &tab.cos, &tab.sin, 1.0)?;
         let v = linear(&h, a.v_w, a.v_b)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;
         let q = q.reshape((b, kv, rep * t, hd))?;
         let p = kernels::causal_softmax(&q.matmul(&k.t()?)?.reshape((b, nh, t, t))?)?;
@@ -113,7 +145,7 @@ impl Llama {
             .contiguous()?
             .reshape((n, nh * hd))?;
         let o = linear(&y, a.o_w, a.o_b)?;
-        Ok((o, AttnCache { h, q, k, v, p, y, cos: tab.cos, sin: tab.sin, dims: (b, t) }))
+        Ok((o, AttnCache { h, q, k, v, p, y, q_pre_norm, k_pre_norm, cos: tab.cos, sin: tab.sin, dims: (b, t) }))
     }
 
     /// The backward of [`Llama::attention_forward_fused`] for `go` `[N, d]`: the gradient of its
@@ -144,12 +176,15 @@ impl Llama {
         drop(gs);
         let gq = kernels::rope_backward(&gq.reshape((b, nh, t, hd))?, &c.cos, &c.sin, scale)?.reshape((n, nh * hd))?;
         let gk = kernels::rope_backward(&gk, &c.cos, &c.sin, 1.0)?.reshape((n, kv * hd))?;
+        let eps = self.config.rms_norm_eps;
+        let (gq, q_norm) = head_norm_backward(c.q_pre_norm, a.q_norm, gq, eps)?;
+        let (gk, k_norm) = head_norm_backward(c.k_pre_norm, a.k_norm, gk, eps)?;
         let gv = gv.transpose(1, 2)?.contiguous()?.reshape((n, kv * hd))?;
         let (gh_q, q_w, q_b) = linear_backward(&c.h, a.q_w, a.q_b.is_some(), &gq)?;
         let (gh_k, k_w, k_b) = linear_backward(&c.h, a.k_w, a.k_b.is_some(), &gk)?;
         let (gh_v, v_w, v_b) = linear_backward(&c.h, a.v_w, a.v_b.is_some(), &gv)?;
         let gh = ((gh_q + gh_k)? + gh_v)?;
-        Ok((gh, AttnGrads { q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b }))
+        Ok((gh, AttnGrads { q_w, q_b, k_w, k_b, v_w, v_b, o_w, o_b, q_norm, k_norm }))
     }
 
     /// The SwiGLU MLP on its normed input `h` `[N, d]` → `[N, d]`, keeping what
@@ -247,6 +282,8 @@ impl Llama {
         parts.extend(attn.v_b);
         parts.push(attn.o_w);
         parts.extend(attn.o_b);
+        parts.extend(attn.q_norm);
+        parts.extend(attn.k_norm);
         parts.push(ln2);
         parts.push(mlp.gate_up_w);
         parts.extend(mlp.gate_up_b);

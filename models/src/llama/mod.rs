@@ -1,5 +1,7 @@
 //! The Llama family of decoders — Llama 2/3 (Touvron et al. 2023; Grattafiori et al. 2024),
-//! Mistral without sliding window (Jiang et al. 2023), Qwen2 (Yang et al. 2024) — on candle, cut
+//! Mistral without sliding window (Jiang et al. 2023), Qwen2 (Yang et al. 2024), Qwen3 (Yang et
+//! al. 2025: an RMSNorm over each head of q and k, `self_attn.{q,k}_norm` `[hd]`, after the
+//! projections and before RoPE) — on candle, cut
 //! into **units** whose parameters are each one flat vector, with the Hugging Face tensor names
 //! and layouts so that a checkpoint's tensors *are* the units' flat vectors ([`crate::hf`]).
 //!
@@ -10,7 +12,7 @@
 //! | `L + 1` | [`UnitKind::Head`] | `head` | `model.norm.weight` `[d]`, `lm_head.weight` `[V, d]` (untied only) | `[B, T, d]` → logits `[B, T, V]` |
 //!
 //! (exact layouts in [`LlamaConfig::units`].) The math is transformers' `modeling_llama.py`
-//! (and `modeling_qwen2.py`, `modeling_mistral.py`), in its float32 form:
+//! (and `modeling_qwen2.py`, `modeling_qwen3.py`, `modeling_mistral.py`), in its float32 form:
 //!
 //! ```text
 //! embed : x = embed_tokens[tokens]
@@ -110,6 +112,9 @@ pub(crate) struct AttnParams<'a> {
     pub v_b: Option<&'a Tensor>,
     pub o_w: &'a Tensor,
     pub o_b: Option<&'a Tensor>,
+    /// Qwen3: the per-head RMSNorm weights of q and k, `[hd]` each.
+    pub q_norm: Option<&'a Tensor>,
+    pub k_norm: Option<&'a Tensor>,
 }
 
 impl<'a> AttnParams<'a> {
@@ -123,6 +128,8 @@ impl<'a> AttnParams<'a> {
             v_b: g.v_b.map(|i| &p[i]),
             o_w: &p[g.o_w],
             o_b: g.o_b.map(|i| &p[i]),
+            q_norm: g.q_norm.map(|i| &p[i]),
+            k_norm: g.k_norm.map(|i| &p[i]),
         }
     }
 }
@@ -205,7 +212,7 @@ impl Llama {
     }
 
     /// The self-attention of a layer on its normed input `h` `[B, T, d]` → `[B, T, d]` (before
-    /// the residual add): projections, RoPE on q and k, grouped-query causal attention scaled by
+    /// the residual add): projections, (Qwen3) an RMSNorm per head on q and k, RoPE on q and k, grouped-query causal attention scaled by
     /// `1/sqrt(hd)`, `o_proj` (transformers' `LlamaAttention.forward` with the eager kernel).
     /// The op compositions run the attention core over query blocks ([`crate::attention`]).
     pub(crate) fn attention(&self, p: &AttnParams<'_>, h: &Tensor) -> Result<Tensor> {
@@ -216,6 +223,15 @@ impl Llama {
         let h = h.reshape((n, d))?;
         let q = self.linear(&h, p.q_w, p.q_b, fused)?.reshape((b, t, nh, hd))?;
         let k = self.linear(&h, p.k_w, p.k_b, fused)?.reshape((b, t, kv, hd))?;
+        // Qwen3: an RMSNorm over each head's hd values (transformers' `Qwen3Attention`).
+        let q = match p.q_norm {
+            Some(w) => self.rms_norm(&q, w)?,
+            None => q,
+        };
+        let k = match p.k_norm {
+            Some(w) => self.rms_norm(&k, w)?,
+            None => k,
+        };
         let v = self.linear(&h, p.v_w, p.v_b, fused)?.reshape((b, t, kv, hd))?;
         let tab = self.tables(t, h.dtype(), h.device(), fused)?;
         let scale = 1.0 / (hd as f64).sqrt();

@@ -51,6 +51,11 @@ fn qwen2_tiny() -> LlamaConfig {
     }
 }
 
+/// Qwen3: the per-head q/k RMSNorm, GQA, head_dim ≠ hidden/heads, biases on q/k/v and o.
+fn qwen3_tiny() -> LlamaConfig {
+    LlamaConfig { family: LlamaFamily::Qwen3, mlp_bias: false, ..tiny(false) }
+}
+
 fn ids(b: usize, t: usize, vocab: usize, rng: &mut impl Rng) -> Tensor {
     let v: Vec<u32> = (0..b * t).map(|_| rng.random_range(0..vocab as u32)).collect();
     Tensor::from_vec(v, (b, t), &Device::Cpu).unwrap()
@@ -92,7 +97,7 @@ fn assert_fd(what: &str, autograd: f64, fd: f64) {
 
 #[test]
 fn layout_is_hf_names_back_to_back_and_groups_cover_it() {
-    for cfg in [tiny(false), tiny(true), qwen2_tiny(), LlamaConfig::new(1024, 256, 688, 4, 4)] {
+    for cfg in [tiny(false), tiny(true), qwen2_tiny(), qwen3_tiny(), LlamaConfig::new(1024, 256, 688, 4, 4)] {
         let model = Llama::new(cfg.clone()).unwrap();
         let units = model.units();
         assert_eq!(units.len(), cfg.num_hidden_layers + 2);
@@ -129,6 +134,8 @@ fn layout_is_hf_names_back_to_back_and_groups_cover_it() {
         assert_eq!(p("self_attn.q_proj.bias").is_some(), c.qkv_bias());
         assert_eq!(p("self_attn.o_proj.bias").is_some(), c.o_bias());
         assert_eq!(p("mlp.down_proj.bias").is_some(), c.mlp_bias);
+        assert_eq!(p("self_attn.q_norm.weight"), c.qk_norm().then(|| vec![hd]));
+        assert_eq!(p("self_attn.k_norm.weight"), c.qk_norm().then(|| vec![hd]));
         // gate and up are adjacent: the merged [2I, d] group is exactly them.
         let gate = blk.param("model.layers.1.mlp.gate_proj.weight").unwrap();
         let up = blk.param("model.layers.1.mlp.up_proj.weight").unwrap();
@@ -393,7 +400,7 @@ fn check_unit_fd(model: &Llama, seed: u64) {
 #[test]
 fn units_match_finite_differences() {
     for composed in [false, true] {
-        for (k, cfg) in [tiny(false), tiny(true), qwen2_tiny()].into_iter().enumerate() {
+        for (k, cfg) in [tiny(false), tiny(true), qwen2_tiny(), qwen3_tiny()].into_iter().enumerate() {
             let mut model = Llama::new(cfg).unwrap();
             if composed {
                 model = model.composed_only();
@@ -464,6 +471,7 @@ fn model_gradients_match_finite_differences() {
     check_model_fd(tiny(false), false, None, 21);
     check_model_fd(tiny(true), false, None, 22);
     check_model_fd(qwen2_tiny(), false, None, 23);
+    check_model_fd(qwen3_tiny(), false, None, 25);
     let llama3 = LlamaConfig {
         rope_scaling: RopeScaling::Llama3 {
             factor: 8.0,
@@ -483,6 +491,7 @@ fn model_gradients_match_finite_differences_composed_ops() {
     // T = 6 over blocks of 4 queries (4 + 2) and of 1.
     check_model_fd(tiny(false), true, Some(4), 33);
     check_model_fd(qwen2_tiny(), true, Some(1), 34);
+    check_model_fd(qwen3_tiny(), true, None, 35);
 }
 
 /// A decoder layer whose composed attention runs over query blocks (of 1, 4 and 5 positions at
@@ -841,7 +850,18 @@ fn bf16_attention_softmax_is_in_f32() {
         bf16_uniform(&[d, d], -1.0, 1.0, &mut rng),
         bf16_uniform(&[d, d], -1.0, 1.0, &mut rng),
     );
-    let p = AttnParams { q_w: &q_w, q_b: None, k_w: &k_w, k_b: None, v_w: &v_w, v_b: None, o_w: &o_w, o_b: None };
+    let p = AttnParams {
+        q_w: &q_w,
+        q_b: None,
+        k_w: &k_w,
+        k_b: None,
+        v_w: &v_w,
+        v_b: None,
+        o_w: &o_w,
+        o_b: None,
+        q_norm: None,
+        k_norm: None,
+    };
     let row = bf16_uniform(&[1, 1, d], -1.0, 1.0, &mut rng);
     let h = row.broadcast_as((1, t, d)).unwrap().contiguous().unwrap();
     // Each row: the probabilities rounded once (≤ 2^-9 each, the same for all keys of a row),
