@@ -88,7 +88,6 @@ fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     })
 }
 
-/// Backward of `y = x Wᵀ (+ b)` for `gy` `[N, out]`: `(gx = gy W, gW = gyᵀ x, gb = Σ_rows gy)`.
 /// Qwen3's per-head RMSNorm of projections `y` `[N, heads·hd]` with weight `w` `[hd]` (none:
 /// `y` as it is), viewed as `[N·heads, hd]`: `(normed [N, heads·hd], y as [N·heads, hd] for the
 /// backward)`.
@@ -111,6 +110,7 @@ fn head_norm_backward(
     Ok((gy.reshape(g.dims())?, Some(gw)))
 }
 
+/// Backward of `y = x Wᵀ (+ b)` for `gy` `[N, out]`: `(gx = gy W, gW = gyᵀ x, gb = Σ_rows gy)`.
 fn linear_backward(x: &Tensor, w: &Tensor, has_bias: bool, gy: &Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let gx = gy.matmul(w)?;
     let gw = gy.t()?.matmul(x)?;

@@ -212,8 +212,8 @@ impl Llama {
     }
 
     /// The self-attention of a layer on its normed input `h` `[B, T, d]` → `[B, T, d]` (before
-    /// the residual add): projections, (Qwen3) an RMSNorm per head on q and k, RoPE on q and k, grouped-query causal attention scaled by
-    /// `1/sqrt(hd)`, `o_proj` (transformers' `LlamaAttention.forward` with the eager kernel).
+    /// the residual add): projections, (Qwen3) an RMSNorm per head on q and k, RoPE on q and k,
+    /// grouped-query causal attention scaled by `1/sqrt(hd)`, `o_proj` (transformers' `LlamaAttention.forward` with the eager kernel).
     /// The op compositions run the attention core over query blocks ([`crate::attention`]).
     pub(crate) fn attention(&self, p: &AttnParams<'_>, h: &Tensor) -> Result<Tensor> {
         let (b, t, d) = h.dims3()?;
@@ -224,14 +224,12 @@ impl Llama {
         let q = self.linear(&h, p.q_w, p.q_b, fused)?.reshape((b, t, nh, hd))?;
         let k = self.linear(&h, p.k_w, p.k_b, fused)?.reshape((b, t, kv, hd))?;
         // Qwen3: an RMSNorm over each head's hd values (transformers' `Qwen3Attention`).
-        let q = match p.q_norm {
-            Some(w) => self.rms_norm(&q, w)?,
-            None => q,
+        let head_norm = |x: Tensor, w: Option<&Tensor>| match w {
+            Some(w) => self.rms_norm(&x, w),
+            None => Ok(x),
         };
-        let k = match p.k_norm {
-            Some(w) => self.rms_norm(&k, w)?,
-            None => k,
-        };
+        let q = head_norm(q, p.q_norm)?;
+        let k = head_norm(k, p.k_norm)?;
         let v = self.linear(&h, p.v_w, p.v_b, fused)?.reshape((b, t, kv, hd))?;
         let tab = self.tables(t, h.dtype(), h.device(), fused)?;
         let scale = 1.0 / (hd as f64).sqrt();
