@@ -4,7 +4,7 @@
 //! copy, the fp32 master weights, Adam m and v); the scale run outgrows the machine's memory 1.5×
 //! with a host budget of at most 8 GiB.
 
-use crate::common;
+mod common;
 
 use oogc::config::{ModelConfig, TrainConfig};
 use oogc::swapper::StatePlacement;

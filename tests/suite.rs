@@ -6,8 +6,9 @@
 //! Run one file's tests with a filter: `cargo test -p oogc --test suite -- bf16_tracking::`.
 //! The tests that own something process-wide keep their own binaries (`[[test]]` in
 //! `Cargo.toml`; `autotests = false`): `tests/ordering.rs` flips the ordering hooks' environment
-//! variable, `tests/device_plan.rs` counts every allocation through its global allocator, and
-//! `tests/ranks.rs` is the MPI ranks test; `tests/tidy.rs` too.
+//! variable, `tests/device_plan.rs` counts every allocation through its global allocator,
+//! `tests/configs.rs` bounds the process's RSS growth while it plans, and `tests/ranks.rs` is the
+//! MPI ranks test; `tests/tidy.rs` too.
 
 mod common;
 mod fixtures;
@@ -16,7 +17,6 @@ mod reference;
 mod bf16;
 mod bf16_tracking;
 mod budgets;
-mod configs;
 mod device_optimizer;
 mod llama;
 mod mixtral;
