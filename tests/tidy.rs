@@ -17,6 +17,7 @@
 //! | [`static_state_violations`] | no `static` item in the non-test code of [`STATELESS_FILES`] (`src/dist.rs`: the ranks are a value passed down, never process-global) |
 //! | [`process_exit_violations`] | no `process::exit` outside `cli/`: the library returns errors and the binary decides to exit (or `MPI_Abort`) |
 //! | [`file_size_violations`] | no file of the root crate's `src/` over [`MAX_SRC_LINES`] lines, `src/runtime/mod.rs` under [`MAX_RUNTIME_MOD_LINES`] |
+//! | [`the_books_config_reference_is_the_generated_one`] | `docs/src/reference/config.md` is what `oogc config --reference` prints |
 //! | [`runtime_facade_violations`] | `Runtime` a façade: at most [`MAX_RUNTIME_FIELDS`] fields and [`MAX_RUNTIME_PUB_METHODS`] public methods over its `impl` blocks in `src/runtime/` |
 //!
 //! Comments, doc comments and string literals are not code ([`code_only`]): a word in a comment
@@ -1241,4 +1242,26 @@ fn missing_docs_lints_and_crate_docs_fail_when_missing() {
     assert!(crate_doc_violations("x/src/lib.rs", "\n//! The x crate.\npub mod a;\n").is_empty());
     assert_eq!(crate_doc_violations("x/src/lib.rs", "/// Not a crate doc.\npub mod a;\n").len(), 1);
     assert_eq!(crate_doc_violations("x/src/main.rs", "#![deny(unsafe_code)]\n//! Late.\n").len(), 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The docs: the book's config reference.
+
+/// The book's config reference is the generated one (`oogc config --reference`).
+#[test]
+fn the_books_config_reference_is_the_generated_one() {
+    use oogc::config::reference::{reference_markdown, REFERENCE_PATH, REGENERATE};
+    let committed = std::fs::read_to_string(root().join(REFERENCE_PATH)).unwrap_or_default();
+    let generated = reference_markdown();
+    if committed != generated {
+        let line = committed
+            .lines()
+            .zip(generated.lines())
+            .position(|(a, b)| a != b)
+            .map_or_else(|| committed.lines().count().min(generated.lines().count()) + 1, |i| i + 1);
+        panic!(
+            "{REFERENCE_PATH} differs from the config types' doc comments (first at line {line}).\nfix: regenerate \
+             it in the repository root: {REGENERATE}"
+        );
+    }
 }

@@ -1,6 +1,6 @@
 //! The `oogc` command line: `oogc train`, `oogc inspect`, `oogc plan`, `oogc bench nvme`,
 //! `oogc bench swap`, `oogc bench evict`, `oogc bench adam`, `oogc bench moe`, `oogc bench step`,
-//! `oogc bench all`, `oogc gpu-check`.
+//! `oogc bench all`, `oogc gpu-check`, `oogc config`.
 //!
 //! Logs go to stderr, filtered by `RUST_LOG` (default `warn`); results go to stdout, as a table
 //! or, with `--json`, as JSON Lines (one object per row per line). Errors print the whole cause
@@ -11,6 +11,7 @@
 
 mod args;
 mod bench;
+mod config;
 mod export;
 mod gpu_check;
 mod inspect;
@@ -25,6 +26,7 @@ use oogc::swapper::Error as SwapError;
 use tracing_subscriber::EnvFilter;
 
 use crate::bench::BenchCommand;
+use crate::config::ConfigCmd;
 use crate::export::ExportCmd;
 use crate::gpu_check::GpuCheckCmd;
 use crate::inspect::InspectCmd;
@@ -77,6 +79,10 @@ pub(crate) enum Command {
     /// row per check in OUT/gpu-check.jsonl and a Markdown report in OUT/gpu-check.md, written
     /// as each check finishes; exit status 0 only when no check failed.
     GpuCheck(GpuCheckCmd),
+    /// The config file's every table and key, generated from the config types' doc comments:
+    /// `--reference` (Markdown: key, type, unit, default, meaning; the book's
+    /// docs/src/reference/config.md) or `--example` (a commented TOML to start from).
+    Config(ConfigCmd),
 }
 
 /// The error's cause chain as one line, leaving out a cause whose text the previous message
@@ -167,6 +173,7 @@ fn main() -> ExitCode {
         Command::Bench(cmd) => bench::run(cmd).map(|()| ExitCode::SUCCESS),
         Command::Plan(cmd) => plan::plan(cmd).map(|()| ExitCode::SUCCESS),
         Command::GpuCheck(cmd) => gpu_check::run(cmd),
+        Command::Config(cmd) => config::run(&cmd).map(|()| ExitCode::SUCCESS),
     };
     match result {
         Ok(code) => code,

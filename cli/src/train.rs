@@ -17,7 +17,7 @@ use oogc::config::TrainConfig;
 
 #[derive(Debug, Args)]
 pub(crate) struct TrainCmd {
-    /// The run's TOML config (see configs/ and the README's config reference).
+    /// The run's TOML config (see configs/ and `oogc config --reference`).
     #[arg(long, value_name = "FILE")]
     pub(crate) config: PathBuf,
     /// Continue from the newest checkpoint in DIR (or from a checkpoint file).

@@ -1,6 +1,7 @@
 //! End-to-end tests of the `oogc` binary: `bench nvme`, `bench swap`, `bench evict` and `bench moe` with
 //! `--json` (JSON Lines on stdout), `plan` (JSON, a budget below the minimum, the hardware probe
-//! and profiles), a missing `--dir`, and `--help`.
+//! and profiles), a missing `--dir`, `--help`, and `config --example` (loads) and `--reference`
+//! (the book's copy).
 //!
 //! The io_uring, git and GPU-probe tests skip through `oogc::swapper::skip` (a line on stderr
 //! past the harness's capture, counted in `OOGC_SKIP_LOG`) where the machine lacks them;
@@ -715,4 +716,23 @@ fn bench_plan_prints_the_plan_beside_the_measured_step() {
         positive(row, key);
     }
     assert!(row["error"].as_f64().is_some_and(f64::is_finite) && row["within_15pct"].is_boolean(), "{row}");
+}
+
+#[test]
+fn config_example_loads_and_config_reference_is_the_books() {
+    let out = oogc(&["config", "--example"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("example.toml");
+    std::fs::write(&path, &out.stdout).unwrap();
+    let cfg = oogc::config::TrainConfig::load(&path).unwrap_or_else(|e| panic!("{e}\n{}", text(&out.stdout)));
+    assert_eq!((cfg.train.steps, cfg.budgets.gpu.as_u64()), (600, 2 << 20));
+    let out = oogc(&["config", "--reference"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let book = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/src/reference/config.md");
+    assert!(std::fs::read(&book).unwrap() == out.stdout, "{} differs from `oogc config --reference`", book.display());
+    // Neither flag, or both: a usage error (clap's status 2).
+    for args in [&["config"][..], &["config", "--reference", "--example"]] {
+        assert_eq!(oogc(args).status.code(), Some(2), "{args:?}");
+    }
 }

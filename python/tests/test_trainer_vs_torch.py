@@ -8,8 +8,8 @@ units move every step; the optimizer state on NVMe; non-default hyper-parameters
 --dump-batches` for the windows its sampler drew, the run's metrics file, and `oogc export --hf`
 for the final master weights. The PyTorch side: transformers' `LlamaForCausalLM` /
 `MixtralForCausalLM` from the same checkpoint directory, `torch.optim.AdamW` (or `Adam` for
-`kind = "adam"`; fused, fp32), `torch.nn.utils.clip_grad_norm_`, and the README's learning-rate
-schedule written out below (`lr_at`).
+`kind = "adam"`; fused, fp32), `torch.nn.utils.clip_grad_norm_`, and the learning-rate schedule
+of the config reference (`[optimizer] min_lr`) written out below (`lr_at`).
 
 Conventions matched (oogc's, stated in its docs and checked here):
 
@@ -119,8 +119,9 @@ class Hyper:
 
 
 def lr_at(t: int, hp: Hyper, steps: int) -> float:
-    """The README's schedule: linear warmup from 0 to `lr` over `warmup_steps`, then cosine
-    decay to `min_lr` at step `steps` (the config's `train.steps`), `min_lr` after."""
+    """The config reference's schedule (`[optimizer] min_lr`): linear warmup from 0 to `lr` over
+    `warmup_steps`, then cosine decay to `min_lr` at step `steps` (the config's `train.steps`),
+    `min_lr` after."""
     w = min(hp.warmup_steps, steps)
     if t <= w:
         return hp.lr * t / w

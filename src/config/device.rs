@@ -9,7 +9,9 @@ use super::default_true;
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct DeviceConfig {
-    /// `"sim"` or `"cuda:N"` ([`DeviceKind`]). Default: `"sim"`.
+    /// `"sim"`, `"cuda:N"` (a binary built with `--features cuda`), or `"cuda"`: the GPU of the
+    /// process's local rank (`cuda:{local_rank}` under `mpirun` or `torchrun`, `cuda:0` in one
+    /// process) ([`DeviceKind`]). Default: `"sim"`.
     #[serde(default)]
     pub kind: DeviceKind,
     /// Sim device: H2D/D2H link bandwidth in GB/s (10^9 B/s); 0 = unthrottled. Default: 16.

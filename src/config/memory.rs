@@ -31,8 +31,8 @@ pub struct BudgetsConfig {
     /// Default: host.
     #[serde(default)]
     pub params: StatePlacement,
-    /// NVMe directories (files are striped over them). Needed when `optimizer_state` or
-    /// `params` is `"nvme"`.
+    /// NVMe directories (created if missing; the store's files are striped over them). Needed
+    /// when `optimizer_state` or `params` is `"nvme"`. Default: none (`[]`).
     #[serde(default)]
     pub nvme_dirs: Vec<PathBuf>,
     /// Bytes preallocated on NVMe in all. Default: what the run holds there (optimizer state,
@@ -56,7 +56,10 @@ pub struct OptimizerSection {
     /// Peak learning rate. Default: 1e-3.
     #[serde(default = "default_lr")]
     pub lr: f32,
-    /// Learning rate at the end of the cosine decay. Default: 0.1 × `lr`.
+    /// Learning rate at the end of the cosine decay: step `t` (1-based) of `train.steps` = `S`,
+    /// with `w` = min(`warmup_steps`, `S`), trains at `lr·t/w` for `t ≤ w`, then at
+    /// `min_lr + ½(1 + cos(π(t − w)/(S − w)))(lr − min_lr)`, and at `min_lr` from `S` on.
+    /// Default: 0.1 × `lr`.
     #[serde(default)]
     pub min_lr: Option<f32>,
     /// Steps of linear warmup from 0 to `lr`. Default: 100.
@@ -236,7 +239,10 @@ pub struct ActivationsConfig {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct MoePlacementConfig {
-    /// Where the experts go ([`MoePolicy`]). Default: ours.
+    /// Where the experts go ([`MoePolicy`]): `"ours"` (a hot set on the device, cold experts
+    /// fetched or computed on the CPU by the cost model), `"fetch"` (every routed expert
+    /// fetched), `"resident"` (in-memory baselines) or `"lru"` (an LRU cache of expert copies
+    /// under `expert_budget`). Default: `"ours"`.
     #[serde(default)]
     pub policy: MoePolicy,
     /// GPU bytes for hot experts, kept from their forward to their backward. Default: a quarter

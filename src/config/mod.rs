@@ -1,8 +1,7 @@
 //! The training config: one TOML file per run (`oogc train --config F`).
 //!
-//! Every table and key is documented in the README ("Config reference"); example configs live in
-//! `configs/`. Unknown keys are refused (`deny_unknown_fields`) so a typo never silently falls back
-//! to a default. Sizes are human-friendly strings (`"8GiB"`, `"512 MiB"`, or a plain byte count).
+//! Unknown keys are refused (`deny_unknown_fields`) so a typo never silently falls back to a
+//! default. Sizes are human-friendly strings (`"8GiB"`, `"512 MiB"`, or a plain byte count).
 //! Relative paths (data, NVMe directories, checkpoint, trace, metrics) are resolved against the
 //! directory of the config file, so a run does not depend on the working directory.
 //!
@@ -24,12 +23,18 @@
 //! gpu = "2MiB"
 //! ```
 //!
+//! Every table and key is documented in the book's config reference
+//! (`docs/src/reference/config.md`, generated from these doc comments by `oogc config
+//! --reference`: [`reference`]); example configs live in `configs/`, and `oogc config --example`
+//! prints one with every key.
+//!
 //! | file | tables |
 //! |---|---|
 //! | `model.rs` | `[model]`, `[model.moe]` |
 //! | `workload.rs` | `[data]`, `[train]`, `[checkpoint]`, `[output]` |
 //! | `device.rs` | `[device]`, `[threads]` |
 //! | `memory.rs` | `[budgets]`, `[optimizer]`, `[prefetch]`, `[activations]`, `[moe]`, `[ranks]` |
+//! | `reference.rs` | the config reference and the example config, generated from these files' doc comments |
 //!
 //! This file holds [`TrainConfig`] itself: loading, path resolution and validation.
 
@@ -41,6 +46,7 @@ use serde::{Deserialize, Serialize};
 mod device;
 mod memory;
 mod model;
+pub mod reference;
 mod workload;
 
 pub use device::{DeviceConfig, DeviceKind, OpsPath, ThreadsConfig};
@@ -63,7 +69,7 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// The TOML does not parse or does not match the schema (unknown key, wrong type).
-    #[error("invalid config {path}: {message}\n  (every key is listed in the README's config reference)")]
+    #[error("invalid config {path}: {message}\n  (every key: `oogc config --reference`)")]
     Parse {
         /// The config path.
         path: PathBuf,

@@ -30,7 +30,7 @@ use serde::{Deserialize, Serialize};
 pub enum ModelConfig {
     /// `family = "gpt"` (or none): the byte-level GPT / MoE-GPT of `oogc-models`.
     Gpt(GptModelConfig),
-    /// `family = "llama" | "mistral" | "qwen2" | "mixtral"`: a Llama-family decoder (Mixtral:
+    /// `family = "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral"`: a Llama-family decoder (Mixtral:
     /// with sparse MoE layers, trained through the MoE step and the placer as MoE-GPT).
     Llama(LlamaModelConfig),
 }
@@ -42,8 +42,10 @@ pub enum LlamaModelConfig {
     /// The shape, with `config.json`'s keys (every key of [`oogc_models::llama::LlamaConfig`];
     /// `vocab_size` 0 or absent: the tokenizer's).
     Scratch(oogc_models::llama::LlamaConfig),
-    /// `init = "dir"`: a Hugging Face checkpoint directory (`config.json` + safetensors); its
-    /// config is the shape and its weights the initial parameters.
+    /// `init = "dir"`: a Hugging Face checkpoint directory (`config.json`, `model.safetensors`
+    /// or shards + `model.safetensors.index.json`; f32, bf16 or f16) to fine-tune; its config is
+    /// the shape (no other `[model]` key then) and its weights the initial parameters, read
+    /// memory-mapped, unit by unit, into each unit's home tier.
     Init(PathBuf),
 }
 

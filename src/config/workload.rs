@@ -75,7 +75,7 @@ pub struct TrainLoopConfig {
     /// by this factor. The objective is the mean cross-entropy over the counted tokens of all
     /// `batch_size × micro_batches` sequences (each micro-batch's loss weighted by its share of
     /// the counted tokens), the same as one batch of `batch_size × micro_batches` sequences
-    /// within f32 rounding. Dense models only (an MoE model needs 1). Default: 1; must be ≥ 1.
+    /// within f32 rounding. Dense models only (an MoE model needs 1); must be ≥ 1. Default: 1.
     #[serde(default = "default_micro_batches")]
     pub micro_batches: usize,
     /// Tokens per sequence.
@@ -157,10 +157,14 @@ pub struct CheckpointConfig {
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
 pub struct OutputConfig {
-    /// JSON-lines metrics, one object per step. Default: none.
+    /// JSON-lines metrics, one object per step: `step`, `loss`, `val_loss` (when evaluated), `lr`,
+    /// `tokens_per_s`, `step_s`, `stall_s`, `stall_transfer_s`, `stall_optimizer_s`, `h2d_bytes`,
+    /// `d2h_bytes`, `nvme_read_bytes`, `nvme_write_bytes`, `grad_norm`, `clip_scale`, `skipped`.
+    /// Default: none.
     #[serde(default)]
     pub metrics: Option<PathBuf>,
-    /// Chrome/Perfetto trace of the timeline (open in ui.perfetto.dev). Default: none.
+    /// Chrome/Perfetto trace of the timeline (open in ui.perfetto.dev): one track per thread
+    /// (compute, copy engines, optimizer workers, NVMe). Default: none.
     #[serde(default)]
     pub trace: Option<PathBuf>,
 }

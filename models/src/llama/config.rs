@@ -150,7 +150,10 @@ pub struct LlamaConfig {
     /// Base of the rotary frequencies. Default: 10000.
     #[serde(default = "default_rope_theta")]
     pub rope_theta: f64,
-    /// Frequency scaling of RoPE. Default: [`RopeScaling::Default`] (none).
+    /// Frequency scaling of RoPE: `{ rope_type = "linear", factor }` or `{ rope_type = "llama3",
+    /// factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }` (a
+    /// checkpoint's `rope_parameters`, transformers 5, are read too); other types are refused by
+    /// name. Default: [`RopeScaling::Default`] (none).
     #[serde(default = "default_rope_scaling")]
     pub rope_scaling: RopeScaling,
     /// Whether `lm_head` is the token embedding (no `lm_head.weight` of its own). Default: false.

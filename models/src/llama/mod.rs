@@ -83,6 +83,10 @@ mod tests;
 
 pub use config::{LlamaConfig, LlamaFamily, RopeScaling};
 
+/// The source text of [`LlamaConfig`]'s file: the `oogc` crate's config reference reads the
+/// `[model]` keys of the Llama family (their doc comments and types) from it.
+pub const CONFIG_SOURCE: &str = include_str!("config.rs");
+
 use config::BlockGroups;
 
 /// A computation group of a unit's flat vector: `(offset, shape)`.
