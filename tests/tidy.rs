@@ -17,6 +17,7 @@
 //! | [`static_state_violations`] | no `static` item in the non-test code of [`STATELESS_FILES`] (`src/dist.rs`: the ranks are a value passed down, never process-global) |
 //! | [`process_exit_violations`] | no `process::exit` outside `cli/`: the library returns errors and the binary decides to exit (or `MPI_Abort`) |
 //! | [`file_size_violations`] | no file of the root crate's `src/` over [`MAX_SRC_LINES`] lines, `src/runtime/mod.rs` under [`MAX_RUNTIME_MOD_LINES`] |
+//! | [`markdown_link_violations`] | every relative link of the book (`docs/src/`), README.md, ARCHITECTURE.md and `docs/*.md` names a file that exists, and its `#anchor` a heading there ([`anchor`]: mdBook's and GitHub's ids) |
 //! | [`the_books_config_reference_is_the_generated_one`] | `docs/src/reference/config.md` is what `oogc config --reference` prints |
 //! | [`runtime_facade_violations`] | `Runtime` a façade: at most [`MAX_RUNTIME_FIELDS`] fields and [`MAX_RUNTIME_PUB_METHODS`] public methods over its `impl` blocks in `src/runtime/` |
 //!
@@ -1245,7 +1246,7 @@ fn missing_docs_lints_and_crate_docs_fail_when_missing() {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The docs: the book's config reference.
+// The docs: the book's config reference and every relative Markdown link.
 
 /// The book's config reference is the generated one (`oogc config --reference`).
 #[test]
@@ -1263,5 +1264,168 @@ fn the_books_config_reference_is_the_generated_one() {
             "{REFERENCE_PATH} differs from the config types' doc comments (first at line {line}).\nfix: regenerate \
              it in the repository root: {REGENERATE}"
         );
+    }
+}
+
+/// The id a heading gets (mdBook's `normalize_id`, GitHub's likewise for these headings):
+/// lowercase, alphanumerics, `-` and `_` kept, spaces to `-`, everything else dropped.
+fn anchor(heading: &str) -> String {
+    heading
+        .trim()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+            _ => None,
+        })
+        .flat_map(char::to_lowercase)
+        .collect()
+}
+
+/// The Markdown text outside fenced code blocks and inline code, line by line.
+fn markdown_prose(text: &str) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    let mut fenced = false;
+    for (i, line) in text.lines().enumerate() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        // Inline code spans: every other backtick-delimited piece.
+        let prose: String = line.split('`').step_by(2).collect::<Vec<_>>().join(" ");
+        out.push((i + 1, prose));
+    }
+    out
+}
+
+/// The anchors of a Markdown file's headings (repeated ones get `-1`, `-2`, ... as in mdBook).
+fn anchors(text: &str) -> Vec<String> {
+    let mut seen: Vec<String> = Vec::new();
+    let mut fenced = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+        }
+        if fenced || !line.starts_with('#') {
+            continue;
+        }
+        let id = anchor(line.trim_start_matches('#'));
+        let n = seen
+            .iter()
+            .filter(|s| {
+                s.as_str() == id
+                    || s.strip_prefix(id.as_str()).is_some_and(|r| r.starts_with('-') && r[1..].parse::<u32>().is_ok())
+            })
+            .count();
+        seen.push(if n == 0 { id } else { format!("{id}-{n}") });
+    }
+    seen
+}
+
+/// Every relative link `[text](target)` of `text` (the Markdown file `path`, relative to the
+/// root) whose file does not exist, or whose `#anchor` no heading of its file has. `read` gives
+/// a file's text (None: no such file).
+fn markdown_link_violations(path: &str, text: &str, read: &dyn Fn(&str) -> Option<String>) -> Vec<String> {
+    let dir = Path::new(path).parent().unwrap_or(Path::new(""));
+    let mut out = Vec::new();
+    for (line, prose) in markdown_prose(text) {
+        let mut rest = prose.as_str();
+        while let Some(at) = rest.find("](") {
+            rest = &rest[at + 2..];
+            let Some(end) = rest.find(')') else { break };
+            let target = rest[..end].split_whitespace().next().unwrap_or("");
+            rest = &rest[end..];
+            if target.is_empty() || target.contains("://") || target.starts_with("mailto:") {
+                continue;
+            }
+            let (file, hash) = target.split_once('#').map_or((target, None), |(f, h)| (f, Some(h)));
+            let resolved = if file.is_empty() { path.to_string() } else { normalize(&dir.join(file)) };
+            let Some(body) = read(&resolved) else {
+                out.push(format!("{path}:{line}: the link `{target}` names {resolved}, which does not exist"));
+                continue;
+            };
+            let resolved_md = resolved.ends_with(".md");
+            if let Some(hash) = hash.filter(|_| resolved_md) {
+                if !anchors(&body).iter().any(|a| a == hash) {
+                    out.push(format!(
+                        "{path}:{line}: the link `{target}`: {resolved} has no heading with the id `{hash}`"
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// `a/b/../c` → `a/c` (a path relative to the root, `/` separators).
+fn normalize(p: &Path) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for c in p.components() {
+        match c {
+            // Above the root: kept, so that the file is not found.
+            std::path::Component::ParentDir => match parts.last().map(String::as_str) {
+                None | Some("..") => parts.push("..".into()),
+                Some(_) => drop(parts.pop()),
+            },
+            std::path::Component::Normal(s) => parts.push(s.to_string_lossy().into_owned()),
+            _ => {}
+        }
+    }
+    parts.join("/")
+}
+
+/// Every `.md` file under `dir` (relative to the root).
+fn markdown_files(dir: &str, out: &mut Vec<String>) {
+    let Ok(entries) = std::fs::read_dir(root().join(dir)) else { return };
+    let mut entries: Vec<_> = entries.map(|e| e.unwrap()).collect();
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let rel = format!("{dir}/{}", e.file_name().to_string_lossy());
+        if e.file_type().unwrap().is_dir() {
+            markdown_files(&rel, out);
+        } else if rel.ends_with(".md") {
+            out.push(rel);
+        }
+    }
+}
+
+#[test]
+fn every_relative_markdown_link_resolves() {
+    let mut files = vec!["README.md".to_string(), "ARCHITECTURE.md".to_string()];
+    markdown_files("docs", &mut files);
+    assert!(files.iter().any(|f| f == "docs/src/SUMMARY.md"), "no book: {files:?}");
+    // A directory or a file that is not Markdown (an image, a config) only has to exist.
+    let read = |rel: &str| {
+        let p = root().join(rel);
+        if p.is_dir() || (p.is_file() && !rel.ends_with(".md")) {
+            Some(String::new())
+        } else {
+            std::fs::read_to_string(p).ok()
+        }
+    };
+    let v: Vec<String> = files.iter().flat_map(|f| markdown_link_violations(f, &read(f).unwrap(), &read)).collect();
+    assert!(v.is_empty(), "broken links (fix the target, or the heading it names):\n{}", v.join("\n"));
+}
+
+#[test]
+fn a_broken_link_or_anchor_fails() {
+    let files = |rel: &str| match rel {
+        "docs/a.md" => Some("# Title\n## The GPU: `cuda:N`\n## Notes\n## Notes\n".to_string()),
+        "docs/b.txt" => Some(String::new()),
+        _ => None,
+    };
+    let good = "[a](a.md) [t](a.md#title) [g](a.md#the-gpu-cudan) [n](a.md#notes-1) [b](b.txt) \
+                [w](https://x.org/y) [s](#here)\n# Here\n```\n[no](code.md)\n```\n`[no](span.md)`\n";
+    assert_eq!(
+        markdown_link_violations("docs/x.md", good, &|r| if r == "docs/x.md" { Some(good.into()) } else { files(r) }),
+        Vec::<String>::new()
+    );
+    for bad in ["[m](missing.md)", "[a](a.md#nope)", "[u](../a.md)", "[s](#nowhere)"] {
+        let v =
+            markdown_link_violations("docs/x.md", bad, &|r| if r == "docs/x.md" { Some(bad.into()) } else { files(r) });
+        assert_eq!(v.len(), 1, "{bad}: {v:?}");
     }
 }
