@@ -17,7 +17,7 @@
 //! | [`static_state_violations`] | no `static` item in the non-test code of [`STATELESS_FILES`] (`src/dist.rs`: the ranks are a value passed down, never process-global) |
 //! | [`process_exit_violations`] | no `process::exit` outside `cli/`: the library returns errors and the binary decides to exit (or `MPI_Abort`) |
 //! | [`file_size_violations`] | no file of the root crate's `src/` over [`MAX_SRC_LINES`] lines, `src/runtime/mod.rs` under [`MAX_RUNTIME_MOD_LINES`] |
-//! | [`markdown_link_violations`] | every relative link of the book (`docs/src/`), README.md, ARCHITECTURE.md and `docs/*.md` names a file that exists, and its `#anchor` a heading there ([`anchor`]: mdBook's and GitHub's ids) |
+//! | [`markdown_link_violations`] | every relative link of the book (`docs/src/`), README.md, ARCHITECTURE.md and `docs/*.md` names a file that exists, and its `#anchor` a heading there ([`anchor`]: mdBook's and GitHub's ids); no book page links a Markdown file outside the book (mdBook would link its `.html`) |
 //! | [`the_books_config_reference_is_the_generated_one`] | `docs/src/reference/config.md` is what `oogc config --reference` prints |
 //! | [`runtime_facade_violations`] | `Runtime` a façade: at most [`MAX_RUNTIME_FIELDS`] fields and [`MAX_RUNTIME_PUB_METHODS`] public methods over its `impl` blocks in `src/runtime/` |
 //!
@@ -1348,6 +1348,16 @@ fn markdown_link_violations(path: &str, text: &str, read: &dyn Fn(&str) -> Optio
                 continue;
             };
             let resolved_md = resolved.ends_with(".md");
+            // mdBook turns a link to a `.md` file into one to its `.html`, which only the book's
+            // own pages have.
+            if path.starts_with("docs/src/") && resolved_md && !resolved.starts_with("docs/src/") {
+                out.push(format!(
+                    "{path}:{line}: the link `{target}` leaves the book for a Markdown file, which mdBook links \
+                     as {}: name the file in backticks instead",
+                    resolved.replace(".md", ".html")
+                ));
+                continue;
+            }
             if let Some(hash) = hash.filter(|_| resolved_md) {
                 if !anchors(&body).iter().any(|a| a == hash) {
                     out.push(format!(
@@ -1428,4 +1438,8 @@ fn a_broken_link_or_anchor_fails() {
             markdown_link_violations("docs/x.md", bad, &|r| if r == "docs/x.md" { Some(bad.into()) } else { files(r) });
         assert_eq!(v.len(), 1, "{bad}: {v:?}");
     }
+    // From a book page, a Markdown file outside the book is refused; another file is not.
+    let book = |r: &str| if r == "docs/a.md" || r == "docs/b.txt" { files(r) } else { None };
+    assert_eq!(markdown_link_violations("docs/src/p.md", "[a](../a.md)", &book).len(), 1);
+    assert_eq!(markdown_link_violations("docs/src/p.md", "[b](../b.txt)", &book), Vec::<String>::new());
 }
