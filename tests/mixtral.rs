@@ -29,6 +29,11 @@ fn case() -> PathBuf {
     common::repo_root().join("../shared/fixtures/llama/mixtral_moe")
 }
 
+/// A case of `../shared/fixtures/moe/` (`qwen3_moe`, `olmoe`, `qwen2_moe`; README there).
+fn moe_case(name: &str) -> PathBuf {
+    common::repo_root().join("../shared/fixtures/moe").join(name)
+}
+
 /// Where an expert runs in the test's step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Place {
@@ -52,10 +57,14 @@ fn fetch(rt: &mut Runtime, unit: UnitId, place: Place, phase: Phase) -> UnitPara
 /// path) with its attention over blocks of that many query positions; `None`: the default
 /// model (fused CPU kernels).
 fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, usize) -> Place) {
-    let dir = case();
+    case_through_the_runtime(&case(), label, chunk, place)
+}
+
+/// [`through_the_runtime`] for the fixture case in `dir`.
+fn case_through_the_runtime(dir: &Path, label: &str, chunk: Option<usize>, place: impl Fn(usize, usize) -> Place) {
     let reference = tensors(&dir.join("reference.safetensors"));
     let step = tensors(&dir.join("step.safetensors"));
-    let ckpt = HfCheckpoint::open(&dir).unwrap();
+    let ckpt = HfCheckpoint::open(dir).unwrap();
     let mut model = Llama::new(ckpt.llama_config().unwrap()).unwrap();
     if chunk.is_some() {
         model = model.composed_only().with_attention_chunk(chunk).unwrap();
@@ -244,10 +253,15 @@ fn mixtral_over_attention_blocks_matches_transformers() {
 
 /// A run config that starts from the Mixtral checkpoint.
 fn init_config(work: &Path) -> String {
+    init_config_of("mixtral", &case(), &case().join("../tokenizer.json"), work)
+}
+
+/// A run config of `family` that starts from the checkpoint in `dir`.
+fn init_config_of(family: &str, dir: &Path, tokenizer: &Path, work: &Path) -> String {
     format!(
         r#"
 [model]
-family = "mixtral"
+family = "{family}"
 init = "{init}"
 [data]
 path = "{data}"
@@ -262,9 +276,9 @@ gpu = "64MiB"
 [checkpoint]
 dir = "{work}/ckpt"
 "#,
-        init = case().display(),
+        init = dir.display(),
         data = common::data_path().display(),
-        tok = case().join("../tokenizer.json").display(),
+        tok = tokenizer.display(),
         work = work.display(),
     )
 }
@@ -272,13 +286,19 @@ dir = "{work}/ckpt"
 #[test]
 fn a_mixtral_checkpoint_imported_then_exported_is_bitwise_the_input() {
     let work = tempfile::tempdir().unwrap();
-    let cfg = oogc::config::TrainConfig::from_toml_str(&init_config(work.path())).unwrap();
+    imported_then_exported(&init_config(work.path()), &case(), work.path());
+}
+
+/// The trainer started from the checkpoint in `dir` by `config`, saved, exported with
+/// `export --hf`: the exported files re-read equal the original tensors bitwise, and the config.
+fn imported_then_exported(config: &str, dir: &Path, work: &Path) {
+    let cfg = oogc::config::TrainConfig::from_toml_str(config).unwrap();
     let mut t = oogc::train::Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
     let saved = t.save_checkpoint().unwrap().expect("a checkpoint dir");
     drop(t);
-    let out = work.path().join("hf");
+    let out = work.join("hf");
     oogc::export::export_hf(&saved, &out, &Default::default()).unwrap();
-    let original = HfCheckpoint::open(&case()).unwrap();
+    let original = HfCheckpoint::open(dir).unwrap();
     let exported = HfCheckpoint::open(&out).unwrap();
     assert_eq!(original.tensors().keys().collect::<Vec<_>>(), exported.tensors().keys().collect::<Vec<_>>());
     for name in original.tensors().keys() {
@@ -287,4 +307,34 @@ fn a_mixtral_checkpoint_imported_then_exported_is_bitwise_the_input() {
         assert!(a.1.iter().zip(&b.1).all(|(x, y)| x.to_bits() == y.to_bits()), "{name}: not bitwise equal");
     }
     assert_eq!(exported.llama_config().unwrap(), original.llama_config().unwrap(), "config.json");
+}
+
+// ---- the fine-grained MoE families (`../shared/fixtures/moe/`) -------------------------------
+
+/// The case `name` through the runtime with mixed placements (resident, fetched, on the CPU),
+/// then imported by the trainer (`family`) and exported bitwise.
+fn fine_grained_case(name: &str, family: &str) {
+    let dir = moe_case(name);
+    case_through_the_runtime(&dir, name, None, |b, e| [Place::Resident, Place::Fetch, Place::Cpu][(b + e) % 3]);
+    let work = tempfile::tempdir().unwrap();
+    let tokenizer = dir.join("../../llama/tokenizer.json");
+    imported_then_exported(&init_config_of(family, &dir, &tokenizer, work.path()), &dir, work.path());
+}
+
+/// Qwen3-MoE: 8 experts, top-4 renormalized, per-head q/k norm.
+#[test]
+fn qwen3_moe_matches_transformers_through_the_runtime_and_exports_bitwise() {
+    fine_grained_case("qwen3_moe", "qwen3_moe");
+}
+
+/// OLMoE: top-4 not renormalized, q/k norm over the whole projections.
+#[test]
+fn olmoe_matches_transformers_through_the_runtime_and_exports_bitwise() {
+    fine_grained_case("olmoe", "olmoe");
+}
+
+/// Qwen2-MoE: q/k/v bias, the shared expert and its sigmoid gate in the trunk unit.
+#[test]
+fn qwen2_moe_matches_transformers_through_the_runtime_and_exports_bitwise() {
+    fine_grained_case("qwen2_moe", "qwen2_moe");
 }

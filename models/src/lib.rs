@@ -10,8 +10,8 @@
 //! | [`attention`] | causal (grouped-query) attention over blocks of query positions with a recomputing backward — the composed path's attention core, which never holds the whole sequence's `[B, H, T, T]` scores — and the bytes it needs at its peak ([`attention_workspace_bytes`]) |
 //! | [`gpt`] | the byte-level GPT (GPT-2 architecture) and MoE-GPT (Switch / GShard routing) |
 //! | [`llama`] | the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3): [`Llama`], [`LlamaConfig`], with Hugging Face tensor names |
-//! | [`mixtral`] | Mixtral: the Llama family's attention with a sparse MoE feed-forward network per layer (top-k of `E` SwiGLU experts, each a unit; the load-balancing loss pooled over all layers): [`Mixtral`], [`MixtralConfig`] |
-//! | [`hf`] | Hugging Face checkpoints: `config.json` ↔ [`LlamaConfig`] (Mixtral's too), safetensors read unit by unit ([`hf::HfCheckpoint`]) and written in shards ([`hf::write_checkpoint`]) |
+//! | [`mixtral`] | Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE: the Llama family's attention with a sparse MoE feed-forward network per layer (top-k of `E` SwiGLU experts, each a unit; Qwen2-MoE's shared expert in the trunk; the load-balancing loss pooled over all layers): [`Mixtral`], [`MixtralConfig`] |
+//! | [`hf`] | Hugging Face checkpoints: `config.json` ↔ [`LlamaConfig`] (the MoE families' too), safetensors read unit by unit ([`hf::HfCheckpoint`]) and written in shards ([`hf::write_checkpoint`]) |
 //! | [`checksum`] | crc32c per tensor and for the file in safetensors `__metadata__` (oogc checkpoints and Hugging Face exports), verified on read |
 //! | `ops`, `kernels` | the checks, views and mixed-precision helpers shared by the families; their ops, each a fused CPU kernel with its own backward beside its composition of candle ops |
 //!

@@ -1,7 +1,7 @@
 //! Mixtral (Jiang et al. 2024, "Mixtral of Experts"; transformers' `modeling_mixtral.py`): the
 //! Llama family's decoder ([`crate::llama`], Mistral's attention without biases) whose every
 //! layer's feed-forward network is a sparse MoE block. It is the [`Llama`] type with
-//! [`LlamaFamily::Mixtral`] ([`Mixtral`] and [`MixtralConfig`] are the same types under the
+//! [`LlamaFamily::Mixtral`](crate::LlamaFamily::Mixtral) ([`Mixtral`] and [`MixtralConfig`] are the same types under the
 //! family's name); this module holds its [`MoeLm`] calls.
 //!
 //! | unit | kind | parameters (flat order) | computes |
@@ -18,6 +18,21 @@
 //! loss   : ce + router_aux_loss_coef · aux     (when output_router_logits, as transformers)
 //! ```
 //!
+//! The fine-grained MoE families are the same code with other names and switches
+//! (transformers' `modeling_qwen3_moe.py`, `modeling_olmoe.py`, `modeling_qwen2_moe.py`):
+//!
+//! | family | router, experts | gates | attention | trunk extra |
+//! |---|---|---|---|---|
+//! | Mixtral | `block_sparse_moe.gate`, `experts.{e}.w1/w3/w2` | renormalized | Mistral's | — |
+//! | Qwen3-MoE | `mlp.gate`, `mlp.experts.{e}.gate_proj/up_proj/down_proj` (`moe_intermediate_size`) | renormalized iff `norm_topk_prob` | per-head q/k RMSNorm | — |
+//! | OLMoE | as Qwen3-MoE (`intermediate_size`) | as Qwen3-MoE | q/k RMSNorm over the whole projections | — |
+//! | Qwen2-MoE | as Qwen3-MoE | as Qwen3-MoE | q/k/v bias | `x1 += sigmoid(h g_sᵀ) ⊙ shared_expert(h)` |
+//!
+//! Qwen2-MoE's shared expert runs on every token: it is a dense part of the trunk unit (added
+//! to the residual stream the routed experts' outputs join), not a routed expert unit. Dense
+//! layers among the sparse ones (`decoder_sparse_step`, `mlp_only_layers`) are refused by
+//! [`crate::hf`].
+//!
 //! The load-balancing loss pools every layer ([`MoeLm::finish_forward`] hands each routing the
 //! pooled weights `w_e = coef · E · c_e / N²` of its probabilities, which
 //! [`MoeLm::trunk_backward`] differentiates); no capacity, no tokens dropped. The router's
@@ -27,24 +42,28 @@
 use candle_core::{DType, Tensor};
 
 use crate::kernels::softmax_last_dim;
-use crate::llama::{AttnParams, Llama, LlamaConfig, LlamaFamily};
+use crate::llama::{AttnParams, Llama, LlamaConfig};
 use crate::lm::{MoeFamily, MoeLm};
 use crate::moe::{ExpertRoute, Routing};
 use crate::ops::{self, input_err};
 use crate::Result;
 
-/// A Mixtral decoder: the [`Llama`] type with family [`LlamaFamily::Mixtral`].
+/// A Mixtral decoder: the [`Llama`] type with family [`LlamaFamily::Mixtral`](crate::LlamaFamily::Mixtral).
 pub type Mixtral = Llama;
 
-/// A Mixtral config: [`LlamaConfig`] with family [`LlamaFamily::Mixtral`] and its MoE keys
+/// A Mixtral config: [`LlamaConfig`] with family [`LlamaFamily::Mixtral`](crate::LlamaFamily::Mixtral) and its MoE keys
 /// (`num_local_experts`, `num_experts_per_tok`, `router_aux_loss_coef`, `output_router_logits`);
 /// build one with [`LlamaConfig::mixtral`].
 pub type MixtralConfig = LlamaConfig;
 
-/// `sel / Σ sel` of the chosen probabilities per token, flat `[N · k]` (slot `n · k + s`):
-/// differentiable in `probs` `[N, E]` for fixed `choices` `[N, k]`.
-fn gate_values(probs: &Tensor, choices: &Tensor) -> Result<Tensor> {
+/// The chosen probabilities per token, renormalized (`sel / Σ sel`, `renormalize`: Mixtral,
+/// `norm_topk_prob`) or as they are, flat `[N · k]` (slot `n · k + s`): differentiable in
+/// `probs` `[N, E]` for fixed `choices` `[N, k]`.
+fn gate_values(probs: &Tensor, choices: &Tensor, renormalize: bool) -> Result<Tensor> {
     let sel = probs.gather(choices, 1)?;
+    if !renormalize {
+        return Ok(sel.flatten_all()?);
+    }
     Ok(sel.broadcast_div(&sel.sum_keepdim(1)?)?.flatten_all()?)
 }
 
@@ -67,10 +86,10 @@ fn top_k_of(row: &[f64], k: usize, out: &mut Vec<u32>) {
 
 impl Llama {
     fn moe_check(&self) -> Result<()> {
-        if self.config().family != LlamaFamily::Mixtral {
+        if !self.config().is_moe() {
             return Err(input_err(
                 "model",
-                "a Mixtral model (family mixtral)".into(),
+                "an MoE model (family mixtral, qwen3_moe, olmoe or qwen2_moe)".into(),
                 format!("family {}", self.config().family.model_type()),
             ));
         }
@@ -82,12 +101,24 @@ impl Llama {
     fn mixtral_trunk_math(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
         let (b, t, d) = x.dims3()?;
         let g = self.block_groups();
-        let router = &p[g.router.expect("a Mixtral trunk has a router")];
+        let router = &p[g.router.expect("an MoE trunk has a router")];
         let n1 = self.rms_norm(x, &p[g.ln1])?;
         let x1 = (x + self.attention(&AttnParams::of_block(p, g), &n1)?)?;
         let h = self.rms_norm(&x1, &p[g.ln2])?.reshape((b * t, d))?;
         let logits = ops::matmul(&h, &router.t()?)?;
         let probs = softmax_last_dim(&ops::widen(&logits)?)?;
+        // Qwen2-MoE: the shared expert, a dense part of the trunk, joins the residual stream the
+        // routed experts are added to: `x1 + sigmoid(h g_sᵀ) ⊙ shared(h)`.
+        let x1 = match g.shared {
+            Some((gate_up, down, gate)) => {
+                let s = self.mlp(&p[gate_up], None, &p[down], None, &h)?;
+                let z = ops::matmul(&h, &p[gate].t()?)?;
+                // sigmoid(z) = 1 / (1 + exp(-z)), composed (every op has a backward).
+                let sig = (z.neg()?.exp()? + 1.0)?.recip()?;
+                (x1 + s.broadcast_mul(&sig)?.reshape((b, t, d))?)?
+            }
+            None => x1,
+        };
         Ok((x1, h, logits, probs))
     }
 
@@ -115,7 +146,7 @@ impl Llama {
             slots[c].push(slot as u32);
         }
         let choices_t = Tensor::from_slice(&choices, (n, k), &device)?;
-        let gate_all = gate_values(probs, &choices_t)?.to_dtype(dtype)?;
+        let gate_all = gate_values(probs, &choices_t, self.config().norm_topk_prob())?.to_dtype(dtype)?;
         let mut experts = Vec::with_capacity(e_count);
         for (tokens, slots) in tokens.into_iter().zip(slots) {
             let demand = tokens.len();
@@ -167,8 +198,9 @@ impl Llama {
     }
 }
 
-/// Mixtral's trunk (`x1 = x + attn(rms(x))`, `h = rms(x1)`, the router's logits and
-/// probabilities, the [`Routing`]: top-k, renormalized gates in the params' dtype, index tensors
+/// The MoE families' trunk (`x1 = x + attn(rms(x))`, `h = rms(x1)`, Qwen2-MoE's shared expert
+/// added to `x1`, the router's logits and probabilities, the [`Routing`]: top-k, gates
+/// (renormalized per [`LlamaConfig::norm_topk_prob`]) in the params' dtype, index tensors
 /// on `x`'s device), its SwiGLU experts (`w2(silu(w1 h_e) ⊙ w3 h_e)`) and the pooled
 /// load-balancing loss through each layer's probabilities with [`Routing::aux_weights`] (from
 /// [`MoeLm::finish_forward`]); the calls are [`crate::lm`]'s. Every call refuses a model of
@@ -205,7 +237,7 @@ impl MoeFamily for Llama {
     }
 
     fn gate_values(&self, probs: &Tensor, choices: &Tensor, _top_k: usize) -> Result<Tensor> {
-        gate_values(probs, choices)
+        gate_values(probs, choices, self.config().norm_topk_prob())
     }
 
     /// With a load-balancing loss in the objective, a routing [`MoeLm::finish_forward`] has

@@ -9,6 +9,7 @@
 //! |---|---|---|---|
 //! | MoE-GPT ([`crate::MoeConfig`]) | `softmax(h W_r + b_r)` | top-1: `p`; top-2: `p` renormalized over the pair; capacity | per block, [`Routing::aux_loss`] |
 //! | Mixtral ([`crate::MixtralConfig`]) | `softmax(h W_rᵀ)` (no bias) | top-k `p` renormalized to sum to 1; no capacity | pooled over every block of a forward pass, after [`MoeLm::finish_forward`](crate::MoeLm::finish_forward) |
+//! | Qwen3-MoE, OLMoE, Qwen2-MoE ([`crate::LlamaConfig`]) | as Mixtral | top-k `p`, renormalized iff `norm_topk_prob`; no capacity | as Mixtral |
 //!
 //! A [`Routing`] is computed on the CPU from the router's probabilities by the trunk's forward
 //! ([`MoeLm::trunk_forward`](crate::MoeLm::trunk_forward)); its tensors (indices, gates) live on the trunk's device. The

@@ -256,7 +256,7 @@ impl TrainConfig {
             }
             ModelConfig::Llama(LlamaModelConfig::Scratch(c)) => {
                 // The vocabulary comes from the tokenizer when it is 0: check the rest.
-                let c = oogc_models::llama::LlamaConfig { vocab_size: c.vocab_size.max(1), ..c.clone() };
+                let c = oogc_models::llama::LlamaConfig { vocab_size: c.vocab_size.max(1), ..(**c).clone() };
                 if let Err(e) = c.validate() {
                     return bad("model", e.to_string());
                 }

@@ -5,6 +5,9 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+/// The `family` names of the Llama family (`model_type` of a Hugging Face `config.json`).
+const LLAMA_FAMILIES: [&str; 8] = ["llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"];
+
 /// `[model]`: the model family (`family`, default `"gpt"`) and its shape, or a Hugging Face
 /// checkpoint to start from.
 ///
@@ -15,7 +18,7 @@ use serde::{Deserialize, Serialize};
 /// n_head = 6
 ///
 /// [model]                  # a Llama-family decoder from scratch: config.json's keys
-/// family = "llama"         # or "mistral", "qwen2"
+/// family = "llama"         # or any of LLAMA_FAMILIES ("qwen3_moe", ...)
 /// hidden_size = 256
 /// intermediate_size = 688
 /// num_hidden_layers = 6
@@ -30,8 +33,9 @@ use serde::{Deserialize, Serialize};
 pub enum ModelConfig {
     /// `family = "gpt"` (or none): the byte-level GPT / MoE-GPT of `oogc-models`.
     Gpt(GptModelConfig),
-    /// `family = "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral"`: a Llama-family decoder (Mixtral:
-    /// with sparse MoE layers, trained through the MoE step and the placer as MoE-GPT).
+    /// `family = "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral" | "qwen3_moe" | "olmoe" |
+    /// "qwen2_moe"`: a Llama-family decoder (the MoE families with sparse MoE layers, trained
+    /// through the MoE step and the placer as MoE-GPT).
     Llama(LlamaModelConfig),
 }
 
@@ -41,7 +45,7 @@ pub enum ModelConfig {
 pub enum LlamaModelConfig {
     /// The shape, with `config.json`'s keys (every key of [`oogc_models::llama::LlamaConfig`];
     /// `vocab_size` 0 or absent: the tokenizer's).
-    Scratch(oogc_models::llama::LlamaConfig),
+    Scratch(Box<oogc_models::llama::LlamaConfig>),
     /// `init = "dir"`: a Hugging Face checkpoint directory (`config.json`, `model.safetensors`
     /// or shards + `model.safetensors.index.json`; f32, bf16 or f16) to fine-tune; its config is
     /// the shape (no other `[model]` key then) and its weights the initial parameters, read
@@ -87,7 +91,7 @@ impl<'de> Deserialize<'de> for ModelConfig {
                 table.remove("family");
                 GptModelConfig::deserialize(toml::Value::Table(table)).map(ModelConfig::Gpt).map_err(D::Error::custom)
             }
-            "llama" | "mistral" | "qwen2" | "qwen3" | "mixtral" => match table.remove("init") {
+            f if LLAMA_FAMILIES.contains(&f) => match table.remove("init") {
                 Some(toml::Value::String(dir)) => {
                     if let Some(key) = table.keys().find(|k| *k != "family") {
                         return Err(D::Error::custom(format!(
@@ -101,13 +105,13 @@ impl<'de> Deserialize<'de> for ModelConfig {
                 None => {
                     table.entry("vocab_size").or_insert(toml::Value::Integer(0));
                     oogc_models::llama::LlamaConfig::deserialize(toml::Value::Table(table))
-                        .map(|c| ModelConfig::Llama(LlamaModelConfig::Scratch(c)))
+                        .map(|c| ModelConfig::Llama(LlamaModelConfig::Scratch(Box::new(c))))
                         .map_err(|e| D::Error::custom(format!("[model] ({family}): {e}")))
                 }
             },
             other => Err(D::Error::custom(format!(
                 "model.family `{other}`: use \"gpt\" (the byte-level GPT) or \"llama\", \"mistral\", \"qwen2\", \
-                 \"qwen3\", \"mixtral\" (the Llama family)"
+                 \"qwen3\", \"mixtral\", \"qwen3_moe\", \"olmoe\", \"qwen2_moe\" (the Llama family)"
             ))),
         }
     }

@@ -44,7 +44,7 @@ pub fn gpt_config(g: &GptModelConfig, seq_len: usize, vocab_size: usize) -> GptC
 pub fn llama_config(l: &LlamaModelConfig, vocab_size: usize) -> Result<LlamaConfig> {
     let (config, key) = match l {
         LlamaModelConfig::Scratch(c) => {
-            let mut c = c.clone();
+            let mut c = (**c).clone();
             if c.vocab_size == 0 {
                 c.vocab_size = vocab_size;
             }

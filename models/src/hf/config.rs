@@ -3,7 +3,7 @@
 //! Read: transformers 4 (`rope_theta` and `rope_scaling` at the top level — most Hub
 //! checkpoints) and transformers 5 (`rope_parameters` with `rope_theta`, `rope_type`, ...) both
 //! parse; defaults are those of transformers' `LlamaConfig`, `MistralConfig`, `Qwen2Config`,
-//! `Qwen3Config` where
+//! `Qwen3Config`, `MixtralConfig`, `Qwen3MoeConfig`, `OlmoeConfig`, `Qwen2MoeConfig` where
 //! a key is absent or `null`; the five size keys are required. Options this crate does not
 //! implement are refused by name (sliding-window attention, RoPE types other than `default`,
 //! `linear` and `llama3`, partial rotary, activations other than SiLU, attention dropout,
@@ -56,6 +56,14 @@ const MODEL_KEYS: &[&str] = &[
     "router_aux_loss_coef",
     "output_router_logits",
     "router_jitter_noise",
+    "num_experts",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "shared_expert_intermediate_size",
+    "qkv_bias",
+    "clip_qkv",
 ];
 
 /// Reads and parses `path` (a `config.json`) with [`parse_config`].
@@ -73,7 +81,9 @@ pub fn read_config(path: &Path) -> Result<LlamaConfig> {
 ///
 /// Accepted: `model_type` (or, without it, `architectures[0]`) `llama`/`LlamaForCausalLM`,
 /// `mistral`/`MistralForCausalLM`, `qwen2`/`Qwen2ForCausalLM`, `mixtral`/`MixtralForCausalLM`,
-/// `qwen3`/`Qwen3ForCausalLM`; RoPE as transformers 4 or 5
+/// `qwen3`/`Qwen3ForCausalLM`, `qwen3_moe`/`Qwen3MoeForCausalLM`, `olmoe`/`OlmoeForCausalLM`,
+/// `qwen2_moe`/`Qwen2MoeForCausalLM` (the expert count as `num_experts` or
+/// `num_local_experts`); RoPE as transformers 4 or 5
 /// writes it, `rope_type` (or the older `type`) `default`, `linear` or `llama3`.
 ///
 /// # Errors
@@ -82,7 +92,11 @@ pub fn read_config(path: &Path) -> Result<LlamaConfig> {
 /// other than `silu`, sliding-window attention (Mistral's `sliding_window` — absent means
 /// transformers' default 4096 —, Qwen2's `use_sliding_window: true`, a `layer_types` entry other
 /// than `full_attention`), an unsupported `rope_type`, `partial_rotary_factor` ≠ 1, a non-zero
-/// `attention_dropout`, a `quantization_config`, both `rope_scaling` and `rope_parameters`, or a
+/// `attention_dropout`, a `quantization_config`, both `rope_scaling` and `rope_parameters`; MoE
+/// options no family here computes (`router_bias`, `scoring_func` other than softmax,
+/// `n_group`/`topk_group` > 1, `kv_lora_rank`/`q_lora_rank`, OLMoE's `clip_qkv`,
+/// `decoder_sparse_step` ≠ 1, a non-empty `mlp_only_layers`, `num_experts` ≠
+/// `num_local_experts`); or a
 /// config that fails [`LlamaConfig::validate`] (the key it names).
 pub fn parse_config(text: &str, path: &Path) -> Result<LlamaConfig> {
     let value: Value = serde_json::from_str(text).map_err(|e| Error::HfConfig {
@@ -168,11 +182,35 @@ pub fn config_json(config: &LlamaConfig, torch_dtype: &str, extra: &Map<String, 
             put("sliding_window", Value::Null);
             put("max_window_layers", c.num_hidden_layers.into());
         }
-        LlamaFamily::Qwen3 => {
+        LlamaFamily::Qwen3 | LlamaFamily::Qwen3Moe => {
             put("attention_bias", c.qkv_bias().into());
             put("use_sliding_window", false.into());
             put("sliding_window", Value::Null);
             put("max_window_layers", c.num_hidden_layers.into());
+        }
+        LlamaFamily::Olmoe => {
+            put("attention_bias", c.qkv_bias().into());
+            put("clip_qkv", Value::Null);
+        }
+        LlamaFamily::Qwen2Moe => {
+            put("qkv_bias", c.qkv_bias().into());
+            put("use_sliding_window", false.into());
+            put("sliding_window", Value::Null);
+            put("max_window_layers", c.num_hidden_layers.into());
+            put("shared_expert_intermediate_size", c.shared_expert_width().unwrap_or(0).into());
+        }
+    }
+    if c.is_moe() && c.family != LlamaFamily::Mixtral {
+        // `num_experts`, as Hub checkpoints (transformers 4) write it; transformers 5 reads it too.
+        put("num_experts", c.num_experts().into());
+        put("num_experts_per_tok", c.top_k().into());
+        put("router_aux_loss_coef", c.router_aux_loss_coef.unwrap_or(0.001).into());
+        put("output_router_logits", c.output_router_logits.unwrap_or(false).into());
+        put("norm_topk_prob", c.norm_topk_prob().into());
+        if c.family != LlamaFamily::Olmoe {
+            put("moe_intermediate_size", c.expert_intermediate_size().into());
+            put("decoder_sparse_step", 1.into());
+            put("mlp_only_layers", Value::Array(Vec::new()));
         }
     }
     // transformers ≥ 4.56 and 5 name it `dtype` (and warn on the older `torch_dtype`).
@@ -248,23 +286,27 @@ impl<'a> Keys<'a> {
 }
 
 const SUPPORTED: &str = "supported: llama (LlamaForCausalLM), mistral (MistralForCausalLM), qwen2 (Qwen2ForCausalLM), \
-                         mixtral (MixtralForCausalLM), qwen3 (Qwen3ForCausalLM)";
+                         mixtral (MixtralForCausalLM), qwen3 (Qwen3ForCausalLM), qwen3_moe (Qwen3MoeForCausalLM), \
+                         olmoe (OlmoeForCausalLM), qwen2_moe (Qwen2MoeForCausalLM)";
+
+/// Every family `config.json` may name.
+const FAMILIES: [LlamaFamily; 8] = [
+    LlamaFamily::Llama,
+    LlamaFamily::Mistral,
+    LlamaFamily::Qwen2,
+    LlamaFamily::Mixtral,
+    LlamaFamily::Qwen3,
+    LlamaFamily::Qwen3Moe,
+    LlamaFamily::Olmoe,
+    LlamaFamily::Qwen2Moe,
+];
 
 fn family_of_model_type(t: &str) -> Option<LlamaFamily> {
-    match t {
-        "llama" => Some(LlamaFamily::Llama),
-        "mistral" => Some(LlamaFamily::Mistral),
-        "qwen2" => Some(LlamaFamily::Qwen2),
-        "mixtral" => Some(LlamaFamily::Mixtral),
-        "qwen3" => Some(LlamaFamily::Qwen3),
-        _ => None,
-    }
+    FAMILIES.into_iter().find(|f| f.model_type() == t)
 }
 
 fn family_of_architecture(a: &str) -> Option<LlamaFamily> {
-    [LlamaFamily::Llama, LlamaFamily::Mistral, LlamaFamily::Qwen2, LlamaFamily::Mixtral, LlamaFamily::Qwen3]
-        .into_iter()
-        .find(|f| f.architecture() == a)
+    FAMILIES.into_iter().find(|f| f.architecture() == a)
 }
 
 /// A `sliding_window` that is not null: refused (full causal attention only).
@@ -292,8 +334,11 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
     };
     let family = match k.str("model_type")? {
         Some(t) => family_of_model_type(t).ok_or_else(|| {
-            let hint =
-                if t.contains("moe") { " (of the mixture-of-experts models only Mixtral is implemented)" } else { "" };
+            let hint = if t.contains("moe") || t.contains("deepseek") {
+                " (of the mixture-of-experts models Mixtral, Qwen3-MoE, OLMoE and Qwen2-MoE are implemented)"
+            } else {
+                ""
+            };
             k.err("model_type", format!("`{t}` is not supported{hint}; {SUPPORTED}"))
         })?,
         None => match architectures.first() {
@@ -351,7 +396,7 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
                 Some(v) => return Err(sliding_window_err(&k, v)),
             }
         }
-        LlamaFamily::Qwen2 | LlamaFamily::Qwen3 => {
+        LlamaFamily::Qwen2 | LlamaFamily::Qwen3 | LlamaFamily::Qwen3Moe | LlamaFamily::Qwen2Moe => {
             if k.bool("use_sliding_window")? == Some(true) {
                 return Err(k.err(
                     "use_sliding_window",
@@ -376,7 +421,16 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
             }
         }
         LlamaFamily::Llama => {}
+        LlamaFamily::Olmoe => {
+            if let Some(c) = k.get("clip_qkv") {
+                return Err(k.err(
+                    "clip_qkv",
+                    format!("{c}: clamping q, k and v is not supported; set it to null (OLMoE's default)"),
+                ));
+            }
+        }
     }
+    refuse_moe_options(&k)?;
     if let Some(types) = k.get("layer_types") {
         let Value::Array(types) = types else {
             return Err(k.err("layer_types", format!("must be a list of strings, got {types}")));
@@ -402,15 +456,20 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
     let (theta_default, max_pos_default) = match family {
         LlamaFamily::Llama => (10000.0, 2048),
         LlamaFamily::Mistral => (10000.0, 4096 * 32),
-        LlamaFamily::Qwen2 | LlamaFamily::Qwen3 => (10000.0, 32768),
+        LlamaFamily::Qwen2 | LlamaFamily::Qwen3 | LlamaFamily::Qwen3Moe | LlamaFamily::Qwen2Moe => (10000.0, 32768),
+        LlamaFamily::Olmoe => (10000.0, 4096),
         LlamaFamily::Mixtral => (1e6, 4096 * 32),
     };
     let (rope_theta, rope_scaling) = parse_rope(&k, theta_default)?;
     let attention_bias = match family {
-        LlamaFamily::Llama | LlamaFamily::Qwen3 => Some(k.bool("attention_bias")?.unwrap_or(false)),
+        LlamaFamily::Llama | LlamaFamily::Qwen3 | LlamaFamily::Qwen3Moe | LlamaFamily::Olmoe => {
+            Some(k.bool("attention_bias")?.unwrap_or(false))
+        }
         // transformers' Mistral has no biases and Qwen2's q/k/v always have one, whatever the key.
         LlamaFamily::Mistral | LlamaFamily::Mixtral => Some(false),
         LlamaFamily::Qwen2 => Some(true),
+        // transformers 5's Qwen2-MoE reads `qkv_bias` (default true; transformers 4: always).
+        LlamaFamily::Qwen2Moe => Some(k.bool("qkv_bias")?.unwrap_or(true)),
     };
     let mlp_bias = match family {
         LlamaFamily::Llama => k.bool("mlp_bias")?.unwrap_or(false),
@@ -437,19 +496,11 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
         num_experts_per_tok: None,
         router_aux_loss_coef: None,
         output_router_logits: None,
+        moe_intermediate_size: None,
+        norm_topk_prob: None,
+        shared_expert_intermediate_size: None,
     };
-    let config = if family == LlamaFamily::Mixtral {
-        LlamaConfig {
-            // transformers' MixtralConfig defaults.
-            num_local_experts: Some(k.usize("num_local_experts")?.unwrap_or(8)),
-            num_experts_per_tok: Some(k.usize("num_experts_per_tok")?.unwrap_or(2)),
-            router_aux_loss_coef: Some(k.f64("router_aux_loss_coef")?.unwrap_or(0.001)),
-            output_router_logits: Some(k.bool("output_router_logits")?.unwrap_or(false)),
-            ..config
-        }
-    } else {
-        config
-    };
+    let config = if config.is_moe() { parse_moe(&k, config)? } else { config };
     config.validate().map_err(|e| match e {
         Error::Config { field, reason } => {
             let key = field.strip_prefix("model.").unwrap_or(field);
@@ -458,6 +509,108 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
         other => other,
     })?;
     Ok(config.resolved())
+}
+
+/// Options of MoE configs (DeepSeek's, GLM's, ...) that no implemented family computes: refused
+/// by name wherever they appear, not silently ignored.
+fn refuse_moe_options(k: &Keys<'_>) -> Result<()> {
+    if k.bool("router_bias")? == Some(true) {
+        return Err(k.err("router_bias", "true: a bias on the router is not supported; set it to false"));
+    }
+    if let Some(f) = k.str("scoring_func")? {
+        if f != "softmax" {
+            return Err(k.err(
+                "scoring_func",
+                format!("`{f}`: only softmax routing over all experts is supported; set \"softmax\""),
+            ));
+        }
+    }
+    for key in ["n_group", "topk_group"] {
+        if let Some(g) = k.usize(key)? {
+            if g > 1 {
+                return Err(k.err(
+                    key,
+                    format!("{g}: group-limited top-k routing (DeepSeek's) is not supported; set it to 1 or null"),
+                ));
+            }
+        }
+    }
+    for key in ["kv_lora_rank", "q_lora_rank"] {
+        if let Some(r) = k.get(key) {
+            return Err(k.err(
+                key,
+                format!("{r}: multi-head latent attention (MLA) is not supported; set it to null (full-rank q/k/v)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The MoE keys of an MoE family, with transformers' defaults per family: the expert count as
+/// `num_local_experts` or `num_experts` (both spellings; equal when both are given), top-k, the
+/// load-balancing loss's weight and switch, `norm_topk_prob`, the expert widths; and
+/// `decoder_sparse_step` / `mlp_only_layers`, whose dense layers among sparse ones are refused.
+fn parse_moe(k: &Keys<'_>, config: LlamaConfig) -> Result<LlamaConfig> {
+    let family = config.family;
+    // transformers' defaults: (experts, top-k, aux coef, moe_intermediate_size, shared width).
+    let (experts, top_k, coef, moe_width, shared_width) = match family {
+        LlamaFamily::Qwen3Moe => (128, 8, 0.001, 768, 0),
+        LlamaFamily::Olmoe => (64, 8, 0.01, 0, 0),
+        LlamaFamily::Qwen2Moe => (60, 4, 0.001, 1408, 5632),
+        _ => (8, 2, 0.001, 0, 0),
+    };
+    let experts = match (k.usize("num_local_experts")?, k.usize("num_experts")?) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(k.err("num_experts", format!("{b} disagrees with num_local_experts = {a}: keep one")))
+        }
+        (Some(a), _) | (None, Some(a)) => a,
+        (None, None) => experts,
+    };
+    if family != LlamaFamily::Mixtral {
+        if let Some(step) = k.usize("decoder_sparse_step")? {
+            if step != 1 {
+                return Err(k.err(
+                    "decoder_sparse_step",
+                    format!(
+                        "{step}: dense MLP layers among the sparse ones are not supported; set it to 1 (every layer \
+                         sparse)"
+                    ),
+                ));
+            }
+        }
+        match k.get("mlp_only_layers") {
+            None => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(v) => {
+                return Err(k.err(
+                    "mlp_only_layers",
+                    format!("{v}: dense MLP layers among the sparse ones are not supported; set it to []"),
+                ))
+            }
+        }
+    }
+    let uses_moe_width = matches!(family, LlamaFamily::Qwen3Moe | LlamaFamily::Qwen2Moe);
+    Ok(LlamaConfig {
+        num_local_experts: Some(experts),
+        num_experts_per_tok: Some(k.usize("num_experts_per_tok")?.unwrap_or(top_k)),
+        router_aux_loss_coef: Some(k.f64("router_aux_loss_coef")?.unwrap_or(coef)),
+        output_router_logits: Some(k.bool("output_router_logits")?.unwrap_or(false)),
+        norm_topk_prob: if family == LlamaFamily::Mixtral {
+            None
+        } else {
+            Some(k.bool("norm_topk_prob")?.unwrap_or(false))
+        },
+        moe_intermediate_size: if uses_moe_width {
+            Some(k.usize("moe_intermediate_size")?.unwrap_or(moe_width))
+        } else {
+            None
+        },
+        shared_expert_intermediate_size: (family == LlamaFamily::Qwen2Moe)
+            .then(|| k.usize("shared_expert_intermediate_size"))
+            .transpose()?
+            .map(|s| s.unwrap_or(shared_width)),
+        ..config
+    })
 }
 
 /// `(rope_theta, rope_scaling)` from transformers 5's `rope_parameters` or transformers 4's

@@ -654,8 +654,25 @@ fn unsupported_options_are_refused_by_name() {
         |m| drop(m.insert("layer_types".into(), json!(["sliding_attention", "full_attention"]))),
         "layer_types",
     );
-    let msg = refused("llama_gqa", |m| drop(m.insert("model_type".into(), json!("qwen2_moe"))), "model_type");
-    assert!(msg.contains("mixtral") && msg.contains("supported"), "{msg}");
+    let msg = refused("llama_gqa", |m| drop(m.insert("model_type".into(), json!("deepseek_v3"))), "model_type");
+    assert!(msg.contains("qwen3_moe") && msg.contains("supported"), "{msg}");
+    // The fine-grained MoE families are supported (mixtral/tests.rs), but not every option of
+    // the MoE configs: each refused by its key, with the value that is supported.
+    for (case, key, v, fix) in [
+        ("qwen3_moe", "decoder_sparse_step", json!(2), "set it to 1"),
+        ("qwen3_moe", "mlp_only_layers", json!([0]), "set it to []"),
+        ("qwen2_moe", "mlp_only_layers", json!([1]), "set it to []"),
+        ("qwen3_moe", "router_bias", json!(true), "set it to false"),
+        ("olmoe", "scoring_func", json!("sigmoid"), "softmax"),
+        ("qwen3_moe", "n_group", json!(8), "set it to 1"),
+        ("qwen2_moe", "topk_group", json!(4), "set it to 1"),
+        ("qwen3_moe", "kv_lora_rank", json!(512), "set it to null"),
+        ("olmoe", "clip_qkv", json!(8.0), "set it to null"),
+        ("qwen3_moe", "num_experts", json!(16), "keep one"),
+    ] {
+        let msg = refused(case, |m| drop(m.insert(key.into(), v)), key);
+        assert!(msg.contains(fix), "{case} {key}: {msg}");
+    }
     refused("llama_gqa", |m| drop(m.insert("model_type".into(), json!("gemma"))), "model_type");
     refused(
         "llama_gqa",

@@ -28,10 +28,26 @@ pub enum LlamaFamily {
     /// RMSNorm per head on q and k (`self_attn.q_norm`, `k_norm`, weight `[head_dim]`) after the
     /// projection and before RoPE; `attention_bias` on q/k/v and o as Llama's, no MLP bias.
     Qwen3,
+    /// `Qwen3MoeForCausalLM`: Qwen3's attention (per-head q/k norm) and a sparse MoE block per
+    /// layer (`mlp.gate` router, `mlp.experts.{e}.{gate,up,down}_proj` of width
+    /// `moe_intermediate_size`), top-k of the softmax, renormalized when `norm_topk_prob`.
+    #[serde(rename = "qwen3_moe")]
+    Qwen3Moe,
+    /// `OlmoeForCausalLM` (Muennighoff et al. 2024, "OLMoE"): an RMSNorm over the whole q and k
+    /// projections (`self_attn.q_norm` `[H·hd]`, `k_norm` `[KV·hd]`) before the head split and
+    /// RoPE, and Qwen3-MoE's sparse block (experts of width `intermediate_size`).
+    Olmoe,
+    /// `Qwen2MoeForCausalLM`: Qwen2's attention (q/k/v bias), routed experts of width
+    /// `moe_intermediate_size` and a shared expert (`mlp.shared_expert`, width
+    /// `shared_expert_intermediate_size`) scaled by `sigmoid(mlp.shared_expert_gate · h)`, a
+    /// dense part of the trunk unit.
+    #[serde(rename = "qwen2_moe")]
+    Qwen2Moe,
 }
 
 impl LlamaFamily {
-    /// `model_type` in `config.json`: `llama`, `mistral`, `qwen2`.
+    /// `model_type` in `config.json`: `llama`, `mistral`, `qwen2`, `mixtral`, `qwen3`,
+    /// `qwen3_moe`, `olmoe`, `qwen2_moe`.
     pub fn model_type(self) -> &'static str {
         match self {
             LlamaFamily::Llama => "llama",
@@ -39,10 +55,13 @@ impl LlamaFamily {
             LlamaFamily::Qwen2 => "qwen2",
             LlamaFamily::Mixtral => "mixtral",
             LlamaFamily::Qwen3 => "qwen3",
+            LlamaFamily::Qwen3Moe => "qwen3_moe",
+            LlamaFamily::Olmoe => "olmoe",
+            LlamaFamily::Qwen2Moe => "qwen2_moe",
         }
     }
 
-    /// The `architectures` entry: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`.
+    /// The `architectures` entry: `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`, ...
     pub fn architecture(self) -> &'static str {
         match self {
             LlamaFamily::Llama => "LlamaForCausalLM",
@@ -50,6 +69,9 @@ impl LlamaFamily {
             LlamaFamily::Qwen2 => "Qwen2ForCausalLM",
             LlamaFamily::Mixtral => "MixtralForCausalLM",
             LlamaFamily::Qwen3 => "Qwen3ForCausalLM",
+            LlamaFamily::Qwen3Moe => "Qwen3MoeForCausalLM",
+            LlamaFamily::Olmoe => "OlmoeForCausalLM",
+            LlamaFamily::Qwen2Moe => "Qwen2MoeForCausalLM",
         }
     }
 }
@@ -107,7 +129,7 @@ impl RopeScaling {
 ///
 /// ```toml
 /// [model]
-/// family = "llama"          # or "mistral", "qwen2", "qwen3", "mixtral"
+/// family = "llama"          # or "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"
 /// vocab_size = 1024
 /// hidden_size = 256
 /// intermediate_size = 688
@@ -170,21 +192,35 @@ pub struct LlamaConfig {
     /// `_init_weights`). Default: 0.02.
     #[serde(default = "default_initializer_range")]
     pub initializer_range: f64,
-    /// Mixtral only (required there, refused elsewhere): experts per MoE layer `E`
-    /// (`num_local_experts`, ≥ 2); each expert's hidden width is `intermediate_size`.
-    #[serde(default)]
+    /// MoE families only (required there, refused elsewhere): experts per MoE layer `E`
+    /// (`num_local_experts`; `num_experts` in most Hub `config.json` files, ≥ 2); each
+    /// expert's hidden width is [`LlamaConfig::expert_intermediate_size`].
+    #[serde(default, alias = "num_experts")]
     pub num_local_experts: Option<usize>,
-    /// Mixtral only: experts per token `k` (`num_experts_per_tok`, `1..=E`). Default: 2.
+    /// MoE families only: experts per token `k` (`num_experts_per_tok`, `1..=E`). Default: 2.
     #[serde(default)]
     pub num_experts_per_tok: Option<usize>,
-    /// Mixtral only: weight of the load-balancing loss in the objective
+    /// MoE families only: weight of the load-balancing loss in the objective
     /// (`router_aux_loss_coef`, ≥ 0). Default: 0.001 (transformers').
     #[serde(default)]
     pub router_aux_loss_coef: Option<f64>,
-    /// Mixtral only: whether the load-balancing loss is part of the objective (transformers adds
+    /// MoE families only: whether the load-balancing loss is part of the objective (transformers adds
     /// it to the loss only with `output_router_logits`). Default: false (transformers').
     #[serde(default)]
     pub output_router_logits: Option<bool>,
+    /// Qwen3-MoE and Qwen2-MoE only: each routed expert's hidden width
+    /// (`moe_intermediate_size`). Default: `intermediate_size`.
+    #[serde(default)]
+    pub moe_intermediate_size: Option<usize>,
+    /// Qwen3-MoE, OLMoE and Qwen2-MoE only: whether the top-k probabilities are renormalized
+    /// to sum to 1 (`norm_topk_prob`). Default: false (transformers'); Mixtral always
+    /// renormalizes.
+    #[serde(default)]
+    pub norm_topk_prob: Option<bool>,
+    /// Qwen2-MoE only (required there): the shared expert's hidden width
+    /// (`shared_expert_intermediate_size`, ≥ 1).
+    #[serde(default)]
+    pub shared_expert_intermediate_size: Option<usize>,
 }
 
 fn default_family() -> LlamaFamily {
@@ -233,6 +269,9 @@ pub(crate) struct BlockGroups {
     /// Mixtral trunks: `block_sparse_moe.gate.weight` `[E, d]` (then `gate_up_w` and `down_w`
     /// name the same group: a trunk has no MLP); `None` for a dense layer.
     pub router: Option<usize>,
+    /// Qwen2-MoE trunks: the shared expert's `gate_up` `[2S, d]`, `down_proj` `[d, S]` and
+    /// `shared_expert_gate` `[1, d]`.
+    pub shared: Option<(usize, usize, usize)>,
 }
 
 impl LlamaConfig {
@@ -269,6 +308,9 @@ impl LlamaConfig {
             num_experts_per_tok: None,
             router_aux_loss_coef: None,
             output_router_logits: None,
+            moe_intermediate_size: None,
+            norm_topk_prob: None,
+            shared_expert_intermediate_size: None,
         }
     }
 
@@ -297,12 +339,45 @@ impl LlamaConfig {
         }
     }
 
-    /// Whether the layers' feed-forward networks are sparse MoE blocks (family `mixtral`).
+    /// Whether the layers' feed-forward networks are sparse MoE blocks (families `mixtral`,
+    /// `qwen3_moe`, `olmoe`, `qwen2_moe`).
     pub fn is_moe(&self) -> bool {
-        self.family == LlamaFamily::Mixtral
+        matches!(self.family, LlamaFamily::Mixtral | LlamaFamily::Qwen3Moe | LlamaFamily::Olmoe | LlamaFamily::Qwen2Moe)
     }
 
-    /// Mixtral: experts per layer `E` (`num_local_experts`); 0 for a dense family.
+    /// MoE: each routed expert's hidden width: `moe_intermediate_size` (Qwen3-MoE,
+    /// Qwen2-MoE; default `intermediate_size`), else `intermediate_size` (Mixtral, OLMoE).
+    pub fn expert_intermediate_size(&self) -> usize {
+        match self.family {
+            LlamaFamily::Qwen3Moe | LlamaFamily::Qwen2Moe => {
+                self.moe_intermediate_size.unwrap_or(self.intermediate_size)
+            }
+            _ => self.intermediate_size,
+        }
+    }
+
+    /// MoE: whether the chosen top-k probabilities are renormalized to sum to 1 (the gates):
+    /// always for Mixtral, `norm_topk_prob` (default false) for the others.
+    pub fn norm_topk_prob(&self) -> bool {
+        self.family == LlamaFamily::Mixtral || self.norm_topk_prob.unwrap_or(false)
+    }
+
+    /// Qwen2-MoE: the shared expert's hidden width; `None` for the other families.
+    pub fn shared_expert_width(&self) -> Option<usize> {
+        (self.family == LlamaFamily::Qwen2Moe).then(|| self.shared_expert_intermediate_size.unwrap_or(0))
+    }
+
+    /// The tensor-name prefix of an MoE layer's feed-forward block under `model.layers.{i}`:
+    /// `block_sparse_moe` (Mixtral) or `mlp`.
+    pub(crate) fn moe_prefix(&self) -> &'static str {
+        if self.family == LlamaFamily::Mixtral {
+            "block_sparse_moe"
+        } else {
+            "mlp"
+        }
+    }
+
+    /// MoE: experts per layer `E` (`num_local_experts`); 0 for a dense family.
     pub fn num_experts(&self) -> usize {
         if self.is_moe() {
             self.num_local_experts.unwrap_or(0)
@@ -311,12 +386,12 @@ impl LlamaConfig {
         }
     }
 
-    /// Mixtral: experts per token `k` (`num_experts_per_tok`, default 2).
+    /// MoE: experts per token `k` (`num_experts_per_tok`, default 2).
     pub fn top_k(&self) -> usize {
         self.num_experts_per_tok.unwrap_or(2)
     }
 
-    /// Mixtral: the weight of the load-balancing loss in the objective: `router_aux_loss_coef`
+    /// MoE: the weight of the load-balancing loss in the objective: `router_aux_loss_coef`
     /// (default 0.001) when `output_router_logits`, else 0 (transformers adds it only then).
     pub fn aux_loss_weight(&self) -> f64 {
         if self.output_router_logits.unwrap_or(false) {
@@ -347,21 +422,34 @@ impl LlamaConfig {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
-    /// Whether q/k/v have a bias: `attention_bias`, else true for Qwen2 and false otherwise.
+    /// Whether q/k/v have a bias: `attention_bias`, else true for Qwen2 and Qwen2-MoE and false
+    /// otherwise.
     pub fn qkv_bias(&self) -> bool {
-        self.attention_bias.unwrap_or(self.family == LlamaFamily::Qwen2)
+        self.attention_bias.unwrap_or(matches!(self.family, LlamaFamily::Qwen2 | LlamaFamily::Qwen2Moe))
     }
 
-    /// Whether `o_proj` has a bias: Llama's and Qwen3's `attention_bias` (which covers q/k/v/o);
-    /// never for Mistral and Qwen2.
+    /// Whether `o_proj` has a bias: the `attention_bias` of Llama, Qwen3, Qwen3-MoE and OLMoE
+    /// (which covers q/k/v/o); never for Mistral, Mixtral, Qwen2 and Qwen2-MoE.
     pub fn o_bias(&self) -> bool {
-        matches!(self.family, LlamaFamily::Llama | LlamaFamily::Qwen3) && self.qkv_bias()
+        matches!(self.family, LlamaFamily::Llama | LlamaFamily::Qwen3 | LlamaFamily::Qwen3Moe | LlamaFamily::Olmoe)
+            && self.qkv_bias()
     }
 
     /// Whether q and k are RMS-normed per head after their projection, before RoPE
     /// (`self_attn.q_norm.weight`, `k_norm.weight`, `[head_dim]`, eps `rms_norm_eps`): Qwen3.
     pub fn qk_norm(&self) -> bool {
-        self.family == LlamaFamily::Qwen3
+        matches!(self.family, LlamaFamily::Qwen3 | LlamaFamily::Qwen3Moe | LlamaFamily::Olmoe)
+    }
+
+    /// The widths of the q and k norms' weights: `[hd]` each per head (Qwen3, Qwen3-MoE), or
+    /// over the whole projections `[H·hd]` and `[KV·hd]` (OLMoE); `None` without q/k norms.
+    pub fn qk_norm_widths(&self) -> Option<(usize, usize)> {
+        let hd = self.head_dim();
+        match self.family {
+            LlamaFamily::Olmoe => Some((self.num_attention_heads * hd, self.kv_heads() * hd)),
+            _ if self.qk_norm() => Some((hd, hd)),
+            _ => None,
+        }
     }
 
     /// The same config with every `None` default written out (`num_key_value_heads`,
@@ -374,6 +462,9 @@ impl LlamaConfig {
             num_experts_per_tok: self.is_moe().then(|| self.top_k()),
             router_aux_loss_coef: self.is_moe().then(|| self.router_aux_loss_coef.unwrap_or(0.001)),
             output_router_logits: self.is_moe().then(|| self.output_router_logits.unwrap_or(false)),
+            moe_intermediate_size: matches!(self.family, LlamaFamily::Qwen3Moe | LlamaFamily::Qwen2Moe)
+                .then(|| self.expert_intermediate_size()),
+            norm_topk_prob: (self.is_moe() && self.family != LlamaFamily::Mixtral).then(|| self.norm_topk_prob()),
             ..self.clone()
         }
     }
@@ -477,15 +568,59 @@ impl LlamaConfig {
                     return cfg(
                         field,
                         format!(
-                            "is a Mixtral key: remove it or set family = \"mixtral\" (family is {})",
+                            "is an MoE key: remove it or set an MoE family (\"mixtral\", \"qwen3_moe\", \"olmoe\", \
+                             \"qwen2_moe\"; family is {})",
                             self.family.model_type()
                         ),
                     );
                 }
             }
         }
+        for (field, set, families) in [
+            (
+                "model.moe_intermediate_size",
+                self.moe_intermediate_size.is_some(),
+                &[LlamaFamily::Qwen3Moe, LlamaFamily::Qwen2Moe][..],
+            ),
+            (
+                "model.norm_topk_prob",
+                self.norm_topk_prob.is_some(),
+                &[LlamaFamily::Qwen3Moe, LlamaFamily::Olmoe, LlamaFamily::Qwen2Moe][..],
+            ),
+            (
+                "model.shared_expert_intermediate_size",
+                self.shared_expert_intermediate_size.is_some(),
+                &[LlamaFamily::Qwen2Moe][..],
+            ),
+        ] {
+            if set && !families.contains(&self.family) {
+                let names: Vec<&str> = families.iter().map(|f| f.model_type()).collect();
+                return cfg(
+                    field,
+                    format!(
+                        "is a key of family {} only: remove it (family is {})",
+                        names.join(" or "),
+                        self.family.model_type()
+                    ),
+                );
+            }
+        }
+        if self.is_moe() {
+            self.validate_moe()?;
+        }
         match self.family {
-            LlamaFamily::Llama => {}
+            LlamaFamily::Llama | LlamaFamily::Qwen3Moe | LlamaFamily::Olmoe => {}
+            LlamaFamily::Qwen2Moe => {
+                if self.o_bias() || self.mlp_bias {
+                    return cfg("model.mlp_bias", "Qwen2-MoE has no o_proj or MLP bias: leave mlp_bias unset".into());
+                }
+                if self.shared_expert_width() == Some(0) {
+                    return cfg(
+                        "model.shared_expert_intermediate_size",
+                        "Qwen2-MoE needs its shared expert's width (at least 1)".into(),
+                    );
+                }
+            }
             LlamaFamily::Mistral => {
                 if self.qkv_bias() || self.mlp_bias {
                     return cfg(
@@ -501,24 +636,6 @@ impl LlamaConfig {
                         "model.attention_bias",
                         "Mixtral has no biases: leave attention_bias and mlp_bias unset".into(),
                     );
-                }
-                let e = self.num_local_experts.unwrap_or(0);
-                if e < 2 {
-                    return cfg(
-                        "model.num_local_experts",
-                        format!("Mixtral needs at least 2 experts per layer, got {e}"),
-                    );
-                }
-                if !(1..=e).contains(&self.top_k()) {
-                    return cfg(
-                        "model.num_experts_per_tok",
-                        format!("must be in 1..={e} (model.num_local_experts), got {}", self.top_k()),
-                    );
-                }
-                if let Some(c) = self.router_aux_loss_coef {
-                    if !(c.is_finite() && c >= 0.0) {
-                        return cfg("model.router_aux_loss_coef", format!("must be a finite number >= 0, got {c}"));
-                    }
                 }
             }
             LlamaFamily::Qwen3 => {
@@ -540,6 +657,37 @@ impl LlamaConfig {
         Ok(())
     }
 
+    /// The MoE keys of an MoE family: at least 2 experts, top-k in `1..=E`, a finite
+    /// non-negative load-balancing weight, a non-zero expert width.
+    fn validate_moe(&self) -> Result<()> {
+        let cfg = |field: &'static str, reason: String| Err(Error::Config { field, reason });
+        let e = self.num_local_experts.unwrap_or(0);
+        if e < 2 {
+            return cfg(
+                "model.num_local_experts",
+                format!("an MoE family needs at least 2 experts per layer, got {e}"),
+            );
+        }
+        if !(1..=e).contains(&self.top_k()) {
+            return cfg(
+                "model.num_experts_per_tok",
+                format!("must be in 1..={e} (model.num_local_experts), got {}", self.top_k()),
+            );
+        }
+        if let Some(c) = self.router_aux_loss_coef {
+            if !(c.is_finite() && c >= 0.0) {
+                return cfg("model.router_aux_loss_coef", format!("must be a finite number >= 0, got {c}"));
+            }
+        }
+        if self.expert_intermediate_size() == 0 {
+            return cfg("model.moe_intermediate_size", "must be at least 1".into());
+        }
+        if self.family == LlamaFamily::Mixtral && self.norm_topk_prob == Some(false) {
+            return cfg("model.norm_topk_prob", "Mixtral always renormalizes its top-k: leave it unset".into());
+        }
+        Ok(())
+    }
+
     /// The units in forward order with their flat layouts. Parameter names are the Hugging Face
     /// tensor names and shapes their layout (Linear weights `[out, in]`, `y = x Wᵀ + b`), so a
     /// unit's flat vector is the checkpoint's tensors back to back:
@@ -555,7 +703,12 @@ impl LlamaConfig {
     /// then `block_sparse_moe.gate.weight` `[E, d]`, the router) followed by `E` expert units
     /// [`UnitKind::Expert`] (`model.layers.{i}.block_sparse_moe.experts.{e}`: `w1.weight`
     /// `[I, d]` (gate), `w3.weight` `[I, d]` (up), `w2.weight` `[d, I]` (down)); the head is
-    /// the last unit.
+    /// the last unit. Qwen3-MoE, OLMoE and Qwen2-MoE: the router is `mlp.gate.weight`, an expert
+    /// `model.layers.{i}.mlp.experts.{e}` (`gate_proj`, `up_proj` `[I_e, d]`, `down_proj`
+    /// `[d, I_e]`, `I_e` = [`LlamaConfig::expert_intermediate_size`]); Qwen2-MoE's trunk ends
+    /// with `mlp.shared_expert.{gate,up,down}_proj` (width `shared_expert_intermediate_size`)
+    /// and `mlp.shared_expert_gate.weight` `[1, d]`; Qwen3-MoE's and OLMoE's attention has
+    /// `q_norm`/`k_norm` after `o_proj` (`[hd]`, OLMoE `[H·hd]` and `[KV·hd]`).
     ///
     /// (`V` vocab, `d` hidden, `H`/`KV` query/key-value heads, `hd` head width, `I`
     /// intermediate, `L` layers.) `gate_proj` and `up_proj` (weights, and biases) are adjacent so
@@ -577,15 +730,24 @@ impl LlamaConfig {
             self.push_attention(&mut b, &format!("{prefix}.self_attn"));
             b.push(format!("{prefix}.post_attention_layernorm.weight"), vec![d], ParamInit::Ones);
             if self.is_moe() {
-                let moe = format!("{prefix}.block_sparse_moe");
+                let moe = format!("{prefix}.{}", self.moe_prefix());
                 b.push(format!("{moe}.gate.weight"), vec![self.num_experts(), d], normal);
+                if let Some(s) = self.shared_expert_width() {
+                    self.push_mlp(&mut b, &format!("{moe}.shared_expert"), s);
+                    b.push(format!("{moe}.shared_expert_gate.weight"), vec![1, d], normal);
+                }
                 units.push(b.finish(units.len(), UnitKind::MoeTrunk(layer), prefix));
+                let e_sz = self.expert_intermediate_size();
                 for expert in 0..self.num_experts() {
                     let name = format!("{moe}.experts.{expert}");
                     let mut b = LayoutBuilder::new();
-                    b.push(format!("{name}.w1.weight"), vec![i_sz, d], normal);
-                    b.push(format!("{name}.w3.weight"), vec![i_sz, d], normal);
-                    b.push(format!("{name}.w2.weight"), vec![d, i_sz], normal);
+                    if self.family == LlamaFamily::Mixtral {
+                        b.push(format!("{name}.w1.weight"), vec![e_sz, d], normal);
+                        b.push(format!("{name}.w3.weight"), vec![e_sz, d], normal);
+                        b.push(format!("{name}.w2.weight"), vec![d, e_sz], normal);
+                    } else {
+                        self.push_mlp(&mut b, &name, e_sz);
+                    }
                     units.push(b.finish(units.len(), UnitKind::Expert { block: layer, expert }, name));
                 }
                 continue;
@@ -620,9 +782,9 @@ impl LlamaConfig {
         if self.o_bias() {
             b.push(format!("{prefix}.o_proj.bias"), vec![d], ParamInit::Zeros);
         }
-        if self.qk_norm() {
-            b.push(format!("{prefix}.q_norm.weight"), vec![hd], ParamInit::Ones);
-            b.push(format!("{prefix}.k_norm.weight"), vec![hd], ParamInit::Ones);
+        if let Some((qn, kn)) = self.qk_norm_widths() {
+            b.push(format!("{prefix}.q_norm.weight"), vec![qn], ParamInit::Ones);
+            b.push(format!("{prefix}.k_norm.weight"), vec![kn], ParamInit::Ones);
         }
     }
 
@@ -644,10 +806,11 @@ impl LlamaConfig {
         }
     }
 
-    /// Mixtral: the computation groups of an expert's flat vector, `[(0, [2I, d]), (2I·d, [d, I])]`
-    /// (`w1` and `w3` as one `[2I, d]` gate/up matrix, then `w2`).
+    /// MoE: the computation groups of an expert's flat vector, `[(0, [2I, d]), (2I·d, [d, I])]`
+    /// (`w1` and `w3`, or `gate_proj` and `up_proj`, as one `[2I, d]` gate/up matrix, then the
+    /// down projection; `I` the expert width).
     pub(crate) fn expert_groups(&self) -> Vec<(usize, Vec<usize>)> {
-        let (d, i) = (self.hidden_size, self.intermediate_size);
+        let (d, i) = (self.hidden_size, self.expert_intermediate_size());
         vec![(0, vec![2 * i, d]), (2 * i * d, vec![d, i])]
     }
 
@@ -676,11 +839,13 @@ impl LlamaConfig {
         let v_b = qkv_bias.then(|| push(vec![kv]));
         let o_w = push(vec![d, q]);
         let o_b = self.o_bias().then(|| push(vec![d]));
-        let q_norm = self.qk_norm().then(|| push(vec![hd]));
-        let k_norm = self.qk_norm().then(|| push(vec![hd]));
+        let q_norm = self.qk_norm_widths().map(|(qn, _)| push(vec![qn]));
+        let k_norm = self.qk_norm_widths().map(|(_, kn)| push(vec![kn]));
         let ln2 = push(vec![d]);
-        // A Mixtral trunk has the router in place of the MLP (gate_up_w and down_w name it).
+        // An MoE trunk has the router in place of the MLP (gate_up_w and down_w name it).
         let router = self.is_moe().then(|| push(vec![self.num_experts(), d]));
+        // Qwen2-MoE: the shared expert's gate/up, down and its sigmoid gate `[1, d]`.
+        let shared = self.shared_expert_width().map(|s| (push(vec![2 * s, d]), push(vec![d, s]), push(vec![1, d])));
         let (gate_up_w, gate_up_b, down_w, down_b) = match router {
             Some(r) => (r, None, r, None),
             None => {
@@ -709,6 +874,7 @@ impl LlamaConfig {
             down_w,
             down_b,
             router,
+            shared,
         };
         (groups, idx)
     }

@@ -37,7 +37,7 @@ pub(crate) struct AttnCache {
     p: Tensor,
     /// The heads' outputs merged, `o_proj`'s input `[N, H·hd]`.
     y: Tensor,
-    /// Qwen3: q and k before their per-head RMSNorm, `[N·H, hd]` and `[N·KV, hd]`.
+    /// Qwen3 (OLMoE): q and k before their RMSNorm, as rows of the norm's width.
     q_pre_norm: Option<Tensor>,
     k_pre_norm: Option<Tensor>,
     /// The RoPE tables `[T, hd/2]`.
@@ -88,13 +88,14 @@ fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     })
 }
 
-/// Qwen3's per-head RMSNorm of projections `y` `[N, heads·hd]` with weight `w` `[hd]` (none:
-/// `y` as it is), viewed as `[N·heads, hd]`: `(normed [N, heads·hd], y as [N·heads, hd] for the
-/// backward)`.
-fn head_norm(y: Tensor, w: Option<&Tensor>, hd: usize, eps: f64) -> Result<(Tensor, Option<Tensor>)> {
+/// The q/k RMSNorm of projections `y` `[N, heads·hd]` with weight `w` `[width]` (none: `y` as it
+/// is), viewed as rows of `width`: Qwen3's per head (`width = hd`, rows `[N·heads, hd]`), OLMoE's
+/// over the whole projection (`width = heads·hd`). Returns `(normed [N, heads·hd], the rows for
+/// the backward)`.
+fn head_norm(y: Tensor, w: Option<&Tensor>, eps: f64) -> Result<(Tensor, Option<Tensor>)> {
     let Some(w) = w else { return Ok((y, None)) };
     let dims = y.dims().to_vec();
-    let rows = y.reshape(((), hd))?;
+    let rows = y.reshape(((), w.dim(0)?))?;
     Ok((rms_norm_fused(&rows, w, eps)?.reshape(dims)?, Some(rows)))
 }
 
@@ -130,8 +131,8 @@ impl Llama {
         let tab = self.tables(t, h.dtype(), h.device(), true)?;
         let scale = 1.0 / (hd as f64).sqrt();
         let eps = self.config.rms_norm_eps;
-        let (q, q_pre_norm) = head_norm(linear(&h, a.q_w, a.q_b)?, a.q_norm, hd, eps)?;
-        let (k, k_pre_norm) = head_norm(linear(&h, a.k_w, a.k_b)?, a.k_norm, hd, eps)?;
+        let (q, q_pre_norm) = head_norm(linear(&h, a.q_w, a.q_b)?, a.q_norm, eps)?;
+        let (k, k_pre_norm) = head_norm(linear(&h, a.k_w, a.k_b)?, a.k_norm, eps)?;
         let q = kernels::rope_fused(&q.reshape((b, t, nh, hd))?, &tab.cos, &tab.sin, scale)?;
         let k = kernels::rope_fused(&k.reshape((b, t, kv, hd))?, &tab.cos, &tab.sin, 1.0)?;
         let v = linear(&h, a.v_w, a.v_b)?.reshape((b, t, kv, hd))?.transpose(1, 2)?.contiguous()?;

@@ -225,15 +225,18 @@ impl Llama {
         let n = b * t;
         let fused = self.compute.fused(h);
         let h = h.reshape((n, d))?;
-        let q = self.linear(&h, p.q_w, p.q_b, fused)?.reshape((b, t, nh, hd))?;
-        let k = self.linear(&h, p.k_w, p.k_b, fused)?.reshape((b, t, kv, hd))?;
-        // Qwen3: an RMSNorm over each head's hd values (transformers' `Qwen3Attention`).
-        let head_norm = |x: Tensor, w: Option<&Tensor>| match w {
-            Some(w) => self.rms_norm(&x, w),
-            None => Ok(x),
+        let q = self.linear(&h, p.q_w, p.q_b, fused)?;
+        let k = self.linear(&h, p.k_w, p.k_b, fused)?;
+        // Qwen3: an RMSNorm over each head's hd values (transformers' `Qwen3Attention`); OLMoE:
+        // over the whole projection (`OlmoeAttention`): the rows are the weight's width.
+        let qk_norm = |x: Tensor, w: Option<&Tensor>| -> Result<Tensor> {
+            match w {
+                Some(w) => Ok(self.rms_norm(&x.reshape(((), w.dim(0)?))?, w)?.reshape(x.dims())?),
+                None => Ok(x),
+            }
         };
-        let q = head_norm(q, p.q_norm)?;
-        let k = head_norm(k, p.k_norm)?;
+        let q = qk_norm(q, p.q_norm)?.reshape((b, t, nh, hd))?;
+        let k = qk_norm(k, p.k_norm)?.reshape((b, t, kv, hd))?;
         let v = self.linear(&h, p.v_w, p.v_b, fused)?.reshape((b, t, kv, hd))?;
         let tab = self.tables(t, h.dtype(), h.device(), fused)?;
         let scale = 1.0 / (hd as f64).sqrt();

@@ -17,8 +17,17 @@ fn case_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/llama/mixtral_moe")
 }
 
+/// A case of `shared/fixtures/moe` (`qwen3_moe`, `olmoe`, `qwen2_moe`; README there).
+fn moe_case(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/moe").join(name)
+}
+
 fn reference() -> BTreeMap<String, NamedTensor> {
-    read_tensors(&case_dir().join("reference.safetensors")).unwrap().into_iter().map(|t| (t.name.clone(), t)).collect()
+    reference_of(&case_dir())
+}
+
+fn reference_of(dir: &Path) -> BTreeMap<String, NamedTensor> {
+    read_tensors(&dir.join("reference.safetensors")).unwrap().into_iter().map(|t| (t.name.clone(), t)).collect()
 }
 
 /// `max |a − r| / (atol + rtol |r|)`: ≤ 1 within the tolerance.
@@ -33,7 +42,11 @@ fn ids(t: &NamedTensor) -> Tensor {
 }
 
 fn load() -> (HfCheckpoint, LlamaConfig, Vec<Tensor>) {
-    let ckpt = HfCheckpoint::open(&case_dir()).unwrap();
+    load_of(&case_dir())
+}
+
+fn load_of(dir: &Path) -> (HfCheckpoint, LlamaConfig, Vec<Tensor>) {
+    let ckpt = HfCheckpoint::open(dir).unwrap();
     let cfg = ckpt.llama_config().unwrap();
     let units = cfg.units();
     ckpt.check_units(&units).unwrap();
@@ -67,15 +80,22 @@ fn forward_all(model: &Llama, params: &[Tensor], tokens: &Tensor) -> (Tensor, Te
 
 /// `chunk`: the composed attention's query positions per block (`None`: the default).
 fn check_oracle(composed: bool, chunk: Option<usize>) {
-    let (_, cfg, params) = load();
+    let cfg = load().1;
     assert_eq!(cfg.family, LlamaFamily::Mixtral);
     assert_eq!((cfg.num_experts(), cfg.top_k(), cfg.aux_loss_weight()), (4, 2, 0.02));
+    check_oracle_of(&case_dir(), 303_936, composed, chunk);
+}
+
+/// The case in `dir` (`params` parameters) against its reference: logits, router logits, the
+/// loss's parts, every gradient.
+fn check_oracle_of(dir: &Path, params_count: usize, composed: bool, chunk: Option<usize>) {
+    let (_, cfg, params) = load_of(dir);
     let mut model = Llama::new(cfg.clone()).unwrap().with_attention_chunk(chunk).unwrap();
     if composed {
         model = model.composed_only();
     }
-    assert_eq!(model.units().iter().map(|u| u.numel).sum::<usize>(), 303_936);
-    let r = reference();
+    assert_eq!(model.units().iter().map(|u| u.numel).sum::<usize>(), params_count);
+    let r = reference_of(dir);
     let tokens = ids(&r["input_ids"]);
     let targets = ids(&r["labels"]);
 
@@ -268,7 +288,13 @@ fn units_are_trunks_and_experts_with_hub_names() {
 
 #[test]
 fn export_is_bitwise_the_input() {
-    let (ckpt, cfg, params) = load();
+    export_is_bitwise(&case_dir());
+}
+
+/// The checkpoint in `dir` written back by [`write_checkpoint`]: the same tensors, bitwise, and
+/// the same config.
+fn export_is_bitwise(dir: &Path) {
+    let (ckpt, cfg, params) = load_of(dir);
     let units = cfg.units();
     let tmp = tempfile::tempdir().unwrap();
     write_checkpoint(tmp.path(), &cfg, ckpt.config_json(), &units, &WriteOptions::default(), |u| {
@@ -389,4 +415,107 @@ fn trunk_attention_blocks_match_one_block() {
             assert!(e <= 1e-5, "chunk {chunk}: gradient of {} off by {e:e}", ps.name);
         }
     }
+}
+
+// ---- the fine-grained MoE families (`shared/fixtures/moe`) ------------------------------------
+
+/// The fixture case `name` (`params` parameters, 8 experts, top-4): the fused CPU path and the
+/// op compositions over query blocks of 5 against transformers, then export bitwise. Returns
+/// its config.
+fn fine_grained_case(name: &str, family: LlamaFamily, params: usize) -> LlamaConfig {
+    let dir = moe_case(name);
+    let cfg = load_of(&dir).1;
+    assert_eq!((cfg.family, cfg.num_experts(), cfg.top_k(), cfg.aux_loss_weight()), (family, 8, 4, 0.02));
+    check_oracle_of(&dir, params, false, None);
+    check_oracle_of(&dir, params, true, Some(5));
+    export_is_bitwise(&dir);
+    cfg
+}
+
+/// Qwen3-MoE: top-4 renormalized, per-head q/k norm, `num_local_experts`.
+#[test]
+fn qwen3_moe_matches_transformers() {
+    let cfg = fine_grained_case("qwen3_moe", LlamaFamily::Qwen3Moe, 255_360);
+    assert_eq!(
+        (cfg.norm_topk_prob(), cfg.expert_intermediate_size(), cfg.qk_norm_widths()),
+        (true, 32, Some((16, 16)))
+    );
+}
+
+/// OLMoE: top-4 not renormalized, RMSNorm over the whole q and k projections, `num_experts`,
+/// experts of width `intermediate_size`, one file.
+#[test]
+fn olmoe_matches_transformers() {
+    let cfg = fine_grained_case("olmoe", LlamaFamily::Olmoe, 263_744);
+    assert_eq!(
+        (cfg.norm_topk_prob(), cfg.expert_intermediate_size(), cfg.qk_norm_widths()),
+        (false, 32, Some((64, 64)))
+    );
+}
+
+/// Qwen2-MoE: top-4 not renormalized, q/k/v bias, the shared expert and its sigmoid gate in the
+/// trunk.
+#[test]
+fn qwen2_moe_matches_transformers() {
+    let cfg = fine_grained_case("qwen2_moe", LlamaFamily::Qwen2Moe, 280_256);
+    assert_eq!(
+        (cfg.norm_topk_prob(), cfg.expert_intermediate_size(), cfg.shared_expert_width()),
+        (false, 32, Some(64))
+    );
+    let trunk = &cfg.units()[cfg.block_unit(0)];
+    assert_eq!(trunk.params.last().unwrap().name, "model.layers.0.mlp.shared_expert_gate.weight");
+}
+
+/// The fine-grained families' `config.json` written back and read again is the same config,
+/// and names each family's keys.
+#[test]
+fn fine_grained_config_json_round_trips() {
+    for (case, keys) in [
+        ("qwen3_moe", &["num_experts", "moe_intermediate_size", "norm_topk_prob"][..]),
+        ("olmoe", &["num_experts", "norm_topk_prob"][..]),
+        ("qwen2_moe", &["num_experts", "moe_intermediate_size", "shared_expert_intermediate_size", "qkv_bias"][..]),
+    ] {
+        let text = std::fs::read_to_string(moe_case(case).join("config.json")).unwrap();
+        let p = Path::new("config.json");
+        let cfg = parse_config(&text, p).unwrap();
+        let json = config_json(&cfg, "float32", &Default::default());
+        for k in keys {
+            assert!(json.get(*k).is_some(), "{case}: {k} in {json}");
+        }
+        assert_eq!(parse_config(&json.to_string(), p).unwrap(), cfg, "{case}");
+    }
+}
+
+/// A from-scratch config of each fine-grained family (the TOML form's keys, `num_experts` as
+/// an alias of `num_local_experts`) validates and lays out its units; the families' keys are
+/// refused elsewhere by name.
+#[test]
+fn fine_grained_scratch_configs_validate_and_refuse_foreign_keys() {
+    let scratch = |family: &str, extra: serde_json::Value| {
+        let mut m = serde_json::json!({
+            "family": family, "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_experts": 6, "num_experts_per_tok": 3,
+        });
+        m.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        serde_json::from_value::<LlamaConfig>(m).unwrap()
+    };
+    let q2 =
+        scratch("qwen2_moe", serde_json::json!({"moe_intermediate_size": 8, "shared_expert_intermediate_size": 12}));
+    q2.validate().unwrap();
+    // The trunk: 2 norms, q/k/v (+ bias), o, router [6, 16], shared gate/up/down, its gate [1, 16].
+    let trunk = &q2.units()[q2.block_unit(1)];
+    let attn = 16 * 16 * 4 + 16 * 3;
+    assert_eq!(trunk.numel, 2 * 16 + attn + 6 * 16 + 3 * 12 * 16 + 16);
+    assert_eq!(q2.units()[q2.expert_unit(1, 5)].numel, 3 * 8 * 16);
+    let olmoe = scratch("olmoe", serde_json::json!({"norm_topk_prob": true}));
+    olmoe.validate().unwrap();
+    assert!(olmoe.norm_topk_prob() && olmoe.expert_intermediate_size() == 24);
+    let err = scratch("qwen2_moe", serde_json::json!({"moe_intermediate_size": 8})).validate().unwrap_err();
+    assert!(err.to_string().contains("shared_expert_intermediate_size"), "{err}");
+    let mut wrong = olmoe.clone();
+    wrong.moe_intermediate_size = Some(8);
+    assert!(wrong.validate().unwrap_err().to_string().contains("moe_intermediate_size"));
+    let mut dense = LlamaConfig::new(16, 8, 8, 1, 2);
+    dense.norm_topk_prob = Some(true);
+    assert!(dense.validate().unwrap_err().to_string().contains("norm_topk_prob"));
 }
