@@ -18,7 +18,7 @@ const LLAMA_FAMILIES: [&str; 8] = ["llama", "mistral", "qwen2", "qwen3", "mixtra
 /// n_head = 6
 ///
 /// [model]                  # a Llama-family decoder from scratch: config.json's keys
-/// family = "llama"         # or any of LLAMA_FAMILIES ("qwen3_moe", ...)
+/// family = "llama"         # or "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "olmoe", "qwen2_moe"
 /// hidden_size = 256
 /// intermediate_size = 688
 /// num_hidden_layers = 6
