@@ -43,8 +43,8 @@ fn peak_rss_of_a_small_run_is_within_the_plan_and_the_stated_overhead() {
 }
 
 /// A Llama of the given shape trained from scratch on the fixture's BPE ids (the shared tiny
-/// Llama's config reshaped: batch 4 × 128, f32, state on NVMe, clipping on), as a new user would
-/// try one.
+/// Llama's config reshaped: `batch` × 128 tokens, f32, state on NVMe, clipping on, 6 steps), as a
+/// new user would try one.
 #[allow(clippy::too_many_arguments)]
 fn llama_shape(
     dir: &std::path::Path,
@@ -55,6 +55,7 @@ fn llama_shape(
     kv: usize,
     vocab: usize,
     gpu: &str,
+    batch: usize,
 ) -> String {
     let text = common::tiny_llama(&dir.join("nvme"), &dir.join("tokens"));
     let mut out = String::new();
@@ -69,6 +70,7 @@ fn llama_shape(
             "max_position_embeddings" => "max_position_embeddings = 128".into(),
             "seq_len" => "seq_len = 128".into(),
             "steps" => "steps = 6".into(),
+            "batch_size" => format!("batch_size = {batch}"),
             "gpu" => format!("gpu = \"{gpu}\""),
             "host" => "host = \"2GiB\"".into(),
             "optimizer" => "optimizer = 1".into(),
@@ -87,7 +89,8 @@ fn llama_shape(
 /// within 10 % (with the token cache built), and from the fourth step on a step's minor page
 /// faults (median) are below 5 % of the first step's.
 /// One shape of the four (see the tests below): its name, d_model, intermediate size, layers,
-/// query and key/value heads, vocabulary and GPU budget.
+/// query and key/value heads, vocabulary, GPU budget and batch (sequences of 128 tokens: 2 for
+/// the two largest shapes, which took most of the test binary's time at 4).
 #[allow(clippy::too_many_arguments)]
 fn peak_rss_follows_the_ledger_and_the_overhead_model(
     name: &str,
@@ -98,11 +101,12 @@ fn peak_rss_follows_the_ledger_and_the_overhead_model(
     kv: usize,
     vocab: usize,
     gpu: &str,
+    batch: usize,
 ) {
     let mut failures = Vec::new();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("run.toml");
-    std::fs::write(&path, llama_shape(dir.path(), d, ff, layers, heads, kv, vocab, gpu)).unwrap();
+    std::fs::write(&path, llama_shape(dir.path(), d, ff, layers, heads, kv, vocab, gpu, batch)).unwrap();
     let run = |args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_oogc")).args(args).arg(&path).output().unwrap();
         assert!(out.status.success(), "{name}: oogc {args:?}: {}", String::from_utf8_lossy(&out.stderr));
@@ -149,20 +153,20 @@ fn peak_rss_follows_the_ledger_and_the_overhead_model(
 
 #[test]
 fn peak_rss_follows_the_ledger_and_the_overhead_model_at_the_main_jobs_shape() {
-    peak_rss_follows_the_ledger_and_the_overhead_model("main job", 128, 344, 4, 4, 2, 1024, "24MiB");
+    peak_rss_follows_the_ledger_and_the_overhead_model("main job", 128, 344, 4, 4, 2, 1024, "24MiB", 4);
 }
 
 #[test]
 fn peak_rss_follows_the_ledger_and_the_overhead_model_at_d_model_512() {
-    peak_rss_follows_the_ledger_and_the_overhead_model("d_model 512", 512, 1344, 8, 8, 2, 1024, "24MiB");
+    peak_rss_follows_the_ledger_and_the_overhead_model("d_model 512", 512, 1344, 8, 8, 2, 1024, "24MiB", 2);
 }
 
 #[test]
 fn peak_rss_follows_the_ledger_and_the_overhead_model_at_a_32k_vocabulary() {
-    peak_rss_follows_the_ledger_and_the_overhead_model("vocabulary 32 k", 256, 688, 4, 4, 2, 32000, "96MiB");
+    peak_rss_follows_the_ledger_and_the_overhead_model("vocabulary 32 k", 256, 688, 4, 4, 2, 32000, "96MiB", 2);
 }
 
 #[test]
 fn peak_rss_follows_the_ledger_and_the_overhead_model_deep_and_narrow() {
-    peak_rss_follows_the_ledger_and_the_overhead_model("deep and narrow", 64, 172, 48, 4, 2, 1024, "24MiB");
+    peak_rss_follows_the_ledger_and_the_overhead_model("deep and narrow", 64, 172, 48, 4, 2, 1024, "24MiB", 4);
 }
