@@ -69,7 +69,7 @@ pub enum ConfigError {
         source: std::io::Error,
     },
     /// The TOML does not parse or does not match the schema (unknown key, wrong type).
-    #[error("invalid config {path}: {message}\n  (every key: `oogc config --reference`)")]
+    #[error("invalid config {path}: {message}\n  fix: correct the key or value; every key with its type and default: `oogc config --reference`")]
     Parse {
         /// The config path.
         path: PathBuf,
