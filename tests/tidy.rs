@@ -595,6 +595,12 @@ fn read(rel: &str) -> String {
 
 /// Every `.rs` file under `dir`, as paths relative to the root with `/` separators.
 fn rust_files(dir: &Path, rel: &str, out: &mut Vec<String>) {
+    files_ending(dir, rel, ".rs", out);
+}
+
+/// Every file under `dir` (repository path `rel`, "" for the root) whose name ends with
+/// `suffix`, as repository paths in name order, skipping hidden directories and [`SKIP_DIRS`].
+fn files_ending(dir: &Path, rel: &str, suffix: &str, out: &mut Vec<String>) {
     let mut entries: Vec<_> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap()).collect();
     entries.sort_by_key(|e| e.file_name());
     for e in entries {
@@ -602,8 +608,8 @@ fn rust_files(dir: &Path, rel: &str, out: &mut Vec<String>) {
         let rel = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
         let ty = e.file_type().unwrap();
         if ty.is_dir() && !name.starts_with('.') && !SKIP_DIRS.contains(&name.as_str()) {
-            rust_files(&e.path(), &rel, out);
-        } else if ty.is_file() && name.ends_with(".rs") {
+            files_ending(&e.path(), &rel, suffix, out);
+        } else if ty.is_file() && name.ends_with(suffix) {
             out.push(rel);
         }
     }
@@ -1387,25 +1393,10 @@ fn normalize(p: &Path) -> String {
     parts.join("/")
 }
 
-/// Every `.md` file under `dir` (relative to the root).
-fn markdown_files(dir: &str, out: &mut Vec<String>) {
-    let Ok(entries) = std::fs::read_dir(root().join(dir)) else { return };
-    let mut entries: Vec<_> = entries.map(|e| e.unwrap()).collect();
-    entries.sort_by_key(|e| e.file_name());
-    for e in entries {
-        let rel = format!("{dir}/{}", e.file_name().to_string_lossy());
-        if e.file_type().unwrap().is_dir() {
-            markdown_files(&rel, out);
-        } else if rel.ends_with(".md") {
-            out.push(rel);
-        }
-    }
-}
-
 #[test]
 fn every_relative_markdown_link_resolves() {
     let mut files = vec!["README.md".to_string(), "ARCHITECTURE.md".to_string()];
-    markdown_files("docs", &mut files);
+    files_ending(&root().join("docs"), "docs", ".md", &mut files);
     assert!(files.iter().any(|f| f == "docs/src/SUMMARY.md"), "no book: {files:?}");
     // A directory or a file that is not Markdown (an image, a config) only has to exist.
     let read = |rel: &str| {
