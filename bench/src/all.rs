@@ -135,12 +135,13 @@ fn swap_args(a: &AllBenchArgs) -> swap::SwapBenchArgs {
 }
 
 fn adam_args(a: &AllBenchArgs) -> adam::AdamBenchArgs {
-    let (params, steps) = match a.size {
-        SuiteSize::Full => (256 << 20, 5),
-        SuiteSize::Quick => (16 << 20, 3),
-        SuiteSize::Tiny => (64 << 10, 1),
+    // The tiny suite's triad is as small as its step: a smoke run, not a bandwidth figure.
+    let (params, steps, triad_bytes) = match a.size {
+        SuiteSize::Full => (256 << 20, 5, None),
+        SuiteSize::Quick => (16 << 20, 3, None),
+        SuiteSize::Tiny => (64 << 10, 1, Some(16 << 20)),
     };
-    adam::AdamBenchArgs { params, steps, threads: vec![1, 2], ..adam::AdamBenchArgs::default() }
+    adam::AdamBenchArgs { params, steps, threads: vec![1, 2], triad_bytes, ..adam::AdamBenchArgs::default() }
 }
 
 fn evict_args(a: &AllBenchArgs) -> evict::EvictBenchArgs {

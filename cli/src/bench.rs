@@ -227,6 +227,10 @@ pub(crate) struct AdamCmd {
     /// Force a dispatch path (default: the widest this CPU has).
     #[arg(long, value_enum)]
     pub(crate) isa: Option<IsaArg>,
+    /// MiB of each of the triad's three f32 arrays (default: 4 × the last-level cache, so that
+    /// the triad measures memory bandwidth; smaller only makes a smoke run shorter).
+    #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) triad_mib: Option<u64>,
     /// Print JSON Lines on stdout: one object per row per line, with fields variant, isa,
     /// threads, params, seconds_per_step, params_per_s, bytes_per_param, gbps, triad_gbps,
     /// ratio_to_triad, torch_params_per_s, ratio_to_torch.
@@ -581,6 +585,7 @@ pub(crate) fn bench_adam(cmd: AdamCmd) -> anyhow::Result<()> {
         param_out: cmd.param_out.float(),
         steps: cmd.steps as usize,
         isa,
+        triad_bytes: cmd.triad_mib.map(|m| (m as usize) << 20),
     };
     let rows = adam::run(&args).context("oogc bench adam")?;
     if cmd.json {

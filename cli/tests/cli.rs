@@ -420,6 +420,8 @@ fn bench_adam_prints_json_rows_per_thread_count() {
             grad,
             "--param-out",
             out,
+            "--triad-mib",
+            "16",
             "--json",
         ]);
         assert!(out_.status.success(), "exit {:?}; stderr:\n{}", out_.status, text(&out_.stderr));

@@ -138,7 +138,12 @@ fn peak_rss_follows_the_ledger_and_the_overhead_model(
     if plan_error.abs() > 0.15 {
         failures.push(format!("{name}: plan's peak RSS {predicted} B is {:+.1} % off {rss} B", 100.0 * plan_error));
     }
-    // Per-step buffers are reused: after the first steps a step touches (almost) no fresh page.
+    // Per-step buffers are reused: after the first steps a step touches few fresh pages. A step
+    // that mapped its buffers afresh would fault about as many pages as step 1 (the first touch
+    // of the step's working set); what remains with reuse (thread stacks, malloc's heap top)
+    // measured 0–900 pages per step at the main job's shape, where step 1 faults about 5,400, so
+    // the bound is a fifth of step 1's (it was a twentieth, and failed once on a quiet machine
+    // with a median of 336 against 5,404).
     let faults: Vec<u64> = std::fs::read_to_string(dir.path().join("metrics.jsonl"))
         .unwrap()
         .lines()
@@ -147,9 +152,10 @@ fn peak_rss_follows_the_ledger_and_the_overhead_model(
     let mut late = faults[3..].to_vec();
     late.sort_unstable();
     eprintln!("{name}: minor page faults per step {faults:?}");
-    if late[late.len() / 2] * 20 > faults[0] {
-        failures
-            .push(format!("{name}: minor faults per step {faults:?}: steps 4-6's median is not below 5 % of step 1's"));
+    if late[late.len() / 2] * 5 > faults[0] {
+        failures.push(format!(
+            "{name}: minor faults per step {faults:?}: steps 4-6's median is not below 20 % of step 1's"
+        ));
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
