@@ -19,21 +19,26 @@ use crate::plan::{load_hardware, ModelArgs};
 pub(crate) enum BenchCommand {
     /// Write then read N GiB through the NVMe store per engine, beside fio (io_uring, O_DIRECT)
     /// in the same run. GB/s are 10^9 bytes per second.
+    #[command(after_help = "Book: docs/src/benchmarks.md, section \"NVMe tier (`oogc bench nvme`)\"")]
     Nvme(NvmeCmd),
     /// Host<->device copies on the sim device (raw and through the residency manager), or with
     /// --device cuda:N the swapper's CUDA copies beside a plain pinned cudaMemcpyAsync, each row
     /// beside a limit measured or set in the same run. GB/s are 10^9 bytes per second.
+    #[command(after_help = "Book: docs/src/benchmarks.md, section \"Host ↔ device copies (`oogc bench swap`)\"")]
     Swap(SwapCmd),
     /// Bytes moved and stall of the eviction policies (next-use, LRU, FIFO, offline MIN) over a
     /// sweep of device budgets, in the step simulator, for a GPT's training and forward-only steps.
+    #[command(after_help = "Book: docs/src/benchmarks.md, section \"Eviction and prefetch (`oogc bench evict`)\"")]
     Evict(EvictCmd),
     /// The CPU AdamW step (fused: gradients in, compute copy out) on one flat tensor, per thread
     /// count, beside a STREAM triad of the same run. GB/s are 10^9 bytes per second.
+    #[command(after_help = "Book: docs/src/benchmarks.md, section \"CPU optimizer (`oogc bench adam`)\"")]
     Adam(AdamCmd),
     /// Replay an MoE routing trace (or a synthetic one) under expert placement policies with the
     /// same GPU expert budget: fetch-on-demand, an LRU cache, a static hot set, and ours (EMA hot
     /// set with hysteresis plus CPU compute of cold experts). Reports expert bytes moved H2D, hit
     /// rate, CPU-computed tokens and the predicted expert time per step (cost model).
+    #[command(after_help = "Book: docs/src/guide/moe.md")]
     Moe(MoeCmd),
     /// Real training steps of a config under ours, the on-demand baseline (no lookahead, no
     /// pipelined optimizer) and all-resident (when it fits): median step time beside its lower
@@ -42,20 +47,24 @@ pub(crate) enum BenchCommand {
     /// planner's prediction. With --json: one JSON object per variant (each with a `machine`
     /// record and the variant's config), then `{"variant":..,"skipped":reason}` for a variant
     /// not run.
+    #[command(after_help = "Book: docs/src/benchmarks.md, section \"End-to-end step (`oogc bench step`)\"")]
     Step(StepCmd),
     /// `oogc plan` checked against reality: per config, the plan (with this CPU's compute rate
     /// probed around the steps) beside the median of real training steps, and whether it is
     /// within 15%.
+    #[command(after_help = "Book: docs/src/benchmarks.md, section \"Plan against reality (`oogc bench plan`)\"")]
     Plan(PlanBenchCmd),
     /// Measure this machine for `oogc plan --profile`: with --device cuda:N the GPU (bf16 and
     /// f32 matrix-product TFLOP/s on candle's stream, H2D and D2H GB/s of the swapper's copies,
     /// its name and memory) and the host (memory triad, NVMe through the store, CPU Adam); with
     /// --device sim the host and the sim device's compute (as `oogc plan --hardware-probe`).
     /// Prints the profile (TOML) or writes it (--out).
+    #[command(after_help = "Book: docs/src/guide/gpu.md")]
     Probe(ProbeCmd),
     /// The whole suite (nvme, swap, adam, evict, moe; with --config also step, the step timeline
     /// and the plan check) with --quick or full sizes: one JSON file per benchmark
     /// (`{ "benchmark", "args", "rows" }`) and PNG + SVG plots in --out DIR.
+    #[command(after_help = "Book: docs/src/benchmarks.md")]
     All(AllCmd),
 }
 

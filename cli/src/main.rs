@@ -44,8 +44,11 @@ pub(crate) const GIT_REV: &str = env!("OOGC_GIT_REV");
 /// oogc: an out-of-GPU-core training runtime (tiered GPU / pinned host / NVMe memory).
 ///
 /// Logs go to stderr; set RUST_LOG (e.g. `RUST_LOG=oogc_swapper=debug`) to see more than warnings.
+///
+/// Each command's `--help` ends with its page in the book (docs/src, Markdown; `mdbook serve docs`
+/// renders it).
 #[derive(Debug, Parser)]
-#[command(name = "oogc", version = VERSION, propagate_version = true)]
+#[command(name = "oogc", version = VERSION, propagate_version = true, after_help = "Book: docs/src/introduction.md")]
 pub(crate) struct Cli {
     #[command(subcommand)]
     pub(crate) command: Command,
@@ -53,35 +56,42 @@ pub(crate) struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub(crate) enum Command {
-    /// Train the model of a TOML config out of GPU core — a Llama, Mistral, Qwen2 or Mixtral
-    /// (from a Hugging Face checkpoint, `[model] init`, or from scratch) or the byte-level GPT /
-    /// MoE-GPT — on the sim device unless the config says `device.kind = "cuda:N"`; under
-    /// `mpirun -np N` (feature `mpi`) as N data-parallel ranks. Progress bar, validation, metrics,
-    /// checkpoints (`--resume`), summary.
+    /// Train the model of a TOML config out of GPU core — a Llama, Mistral, Qwen2, Qwen3,
+    /// Mixtral, Qwen3-MoE, OLMoE or Qwen2-MoE (from a Hugging Face checkpoint, `[model] init`, or
+    /// from scratch) or the byte-level GPT / MoE-GPT — on the sim device unless the config says
+    /// `device.kind = "cuda:N"`; under `mpirun -np N` (feature `mpi`) as N data-parallel ranks.
+    /// Progress bar, validation, metrics, checkpoints (`--resume`), summary.
+    #[command(after_help = "Book: docs/src/guide/main-job.md")]
     Train(TrainCmd),
     /// Summarize a checkpoint (a ckpt-*.safetensors file, or a checkpoint directory: its newest);
     /// `--verify` checks every tensor's crc32c. Also reads a Hugging Face safetensors file.
+    #[command(after_help = "Book: docs/src/guide/failure-modes.md")]
     Inspect(InspectCmd),
     /// Write a Llama-family run's checkpoint as a Hugging Face checkpoint (`--hf OUT_DIR`:
     /// config.json, sharded safetensors + index, tokenizer.json) that transformers loads.
+    #[command(after_help = "Book: docs/src/guide/your-model.md")]
     Export(ExportCmd),
     /// Offload benchmarks (NVMe, swap, Adam, eviction, MoE placement, the end-to-end step, the
     /// plan's accuracy; `all` for every one with plots): a table on stdout, or JSON with --json.
     #[command(subcommand)]
+    #[command(after_help = "Book: docs/src/benchmarks.md")]
     Bench(BenchCommand),
     /// Plan a config's run under its budgets (any family): bytes per tier (GPU, host, NVMe), the
     /// GPU memory section, the predicted peak RSS, the minimum GPU budget and the predicted step
     /// time (compute, exposed transfer, exposed optimizer) from the step simulator, with a
     /// hardware profile's figures (`--profile`); or, with --hardware-probe, measure this machine
     /// into a hardware profile (TOML).
+    #[command(after_help = "Book: docs/src/guide/budgets.md")]
     Plan(PlanCmd),
     /// Every GPU check in one run (`--device cuda:N` on the GPU machine, `sim` in CI): one JSON
     /// row per check in OUT/gpu-check.jsonl and a Markdown report in OUT/gpu-check.md, written
     /// as each check finishes; exit status 0 only when no check failed.
+    #[command(after_help = "Book: docs/src/guide/gpu.md")]
     GpuCheck(GpuCheckCmd),
     /// The config file's every table and key, generated from the config types' doc comments:
     /// `--reference` (Markdown: key, type, unit, default, meaning; the book's
     /// docs/src/reference/config.md) or `--example` (a commented TOML to start from).
+    #[command(after_help = "Book: docs/src/reference/config.md")]
     Config(ConfigCmd),
 }
 
@@ -192,6 +202,53 @@ fn main() -> ExitCode {
                 eprintln!("hint: the GPU budget is given with --gpu-budget (e.g. --gpu-budget 2GiB)");
             }
             ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    /// Every command's path (`["oogc", "bench", "nvme"]`) with its `--help`'s after-help text.
+    fn commands(cmd: &clap::Command, path: &mut Vec<String>, out: &mut Vec<(String, String)>) {
+        path.push(cmd.get_name().to_string());
+        out.push((path.join(" "), cmd.get_after_help().map(|h| h.to_string()).unwrap_or_default()));
+        for sub in cmd.get_subcommands().filter(|s| s.get_name() != "help") {
+            commands(sub, path, out);
+        }
+        path.pop();
+    }
+
+    /// Each command's `--help` ends with `Book: docs/src/PAGE.md[, section "HEADING"]`: the page
+    /// exists in the book, is listed in its SUMMARY.md, and has the named heading.
+    #[test]
+    fn every_commands_help_names_its_book_page() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let summary = std::fs::read_to_string(root.join("docs/src/SUMMARY.md")).unwrap();
+        let mut all = Vec::new();
+        commands(&Cli::command(), &mut Vec::new(), &mut all);
+        assert!(all.len() > 15, "{all:?}");
+        for (name, after) in &all {
+            let book = after
+                .lines()
+                .find_map(|l| l.strip_prefix("Book: "))
+                .unwrap_or_else(|| panic!("`{name} --help` names no book page (after_help = \"Book: docs/src/..\")"));
+            let (page, section) = match book.split_once(", section ") {
+                Some((page, section)) => (page, Some(section.trim_matches('"'))),
+                None => (book, None),
+            };
+            let rel = page.strip_prefix("docs/src/").unwrap_or_else(|| panic!("{name}: {page} is not under docs/src"));
+            let text = std::fs::read_to_string(root.join(page)).unwrap_or_else(|e| panic!("{name}: {page}: {e}"));
+            assert!(summary.contains(&format!("({rel})")), "{name}: {page} is not in docs/src/SUMMARY.md");
+            if let Some(section) = section {
+                assert!(
+                    text.lines().any(|l| l.starts_with('#') && l.trim_start_matches('#').trim() == section),
+                    "{name}: {page} has no heading `{section}`"
+                );
+            }
         }
     }
 }
