@@ -1,5 +1,47 @@
 //! `oogc`: an out-of-GPU-core training runtime.
 //!
+//! # Example
+//!
+//! A trainer embeds a [`runtime::Runtime`]: two units (4×4 f32 weights, each one flat vector)
+//! on the sim GPU, one step of fetch → compute → release, gradients to the CPU AdamW.
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor, Var};
+//! use oogc::runtime::{Phase, Runtime, RuntimeConfig};
+//!
+//! let mut rt = Runtime::new(RuntimeConfig::sim(4 << 10), oogc::dist::Ranks::single())?;
+//! let init: Vec<f32> = (0..16).map(|i| (i * 7 % 16) as f32 / 16.0 + 0.1).collect();
+//! let units = [rt.add_unit("layer0", &init)?, rt.add_unit("layer1", &init)?];
+//!
+//! rt.begin_step(1, 1e-2)?; // step 1, lr 1e-2
+//! let mut inputs = Vec::new(); // each unit's input, kept for the backward's recompute
+//! let mut h = Tensor::ones((2, 4), DType::F32, &Device::Cpu)?; // [batch 2, width 4]
+//! for &u in &units {
+//!     let w = rt.fetch(u, Phase::Forward)?; // pinned on the device until dropped
+//!     inputs.push(h.clone());
+//!     h = h.matmul(&w.tensor().reshape((4, 4))?)?;
+//! }
+//! // Backward of loss = sum(h), in reverse: refetch, recompute, push the weights' gradient.
+//! let mut grad = h.ones_like()?;
+//! for (&u, input) in units.iter().zip(&inputs).rev() {
+//!     let w = Var::from_tensor(rt.fetch(u, Phase::Backward)?.tensor())?;
+//!     let x = Var::from_tensor(input)?;
+//!     let out = x.as_tensor().matmul(&w.as_tensor().reshape((4, 4))?)?;
+//!     let grads = (out * &grad)?.sum_all()?.backward()?;
+//!     rt.push_grads(u, grads.get(&w).expect("a weight gradient"))?;
+//!     grad = grads.get(&x).expect("an input gradient").clone();
+//! }
+//! rt.finish_step()?;
+//! rt.sync()?; // wait for the pipelined optimizer
+//!
+//! // Every gradient is positive, so AdamW's first step lowers every weight (by ≈ lr).
+//! for &u in &units {
+//!     let (master, _m, _v) = rt.unit_state(u)?;
+//!     assert!(master.iter().zip(&init).all(|(p, p0)| p < p0 && p0 - p < 2e-2));
+//! }
+//! # anyhow::Ok(())
+//! ```
+//!
 //! The facade crate: it re-exports the component crates, wires them into the [`runtime::Runtime`]
 //! a trainer embeds, and holds the reference GPT trainer and the CLI's commands.
 //!

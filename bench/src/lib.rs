@@ -1,5 +1,31 @@
 //! `oogc bench`: offload benchmarks that print human-readable tables or JSON.
 //!
+//! # Example
+//!
+//! `oogc bench evict` through the library: a 4-layer GPT's training step in the step simulator
+//! at a device budget of 30% of its compute copies, one row per eviction policy:
+//!
+//! ```
+//! use oogc::plan::GptShape;
+//! use oogc_bench::evict::{self, EvictBenchArgs, Workload};
+//!
+//! let args = EvictBenchArgs {
+//!     shape: GptShape { layers: 4, d_model: 64, seq_len: 16, batch: 2, dtype_bytes: 2 },
+//!     fractions: vec![0.3],
+//!     workloads: vec![Workload::Train],
+//!     ..EvictBenchArgs::default()
+//! };
+//! let rows = evict::run(&args)?;
+//! let policies: Vec<&str> = rows.iter().map(|r| r.policy.as_str()).collect();
+//! assert_eq!(policies, ["next-use", "lru", "fifo", "min"]);
+//! for r in &rows {
+//!     // No policy moves fewer bytes than offline MIN at the same budget.
+//!     assert!(r.bytes_moved >= r.min_bytes && r.ratio_to_min >= 1.0, "{r:?}");
+//!     assert!(r.step_s > 0.0 && r.stall_s <= r.step_s);
+//! }
+//! # Ok::<(), oogc_bench::Error>(())
+//! ```
+//!
 //! | command | module | what it measures |
 //! |---|---|---|
 //! | `oogc bench nvme` | [`nvme`] | the NVMe store per engine, beside `fio` |

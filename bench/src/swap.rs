@@ -7,7 +7,7 @@
 //! | `sim-htod-throttled`, `sim-dtoh-throttled` | the same with the link throttled to `link_gbps` (only when given) | `link_gbps`, or memcpy where that is lower |
 //! | `residency-htod` | [`ResidencyManager`]: `tensors` host-homed tensors, a device budget of half of them, acquired on the device in order (LRU evicts each before its next use) | the `sim-htod` row's GB/s |
 //! | `residency-htod-throttled` | the same on the throttled device (only when `link_gbps` is given) | `link_gbps`, or the `sim-htod` row's GB/s where that is lower |
-//! | `cuda-htod`, `cuda-dtoh` | [`run_cuda`] only: the swapper's [`CudaDevice`] copies (`Device::htod`/`dtoh` on its copy stream, each timed to its `Transfer::wait`) of one driver-pinned [`HostBuffer`] of `size_bytes`, one at a time | `cudaMemcpyAsync`: the best of two runs (before and after the swapper's) of a plain async copy of the same size between another driver-pinned buffer and a `CudaSlice`, on a stream of its own through cudarc, each copy followed by a stream synchronize |
+//! | `cuda-htod`, `cuda-dtoh` | [`run_cuda`] only: the swapper's [`CudaDevice`](oogc_swapper::CudaDevice) copies (`Device::htod`/`dtoh` on its copy stream, each timed to its `Transfer::wait`) of one driver-pinned [`HostBuffer`] of `size_bytes`, one at a time | `cudaMemcpyAsync`: the best of two runs (before and after the swapper's) of a plain async copy of the same size between another driver-pinned buffer and a `CudaSlice`, on a stream of its own through cudarc, each copy followed by a stream synchronize |
 //!
 //! GB/s are 10⁹ bytes per second of wall time, from the first submission to the last completion;
 //! one warm-up copy (page faults of fresh device memory) precedes each timed loop.

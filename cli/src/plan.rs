@@ -59,7 +59,7 @@ pub(crate) enum StateArg {
 pub(crate) struct PlanCmd {
     /// Plan the run of an `oogc train` config: its model, batch, GPU and host budgets, optimizer
     /// state tier and prefetch depth replace --layers/--d-model/--seq-len/--batch/--gpu-budget/
-    /// --host-budget/--optimizer-state/--max-depth (compute copies in its [train] compute_dtype),
+    /// --host-budget/--optimizer-state/--max-depth (compute copies in its `[train] compute_dtype`),
     /// and the plan adds what the run needs on the GPU ("GPU memory").
     #[arg(long, value_name = "FILE")]
     pub(crate) config: Option<PathBuf>,

@@ -30,7 +30,7 @@ pub(crate) struct TrainCmd {
     /// Stop after this step (default: train.steps of the config).
     #[arg(long, value_name = "N")]
     pub(crate) steps: Option<u64>,
-    /// Override [data] path (relative to the working directory).
+    /// Override `[data] path` (relative to the working directory).
     #[arg(long, value_name = "FILE")]
     pub(crate) data: Option<PathBuf>,
     /// No progress bar (it is also hidden when stderr is not a terminal).

@@ -2,6 +2,28 @@
 //! are each **one flat vector** — the way the runtime stores, moves and optimizes them (one
 //! swapper tensor per unit). It knows nothing of tiers, budgets or the CLI.
 //!
+//! # Example
+//!
+//! A two-layer Llama from scratch on candle's CPU device, run unit by unit (embedding, layers,
+//! head) from token ids to logits:
+//!
+//! ```
+//! use candle_core::{DType, Device, Tensor};
+//! use oogc_models::{init_params, unit_tensor, CausalLm, Llama, LlamaConfig};
+//!
+//! // vocab 64, hidden 32, MLP 64, 2 layers, 4 heads: units [embedding, layer 0, layer 1, head].
+//! let model = Llama::new(LlamaConfig::new(64, 32, 64, 2, 4))?;
+//! assert_eq!(model.units().len(), 4);
+//! let dev = Device::Cpu;
+//! let mut h = Tensor::from_vec((0..16u32).collect(), (2, 8), &dev)?; // token ids [B = 2, T = 8]
+//! for (u, flat) in init_params(model.units(), 0).iter().enumerate() {
+//!     let params = unit_tensor(flat, DType::F32, &dev)?; // the unit's flat parameter vector
+//!     h = model.forward(u, &params, &h, None)?; // [2, 8] → [2, 8, 32] → … → logits
+//! }
+//! assert_eq!(h.dims(), &[2, 8, 64]); // [B, T, vocab]
+//! # Ok::<(), oogc_models::Error>(())
+//! ```
+//!
 //! | module | owns |
 //! |---|---|
 //! | [`mod@unit`] | the unit of residency: [`UnitKind`], [`UnitSpec`] (a unit's parameters back to back in one flat vector), [`ParamSpec`], deterministic init |

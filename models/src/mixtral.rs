@@ -6,8 +6,8 @@
 //!
 //! | unit | kind | parameters (flat order) | computes |
 //! |---|---|---|---|
-//! | `model.layers.{i}` | [`UnitKind::MoeTrunk`]`(i)` | `input_layernorm`, `self_attn.{q,k,v,o}_proj`, `post_attention_layernorm`, `block_sparse_moe.gate` `[E, d]` | `x1 = x + attn(rms(x))`, `h = rms(x1)`, `logits = h Gᵀ`, `p = softmax(logits)`, the [`Routing`] |
-//! | `model.layers.{i}.block_sparse_moe.experts.{e}` | [`UnitKind::Expert`] | `w1` `[I, d]`, `w3` `[I, d]`, `w2` `[d, I]` | `w2(silu(w1 h) ⊙ w3 h)` on its tokens' rows |
+//! | `model.layers.{i}` | [`UnitKind::MoeTrunk`](crate::UnitKind::MoeTrunk)`(i)` | `input_layernorm`, `self_attn.{q,k,v,o}_proj`, `post_attention_layernorm`, `block_sparse_moe.gate` `[E, d]` | `x1 = x + attn(rms(x))`, `h = rms(x1)`, `logits = h Gᵀ`, `p = softmax(logits)`, the [`Routing`] |
+//! | `model.layers.{i}.block_sparse_moe.experts.{e}` | [`UnitKind::Expert`](crate::UnitKind::Expert) | `w1` `[I, d]`, `w3` `[I, d]`, `w2` `[d, I]` | `w2(silu(w1 h) ⊙ w3 h)` on its tokens' rows |
 //!
 //! ```text
 //! router : logits = h Gᵀ (no bias), p = softmax(logits) in F32 over all E experts

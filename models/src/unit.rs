@@ -16,10 +16,10 @@ pub enum UnitKind {
     /// `i + 1`).
     Block(usize),
     /// MoE model only: the trunk of block `i` (0-based layer index): `ln_1`, attention, `ln_2`
-    /// and the router; unit index [`GptConfig::block_unit`]`(i)`.
+    /// and the router; unit index [`GptConfig::block_unit`](crate::GptConfig::block_unit)`(i)`.
     MoeTrunk(usize),
     /// MoE model only: expert `expert` of block `block`, an MLP `[d] → [d_expert] → [d]`;
-    /// unit index [`GptConfig::expert_unit`]`(block, expert)`.
+    /// unit index [`GptConfig::expert_unit`](crate::GptConfig::expert_unit)`(block, expert)`.
     Expert {
         /// 0-based layer index.
         block: usize,

@@ -1,5 +1,28 @@
 //! `oogc-moe-placement`: where the experts of a Mixture-of-Experts model live and run.
 //!
+//! # Example
+//!
+//! One MoE block of four 1 MiB experts and a GPU expert budget of 2 MiB: after a few steps of
+//! routing, the two busiest experts are made resident; each step's placement follows.
+//!
+//! ```
+//! use oogc_moe_placement::{ExpertId, ExpertShape, Placement, Placer, PlacerConfig};
+//!
+//! let shape = ExpertShape { param_bytes: 1 << 20, grad_bytes: 1 << 20, flops_per_token: 8e6 };
+//! let mut placer = Placer::new(1, 4, shape, PlacerConfig::new(2 << 20))?; // 1 block, 4 experts
+//! let tokens = [900, 1, 0, 300]; // tokens the router sent to each expert
+//! for step in 0..5 {
+//!     placer.observe_routing(step, 0, &tokens)?;
+//! }
+//! let change = placer.replan(); // between steps
+//! assert_eq!(change.admit, vec![ExpertId::new(0, 0), ExpertId::new(0, 3)]);
+//! assert_eq!(
+//!     placer.place_block(0, &tokens)?,
+//!     [Placement::Resident, Placement::Cpu, Placement::Skip, Placement::Resident]
+//! );
+//! # Ok::<(), oogc_moe_placement::Error>(())
+//! ```
+//!
 //! | concept | type | what it is |
 //! |---|---|---|
 //! | popularity | [`PopularityStats`], [`StatsHandle`] | per block and expert, moving averages of routed tokens and of use, plus recency |

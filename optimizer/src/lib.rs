@@ -2,6 +2,37 @@
 //! the compute copy written in the same pass, state streamed from NVMe, and the pipelined
 //! per-unit step that overlaps the GPU backward.
 //!
+//! # Example
+//!
+//! One AdamW step of the SIMD kernel over four fp32 master weights, against the closed form of
+//! Adam's first step (from `m = v = 0`: `p ← p − lr·g / (|g| + ε)`, about `lr·sign(g)`):
+//!
+//! ```
+//! use oogc_optimizer::{adam_step, AdamConfig, CopyOut, GradSlice, Isa, StateIo};
+//!
+//! let cfg = AdamConfig { weight_decay: 0.0, ..AdamConfig::default() }; // β = (0.9, 0.999), ε = 1e-8
+//! let lr = 1e-3_f32;
+//! let scalars = cfg.scalars(1, lr, 1.0)?; // step t = 1, no clipping (gradient scale 1)
+//! let p0 = [1.0_f32, -2.0, 0.5, 0.0];
+//! let g = [0.3_f32, -0.1, 2.0, -4.0];
+//! let (mut p, mut m, mut v) = (p0.to_vec(), vec![0.0; 4], vec![0.0; 4]);
+//! let mut copy = vec![0.0_f32; 4]; // the compute copy, written in the same pass (f32 here)
+//! adam_step(
+//!     Isa::detect(),
+//!     &scalars,
+//!     StateIo::InPlace { p: &mut p, m: &mut m, v: &mut v },
+//!     GradSlice::F32(&g),
+//!     CopyOut::F32(&mut copy),
+//! )?;
+//! for i in 0..4 {
+//!     let expected = p0[i] as f64 - lr as f64 * g[i] as f64 / (g[i].abs() as f64 + 1e-8);
+//!     assert!((p[i] as f64 - expected).abs() < 1e-6, "{i}: {} vs {expected}", p[i]);
+//!     assert!((m[i] - 0.1 * g[i]).abs() < 1e-7); // m = (1 − β1)·g
+//!     assert_eq!(copy[i], p[i]);
+//! }
+//! # Ok::<(), oogc_optimizer::Error>(())
+//! ```
+//!
 //! | concept | type | what it is |
 //! |---|---|---|
 //! | hyper-parameters | [`AdamConfig`], [`LrSchedule`] | torch's `AdamW`/`Adam` (decoupled or L2 decay, bias correction); warm-up + cosine |

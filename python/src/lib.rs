@@ -4,14 +4,14 @@
 //!
 //! | Python | Rust |
 //! |---|---|
-//! | `Runtime(config, default_compute_dtype=None)` | [`Runtime::new`] from a dict or a TOML path ([`config::Config`]) |
+//! | `Runtime(config, default_compute_dtype=None)` | [`Runtime::new`] from a dict or a TOML path (the module-private `config::Config`) |
 //! | `Runtime.compute_dtype` | [`Runtime::compute_dtype`]'s name (`"f32"`, `"bf16"`, `"f16"`) |
 //! | `Runtime.add_unit(name, numel, init=None)` | [`Runtime::add_unit`], `init` read in place through DLPack (zeros without; bf16 or f16 up-cast exactly) |
-//! | `Runtime.fetch(unit, phase, writable=False)` → `Fetched` | [`Runtime::fetch_pinned`]; the pinned compute copy shared as a torch tensor of its dtype without a copy ([`dlpack::Lease`]): a CPU tensor on the sim device, a CUDA tensor on a CUDA runtime (the `cuda` feature) |
+//! | `Runtime.fetch(unit, phase, writable=False)` → `Fetched` | [`Runtime::fetch_pinned`]; the pinned compute copy shared as a torch tensor of its dtype without a copy (the module-private `dlpack::Lease`): a CPU tensor on the sim device, a CUDA tensor on a CUDA runtime (the `cuda` feature) |
 //! | `Runtime.push_grads(unit, grads)` | [`Runtime::push_grads_slice`], `grads` (f32, bf16 or f16) read in place through DLPack (a CUDA tensor copied to the host first), converted to the compute dtype if they are not in it |
 //! | `Runtime.finish_step()` → dict | [`Runtime::finish_step`]'s [`oogc::runtime::StepStats`] |
 //! | `Runtime.state_dict()` / `load_state_dict()` | [`Runtime::unit_state`] / [`Runtime::load_unit_state`] |
-//! | `OogcError` and subclasses | [`error::Error`] |
+//! | `OogcError` and subclasses | the module-private `error::Error` |
 //!
 //! Every call that may block (a fetch waiting for H2D or an optimizer update, a staging buffer,
 //! the end of a step, NVMe reads) releases the GIL; the runtime sits behind a mutex taken only

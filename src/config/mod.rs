@@ -25,7 +25,7 @@
 //!
 //! Every table and key is documented in the book's config reference
 //! (`docs/src/reference/config.md`, generated from these doc comments by `oogc config
-//! --reference`: [`reference`]); example configs live in `configs/`, and `oogc config --example`
+//! --reference`: [`mod@reference`]); example configs live in `configs/`, and `oogc config --example`
 //! prints one with every key.
 //!
 //! | file | tables |

@@ -30,7 +30,10 @@ use oogc_swapper::{Device, DeviceBuffer, DeviceEvent, HostBuffer, OrderingHazard
 
 use super::{Result, RuntimeError};
 
-/// One ordering call of the runtime (see the [module docs](self) for each).
+/// One ordering call of the runtime, as `OOGC_DROP_ORDERING` names it
+/// ([`crate::hooks::DROP_ORDERING_ENV`]). Where each is made, what leaving it out does on CUDA
+/// and what the sim device's checker then reports: the table in the module docs of the
+/// crate-private `runtime::ordering` (`src/runtime/ordering.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OrderingCall {
     /// The compute stream waits for a unit's H2D when the unit is pinned for compute.

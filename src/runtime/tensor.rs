@@ -1,7 +1,7 @@
-//! Between candle's tensors and the swapper's buffers: the dtype mapping ([`candle_dtype`]), a
-//! device buffer as a typed tensor ([`device_tensor`]), a tensor's bytes for a copy into a
-//! staging buffer ([`tensor_values`]) and back ([`tensor_from_bytes`]). One `match` per direction
-//! over the device kinds (the CUDA arms come with the CUDA path).
+//! Between candle's tensors and the swapper's buffers: the dtype mapping ([`candle_dtype`]), and,
+//! crate-private, a device buffer as a typed tensor (`device_tensor`), a tensor's bytes for a
+//! copy into a staging buffer (`tensor_values`) and back (`tensor_from_bytes`). One `match` per
+//! direction over the device kinds (the CUDA arms come with the CUDA path).
 
 use candle_core::{Device as CandleDevice, Shape, Tensor};
 use oogc_optimizer::Grads;

@@ -39,8 +39,8 @@ pub fn gpt_config(g: &GptModelConfig, seq_len: usize, vocab_size: usize) -> GptC
 /// tokenizer's ids).
 ///
 /// # Errors
-/// [`TrainError::Model`] for an unreadable or unsupported checkpoint; [`TrainError::Config`] for a
-/// vocabulary smaller than the tokenizer's.
+/// [`TrainError::Model`](super::TrainError::Model) for an unreadable or unsupported checkpoint;
+/// [`TrainError::Config`](super::TrainError::Config) for a vocabulary smaller than the tokenizer's.
 pub fn llama_config(l: &LlamaModelConfig, vocab_size: usize) -> Result<LlamaConfig> {
     let (config, key) = match l {
         LlamaModelConfig::Scratch(c) => {
@@ -273,7 +273,7 @@ pub fn check_budgets(
 /// read; the text is not).
 ///
 /// # Errors
-/// [`TrainError::Data`] when the tokenizer.json cannot be read or parsed.
+/// [`TrainError::Data`](super::TrainError::Data) when the tokenizer.json cannot be read or parsed.
 pub fn vocab_size(cfg: &TrainConfig) -> Result<usize> {
     Ok(match &cfg.data.tokenizer {
         Some(path) => crate::data::TextTokenizer::load(path)?.vocab_size(),
@@ -286,7 +286,7 @@ pub fn vocab_size(cfg: &TrainConfig) -> Result<usize> {
 /// sequence a CUDA GPU runs), else with the fused CPU kernels where they apply.
 ///
 /// # Errors
-/// [`TrainError::Model`] for dimensions the model refuses.
+/// [`TrainError::Model`](super::TrainError::Model) for dimensions the model refuses.
 pub fn build_model(cfg: &TrainConfig, vocab_size: usize) -> Result<Arc<dyn CausalLm>> {
     let composed = cfg.device.ops == OpsPath::Composed;
     Ok(match &cfg.model {
@@ -311,7 +311,7 @@ pub fn build_model(cfg: &TrainConfig, vocab_size: usize) -> Result<Arc<dyn Causa
 /// device optimizer ([`crate::runtime::device_optimizer_bytes`]) less the compute copy it no
 /// longer needs there, and units are placed in that order while they fit. So `"auto"` never takes
 /// bytes the compute copies would use (a budget below the model's compute copies places none).
-/// The trainer places them ([`Trainer::new`]); `oogc plan` reports the same choice.
+/// The trainer places them ([`Trainer::new`](super::Trainer::new)); `oogc plan` reports the same choice.
 pub fn choose_device_units(cfg: &TrainConfig, model: &dyn CausalLm, compute_budget_bytes: u64) -> Vec<usize> {
     use crate::config::DeviceUnits;
     let layout = Layout::of(model);

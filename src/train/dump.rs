@@ -1,22 +1,6 @@
 //! `oogc train --dump-batches FILE`: every step's token windows as the sampler handed them to the
 //! trainer, so that another implementation (python/tests/test_trainer_vs_torch.py: PyTorch) can
-//! train on exactly the same batches.
-//!
-//! The file is JSON Lines, one object per micro-batch of each step, in the order they are trained:
-//!
-//! ```text
-//! {"step":1,"micro":0,"inputs":[[ids of sequence 0], ...],"targets":[[...], ...]}
-//! ```
-//!
-//! `step` is 1-based (as in the metrics file), `micro` in `0..[train] micro_batches`; `inputs`
-//! and `targets` hold `batch_size` rows of `seq_len` token ids each (integers, exact). The
-//! sampler draws windows of `seq_len + 1` tokens: `inputs` is a window's first `seq_len`,
-//! `targets` its last `seq_len` (the inputs shifted by one), and every target counts in the loss
-//! (mean cross-entropy over all of the step's targets). A step's `k` micro-batches are one batch
-//! of `k × batch_size` windows cut in order: micro-batch `m` has windows `m × batch_size ..
-//! (m + 1) × batch_size`. The file holds the steps of one invocation (created or truncated at
-//! its start: a resumed run's file begins at the step after its checkpoint); each line is
-//! flushed before the step computes, so a step that fails is in it.
+//! train on exactly the same batches. The file's format: [`BatchDump`].
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -25,7 +9,23 @@ use crate::data::Batch;
 
 use super::{Result, TrainError};
 
-/// An open `--dump-batches` file ([module docs](self): the format).
+/// An open `--dump-batches` file.
+///
+/// The file is JSON Lines, one object per micro-batch of each step, in the order they are trained:
+///
+/// ```text
+/// {"step":1,"micro":0,"inputs":[[ids of sequence 0], ...],"targets":[[...], ...]}
+/// ```
+///
+/// `step` is 1-based (as in the metrics file), `micro` in `0..[train] micro_batches`; `inputs`
+/// and `targets` hold `batch_size` rows of `seq_len` token ids each (integers, exact). The
+/// sampler draws windows of `seq_len + 1` tokens: `inputs` is a window's first `seq_len`,
+/// `targets` its last `seq_len` (the inputs shifted by one), and every target counts in the loss
+/// (mean cross-entropy over all of the step's targets). A step's `k` micro-batches are one batch
+/// of `k × batch_size` windows cut in order: micro-batch `m` has windows `m × batch_size ..
+/// (m + 1) × batch_size`. The file holds the steps of one invocation (created or truncated at
+/// its start: a resumed run's file begins at the step after its checkpoint); each line is
+/// flushed before the step computes, so a step that fails is in it.
 #[derive(Debug)]
 pub struct BatchDump {
     path: PathBuf,

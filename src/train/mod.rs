@@ -8,7 +8,7 @@
 //! in reverse, recomputes each from its checkpoint, takes the vector-Jacobian product and pushes
 //! the unit's gradients D2H to the pipelined CPU optimizer while the next unit's backward runs.
 //! An MoE block is a trunk unit and one unit per expert; each routed expert runs where the
-//! placement says ([`moe`]).
+//! placement says (the crate-private `train::moe`, over [`crate::moe`]'s placement config).
 //!
 //! **Micro-batches** (`[train] micro_batches = k`, gradient accumulation; dense models): the
 //! schedule is layer-major (GreedySnake's "vertical" schedule): each unit is fetched once in the

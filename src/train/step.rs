@@ -72,13 +72,13 @@ impl Trainer {
     /// of `train.batch_size` sequences, drawn as one batch of their product (so a run's batches
     /// do not depend on how a step is split), trained layer-major (each unit fetched once in the
     /// forward and once in the backward for all of them) with their gradients summed before the
-    /// unit's one [`Runtime::push_grads`]. The loss and its gradients are those of the mean
+    /// unit's one [`Runtime::push_grads`](crate::runtime::Runtime::push_grads). The loss and its gradients are those of the mean
     /// cross-entropy over every counted token of the step: micro-batch `j` with `n_j` counted
     /// tokens of `N` in all contributes its mean's gradient scaled by `n_j / N`.
     ///
     /// # Errors
     /// Runtime, model or candle failures; with ranks, a failed collective (the run cannot go
-    /// on: the caller ends it, [`Ranks::abort`]).
+    /// on: the caller ends it, [`Ranks::abort`](crate::dist::Ranks::abort)).
     pub fn train_step(&mut self) -> Result<StepOutcome> {
         crate::hooks::crash_point("step");
         let step = self.step + 1;

@@ -1,5 +1,37 @@
 //! `oogc-swapper`: the tiers of oogc and the residency manager that moves tensors between them.
 //!
+//! # Example
+//!
+//! A tensor registered in host memory, moved to a (sim) device, written there by compute and
+//! read back to the host:
+//!
+//! ```
+//! use oogc_swapper::{
+//!     Access, DType, Device, LruPolicy, ResidencyConfig, ResidencyManager, SimDevice, SimDeviceConfig,
+//!     TensorId, TensorMeta, Tier,
+//! };
+//!
+//! let device = Device::Sim(SimDevice::new(SimDeviceConfig { capacity_bytes: 1 << 20, ..Default::default() })?);
+//! let config = ResidencyConfig { host_budget_bytes: 16 << 20, lock_host_memory: false, ..Default::default() };
+//! let m = ResidencyManager::new(device, None, config, Box::new(LruPolicy))?;
+//!
+//! let data: Vec<u8> = (0..4096).map(|i| (i % 251) as u8).collect(); // 4 KiB of u8
+//! m.register(TensorMeta::new(TensorId(0), "w", &[data.len()], DType::U8, Tier::Host), &data)?;
+//! {
+//!     // H2D on acquire; the guard pins the device copy until dropped.
+//!     let w = m.acquire(TensorId(0), Tier::Device, Access::Write)?;
+//!     let mut buf = w.device_buffer_mut();
+//!     let on_device = buf.as_sim_mut().expect("a sim device").compute_write()?;
+//!     assert_eq!(on_device, &data[..]);
+//!     on_device.iter_mut().for_each(|b| *b = b.wrapping_add(1));
+//! }
+//! // Reading on the host copies the dirty device copy back (D2H).
+//! let back = m.read_to_vec(TensorId(0))?;
+//! assert_eq!(back, data.iter().map(|b| b.wrapping_add(1)).collect::<Vec<u8>>());
+//! assert_eq!((m.metrics().htod.bytes, m.metrics().dtoh.bytes), (4096, 4096));
+//! # Ok::<(), oogc_swapper::Error>(())
+//! ```
+//!
 //! | concept | type | what it is |
 //! |---|---|---|
 //! | tier | [`Tier`] | device (GPU), host (pinned), NVMe |

@@ -67,8 +67,9 @@
 //! With `tied_head = true` the head has no weight of its own; it uses `wte` from the embedding
 //! unit. Its calls then take `tied_wte = Some(embedding flat vector)` (so the runtime must have
 //! the embedding unit resident for the head), and its backward returns
-//! [`UnitGrads::grad_tied_wte`], a gradient over the **embedding unit's** flat vector that the
-//! trainer adds to the embedding's own gradient before handing it to the optimizer.
+//! [`UnitGrads::grad_tied_wte`](crate::lm::UnitGrads::grad_tied_wte), a gradient over the
+//! **embedding unit's** flat vector that the trainer adds to the embedding's own gradient before
+//! handing it to the optimizer.
 //!
 //! # Threads (CPU)
 //!
@@ -132,7 +133,7 @@ impl Gpt {
     /// Validates `config` and computes the unit layouts.
     ///
     /// # Errors
-    /// [`Error::Config`] from [`GptConfig::validate`].
+    /// [`Error::Config`](crate::Error::Config) from [`GptConfig::validate`].
     pub fn new(config: GptConfig) -> Result<Self> {
         config.validate()?;
         let units = config.units();

@@ -59,9 +59,9 @@
 //! embedding unit's flat vector (`tied`) and returns its gradient as
 //! [`UnitGrads::grad_tied_wte`]. Threads: as the GPT (`RAYON_NUM_THREADS`, see [`crate::gpt`]).
 //!
-//! The attention ([`Llama::attention`]) and the SwiGLU MLP are separate pieces over views of
-//! the layer's groups so that an MoE layer (Mixtral: the same attention, experts as units)
-//! can reuse them.
+//! The attention (`Llama::attention`, crate-private) and the SwiGLU MLP are separate pieces over
+//! views of the layer's groups so that an MoE layer (Mixtral: the same attention, experts as
+//! units) can reuse them.
 
 use std::sync::Mutex;
 

@@ -1,7 +1,7 @@
-//! Fault injection behind the [`IoEngine`] seam (a test hook): [`FaultyEngine`] wraps the real
-//! engine and fails chosen requests with an injected `io::Error`, or aborts the process in the
-//! middle of one, so tests can show that a failing disk loses nothing and that a run killed
-//! inside an NVMe write resumes exactly.
+//! Fault injection behind the `IoEngine` seam (a test hook): the crate-private `FaultyEngine`
+//! wraps the real engine and fails chosen requests with an injected `io::Error`, or aborts the
+//! process in the middle of one, so tests can show that a failing disk loses nothing and that a
+//! run killed inside an NVMe write resumes exactly.
 //!
 //! | plan | effect |
 //! |---|---|
