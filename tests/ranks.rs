@@ -60,16 +60,32 @@ const FEATURES_STEPS: u64 = 4;
 /// without the load-balancing loss (each rank's would be its own batch's, as in DeepSpeed and
 /// Megatron, not the whole batch's: the oracle compares the language-model loss).
 fn moe_config(dir: &Path, batch_size: usize) -> TrainConfig {
-    let text = common::tiny_mixtral(&dir.join("nvme"), &dir.join("cache"), "1MiB", "ours")
+    TrainConfig::from_toml_str(&moe_text(dir, batch_size)).expect("config")
+}
+
+/// [`moe_config`]'s TOML.
+fn moe_text(dir: &Path, batch_size: usize) -> String {
+    common::tiny_mixtral(&dir.join("nvme"), &dir.join("cache"), "1MiB", "ours")
         .replace("output_router_logits = true", "output_router_logits = false")
         .replace("num_local_experts = 4", "num_local_experts = 16")
         .replace("batch_size = 4", &format!("batch_size = {batch_size}"))
         .replace("steps = 12", &format!("steps = {MOE_STEPS}"))
-        + "device_optimizer = false\n";
-    TrainConfig::from_toml_str(&text).expect("config")
+        + "device_optimizer = false\n"
 }
 
 const MOE_STEPS: u64 = 6;
+
+/// [`moe_config`] as a fine-grained Qwen3-MoE from scratch: 16 experts of width 24 per block,
+/// top-4 with the top-k weights renormalized (`norm_topk_prob`), per-head q/k RMSNorm.
+fn qwen3_moe_config(dir: &Path, batch_size: usize) -> TrainConfig {
+    let text = moe_text(dir, batch_size)
+        .replace("family = \"mixtral\"", "family = \"qwen3_moe\"")
+        .replace("num_local_experts = 16", "num_experts = 16\nmoe_intermediate_size = 24\nnorm_topk_prob = true")
+        .replace("num_experts_per_tok = 2", "num_experts_per_tok = 4");
+    let cfg = TrainConfig::from_toml_str(&text).expect("config");
+    assert_eq!(cfg.model.family(), "qwen3_moe", "{text}");
+    cfg
+}
 
 /// [`config`] writing checkpoints into `ckpt`.
 fn config_with_checkpoints(dir: &Path, batch_size: usize, ckpt: &Path) -> TrainConfig {
@@ -256,6 +272,8 @@ fn rank_train(out: &Path, ranks: &Ranks) {
     let features = features_config(&out.join("features"), 2 / RANKS);
     write_outcome(out, world.rank, "-features", &train_steps(features, FEATURES_STEPS, ranks));
     write_outcome(out, world.rank, "-moe", &train_steps(moe_config(&out.join("moe"), 2 / RANKS), MOE_STEPS, ranks));
+    let qwen3 = qwen3_moe_config(&out.join("qwen3-moe"), 2 / RANKS);
+    write_outcome(out, world.rank, "-qwen3-moe", &train_steps(qwen3, MOE_STEPS, ranks));
     // Resumed at another world size: the one process's checkpoint of step STEPS / 2, re-sharded.
     let cfg = config_with_checkpoints(&out.join("resumed"), 4 / RANKS, &out.join("ckpt-ranks"));
     write_outcome(out, world.rank, "-resumed", &train_resumed(cfg, &out.join("ckpt-one"), ranks));
@@ -398,27 +416,36 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     // A Mixtral: each rank routes its own tokens and fetches (or computes on the CPU) the experts
     // they need, whole; an expert only the other rank used gets zero gradients here; the
     // trunks are sharded and gathered. The same run as one process's.
-    let moe = read_outcomes(&ranks_dir, "-moe");
-    let one_moe = train_steps(moe_config(&dir.path().join("one-moe"), 2), MOE_STEPS, &Ranks::single());
-    // The cases the ranks must agree on happened: an expert routed tokens by one rank only (the
-    // other pushes zeros), and one routed none by either (neither pushes, neither updates it).
-    let (mut one_side, mut neither) = (0, 0);
-    for (a, b) in moe[0].routed.iter().flatten().flatten().zip(moe[1].routed.iter().flatten().flatten()) {
-        one_side += usize::from((*a == 0) != (*b == 0));
-        neither += usize::from(*a == 0 && *b == 0);
+    for (name, suffix, config) in [
+        ("Mixtral", "-moe", moe_config as fn(&Path, usize) -> TrainConfig),
+        ("Qwen3-MoE", "-qwen3-moe", qwen3_moe_config),
+    ] {
+        let moe = read_outcomes(&ranks_dir, suffix);
+        let one_moe = train_steps(config(&dir.path().join(format!("one{suffix}")), 2), MOE_STEPS, &Ranks::single());
+        // The cases the ranks must agree on happened: an expert routed tokens by one rank only
+        // (the other pushes zeros), and one routed none by either (neither pushes, neither
+        // updates it).
+        let (mut one_side, mut neither) = (0, 0);
+        for (a, b) in moe[0].routed.iter().flatten().flatten().zip(moe[1].routed.iter().flatten().flatten()) {
+            one_side += usize::from((*a == 0) != (*b == 0));
+            neither += usize::from(*a == 0 && *b == 0);
+        }
+        assert!(
+            one_side > 0 && neither > 0,
+            "{name}: experts used by one rank only: {one_side}, by neither: {neither}"
+        );
+        assert_eq!(moe[0].losses.len() as u64, MOE_STEPS);
+        assert_same_run(name, &moe, &one_moe);
+        let worst_moe = max_abs_diff(&moe[0].masters, &one_moe.masters);
+        assert!(worst_moe < 1e-4, "{name}: master weights differ by up to {worst_moe}");
+        assert!(moe[0].gathers > 0 && moe[0].state_nvme_bytes * 10 < one_moe.state_nvme_bytes * 6, "{name}");
+        eprintln!(
+            "{name} on 2 ranks: losses ≤ {:.1e} rel., master weights ≤ {worst_moe:.1e}, {} all-gathers of trunks, \
+             embedding and head per rank; experts used by one rank only {one_side} times, by neither {neither}",
+            max_rel(&moe[0].losses, &one_moe.losses),
+            moe[0].gathers
+        );
     }
-    assert!(one_side > 0 && neither > 0, "experts used by one rank only: {one_side}, by neither: {neither}");
-    assert_eq!(moe[0].losses.len() as u64, MOE_STEPS);
-    assert_same_run("Mixtral", &moe, &one_moe);
-    let worst_moe = max_abs_diff(&moe[0].masters, &one_moe.masters);
-    assert!(worst_moe < 1e-4, "Mixtral: master weights differ by up to {worst_moe}");
-    assert!(moe[0].gathers > 0 && moe[0].state_nvme_bytes * 10 < one_moe.state_nvme_bytes * 6);
-    eprintln!(
-        "Mixtral on 2 ranks: losses ≤ {:.1e} rel., master weights ≤ {worst_moe:.1e}, {} all-gathers of trunks, \
-         embedding and head per rank; experts used by one rank only {one_side} times, by neither {neither}",
-        max_rel(&moe[0].losses, &one_moe.losses),
-        moe[0].gathers
-    );
     eprintln!(
         "micro-batches, activation offload, parameters on NVMe, immediate updates: losses ≤ {:.1e} rel., master \
          weights ≤ {worst_features:.1e}",
