@@ -6,11 +6,12 @@ step (`ranks_run.py`).
 Asserted: each step's loss (the trainer's own all-reduce of the ranks' losses, issued while the
 runtime's reductions may still run, on the same group) within 1e-5 relative of the one
 process's; the global gradient norm the same on both ranks and within 1e-6 relative; the two
-ranks' final master weights bitwise equal, and within 1e-5 relative + 1e-6 absolute of the one
+ranks' final master weights bitwise equal, and within 1e-5 relative + 1e-5 absolute of the one
 process's (the gradients are averaged in another order, f32 sums over ranks instead of torch's
 mean over the rows, so they differ in the last bits; AdamW then amplifies an ulp where a moment
 nearly cancels, as in `test_offload_llama.py`; measured: 4.2e-7 beyond the relative term at
-worst); each rank's optimizer state on NVMe about half of the one process's (its shard)."""
+worst with torch's CPU wheel, 1.7e-6 with PyPI's 2.15.0+cu132, CI's fallback; `tests/ranks.rs`
+allows 1e-4); each rank's optimizer state on NVMe about half of the one process's (its shard)."""
 
 import os
 import subprocess
@@ -60,7 +61,7 @@ def test_two_ranks_under_torchrun_match_one_process_with_the_whole_batch(llama_g
     assert set(r0["params"]) == set(alone["params"])
     for name, p in alone["params"].items():
         assert torch.equal(r0["params"][name], r1["params"][name]), f"{name}: the ranks' weights differ"
-        torch.testing.assert_close(r0["params"][name], p, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(r0["params"][name], p, rtol=1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
     for r in (r0, r1):
         share = r["peak"]["nvme"] / alone["peak"]["nvme"]
         assert 0.45 <= share <= 0.52, f"rank {r['rank']}: NVMe state {r['peak']['nvme']} B, {share:.3f} of one process's"
