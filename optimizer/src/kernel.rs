@@ -384,7 +384,7 @@ impl StateIo<'_> {
     }
 }
 
-fn check_isa(isa: Isa) -> Result<()> {
+pub(crate) fn check_isa(isa: Isa) -> Result<()> {
     if isa.is_available() {
         Ok(())
     } else {
@@ -394,7 +394,11 @@ fn check_isa(isa: Isa) -> Result<()> {
 
 fn check_lens(state: &StateIo<'_>, grads: &GradSlice<'_>, out: &CopyOut<'_>) -> Result<()> {
     state.check()?;
-    let n = state.len();
+    check_io(state.len(), grads, out)
+}
+
+/// Checks that `grads` and `out` (unless `None`) have `n` elements.
+pub(crate) fn check_io(n: usize, grads: &GradSlice<'_>, out: &CopyOut<'_>) -> Result<()> {
     if grads.len() != n {
         return Err(Error::LengthMismatch { what: "gradients (length of p)".into(), expected: n, got: grads.len() });
     }

@@ -1,0 +1,332 @@
+//! Adam's moments `m` and `v` in fewer bytes: [`StateDType`] (f32, bf16 or block-wise int8),
+//! the block codecs, and [`adam_step_moments`], the step that reads and writes them.
+//!
+//! Source: Dettmers, Lewis, Shleifer & Zettlemoyer, "8-bit Optimizers via Block-wise
+//! Quantization" (ICLR 2022), as in bitsandbytes' `AdamW8bit`: each block of [`QUANT_BLOCK`]
+//! values is normalized by its own absolute maximum (one f32 per block) and each normalized value
+//! is stored as the 8-bit code of the nearest value of a fixed codebook. The step dequantizes a
+//! block, updates it in f32 exactly as the f32 kernel does (the same [`StepScalars`], the same
+//! vector code on every [`Isa`]), and requantizes it with the absmax of the updated values.
+//! Master weights stay f32.
+//!
+//! **Maps.**
+//! - `m` (signed): the linear map `j / 127`, `j ∈ −127..=127` ([`quantize_linear`]): `m` is
+//!   symmetric around 0, and its error enters the update linearly, so a uniform grid is the best
+//!   for its worst case: `|m − m̃| ≤ absmax / 254` (and half an f32 ulp of `m̃`).
+//! - `v` (non-negative): the paper's unsigned dynamic tree map ([`dynamic_map`],
+//!   [`quantize_dynamic`]). A linear map would store every `v < absmax / 510` as 0, and with a
+//!   block holding gradients of 1e-6 and of 10 (torch's reference vectors) that is most of the
+//!   block: a zero `v` with a non-zero `m` next step divides by `eps` alone. The tree map spans
+//!   eight decades (its smallest non-zero value is 5.5e-8 of the absmax) at a relative error of
+//!   at most 0.35 % at the top and `4.5·2^(E−7)` at the bottom of decade `E` below it (3.5 %,
+//!   7 %, 14 %, …), where the paper found linear quantization of the second state unstable.
+//!
+//! **Block size** [`QUANT_BLOCK`] = 256: bitsandbytes' block for the 8-bit optimizers (the paper
+//! used 2048); a smaller block confines an outlier's large absmax to fewer neighbours, at
+//! 4 B / 256 = 1.6 % overhead per moment. 256 is a multiple of every vector width (16 lanes) and
+//! divides [`crate::NORM_BLOCK`], so blocks never straddle a thread cut or a lane group.
+//!
+//! **Non-finite values** are not representable: a block with NaN or ±inf decodes to unspecified
+//! finite or non-finite values (nothing panics). The pipeline does not step on non-finite
+//! gradients ([`crate::NonFinite`]).
+
+use half::bf16;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::kernel::{check_io, check_isa, CopyOut, GradSlice, StateIo, StepScalars};
+use crate::simd::{self, Isa};
+
+/// Values per quantization block (one f32 absmax each); see the module docs for why 256.
+pub const QUANT_BLOCK: usize = 256;
+
+/// The element type of Adam's moments `m` and `v` (`optimizer.state_dtype` in a later config).
+///
+/// Bytes per parameter for `m` and `v` together: `F32` 8, `Bf16` 4, `Int8` 2 + 8/[`QUANT_BLOCK`]
+/// (= 2.03125). Master weights are f32 (4 B/param) in every case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StateDType {
+    /// f32 moments, as torch (exact).
+    #[default]
+    F32,
+    /// bf16 moments, rounded to nearest even from the f32 update: relative error ≤ 2^−8 (8 significant bits) per
+    /// stored value (normal range).
+    Bf16,
+    /// Block-wise int8 (Dettmers et al., ICLR 2022): `m` on the linear map, `v` on the dynamic
+    /// tree map, one f32 absmax per [`QUANT_BLOCK`] values of each.
+    Int8,
+}
+
+impl StateDType {
+    /// Bytes of `m` and `v` together for `n` parameters (the int8 absmax included; a ragged last
+    /// block has a whole absmax).
+    pub fn moment_bytes(self, n: usize) -> usize {
+        match self {
+            StateDType::F32 => 8 * n,
+            StateDType::Bf16 => 4 * n,
+            StateDType::Int8 => 2 * n + 2 * 4 * n.div_ceil(QUANT_BLOCK),
+        }
+    }
+
+    /// Lowercase name (`f32`, `bf16`, `int8`), as in the config.
+    pub fn name(self) -> &'static str {
+        match self {
+            StateDType::F32 => "f32",
+            StateDType::Bf16 => "bf16",
+            StateDType::Int8 => "int8",
+        }
+    }
+}
+
+impl std::fmt::Display for StateDType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The moments of `n` parameters that [`adam_step_moments`] reads and writes in place.
+#[derive(Debug)]
+pub enum Moments<'a> {
+    /// f32 `m` and `v`, `n` each.
+    F32 {
+        /// First moment (torch's `exp_avg`).
+        m: &'a mut [f32],
+        /// Second moment (torch's `exp_avg_sq`).
+        v: &'a mut [f32],
+    },
+    /// bf16 `m` and `v`, `n` each (round to nearest even, [`bf16_rne`]).
+    Bf16 {
+        /// First moment.
+        m: &'a mut [bf16],
+        /// Second moment.
+        v: &'a mut [bf16],
+    },
+    /// Block-wise int8: block `b` holds elements `b·QUANT_BLOCK ..` (the last may be shorter).
+    Int8 {
+        /// Codes of `m` on the linear map ([`quantize_linear`]), `n`.
+        m: &'a mut [i8],
+        /// Per-block absmax of `m`, `n.div_ceil(QUANT_BLOCK)`.
+        m_absmax: &'a mut [f32],
+        /// Codes of `v` on the dynamic tree map ([`quantize_dynamic`]), `n`.
+        v: &'a mut [u8],
+        /// Per-block absmax of `v`, `n.div_ceil(QUANT_BLOCK)`.
+        v_absmax: &'a mut [f32],
+    },
+}
+
+impl Moments<'_> {
+    /// The moments' element type.
+    pub fn dtype(&self) -> StateDType {
+        match self {
+            Moments::F32 { .. } => StateDType::F32,
+            Moments::Bf16 { .. } => StateDType::Bf16,
+            Moments::Int8 { .. } => StateDType::Int8,
+        }
+    }
+
+    fn check(&self, n: usize) -> Result<()> {
+        let blocks = n.div_ceil(QUANT_BLOCK);
+        let lens: Vec<(&str, usize, usize)> = match self {
+            Moments::F32 { m, v } => vec![("m", m.len(), n), ("v", v.len(), n)],
+            Moments::Bf16 { m, v } => vec![("m", m.len(), n), ("v", v.len(), n)],
+            Moments::Int8 { m, m_absmax, v, v_absmax } => vec![
+                ("m codes", m.len(), n),
+                ("m absmax (one per 256-value block)", m_absmax.len(), blocks),
+                ("v codes", v.len(), n),
+                ("v absmax (one per 256-value block)", v_absmax.len(), blocks),
+            ],
+        };
+        for (what, got, expected) in lens {
+            if got != expected {
+                return Err(Error::LengthMismatch { what: format!("{} moments {what}", self.dtype()), expected, got });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// bf16 of `x`, rounded to nearest, ties to even (`(bits + 0x7fff + lsb) >> 16`; NaN stays a
+/// quiet NaN with its sign and high payload). Bit-identical to `half::bf16::from_f32`.
+pub fn bf16_rne(x: f32) -> bf16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return bf16::from_bits(((b >> 16) | 0x40) as u16);
+    }
+    let lsb = (b >> 16) & 1;
+    bf16::from_bits((b.wrapping_add(0x7fff + lsb) >> 16) as u16)
+}
+
+/// The absolute maximum of a block (NaN ignored, as `f32::max`; 0 for an empty block).
+fn absmax(x: &[f32]) -> f32 {
+    x.iter().fold(0.0f32, |a, &y| a.max(y.abs()))
+}
+
+/// Quantizes one block on the linear signed map: returns `A = max |x|` and writes
+/// `codes[i] = j`, the integer nearest to `127·x[i]/A` (ties to even; all 0 when `A = 0`), so
+/// that [`dequantize_linear`] gives `j·A/127` with `|x − j·A/127| ≤ A/254`.
+///
+/// The quotient is taken in f64 (`127·x` is exact there), where it is never close enough to a
+/// half-integer to round to the wrong side: the code is the nearest one in exact arithmetic.
+///
+/// # Panics
+/// If `codes` and `x` differ in length.
+pub fn quantize_linear(x: &[f32], codes: &mut [i8]) -> f32 {
+    assert_eq!(x.len(), codes.len(), "quantize_linear: codes and values differ in length");
+    let a = absmax(x);
+    let a64 = a as f64;
+    for (c, &y) in codes.iter_mut().zip(x) {
+        *c = if a > 0.0 { ((127.0 * y as f64) / a64).round_ties_even() as i8 } else { 0 };
+    }
+    a
+}
+
+/// Dequantizes one block of the linear map: `out[i] = j·A/127` for `j = codes[i]`, rounded once
+/// to f32 (taken in f64, where `j·A` is exact; the second rounding to f32 is harmless).
+///
+/// # Panics
+/// If `codes` and `out` differ in length.
+pub fn dequantize_linear(codes: &[i8], absmax: f32, out: &mut [f32]) {
+    assert_eq!(codes.len(), out.len(), "dequantize_linear: codes and values differ in length");
+    for (o, &c) in out.iter_mut().zip(codes) {
+        *o = ((c as f64 * absmax as f64) / 127.0) as f32;
+    }
+}
+
+/// The dynamic tree map's 256 values, ascending (code `c` decodes to `dynamic_map()[c]`).
+///
+/// The paper's unsigned map (the sign bit is an extra fraction bit, `v` being non-negative):
+/// in code `c`, the number `E` of leading zero bits is the decade, the first one bit is the
+/// indicator, and the `7 − E` bits after it are a fraction index `k` on a linear grid of
+/// `[0.1, 1]` cut into `2^(7−E)` equal intervals, taken at the interval's middle (as
+/// bitsandbytes' `create_dynamic_map`): `value = 10^(−E) · (0.1 + 0.9·(k + ½)/2^(7−E))`, the
+/// exact rational rounded once to f32. Code 0 is 0. The largest value is 0.99648 (code 255),
+/// the smallest non-zero 5.5e-8 (code 1). bitsandbytes instead drops the code of decade 7 and
+/// adds 1.0; the tree keeps the paper's layout, where the code is the value's rank.
+pub fn dynamic_map() -> &'static [f32; 256] {
+    &tables().0
+}
+
+/// The map and the 255 decision thresholds between consecutive values, in f64 (the exact
+/// midpoint of two f32 is an f64).
+fn tables() -> &'static ([f32; 256], [f64; 255]) {
+    static T: std::sync::OnceLock<([f32; 256], [f64; 255])> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let mut map = [0.0f32; 256];
+        for (c, slot) in map.iter_mut().enumerate().skip(1) {
+            let e = (c as u32).leading_zeros() - 24; // leading zeros of the 8-bit code
+            let bits = 7 - e;
+            let k = c as u64 - (1u64 << bits); // the fraction index after the indicator bit
+            let n = 1u64 << bits;
+            // 10^-e · (0.1 + 0.9 (2k+1) / 2n) = (2n + 9(2k+1)) / (20 n 10^e), both exact integers.
+            let num = 2 * n + 9 * (2 * k + 1);
+            let den = 20 * n * 10u64.pow(e);
+            *slot = (num as f64 / den as f64) as f32;
+        }
+        let mut mid = [0.0f64; 255];
+        for (k, t) in mid.iter_mut().enumerate() {
+            *t = (map[k] as f64 + map[k + 1] as f64) / 2.0;
+        }
+        (map, mid)
+    })
+}
+
+/// Quantizes one block of non-negative values on the dynamic tree map: returns
+/// `A = max |x|` and writes `codes[i]`, the code of the map value nearest to `x[i]/A` (ties to
+/// the lower code; all 0 when `A = 0`; negative values give 0).
+///
+/// Decided exactly: `x[i] > t·A` is compared in f64 for each threshold `t` (the midpoint of two
+/// map values, 25 significant bits) by binary search, and `t·A` is exact in f64. The error is at
+/// most half the gap between the two map values around `x/A`, times `A`.
+///
+/// # Panics
+/// If `codes` and `x` differ in length.
+pub fn quantize_dynamic(x: &[f32], codes: &mut [u8]) -> f32 {
+    assert_eq!(x.len(), codes.len(), "quantize_dynamic: codes and values differ in length");
+    let mid = &tables().1;
+    let a = absmax(x);
+    let a64 = a as f64;
+    for (c, &y) in codes.iter_mut().zip(x) {
+        let y = y as f64;
+        *c = if a > 0.0 { mid.partition_point(|&t| y > t * a64) as u8 } else { 0 };
+    }
+    a
+}
+
+/// Dequantizes one block of the dynamic tree map: `out[i] = dynamic_map()[codes[i]] · A`, one
+/// f32 multiplication.
+///
+/// # Panics
+/// If `codes` and `out` differ in length.
+pub fn dequantize_dynamic(codes: &[u8], absmax: f32, out: &mut [f32]) {
+    assert_eq!(codes.len(), out.len(), "dequantize_dynamic: codes and values differ in length");
+    let map = dynamic_map();
+    for (o, &c) in out.iter_mut().zip(codes) {
+        *o = map[c as usize] * absmax;
+    }
+}
+
+/// One Adam/AdamW step over f32 master weights `p` with the moments in `moments`' element type,
+/// writing the compute copy to `out`, on the calling thread. The update is [`StepScalars`]'s,
+/// evaluated by the f32 kernel's `isa` path on each [`QUANT_BLOCK`] of dequantized moments;
+/// the parameter update uses the updated moments before they are rounded or requantized (as
+/// bitsandbytes), then `m` and `v` are stored: bf16 by [`bf16_rne`], int8 by
+/// [`quantize_linear`] (`m`) and [`quantize_dynamic`] (`v`) with each block's new absmax.
+/// With [`Moments::F32`] it is [`crate::adam_step`] exactly.
+///
+/// Every `isa` gives the same bits (the element update is the f32 kernel's, bit-identical on
+/// every path; the codecs are scalar for now).
+///
+/// # Errors
+/// [`Error::IsaUnavailable`] when the CPU lacks `isa`; [`Error::LengthMismatch`] when `grads`,
+/// `out`, a moment buffer (`p.len()` codes or values) or an absmax buffer
+/// (`p.len().div_ceil(QUANT_BLOCK)`) has another length.
+pub fn adam_step_moments(
+    isa: Isa,
+    scalars: &StepScalars,
+    p: &mut [f32],
+    moments: Moments<'_>,
+    grads: GradSlice<'_>,
+    mut out: CopyOut<'_>,
+) -> Result<()> {
+    let n = p.len();
+    check_isa(isa)?;
+    check_io(n, &grads, &out)?;
+    moments.check(n)?;
+    let (mut mb, mut vb) = ([0.0f32; QUANT_BLOCK], [0.0f32; QUANT_BLOCK]);
+    let mut start = 0;
+    let block = |start: usize, mb: &mut [f32], vb: &mut [f32], p: &mut [f32], out: &mut CopyOut<'_>| {
+        let r = start..start + mb.len();
+        let state = StateIo::InPlace { p: &mut p[r.clone()], m: mb, v: vb };
+        simd::adam(isa, scalars, state, grads.slice(r.clone()), out.slice_mut(r));
+    };
+    match moments {
+        Moments::F32 { m, v } => simd::adam(isa, scalars, StateIo::InPlace { p, m, v }, grads, out),
+        Moments::Bf16 { m, v } => {
+            for (ms, vs) in m.chunks_mut(QUANT_BLOCK).zip(v.chunks_mut(QUANT_BLOCK)) {
+                let (mf, vf) = (&mut mb[..ms.len()], &mut vb[..ms.len()]);
+                for ((a, b), (x, y)) in mf.iter_mut().zip(vf.iter_mut()).zip(ms.iter().zip(vs.iter())) {
+                    (*a, *b) = (x.to_f32(), y.to_f32());
+                }
+                block(start, mf, vf, p, &mut out);
+                for ((a, b), (x, y)) in mf.iter().zip(vf.iter()).zip(ms.iter_mut().zip(vs.iter_mut())) {
+                    (*x, *y) = (bf16_rne(*a), bf16_rne(*b));
+                }
+                start += ms.len();
+            }
+        }
+        Moments::Int8 { m, m_absmax, v, v_absmax } => {
+            let blocks = m.chunks_mut(QUANT_BLOCK).zip(v.chunks_mut(QUANT_BLOCK));
+            for ((mc, vc), (ma, va)) in blocks.zip(m_absmax.iter_mut().zip(v_absmax.iter_mut())) {
+                let (mf, vf) = (&mut mb[..mc.len()], &mut vb[..mc.len()]);
+                dequantize_linear(mc, *ma, mf);
+                dequantize_dynamic(vc, *va, vf);
+                block(start, mf, vf, p, &mut out);
+                *ma = quantize_linear(mf, mc);
+                *va = quantize_dynamic(vf, vc);
+                start += mc.len();
+            }
+        }
+    }
+    Ok(())
+}
