@@ -7,7 +7,9 @@
 //! is stored as the 8-bit code of the nearest value of a fixed codebook. The step dequantizes a
 //! block, updates it in f32 exactly as the f32 kernel does (the same [`StepScalars`], the same
 //! vector code on every [`Isa`]), and requantizes it with the absmax of the updated values.
-//! Master weights stay f32.
+//! Master weights stay f32. Each stage is a vector loop on the [`Isa`] (AVX-512, AVX2, scalar);
+//! the block's f32 moments pass between them through 2 KiB on the stack (in L1), not in
+//! registers, because the new absmax must be known before the first code is written.
 //!
 //! **Maps.**
 //! - `m` (signed): the linear map `j / 127`, `j ∈ −127..=127` ([`quantize_linear`]): `m` is
@@ -157,9 +159,41 @@ pub fn bf16_rne(x: f32) -> bf16 {
     bf16::from_bits((b.wrapping_add(0x7fff + lsb) >> 16) as u16)
 }
 
-/// The absolute maximum of a block (NaN ignored, as `f32::max`; 0 for an empty block).
-fn absmax(x: &[f32]) -> f32 {
-    x.iter().fold(0.0f32, |a, &y| a.max(y.abs()))
+/// Checks that a block's codes and values have one length.
+fn check_block(what: &str, values: usize, codes: usize) -> Result<()> {
+    if values == codes {
+        Ok(())
+    } else {
+        Err(Error::LengthMismatch {
+            what: format!("{what} codes (length of the values)"),
+            expected: values,
+            got: codes,
+        })
+    }
+}
+
+/// The code of `y` on the linear map of absmax `a > 0` (in f64): nearest integer to `127·y/a`,
+/// ties to even.
+#[inline(always)]
+pub(crate) fn linear_code(y: f32, a: f64) -> i8 {
+    ((127.0 * y as f64) / a).round_ties_even() as i8
+}
+
+/// The value of code `c` on the linear map of absmax `a`: `c·a/127` rounded once to f32.
+#[inline(always)]
+pub(crate) fn linear_value(c: i8, a: f32) -> f32 {
+    ((c as f64 * a as f64) / 127.0) as f32
+}
+
+/// A block's absmax `A`, and its codes by `codec` (all 0 when `A` is 0). Lengths checked.
+fn encode<C: Copy + Default>(isa: Isa, x: &[f32], codes: &mut [C], codec: fn(Isa, &[f32], f32, &mut [C])) -> f32 {
+    let a = simd::absmax(isa, x);
+    if a > 0.0 {
+        codec(isa, x, a, codes);
+    } else {
+        codes.fill(C::default());
+    }
+    a
 }
 
 /// Quantizes one block on the linear signed map: returns `A = max |x|` and writes
@@ -168,29 +202,26 @@ fn absmax(x: &[f32]) -> f32 {
 ///
 /// The quotient is taken in f64 (`127·x` is exact there), where it is never close enough to a
 /// half-integer to round to the wrong side: the code is the nearest one in exact arithmetic.
+/// Every `isa` gives the same bits for finite values.
 ///
-/// # Panics
-/// If `codes` and `x` differ in length.
-pub fn quantize_linear(x: &[f32], codes: &mut [i8]) -> f32 {
-    assert_eq!(x.len(), codes.len(), "quantize_linear: codes and values differ in length");
-    let a = absmax(x);
-    let a64 = a as f64;
-    for (c, &y) in codes.iter_mut().zip(x) {
-        *c = if a > 0.0 { ((127.0 * y as f64) / a64).round_ties_even() as i8 } else { 0 };
-    }
-    a
+/// # Errors
+/// [`Error::IsaUnavailable`]; [`Error::LengthMismatch`] when `codes` and `x` differ in length.
+pub fn quantize_linear(isa: Isa, x: &[f32], codes: &mut [i8]) -> Result<f32> {
+    check_isa(isa)?;
+    check_block("linear", x.len(), codes.len())?;
+    Ok(encode(isa, x, codes, simd::linear_encode))
 }
 
 /// Dequantizes one block of the linear map: `out[i] = j·A/127` for `j = codes[i]`, rounded once
 /// to f32 (taken in f64, where `j·A` is exact; the second rounding to f32 is harmless).
 ///
-/// # Panics
-/// If `codes` and `out` differ in length.
-pub fn dequantize_linear(codes: &[i8], absmax: f32, out: &mut [f32]) {
-    assert_eq!(codes.len(), out.len(), "dequantize_linear: codes and values differ in length");
-    for (o, &c) in out.iter_mut().zip(codes) {
-        *o = ((c as f64 * absmax as f64) / 127.0) as f32;
-    }
+/// # Errors
+/// [`Error::IsaUnavailable`]; [`Error::LengthMismatch`] when `codes` and `out` differ in length.
+pub fn dequantize_linear(isa: Isa, codes: &[i8], absmax: f32, out: &mut [f32]) -> Result<()> {
+    check_isa(isa)?;
+    check_block("linear", out.len(), codes.len())?;
+    simd::linear_decode(isa, codes, absmax, out);
+    Ok(())
 }
 
 /// The dynamic tree map's 256 values, ascending (code `c` decodes to `dynamic_map()[c]`).
@@ -231,39 +262,46 @@ fn tables() -> &'static ([f32; 256], [f64; 255]) {
     })
 }
 
+/// The code of `y` on the tree map of absmax `a > 0` (in f64): how many thresholds `t` (the
+/// midpoints of consecutive map values) have `y > t·a`.
+#[inline(always)]
+pub(crate) fn dynamic_code(y: f32, a: f64) -> u8 {
+    let y = y as f64;
+    thresholds().partition_point(|&t| y > t * a) as u8
+}
+
+/// The 255 decision thresholds of the tree map (exact midpoints, in f64).
+pub(crate) fn thresholds() -> &'static [f64; 255] {
+    &tables().1
+}
+
 /// Quantizes one block of non-negative values on the dynamic tree map: returns
 /// `A = max |x|` and writes `codes[i]`, the code of the map value nearest to `x[i]/A` (ties to
 /// the lower code; all 0 when `A = 0`; negative values give 0).
 ///
 /// Decided exactly: `x[i] > t·A` is compared in f64 for each threshold `t` (the midpoint of two
-/// map values, 25 significant bits) by binary search, and `t·A` is exact in f64. The error is at
-/// most half the gap between the two map values around `x/A`, times `A`.
+/// map values, at most 28 significant bits) by binary search, and `t·A` is exact in f64. The
+/// error is at most half the gap between the two map values around `x/A`, times `A`. Every
+/// `isa` gives the same bits for finite values.
 ///
-/// # Panics
-/// If `codes` and `x` differ in length.
-pub fn quantize_dynamic(x: &[f32], codes: &mut [u8]) -> f32 {
-    assert_eq!(x.len(), codes.len(), "quantize_dynamic: codes and values differ in length");
-    let mid = &tables().1;
-    let a = absmax(x);
-    let a64 = a as f64;
-    for (c, &y) in codes.iter_mut().zip(x) {
-        let y = y as f64;
-        *c = if a > 0.0 { mid.partition_point(|&t| y > t * a64) as u8 } else { 0 };
-    }
-    a
+/// # Errors
+/// [`Error::IsaUnavailable`]; [`Error::LengthMismatch`] when `codes` and `x` differ in length.
+pub fn quantize_dynamic(isa: Isa, x: &[f32], codes: &mut [u8]) -> Result<f32> {
+    check_isa(isa)?;
+    check_block("dynamic", x.len(), codes.len())?;
+    Ok(encode(isa, x, codes, simd::dynamic_encode))
 }
 
 /// Dequantizes one block of the dynamic tree map: `out[i] = dynamic_map()[codes[i]] · A`, one
 /// f32 multiplication.
 ///
-/// # Panics
-/// If `codes` and `out` differ in length.
-pub fn dequantize_dynamic(codes: &[u8], absmax: f32, out: &mut [f32]) {
-    assert_eq!(codes.len(), out.len(), "dequantize_dynamic: codes and values differ in length");
-    let map = dynamic_map();
-    for (o, &c) in out.iter_mut().zip(codes) {
-        *o = map[c as usize] * absmax;
-    }
+/// # Errors
+/// [`Error::IsaUnavailable`]; [`Error::LengthMismatch`] when `codes` and `out` differ in length.
+pub fn dequantize_dynamic(isa: Isa, codes: &[u8], absmax: f32, out: &mut [f32]) -> Result<()> {
+    check_isa(isa)?;
+    check_block("dynamic", out.len(), codes.len())?;
+    simd::dynamic_decode(isa, codes, absmax, out);
+    Ok(())
 }
 
 /// One Adam/AdamW step over f32 master weights `p` with the moments in `moments`' element type,
@@ -274,8 +312,8 @@ pub fn dequantize_dynamic(codes: &[u8], absmax: f32, out: &mut [f32]) {
 /// [`quantize_linear`] (`m`) and [`quantize_dynamic`] (`v`) with each block's new absmax.
 /// With [`Moments::F32`] it is [`crate::adam_step`] exactly.
 ///
-/// Every `isa` gives the same bits (the element update is the f32 kernel's, bit-identical on
-/// every path; the codecs are scalar for now).
+/// Every `isa` gives the same bits for finite values: the element update is the f32 kernel's,
+/// bit-identical on every path, and the codecs' vector loops decide exactly as the scalar ones.
 ///
 /// # Errors
 /// [`Error::IsaUnavailable`] when the CPU lacks `isa`; [`Error::LengthMismatch`] when `grads`,
@@ -305,13 +343,11 @@ pub fn adam_step_moments(
         Moments::Bf16 { m, v } => {
             for (ms, vs) in m.chunks_mut(QUANT_BLOCK).zip(v.chunks_mut(QUANT_BLOCK)) {
                 let (mf, vf) = (&mut mb[..ms.len()], &mut vb[..ms.len()]);
-                for ((a, b), (x, y)) in mf.iter_mut().zip(vf.iter_mut()).zip(ms.iter().zip(vs.iter())) {
-                    (*a, *b) = (x.to_f32(), y.to_f32());
-                }
+                simd::bf16_decode(isa, ms, mf);
+                simd::bf16_decode(isa, vs, vf);
                 block(start, mf, vf, p, &mut out);
-                for ((a, b), (x, y)) in mf.iter().zip(vf.iter()).zip(ms.iter_mut().zip(vs.iter_mut())) {
-                    (*x, *y) = (bf16_rne(*a), bf16_rne(*b));
-                }
+                simd::bf16_encode(isa, mf, ms);
+                simd::bf16_encode(isa, vf, vs);
                 start += ms.len();
             }
         }
@@ -319,11 +355,11 @@ pub fn adam_step_moments(
             let blocks = m.chunks_mut(QUANT_BLOCK).zip(v.chunks_mut(QUANT_BLOCK));
             for ((mc, vc), (ma, va)) in blocks.zip(m_absmax.iter_mut().zip(v_absmax.iter_mut())) {
                 let (mf, vf) = (&mut mb[..mc.len()], &mut vb[..mc.len()]);
-                dequantize_linear(mc, *ma, mf);
-                dequantize_dynamic(vc, *va, vf);
+                simd::linear_decode(isa, mc, *ma, mf);
+                simd::dynamic_decode(isa, vc, *va, vf);
                 block(start, mf, vf, p, &mut out);
-                *ma = quantize_linear(mf, mc);
-                *va = quantize_dynamic(vf, vc);
+                *ma = encode(isa, mf, mc, simd::linear_encode);
+                *va = encode(isa, vf, vc, simd::dynamic_encode);
                 start += mc.len();
             }
         }

@@ -160,19 +160,21 @@ fn linear_round_trip_equals_the_reference_bitwise() {
     let mut rng = Lcg(1);
     let mut seen_ties = 0;
     for x in sample_blocks(&mut rng, false) {
-        let mut codes = vec![0i8; x.len()];
-        let a = quantize_linear(&x, &mut codes);
         let (ra, rcodes) = ref_quantize_linear(&x);
-        assert_eq!(a.to_bits(), ra.to_bits());
-        assert_eq!(codes, rcodes, "codes of a block of {}", x.len());
-        let mut back = vec![0f32; x.len()];
-        dequantize_linear(&codes, a, &mut back);
-        for ((&y, &b), &j) in x.iter().zip(&back).zip(&codes) {
-            // The value j·A/127 rounded once to f32, from exact rationals.
-            let exact = j as f64 * a as f64 / 127.0;
-            assert_eq!(b.to_bits(), (exact as f32).to_bits(), "dequantized {j}·{a}/127");
-            assert!(((y - b).abs() as f64) <= a as f64 / 254.0 * (1.0 + 1e-6), "{y} → {b} with A = {a}");
-            seen_ties += (a > 0.0 && (127.0 * y as f64 / a as f64).fract().abs() == 0.5) as usize;
+        for isa in Isa::available() {
+            let mut codes = vec![0i8; x.len()];
+            let a = quantize_linear(isa, &x, &mut codes).unwrap();
+            assert_eq!(a.to_bits(), ra.to_bits(), "{isa}");
+            assert_eq!(codes, rcodes, "{isa}: codes of a block of {}", x.len());
+            let mut back = vec![0f32; x.len()];
+            dequantize_linear(isa, &codes, a, &mut back).unwrap();
+            for ((&y, &b), &j) in x.iter().zip(&back).zip(&codes) {
+                // The value j·A/127 rounded once to f32, from exact rationals.
+                let exact = j as f64 * a as f64 / 127.0;
+                assert_eq!(b.to_bits(), (exact as f32).to_bits(), "{isa}: dequantized {j}·{a}/127");
+                assert!(((y - b).abs() as f64) <= a as f64 / 254.0 * (1.0 + 1e-6), "{y} → {b} with A = {a}");
+                seen_ties += (a > 0.0 && (127.0 * y as f64 / a as f64).fract().abs() == 0.5) as usize;
+            }
         }
     }
     assert!(seen_ties > 100, "the samples hold {seen_ties} exact ties");
@@ -183,17 +185,28 @@ fn dynamic_round_trip_equals_the_reference_bitwise() {
     let map = reference_map();
     let mut rng = Lcg(2);
     for x in sample_blocks(&mut rng, true) {
-        let mut codes = vec![0u8; x.len()];
-        let a = quantize_dynamic(&x, &mut codes);
         let (ra, rcodes) = ref_quantize_dynamic(&x, &map);
-        assert_eq!(a.to_bits(), ra.to_bits());
-        assert_eq!(codes, rcodes, "codes of a block of {}", x.len());
-        let mut back = vec![0f32; x.len()];
-        dequantize_dynamic(&codes, a, &mut back);
-        for (&b, &c) in back.iter().zip(&codes) {
-            assert_eq!(b.to_bits(), (map[c as usize] * a).to_bits());
+        for isa in Isa::available() {
+            let mut codes = vec![0u8; x.len()];
+            let a = quantize_dynamic(isa, &x, &mut codes).unwrap();
+            assert_eq!(a.to_bits(), ra.to_bits(), "{isa}");
+            assert_eq!(codes, rcodes, "{isa}: codes of a block of {}", x.len());
+            let mut back = vec![0f32; x.len()];
+            dequantize_dynamic(isa, &codes, a, &mut back).unwrap();
+            for (&b, &c) in back.iter().zip(&codes) {
+                assert_eq!(b.to_bits(), (map[c as usize] * a).to_bits(), "{isa}");
+            }
         }
     }
+    // Every threshold times an absmax is exact in f64 (the exactness the codes rely on): its
+    // fused multiply-add residual is zero.
+    let mids: Vec<f64> = map.windows(2).map(|w| (w[0] as f64 + w[1] as f64) / 2.0).collect();
+    for _ in 0..2000 {
+        let a = (rng.uniform() * 10f32.powi((rng.next() % 40) as i32 - 20)) as f64;
+        assert!(mids.iter().all(|&t| t.mul_add(a, -(t * a)) == 0.0), "a threshold times {a} is not exact");
+    }
+    let e = quantize_dynamic(Isa::Scalar, &[1.0; 3], &mut [0u8; 2]).unwrap_err();
+    assert!(matches!(e, Error::LengthMismatch { expected: 3, got: 2, .. }), "{e}");
 }
 
 // ---- (b) bf16 against half ---------------------------------------------------------------------
