@@ -278,7 +278,7 @@ impl CopyOut<'_> {
         }
     }
 
-    fn split_at(self, mid: usize) -> (Self, Self) {
+    pub(crate) fn split_at(self, mid: usize) -> (Self, Self) {
         match self {
             CopyOut::None => (CopyOut::None, CopyOut::None),
             CopyOut::F32(o) => {
@@ -596,7 +596,8 @@ impl AdamKernel {
         self.pool.spawn(job)
     }
 
-    fn parts(&self, n: usize) -> usize {
+    /// Threads to use for `n` parameters (at least [`MIN_PARAMS_PER_THREAD`] each).
+    pub(crate) fn parts(&self, n: usize) -> usize {
         self.threads.min(n.div_ceil(MIN_PARAMS_PER_THREAD)).max(1)
     }
 

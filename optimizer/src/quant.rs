@@ -36,7 +36,7 @@ use half::bf16;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::kernel::{check_io, check_isa, CopyOut, GradSlice, StateIo, StepScalars};
+use crate::kernel::{check_io, check_isa, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
 use crate::simd::{self, Isa};
 
 /// Values per quantization block (one f32 absmax each); see the module docs for why 256.
@@ -127,12 +127,36 @@ impl Moments<'_> {
         }
     }
 
+    /// Cuts at `mid`, a multiple of [`QUANT_BLOCK`].
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        debug_assert_eq!(mid % QUANT_BLOCK, 0);
+        match self {
+            Moments::F32 { m, v } => {
+                let ((m0, m1), (v0, v1)) = (m.split_at_mut(mid), v.split_at_mut(mid));
+                (Moments::F32 { m: m0, v: v0 }, Moments::F32 { m: m1, v: v1 })
+            }
+            Moments::Bf16 { m, v } => {
+                let ((m0, m1), (v0, v1)) = (m.split_at_mut(mid), v.split_at_mut(mid));
+                (Moments::Bf16 { m: m0, v: v0 }, Moments::Bf16 { m: m1, v: v1 })
+            }
+            Moments::Int8 { m, m_absmax, v, v_absmax } => {
+                let ((m0, m1), (v0, v1)) = (m.split_at_mut(mid), v.split_at_mut(mid));
+                let b = mid / QUANT_BLOCK;
+                let ((ma0, ma1), (va0, va1)) = (m_absmax.split_at_mut(b), v_absmax.split_at_mut(b));
+                (
+                    Moments::Int8 { m: m0, m_absmax: ma0, v: v0, v_absmax: va0 },
+                    Moments::Int8 { m: m1, m_absmax: ma1, v: v1, v_absmax: va1 },
+                )
+            }
+        }
+    }
+
     fn check(&self, n: usize) -> Result<()> {
         let blocks = n.div_ceil(QUANT_BLOCK);
-        let lens: Vec<(&str, usize, usize)> = match self {
-            Moments::F32 { m, v } => vec![("m", m.len(), n), ("v", v.len(), n)],
-            Moments::Bf16 { m, v } => vec![("m", m.len(), n), ("v", v.len(), n)],
-            Moments::Int8 { m, m_absmax, v, v_absmax } => vec![
+        let lens: [(&str, usize, usize); 4] = match self {
+            Moments::F32 { m, v } => [("m", m.len(), n), ("v", v.len(), n), ("m", n, n), ("v", n, n)],
+            Moments::Bf16 { m, v } => [("m", m.len(), n), ("v", v.len(), n), ("m", n, n), ("v", n, n)],
+            Moments::Int8 { m, m_absmax, v, v_absmax } => [
                 ("m codes", m.len(), n),
                 ("m absmax (one per 256-value block)", m_absmax.len(), blocks),
                 ("v codes", v.len(), n),
@@ -325,12 +349,24 @@ pub fn adam_step_moments(
     p: &mut [f32],
     moments: Moments<'_>,
     grads: GradSlice<'_>,
-    mut out: CopyOut<'_>,
+    out: CopyOut<'_>,
 ) -> Result<()> {
-    let n = p.len();
     check_isa(isa)?;
-    check_io(n, &grads, &out)?;
-    moments.check(n)?;
+    check_io(p.len(), &grads, &out)?;
+    moments.check(p.len())?;
+    step_blocks(isa, scalars, p, moments, grads, out);
+    Ok(())
+}
+
+/// [`adam_step_moments`] with the checks done.
+fn step_blocks(
+    isa: Isa,
+    scalars: &StepScalars,
+    p: &mut [f32],
+    moments: Moments<'_>,
+    grads: GradSlice<'_>,
+    mut out: CopyOut<'_>,
+) {
     let (mut mb, mut vb) = ([0.0f32; QUANT_BLOCK], [0.0f32; QUANT_BLOCK]);
     let mut start = 0;
     let block = |start: usize, mb: &mut [f32], vb: &mut [f32], p: &mut [f32], out: &mut CopyOut<'_>| {
@@ -364,5 +400,51 @@ pub fn adam_step_moments(
             }
         }
     }
-    Ok(())
+}
+
+/// Runs [`step_blocks`] over `parts` threads of the current rayon pool, cut at multiples of
+/// [`NORM_BLOCK`] (whole quantization blocks), as [`AdamKernel::step`] cuts.
+fn run_parts(
+    isa: Isa,
+    s: &StepScalars,
+    p: &mut [f32],
+    moments: Moments<'_>,
+    grads: GradSlice<'_>,
+    out: CopyOut<'_>,
+    parts: usize,
+) {
+    let (n, blocks) = (p.len(), p.len().div_ceil(NORM_BLOCK));
+    if parts <= 1 || blocks <= 1 {
+        return step_blocks(isa, s, p, moments, grads, out);
+    }
+    let left = parts / 2;
+    let mid = (blocks * left / parts).max(1) * NORM_BLOCK;
+    let (p0, p1) = p.split_at_mut(mid);
+    let (m0, m1) = moments.split_at(mid);
+    let (o0, o1) = out.split_at(mid);
+    let (g0, g1) = (grads.slice(0..mid), grads.slice(mid..n));
+    rayon::join(|| run_parts(isa, s, p0, m0, g0, o0, left), || run_parts(isa, s, p1, m1, g1, o1, parts - left));
+}
+
+impl AdamKernel {
+    /// [`adam_step_moments`] over the kernel's threads (one contiguous range of whole
+    /// [`NORM_BLOCK`]s per thread, as [`AdamKernel::step`]); the same bits as on one thread.
+    /// Blocks until done; allocates nothing.
+    ///
+    /// # Errors
+    /// As [`adam_step_moments`].
+    pub fn step_moments(
+        &self,
+        scalars: &StepScalars,
+        p: &mut [f32],
+        moments: Moments<'_>,
+        grads: GradSlice<'_>,
+        out: CopyOut<'_>,
+    ) -> Result<()> {
+        check_io(p.len(), &grads, &out)?;
+        moments.check(p.len())?;
+        let (isa, parts) = (self.isa(), self.parts(p.len()));
+        self.install(|| run_parts(isa, scalars, p, moments, grads, out, parts));
+        Ok(())
+    }
 }

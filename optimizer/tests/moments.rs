@@ -9,8 +9,8 @@ mod common;
 use half::bf16;
 use oogc_optimizer::{
     adam_step, adam_step_moments, bf16_rne, dequantize_dynamic, dequantize_linear, dynamic_map, quantize_dynamic,
-    quantize_linear, AdamConfig, AdamKind, CopyOut, Error, GradSlice, Isa, Moments, StateDType, StateIo, StepScalars,
-    QUANT_BLOCK,
+    quantize_linear, AdamConfig, AdamKernel, AdamKind, CopyOut, Error, GradSlice, Isa, Moments, StateDType, StateIo,
+    StepScalars, NORM_BLOCK, QUANT_BLOCK,
 };
 
 use common::{bits, load_cases, Lcg};
@@ -335,6 +335,41 @@ fn bf16_step_equals_f32_step_then_half_rounding() {
                 assert_eq!(mb[i].to_bits(), bf16::from_f32(mf[i]).to_bits(), "{isa} n={n}: m[{i}]");
                 assert_eq!(vb[i].to_bits(), bf16::from_f32(vf[i]).to_bits(), "{isa} n={n}: v[{i}]");
             }
+        }
+    }
+}
+
+/// The threaded step cuts the buffers (at whole blocks) but gives the single-threaded bits, with a
+/// ragged last block.
+#[test]
+fn threaded_step_equals_single_thread_bitwise() {
+    let n = 9 * NORM_BLOCK + 123;
+    let mut rng = Lcg(6);
+    let (p0, g, m0, v0) = random_state(&mut rng, n);
+    let s = AdamConfig::default().scalars(4, 1e-3, 0.7).unwrap();
+    let isa = Isa::detect();
+    let run = |threads: Option<usize>, dtype: StateDType| {
+        let mut p = p0.clone();
+        let mut q = ref_quantize(&m0, &v0);
+        let (mut mb, mut vb): (Vec<bf16>, Vec<bf16>) =
+            (m0.iter().map(|&x| bf16::from_f32(x)).collect(), v0.iter().map(|&x| bf16::from_f32(x)).collect());
+        let mut o = vec![bf16::ZERO; n];
+        let moments = match dtype {
+            StateDType::Bf16 => Moments::Bf16 { m: &mut mb, v: &mut vb },
+            _ => Moments::Int8 { m: &mut q.m, m_absmax: &mut q.ma, v: &mut q.v, v_absmax: &mut q.va },
+        };
+        let (grads, out) = (GradSlice::F32(&g), CopyOut::BF16(&mut o));
+        match threads {
+            None => adam_step_moments(isa, &s, &mut p, moments, grads, out).unwrap(),
+            Some(t) => AdamKernel::new(isa, t).unwrap().step_moments(&s, &mut p, moments, grads, out).unwrap(),
+        }
+        let mbits: Vec<u16> = mb.iter().chain(&vb).map(|x| x.to_bits()).collect();
+        (bits(&p), o.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), mbits, q.m, q.v, bits(&q.ma), bits(&q.va))
+    };
+    for dtype in [StateDType::Bf16, StateDType::Int8] {
+        let one = run(None, dtype);
+        for threads in [1, 2, 3] {
+            assert!(run(Some(threads), dtype) == one, "{dtype}, {threads} threads");
         }
     }
 }
