@@ -23,9 +23,10 @@
 //!   at most 0.35 % at the top and `4.5·2^(E−7)` at the bottom of decade `E` below it (3.5 %,
 //!   7 %, 14 %, …), where the paper found linear quantization of the second state unstable.
 //!
-//! **Block size** [`QUANT_BLOCK`] = 256: bitsandbytes' block for the 8-bit optimizers (the paper
-//! used 2048); a smaller block confines an outlier's large absmax to fewer neighbours, at
-//! 4 B / 256 = 1.6 % overhead per moment. 256 is a multiple of every vector width (16 lanes) and
+//! **Block size** [`QUANT_BLOCK`] = 256: the block of bitsandbytes' current 8-bit optimizer
+//! kernels (`BLOCKSIZE_2STATE`; the paper and earlier versions used 2048); a smaller block
+//! confines an outlier's large absmax to fewer neighbours, at 4 B / 256 = 1.6 % overhead per
+//! moment. 256 is a multiple of every vector width (16 lanes) and
 //! divides [`crate::NORM_BLOCK`], so blocks never straddle a thread cut or a lane group.
 //!
 //! **Non-finite values** are not representable: a block with NaN or ±inf decodes to unspecified
@@ -52,8 +53,8 @@ pub enum StateDType {
     /// f32 moments, as torch (exact).
     #[default]
     F32,
-    /// bf16 moments, rounded to nearest even from the f32 update: relative error ≤ 2^−8 (8 significant bits) per
-    /// stored value (normal range).
+    /// bf16 moments, rounded to nearest even from the f32 update: relative error ≤ 2^−8 (8
+    /// significant bits) per stored value (normal range).
     Bf16,
     /// Block-wise int8 (Dettmers et al., ICLR 2022): `m` on the linear map, `v` on the dynamic
     /// tree map, one f32 absmax per [`QUANT_BLOCK`] values of each.
