@@ -570,3 +570,29 @@ fn several_steps_on_torch_vectors_stay_within_the_quantization_bound() {
         }
     }
 }
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 64, ..Default::default() })]
+
+    /// Random blocks (any length up to two blocks, scales over 30 decades, signs, zeros) give the
+    /// reference codes and absmax on every path; negative values on the tree map give code 0.
+    #[test]
+    fn codecs_equal_the_references_on_random_blocks(len in 0usize..2 * QUANT_BLOCK, seed in proptest::prelude::any::<u64>(), decades in 0i32..30) {
+        let mut rng = Lcg(seed);
+        let scale = 10f32.powi(rng.next().is_multiple_of(2) as i32 * 10 - 5);
+        let x: Vec<f32> = (0..len)
+            .map(|_| if rng.next().is_multiple_of(16) { 0.0 } else { rng.normal() * scale * 10f32.powf(-(decades as f32) * rng.uniform()) })
+            .collect();
+        let map = reference_map();
+        let (la, lc) = ref_quantize_linear(&x);
+        let (da, dc) = ref_quantize_dynamic(&x, &map);
+        for isa in Isa::available() {
+            let (mut c8, mut u8s) = (vec![0i8; len], vec![0u8; len]);
+            proptest::prop_assert_eq!(quantize_linear(isa, &x, &mut c8).unwrap().to_bits(), la.to_bits());
+            proptest::prop_assert_eq!(&c8, &lc, "{} linear", isa);
+            proptest::prop_assert_eq!(quantize_dynamic(isa, &x, &mut u8s).unwrap().to_bits(), da.to_bits());
+            proptest::prop_assert_eq!(&u8s, &dc, "{} dynamic", isa);
+            proptest::prop_assert!(x.iter().zip(&u8s).all(|(&y, &c)| y > 0.0 || c == 0));
+        }
+    }
+}
