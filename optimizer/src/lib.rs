@@ -7,7 +7,7 @@
 //! | hyper-parameters | [`AdamConfig`], [`LrSchedule`] | torch's `AdamW`/`Adam` (decoupled or L2 decay, bias correction); warm-up + cosine |
 //! | dispatch | [`Isa`] | AVX-512, AVX2+FMA+F16C or scalar, detected at run time or forced; all bit-identical |
 //! | kernel | [`adam_step`], [`AdamKernel`] | one fused pass: read `p, m, v, g` (f32/bf16/f16), write `p, m, v` and the compute copy (f32/bf16/f16) |
-//! | reduced moments | [`StateDType`], [`Moments`], [`adam_step_moments`], [`AdamKernel::step_moments`] | `m`, `v` in bf16 or block-wise int8 (Dettmers et al., ICLR 2022): 8, 4 or 2.03 B/param |
+//! | reduced moments | [`StateDType`], [`Moments`], [`adam_step_moments`], [`AdamKernel::step_moments`] (and `_with_sumsq`) | `m`, `v` in bf16 or block-wise int8 (Dettmers et al., ICLR 2022): 8, 4 or 2.03 B/param |
 //! | gradient norm | [`grad_sumsq`], [`global_norm`], [`clip_scale`] | a canonical f64 sum of squares, the same bits on every path and thread count |
 //! | streamed state | [`NvmeState`], [`StreamConfig`], [`stream_update`] | state chunks on the swapper's `NvmeStore`, read k+1 ‖ update k ‖ write k−1 |
 //! | pipelined step | [`PipelinedOptimizer`] | `submit(unit, grads)` returns at once; speculative update with exact global-norm clipping |

@@ -414,28 +414,67 @@ fn step_blocks(
     }
 }
 
-/// Runs [`step_blocks`] over `parts` threads of the current rayon pool, cut at multiples of
-/// [`NORM_BLOCK`] (whole quantization blocks), as [`AdamKernel::step`] cuts.
-fn run_parts(
-    isa: Isa,
-    s: &StepScalars,
-    p: &mut [f32],
-    moments: Moments<'_>,
-    grads: GradSlice<'_>,
-    out: CopyOut<'_>,
-    parts: usize,
-) {
-    let (n, blocks) = (p.len(), p.len().div_ceil(NORM_BLOCK));
+/// One buffer's worth of a reduced-moment step, cut along with its buffers.
+struct Work<'a> {
+    p: &'a mut [f32],
+    moments: Moments<'a>,
+    grads: GradSlice<'a>,
+    out: CopyOut<'a>,
+    /// One slot per [`NORM_BLOCK`] for the gradients' block sums of squares, or none.
+    partials: Option<&'a mut [f64]>,
+}
+
+impl<'a> Work<'a> {
+    /// Cuts at `mid`, a multiple of [`NORM_BLOCK`] below the length.
+    fn split_at(self, mid: usize) -> (Work<'a>, Work<'a>) {
+        let n = self.p.len();
+        let (p0, p1) = self.p.split_at_mut(mid);
+        let (m0, m1) = self.moments.split_at(mid);
+        let (o0, o1) = self.out.split_at(mid);
+        let (n0, n1) = match self.partials {
+            Some(x) => {
+                let (a, b) = x.split_at_mut(mid / NORM_BLOCK);
+                (Some(a), Some(b))
+            }
+            None => (None, None),
+        };
+        (
+            Work { p: p0, moments: m0, grads: self.grads.slice(0..mid), out: o0, partials: n0 },
+            Work { p: p1, moments: m1, grads: self.grads.slice(mid..n), out: o1, partials: n1 },
+        )
+    }
+
+    /// Runs on this thread, [`NORM_BLOCK`] by [`NORM_BLOCK`]: the block's gradient sum of squares
+    /// (when asked), then its update.
+    fn run(self, isa: Isa, s: &StepScalars) {
+        let mut rest = Some(self);
+        while let Some(w) = rest.take() {
+            let (now, later) = if w.p.len() > NORM_BLOCK {
+                let (a, b) = w.split_at(NORM_BLOCK);
+                (a, Some(b))
+            } else {
+                (w, None)
+            };
+            let Work { p, moments, grads, out, partials } = now;
+            if let Some(slot) = partials.and_then(|x| x.first_mut()) {
+                *slot = simd::sumsq(isa, grads);
+            }
+            step_blocks(isa, s, p, moments, grads, out);
+            rest = later;
+        }
+    }
+}
+
+/// Runs `w` over `parts` threads of the current rayon pool, cut at multiples of [`NORM_BLOCK`]
+/// (whole quantization blocks), as [`AdamKernel::step`] cuts.
+fn run_parts(w: Work<'_>, parts: usize, isa: Isa, s: &StepScalars) {
+    let blocks = w.p.len().div_ceil(NORM_BLOCK);
     if parts <= 1 || blocks <= 1 {
-        return step_blocks(isa, s, p, moments, grads, out);
+        return w.run(isa, s);
     }
     let left = parts / 2;
-    let mid = (blocks * left / parts).max(1) * NORM_BLOCK;
-    let (p0, p1) = p.split_at_mut(mid);
-    let (m0, m1) = moments.split_at(mid);
-    let (o0, o1) = out.split_at(mid);
-    let (g0, g1) = (grads.slice(0..mid), grads.slice(mid..n));
-    rayon::join(|| run_parts(isa, s, p0, m0, g0, o0, left), || run_parts(isa, s, p1, m1, g1, o1, parts - left));
+    let (a, b) = w.split_at((blocks * left / parts).max(1) * NORM_BLOCK);
+    rayon::join(|| run_parts(a, left, isa, s), || run_parts(b, parts - left, isa, s));
 }
 
 impl AdamKernel {
@@ -453,10 +492,40 @@ impl AdamKernel {
         grads: GradSlice<'_>,
         out: CopyOut<'_>,
     ) -> Result<()> {
-        check_io(p.len(), &grads, &out)?;
-        moments.check(p.len())?;
-        let (isa, parts) = (self.isa(), self.parts(p.len()));
-        self.install(|| run_parts(isa, scalars, p, moments, grads, out, parts));
+        self.run_work(scalars, Work { p, moments, grads, out, partials: None })
+    }
+
+    /// [`AdamKernel::step_moments`] that also returns the gradients' sum of squares
+    /// ([`crate::grad_sumsq`]'s bits), taken block by block just before each block's update, as
+    /// [`AdamKernel::step_with_sumsq`]. `partials` is scratch of `p.len().div_ceil(NORM_BLOCK)`
+    /// slots.
+    ///
+    /// # Errors
+    /// As [`adam_step_moments`]; [`Error::LengthMismatch`] for `partials`.
+    pub fn step_moments_with_sumsq(
+        &self,
+        scalars: &StepScalars,
+        p: &mut [f32],
+        moments: Moments<'_>,
+        grads: GradSlice<'_>,
+        out: CopyOut<'_>,
+        partials: &mut [f64],
+    ) -> Result<f64> {
+        self.run_work(scalars, Work { p, moments, grads, out, partials: Some(&mut *partials) })?;
+        Ok(partials.iter().fold(0.0f64, |a, &s| a + s))
+    }
+
+    /// Checks the lengths of `w` and runs it over the pool.
+    fn run_work(&self, scalars: &StepScalars, w: Work<'_>) -> Result<()> {
+        let n = w.p.len();
+        check_io(n, &w.grads, &w.out)?;
+        w.moments.check(n)?;
+        let blocks = n.div_ceil(NORM_BLOCK);
+        if let Some(got) = w.partials.as_ref().map(|x| x.len()).filter(|&got| got != blocks) {
+            return Err(Error::LengthMismatch { what: "norm partials scratch".into(), expected: blocks, got });
+        }
+        let parts = self.parts(n);
+        self.install(|| run_parts(w, parts, self.isa(), scalars));
         Ok(())
     }
 }

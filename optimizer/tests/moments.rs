@@ -8,9 +8,9 @@ mod common;
 
 use half::bf16;
 use oogc_optimizer::{
-    adam_step, adam_step_moments, bf16_rne, dequantize_dynamic, dequantize_linear, dynamic_map, quantize_dynamic,
-    quantize_linear, AdamConfig, AdamKernel, AdamKind, CopyOut, Error, GradSlice, Isa, Moments, StateDType, StateIo,
-    StepScalars, NORM_BLOCK, QUANT_BLOCK,
+    adam_step, adam_step_moments, bf16_rne, dequantize_dynamic, dequantize_linear, dynamic_map, grad_sumsq,
+    quantize_dynamic, quantize_linear, AdamConfig, AdamKernel, AdamKind, CopyOut, Error, GradSlice, Isa, Moments,
+    StateDType, StateIo, StepScalars, NORM_BLOCK, QUANT_BLOCK,
 };
 
 use common::{bits, load_cases, Lcg};
@@ -340,7 +340,7 @@ fn bf16_step_equals_f32_step_then_half_rounding() {
 }
 
 /// The threaded step cuts the buffers (at whole blocks) but gives the single-threaded bits, with a
-/// ragged last block.
+/// ragged last block; its fused gradient sum of squares has `grad_sumsq`'s bits.
 #[test]
 fn threaded_step_equals_single_thread_bitwise() {
     let n = 9 * NORM_BLOCK + 123;
@@ -348,7 +348,7 @@ fn threaded_step_equals_single_thread_bitwise() {
     let (p0, g, m0, v0) = random_state(&mut rng, n);
     let s = AdamConfig::default().scalars(4, 1e-3, 0.7).unwrap();
     let isa = Isa::detect();
-    let run = |threads: Option<usize>, dtype: StateDType| {
+    let run = |threads: Option<(usize, bool)>, dtype: StateDType| {
         let mut p = p0.clone();
         let mut q = ref_quantize(&m0, &v0);
         let (mut mb, mut vb): (Vec<bf16>, Vec<bf16>) =
@@ -361,7 +361,13 @@ fn threaded_step_equals_single_thread_bitwise() {
         let (grads, out) = (GradSlice::F32(&g), CopyOut::BF16(&mut o));
         match threads {
             None => adam_step_moments(isa, &s, &mut p, moments, grads, out).unwrap(),
-            Some(t) => AdamKernel::new(isa, t).unwrap().step_moments(&s, &mut p, moments, grads, out).unwrap(),
+            Some((t, false)) => AdamKernel::new(isa, t).unwrap().step_moments(&s, &mut p, moments, grads, out).unwrap(),
+            Some((t, true)) => {
+                let mut partials = vec![0f64; n.div_ceil(NORM_BLOCK)];
+                let k = AdamKernel::new(isa, t).unwrap();
+                let ss = k.step_moments_with_sumsq(&s, &mut p, moments, grads, out, &mut partials).unwrap();
+                assert_eq!(ss.to_bits(), grad_sumsq(isa, grads).unwrap().to_bits(), "{t} threads: sum of squares");
+            }
         }
         let mbits: Vec<u16> = mb.iter().chain(&vb).map(|x| x.to_bits()).collect();
         (bits(&p), o.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), mbits, q.m, q.v, bits(&q.ma), bits(&q.va))
@@ -369,7 +375,9 @@ fn threaded_step_equals_single_thread_bitwise() {
     for dtype in [StateDType::Bf16, StateDType::Int8] {
         let one = run(None, dtype);
         for threads in [1, 2, 3] {
-            assert!(run(Some(threads), dtype) == one, "{dtype}, {threads} threads");
+            for sumsq in [false, true] {
+                assert!(run(Some((threads, sumsq)), dtype) == one, "{dtype}, {threads} threads, sumsq {sumsq}");
+            }
         }
     }
 }
@@ -416,6 +424,11 @@ fn lengths_are_checked_and_bytes_are_documented() {
     )
     .unwrap_err();
     assert!(e.to_string().contains("gradients"), "{e}");
+    let k = AdamKernel::new(Isa::Scalar, 1).unwrap();
+    let moments = Moments::Bf16 { m: &mut mb, v: &mut vb };
+    let e =
+        k.step_moments_with_sumsq(&s, &mut p, moments, GradSlice::F32(&g), CopyOut::None, &mut [0.0; 2]).unwrap_err();
+    assert!(e.to_string().contains("norm partials") && e.to_string().contains('2'), "{e}");
     assert_eq!(StateDType::F32.moment_bytes(1000), 8000);
     assert_eq!(StateDType::Bf16.moment_bytes(1000), 4000);
     assert_eq!(StateDType::Int8.moment_bytes(1000), 2000 + 8 * 4);
