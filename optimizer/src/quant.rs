@@ -311,6 +311,43 @@ pub(crate) fn thresholds() -> &'static [f64; 255] {
     &tables().1
 }
 
+/// Per-block constants of the vector tree-map encoder's first guess, for absmax `a`. The guess
+/// is checked against the exact thresholds before it is used, so these need no exactness.
+///
+/// A value's level `l` (0..=8) is how many of the 8 thresholds at decade ends
+/// (`thresholds()[2^j − 1]·a`, `j = 0..8`) it exceeds: `l = 0` is code 0, else its code is in
+/// decade `E = 8 − l`, codes `2^f ..= 2^(f+1) − 1` with `f = l − 1`, and the guess is
+/// `2^f + clamp(⌊y·scale[l] − offset[l]⌋, 0, 2^f − 1)`: the interval of `[0.1, 1]`'s `2^f`
+/// that holds `y/(a·10^−E)`.
+pub(crate) struct TreeGuess {
+    /// The decade-end thresholds times `a` (exact in f64), ascending.
+    pub(crate) levels: [f64; 8],
+    /// `10^E·2^f/(0.9·a)` per level (16 slots, 9 used).
+    pub(crate) scale: [f64; 16],
+    /// `0.1·2^f/0.9` per level.
+    pub(crate) offset: [f64; 16],
+    /// `2^f` per level (0 for level 0).
+    pub(crate) base: [f64; 16],
+}
+
+impl TreeGuess {
+    pub(crate) fn new(a: f32) -> Self {
+        let (mid, a) = (thresholds(), a as f64);
+        let mut g = TreeGuess { levels: [0.0; 8], scale: [0.0; 16], offset: [0.0; 16], base: [0.0; 16] };
+        for (j, t) in g.levels.iter_mut().enumerate() {
+            *t = mid[(1 << j) - 1] * a;
+        }
+        for l in 1..=8 {
+            let (f, e) = (l as i32 - 1, 8 - l as i32);
+            let two_f = 2f64.powi(f);
+            g.scale[l] = 10f64.powi(e) * two_f / (0.9 * a);
+            g.offset[l] = 0.1 * two_f / 0.9;
+            g.base[l] = two_f;
+        }
+        g
+    }
+}
+
 /// Quantizes one block of non-negative values on the dynamic tree map: returns
 /// `A = max |x|` and writes `codes[i]`, the code of the map value nearest to `x[i]/A` (ties to
 /// the lower code; all 0 when `A = 0`; negative values give 0).

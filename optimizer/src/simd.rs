@@ -22,9 +22,10 @@
 //! hardware conversion (`vcvtps2ph`, round to nearest even), which is IEEE-exact like `half`.
 //!
 //! **Codecs.** The int8 codecs compute in f64 lanes as the scalar code does (`127·y/A` divided
-//! and rounded to nearest even; `c·A/127` divided, then narrowed to f32; the tree map's binary
-//! search compares `y > t·A`, exact in f64, through gathers of the thresholds), so each path's
-//! codes and values equal the scalar ones bit for bit on finite inputs.
+//! and rounded to nearest even; `c·A/127` divided, then narrowed to f32; the tree map's code is
+//! a first guess from the value's decade, kept only where the two thresholds around it confirm it
+//! (`t·A < y ≤ t'·A`, exact in f64, by gathers), else a binary search of `y > t·A`), so each
+//! path's codes and values equal the scalar ones bit for bit on finite inputs.
 #![allow(unsafe_code)]
 
 #[cfg(target_arch = "x86_64")]
@@ -271,7 +272,14 @@ pub(crate) fn linear_decode(isa: Isa, codes: &[i8], a: f32, out: &mut [f32]) {
 
 /// Codes of `x` on the tree map of absmax `a > 0` ([`quant::dynamic_code`]).
 pub(crate) fn dynamic_encode(isa: Isa, x: &[f32], a: f32, codes: &mut [u8]) {
-    let done: usize = vector_part!(isa, dynamic_encode(x, a, quant::thresholds(), codes));
+    let guess = match isa {
+        Isa::Scalar => None,
+        _ => Some(quant::TreeGuess::new(a)),
+    };
+    let done: usize = match &guess {
+        Some(guess) => vector_part!(isa, dynamic_encode(x, a, guess, quant::thresholds(), codes)),
+        None => 0,
+    };
     for (c, &y) in codes[done..].iter_mut().zip(&x[done..]) {
         *c = quant::dynamic_code(y, a as f64);
     }
@@ -511,27 +519,61 @@ mod avx512 {
         i
     }
 
-    /// Tree-map codes of whole groups of 8 ([`quant::dynamic_code`]: a binary search of `y > t·a`
-    /// in f64 over the 255 thresholds), and their count.
+    /// Tree-map codes of whole groups of 8 ([`quant::dynamic_code`]), and their count: the guess
+    /// of [`quant::TreeGuess`], kept when `mid[c − 1]·a < y ≤ mid[c]·a` (the definition of code
+    /// `c`, exact in f64) holds in every lane, else a binary search of `y > t·a` over the 255
+    /// thresholds.
     #[target_feature(enable = "avx512f")]
-    pub(super) fn dynamic_encode(x: &[f32], a: f32, mid: &[f64; 255], codes: &mut [u8]) -> usize {
+    pub(super) fn dynamic_encode(x: &[f32], a: f32, g: &quant::TreeGuess, mid: &[f64; 255], codes: &mut [u8]) -> usize {
         let a = _mm512_set1_pd(a as f64);
+        let table = |t: &[f64; 16]| {
+            // SAFETY: `t` holds 16 f64 (two unaligned loads of 8).
+            unsafe { (_mm512_loadu_pd(t.as_ptr()), _mm512_loadu_pd(t[8..].as_ptr())) }
+        };
+        let (scale, offset, base) = (table(&g.scale), table(&g.offset), table(&g.base));
+        let look = |l: __m512i, (lo, hi): (__m512d, __m512d)| _mm512_permutex2var_pd(lo, l, hi);
+        let (one, zero) = (_mm512_set1_epi64(1), _mm512_setzero_pd());
         let mut i = 0;
         while i + 8 <= x.len() {
             let y = load8_pd(x, i);
-            let mut idx = _mm512_setzero_si512();
-            for b in [128i64, 64, 32, 16, 8, 4, 2, 1] {
-                let cand = _mm512_add_epi64(idx, _mm512_set1_epi64(b));
-                // SAFETY: `cand − 1` is at most 254 (the search's largest index is 255), so every
-                // lane reads inside the 255 thresholds.
-                let t = unsafe { _mm512_i64gather_pd::<8>(_mm512_sub_epi64(cand, _mm512_set1_epi64(1)), mid.as_ptr()) };
-                let gt = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(y, _mm512_mul_pd(t, a));
-                idx = _mm512_mask_blend_epi64(gt, idx, cand);
+            let mut l = _mm512_setzero_si512();
+            for &t in &g.levels {
+                l = _mm512_mask_add_epi64(l, _mm512_cmp_pd_mask::<_CMP_GT_OQ>(y, _mm512_set1_pd(t)), l, one);
             }
-            store8_bytes(&mut codes[i..], idx);
+            let (b, k) = (look(l, base), _mm512_fmsub_pd(y, look(l, scale), look(l, offset)));
+            let k = _mm512_roundscale_pd::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(k);
+            let k = _mm512_max_pd(_mm512_min_pd(k, _mm512_sub_pd(b, _mm512_set1_pd(1.0))), zero);
+            let c = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(_mm512_add_pd(b, k)));
+            let lo = _mm512_max_epi64(_mm512_sub_epi64(c, one), _mm512_setzero_si512());
+            let hi = _mm512_min_epi64(c, _mm512_set1_epi64(254));
+            // SAFETY: `lo` and `hi` are in 0..=254, inside the 255 thresholds.
+            let (tlo, thi) =
+                unsafe { (_mm512_i64gather_pd::<8>(lo, mid.as_ptr()), _mm512_i64gather_pd::<8>(hi, mid.as_ptr())) };
+            let above_lo = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(y, _mm512_mul_pd(tlo, a))
+                | _mm512_cmpeq_epi64_mask(c, _mm512_setzero_si512());
+            let below_hi = !_mm512_cmp_pd_mask::<_CMP_GT_OQ>(y, _mm512_mul_pd(thi, a))
+                | _mm512_cmpeq_epi64_mask(c, _mm512_set1_epi64(255));
+            let c = if above_lo & below_hi == 0xff { c } else { search(y, a, mid) };
+            store8_bytes(&mut codes[i..], c);
             i += 8;
         }
         i
+    }
+
+    /// The tree-map codes of 8 values by binary search: how many thresholds `t` have `y > t·a`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn search(y: __m512d, a: __m512d, mid: &[f64; 255]) -> __m512i {
+        let mut idx = _mm512_setzero_si512();
+        for b in [128i64, 64, 32, 16, 8, 4, 2, 1] {
+            let cand = _mm512_add_epi64(idx, _mm512_set1_epi64(b));
+            // SAFETY: `cand − 1` is at most 254 (the search's largest index is 255), so every
+            // lane reads inside the 255 thresholds.
+            let t = unsafe { _mm512_i64gather_pd::<8>(_mm512_sub_epi64(cand, _mm512_set1_epi64(1)), mid.as_ptr()) };
+            let gt = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(y, _mm512_mul_pd(t, a));
+            idx = _mm512_mask_blend_epi64(gt, idx, cand);
+        }
+        idx
     }
 
     /// Tree-map values `map[c]·a` of whole groups of 16, and their count.
@@ -799,31 +841,78 @@ mod avx2 {
         i
     }
 
-    /// Tree-map codes of whole groups of 4 (as [`quant::dynamic_code`]), and their count.
+    /// f64 lanes holding small non-negative integers, as i64 lanes.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) fn dynamic_encode(x: &[f32], a: f32, mid: &[f64; 255], codes: &mut [u8]) -> usize {
+    fn to_i64(v: __m256d) -> __m256i {
+        _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(v))
+    }
+
+    /// Tree-map codes of whole groups of 4 (as [`quant::dynamic_code`]), and their count: the
+    /// guess of [`quant::TreeGuess`], kept when `mid[c − 1]·a < y ≤ mid[c]·a` holds in every lane
+    /// (exact in f64), else a binary search over the 255 thresholds.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn dynamic_encode(x: &[f32], a: f32, g: &quant::TreeGuess, mid: &[f64; 255], codes: &mut [u8]) -> usize {
         let a = _mm256_set1_pd(a as f64);
+        let (one, zero) = (_mm256_set1_pd(1.0), _mm256_setzero_pd());
+        let look = |t: &[f64; 16], l: __m256i| {
+            // SAFETY: `look` is given levels only, counts of 8 comparisons (0..=8), inside the
+            // 16-slot tables.
+            unsafe { _mm256_i64gather_pd::<8>(t.as_ptr(), l) }
+        };
         let mut i = 0;
         while i + 4 <= x.len() {
             let y = load4_pd(x, i);
-            let mut idx = _mm256_setzero_si256();
-            for b in [128i64, 64, 32, 16, 8, 4, 2, 1] {
-                let cand = _mm256_add_epi64(idx, _mm256_set1_epi64x(b));
-                // SAFETY: `cand − 1` is at most 254, inside the 255 thresholds.
-                let t =
-                    unsafe { _mm256_i64gather_pd::<8>(mid.as_ptr(), _mm256_sub_epi64(cand, _mm256_set1_epi64x(1))) };
-                let gt = _mm256_castpd_si256(_mm256_cmp_pd::<_CMP_GT_OQ>(y, _mm256_mul_pd(t, a)));
-                idx = _mm256_blendv_epi8(idx, cand, gt);
+            let mut l = zero;
+            for &t in &g.levels {
+                l = _mm256_add_pd(l, _mm256_and_pd(_mm256_cmp_pd::<_CMP_GT_OQ>(y, _mm256_set1_pd(t)), one));
             }
+            let l = to_i64(l);
+            let (b, k) = (look(&g.base, l), _mm256_fmsub_pd(y, look(&g.scale, l), look(&g.offset, l)));
+            let k = _mm256_max_pd(_mm256_min_pd(_mm256_floor_pd(k), _mm256_sub_pd(b, one)), zero);
+            let c = _mm256_add_pd(b, k);
+            let lo = to_i64(_mm256_max_pd(_mm256_sub_pd(c, one), zero));
+            let hi = to_i64(_mm256_min_pd(c, _mm256_set1_pd(254.0)));
+            // SAFETY: `lo` and `hi` are in 0..=254, inside the 255 thresholds.
+            let (tlo, thi) =
+                unsafe { (_mm256_i64gather_pd::<8>(mid.as_ptr(), lo), _mm256_i64gather_pd::<8>(mid.as_ptr(), hi)) };
+            let above_lo = _mm256_or_pd(
+                _mm256_cmp_pd::<_CMP_GT_OQ>(y, _mm256_mul_pd(tlo, a)),
+                _mm256_cmp_pd::<_CMP_EQ_OQ>(c, zero),
+            );
+            let below_hi = _mm256_or_pd(
+                _mm256_cmp_pd::<_CMP_NGT_UQ>(y, _mm256_mul_pd(thi, a)),
+                _mm256_cmp_pd::<_CMP_EQ_OQ>(c, _mm256_set1_pd(255.0)),
+            );
+            let c = if _mm256_movemask_pd(_mm256_and_pd(above_lo, below_hi)) == 0xf {
+                to_i64(c)
+            } else {
+                search(y, a, mid)
+            };
             let mut lanes = [0i64; 4];
             // SAFETY: `lanes` holds 4 i64.
-            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), idx) };
-            for (c, l) in codes[i..i + 4].iter_mut().zip(lanes) {
-                *c = l as u8;
+            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), c) };
+            for (d, l) in codes[i..i + 4].iter_mut().zip(lanes) {
+                *d = l as u8;
             }
             i += 4;
         }
         i
+    }
+
+    /// The tree-map codes of 4 values by binary search: how many thresholds `t` have `y > t·a`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn search(y: __m256d, a: __m256d, mid: &[f64; 255]) -> __m256i {
+        let mut idx = _mm256_setzero_si256();
+        for b in [128i64, 64, 32, 16, 8, 4, 2, 1] {
+            let cand = _mm256_add_epi64(idx, _mm256_set1_epi64x(b));
+            // SAFETY: `cand − 1` is at most 254, inside the 255 thresholds.
+            let t = unsafe { _mm256_i64gather_pd::<8>(mid.as_ptr(), _mm256_sub_epi64(cand, _mm256_set1_epi64x(1))) };
+            let gt = _mm256_castpd_si256(_mm256_cmp_pd::<_CMP_GT_OQ>(y, _mm256_mul_pd(t, a)));
+            idx = _mm256_blendv_epi8(idx, cand, gt);
+        }
+        idx
     }
 
     /// Tree-map values `map[c]·a` of whole groups of 8, and their count.
