@@ -546,9 +546,10 @@ mod avx512 {
             let c = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(_mm512_add_pd(b, k)));
             let lo = _mm512_max_epi64(_mm512_sub_epi64(c, one), _mm512_setzero_si512());
             let hi = _mm512_min_epi64(c, _mm512_set1_epi64(254));
-            // SAFETY: `lo` and `hi` are in 0..=254, inside the 255 thresholds.
-            let (tlo, thi) =
-                unsafe { (_mm512_i64gather_pd::<8>(lo, mid.as_ptr()), _mm512_i64gather_pd::<8>(hi, mid.as_ptr())) };
+            // SAFETY: `lo` is in 0..=254, inside the 255 thresholds.
+            let tlo = unsafe { _mm512_i64gather_pd::<8>(lo, mid.as_ptr()) };
+            // SAFETY: `hi` is in 0..=254 too.
+            let thi = unsafe { _mm512_i64gather_pd::<8>(hi, mid.as_ptr()) };
             let above_lo = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(y, _mm512_mul_pd(tlo, a))
                 | _mm512_cmpeq_epi64_mask(c, _mm512_setzero_si512());
             let below_hi = !_mm512_cmp_pd_mask::<_CMP_GT_OQ>(y, _mm512_mul_pd(thi, a))
@@ -873,9 +874,10 @@ mod avx2 {
             let c = _mm256_add_pd(b, k);
             let lo = to_i64(_mm256_max_pd(_mm256_sub_pd(c, one), zero));
             let hi = to_i64(_mm256_min_pd(c, _mm256_set1_pd(254.0)));
-            // SAFETY: `lo` and `hi` are in 0..=254, inside the 255 thresholds.
-            let (tlo, thi) =
-                unsafe { (_mm256_i64gather_pd::<8>(mid.as_ptr(), lo), _mm256_i64gather_pd::<8>(mid.as_ptr(), hi)) };
+            // SAFETY: `lo` is in 0..=254, inside the 255 thresholds.
+            let tlo = unsafe { _mm256_i64gather_pd::<8>(mid.as_ptr(), lo) };
+            // SAFETY: `hi` is in 0..=254 too.
+            let thi = unsafe { _mm256_i64gather_pd::<8>(mid.as_ptr(), hi) };
             let above_lo = _mm256_or_pd(
                 _mm256_cmp_pd::<_CMP_GT_OQ>(y, _mm256_mul_pd(tlo, a)),
                 _mm256_cmp_pd::<_CMP_EQ_OQ>(c, zero),
