@@ -117,6 +117,8 @@ pub enum Moments<'a> {
         v: &'a mut [bf16],
     },
     /// Block-wise int8: block `b` holds elements `b·QUANT_BLOCK ..` (the last may be shorter).
+    /// Zero moments (torch's initial state) are all codes 0 with any absmax (0 is what the
+    /// encoders write).
     Int8 {
         /// Codes of `m` on the linear map ([`quantize_linear`]), `n`.
         m: &'a mut [i8],
