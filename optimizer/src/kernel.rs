@@ -278,7 +278,7 @@ impl CopyOut<'_> {
         }
     }
 
-    fn split_at(self, mid: usize) -> (Self, Self) {
+    pub(crate) fn split_at(self, mid: usize) -> (Self, Self) {
         match self {
             CopyOut::None => (CopyOut::None, CopyOut::None),
             CopyOut::F32(o) => {
@@ -384,7 +384,7 @@ impl StateIo<'_> {
     }
 }
 
-fn check_isa(isa: Isa) -> Result<()> {
+pub(crate) fn check_isa(isa: Isa) -> Result<()> {
     if isa.is_available() {
         Ok(())
     } else {
@@ -394,7 +394,11 @@ fn check_isa(isa: Isa) -> Result<()> {
 
 fn check_lens(state: &StateIo<'_>, grads: &GradSlice<'_>, out: &CopyOut<'_>) -> Result<()> {
     state.check()?;
-    let n = state.len();
+    check_io(state.len(), grads, out)
+}
+
+/// Checks that `grads` and `out` (unless `None`) have `n` elements.
+pub(crate) fn check_io(n: usize, grads: &GradSlice<'_>, out: &CopyOut<'_>) -> Result<()> {
     if grads.len() != n {
         return Err(Error::LengthMismatch { what: "gradients (length of p)".into(), expected: n, got: grads.len() });
     }
@@ -592,7 +596,8 @@ impl AdamKernel {
         self.pool.spawn(job)
     }
 
-    fn parts(&self, n: usize) -> usize {
+    /// Threads to use for `n` parameters (at least [`MIN_PARAMS_PER_THREAD`] each).
+    pub(crate) fn parts(&self, n: usize) -> usize {
         self.threads.min(n.div_ceil(MIN_PARAMS_PER_THREAD)).max(1)
     }
 

@@ -38,6 +38,7 @@
 //! | hyper-parameters | [`AdamConfig`], [`LrSchedule`] | torch's `AdamW`/`Adam` (decoupled or L2 decay, bias correction); warm-up + cosine |
 //! | dispatch | [`Isa`] | AVX-512, AVX2+FMA+F16C or scalar, detected at run time or forced; all bit-identical |
 //! | kernel | [`adam_step`], [`AdamKernel`] | one fused pass: read `p, m, v, g` (f32/bf16/f16), write `p, m, v` and the compute copy (f32/bf16/f16) |
+//! | reduced moments | [`StateDType`], [`Moments`], [`adam_step_moments`], [`AdamKernel::step_moments`] (and `_with_sumsq`) | `m`, `v` in bf16 or block-wise int8 (Dettmers et al., ICLR 2022): 8, 4 or 2.03 B/param |
 //! | gradient norm | [`grad_sumsq`], [`global_norm`], [`clip_scale`] | a canonical f64 sum of squares, the same bits on every path and thread count |
 //! | streamed state | [`NvmeState`], [`StreamConfig`], [`stream_update`] | state chunks on the swapper's `NvmeStore`, read k+1 ‖ update k ‖ write k−1 |
 //! | pipelined step | [`PipelinedOptimizer`] | `submit(unit, grads)` returns at once; speculative update with exact global-norm clipping |
@@ -57,6 +58,7 @@ pub mod grad_pool;
 pub mod home;
 pub mod kernel;
 pub mod pipeline;
+pub mod quant;
 mod simd;
 pub mod stream;
 
@@ -72,6 +74,10 @@ pub use oogc_swapper::{DType, StatePlacement};
 pub use pipeline::{
     compute_copy, speculation_cost, state_host_bytes, stream_host_bytes, Grads, NormReduce, PipelinedOptimizer,
     SpeculationReport, StepReport, UnitState, UpdateHandle,
+};
+pub use quant::{
+    adam_step_moments, bf16_rne, dequantize_dynamic, dequantize_linear, dynamic_map, quantize_dynamic, quantize_linear,
+    Moments, StateDType, QUANT_BLOCK,
 };
 pub use simd::Isa;
 pub use stream::{state_nvme_bytes, stream_update, NvmeState, StreamConfig, StreamStats};

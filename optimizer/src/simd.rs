@@ -1,5 +1,6 @@
-//! The vectorized loops: the fused Adam/AdamW element update and the gradient sum of squares,
-//! for AVX-512, AVX2+FMA+F16C and a scalar path, chosen at run time.
+//! The vectorized loops: the fused Adam/AdamW element update, the gradient sum of squares and
+//! the block codecs of the reduced moments ([`crate::quant`]), for AVX-512, AVX2+FMA+F16C and a
+//! scalar path, chosen at run time.
 //!
 //! This is the only module of the crate that holds `unsafe` code (`#![allow(unsafe_code)]`
 //! below): raw-pointer loads and stores of `std::arch` intrinsics, and calls into
@@ -19,12 +20,21 @@
 //! instruction `vcvtneps2bf16` is deliberately not used: it flushes subnormal inputs to zero
 //! (measured on this CPU: `0x0001_8000` gives `0x0000`, `half` gives `0x0002`). f16 uses the
 //! hardware conversion (`vcvtps2ph`, round to nearest even), which is IEEE-exact like `half`.
+//!
+//! **Codecs.** The int8 codecs compute in f64 lanes as the scalar code does (`127·y/A` divided
+//! and rounded to nearest even; `c·A/127` divided, then narrowed to f32; the tree map's code is
+//! a first guess from the value's decade, kept only where the two thresholds around it confirm it
+//! (`t·A < y ≤ t'·A`, exact in f64, by gathers), else a binary search of `y > t·A`), so each
+//! path's codes and values equal the scalar ones bit for bit on finite inputs.
 #![allow(unsafe_code)]
 
 #[cfg(target_arch = "x86_64")]
 use std::arch::x86_64::*;
 
+use half::bf16;
+
 use crate::kernel::{CopyOut, GradSlice, StateIo, StepScalars};
+use crate::quant;
 use serde::{Deserialize, Serialize};
 
 /// An instruction-set path of the kernels.
@@ -221,6 +231,85 @@ pub(crate) fn sumsq(isa: Isa, grads: GradSlice<'_>) -> f64 {
     reduce_lanes(acc)
 }
 
+/// Runs a block codec's vector loop on `isa`, which returns how many leading elements it did; the
+/// scalar path does none.
+macro_rules! vector_part {
+    ($isa:expr, $f:ident($($arg:expr),*)) => {
+        match $isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: the caller checked `Isa::Avx512.is_available()` (AVX-512F); the function
+            // reads and writes its slices only through bounds-checked sub-slices.
+            Isa::Avx512 => unsafe { avx512::$f($($arg),*) },
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: as above, for AVX2 + FMA + F16C.
+            Isa::Avx2 => unsafe { avx2::$f($($arg),*) },
+            _ => Default::default(),
+        }
+    };
+}
+
+/// `max |x|` (NaN ignored, 0 for an empty block) on `isa`; max is exact, so every path agrees.
+pub(crate) fn absmax(isa: Isa, x: &[f32]) -> f32 {
+    let (a, done): (f32, usize) = vector_part!(isa, absmax(x));
+    x[done..].iter().fold(a, |a, &y| a.max(y.abs()))
+}
+
+/// Codes of `x` on the linear map of absmax `a > 0` ([`quant::linear_code`]).
+pub(crate) fn linear_encode(isa: Isa, x: &[f32], a: f32, codes: &mut [i8]) {
+    let done: usize = vector_part!(isa, linear_encode(x, a, codes));
+    for (c, &y) in codes[done..].iter_mut().zip(&x[done..]) {
+        *c = quant::linear_code(y, a as f64);
+    }
+}
+
+/// Values of linear-map `codes` of absmax `a` ([`quant::linear_value`]).
+pub(crate) fn linear_decode(isa: Isa, codes: &[i8], a: f32, out: &mut [f32]) {
+    let done: usize = vector_part!(isa, linear_decode(codes, a, out));
+    for (o, &c) in out[done..].iter_mut().zip(&codes[done..]) {
+        *o = quant::linear_value(c, a);
+    }
+}
+
+/// Codes of `x` on the tree map of absmax `a > 0` ([`quant::dynamic_code`]).
+pub(crate) fn dynamic_encode(isa: Isa, x: &[f32], a: f32, codes: &mut [u8]) {
+    let guess = match isa {
+        Isa::Scalar => None,
+        _ => Some(quant::TreeGuess::new(a)),
+    };
+    let done: usize = match &guess {
+        Some(guess) => vector_part!(isa, dynamic_encode(x, a, guess, quant::thresholds(), codes)),
+        None => 0,
+    };
+    for (c, &y) in codes[done..].iter_mut().zip(&x[done..]) {
+        *c = quant::dynamic_code(y, a as f64);
+    }
+}
+
+/// Values of tree-map `codes` of absmax `a`: `map[c]·a` in f32.
+pub(crate) fn dynamic_decode(isa: Isa, codes: &[u8], a: f32, out: &mut [f32]) {
+    let map = quant::dynamic_map();
+    let done: usize = vector_part!(isa, dynamic_decode(codes, a, map, out));
+    for (o, &c) in out[done..].iter_mut().zip(&codes[done..]) {
+        *o = map[c as usize] * a;
+    }
+}
+
+/// bf16 to f32 (exact).
+pub(crate) fn bf16_decode(isa: Isa, x: &[bf16], out: &mut [f32]) {
+    let done: usize = vector_part!(isa, bf16_decode(x, out));
+    for (o, &y) in out[done..].iter_mut().zip(&x[done..]) {
+        *o = y.to_f32();
+    }
+}
+
+/// f32 to bf16, round to nearest even ([`quant::bf16_rne`], the copy's conversion).
+pub(crate) fn bf16_encode(isa: Isa, x: &[f32], out: &mut [bf16]) {
+    let done: usize = vector_part!(isa, bf16_encode(x, out));
+    for (o, &y) in out[done..].iter_mut().zip(&x[done..]) {
+        *o = quant::bf16_rne(y);
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::*;
@@ -353,6 +442,183 @@ mod avx512 {
         }
         for (a, b) in acc.iter_mut().zip(lanes) {
             *a += b;
+        }
+        i
+    }
+    /// Round to nearest, ties to even, in the f64 lanes.
+    const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+    /// 8 f32 from `x[i..]`, widened to f64 (exact).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn load8_pd(x: &[f32], i: usize) -> __m512d {
+        let s = &x[i..i + 8];
+        // SAFETY: `s` holds 8 f32 (an unaligned load).
+        _mm512_cvtps_pd(unsafe { _mm256_loadu_ps(s.as_ptr()) })
+    }
+
+    /// Stores the low byte of each of 8 i64 lanes to `d` (8 bytes).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn store8_bytes(d: &mut [u8], x: __m512i) {
+        let d = &mut d[..8];
+        // SAFETY: `d` holds 8 bytes (an unaligned 64-bit store).
+        unsafe { _mm_storel_epi64(d.as_mut_ptr().cast(), _mm512_cvtepi64_epi8(x)) }
+    }
+
+    /// `max |x|` over whole groups of 16, and their count.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn absmax(x: &[f32]) -> (f32, usize) {
+        let mut acc = _mm512_setzero_ps();
+        let mut i = 0;
+        while i + 16 <= x.len() {
+            let s = &x[i..i + 16];
+            // SAFETY: `s` holds 16 f32 (an unaligned load).
+            let y = unsafe { _mm512_loadu_ps(s.as_ptr()) };
+            // |y| first: `max` returns its second operand when one is NaN, so NaN is ignored.
+            acc = _mm512_max_ps(_mm512_abs_ps(y), acc);
+            i += 16;
+        }
+        let mut lanes = [0.0f32; 16];
+        // SAFETY: `lanes` holds 16 f32.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
+        (lanes.into_iter().fold(0.0f32, f32::max), i)
+    }
+
+    /// Linear-map codes of whole groups of 8 ([`quant::linear_code`]: `127·y/a` in f64, nearest
+    /// even), and their count.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn linear_encode(x: &[f32], a: f32, codes: &mut [i8]) -> usize {
+        let (a, k) = (_mm512_set1_pd(a as f64), _mm512_set1_pd(127.0));
+        let codes: &mut [u8] = bytemuck::cast_slice_mut(codes);
+        let mut i = 0;
+        while i + 8 <= x.len() {
+            let q = _mm512_roundscale_pd::<NEAREST>(_mm512_div_pd(_mm512_mul_pd(k, load8_pd(x, i)), a));
+            store8_bytes(&mut codes[i..], _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(q)));
+            i += 8;
+        }
+        i
+    }
+
+    /// Linear-map values of whole groups of 8 ([`quant::linear_value`]: `c·a/127` in f64, then
+    /// f32), and their count.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn linear_decode(codes: &[i8], a: f32, out: &mut [f32]) -> usize {
+        let (a, k) = (_mm512_set1_pd(a as f64), _mm512_set1_pd(127.0));
+        let mut i = 0;
+        while i + 8 <= codes.len() {
+            let s = &codes[i..i + 8];
+            // SAFETY: `s` holds 8 bytes (an unaligned 64-bit load).
+            let c = _mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(s.as_ptr().cast()) });
+            let y = _mm512_cvtpd_ps(_mm512_div_pd(_mm512_mul_pd(_mm512_cvtepi32_pd(c), a), k));
+            let d = &mut out[i..i + 8];
+            // SAFETY: `d` holds 8 f32 (an unaligned store).
+            unsafe { _mm256_storeu_ps(d.as_mut_ptr(), y) };
+            i += 8;
+        }
+        i
+    }
+
+    /// Tree-map codes of whole groups of 8 ([`quant::dynamic_code`]), and their count: the guess
+    /// of [`quant::TreeGuess`], kept when `mid[c − 1]·a < y ≤ mid[c]·a` (the definition of code
+    /// `c`, exact in f64) holds in every lane, else a binary search of `y > t·a` over the 255
+    /// thresholds.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn dynamic_encode(x: &[f32], a: f32, g: &quant::TreeGuess, mid: &[f64; 255], codes: &mut [u8]) -> usize {
+        let a = _mm512_set1_pd(a as f64);
+        let table = |t: &[f64; 16]| {
+            // SAFETY: `t` holds 16 f64 (two unaligned loads of 8).
+            unsafe { (_mm512_loadu_pd(t.as_ptr()), _mm512_loadu_pd(t[8..].as_ptr())) }
+        };
+        let (scale, offset, base) = (table(&g.scale), table(&g.offset), table(&g.base));
+        let look = |l: __m512i, (lo, hi): (__m512d, __m512d)| _mm512_permutex2var_pd(lo, l, hi);
+        let (one, zero) = (_mm512_set1_epi64(1), _mm512_setzero_pd());
+        let mut i = 0;
+        while i + 8 <= x.len() {
+            let y = load8_pd(x, i);
+            let mut l = _mm512_setzero_si512();
+            for &t in &g.levels {
+                l = _mm512_mask_add_epi64(l, _mm512_cmp_pd_mask::<_CMP_GT_OQ>(y, _mm512_set1_pd(t)), l, one);
+            }
+            let (b, k) = (look(l, base), _mm512_fmsub_pd(y, look(l, scale), look(l, offset)));
+            let k = _mm512_roundscale_pd::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(k);
+            let k = _mm512_max_pd(_mm512_min_pd(k, _mm512_sub_pd(b, _mm512_set1_pd(1.0))), zero);
+            let c = _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(_mm512_add_pd(b, k)));
+            let lo = _mm512_max_epi64(_mm512_sub_epi64(c, one), _mm512_setzero_si512());
+            let hi = _mm512_min_epi64(c, _mm512_set1_epi64(254));
+            // SAFETY: `lo` is in 0..=254, inside the 255 thresholds.
+            let tlo = unsafe { _mm512_i64gather_pd::<8>(lo, mid.as_ptr()) };
+            // SAFETY: `hi` is in 0..=254 too.
+            let thi = unsafe { _mm512_i64gather_pd::<8>(hi, mid.as_ptr()) };
+            let above_lo = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(y, _mm512_mul_pd(tlo, a))
+                | _mm512_cmpeq_epi64_mask(c, _mm512_setzero_si512());
+            let below_hi = !_mm512_cmp_pd_mask::<_CMP_GT_OQ>(y, _mm512_mul_pd(thi, a))
+                | _mm512_cmpeq_epi64_mask(c, _mm512_set1_epi64(255));
+            let c = if above_lo & below_hi == 0xff { c } else { search(y, a, mid) };
+            store8_bytes(&mut codes[i..], c);
+            i += 8;
+        }
+        i
+    }
+
+    /// The tree-map codes of 8 values by binary search: how many thresholds `t` have `y > t·a`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn search(y: __m512d, a: __m512d, mid: &[f64; 255]) -> __m512i {
+        let mut idx = _mm512_setzero_si512();
+        for b in [128i64, 64, 32, 16, 8, 4, 2, 1] {
+            let cand = _mm512_add_epi64(idx, _mm512_set1_epi64(b));
+            // SAFETY: `cand − 1` is at most 254 (the search's largest index is 255), so every
+            // lane reads inside the 255 thresholds.
+            let t = unsafe { _mm512_i64gather_pd::<8>(_mm512_sub_epi64(cand, _mm512_set1_epi64(1)), mid.as_ptr()) };
+            let gt = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(y, _mm512_mul_pd(t, a));
+            idx = _mm512_mask_blend_epi64(gt, idx, cand);
+        }
+        idx
+    }
+
+    /// Tree-map values `map[c]·a` of whole groups of 16, and their count.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn dynamic_decode(codes: &[u8], a: f32, map: &[f32; 256], out: &mut [f32]) -> usize {
+        let a = _mm512_set1_ps(a);
+        let mut i = 0;
+        while i + 16 <= codes.len() {
+            let s = &codes[i..i + 16];
+            // SAFETY: `s` holds 16 bytes (an unaligned load).
+            let c = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(s.as_ptr().cast()) });
+            // SAFETY: every index is a byte, below the map's 256 entries.
+            let y = _mm512_mul_ps(unsafe { _mm512_i32gather_ps::<4>(c, map.as_ptr()) }, a);
+            let d = &mut out[i..i + 16];
+            // SAFETY: `d` holds 16 f32 (an unaligned store).
+            unsafe { _mm512_storeu_ps(d.as_mut_ptr(), y) };
+            i += 16;
+        }
+        i
+    }
+
+    /// bf16 to f32 of whole groups of 16, and their count.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn bf16_decode(x: &[bf16], out: &mut [f32]) -> usize {
+        let mut i = 0;
+        while i + 16 <= x.len() {
+            let (y, d) = (load_grads(&GradSlice::BF16(x), i), &mut out[i..i + 16]);
+            // SAFETY: `d` holds 16 f32 (an unaligned store).
+            unsafe { _mm512_storeu_ps(d.as_mut_ptr(), y) };
+            i += 16;
+        }
+        i
+    }
+
+    /// f32 to bf16 (nearest even) of whole groups of 16, and their count.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn bf16_encode(x: &[f32], out: &mut [bf16]) -> usize {
+        let mut i = 0;
+        while i + 16 <= x.len() {
+            let s = &x[i..i + 16];
+            // SAFETY: `s` holds 16 f32 (an unaligned load).
+            let y = unsafe { _mm512_loadu_ps(s.as_ptr()) };
+            store_copy(&mut CopyOut::BF16(out), i, y);
+            i += 16;
         }
         i
     }
@@ -496,6 +762,203 @@ mod avx2 {
         }
         for (x, y) in acc.iter_mut().zip(lanes) {
             *x += y;
+        }
+        i
+    }
+
+    /// Round to nearest, ties to even, in the f64 lanes.
+    const NEAREST: i32 = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+    /// 4 f32 from `x[i..]`, widened to f64 (exact).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn load4_pd(x: &[f32], i: usize) -> __m256d {
+        let s = &x[i..i + 4];
+        // SAFETY: `s` holds 4 f32 (an unaligned load).
+        _mm256_cvtps_pd(unsafe { _mm_loadu_ps(s.as_ptr()) })
+    }
+
+    /// Stores the 8 low bytes of `x` to `d`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn store8_bytes(d: &mut [u8], x: __m128i) {
+        let d = &mut d[..8];
+        // SAFETY: `d` holds 8 bytes (an unaligned 64-bit store).
+        unsafe { _mm_storel_epi64(d.as_mut_ptr().cast(), x) }
+    }
+
+    /// `max |x|` over whole groups of 8, and their count.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn absmax(x: &[f32]) -> (f32, usize) {
+        let (mut acc, sign) = (_mm256_setzero_ps(), _mm256_set1_ps(-0.0));
+        let mut i = 0;
+        while i + 8 <= x.len() {
+            let s = &x[i..i + 8];
+            // SAFETY: `s` holds 8 f32 (an unaligned load).
+            let y = unsafe { _mm256_loadu_ps(s.as_ptr()) };
+            // |y| first: `max` returns its second operand when one is NaN, so NaN is ignored.
+            acc = _mm256_max_ps(_mm256_andnot_ps(sign, y), acc);
+            i += 8;
+        }
+        let mut lanes = [0.0f32; 8];
+        // SAFETY: `lanes` holds 8 f32.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+        (lanes.into_iter().fold(0.0f32, f32::max), i)
+    }
+
+    /// Linear-map codes of whole groups of 8 (as [`quant::linear_code`]), and their count.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn linear_encode(x: &[f32], a: f32, codes: &mut [i8]) -> usize {
+        let (a, k) = (_mm256_set1_pd(a as f64), _mm256_set1_pd(127.0));
+        let codes: &mut [u8] = bytemuck::cast_slice_mut(codes);
+        let mut i = 0;
+        while i + 8 <= x.len() {
+            let q = |h| _mm256_cvtpd_epi32(_mm256_round_pd::<NEAREST>(_mm256_div_pd(_mm256_mul_pd(k, h), a)));
+            let (lo, hi) = (q(load4_pd(x, i)), q(load4_pd(x, i + 4)));
+            // |code| ≤ 127: the saturating packs are exact.
+            let w = _mm_packs_epi32(lo, hi);
+            store8_bytes(&mut codes[i..], _mm_packs_epi16(w, w));
+            i += 8;
+        }
+        i
+    }
+
+    /// Linear-map values of whole groups of 8 (as [`quant::linear_value`]), and their count.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn linear_decode(codes: &[i8], a: f32, out: &mut [f32]) -> usize {
+        let (a, k) = (_mm256_set1_pd(a as f64), _mm256_set1_pd(127.0));
+        let mut i = 0;
+        while i + 8 <= codes.len() {
+            let s = &codes[i..i + 8];
+            // SAFETY: `s` holds 8 bytes (an unaligned 64-bit load).
+            let c = _mm256_cvtepi8_epi32(unsafe { _mm_loadl_epi64(s.as_ptr().cast()) });
+            let v = |h| _mm256_cvtpd_ps(_mm256_div_pd(_mm256_mul_pd(_mm256_cvtepi32_pd(h), a), k));
+            let y = _mm256_set_m128(v(_mm256_extracti128_si256::<1>(c)), v(_mm256_castsi256_si128(c)));
+            let d = &mut out[i..i + 8];
+            // SAFETY: `d` holds 8 f32 (an unaligned store).
+            unsafe { _mm256_storeu_ps(d.as_mut_ptr(), y) };
+            i += 8;
+        }
+        i
+    }
+
+    /// f64 lanes holding small non-negative integers, as i64 lanes.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn to_i64(v: __m256d) -> __m256i {
+        _mm256_cvtepi32_epi64(_mm256_cvtpd_epi32(v))
+    }
+
+    /// Tree-map codes of whole groups of 4 (as [`quant::dynamic_code`]), and their count: the
+    /// guess of [`quant::TreeGuess`], kept when `mid[c − 1]·a < y ≤ mid[c]·a` holds in every lane
+    /// (exact in f64), else a binary search over the 255 thresholds.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn dynamic_encode(x: &[f32], a: f32, g: &quant::TreeGuess, mid: &[f64; 255], codes: &mut [u8]) -> usize {
+        let a = _mm256_set1_pd(a as f64);
+        let (one, zero) = (_mm256_set1_pd(1.0), _mm256_setzero_pd());
+        let look = |t: &[f64; 16], l: __m256i| {
+            // SAFETY: `look` is given levels only, counts of 8 comparisons (0..=8), inside the
+            // 16-slot tables.
+            unsafe { _mm256_i64gather_pd::<8>(t.as_ptr(), l) }
+        };
+        let mut i = 0;
+        while i + 4 <= x.len() {
+            let y = load4_pd(x, i);
+            let mut l = zero;
+            for &t in &g.levels {
+                l = _mm256_add_pd(l, _mm256_and_pd(_mm256_cmp_pd::<_CMP_GT_OQ>(y, _mm256_set1_pd(t)), one));
+            }
+            let l = to_i64(l);
+            let (b, k) = (look(&g.base, l), _mm256_fmsub_pd(y, look(&g.scale, l), look(&g.offset, l)));
+            let k = _mm256_max_pd(_mm256_min_pd(_mm256_floor_pd(k), _mm256_sub_pd(b, one)), zero);
+            let c = _mm256_add_pd(b, k);
+            let lo = to_i64(_mm256_max_pd(_mm256_sub_pd(c, one), zero));
+            let hi = to_i64(_mm256_min_pd(c, _mm256_set1_pd(254.0)));
+            // SAFETY: `lo` is in 0..=254, inside the 255 thresholds.
+            let tlo = unsafe { _mm256_i64gather_pd::<8>(mid.as_ptr(), lo) };
+            // SAFETY: `hi` is in 0..=254 too.
+            let thi = unsafe { _mm256_i64gather_pd::<8>(mid.as_ptr(), hi) };
+            let above_lo = _mm256_or_pd(
+                _mm256_cmp_pd::<_CMP_GT_OQ>(y, _mm256_mul_pd(tlo, a)),
+                _mm256_cmp_pd::<_CMP_EQ_OQ>(c, zero),
+            );
+            let below_hi = _mm256_or_pd(
+                _mm256_cmp_pd::<_CMP_NGT_UQ>(y, _mm256_mul_pd(thi, a)),
+                _mm256_cmp_pd::<_CMP_EQ_OQ>(c, _mm256_set1_pd(255.0)),
+            );
+            let c = if _mm256_movemask_pd(_mm256_and_pd(above_lo, below_hi)) == 0xf {
+                to_i64(c)
+            } else {
+                search(y, a, mid)
+            };
+            let mut lanes = [0i64; 4];
+            // SAFETY: `lanes` holds 4 i64.
+            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), c) };
+            for (d, l) in codes[i..i + 4].iter_mut().zip(lanes) {
+                *d = l as u8;
+            }
+            i += 4;
+        }
+        i
+    }
+
+    /// The tree-map codes of 4 values by binary search: how many thresholds `t` have `y > t·a`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn search(y: __m256d, a: __m256d, mid: &[f64; 255]) -> __m256i {
+        let mut idx = _mm256_setzero_si256();
+        for b in [128i64, 64, 32, 16, 8, 4, 2, 1] {
+            let cand = _mm256_add_epi64(idx, _mm256_set1_epi64x(b));
+            // SAFETY: `cand − 1` is at most 254, inside the 255 thresholds.
+            let t = unsafe { _mm256_i64gather_pd::<8>(mid.as_ptr(), _mm256_sub_epi64(cand, _mm256_set1_epi64x(1))) };
+            let gt = _mm256_castpd_si256(_mm256_cmp_pd::<_CMP_GT_OQ>(y, _mm256_mul_pd(t, a)));
+            idx = _mm256_blendv_epi8(idx, cand, gt);
+        }
+        idx
+    }
+
+    /// Tree-map values `map[c]·a` of whole groups of 8, and their count.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn dynamic_decode(codes: &[u8], a: f32, map: &[f32; 256], out: &mut [f32]) -> usize {
+        let a = _mm256_set1_ps(a);
+        let mut i = 0;
+        while i + 8 <= codes.len() {
+            let s = &codes[i..i + 8];
+            // SAFETY: `s` holds 8 bytes (an unaligned 64-bit load).
+            let c = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(s.as_ptr().cast()) });
+            // SAFETY: every index is a byte, below the map's 256 entries.
+            let y = _mm256_mul_ps(unsafe { _mm256_i32gather_ps::<4>(map.as_ptr(), c) }, a);
+            let d = &mut out[i..i + 8];
+            // SAFETY: `d` holds 8 f32 (an unaligned store).
+            unsafe { _mm256_storeu_ps(d.as_mut_ptr(), y) };
+            i += 8;
+        }
+        i
+    }
+
+    /// bf16 to f32 of whole groups of 8, and their count.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn bf16_decode(x: &[bf16], out: &mut [f32]) -> usize {
+        let mut i = 0;
+        while i + 8 <= x.len() {
+            let (y, d) = (load_grads(&GradSlice::BF16(x), i), &mut out[i..i + 8]);
+            // SAFETY: `d` holds 8 f32 (an unaligned store).
+            unsafe { _mm256_storeu_ps(d.as_mut_ptr(), y) };
+            i += 8;
+        }
+        i
+    }
+
+    /// f32 to bf16 (nearest even) of whole groups of 8, and their count.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) fn bf16_encode(x: &[f32], out: &mut [bf16]) -> usize {
+        let mut i = 0;
+        while i + 8 <= x.len() {
+            let s = &x[i..i + 8];
+            // SAFETY: `s` holds 8 f32 (an unaligned load).
+            let y = unsafe { _mm256_loadu_ps(s.as_ptr()) };
+            store_copy(&mut CopyOut::BF16(out), i, y);
+            i += 8;
         }
         i
     }

@@ -1,31 +1,15 @@
 //! The fused Adam/AdamW kernel: torch's reference vectors on every dispatch path, a property test
 //! against an independent scalar reference (bitwise), conversions against `half`, threads.
 
-use std::path::PathBuf;
+mod common;
 
 use half::{bf16, f16};
 use oogc_optimizer::{
     adam_step, grad_sumsq, AdamConfig, AdamKernel, AdamKind, CopyOut, GradSlice, Isa, StateIo, StepScalars, NORM_BLOCK,
 };
 use proptest::prelude::*;
-use serde_json::Value;
 
-fn fixtures_dir() -> PathBuf {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/adamw");
-    assert!(
-        dir.join("cases.json").is_file(),
-        "the torch reference vectors are missing: expected {}/cases.json. The repository must be \
-         checked out with `shared/` beside its root (../shared/fixtures/adamw); these tests do not skip",
-        dir.display()
-    );
-    dir
-}
-
-fn read_f32(path: &std::path::Path) -> Vec<f32> {
-    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
-    assert_eq!(bytes.len() % 4, 0, "{} is not a whole number of f32", path.display());
-    bytes.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
-}
+use common::{bits, load_cases, Case, Lcg};
 
 fn within(ours: f32, reference: f32, rel: f32, abs: f32) -> bool {
     (ours - reference).abs() <= rel * reference.abs() + abs
@@ -33,34 +17,14 @@ fn within(ours: f32, reference: f32, rel: f32, abs: f32) -> bool {
 
 #[test]
 fn torch_reference_vectors_match_on_every_available_path() {
-    let dir = fixtures_dir();
-    let cases: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
-    let cases = cases["cases"].as_array().expect("cases array");
+    let cases = load_cases();
     assert!(cases.len() >= 5, "expected at least 5 cases, got {}", cases.len());
     let paths = Isa::available();
     assert!(paths.contains(&Isa::Scalar));
     eprintln!("checking dispatch paths {paths:?}");
-    for case in cases {
-        let name = case["name"].as_str().unwrap();
-        let n = case["n"].as_u64().unwrap() as usize;
-        let steps = case["steps"].as_u64().unwrap() as usize;
-        let f = |k: &str| case[k].as_f64().unwrap();
-        let cfg = AdamConfig {
-            kind: match case["optimizer"].as_str().unwrap() {
-                "AdamW" => AdamKind::AdamW,
-                "Adam" => AdamKind::Adam,
-                o => panic!("unknown optimizer {o}"),
-            },
-            beta1: f("beta1"),
-            beta2: f("beta2"),
-            eps: f("eps"),
-            weight_decay: f("weight_decay"),
-        };
-        let lr = f("lr") as f32;
-        let load = |s: &str| read_f32(&dir.join(format!("{name}.{s}.f32")));
-        let (p0, grads, rp, rm, rv) = (load("p0"), load("grads"), load("p"), load("m"), load("v"));
-        assert_eq!(p0.len(), n);
-        assert_eq!(grads.len(), n * steps);
+    for case in &cases {
+        let Case { name, n, steps, cfg, lr, p0, grads, p: rp, m: rm, v: rv } = case;
+        let (n, steps, lr) = (*n, *steps, *lr);
         let mut results = Vec::new();
         for &isa in &paths {
             let (mut p, mut m, mut v) = (p0.clone(), vec![0.0f32; n], vec![0.0f32; n]);
@@ -103,10 +67,6 @@ fn torch_reference_vectors_match_on_every_available_path() {
             );
         }
     }
-}
-
-fn bits(x: &[f32]) -> Vec<u32> {
-    x.iter().map(|v| v.to_bits()).collect()
 }
 
 /// The documented element update, written independently of the crate (f64 constants rounded once).
@@ -234,24 +194,6 @@ fn grads_get(g: &GradSlice<'_>, i: usize) -> f32 {
         GradSlice::F32(g) => g[i],
         GradSlice::BF16(g) => g[i].to_f32(),
         GradSlice::F16(g) => g[i].to_f32(),
-    }
-}
-
-/// A small deterministic generator (no `rand` dependency in this crate).
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let x = self.0;
-        (x ^ (x >> 33)).wrapping_mul(0xff51afd7ed558ccd) ^ (x >> 29)
-    }
-    fn uniform(&mut self) -> f32 {
-        ((self.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
-    }
-    fn normal(&mut self) -> f32 {
-        let (u, v) = (self.uniform(), self.uniform());
-        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
     }
 }
 

@@ -1,0 +1,570 @@
+//! Adam's moments `m` and `v` in fewer bytes: [`StateDType`] (f32, bf16 or block-wise int8),
+//! the block codecs, and [`adam_step_moments`], the step that reads and writes them.
+//!
+//! Source: Dettmers, Lewis, Shleifer & Zettlemoyer, "8-bit Optimizers via Block-wise
+//! Quantization" (ICLR 2022), as in bitsandbytes' `AdamW8bit`: each block of [`QUANT_BLOCK`]
+//! values is normalized by its own absolute maximum (one f32 per block) and each normalized value
+//! is stored as the 8-bit code of the nearest value of a fixed codebook. The step dequantizes a
+//! block, updates it in f32 exactly as the f32 kernel does (the same [`StepScalars`], the same
+//! vector code on every [`Isa`]), and requantizes it with the absmax of the updated values.
+//! Master weights stay f32. Each stage is a vector loop on the [`Isa`] (AVX-512, AVX2, scalar);
+//! the block's f32 moments pass between them through 2 KiB on the stack (in L1), not in
+//! registers, because the new absmax must be known before the first code is written.
+//!
+//! **Maps.**
+//! - `m` (signed): the linear map `j / 127`, `j ∈ −127..=127` ([`quantize_linear`]): `m` is
+//!   symmetric around 0, and its error enters the update linearly, so a uniform grid is the best
+//!   for its worst case: `|m − m̃| ≤ absmax / 254` (and half an f32 ulp of `m̃`).
+//! - `v` (non-negative): the paper's unsigned dynamic tree map ([`dynamic_map`],
+//!   [`quantize_dynamic`]). A linear map would store every `v < absmax / 510` as 0, and with a
+//!   block holding gradients of 1e-6 and of 10 (torch's reference vectors) that is most of the
+//!   block: a zero `v` with a non-zero `m` next step divides by `eps` alone. The tree map spans
+//!   eight decades (its smallest non-zero value is 5.5e-8 of the absmax) at a relative error of
+//!   at most 0.35 % at the top and `4.5·2^(E−7)` at the bottom of decade `E` below it (3.5 %,
+//!   7 %, 14 %, …), where the paper found linear quantization of the second state unstable.
+//!
+//! Measured on torch's reference vectors (`shared/fixtures/adamw`, gradient magnitudes drawn per
+//! element and step over seven decades, so most blocks mix 1e-6 and 10), against the f32
+//! kernel after 4–6 steps: bf16 moves `p` by at most 0.02·lr; these int8 maps by at most
+//! 10.5·lr (a quarter of the elements by more than 1·lr), and that error comes from `m`'s map
+//! (quantizing `m` alone: 9.2·lr). The paper's signed tree map (bitsandbytes' layout) for `m`
+//! with this `v` map instead moved `p` by up to 2.4·10^6·lr (and the tree map for `v` with an
+//! exact `m` by up to 2.8·10^6·lr): where `v`'s code rounds to 0 the tree map keeps a small `m`
+//! that the linear map rounds to 0 too, and `m/(√v + ε)` with `v ≈ 0` is `m/ε`.
+//!
+//! **Block size** [`QUANT_BLOCK`] = 256: the block of bitsandbytes' current 8-bit optimizer
+//! kernels (`BLOCKSIZE_2STATE`; the paper and earlier versions used 2048); a smaller block
+//! confines an outlier's large absmax to fewer neighbours, at 4 B / 256 = 1.6 % overhead per
+//! moment. 256 is a multiple of every vector width (16 lanes) and
+//! divides [`crate::NORM_BLOCK`], so blocks never straddle a thread cut or a lane group.
+//!
+//! **Non-finite values** are not representable: a block with NaN or ±inf decodes to unspecified
+//! finite or non-finite values (nothing panics). The pipeline does not step on non-finite
+//! gradients ([`crate::NonFinite`]).
+
+use half::bf16;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::kernel::{check_io, check_isa, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
+use crate::simd::{self, Isa};
+
+/// Values per quantization block (one f32 absmax each); see the module docs for why 256.
+pub const QUANT_BLOCK: usize = 256;
+
+/// The element type of Adam's moments `m` and `v` (`optimizer.state_dtype` in a later config).
+///
+/// Bytes per parameter for `m` and `v` together: `F32` 8, `Bf16` 4, `Int8` 2 + 8/[`QUANT_BLOCK`]
+/// (= 2.03125). Master weights are f32 (4 B/param) in every case.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StateDType {
+    /// f32 moments, as torch (exact).
+    #[default]
+    F32,
+    /// bf16 moments, rounded to nearest even from the f32 update: relative error ≤ 2^−8 (8
+    /// significant bits) per stored value (normal range).
+    Bf16,
+    /// Block-wise int8 (Dettmers et al., ICLR 2022): `m` on the linear map, `v` on the dynamic
+    /// tree map, one f32 absmax per [`QUANT_BLOCK`] values of each. Not exact: where a block
+    /// mixes gradients of very different magnitudes its small elements take updates several
+    /// learning rates away from f32's within a few steps (see the module docs).
+    Int8,
+}
+
+impl StateDType {
+    /// Bytes of `m` and `v` together for `n` parameters (the int8 absmax included; a ragged last
+    /// block has a whole absmax).
+    pub fn moment_bytes(self, n: usize) -> usize {
+        match self {
+            StateDType::F32 => 8 * n,
+            StateDType::Bf16 => 4 * n,
+            StateDType::Int8 => 2 * n + 2 * 4 * n.div_ceil(QUANT_BLOCK),
+        }
+    }
+
+    /// Lowercase name (`f32`, `bf16`, `int8`), as in the config.
+    pub fn name(self) -> &'static str {
+        match self {
+            StateDType::F32 => "f32",
+            StateDType::Bf16 => "bf16",
+            StateDType::Int8 => "int8",
+        }
+    }
+}
+
+impl std::fmt::Display for StateDType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The moments of `n` parameters that [`adam_step_moments`] reads and writes in place.
+#[derive(Debug)]
+pub enum Moments<'a> {
+    /// f32 `m` and `v`, `n` each.
+    F32 {
+        /// First moment (torch's `exp_avg`).
+        m: &'a mut [f32],
+        /// Second moment (torch's `exp_avg_sq`).
+        v: &'a mut [f32],
+    },
+    /// bf16 `m` and `v`, `n` each (round to nearest even, [`bf16_rne`]).
+    Bf16 {
+        /// First moment.
+        m: &'a mut [bf16],
+        /// Second moment.
+        v: &'a mut [bf16],
+    },
+    /// Block-wise int8: block `b` holds elements `b·QUANT_BLOCK ..` (the last may be shorter).
+    /// Zero moments (torch's initial state) are all codes 0 with any absmax (0 is what the
+    /// encoders write).
+    Int8 {
+        /// Codes of `m` on the linear map ([`quantize_linear`]), `n`.
+        m: &'a mut [i8],
+        /// Per-block absmax of `m`, `n.div_ceil(QUANT_BLOCK)`.
+        m_absmax: &'a mut [f32],
+        /// Codes of `v` on the dynamic tree map ([`quantize_dynamic`]), `n`.
+        v: &'a mut [u8],
+        /// Per-block absmax of `v`, `n.div_ceil(QUANT_BLOCK)`.
+        v_absmax: &'a mut [f32],
+    },
+}
+
+impl Moments<'_> {
+    /// The moments' element type.
+    pub fn dtype(&self) -> StateDType {
+        match self {
+            Moments::F32 { .. } => StateDType::F32,
+            Moments::Bf16 { .. } => StateDType::Bf16,
+            Moments::Int8 { .. } => StateDType::Int8,
+        }
+    }
+
+    /// Cuts at `mid`, a multiple of [`QUANT_BLOCK`].
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        debug_assert_eq!(mid % QUANT_BLOCK, 0);
+        match self {
+            Moments::F32 { m, v } => {
+                let ((m0, m1), (v0, v1)) = (m.split_at_mut(mid), v.split_at_mut(mid));
+                (Moments::F32 { m: m0, v: v0 }, Moments::F32 { m: m1, v: v1 })
+            }
+            Moments::Bf16 { m, v } => {
+                let ((m0, m1), (v0, v1)) = (m.split_at_mut(mid), v.split_at_mut(mid));
+                (Moments::Bf16 { m: m0, v: v0 }, Moments::Bf16 { m: m1, v: v1 })
+            }
+            Moments::Int8 { m, m_absmax, v, v_absmax } => {
+                let ((m0, m1), (v0, v1)) = (m.split_at_mut(mid), v.split_at_mut(mid));
+                let b = mid / QUANT_BLOCK;
+                let ((ma0, ma1), (va0, va1)) = (m_absmax.split_at_mut(b), v_absmax.split_at_mut(b));
+                (
+                    Moments::Int8 { m: m0, m_absmax: ma0, v: v0, v_absmax: va0 },
+                    Moments::Int8 { m: m1, m_absmax: ma1, v: v1, v_absmax: va1 },
+                )
+            }
+        }
+    }
+
+    fn check(&self, n: usize) -> Result<()> {
+        let blocks = n.div_ceil(QUANT_BLOCK);
+        let lens: [(&str, usize, usize); 4] = match self {
+            Moments::F32 { m, v } => [("m", m.len(), n), ("v", v.len(), n), ("m", n, n), ("v", n, n)],
+            Moments::Bf16 { m, v } => [("m", m.len(), n), ("v", v.len(), n), ("m", n, n), ("v", n, n)],
+            Moments::Int8 { m, m_absmax, v, v_absmax } => [
+                ("m codes", m.len(), n),
+                ("m absmax (one per 256-value block)", m_absmax.len(), blocks),
+                ("v codes", v.len(), n),
+                ("v absmax (one per 256-value block)", v_absmax.len(), blocks),
+            ],
+        };
+        for (what, got, expected) in lens {
+            if got != expected {
+                return Err(Error::LengthMismatch { what: format!("{} moments {what}", self.dtype()), expected, got });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// bf16 of `x`, rounded to nearest, ties to even (`(bits + 0x7fff + lsb) >> 16`; NaN stays a
+/// quiet NaN with its sign and high payload). Bit-identical to `half::bf16::from_f32`.
+pub fn bf16_rne(x: f32) -> bf16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return bf16::from_bits(((b >> 16) | 0x40) as u16);
+    }
+    let lsb = (b >> 16) & 1;
+    bf16::from_bits((b.wrapping_add(0x7fff + lsb) >> 16) as u16)
+}
+
+/// Checks that a block's codes and values have one length.
+fn check_block(what: &str, values: usize, codes: usize) -> Result<()> {
+    if values == codes {
+        Ok(())
+    } else {
+        Err(Error::LengthMismatch {
+            what: format!("{what} codes (length of the values)"),
+            expected: values,
+            got: codes,
+        })
+    }
+}
+
+/// The code of `y` on the linear map of absmax `a > 0` (in f64): nearest integer to `127·y/a`,
+/// ties to even.
+#[inline(always)]
+pub(crate) fn linear_code(y: f32, a: f64) -> i8 {
+    ((127.0 * y as f64) / a).round_ties_even() as i8
+}
+
+/// The value of code `c` on the linear map of absmax `a`: `c·a/127` rounded once to f32.
+#[inline(always)]
+pub(crate) fn linear_value(c: i8, a: f32) -> f32 {
+    ((c as f64 * a as f64) / 127.0) as f32
+}
+
+/// A block's absmax `A`, and its codes by `codec` (all 0 when `A` is 0). Lengths checked.
+fn encode<C: Copy + Default>(isa: Isa, x: &[f32], codes: &mut [C], codec: fn(Isa, &[f32], f32, &mut [C])) -> f32 {
+    let a = simd::absmax(isa, x);
+    if a > 0.0 {
+        codec(isa, x, a, codes);
+    } else {
+        codes.fill(C::default());
+    }
+    a
+}
+
+/// Quantizes one block on the linear signed map: returns `A = max |x|` and writes
+/// `codes[i] = j`, the integer nearest to `127·x[i]/A` (ties to even; all 0 when `A = 0`), so
+/// that [`dequantize_linear`] gives `j·A/127` with `|x − j·A/127| ≤ A/254`.
+///
+/// The quotient is taken in f64 (`127·x` is exact there), where it is never close enough to a
+/// half-integer to round to the wrong side: the code is the nearest one in exact arithmetic.
+/// Every `isa` gives the same bits for finite values.
+///
+/// # Errors
+/// [`Error::IsaUnavailable`]; [`Error::LengthMismatch`] when `codes` and `x` differ in length.
+pub fn quantize_linear(isa: Isa, x: &[f32], codes: &mut [i8]) -> Result<f32> {
+    check_isa(isa)?;
+    check_block("linear", x.len(), codes.len())?;
+    Ok(encode(isa, x, codes, simd::linear_encode))
+}
+
+/// Dequantizes one block of the linear map: `out[i] = j·A/127` for `j = codes[i]`, rounded once
+/// to f32 (taken in f64, where `j·A` is exact; the second rounding to f32 is harmless).
+///
+/// # Errors
+/// [`Error::IsaUnavailable`]; [`Error::LengthMismatch`] when `codes` and `out` differ in length.
+pub fn dequantize_linear(isa: Isa, codes: &[i8], absmax: f32, out: &mut [f32]) -> Result<()> {
+    check_isa(isa)?;
+    check_block("linear", out.len(), codes.len())?;
+    simd::linear_decode(isa, codes, absmax, out);
+    Ok(())
+}
+
+/// The dynamic tree map's 256 values, ascending (code `c` decodes to `dynamic_map()[c]`).
+///
+/// The paper's unsigned map (the sign bit is an extra fraction bit, `v` being non-negative):
+/// in code `c`, the number `E` of leading zero bits is the decade, the first one bit is the
+/// indicator, and the `7 − E` bits after it are a fraction index `k` on a linear grid of
+/// `[0.1, 1]` cut into `2^(7−E)` equal intervals, taken at the interval's middle (as
+/// bitsandbytes' `create_dynamic_map`): `value = 10^(−E) · (0.1 + 0.9·(k + ½)/2^(7−E))`, the
+/// exact rational rounded once to f32. Code 0 is 0. The largest value is 0.99648 (code 255),
+/// the smallest non-zero 5.5e-8 (code 1). bitsandbytes instead drops the code of decade 7 and
+/// adds 1.0; the tree keeps the paper's layout, where the code is the value's rank.
+pub fn dynamic_map() -> &'static [f32; 256] {
+    &tables().0
+}
+
+/// The map and the 255 decision thresholds between consecutive values, in f64 (the exact
+/// midpoint of two f32 is an f64).
+fn tables() -> &'static ([f32; 256], [f64; 255]) {
+    static T: std::sync::OnceLock<([f32; 256], [f64; 255])> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let mut map = [0.0f32; 256];
+        for (c, slot) in map.iter_mut().enumerate().skip(1) {
+            let e = (c as u32).leading_zeros() - 24; // leading zeros of the 8-bit code
+            let bits = 7 - e;
+            let k = c as u64 - (1u64 << bits); // the fraction index after the indicator bit
+            let n = 1u64 << bits;
+            // 10^-e · (0.1 + 0.9 (2k+1) / 2n) = (2n + 9(2k+1)) / (20 n 10^e), both exact integers.
+            let num = 2 * n + 9 * (2 * k + 1);
+            let den = 20 * n * 10u64.pow(e);
+            *slot = (num as f64 / den as f64) as f32;
+        }
+        let mut mid = [0.0f64; 255];
+        for (k, t) in mid.iter_mut().enumerate() {
+            *t = (map[k] as f64 + map[k + 1] as f64) / 2.0;
+        }
+        (map, mid)
+    })
+}
+
+/// The code of `y` on the tree map of absmax `a > 0` (in f64): how many thresholds `t` (the
+/// midpoints of consecutive map values) have `y > t·a`.
+#[inline(always)]
+pub(crate) fn dynamic_code(y: f32, a: f64) -> u8 {
+    let y = y as f64;
+    thresholds().partition_point(|&t| y > t * a) as u8
+}
+
+/// The 255 decision thresholds of the tree map (exact midpoints, in f64).
+pub(crate) fn thresholds() -> &'static [f64; 255] {
+    &tables().1
+}
+
+/// Per-block constants of the vector tree-map encoder's first guess, for absmax `a`. The guess
+/// is checked against the exact thresholds before it is used, so these need no exactness.
+///
+/// A value's level `l` (0..=8) is how many of the 8 thresholds at decade ends
+/// (`thresholds()[2^j − 1]·a`, `j = 0..8`) it exceeds: `l = 0` is code 0, else its code is in
+/// decade `E = 8 − l`, codes `2^f ..= 2^(f+1) − 1` with `f = l − 1`, and the guess is
+/// `2^f + clamp(⌊y·scale[l] − offset[l]⌋, 0, 2^f − 1)`: the interval of `[0.1, 1]`'s `2^f`
+/// that holds `y/(a·10^−E)`.
+pub(crate) struct TreeGuess {
+    /// The decade-end thresholds times `a` (exact in f64), ascending.
+    pub(crate) levels: [f64; 8],
+    /// `10^E·2^f/(0.9·a)` per level (16 slots, 9 used).
+    pub(crate) scale: [f64; 16],
+    /// `0.1·2^f/0.9` per level.
+    pub(crate) offset: [f64; 16],
+    /// `2^f` per level (0 for level 0).
+    pub(crate) base: [f64; 16],
+}
+
+impl TreeGuess {
+    pub(crate) fn new(a: f32) -> Self {
+        let (mid, a) = (thresholds(), a as f64);
+        let mut g = TreeGuess { levels: [0.0; 8], scale: [0.0; 16], offset: [0.0; 16], base: [0.0; 16] };
+        for (j, t) in g.levels.iter_mut().enumerate() {
+            *t = mid[(1 << j) - 1] * a;
+        }
+        for l in 1..=8 {
+            let (f, e) = (l as i32 - 1, 8 - l as i32);
+            let two_f = 2f64.powi(f);
+            g.scale[l] = 10f64.powi(e) * two_f / (0.9 * a);
+            g.offset[l] = 0.1 * two_f / 0.9;
+            g.base[l] = two_f;
+        }
+        g
+    }
+}
+
+/// Quantizes one block of non-negative values on the dynamic tree map: returns
+/// `A = max |x|` and writes `codes[i]`, the code of the map value nearest to `x[i]/A` (ties to
+/// the lower code; all 0 when `A = 0`; negative values give 0).
+///
+/// Decided exactly: `x[i] > t·A` is compared in f64 for each threshold `t` (the midpoint of two
+/// map values, at most 28 significant bits) by binary search, and `t·A` is exact in f64. The
+/// error is at most half the gap between the two map values around `x/A`, times `A`. Every
+/// `isa` gives the same bits for finite values.
+///
+/// # Errors
+/// [`Error::IsaUnavailable`]; [`Error::LengthMismatch`] when `codes` and `x` differ in length.
+pub fn quantize_dynamic(isa: Isa, x: &[f32], codes: &mut [u8]) -> Result<f32> {
+    check_isa(isa)?;
+    check_block("dynamic", x.len(), codes.len())?;
+    Ok(encode(isa, x, codes, simd::dynamic_encode))
+}
+
+/// Dequantizes one block of the dynamic tree map: `out[i] = dynamic_map()[codes[i]] · A`, one
+/// f32 multiplication.
+///
+/// # Errors
+/// [`Error::IsaUnavailable`]; [`Error::LengthMismatch`] when `codes` and `out` differ in length.
+pub fn dequantize_dynamic(isa: Isa, codes: &[u8], absmax: f32, out: &mut [f32]) -> Result<()> {
+    check_isa(isa)?;
+    check_block("dynamic", out.len(), codes.len())?;
+    simd::dynamic_decode(isa, codes, absmax, out);
+    Ok(())
+}
+
+/// One Adam/AdamW step over f32 master weights `p` with the moments in `moments`' element type,
+/// writing the compute copy to `out`, on the calling thread. The update is [`StepScalars`]'s,
+/// evaluated by the f32 kernel's `isa` path on each [`QUANT_BLOCK`] of dequantized moments;
+/// the parameter update uses the updated moments before they are rounded or requantized (as
+/// bitsandbytes), then `m` and `v` are stored: bf16 by [`bf16_rne`], int8 by
+/// [`quantize_linear`] (`m`) and [`quantize_dynamic`] (`v`) with each block's new absmax.
+/// With [`Moments::F32`] it is [`crate::adam_step`] exactly.
+///
+/// Every `isa` gives the same bits for finite values: the element update is the f32 kernel's,
+/// bit-identical on every path, and the codecs' vector loops decide exactly as the scalar ones.
+///
+/// # Errors
+/// [`Error::IsaUnavailable`] when the CPU lacks `isa`; [`Error::LengthMismatch`] when `grads`,
+/// `out`, a moment buffer (`p.len()` codes or values) or an absmax buffer
+/// (`p.len().div_ceil(QUANT_BLOCK)`) has another length.
+pub fn adam_step_moments(
+    isa: Isa,
+    scalars: &StepScalars,
+    p: &mut [f32],
+    moments: Moments<'_>,
+    grads: GradSlice<'_>,
+    out: CopyOut<'_>,
+) -> Result<()> {
+    check_isa(isa)?;
+    check_io(p.len(), &grads, &out)?;
+    moments.check(p.len())?;
+    step_blocks(isa, scalars, p, moments, grads, out);
+    Ok(())
+}
+
+/// [`adam_step_moments`] with the checks done.
+fn step_blocks(
+    isa: Isa,
+    scalars: &StepScalars,
+    p: &mut [f32],
+    moments: Moments<'_>,
+    grads: GradSlice<'_>,
+    mut out: CopyOut<'_>,
+) {
+    let (mut mb, mut vb) = ([0.0f32; QUANT_BLOCK], [0.0f32; QUANT_BLOCK]);
+    let mut start = 0;
+    let block = |start: usize, mb: &mut [f32], vb: &mut [f32], p: &mut [f32], out: &mut CopyOut<'_>| {
+        let r = start..start + mb.len();
+        let state = StateIo::InPlace { p: &mut p[r.clone()], m: mb, v: vb };
+        simd::adam(isa, scalars, state, grads.slice(r.clone()), out.slice_mut(r));
+    };
+    match moments {
+        Moments::F32 { m, v } => simd::adam(isa, scalars, StateIo::InPlace { p, m, v }, grads, out),
+        Moments::Bf16 { m, v } => {
+            for (ms, vs) in m.chunks_mut(QUANT_BLOCK).zip(v.chunks_mut(QUANT_BLOCK)) {
+                let (mf, vf) = (&mut mb[..ms.len()], &mut vb[..ms.len()]);
+                simd::bf16_decode(isa, ms, mf);
+                simd::bf16_decode(isa, vs, vf);
+                block(start, mf, vf, p, &mut out);
+                simd::bf16_encode(isa, mf, ms);
+                simd::bf16_encode(isa, vf, vs);
+                start += ms.len();
+            }
+        }
+        Moments::Int8 { m, m_absmax, v, v_absmax } => {
+            let blocks = m.chunks_mut(QUANT_BLOCK).zip(v.chunks_mut(QUANT_BLOCK));
+            for ((mc, vc), (ma, va)) in blocks.zip(m_absmax.iter_mut().zip(v_absmax.iter_mut())) {
+                let (mf, vf) = (&mut mb[..mc.len()], &mut vb[..mc.len()]);
+                simd::linear_decode(isa, mc, *ma, mf);
+                simd::dynamic_decode(isa, vc, *va, vf);
+                block(start, mf, vf, p, &mut out);
+                *ma = encode(isa, mf, mc, simd::linear_encode);
+                *va = encode(isa, vf, vc, simd::dynamic_encode);
+                start += mc.len();
+            }
+        }
+    }
+}
+
+/// One buffer's worth of a reduced-moment step, cut along with its buffers.
+struct Work<'a> {
+    p: &'a mut [f32],
+    moments: Moments<'a>,
+    grads: GradSlice<'a>,
+    out: CopyOut<'a>,
+    /// One slot per [`NORM_BLOCK`] for the gradients' block sums of squares, or none.
+    partials: Option<&'a mut [f64]>,
+}
+
+impl<'a> Work<'a> {
+    /// Cuts at `mid`, a multiple of [`NORM_BLOCK`] below the length.
+    fn split_at(self, mid: usize) -> (Work<'a>, Work<'a>) {
+        let n = self.p.len();
+        let (p0, p1) = self.p.split_at_mut(mid);
+        let (m0, m1) = self.moments.split_at(mid);
+        let (o0, o1) = self.out.split_at(mid);
+        let (n0, n1) = match self.partials {
+            Some(x) => {
+                let (a, b) = x.split_at_mut(mid / NORM_BLOCK);
+                (Some(a), Some(b))
+            }
+            None => (None, None),
+        };
+        (
+            Work { p: p0, moments: m0, grads: self.grads.slice(0..mid), out: o0, partials: n0 },
+            Work { p: p1, moments: m1, grads: self.grads.slice(mid..n), out: o1, partials: n1 },
+        )
+    }
+
+    /// Runs on this thread, [`NORM_BLOCK`] by [`NORM_BLOCK`]: the block's gradient sum of squares
+    /// (when asked), then its update.
+    fn run(self, isa: Isa, s: &StepScalars) {
+        let mut rest = Some(self);
+        while let Some(w) = rest.take() {
+            let (now, later) = if w.p.len() > NORM_BLOCK {
+                let (a, b) = w.split_at(NORM_BLOCK);
+                (a, Some(b))
+            } else {
+                (w, None)
+            };
+            let Work { p, moments, grads, out, partials } = now;
+            if let Some(slot) = partials.and_then(|x| x.first_mut()) {
+                *slot = simd::sumsq(isa, grads);
+            }
+            step_blocks(isa, s, p, moments, grads, out);
+            rest = later;
+        }
+    }
+}
+
+/// Runs `w` over `parts` threads of the current rayon pool, cut at multiples of [`NORM_BLOCK`]
+/// (whole quantization blocks), as [`AdamKernel::step`] cuts.
+fn run_parts(w: Work<'_>, parts: usize, isa: Isa, s: &StepScalars) {
+    let blocks = w.p.len().div_ceil(NORM_BLOCK);
+    if parts <= 1 || blocks <= 1 {
+        return w.run(isa, s);
+    }
+    let left = parts / 2;
+    let (a, b) = w.split_at((blocks * left / parts).max(1) * NORM_BLOCK);
+    rayon::join(|| run_parts(a, left, isa, s), || run_parts(b, parts - left, isa, s));
+}
+
+impl AdamKernel {
+    /// [`adam_step_moments`] over the kernel's threads (one contiguous range of whole
+    /// [`NORM_BLOCK`]s per thread, as [`AdamKernel::step`]); the same bits as on one thread.
+    /// Blocks until done; allocates nothing.
+    ///
+    /// # Errors
+    /// As [`adam_step_moments`].
+    pub fn step_moments(
+        &self,
+        scalars: &StepScalars,
+        p: &mut [f32],
+        moments: Moments<'_>,
+        grads: GradSlice<'_>,
+        out: CopyOut<'_>,
+    ) -> Result<()> {
+        self.run_work(scalars, Work { p, moments, grads, out, partials: None })
+    }
+
+    /// [`AdamKernel::step_moments`] that also returns the gradients' sum of squares
+    /// ([`crate::grad_sumsq`]'s bits), taken block by block just before each block's update, as
+    /// [`AdamKernel::step_with_sumsq`]. `partials` is scratch of `p.len().div_ceil(NORM_BLOCK)`
+    /// slots.
+    ///
+    /// # Errors
+    /// As [`adam_step_moments`]; [`Error::LengthMismatch`] for `partials`.
+    pub fn step_moments_with_sumsq(
+        &self,
+        scalars: &StepScalars,
+        p: &mut [f32],
+        moments: Moments<'_>,
+        grads: GradSlice<'_>,
+        out: CopyOut<'_>,
+        partials: &mut [f64],
+    ) -> Result<f64> {
+        self.run_work(scalars, Work { p, moments, grads, out, partials: Some(&mut *partials) })?;
+        Ok(partials.iter().fold(0.0f64, |a, &s| a + s))
+    }
+
+    /// Checks the lengths of `w` and runs it over the pool.
+    fn run_work(&self, scalars: &StepScalars, w: Work<'_>) -> Result<()> {
+        let n = w.p.len();
+        check_io(n, &w.grads, &w.out)?;
+        w.moments.check(n)?;
+        let blocks = n.div_ceil(NORM_BLOCK);
+        if let Some(got) = w.partials.as_ref().map(|x| x.len()).filter(|&got| got != blocks) {
+            return Err(Error::LengthMismatch { what: "norm partials scratch".into(), expected: blocks, got });
+        }
+        let parts = self.parts(n);
+        self.install(|| run_parts(w, parts, self.isa(), scalars));
+        Ok(())
+    }
+}
