@@ -65,8 +65,16 @@ pub fn device_shape(cfg: &TrainConfig, model: &dyn CausalLm) -> Result<DeviceSha
     let (kv_heads, head_dim, d_ff, largest_group) = match &cfg.model {
         crate::config::ModelConfig::Llama(l) => {
             let c = crate::train::llama_config(l, model.vocab_size()).map_err(|e| PlanError::Model(e.to_string()))?;
-            let (kv, hd, i) = (c.kv_heads() as u64, c.head_dim() as u64, c.intermediate_size as u64);
-            (kv, hd, i * top_k, (2 * i * d).max(heads * hd * d))
+            // An MoE layer's hidden width per token: top-k experts of the expert width (Qwen3-MoE's
+            // and Qwen2-MoE's `moe_intermediate_size`, not the dense `intermediate_size`) plus
+            // Qwen2-MoE's shared expert.
+            let (i, shared) = if c.is_moe() {
+                (c.expert_intermediate_size() as u64, c.shared_expert_width().unwrap_or(0) as u64)
+            } else {
+                (c.intermediate_size as u64, 0)
+            };
+            let (kv, hd) = (c.kv_heads() as u64, c.head_dim() as u64);
+            (kv, hd, i * top_k + shared, (2 * i.max(shared) * d).max(heads * hd * d))
         }
         crate::config::ModelConfig::Gpt(g) => {
             let ff = g.moe.as_ref().map_or(g.d_ff(), |m| m.d_expert.unwrap_or_else(|| g.d_ff())) as u64;
@@ -126,8 +134,35 @@ pub fn device_plan_for_config(
 mod tests {
     use oogc_prefetch::HardwareProfile;
 
+    use super::device_shape;
+    use crate::config::ModelConfig;
     use crate::plan::plan_args_for_config;
     use crate::plan::tests::example;
+
+    /// The fine-grained MoE families' MLP width per token is top-k × the expert width
+    /// (`moe_intermediate_size`), plus Qwen2-MoE's shared expert, not top-k × the dense
+    /// `intermediate_size` (8 × too wide for Qwen3-30B-A3B's 6144 against 768).
+    #[test]
+    fn an_moe_layers_width_is_its_experts_not_the_dense_mlps() {
+        let model = |family: &str, extra: &str| -> ModelConfig {
+            toml::from_str(&format!(
+                "family = \"{family}\"\nvocab_size = 64\nhidden_size = 32\nintermediate_size = 96\n\
+                 num_hidden_layers = 2\nnum_attention_heads = 4\nnum_key_value_heads = 2\n\
+                 max_position_embeddings = 32\nnum_experts = 8\nnum_experts_per_tok = 4\n{extra}"
+            ))
+            .unwrap()
+        };
+        for (family, extra, d_ff) in [
+            ("qwen3_moe", "moe_intermediate_size = 12", 4 * 12),
+            ("qwen2_moe", "moe_intermediate_size = 12\nshared_expert_intermediate_size = 40", 4 * 12 + 40),
+            ("olmoe", "", 4 * 96),
+        ] {
+            let mut cfg = example("llama-shakespeare.toml");
+            cfg.model = model(family, extra);
+            let lm = crate::train::build_model(&cfg, 64).unwrap();
+            assert_eq!(device_shape(&cfg, lm.as_ref()).unwrap().d_ff, d_ff, "{family}");
+        }
+    }
 
     #[test]
     fn the_gpu_figure_of_the_main_job() {

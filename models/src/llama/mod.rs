@@ -467,7 +467,7 @@ impl CausalLm for Llama {
         let c = &self.config;
         crate::Dims {
             hidden: c.hidden_size,
-            intermediate: c.intermediate_size,
+            intermediate: if c.is_moe() { c.expert_intermediate_size() } else { c.intermediate_size },
             heads: c.num_attention_heads,
             layers: c.num_hidden_layers,
         }
