@@ -479,22 +479,44 @@ pub fn clip_scale(norm: f64, max_norm: Option<f32>) -> f32 {
     }
 }
 
-/// One buffer's worth of work, cut along with the buffers.
-struct Work<'a> {
-    state: StateIo<'a>,
-    grads: GradSlice<'a>,
-    out: CopyOut<'a>,
-    /// One slot per [`NORM_BLOCK`] for the block sums of squares, or none.
-    partials: Option<&'a mut [f64]>,
+/// The per-parameter state a step updates in place, as a thread's range of it: cut at block
+/// boundaries and updated one [`NORM_BLOCK`] at a time by [`run_parts`]. The f32 state
+/// ([`StateIo`]) and the reduced moments of [`crate::quant`] are the two.
+pub(crate) trait StepState: Sized + Send {
+    /// Parameters covered.
+    fn len(&self) -> usize;
+    /// Cuts at `mid`, a multiple of [`NORM_BLOCK`].
+    fn split_at(self, mid: usize) -> (Self, Self);
+    /// Updates these parameters on this thread with `grads`, writing the compute copy to `out`.
+    fn step(self, isa: Isa, s: &StepScalars, grads: GradSlice<'_>, out: CopyOut<'_>);
 }
 
-impl<'a> Work<'a> {
+impl StepState for StateIo<'_> {
     fn len(&self) -> usize {
-        self.state.len()
+        StateIo::len(self)
     }
 
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        StateIo::split_at(self, mid)
+    }
+
+    fn step(self, isa: Isa, s: &StepScalars, grads: GradSlice<'_>, out: CopyOut<'_>) {
+        simd::adam(isa, s, self, grads, out)
+    }
+}
+
+/// One buffer's worth of work, cut along with the buffers.
+pub(crate) struct Work<'a, S> {
+    pub(crate) state: S,
+    pub(crate) grads: GradSlice<'a>,
+    pub(crate) out: CopyOut<'a>,
+    /// One slot per [`NORM_BLOCK`] for the block sums of squares, or none.
+    pub(crate) partials: Option<&'a mut [f64]>,
+}
+
+impl<'a, S: StepState> Work<'a, S> {
     /// Cuts at `mid`, a multiple of [`NORM_BLOCK`].
-    fn split_at(self, mid: usize) -> (Work<'a>, Work<'a>) {
+    fn split_at(self, mid: usize) -> (Self, Self) {
         debug_assert_eq!(mid % NORM_BLOCK, 0);
         let (s0, s1) = self.state.split_at(mid);
         let (g0, g1) = self.grads.split_at(mid);
@@ -511,31 +533,39 @@ impl<'a> Work<'a> {
 
     /// Runs block by block on this thread: the block's sum of squares (when asked), then its update.
     fn run(self, isa: Isa, s: &StepScalars) {
-        let mut rest = self;
-        while rest.len() > 0 {
-            let take = rest.len().min(NORM_BLOCK);
-            let (now, later) = if take < rest.len() { rest.split_at(take) } else { (rest, Work::empty()) };
-            if let Some(p) = now.partials {
-                p[0] = simd::sumsq(isa, now.grads);
+        let mut rest = (self.state.len() > 0).then_some(self);
+        while let Some(w) = rest.take() {
+            let (now, later) = if w.state.len() > NORM_BLOCK {
+                let (a, b) = w.split_at(NORM_BLOCK);
+                (a, Some(b))
+            } else {
+                (w, None)
+            };
+            if let Some(slot) = now.partials.and_then(|p| p.first_mut()) {
+                *slot = simd::sumsq(isa, now.grads);
             }
-            simd::adam(isa, s, now.state, now.grads, now.out);
+            now.state.step(isa, s, now.grads, now.out);
             rest = later;
-        }
-    }
-
-    fn empty() -> Work<'a> {
-        Work {
-            state: StateIo::InPlace { p: &mut [], m: &mut [], v: &mut [] },
-            grads: GradSlice::F32(&[]),
-            out: CopyOut::None,
-            partials: None,
         }
     }
 }
 
+/// Checks that `partials` has one slot per [`NORM_BLOCK`] of `n` parameters.
+pub(crate) fn check_partials(n: usize, partials: &[f64]) -> Result<()> {
+    let blocks = n.div_ceil(NORM_BLOCK);
+    if partials.len() != blocks {
+        return Err(Error::LengthMismatch {
+            what: "norm partials scratch".into(),
+            expected: blocks,
+            got: partials.len(),
+        });
+    }
+    Ok(())
+}
+
 /// Runs `w` over `parts` threads of the current rayon pool, cut at multiples of [`NORM_BLOCK`].
-fn run_parts(w: Work<'_>, parts: usize, isa: Isa, s: &StepScalars) {
-    let blocks = w.len().div_ceil(NORM_BLOCK);
+pub(crate) fn run_parts<S: StepState>(w: Work<'_, S>, parts: usize, isa: Isa, s: &StepScalars) {
+    let blocks = w.state.len().div_ceil(NORM_BLOCK);
     if parts <= 1 || blocks <= 1 {
         return w.run(isa, s);
     }
@@ -634,14 +664,7 @@ impl AdamKernel {
         partials: &mut [f64],
     ) -> Result<f64> {
         check_lens(&state, &grads, &out)?;
-        let blocks = state.len().div_ceil(NORM_BLOCK);
-        if partials.len() != blocks {
-            return Err(Error::LengthMismatch {
-                what: "norm partials scratch".into(),
-                expected: blocks,
-                got: partials.len(),
-            });
-        }
+        check_partials(state.len(), partials)?;
         let parts = self.parts(state.len());
         let w = Work { state, grads, out, partials: Some(&mut *partials) };
         self.pool.install(|| run_parts(w, parts, self.isa, scalars));

@@ -46,7 +46,10 @@ use half::bf16;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::kernel::{check_io, check_isa, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
+use crate::kernel::{
+    check_io, check_isa, check_partials, run_parts, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, StepState,
+    Work,
+};
 use crate::simd::{self, Isa};
 
 /// Values per quantization block (one f32 absmax each); see the module docs for why 256.
@@ -453,72 +456,32 @@ fn step_blocks(
     }
 }
 
-/// One buffer's worth of a reduced-moment step, cut along with its buffers.
-struct Work<'a> {
+/// A thread's range of a reduced-moment step's state: f32 master weights and their moments, cut
+/// at multiples of [`crate::NORM_BLOCK`] (whole quantization blocks) by the kernel's [`run_parts`].
+struct Reduced<'a> {
     p: &'a mut [f32],
     moments: Moments<'a>,
-    grads: GradSlice<'a>,
-    out: CopyOut<'a>,
-    /// One slot per [`NORM_BLOCK`] for the gradients' block sums of squares, or none.
-    partials: Option<&'a mut [f64]>,
 }
 
-impl<'a> Work<'a> {
-    /// Cuts at `mid`, a multiple of [`NORM_BLOCK`] below the length.
-    fn split_at(self, mid: usize) -> (Work<'a>, Work<'a>) {
-        let n = self.p.len();
+impl StepState for Reduced<'_> {
+    fn len(&self) -> usize {
+        self.p.len()
+    }
+
+    fn split_at(self, mid: usize) -> (Self, Self) {
         let (p0, p1) = self.p.split_at_mut(mid);
         let (m0, m1) = self.moments.split_at(mid);
-        let (o0, o1) = self.out.split_at(mid);
-        let (n0, n1) = match self.partials {
-            Some(x) => {
-                let (a, b) = x.split_at_mut(mid / NORM_BLOCK);
-                (Some(a), Some(b))
-            }
-            None => (None, None),
-        };
-        (
-            Work { p: p0, moments: m0, grads: self.grads.slice(0..mid), out: o0, partials: n0 },
-            Work { p: p1, moments: m1, grads: self.grads.slice(mid..n), out: o1, partials: n1 },
-        )
+        (Reduced { p: p0, moments: m0 }, Reduced { p: p1, moments: m1 })
     }
 
-    /// Runs on this thread, [`NORM_BLOCK`] by [`NORM_BLOCK`]: the block's gradient sum of squares
-    /// (when asked), then its update.
-    fn run(self, isa: Isa, s: &StepScalars) {
-        let mut rest = Some(self);
-        while let Some(w) = rest.take() {
-            let (now, later) = if w.p.len() > NORM_BLOCK {
-                let (a, b) = w.split_at(NORM_BLOCK);
-                (a, Some(b))
-            } else {
-                (w, None)
-            };
-            let Work { p, moments, grads, out, partials } = now;
-            if let Some(slot) = partials.and_then(|x| x.first_mut()) {
-                *slot = simd::sumsq(isa, grads);
-            }
-            step_blocks(isa, s, p, moments, grads, out);
-            rest = later;
-        }
+    fn step(self, isa: Isa, s: &StepScalars, grads: GradSlice<'_>, out: CopyOut<'_>) {
+        step_blocks(isa, s, self.p, self.moments, grads, out)
     }
-}
-
-/// Runs `w` over `parts` threads of the current rayon pool, cut at multiples of [`NORM_BLOCK`]
-/// (whole quantization blocks), as [`AdamKernel::step`] cuts.
-fn run_parts(w: Work<'_>, parts: usize, isa: Isa, s: &StepScalars) {
-    let blocks = w.p.len().div_ceil(NORM_BLOCK);
-    if parts <= 1 || blocks <= 1 {
-        return w.run(isa, s);
-    }
-    let left = parts / 2;
-    let (a, b) = w.split_at((blocks * left / parts).max(1) * NORM_BLOCK);
-    rayon::join(|| run_parts(a, left, isa, s), || run_parts(b, parts - left, isa, s));
 }
 
 impl AdamKernel {
     /// [`adam_step_moments`] over the kernel's threads (one contiguous range of whole
-    /// [`NORM_BLOCK`]s per thread, as [`AdamKernel::step`]); the same bits as on one thread.
+    /// [`crate::NORM_BLOCK`]s per thread, as [`AdamKernel::step`]); the same bits as on one thread.
     /// Blocks until done; allocates nothing.
     ///
     /// # Errors
@@ -531,7 +494,7 @@ impl AdamKernel {
         grads: GradSlice<'_>,
         out: CopyOut<'_>,
     ) -> Result<()> {
-        self.run_work(scalars, Work { p, moments, grads, out, partials: None })
+        self.run_work(scalars, Work { state: Reduced { p, moments }, grads, out, partials: None })
     }
 
     /// [`AdamKernel::step_moments`] that also returns the gradients' sum of squares
@@ -550,18 +513,17 @@ impl AdamKernel {
         out: CopyOut<'_>,
         partials: &mut [f64],
     ) -> Result<f64> {
-        self.run_work(scalars, Work { p, moments, grads, out, partials: Some(&mut *partials) })?;
+        self.run_work(scalars, Work { state: Reduced { p, moments }, grads, out, partials: Some(&mut *partials) })?;
         Ok(partials.iter().fold(0.0f64, |a, &s| a + s))
     }
 
     /// Checks the lengths of `w` and runs it over the pool.
-    fn run_work(&self, scalars: &StepScalars, w: Work<'_>) -> Result<()> {
-        let n = w.p.len();
+    fn run_work(&self, scalars: &StepScalars, w: Work<'_, Reduced<'_>>) -> Result<()> {
+        let n = w.state.p.len();
         check_io(n, &w.grads, &w.out)?;
-        w.moments.check(n)?;
-        let blocks = n.div_ceil(NORM_BLOCK);
-        if let Some(got) = w.partials.as_ref().map(|x| x.len()).filter(|&got| got != blocks) {
-            return Err(Error::LengthMismatch { what: "norm partials scratch".into(), expected: blocks, got });
+        w.state.moments.check(n)?;
+        if let Some(partials) = &w.partials {
+            check_partials(n, partials)?;
         }
         let parts = self.parts(n);
         self.install(|| run_parts(w, parts, self.isa(), scalars));
