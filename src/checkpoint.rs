@@ -2,8 +2,9 @@
 //! rename, fsync of the directory), so a run killed at any moment leaves either the previous
 //! checkpoint or the new one, never a torn file (DESIGN.md invariant 4).
 //!
-//! A checkpoint holds f32 tensors by name (the trainer stores each parameter's master weights
-//! and Adam `exp_avg` / `exp_avg_sq`) and string metadata (step, RNG and data position, the
+//! A checkpoint holds tensors by name (the trainer stores each parameter's f32 master weights
+//! and Adam `exp_avg` / `exp_avg_sq` in the run's `[optimizer] state_dtype`: f32, bf16, or int8
+//! codes beside their blocks' f32 absmax) and string metadata (step, RNG and data position, the
 //! config). Files are named `ckpt-{step:08}.safetensors`; [`latest`] picks the highest step.
 //!
 //! Every checkpoint carries a crc32c per tensor and one for the file in its metadata
@@ -63,7 +64,7 @@ pub enum CheckpointError {
 /// Result of checkpoint operations.
 pub type Result<T, E = CheckpointError> = std::result::Result<T, E>;
 
-/// One tensor: name, shape, row-major f32 data (`data.len()` = product of `shape`).
+/// One tensor: name, shape, row-major data (`data.len()` = product of `shape`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct NamedTensor {
     /// safetensors key, e.g. `blocks.0.attn.qkv.weight.exp_avg`.
@@ -71,7 +72,76 @@ pub struct NamedTensor {
     /// Dimensions.
     pub shape: Vec<usize>,
     /// Values.
-    pub data: Vec<f32>,
+    pub data: TensorData,
+}
+
+/// A checkpoint tensor's values, in one of the element types a checkpoint holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TensorData {
+    /// f32 (master weights, f32 moments, int8 moments' block absmax).
+    F32(Vec<f32>),
+    /// bf16 moments.
+    BF16(Vec<half::bf16>),
+    /// int8 codes of `m` (the linear map).
+    I8(Vec<i8>),
+    /// uint8 codes of `v` (the dynamic tree map).
+    U8(Vec<u8>),
+}
+
+impl TensorData {
+    /// Elements.
+    pub fn len(&self) -> usize {
+        match self {
+            TensorData::F32(d) => d.len(),
+            TensorData::BF16(d) => d.len(),
+            TensorData::I8(d) => d.len(),
+            TensorData::U8(d) => d.len(),
+        }
+    }
+
+    /// Whether there are no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The little-endian bytes (`num_bytes()` of them).
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            TensorData::F32(d) => bytemuck::cast_slice(d),
+            TensorData::BF16(d) => bytemuck::cast_slice(d),
+            TensorData::I8(d) => bytemuck::cast_slice(d),
+            TensorData::U8(d) => d,
+        }
+    }
+
+    /// The f32 values, if the tensor is f32.
+    pub fn as_f32(&self) -> Option<&[f32]> {
+        match self {
+            TensorData::F32(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    /// The safetensors element type.
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            TensorData::F32(_) => Dtype::F32,
+            TensorData::BF16(_) => Dtype::BF16,
+            TensorData::I8(_) => Dtype::I8,
+            TensorData::U8(_) => Dtype::U8,
+        }
+    }
+
+    /// Values from little-endian `bytes` of `dtype` (F32, BF16, I8 or U8; `None` for another).
+    fn from_bytes(dtype: Dtype, bytes: &[u8]) -> Option<Self> {
+        Some(match dtype {
+            Dtype::F32 => TensorData::F32(bytemuck::pod_collect_to_vec(bytes)),
+            Dtype::BF16 => TensorData::BF16(bytemuck::pod_collect_to_vec(bytes)),
+            Dtype::I8 => TensorData::I8(bytemuck::pod_collect_to_vec(bytes)),
+            Dtype::U8 => TensorData::U8(bytes.to_vec()),
+            _ => return None,
+        })
+    }
 }
 
 /// A checkpoint in memory.
@@ -93,7 +163,7 @@ impl Checkpoint {
 
     /// Total bytes of tensor data.
     pub fn num_bytes(&self) -> usize {
-        self.tensors.iter().map(|t| oogc_swapper::DType::F32.num_bytes(t.data.len())).sum()
+        self.tensors.iter().map(|t| t.data.bytes().len()).sum()
     }
 }
 
@@ -120,7 +190,7 @@ pub fn save(dir: &Path, ckpt: &Checkpoint, keep: usize) -> Result<PathBuf> {
         .tensors
         .iter()
         .map(|t| {
-            let view = TensorView::new(Dtype::F32, t.shape.clone(), bytemuck::cast_slice(&t.data)).map_err(|e| {
+            let view = TensorView::new(t.data.dtype(), t.shape.clone(), t.data.bytes()).map_err(|e| {
                 CheckpointError::Corrupt { path: dir.into(), reason: format!("tensor {}: {e}", t.name) }
             })?;
             Ok((t.name.clone(), view))
@@ -281,7 +351,8 @@ pub fn newest_verified(path: &Path) -> Result<(PathBuf, Vec<Skipped>)> {
 /// # Errors
 /// [`CheckpointError::Io`], [`CheckpointError::NotFound`], [`CheckpointError::Checksum`] naming
 /// the tensor that fails and the previous checkpoint, or [`CheckpointError::Corrupt`] when the
-/// file is truncated, not safetensors, holds a non-f32 tensor or lacks the `step` key.
+/// file is truncated, not safetensors, holds a tensor that is not f32, bf16, int8 or uint8, or
+/// lacks the `step` key.
 pub fn load(path: &Path) -> Result<Checkpoint> {
     let path = if path.is_dir() { latest(path)? } else { path.to_path_buf() };
     let (bytes, verification) = read_verified(&path)?;
@@ -310,10 +381,8 @@ pub fn load(path: &Path) -> Result<Checkpoint> {
         .tensors()
         .into_iter()
         .map(|(name, view)| {
-            if view.dtype() != Dtype::F32 {
-                return Err(corrupt(format!("tensor {name} is {:?}, expected F32", view.dtype())));
-            }
-            let data = view.data().chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let data = TensorData::from_bytes(view.dtype(), view.data())
+                .ok_or_else(|| corrupt(format!("tensor {name} is {:?}, expected F32, BF16, I8 or U8", view.dtype())))?;
             Ok(NamedTensor { name, shape: view.shape().to_vec(), data })
         })
         .collect::<Result<Vec<_>>>()?;
@@ -330,8 +399,23 @@ mod tests {
             step,
             metadata: [("sampler".to_string(), "{\"x\":1}".to_string())].into(),
             tensors: vec![
-                NamedTensor { name: "a".into(), shape: vec![2, 3], data: (0..6).map(|i| i as f32 * 0.5).collect() },
-                NamedTensor { name: "b.exp_avg".into(), shape: vec![1], data: vec![f32::MIN_POSITIVE] },
+                NamedTensor {
+                    name: "a".into(),
+                    shape: vec![2, 3],
+                    data: TensorData::F32((0..6).map(|i| i as f32 * 0.5).collect()),
+                },
+                NamedTensor {
+                    name: "b.exp_avg".into(),
+                    shape: vec![1],
+                    data: TensorData::F32(vec![f32::MIN_POSITIVE]),
+                },
+                NamedTensor { name: "c.exp_avg".into(), shape: vec![3], data: TensorData::I8(vec![-127, 0, 5]) },
+                NamedTensor { name: "c.exp_avg_sq".into(), shape: vec![2], data: TensorData::U8(vec![255, 1]) },
+                NamedTensor {
+                    name: "d.exp_avg".into(),
+                    shape: vec![2],
+                    data: TensorData::BF16(vec![half::bf16::MIN_POSITIVE_SUBNORMAL, half::bf16::NEG_ONE]),
+                },
             ],
         }
     }
@@ -346,7 +430,7 @@ mod tests {
         assert_eq!(steps, vec![20, 30]);
         let back = load(dir.path()).unwrap();
         assert_eq!(back, sample(30));
-        assert_eq!(back.num_bytes(), 28);
+        assert_eq!(back.num_bytes(), 24 + 4 + 3 + 2 + 4);
     }
 
     #[test]
@@ -376,7 +460,7 @@ mod tests {
         c.tensors.push(NamedTensor {
             name: "big.w".into(),
             shape: vec![64],
-            data: (0..64).map(|i| i as f32).collect(),
+            data: TensorData::F32((0..64).map(|i| i as f32).collect()),
         });
         c.tensors.sort_by(|a, b| a.name.cmp(&b.name));
         c
@@ -387,7 +471,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let older = save(dir.path(), &big(1), 3).unwrap();
         let newest = save(dir.path(), &big(2), 3).unwrap();
-        assert_eq!(verify(&newest).unwrap(), crate::checksum::Verification::Verified { tensors: 3, bytes: 4 * 71 });
+        let bytes = 4 * 71 + 3 + 2 + 4;
+        assert_eq!(verify(&newest).unwrap(), crate::checksum::Verification::Verified { tensors: 6, bytes });
         flip_mid_data(&newest);
         let err = load(dir.path()).unwrap_err();
         let text = err.to_string();
@@ -415,9 +500,7 @@ mod tests {
         let views: Vec<_> = c
             .tensors
             .iter()
-            .map(|t| {
-                (t.name.clone(), TensorView::new(Dtype::F32, t.shape.clone(), bytemuck::cast_slice(&t.data)).unwrap())
-            })
+            .map(|t| (t.name.clone(), TensorView::new(t.data.dtype(), t.shape.clone(), t.data.bytes()).unwrap()))
             .collect();
         let mut info: HashMap<String, String> = c.metadata.clone().into_iter().collect();
         info.insert("step".into(), "4".into());

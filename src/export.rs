@@ -90,7 +90,12 @@ pub fn export_hf(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<Export
                     reason: format!("{} values, the model's layout has {}", t.data.len(), p.numel()),
                 });
             }
-            flat[p.offset..p.offset + p.numel()].copy_from_slice(&t.data);
+            let values = t.data.as_f32().ok_or_else(|| oogc_models::Error::HfTensor {
+                path: path.clone(),
+                tensor: p.name.clone(),
+                reason: format!("{:?} master weights, expected F32", t.data.dtype()),
+            })?;
+            flat[p.offset..p.offset + p.numel()].copy_from_slice(values);
         }
         Ok(flat)
     })?;

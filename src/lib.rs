@@ -36,7 +36,7 @@
 //!
 //! // Every gradient is positive, so AdamW's first step lowers every weight (by ≈ lr).
 //! for &u in &units {
-//!     let (master, _m, _v) = rt.unit_state(u)?;
+//!     let master = rt.unit_state(u)?.master;
 //!     assert!(master.iter().zip(&init).all(|(p, p0)| p < p0 && p0 - p < 2e-2));
 //! }
 //! # anyhow::Ok(())

@@ -153,7 +153,7 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
     assert!(!stats.figures.skipped && stats.figures.clip_scale == 1.0, "{stats:?}");
     rt.sync().unwrap();
     for (u, _) in units.iter().enumerate() {
-        let (master, _, _) = rt.unit_state(unit_ids[u]).unwrap();
+        let master = rt.unit_state(unit_ids[u]).unwrap().master;
         for (name, ours) in by_param(&model, u, &master) {
             assert_close(&format!("{case} AdamW step {name}"), &ours, &floats(&step, &name), 1e-5, 1e-7);
         }

@@ -217,7 +217,7 @@ fn case_through_the_runtime(dir: &Path, label: &str, chunk: Option<usize>, place
     assert!(!stats.figures.skipped && stats.figures.clip_scale == 1.0, "{stats:?}");
     rt.sync().unwrap();
     for (u, &id) in unit_ids.iter().enumerate() {
-        let (master, _, _) = rt.unit_state(id).unwrap();
+        let master = rt.unit_state(id).unwrap().master;
         for (name, ours) in by_param(&model, u, &master) {
             assert_close(&format!("{label} AdamW step {name}"), &ours, &floats(&step, &name), 1e-5, 1e-7);
         }

@@ -130,7 +130,7 @@ type UnitState = (Vec<f32>, Vec<f32>, Vec<f32>);
 /// rank calls it).
 fn state(t: &Trainer) -> Vec<UnitState> {
     let rt = t.runtime();
-    rt.units().ids().map(|u| rt.unit_state(u).expect("unit state")).collect()
+    rt.units().ids().map(|u| rt.unit_state(u).expect("unit state").into_f32()).collect()
 }
 
 fn train_resumed(cfg: TrainConfig, from: &Path, ranks: &Ranks) -> Outcome {

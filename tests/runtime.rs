@@ -73,7 +73,7 @@ fn train(cpu_middle: bool, steps: u64) -> (Vec<f32>, Vec<Vec<f32>>, u64) {
         h2d += rt.finish_step().unwrap().figures.h2d_bytes;
     }
     rt.sync().unwrap();
-    let params = units.iter().map(|&u| rt.unit_state(u).unwrap().0).collect();
+    let params = units.iter().map(|&u| rt.unit_state(u).unwrap().master).collect();
     (losses, params, h2d)
 }
 

@@ -21,4 +21,5 @@ mod device_optimizer;
 mod llama;
 mod mixtral;
 mod runtime;
+mod state_dtype;
 mod train;

@@ -54,7 +54,8 @@ pub(crate) fn inspect(cmd: InspectCmd) -> anyhow::Result<ExitCode> {
         return verify(&cmd);
     }
     let ckpt = oogc::checkpoint::load(&cmd.path).context("oogc inspect")?;
-    let is_state = |name: &str| name.ends_with(".exp_avg") || name.ends_with(".exp_avg_sq");
+    let is_state =
+        |name: &str| name.ends_with(".exp_avg") || name.ends_with(".exp_avg_sq") || name.ends_with(".absmax");
     let mut out = String::new();
     writeln!(out, "step: {}", ckpt.step)?;
     for (k, v) in ckpt.metadata.iter().filter(|(k, _)| *k != "config") {
@@ -63,9 +64,10 @@ pub(crate) fn inspect(cmd: InspectCmd) -> anyhow::Result<ExitCode> {
     let params: usize = ckpt.tensors.iter().filter(|t| !is_state(&t.name)).map(|t| t.data.len()).sum();
     writeln!(out, "tensors: {} ({} parameters, {} bytes in all)", ckpt.tensors.len(), params, ckpt.num_bytes())?;
     for t in ckpt.tensors.iter().filter(|t| !is_state(&t.name)) {
-        let n = t.data.len().max(1) as f64;
-        let rms = (t.data.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>() / n).sqrt();
-        let finite = t.data.iter().all(|x| x.is_finite());
+        let data = t.data.as_f32().unwrap_or_default();
+        let n = data.len().max(1) as f64;
+        let rms = (data.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>() / n).sqrt();
+        let finite = data.iter().all(|x| x.is_finite());
         writeln!(out, "  {:<40} {:?} rms {rms:.4e}{}", t.name, t.shape, if finite { "" } else { "  NOT FINITE" })?;
     }
     // A closed pipe (`| head`) is not an error.

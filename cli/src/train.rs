@@ -27,6 +27,11 @@ pub(crate) struct TrainCmd {
     /// that verifies (each one skipped is named, with why).
     #[arg(long, requires = "resume")]
     pub(crate) fallback: bool,
+    /// With --resume: convert Adam moments saved in another dtype than the config's
+    /// `[optimizer] state_dtype` (f32, bf16, int8; through f32, losing what the new dtype cannot
+    /// hold). Without it such a checkpoint is refused.
+    #[arg(long, requires = "resume")]
+    pub(crate) convert_state: bool,
     /// Stop after this step (default: train.steps of the config).
     #[arg(long, value_name = "N")]
     pub(crate) steps: Option<u64>,
@@ -91,6 +96,7 @@ pub(crate) fn train(cmd: TrainCmd, cfg: TrainConfig) -> anyhow::Result<ExitCode>
         resume: cmd.resume.clone(),
         steps: cmd.steps,
         fallback: cmd.fallback,
+        convert_state: cmd.convert_state,
         stop: Some(stop),
         dump_batches: cmd.dump_batches.clone(),
     };

@@ -259,7 +259,7 @@ fn soak_killed_runs_resume_to_the_uninterrupted_runs_losses_and_parameters_bitwi
     assert_eq!(b.step, steps);
     for (ta, tb) in a.tensors.iter().zip(&b.tensors) {
         assert_eq!(ta.name, tb.name);
-        let same = ta.data.iter().zip(&tb.data).all(|(x, y)| x.to_bits() == y.to_bits());
+        let same = ta.data.bytes() == tb.data.bytes();
         if !same || ta.shape != tb.shape {
             differences += 1;
             eprintln!("tensor {} differs", ta.name);

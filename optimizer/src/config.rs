@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::kernel::StepScalars;
+use crate::quant::StateDType;
 use crate::simd::Isa;
 
 /// How weight decay enters the update.
@@ -212,6 +213,10 @@ pub struct OptimizerConfig {
     /// What a non-finite gradient does. Default: [`NonFinite::Skip`].
     #[serde(default)]
     pub nonfinite: NonFinite,
+    /// Element type of Adam's moments `m` and `v` (master weights stay f32): `f32` (8 B per
+    /// parameter), `bf16` (4 B) or `int8` (block-wise, 2.03 B; [`crate::quant`]). Default: f32.
+    #[serde(default)]
+    pub state_dtype: StateDType,
 }
 
 /// What a step with a non-finite gradient (NaN or ±inf anywhere) does.
@@ -245,6 +250,7 @@ impl Default for OptimizerConfig {
             rollback_budget_bytes: None,
             isa: None,
             nonfinite: NonFinite::Skip,
+            state_dtype: StateDType::F32,
         }
     }
 }
@@ -263,10 +269,12 @@ impl OptimizerConfig {
         128 << 20
     }
 
-    /// Parameters per streamed chunk: `stream_chunk_bytes / 12` rounded down to whole
-    /// [`crate::NORM_BLOCK`]s, at least one block.
+    /// Parameters per streamed chunk: as many whole [`crate::NORM_BLOCK`]s as
+    /// `stream_chunk_bytes` holds at [`StateDType::state_bytes`] (`stream_chunk_bytes / 12`
+    /// rounded down to whole blocks in f32), at least one block.
     pub fn stream_chunk_params(&self) -> usize {
-        (self.stream_chunk_bytes / 12 / crate::NORM_BLOCK).max(1) * crate::NORM_BLOCK
+        let block = crate::NORM_BLOCK;
+        (self.stream_chunk_bytes / self.state_dtype.state_bytes(block)).max(1) * block
     }
 
     /// Whether each unit's update is final when its job ends, without waiting for the step's

@@ -532,7 +532,7 @@ impl<'a, S: StepState> Work<'a, S> {
     }
 
     /// Runs block by block on this thread: the block's sum of squares (when asked), then its update.
-    fn run(self, isa: Isa, s: &StepScalars) {
+    pub(crate) fn run(self, isa: Isa, s: &StepScalars) {
         let mut rest = (self.state.len() > 0).then_some(self);
         while let Some(w) = rest.take() {
             let (now, later) = if w.state.len() > NORM_BLOCK {

@@ -77,7 +77,7 @@ pub use pipeline::{
 };
 pub use quant::{
     adam_step_moments, bf16_rne, dequantize_dynamic, dequantize_linear, dynamic_map, quantize_dynamic, quantize_linear,
-    Moments, StateDType, QUANT_BLOCK,
+    MomentBufs, Moments, StateDType, QUANT_BLOCK,
 };
 pub use simd::Isa;
 pub use stream::{state_nvme_bytes, stream_update, NvmeState, StreamConfig, StreamStats};

@@ -92,6 +92,7 @@ use crate::error::{Error, Result};
 use crate::grad_pool::GradPool;
 use crate::home::{ComputeCopyHome, MemoryHome};
 use crate::kernel::{clip_scale, global_norm, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
+use crate::quant::{MomentBufs, StateDType};
 use crate::simd::Isa;
 use crate::stream::{state_nvme_bytes, stream_update, NvmeState, StreamConfig};
 use oogc_swapper::{DType, StatePlacement};
@@ -194,15 +195,38 @@ impl Grads {
     }
 }
 
-/// A unit's optimizer state, for checkpoints: fp32 master weights, `m`, `v` (one length).
+/// A unit's optimizer state, for checkpoints: fp32 master weights and Adam's moments in their
+/// element type ([`OptimizerConfig::state_dtype`]), one length.
 #[derive(Debug, Clone, PartialEq)]
 pub struct UnitState {
     /// Master weights.
     pub master: Vec<f32>,
-    /// First moment (torch's `exp_avg`).
-    pub m: Vec<f32>,
-    /// Second moment (torch's `exp_avg_sq`).
-    pub v: Vec<f32>,
+    /// `m` and `v` (torch's `exp_avg`, `exp_avg_sq`), as the optimizer keeps them.
+    pub moments: MomentBufs,
+}
+
+impl UnitState {
+    /// State with f32 moments.
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] when `m` or `v` is not as long as `master`.
+    pub fn from_f32(master: Vec<f32>, m: Vec<f32>, v: Vec<f32>) -> Result<Self> {
+        for (what, got) in [("m", m.len()), ("v", v.len())] {
+            if got != master.len() {
+                return Err(Error::LengthMismatch { what: format!("state {what}"), expected: master.len(), got });
+            }
+        }
+        Ok(Self { master, moments: MomentBufs::F32 { m, v } })
+    }
+
+    /// Master weights, `m` and `v` in f32 (reduced moments decoded: [`MomentBufs::to_f32`]).
+    pub fn into_f32(self) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (m, v) = match self.moments {
+            MomentBufs::F32 { m, v } => (m, v),
+            other => other.to_f32(),
+        };
+        (self.master, m, v)
+    }
 }
 
 /// What a step did, from [`PipelinedOptimizer::finish_step`].
@@ -268,14 +292,13 @@ impl UpdateHandle {
 /// Host-resident state buffers (their bytes claimed from the ledger before they were made).
 struct HostBufs {
     p: Vec<f32>,
-    m: Vec<f32>,
-    v: Vec<f32>,
+    mom: MomentBufs,
     _claim: HostClaim,
 }
 
 impl HostBufs {
-    fn zeros(n: usize, claim: HostClaim) -> Self {
-        Self { p: vec![0.0; n], m: vec![0.0; n], v: vec![0.0; n], _claim: claim }
+    fn zeros(n: usize, dtype: StateDType, claim: HostClaim) -> Self {
+        Self { p: vec![0.0; n], mom: MomentBufs::zeros(dtype, n), _claim: claim }
     }
 }
 
@@ -528,28 +551,38 @@ fn fill_copy(out: &mut [u8], master: &[f32], dtype: DType) {
 }
 
 /// Host bytes of a unit's first state buffers and norm partials ([`HostUse::OptimizerState`]):
-/// 12 B per parameter for host-placed state (p, m, v in f32), plus 8 B per [`NORM_BLOCK`].
-pub fn state_host_bytes(numel: usize, placement: StatePlacement) -> u64 {
+/// for host-placed state, [`StateDType::state_bytes`] (12 B per parameter with f32 moments:
+/// p, m, v; 8 with bf16, 6.03 with int8), plus 8 B per [`NORM_BLOCK`].
+pub fn state_host_bytes(numel: usize, placement: StatePlacement, state_dtype: StateDType) -> u64 {
     let partials = 8 * numel.div_ceil(NORM_BLOCK) as u64;
-    partials + if placement == StatePlacement::Host { 12 * numel as u64 } else { 0 }
+    partials + if placement == StatePlacement::Host { state_dtype.state_bytes(numel) as u64 } else { 0 }
 }
 
 /// What speculating one unit costs: `(host bytes, NVMe bytes)`. Host: its second compute copy
 /// (`numel` elements of `dtype`, in 4-byte words) plus, for host-placed state, a second
-/// `p, m, v` (12 B per parameter); NVMe: for NVMe-placed state, its second extents (chunks of
-/// `chunk_params`, each padded to 4 KiB), held from its speculation to the commit.
-pub fn speculation_cost(numel: usize, placement: StatePlacement, dtype: DType, chunk_params: usize) -> (u64, u64) {
+/// master and moments ([`StateDType::state_bytes`]: 12 B per parameter in f32); NVMe: for
+/// NVMe-placed state, its second extents (chunks of `chunk_params`, each padded to 4 KiB), held
+/// from its speculation to the commit.
+pub fn speculation_cost(
+    numel: usize,
+    placement: StatePlacement,
+    dtype: DType,
+    chunk_params: usize,
+    state_dtype: StateDType,
+) -> (u64, u64) {
     let copy = (copy_words(numel, dtype) * 4) as u64;
     match placement {
-        StatePlacement::Host => (copy + 12 * numel as u64, 0),
-        StatePlacement::Nvme => (copy, state_nvme_bytes(numel, chunk_params)),
+        StatePlacement::Host => (copy + state_dtype.state_bytes(numel) as u64, 0),
+        StatePlacement::Nvme => (copy, state_nvme_bytes(numel, chunk_params, state_dtype)),
     }
 }
 
 /// Host bytes of one NVMe stream over units of at most `max_numel` parameters with chunks of
-/// `chunk_params`: three chunk buffers of `size_class(12 × min(chunk_params, max_numel))`.
-pub fn stream_host_bytes(max_numel: usize, chunk_params: usize) -> u64 {
-    crate::stream::STREAM_BUFFERS as u64 * size_class(12 * chunk_params.min(max_numel).max(1)) as u64
+/// `chunk_params`: three chunk buffers of `size_class(state_bytes(min(chunk_params, max_numel)))`
+/// ([`StateDType::state_bytes`]: 12 B per parameter in f32).
+pub fn stream_host_bytes(max_numel: usize, chunk_params: usize, state_dtype: StateDType) -> u64 {
+    let len = chunk_params.min(max_numel).max(1);
+    crate::stream::STREAM_BUFFERS as u64 * size_class(state_dtype.state_bytes(len)) as u64
 }
 
 /// Which units speculate, from [`PipelinedOptimizer::reserve_speculation`].
@@ -598,7 +631,7 @@ impl PipelinedOptimizer {
         config.validate()?;
         let isa = config.isa.unwrap_or_else(Isa::detect);
         let kernel = AdamKernel::new(isa, config.threads)?;
-        let stream = StreamConfig::new(config.stream_chunk_params())?;
+        let stream = StreamConfig::with_state_dtype(config.stream_chunk_params(), config.state_dtype)?;
         let stream_pool = PinnedPool::with_ledger(
             &PinnedPoolConfig { budget_bytes: config.stream_host_budget_bytes, lock: true },
             Arc::new(MmapAllocator::new(true)),
@@ -681,7 +714,7 @@ impl PipelinedOptimizer {
     /// the largest NVMe-placed unit); 0 without NVMe-placed units.
     pub fn stream_bytes_per_stream(&self) -> u64 {
         let max = self.shared.units.read().values().filter(|c| c.placement == StatePlacement::Nvme).map(|c| c.n).max();
-        max.map_or(0, |n| stream_host_bytes(n, self.shared.stream.chunk_params))
+        max.map_or(0, |n| stream_host_bytes(n, self.shared.stream.chunk_params, self.shared.stream.state_dtype))
     }
 
     /// Lowers (or raises) the host bytes the NVMe streams may hold, between steps: the stream
@@ -735,11 +768,11 @@ impl PipelinedOptimizer {
         }
         let claim = sh
             .ledger
-            .claim(HostUse::OptimizerState, state_host_bytes(n, placement))
+            .claim(HostUse::OptimizerState, state_host_bytes(n, placement, sh.stream.state_dtype))
             .map_err(|source| Error::Swapper { unit, source })?;
         let (home, claim) = match placement {
             StatePlacement::Host => {
-                let mut cur = HostBufs::zeros(n, claim);
+                let mut cur = HostBufs::zeros(n, sh.stream.state_dtype, claim);
                 cur.p.copy_from_slice(master);
                 (Home::Host { cur, spare: None }, HostClaim::none(HostUse::OptimizerState))
             }
@@ -747,10 +780,10 @@ impl PipelinedOptimizer {
                 let store = sh.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
                 // Every stream buffer at the largest unit's chunk length: one size class, each
                 // buffer reused by every unit's stream (the plan holds `threads` streams of it).
-                sh.stream_pool.raise_min_len(12 * sh.stream.chunk_params.min(n));
-                let zeros = vec![0.0f32; n];
+                sh.stream_pool.raise_min_len(sh.stream.state_dtype.state_bytes(sh.stream.chunk_params.min(n)));
+                let zeros = MomentBufs::zeros(sh.stream.state_dtype, n);
                 let _slot = sh.slots.acquire();
-                let st = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, [master, &zeros, &zeros])?;
+                let st = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, master, &zeros)?;
                 (Home::Nvme { cur: Some(st), new: None }, claim)
             }
         };
@@ -821,7 +854,8 @@ impl PipelinedOptimizer {
                 report.speculative_units += 1;
                 continue;
             }
-            let (host, nvme) = speculation_cost(cell.n, cell.placement, dtype, sh.stream.chunk_params);
+            let (host, nvme) =
+                speculation_cost(cell.n, cell.placement, dtype, sh.stream.chunk_params, sh.stream.state_dtype);
             let fits = step.rollback_used_bytes.saturating_add(host) <= host_budget
                 && step.rollback_nvme_bytes.saturating_add(nvme) <= nvme_budget_bytes;
             let claim = if fits { sh.ledger.claim(HostUse::Speculation, host).ok() } else { None };
@@ -830,7 +864,7 @@ impl PipelinedOptimizer {
                 continue;
             };
             if let Home::Host { spare, .. } = &mut data.home {
-                *spare = Some(HostBufs::zeros(cell.n, HostClaim::none(HostUse::Speculation)));
+                *spare = Some(HostBufs::zeros(cell.n, sh.stream.state_dtype, HostClaim::none(HostUse::Speculation)));
             }
             data.spare_copy =
                 Some(SpareCopy { words: vec![0u32; copy_words(cell.n, dtype)], unpublished: false, _claim: claim });
@@ -1176,12 +1210,12 @@ impl PipelinedOptimizer {
         }
         let data = g.data.as_ref().expect("idle cell holds its data");
         match &data.home {
-            Home::Host { cur, .. } => Ok(UnitState { master: cur.p.clone(), m: cur.m.clone(), v: cur.v.clone() }),
+            Home::Host { cur, .. } => Ok(UnitState { master: cur.p.clone(), moments: cur.mom.clone() }),
             Home::Nvme { cur, .. } => {
                 let store = self.shared.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
                 let _slot = self.shared.slots.acquire();
-                let [master, m, v] = cur.as_ref().expect("committed state").read(store, &self.shared.stream_pool)?;
-                Ok(UnitState { master, m, v })
+                let (master, moments) = cur.as_ref().expect("committed state").read(store, &self.shared.stream_pool)?;
+                Ok(UnitState { master, moments })
             }
         }
     }
@@ -1196,7 +1230,7 @@ impl PipelinedOptimizer {
     pub fn import_state(&self, unit: TensorId, state: UnitState) -> Result<()> {
         self.no_open_step("import_state")?;
         let cell = self.cell(unit)?;
-        for (what, got) in [("master", state.master.len()), ("m", state.m.len()), ("v", state.v.len())] {
+        for (what, got) in [("master", state.master.len()), ("moments", state.moments.len())] {
             if got != cell.n {
                 return Err(Error::LengthMismatch {
                     what: format!("unit {unit} imported {what}"),
@@ -1210,6 +1244,8 @@ impl PipelinedOptimizer {
             g.error = None;
             g.data.take().expect("idle cell holds its data")
         };
+        let state =
+            UnitState { master: state.master, moments: state.moments.converted(self.shared.stream.state_dtype) };
         let r = import_data(&self.shared, &cell, &mut data, state);
         cell.put_back(data, None, None, None);
         r
@@ -1246,13 +1282,12 @@ fn import_data(sh: &Shared, cell: &UnitCell, data: &mut UnitData, state: UnitSta
     match &mut data.home {
         Home::Host { cur, .. } => {
             cur.p.copy_from_slice(&state.master);
-            cur.m.copy_from_slice(&state.m);
-            cur.v.copy_from_slice(&state.v);
+            cur.mom = state.moments;
         }
         Home::Nvme { cur, .. } => {
             let store = sh.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
             let _slot = sh.slots.acquire();
-            let new = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, [&state.master, &state.m, &state.v])?;
+            let new = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, &state.master, &state.moments)?;
             if let Some(old) = cur.replace(new) {
                 old.free(store);
             }
@@ -1285,8 +1320,7 @@ fn commit(sh: &Shared, data: &mut UnitData) {
         Home::Host { cur, spare } => {
             if let Some(spare) = spare.as_mut() {
                 std::mem::swap(&mut cur.p, &mut spare.p);
-                std::mem::swap(&mut cur.m, &mut spare.m);
-                std::mem::swap(&mut cur.v, &mut spare.v);
+                std::mem::swap(&mut cur.mom, &mut spare.mom);
             }
         }
         Home::Nvme { cur, new } => {
@@ -1326,9 +1360,30 @@ fn update_into(
 ) -> Result<f64> {
     match home {
         Home::Host { cur, spare } => {
-            let state = match spare {
-                Some(s) => StateIo::OutOfPlace { src: [&cur.p, &cur.m, &cur.v], dst: [&mut s.p, &mut s.m, &mut s.v] },
-                None => StateIo::InPlace { p: &mut cur.p, m: &mut cur.m, v: &mut cur.v },
+            let state = match (spare, &mut cur.mom) {
+                (Some(s), MomentBufs::F32 { m, v }) => {
+                    let MomentBufs::F32 { m: sm, v: sv } = &mut s.mom else { unreachable!("one moment dtype") };
+                    StateIo::OutOfPlace { src: [&cur.p, m, v], dst: [&mut s.p, sm, sv] }
+                }
+                (None, MomentBufs::F32 { m, v }) => StateIo::InPlace { p: &mut cur.p, m, v },
+                (spare, _) => {
+                    // Reduced moments update in place only: a speculated unit's second buffers
+                    // take a copy of the committed state first (one more read and write of it).
+                    let target = match spare {
+                        Some(s) => {
+                            s.p.copy_from_slice(&cur.p);
+                            s.mom.clone_from(&cur.mom);
+                            s
+                        }
+                        None => cur,
+                    };
+                    let moments = target.mom.view();
+                    return if with_sumsq {
+                        sh.kernel.step_moments_with_sumsq(scalars, &mut target.p, moments, grads, out, partials)
+                    } else {
+                        sh.kernel.step_moments(scalars, &mut target.p, moments, grads, out).map(|()| 0.0)
+                    };
+                }
             };
             if with_sumsq {
                 sh.kernel.step_with_sumsq(scalars, state, grads, out, partials)

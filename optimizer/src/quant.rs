@@ -86,6 +86,12 @@ impl StateDType {
         }
     }
 
+    /// Bytes of a unit's optimizer state of `n` parameters: f32 master weights (4 B each) and
+    /// the moments ([`Self::moment_bytes`]): 12, 8 or 6.03 B per parameter.
+    pub fn state_bytes(self, n: usize) -> usize {
+        4 * n + self.moment_bytes(n)
+    }
+
     /// Lowercase name (`f32`, `bf16`, `int8`), as in the config.
     pub fn name(self) -> &'static str {
         match self {
@@ -186,6 +192,275 @@ impl Moments<'_> {
             }
         }
         Ok(())
+    }
+}
+
+/// Where each array of [`Moments`] of `n` parameters sits in one byte buffer of
+/// [`StateDType::moment_bytes`]`(n)` bytes (the NVMe chunk layout after the master weights):
+/// f32 `[m | v]`; bf16 `[m | v]`; int8 `[m absmax | v absmax | m codes | v codes]` (the f32
+/// absmax first, so every f32 array is 4-byte aligned when the buffer is).
+fn byte_ranges(dtype: StateDType, n: usize) -> [std::ops::Range<usize>; 4] {
+    match dtype {
+        StateDType::F32 => [0..4 * n, 4 * n..8 * n, 0..0, 0..0],
+        StateDType::Bf16 => [0..2 * n, 2 * n..4 * n, 0..0, 0..0],
+        StateDType::Int8 => {
+            let b = 4 * n.div_ceil(QUANT_BLOCK);
+            [2 * b..2 * b + n, 2 * b + n..2 * b + 2 * n, 0..b, b..2 * b]
+        }
+    }
+}
+
+impl<'a> Moments<'a> {
+    /// Views `bytes` as the moments of `n` parameters in `dtype`, in the layout of
+    /// [`MomentBufs::write_bytes`]: f32 `[m | v]`, bf16 `[m | v]`, int8
+    /// `[m absmax | v absmax | m codes | v codes]`.
+    ///
+    /// # Panics
+    /// When `bytes` is not [`StateDType::moment_bytes`]`(n)` long or not 4-byte aligned.
+    pub fn from_bytes(dtype: StateDType, n: usize, bytes: &'a mut [u8]) -> Moments<'a> {
+        assert_eq!(bytes.len(), dtype.moment_bytes(n), "{dtype} moments of {n} parameters");
+        let [m, v, ma, va] = byte_ranges(dtype, n);
+        match dtype {
+            StateDType::F32 | StateDType::Bf16 => {
+                let (mb, vb) = bytes.split_at_mut(m.end);
+                match dtype {
+                    StateDType::F32 => {
+                        Moments::F32 { m: bytemuck::cast_slice_mut(mb), v: bytemuck::cast_slice_mut(vb) }
+                    }
+                    _ => Moments::Bf16 { m: bytemuck::cast_slice_mut(mb), v: bytemuck::cast_slice_mut(vb) },
+                }
+            }
+            StateDType::Int8 => {
+                let (abs, codes) = bytes.split_at_mut(va.end);
+                let (mab, vab) = abs.split_at_mut(ma.end);
+                let (mc, vc) = codes.split_at_mut(m.len());
+                debug_assert_eq!(vc.len(), v.len());
+                Moments::Int8 {
+                    m: bytemuck::cast_slice_mut(mc),
+                    m_absmax: bytemuck::cast_slice_mut(mab),
+                    v: vc,
+                    v_absmax: bytemuck::cast_slice_mut(vab),
+                }
+            }
+        }
+    }
+}
+
+/// A unit's Adam moments, owned, in their [`StateDType`]: what the pipelined optimizer keeps
+/// for host-placed state, and what a checkpoint saves (the codes and absmaxes as they are, so a
+/// resume is bitwise: decoding and requantizing int8 `v` is not the identity, the tree map's
+/// largest value being 0.99648, not 1).
+#[derive(Debug, Clone, PartialEq)]
+pub enum MomentBufs {
+    /// f32 `m`, `v`.
+    F32 {
+        /// First moment (torch's `exp_avg`).
+        m: Vec<f32>,
+        /// Second moment (torch's `exp_avg_sq`).
+        v: Vec<f32>,
+    },
+    /// bf16 `m`, `v`.
+    Bf16 {
+        /// First moment.
+        m: Vec<bf16>,
+        /// Second moment.
+        v: Vec<bf16>,
+    },
+    /// Block-wise int8, as [`Moments::Int8`].
+    Int8 {
+        /// Codes of `m` on the linear map, one per parameter.
+        m: Vec<i8>,
+        /// Absmax of `m` per [`QUANT_BLOCK`].
+        m_absmax: Vec<f32>,
+        /// Codes of `v` on the dynamic tree map, one per parameter.
+        v: Vec<u8>,
+        /// Absmax of `v` per [`QUANT_BLOCK`].
+        v_absmax: Vec<f32>,
+    },
+}
+
+impl MomentBufs {
+    /// Zero moments (torch's initial state) of `n` parameters.
+    pub fn zeros(dtype: StateDType, n: usize) -> Self {
+        let b = n.div_ceil(QUANT_BLOCK);
+        match dtype {
+            StateDType::F32 => MomentBufs::F32 { m: vec![0.0; n], v: vec![0.0; n] },
+            StateDType::Bf16 => MomentBufs::Bf16 { m: vec![bf16::ZERO; n], v: vec![bf16::ZERO; n] },
+            StateDType::Int8 => {
+                MomentBufs::Int8 { m: vec![0; n], m_absmax: vec![0.0; b], v: vec![0; n], v_absmax: vec![0.0; b] }
+            }
+        }
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> StateDType {
+        match self {
+            MomentBufs::F32 { .. } => StateDType::F32,
+            MomentBufs::Bf16 { .. } => StateDType::Bf16,
+            MomentBufs::Int8 { .. } => StateDType::Int8,
+        }
+    }
+
+    /// Parameters.
+    pub fn len(&self) -> usize {
+        match self {
+            MomentBufs::F32 { m, .. } => m.len(),
+            MomentBufs::Bf16 { m, .. } => m.len(),
+            MomentBufs::Int8 { m, .. } => m.len(),
+        }
+    }
+
+    /// Whether there are no parameters.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The moments as the kernel reads and writes them.
+    pub fn view(&mut self) -> Moments<'_> {
+        match self {
+            MomentBufs::F32 { m, v } => Moments::F32 { m, v },
+            MomentBufs::Bf16 { m, v } => Moments::Bf16 { m, v },
+            MomentBufs::Int8 { m, m_absmax, v, v_absmax } => Moments::Int8 { m, m_absmax, v, v_absmax },
+        }
+    }
+
+    /// The moments in f32 (`m`, `v`): bf16 widened, int8 dequantized (each code times its
+    /// block's absmax, as the step reads them).
+    pub fn to_f32(&self) -> (Vec<f32>, Vec<f32>) {
+        let isa = Isa::Scalar;
+        let n = self.len();
+        let (mut mf, mut vf) = (vec![0.0f32; n], vec![0.0f32; n]);
+        match self {
+            MomentBufs::F32 { m, v } => return (m.clone(), v.clone()),
+            MomentBufs::Bf16 { m, v } => {
+                simd::bf16_decode(isa, m, &mut mf);
+                simd::bf16_decode(isa, v, &mut vf);
+            }
+            MomentBufs::Int8 { m, m_absmax, v, v_absmax } => {
+                let blocks = mf.chunks_mut(QUANT_BLOCK).zip(vf.chunks_mut(QUANT_BLOCK));
+                for (k, (mo, vo)) in blocks.enumerate() {
+                    let r = k * QUANT_BLOCK..k * QUANT_BLOCK + mo.len();
+                    simd::linear_decode(isa, &m[r.clone()], m_absmax[k], mo);
+                    simd::dynamic_decode(isa, &v[r], v_absmax[k], vo);
+                }
+            }
+        }
+        (mf, vf)
+    }
+
+    /// Moments of `dtype` from f32 `m` and `v` (one length): bf16 rounded to nearest even, int8
+    /// quantized block by block with each block's absmax (as the step stores them).
+    ///
+    /// # Errors
+    /// [`Error::LengthMismatch`] when `v` is not as long as `m`.
+    pub fn from_f32(dtype: StateDType, m: &[f32], v: &[f32]) -> Result<Self> {
+        if v.len() != m.len() {
+            return Err(Error::LengthMismatch {
+                what: "moments v (the length of m)".into(),
+                expected: m.len(),
+                got: v.len(),
+            });
+        }
+        let isa = Isa::Scalar;
+        let mut out = MomentBufs::zeros(dtype, m.len());
+        match &mut out {
+            MomentBufs::F32 { m: mo, v: vo } => {
+                mo.copy_from_slice(m);
+                vo.copy_from_slice(v);
+            }
+            MomentBufs::Bf16 { m: mo, v: vo } => {
+                simd::bf16_encode(isa, m, mo);
+                simd::bf16_encode(isa, v, vo);
+            }
+            MomentBufs::Int8 { m: mc, m_absmax, v: vc, v_absmax } => {
+                let blocks = mc.chunks_mut(QUANT_BLOCK).zip(vc.chunks_mut(QUANT_BLOCK));
+                for (k, (mo, vo)) in blocks.enumerate() {
+                    let r = k * QUANT_BLOCK..k * QUANT_BLOCK + mo.len();
+                    m_absmax[k] = encode(isa, &m[r.clone()], mo, simd::linear_encode);
+                    v_absmax[k] = encode(isa, &v[r], vo, simd::dynamic_encode);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// These moments in `dtype`: themselves when they are of it, else through f32 ([`Self::to_f32`],
+    /// [`Self::from_f32`]): a conversion that loses what `dtype` cannot hold.
+    pub fn converted(self, dtype: StateDType) -> Self {
+        if self.dtype() == dtype {
+            return self;
+        }
+        let (m, v) = self.to_f32();
+        Self::from_f32(dtype, &m, &v).expect("m and v of one length")
+    }
+
+    /// The moments' arrays as bytes, in [`byte_ranges`]' order (`m`, `v`, `m` absmax, `v` absmax;
+    /// empty where the dtype has none).
+    fn arrays(&self) -> [&[u8]; 4] {
+        match self {
+            MomentBufs::F32 { m, v } => [bytemuck::cast_slice(m), bytemuck::cast_slice(v), &[], &[]],
+            MomentBufs::Bf16 { m, v } => [bytemuck::cast_slice(m), bytemuck::cast_slice(v), &[], &[]],
+            MomentBufs::Int8 { m, m_absmax, v, v_absmax } => {
+                [bytemuck::cast_slice(m), v, bytemuck::cast_slice(m_absmax), bytemuck::cast_slice(v_absmax)]
+            }
+        }
+    }
+
+    /// [`Self::arrays`], writable.
+    fn arrays_mut(&mut self) -> [&mut [u8]; 4] {
+        match self {
+            MomentBufs::F32 { m, v } => [bytemuck::cast_slice_mut(m), bytemuck::cast_slice_mut(v), &mut [], &mut []],
+            MomentBufs::Bf16 { m, v } => [bytemuck::cast_slice_mut(m), bytemuck::cast_slice_mut(v), &mut [], &mut []],
+            MomentBufs::Int8 { m, m_absmax, v, v_absmax } => {
+                [bytemuck::cast_slice_mut(m), v, bytemuck::cast_slice_mut(m_absmax), bytemuck::cast_slice_mut(v_absmax)]
+            }
+        }
+    }
+
+    /// For parameters `range` (its start a multiple of [`QUANT_BLOCK`]): each array's bytes that
+    /// hold them (in [`Self::arrays`]) and where they go in the layout of [`Moments::from_bytes`]
+    /// for `range.len()` parameters.
+    fn cut(
+        &self,
+        range: std::ops::Range<usize>,
+        layout_len: usize,
+    ) -> [(std::ops::Range<usize>, std::ops::Range<usize>); 4] {
+        let (n, dtype) = (range.len(), self.dtype());
+        assert_eq!(layout_len, dtype.moment_bytes(n), "{dtype} moments of {n} parameters");
+        assert_eq!(range.start % QUANT_BLOCK, 0, "moments cut off a block");
+        let width = match dtype {
+            StateDType::F32 => 4,
+            StateDType::Bf16 => 2,
+            StateDType::Int8 => 1,
+        };
+        let b = range.start / QUANT_BLOCK..range.start / QUANT_BLOCK + n.div_ceil(QUANT_BLOCK);
+        let (values, absmax) = (width * range.start..width * range.end, 4 * b.start..4 * b.end);
+        let [rm, rv, rma, rva] = byte_ranges(dtype, n);
+        let absmax = |r: std::ops::Range<usize>| if r.is_empty() { 0..0 } else { absmax.clone() };
+        [(values.clone(), rm), (values, rv), (absmax(rma.clone()), rma), (absmax(rva.clone()), rva)]
+    }
+
+    /// Writes the moments of parameters `range` (its start a multiple of [`QUANT_BLOCK`]) to
+    /// `out` in the layout of [`Moments::from_bytes`] for `range.len()` parameters.
+    ///
+    /// # Panics
+    /// When `range` is out of bounds or does not start on a block, or `out` is not
+    /// `moment_bytes(range.len())` long.
+    pub fn write_bytes(&self, range: std::ops::Range<usize>, out: &mut [u8]) {
+        for (array, (from, to)) in self.arrays().into_iter().zip(self.cut(range, out.len())) {
+            out[to].copy_from_slice(&array[from]);
+        }
+    }
+
+    /// Reads the moments of parameters `range` from `bytes`, the inverse of [`Self::write_bytes`].
+    ///
+    /// # Panics
+    /// As [`Self::write_bytes`].
+    pub fn read_bytes(&mut self, range: std::ops::Range<usize>, bytes: &[u8]) {
+        let cut = self.cut(range, bytes.len());
+        for (array, (to, from)) in self.arrays_mut().into_iter().zip(cut) {
+            array[to].copy_from_slice(&bytes[from]);
+        }
     }
 }
 
@@ -405,11 +680,7 @@ pub fn adam_step_moments(
     grads: GradSlice<'_>,
     out: CopyOut<'_>,
 ) -> Result<()> {
-    check_isa(isa)?;
-    check_io(p.len(), &grads, &out)?;
-    moments.check(p.len())?;
-    step_blocks(isa, scalars, p, moments, grads, out);
-    Ok(())
+    step_moments_blocks(isa, scalars, p, moments, grads, out, None)
 }
 
 /// [`adam_step_moments`] with the checks done.
@@ -454,6 +725,27 @@ fn step_blocks(
             }
         }
     }
+}
+
+/// [`adam_step_moments`] with the block sums of squares of `grads` into `partials` (one slot
+/// per [`crate::NORM_BLOCK`]) when given, on the calling thread: the NVMe stream's chunk step.
+pub(crate) fn step_moments_blocks(
+    isa: Isa,
+    scalars: &StepScalars,
+    p: &mut [f32],
+    moments: Moments<'_>,
+    grads: GradSlice<'_>,
+    out: CopyOut<'_>,
+    partials: Option<&mut [f64]>,
+) -> Result<()> {
+    check_isa(isa)?;
+    check_io(p.len(), &grads, &out)?;
+    moments.check(p.len())?;
+    if let Some(part) = &partials {
+        check_partials(p.len(), part)?;
+    }
+    Work { state: Reduced { p, moments }, grads, out, partials }.run(isa, scalars);
+    Ok(())
 }
 
 /// A thread's range of a reduced-moment step's state: f32 master weights and their moments, cut

@@ -1,8 +1,11 @@
 //! Optimizer state on NVMe, streamed through a bounded amount of host memory.
 //!
 //! A unit's state is cut into chunks of [`StreamConfig::chunk_params`] parameters (a multiple of
-//! [`NORM_BLOCK`]); chunk `k` is one extent of the swapper's [`NvmeStore`] holding
-//! `[p | m | v]` (12 B per parameter). [`stream_update`] runs the update with three host buffers
+//! [`NORM_BLOCK`], so of [`QUANT_BLOCK`]: a chunk holds whole quantization blocks); chunk `k` is
+//! one extent of the swapper's [`NvmeStore`] holding the f32 master weights, then the moments in
+//! their [`StateDType`] in the layout of [`Moments::from_bytes`]: `[p | m | v]` in f32 (12 B per
+//! parameter), `[p | m | v]` with bf16 moments (8 B), `[p | m absmax | v absmax | m | v]` with
+//! int8 moments (6 B and 8 B per block of 256). [`stream_update`] runs the update with three host buffers
 //! (ZeRO-Infinity's overlap of NVMe reads, CPU update and NVMe writes):
 //!
 //! ```text
@@ -15,8 +18,9 @@
 //! change a bit of the result) and written to a **new** extent: the old extents stay valid until
 //! the caller frees them, which makes every streamed update out-of-place at no extra host memory
 //! (the pipelined step's roll-back) and an I/O error harmless (the new extents are freed, the
-//! old state is intact). Host memory is three buffers of `size_class(12 × chunk_params)` bytes,
-//! taken from the [`PinnedPool`] the caller passes, whose budget bounds it.
+//! old state is intact). Host memory is three buffers of `size_class(chunk bytes)`
+//! ([`StreamConfig::buffer_bytes`]), taken from the [`PinnedPool`] the caller passes, whose
+//! budget bounds it.
 
 use std::collections::VecDeque;
 
@@ -24,6 +28,7 @@ use oogc_swapper::{Extent, HostBuffer, IoHandle, NvmeStore, PinnedPool, TensorId
 
 use crate::error::{Error, Result};
 use crate::kernel::{step_blocks, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
+use crate::quant::{step_moments_blocks, MomentBufs, Moments, StateDType, QUANT_BLOCK};
 use crate::simd::Isa;
 
 /// Buffers one stream holds: read, update, write.
@@ -33,28 +38,39 @@ pub const STREAM_BUFFERS: usize = 3;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamConfig {
     /// Parameters per chunk: a multiple of [`NORM_BLOCK`], more than 0. A chunk is
-    /// `12 × chunk_params` bytes (p, m, v in f32).
+    /// [`StateDType::state_bytes`]`(chunk_params)` bytes (12 × `chunk_params` in f32).
     pub chunk_params: usize,
+    /// The moments' element type.
+    pub state_dtype: StateDType,
 }
 
 impl StreamConfig {
-    /// Chunks of `chunk_params` parameters.
+    /// Chunks of `chunk_params` parameters, f32 moments.
     ///
     /// # Errors
     /// [`Error::Config`] unless `chunk_params` is a positive multiple of [`NORM_BLOCK`].
     pub fn new(chunk_params: usize) -> Result<Self> {
+        Self::with_state_dtype(chunk_params, StateDType::F32)
+    }
+
+    /// Chunks of `chunk_params` parameters, moments of `state_dtype`.
+    ///
+    /// # Errors
+    /// As [`StreamConfig::new`].
+    pub fn with_state_dtype(chunk_params: usize, state_dtype: StateDType) -> Result<Self> {
         if chunk_params == 0 || !chunk_params.is_multiple_of(NORM_BLOCK) {
             return Err(Error::Config {
                 key: "optimizer.stream_chunk_bytes".into(),
                 reason: format!("{chunk_params} parameters per chunk is not a positive multiple of {NORM_BLOCK}"),
             });
         }
-        Ok(Self { chunk_params })
+        debug_assert_eq!(NORM_BLOCK % QUANT_BLOCK, 0);
+        Ok(Self { chunk_params, state_dtype })
     }
 
     /// Bytes of one chunk buffer as the pool hands it out (its size class).
     pub fn buffer_bytes(&self) -> u64 {
-        oogc_swapper::host::size_class(12 * self.chunk_params) as u64
+        oogc_swapper::host::size_class(self.state_dtype.state_bytes(self.chunk_params)) as u64
     }
 
     /// Host bytes one stream holds at most: [`STREAM_BUFFERS`] chunk buffers.
@@ -63,13 +79,16 @@ impl StreamConfig {
     }
 }
 
-/// NVMe bytes of a unit's state of `numel` parameters in chunks of `chunk_params`: each chunk
-/// `[p | m | v]` is one extent of `12 × len` bytes padded to 4 KiB.
-pub fn state_nvme_bytes(numel: usize, chunk_params: usize) -> u64 {
+/// NVMe bytes of a unit's state of `numel` parameters in chunks of `chunk_params` with moments
+/// of `state_dtype`: each chunk is one extent of [`StateDType::state_bytes`]`(len)` bytes
+/// (`12 × len` in f32) padded to 4 KiB.
+pub fn state_nvme_bytes(numel: usize, chunk_params: usize, state_dtype: StateDType) -> u64 {
     let chunk_params = chunk_params.max(1);
     let full = (numel / chunk_params) as u64;
     let rest = numel % chunk_params;
-    let pad = |params: usize| (12 * params as u64).next_multiple_of(oogc_swapper::host::PAGE_BYTES as u64);
+    let pad = |params: usize| {
+        (state_dtype.state_bytes(params) as u64).next_multiple_of(oogc_swapper::host::PAGE_BYTES as u64)
+    };
     full * pad(chunk_params) + if rest > 0 { pad(rest) } else { 0 }
 }
 
@@ -93,7 +112,7 @@ pub struct StreamStats {
 pub struct NvmeState {
     unit: TensorId,
     len: usize,
-    chunk_params: usize,
+    cfg: StreamConfig,
     extents: Vec<Extent>,
 }
 
@@ -102,40 +121,43 @@ fn swap_err(unit: TensorId) -> impl Fn(oogc_swapper::Error) -> Error {
 }
 
 impl NvmeState {
-    /// Writes `p`, `m`, `v` (one length) to new extents, chunk by chunk through one buffer of
-    /// `pool`.
+    /// Writes master weights `p` and `moments` (one length; the moments of `cfg`'s dtype) to new
+    /// extents, chunk by chunk through one buffer of `pool`.
     ///
     /// # Errors
-    /// [`Error::LengthMismatch`]; [`Error::Swapper`] for a full store, an I/O error or the pool's
-    /// budget (extents written before the error are freed).
+    /// [`Error::LengthMismatch`]; [`Error::Config`] for moments of another dtype than `cfg`'s;
+    /// [`Error::Swapper`] for a full store, an I/O error or the pool's budget (extents written
+    /// before the error are freed).
     pub fn write(
         store: &NvmeStore,
         pool: &PinnedPool,
         unit: TensorId,
         cfg: StreamConfig,
-        [p, m, v]: [&[f32]; 3],
+        p: &[f32],
+        moments: &MomentBufs,
     ) -> Result<Self> {
-        for (what, got) in [("m", m.len()), ("v", v.len())] {
-            if got != p.len() {
-                return Err(Error::LengthMismatch {
-                    what: format!("unit {unit} state {what}"),
-                    expected: p.len(),
-                    got,
-                });
-            }
+        if moments.len() != p.len() {
+            return Err(Error::LengthMismatch {
+                what: format!("unit {unit} state moments"),
+                expected: p.len(),
+                got: moments.len(),
+            });
         }
-        let mut state = NvmeState { unit, len: p.len(), chunk_params: cfg.chunk_params, extents: Vec::new() };
-        let mut buf = Some(pool.alloc(12 * cfg.chunk_params.min(p.len())).map_err(swap_err(unit))?);
+        if moments.dtype() != cfg.state_dtype {
+            return Err(Error::Config {
+                key: "optimizer.state_dtype".into(),
+                reason: format!("unit {unit}: {} moments given to a {} stream", moments.dtype(), cfg.state_dtype),
+            });
+        }
+        let mut state = NvmeState { unit, len: p.len(), cfg, extents: Vec::new() };
+        let mut buf = Some(pool.alloc(state.chunk_bytes(0)).map_err(swap_err(unit))?);
         for k in 0..state.num_chunks() {
             let r = state.chunk_range(k);
             let mut b = buf.take().expect("buffer returned by the previous write");
-            b.set_len(12 * r.len());
-            let f: &mut [f32] = bytemuck::cast_slice_mut(b.as_mut_slice());
-            let (fp, rest) = f.split_at_mut(r.len());
-            let (fm, fv) = rest.split_at_mut(r.len());
-            fp.copy_from_slice(&p[r.clone()]);
-            fm.copy_from_slice(&m[r.clone()]);
-            fv.copy_from_slice(&v[r]);
+            b.set_len(state.chunk_bytes(k));
+            let (fp, fm) = b.as_mut_slice().split_at_mut(4 * r.len());
+            fp.copy_from_slice(bytemuck::cast_slice(&p[r.clone()]));
+            moments.write_bytes(r, fm);
             let (res, b) = store.write(unit, b).wait();
             buf = Some(b);
             match res {
@@ -149,24 +171,30 @@ impl NvmeState {
         Ok(state)
     }
 
-    /// Reads the whole state back: `(p, m, v)`.
+    /// Reads the whole state back: master weights and moments.
     ///
     /// # Errors
     /// [`Error::Swapper`] for an I/O error, a corrupt block or the pool's budget.
-    pub fn read(&self, store: &NvmeStore, pool: &PinnedPool) -> Result<[Vec<f32>; 3]> {
-        let mut out = [vec![0f32; self.len], vec![0f32; self.len], vec![0f32; self.len]];
-        let mut buf = Some(pool.alloc(12 * self.chunk_params.min(self.len)).map_err(swap_err(self.unit))?);
+    pub fn read(&self, store: &NvmeStore, pool: &PinnedPool) -> Result<(Vec<f32>, MomentBufs)> {
+        let mut p = vec![0f32; self.len];
+        let mut moments = MomentBufs::zeros(self.cfg.state_dtype, self.len);
+        let mut buf = Some(pool.alloc(self.chunk_bytes(0)).map_err(swap_err(self.unit))?);
         for (k, e) in self.extents.iter().enumerate() {
             let r = self.chunk_range(k);
             let (res, b) = store.read(e, buf.take().expect("buffer back")).wait();
             res.map_err(swap_err(self.unit))?;
-            let f: &[f32] = bytemuck::cast_slice(b.as_slice());
-            for (j, o) in out.iter_mut().enumerate() {
-                o[r.clone()].copy_from_slice(&f[j * r.len()..(j + 1) * r.len()]);
-            }
+            let (fp, fm) = b.as_slice().split_at(4 * r.len());
+            bytemuck::cast_slice_mut(&mut p[r.clone()]).copy_from_slice(fp);
+            moments.read_bytes(r, fm);
             buf = Some(b);
         }
-        Ok(out)
+        Ok((p, moments))
+    }
+
+    /// Bytes of chunk `k` (master weights and moments).
+    fn chunk_bytes(&self, k: usize) -> usize {
+        let r = self.chunk_range(k);
+        self.cfg.state_dtype.state_bytes(r.len())
     }
 
     /// Frees every extent.
@@ -193,12 +221,12 @@ impl NvmeState {
 
     /// Chunks (extents).
     pub fn num_chunks(&self) -> usize {
-        self.len.div_ceil(self.chunk_params)
+        self.len.div_ceil(self.cfg.chunk_params)
     }
 
     /// Parameters of chunk `k`.
     pub fn chunk_range(&self, k: usize) -> std::ops::Range<usize> {
-        k * self.chunk_params..((k + 1) * self.chunk_params).min(self.len)
+        k * self.cfg.chunk_params..((k + 1) * self.cfg.chunk_params).min(self.len)
     }
 
     /// Bytes on the store (padded extents).
@@ -248,11 +276,11 @@ pub fn stream_update(
     }
     let chunks = state.num_chunks();
     let mut stats = StreamStats { chunks, ..Default::default() };
-    let mut new = NvmeState { unit, len: n, chunk_params: state.chunk_params, extents: Vec::with_capacity(chunks) };
+    let mut new = NvmeState { unit, len: n, cfg: state.cfg, extents: Vec::with_capacity(chunks) };
     if chunks == 0 {
         return Ok((new, stats));
     }
-    let buffer_len = 12 * state.chunk_params.min(n);
+    let buffer_len = state.chunk_bytes(0);
     let mut free: Vec<HostBuffer> = Vec::with_capacity(STREAM_BUFFERS);
     for _ in 0..STREAM_BUFFERS.min(chunks + 1) {
         let b = pool.alloc(buffer_len).map_err(swap_err(unit))?;
@@ -288,12 +316,18 @@ pub fn stream_update(
         let r = state.chunk_range(k);
         stats.read_bytes += buf.len() as u64;
         {
-            let f: &mut [f32] = bytemuck::cast_slice_mut(buf.as_mut_slice());
-            let (p, rest) = f.split_at_mut(r.len());
-            let (m, v) = rest.split_at_mut(r.len());
             let blocks = (r.start / NORM_BLOCK)..r.end.div_ceil(NORM_BLOCK);
             let part = partials.as_deref_mut().map(|p| &mut p[blocks]);
-            step_blocks(isa, scalars, StateIo::InPlace { p, m, v }, grads.slice(r.clone()), out.slice_mut(r), part)?;
+            let (g, o) = (grads.slice(r.clone()), out.slice_mut(r.clone()));
+            let dtype = state.cfg.state_dtype;
+            let (pb, mb) = buf.as_mut_slice().split_at_mut(4 * r.len());
+            let p: &mut [f32] = bytemuck::cast_slice_mut(pb);
+            if dtype == StateDType::F32 {
+                let (m, v) = bytemuck::cast_slice_mut::<u8, f32>(mb).split_at_mut(r.len());
+                step_blocks(isa, scalars, StateIo::InPlace { p, m, v }, g, o, part)?;
+            } else {
+                step_moments_blocks(isa, scalars, p, Moments::from_bytes(dtype, r.len(), mb), g, o, part)?;
+            }
         }
         stats.written_bytes += buf.len() as u64;
         writes.push_back(store.write(unit, buf));

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use half::bf16;
 use oogc_optimizer::{
-    adam_step, clip_scale, global_norm, grad_sumsq, AdamConfig, CopyOut, DType, GradSlice, Grads, Isa, NonFinite,
-    OptimizerConfig, PipelinedOptimizer, StateIo, StatePlacement, UnitState, NORM_BLOCK,
+    adam_step_moments, clip_scale, global_norm, grad_sumsq, AdamConfig, CopyOut, DType, GradSlice, Grads, Isa,
+    MomentBufs, NonFinite, OptimizerConfig, PipelinedOptimizer, StateDType, StatePlacement, UnitState, NORM_BLOCK,
 };
 use oogc_swapper::{NvmeConfig, NvmeStore, TensorId};
 
@@ -41,7 +41,8 @@ impl Reference {
     fn add(&mut self, id: TensorId, master: &[f32]) {
         let n = master.len();
         let copy = master.iter().map(|&x| bf16::from_f32(x)).collect();
-        self.units.push((id, UnitState { master: master.to_vec(), m: vec![0.0; n], v: vec![0.0; n] }, copy));
+        let moments = MomentBufs::zeros(self.cfg.state_dtype, n);
+        self.units.push((id, UnitState { master: master.to_vec(), moments }, copy));
         self.units.sort_by_key(|u| u.0);
     }
 
@@ -58,8 +59,8 @@ impl Reference {
         let s = self.cfg.adam.scalars(t, lr, scale).unwrap();
         for (id, gr) in by_id {
             let (_, st, copy) = self.units.iter_mut().find(|u| u.0 == *id).unwrap();
-            let state = StateIo::InPlace { p: &mut st.master, m: &mut st.m, v: &mut st.v };
-            adam_step(isa, &s, state, GradSlice::BF16(gr), CopyOut::BF16(copy)).unwrap();
+            let moments = st.moments.view();
+            adam_step_moments(isa, &s, &mut st.master, moments, GradSlice::BF16(gr), CopyOut::BF16(copy)).unwrap();
         }
         (norm, scale, false)
     }
@@ -69,8 +70,7 @@ impl Reference {
             opt.wait_unit(*id).unwrap();
             let got = opt.export_state(*id).unwrap();
             assert!(bits(&got.master) == bits(&st.master), "{what}: unit {id} master differs");
-            assert!(bits(&got.m) == bits(&st.m), "{what}: unit {id} m differs");
-            assert!(bits(&got.v) == bits(&st.v), "{what}: unit {id} v differs");
+            assert!(moment_bytes(&got.moments) == moment_bytes(&st.moments), "{what}: unit {id} moments differ");
             opt.read_compute_copy(*id, |b| {
                 assert!(b == bytemuck::cast_slice::<bf16, u8>(copy), "{what}: unit {id} copy")
             })
@@ -81,6 +81,13 @@ impl Reference {
 
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// The moments' bytes, as stored (f32 and bf16 values, int8 codes and absmaxes).
+fn moment_bytes(m: &MomentBufs) -> Vec<u8> {
+    let mut out = vec![0u8; m.dtype().moment_bytes(m.len())];
+    m.write_bytes(0..m.len(), &mut out);
+    out
 }
 
 const SIZES: [usize; 6] = [3 * NORM_BLOCK + 5, 1, 1000, NORM_BLOCK, 9 * NORM_BLOCK + 333, 17];
@@ -260,7 +267,7 @@ fn immediate_updates_stop_at_a_non_finite_gradient_and_leave_that_unit_untouched
     assert!(msg.contains("not finite") && msg.contains("resume from the last checkpoint"), "{msg}");
     assert_eq!(opt.export_state(TensorId(2)).unwrap(), before, "the poisoned unit was updated");
     // A unit submitted before it (unit 5, the backward's first) was updated.
-    assert_ne!(opt.export_state(TensorId(5)).unwrap().m, vec![0.0; SIZES[5]]);
+    assert_ne!(opt.export_state(TensorId(5)).unwrap().into_f32().1, vec![0.0; SIZES[5]]);
 }
 
 #[test]
@@ -365,7 +372,7 @@ fn handles_and_protocol_errors() {
     opt.read_compute_copy(TensorId(0), |b| after = b.to_vec()).unwrap();
     assert_eq!(after.len(), 200);
     assert_ne!(before, after, "the committed copy changed");
-    assert_eq!(opt.export_state(TensorId(1)).unwrap().m, vec![0.0; 200]);
+    assert_eq!(opt.export_state(TensorId(1)).unwrap().into_f32().1, vec![0.0; 200]);
     let e = PipelinedOptimizer::new(cfg.clone(), None).unwrap().add_unit(TensorId(3), &[1.0], StatePlacement::Nvme);
     assert!(e.unwrap_err().to_string().contains("NvmeStore"));
 }
@@ -391,10 +398,10 @@ fn one_home_per_compute_copy_and_every_host_byte_claimed() {
         opt.add_unit(TensorId(i as u64), &master, place(i)).unwrap();
         reference.add(TensorId(i as u64), &master);
     }
-    let state: u64 = sizes.iter().enumerate().map(|(i, &n)| state_host_bytes(n, place(i))).sum();
+    let state: u64 = sizes.iter().enumerate().map(|(i, &n)| state_host_bytes(n, place(i), cfg.state_dtype)).sum();
     assert_eq!(ledger.used_bytes_of(HostUse::OptimizerState), state);
     // Room for the second buffers of units 0 and 1 only: unit 2 is deferred.
-    let cost = |i: usize| speculation_cost(sizes[i], place(i), DType::BF16, cfg.stream_chunk_params());
+    let cost = |i: usize| speculation_cost(sizes[i], place(i), DType::BF16, cfg.stream_chunk_params(), cfg.state_dtype);
     let room = cost(0).0 + cost(1).0;
     let spec = opt.reserve_speculation(room, u64::MAX).unwrap();
     assert_eq!((spec.speculative_units, spec.deferred_units), (2, 1), "{spec:?}");
@@ -493,10 +500,63 @@ fn shards_of_a_model_joined_by_a_norm_reduce_update_as_the_whole_model() {
                 let got = opt.export_state(id).unwrap();
                 let (_, want, _) = reference.units.iter().find(|u| u.0 == id).unwrap();
                 assert!(bits(&got.master) == bits(&want.master), "step {t}: unit {i} master differs");
-                assert!(bits(&got.v) == bits(&want.v), "step {t}: unit {i} v differs");
+                assert!(got.moments == want.moments, "step {t}: unit {i} moments differ");
             }
         }
     }
     // Steps 1 and 3 clipped (a shard alone would have clipped less), step 2 did not.
     assert!(scales[0] < 0.1 && scales[1] == 1.0 && scales[2] < 0.1, "{scales:?}");
+}
+
+/// bf16 and int8 moments, host- and NVMe-placed, speculated, clipped, redone, skipped and
+/// deferred: the pipelined step gives the bits of [`adam_step_moments`] over the whole model,
+/// and the state takes the bytes its dtype says.
+#[test]
+fn reduced_moments_equal_the_reference_on_host_and_nvme() {
+    for dtype in [StateDType::Bf16, StateDType::Int8] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(NvmeStore::open(NvmeConfig::new(vec![dir.path().to_path_buf()], 256 << 20)).unwrap());
+        let mut cfg = config(Some(50.0), 2);
+        cfg.state_dtype = dtype;
+        // A roll-back budget for a few units: the rest are deferred (updated in place).
+        cfg.rollback_budget_bytes = Some(40_000);
+        let place = |i: usize| if i.is_multiple_of(2) { StatePlacement::Nvme } else { StatePlacement::Host };
+        let (opt, mut reference) = setup(&cfg, Some(store.clone()), &SIZES, place);
+        let reports = run(
+            &opt,
+            &mut reference,
+            &SIZES,
+            &[(1, 1e-3, 1e-3, None), (2, 1e-3, 1.0, None), (3, 1e-3, 1e-3, Some(4)), (3, 1e-3, 1e-3, None)],
+        );
+        assert!(reports[0].committed_speculative > 0 && reports[0].deferred > 0, "{dtype}: {:?}", reports[0]);
+        assert!(reports[1].clip_scale < 1.0 && reports[1].redone > 0, "{dtype}: {:?}", reports[1]);
+        assert!(reports[2].skipped, "{dtype}");
+        let st = opt.export_state(TensorId(4)).unwrap();
+        assert_eq!(st.moments.dtype(), dtype);
+        // The NVMe units' extents hold their dtype's bytes (chunks of 2 blocks, padded to 4 KiB).
+        let nvme: u64 = SIZES
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| place(*i) == StatePlacement::Nvme)
+            .map(|(_, &n)| oogc_optimizer::state_nvme_bytes(n, cfg.stream_chunk_params(), dtype))
+            .sum();
+        assert_eq!(store.used_bytes(), nvme, "{dtype}");
+        let f32_chunk = config(None, 1).stream_chunk_params();
+        let f32_nvme: u64 =
+            [0, 2, 4].iter().map(|&i| oogc_optimizer::state_nvme_bytes(SIZES[i], f32_chunk, StateDType::F32)).sum();
+        assert!(nvme < f32_nvme, "{dtype}: {nvme} NVMe bytes, not fewer than f32's {f32_nvme}");
+        // Export and import keep every bit (the int8 codes and absmaxes as they are).
+        let mut changed = st.clone();
+        changed.master[0] += 1.0;
+        opt.import_state(TensorId(4), changed.clone()).unwrap();
+        assert_eq!(opt.export_state(TensorId(4)).unwrap(), changed);
+        // f32 moments imported into a reduced optimizer are converted to its dtype.
+        let (p, m, v) = st.clone().into_f32();
+        let n = SIZES[3];
+        let f32_state = UnitState::from_f32(p[..n].to_vec(), m[..n].to_vec(), v[..n].to_vec()).unwrap();
+        opt.import_state(TensorId(3), f32_state).unwrap();
+        assert_eq!(opt.export_state(TensorId(3)).unwrap().moments.dtype(), dtype);
+        drop(opt);
+        assert_eq!(store.used_bytes(), 0, "{dtype}: extents left on the store");
+    }
 }

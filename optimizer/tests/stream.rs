@@ -3,8 +3,8 @@
 
 use half::bf16;
 use oogc_optimizer::{
-    adam_step, grad_sumsq, stream_update, AdamConfig, CopyOut, GradSlice, Isa, NvmeState, StateIo, StreamConfig,
-    NORM_BLOCK,
+    adam_step_moments, grad_sumsq, state_nvme_bytes, stream_update, AdamConfig, CopyOut, GradSlice, Isa, MomentBufs,
+    NvmeState, StateDType, StreamConfig, NORM_BLOCK,
 };
 use oogc_swapper::{NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
 
@@ -24,31 +24,38 @@ fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
 
+/// The moments' bytes as stored.
+fn moment_bytes(m: &MomentBufs) -> Vec<u8> {
+    let mut out = vec![0u8; m.dtype().moment_bytes(m.len())];
+    m.write_bytes(0..m.len(), &mut out);
+    out
+}
+
 #[test]
 fn streamed_update_equals_in_memory_update_bitwise() {
+    for dtype in [StateDType::F32, StateDType::Bf16, StateDType::Int8] {
+        streamed_update_equals_in_memory_update(dtype);
+    }
+}
+
+fn streamed_update_equals_in_memory_update(dtype: StateDType) {
     let dir = tempfile::tempdir().unwrap();
     let store = store(dir.path());
-    let cfg = StreamConfig::new(2 * NORM_BLOCK).unwrap();
+    let cfg = StreamConfig::with_state_dtype(2 * NORM_BLOCK, dtype).unwrap();
     let pool = pool(cfg.stream_host_bytes() + (1 << 20));
     let n = 5 * cfg.chunk_params + NORM_BLOCK + 77; // 6 chunks, the last one short
     let unit = TensorId(7);
-    let (mut p, mut m, mut v) = (data(n, 1), vec![0f32; n], vec![0f32; n]);
+    let (mut p, mut mom) = (data(n, 1), MomentBufs::zeros(dtype, n));
     let adam = AdamConfig::default();
-    let mut state = NvmeState::write(&store, &pool, unit, cfg, [&p, &m, &v]).unwrap();
+    let mut state = NvmeState::write(&store, &pool, unit, cfg, &p, &mom).unwrap();
     assert_eq!(state.num_chunks(), 6);
+    assert_eq!(store.used_bytes(), state_nvme_bytes(n, cfg.chunk_params, dtype), "{dtype}");
     for t in 1..=3u64 {
         let g: Vec<bf16> = data(n, 100 + t as u32).iter().map(|&x| bf16::from_f32(x * 1e-2)).collect();
         let s = adam.scalars(t, 1e-3, if t == 2 { 0.25 } else { 1.0 }).unwrap();
         let mut copy_mem = vec![bf16::ZERO; n];
         let isa = Isa::detect();
-        adam_step(
-            isa,
-            &s,
-            StateIo::InPlace { p: &mut p, m: &mut m, v: &mut v },
-            GradSlice::BF16(&g),
-            CopyOut::BF16(&mut copy_mem),
-        )
-        .unwrap();
+        adam_step_moments(isa, &s, &mut p, mom.view(), GradSlice::BF16(&g), CopyOut::BF16(&mut copy_mem)).unwrap();
         for stream_isa in Isa::available() {
             let mut copy = vec![bf16::ZERO; n];
             let mut partials = vec![0f64; n.div_ceil(NORM_BLOCK)];
@@ -65,13 +72,13 @@ fn streamed_update_equals_in_memory_update_bitwise() {
             .unwrap();
             assert_eq!(stats.chunks, 6);
             assert!(stats.peak_host_bytes <= cfg.stream_host_bytes());
-            assert_eq!(stats.read_bytes, 12 * n as u64);
+            let chunk_bytes = |k: usize| dtype.state_bytes(cfg.chunk_params.min(n - k * cfg.chunk_params)) as u64;
+            assert_eq!(stats.read_bytes, (0..6).map(chunk_bytes).sum::<u64>(), "{dtype}");
             let sumsq: f64 = partials.iter().fold(0.0, |a, &b| a + b);
             assert_eq!(sumsq.to_bits(), grad_sumsq(isa, GradSlice::BF16(&g)).unwrap().to_bits());
-            let [np, nm, nv] = new.read(&store, &pool).unwrap();
-            assert_eq!(bits(&np), bits(&p), "step {t} {stream_isa}: p");
-            assert_eq!(bits(&nm), bits(&m), "step {t} {stream_isa}: m");
-            assert_eq!(bits(&nv), bits(&v), "step {t} {stream_isa}: v");
+            let (np, nmom) = new.read(&store, &pool).unwrap();
+            assert_eq!(bits(&np), bits(&p), "step {t} {stream_isa} {dtype}: p");
+            assert_eq!(moment_bytes(&nmom), moment_bytes(&mom), "step {t} {stream_isa} {dtype}: moments");
             assert!(copy.iter().zip(&copy_mem).all(|(a, b)| a.to_bits() == b.to_bits()));
             if stream_isa == Isa::Scalar {
                 // Commit: the old extents go, the new ones are the state.
@@ -95,12 +102,12 @@ fn host_memory_is_bounded_by_the_pool_budget() {
     let store = store(dir.path());
     let cfg = StreamConfig::new(NORM_BLOCK).unwrap();
     let n = 10 * NORM_BLOCK;
-    let (p, m, v) = (data(n, 3), vec![0f32; n], vec![0f32; n]);
+    let (p, mom) = (data(n, 3), MomentBufs::zeros(StateDType::F32, n));
     let g = data(n, 4);
     let s = AdamConfig::default().scalars(1, 1e-3, 1.0).unwrap();
     // Exactly three chunk buffers: enough for read k+1 ‖ update k ‖ write k−1, nothing more.
     let exact = pool(cfg.stream_host_bytes());
-    let state = NvmeState::write(&store, &exact, TensorId(1), cfg, [&p, &m, &v]).unwrap();
+    let state = NvmeState::write(&store, &exact, TensorId(1), cfg, &p, &mom).unwrap();
     let (new, stats) =
         stream_update(&store, &exact, Isa::detect(), &s, &state, GradSlice::F32(&g), CopyOut::None, None).unwrap();
     assert_eq!(stats.peak_host_bytes, cfg.stream_host_bytes());
@@ -114,7 +121,7 @@ fn host_memory_is_bounded_by_the_pool_budget() {
         .to_string();
     assert!(e.contains("host") && e.contains("unit #1"), "{e}");
     assert_eq!(store.used_bytes(), before);
-    let [rp, _, _] = state.read(&store, &exact).unwrap();
+    let (rp, _) = state.read(&store, &exact).unwrap();
     assert_eq!(bits(&rp), bits(&p));
     state.free(&store);
 }
@@ -126,7 +133,12 @@ fn wrong_gradient_length_names_the_unit() {
     let cfg = StreamConfig::new(NORM_BLOCK).unwrap();
     let pool = pool(cfg.stream_host_bytes());
     let p = data(100, 1);
-    let state = NvmeState::write(&store, &pool, TensorId(9), cfg, [&p, &p, &p]).unwrap();
+    let mom = MomentBufs::F32 { m: p.clone(), v: p.clone() };
+    let state = NvmeState::write(&store, &pool, TensorId(9), cfg, &p, &mom).unwrap();
+    // Moments of another dtype than the stream's are refused naming the key.
+    let int8 = MomentBufs::zeros(StateDType::Int8, 100);
+    let e = NvmeState::write(&store, &pool, TensorId(9), cfg, &p, &int8).unwrap_err().to_string();
+    assert!(e.contains("optimizer.state_dtype") && e.contains("int8"), "{e}");
     let s = AdamConfig::default().scalars(1, 1e-3, 1.0).unwrap();
     let e = stream_update(&store, &pool, Isa::Scalar, &s, &state, GradSlice::F32(&p[..99]), CopyOut::None, None)
         .unwrap_err()

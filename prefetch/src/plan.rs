@@ -321,12 +321,22 @@ pub struct PlanInput {
     /// Where the optimizer state (fp32 master, m, v: 12 B per parameter) lives; `None`: host
     /// if the host budget holds everything, else NVMe.
     pub optimizer_state: Option<StatePlacement>,
+    /// Bytes of optimizer state per parameter: 12 (fp32 master, m, v), 8 with bf16 moments,
+    /// 6.03 with int8 ones. Default: 12.
+    #[serde(default = "PlanInput::default_state_bytes_per_param")]
+    pub state_bytes_per_param: f64,
     /// The sliding window.
     pub prefetch: PrefetchConfig,
     /// Simulated steps (the last is reported). Default 3.
     pub steps: usize,
     /// Keep the Chrome/Perfetto trace of the simulated step in [`PlanReport::sim`].
     pub trace: bool,
+}
+
+impl PlanInput {
+    fn default_state_bytes_per_param() -> f64 {
+        12.0
+    }
 }
 
 /// Bytes needed per tier.
@@ -392,7 +402,7 @@ pub fn plan(input: &PlanInput, hw: &HardwareProfile) -> Result<PlanReport> {
     let schedule = Schedule::training_step(&ids, true)?;
     let params: u64 = input.units.iter().map(|u| u.numel).sum();
     let model_bytes: u64 = input.units.iter().map(|u| u.compute_bytes).sum();
-    let state_bytes = 12 * params;
+    let state_bytes = (params as f64 * input.state_bytes_per_param).ceil() as u64;
     let grads_bytes = model_bytes;
     let mut warnings = Vec::new();
     let on_nvme = match input.optimizer_state {
@@ -418,6 +428,7 @@ pub fn plan(input: &PlanInput, hw: &HardwareProfile) -> Result<PlanReport> {
     let mut cfg = SimConfig::new(input.gpu_budget_bytes.min(model_bytes.max(min_working_set(&schedule))));
     cfg.links = hw.links();
     cfg.optimizer_params_per_s = hw.cpu_adam_params_per_s;
+    cfg.optimizer_state_bytes_per_param = input.state_bytes_per_param;
     cfg.steps = input.steps.max(1);
     cfg.prefetch = Some(input.prefetch);
     cfg.trace = input.trace;
@@ -561,6 +572,7 @@ mod tests {
             gpu_budget_bytes: 1 << 30,
             host_budget_bytes: None,
             optimizer_state: Some(StatePlacement::Host),
+            state_bytes_per_param: 12.0,
             prefetch: PrefetchConfig::default(),
             steps: 3,
             trace: false,
@@ -601,6 +613,7 @@ mod tests {
             gpu_budget_bytes: 8 << 20,
             host_budget_bytes: None,
             optimizer_state: None,
+            state_bytes_per_param: 12.0,
             prefetch: PrefetchConfig::default(),
             steps: 3,
             trace: false,

@@ -98,8 +98,9 @@ pub struct SimConfig {
     pub links: LinkBandwidths,
     /// CPU optimizer rate, parameters per second (all optimizer threads together).
     pub optimizer_params_per_s: f64,
-    /// Bytes of optimizer state per parameter on host or NVMe (fp32 master + Adam m + v: 12).
-    pub optimizer_state_bytes_per_param: u64,
+    /// Bytes of optimizer state per parameter on host or NVMe (fp32 master + Adam m + v: 12;
+    /// 8 with bf16 moments, 6.03 with int8).
+    pub optimizer_state_bytes_per_param: f64,
     /// Steps simulated back to back (the last is reported). Default: 3. Must be ≥ 2 for a
     /// steady state (1 is allowed and reports the cold step).
     pub steps: usize,
@@ -117,7 +118,7 @@ impl SimConfig {
             device_budget_bytes,
             links: LinkBandwidths::default(),
             optimizer_params_per_s: 1e9,
-            optimizer_state_bytes_per_param: 12,
+            optimizer_state_bytes_per_param: 12.0,
             steps: 3,
             prefetch: Some(PrefetchConfig::default()),
             trace: false,
@@ -223,6 +224,11 @@ const NVME_WRITE: usize = 3;
 const TID_COMPUTE: u32 = 1;
 const TID_OPTIMIZER: u32 = 6;
 const LINK_TID: [u32; 4] = [2, 3, 4, 5];
+/// Bytes of the optimizer state of `numel` parameters at `per_param` bytes each, rounded up.
+fn state_bytes(numel: u64, per_param: f64) -> u64 {
+    (numel as f64 * per_param).ceil() as u64
+}
+
 const LINK_NAME: [&str; 4] = ["h2d", "d2h", "nvme_read", "nvme_write"];
 
 #[derive(Default)]
@@ -444,7 +450,7 @@ impl Sim<'_> {
         self.event(TID_COMPUTE, format!("{phase} {}", u.0), start, end, json!({"unit": u.0, "wait_s": start - t}));
         if entry.phase == Phase::Backward {
             if unit.optimizer_on_nvme {
-                let bytes = unit.numel * self.cfg.optimizer_state_bytes_per_param;
+                let bytes = state_bytes(unit.numel, self.cfg.optimizer_state_bytes_per_param);
                 let (s, e) = self.transfer(NVME_READ, start, bytes, u);
                 self.state_at.insert(u, (s, e));
             }
@@ -470,7 +476,7 @@ impl Sim<'_> {
             self.event(TID_OPTIMIZER, format!("adam {}", u.0), ready, end, json!({"unit": u.0, "params": unit.numel}));
             self.host_intervals.push((g0, end, unit.grad_bytes));
             if let Some((s0, _)) = state {
-                let bytes = unit.numel * self.cfg.optimizer_state_bytes_per_param;
+                let bytes = state_bytes(unit.numel, self.cfg.optimizer_state_bytes_per_param);
                 let (_, w1) = self.transfer(NVME_WRITE, end, bytes, u);
                 self.host_intervals.push((s0, w1, bytes));
             }
@@ -542,7 +548,7 @@ pub fn simulate(
             }
         }
     }
-    let state_bytes = |u: &SimUnit| u.numel * config.optimizer_state_bytes_per_param;
+    let state_bytes = |u: &SimUnit| state_bytes(u.numel, config.optimizer_state_bytes_per_param);
     let host_static: u64 =
         sim.units.values().map(|u| u.num_bytes + if u.optimizer_on_nvme { 0 } else { state_bytes(u) }).sum();
     let nvme: u64 = sim.units.values().filter(|u| u.optimizer_on_nvme).map(state_bytes).sum();

@@ -331,7 +331,7 @@ impl PyRuntime {
         unit: &Bound<'py, PyAny>,
     ) -> Result<(Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         let unit = unit_id(&self.state.lock(), unit)?;
-        let (master, m, v) = self.with(py, |st| Ok(st.rt.unit_state(unit)?))?;
+        let (master, m, v) = self.with(py, |st| Ok(st.rt.unit_state(unit)?.into_f32()))?;
         Ok((torch_from(py, master)?, torch_from(py, m)?, torch_from(py, v)?))
     }
 
@@ -352,7 +352,9 @@ impl PyRuntime {
         let master = dlpack::read_f32(master, &format!("load_unit_state({label}) master"), <[f32]>::to_vec)?;
         let m = dlpack::read_f32(exp_avg, &format!("load_unit_state({label}) exp_avg"), <[f32]>::to_vec)?;
         let v = dlpack::read_f32(exp_avg_sq, &format!("load_unit_state({label}) exp_avg_sq"), <[f32]>::to_vec)?;
-        self.with(py, |st| Ok(st.rt.load_unit_state(unit, master, m, v)?))
+        let state = oogc::optimizer::UnitState::from_f32(master, m, v)
+            .map_err(|e| Error::Usage(format!("load_unit_state({label}): {e}")))?;
+        self.with(py, |st| Ok(st.rt.load_unit_state(unit, state)?))
     }
 
     /// `{"step": int, "units": {name: {"master", "exp_avg", "exp_avg_sq"}}}` (tensor copies).
@@ -365,7 +367,7 @@ impl PyRuntime {
         let units = PyDict::new(py);
         for u in ids {
             let name = self.state.lock().rt.units().name(u).to_string();
-            let (master, m, v) = self.with(py, |st| Ok(st.rt.unit_state(u)?))?;
+            let (master, m, v) = self.with(py, |st| Ok(st.rt.unit_state(u)?.into_f32()))?;
             let entry = PyDict::new(py);
             entry.set_item("master", torch_from(py, master)?)?;
             entry.set_item("exp_avg", torch_from(py, m)?)?;

@@ -107,6 +107,16 @@ pub struct OptimizerSection {
     /// Not with data-parallel ranks. Default: 0.
     #[serde(default)]
     pub device_units: DeviceUnits,
+    /// Element type of Adam's moments `m` and `v` on the CPU optimizer (master weights stay
+    /// f32): `"f32"` (8 B per parameter, as torch), `"bf16"` (4 B, rounded to nearest even) or
+    /// `"int8"` (2.03 B: block-wise quantization of Dettmers et al. 2022, blocks of 256 with one
+    /// f32 absmax each, `m` on a linear map and `v` on the dynamic tree map). The host ledger,
+    /// the NVMe store, the streams' chunks and `oogc plan` count the bytes of the dtype; a
+    /// checkpoint saves the moments as stored, and resuming one of another dtype needs
+    /// `oogc train --convert-state`. Device optimizers (`device_units`, `[moe]
+    /// device_optimizer`) keep f32 moments. Not with data-parallel ranks yet. Default: f32.
+    #[serde(default)]
+    pub state_dtype: oogc_optimizer::StateDType,
 }
 
 /// `[optimizer] device_units`: how many units keep their optimizer on the device.
@@ -167,6 +177,7 @@ impl Default for OptimizerSection {
             rollback_budget: None,
             stream_host_budget: None,
             device_units: DeviceUnits::default(),
+            state_dtype: oogc_optimizer::StateDType::F32,
         }
     }
 }

@@ -55,6 +55,9 @@ pub struct RunOptions {
     /// that verifies (each one passed over is logged with why). Without it such a checkpoint is
     /// an error.
     pub fallback: bool,
+    /// With `resume`: convert Adam moments saved in another dtype than `[optimizer] state_dtype`
+    /// ([`crate::train::ResumeFrom::convert_state`]); without it such a checkpoint is refused.
+    pub convert_state: bool,
     /// A graceful stop: once set (the CLI sets it on SIGINT/SIGTERM), the run finishes the step
     /// in flight, writes a checkpoint (when the config has a checkpoint directory) and returns
     /// with [`RunSummary::stopped`]. The library installs no signal handler itself.
@@ -148,7 +151,8 @@ pub fn run(
             } else {
                 dir.clone()
             };
-            let t = Trainer::open(cfg.clone(), ranks.clone(), Some(&from), &mut |done, total| {
+            let resume = crate::train::ResumeFrom { path: &from, convert_state: opts.convert_state };
+            let t = Trainer::open(cfg.clone(), ranks.clone(), Some(resume), &mut |done, total| {
                 observer.tokenize(done, total)
             })?;
             resumed_from = Some(if from.is_dir() { crate::checkpoint::latest(&from)? } else { from });

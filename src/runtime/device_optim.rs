@@ -154,9 +154,10 @@ impl Runtime {
                 }
                 self.carve.device_optimizers += bytes;
                 self.tiers.residency.set_device_budget_bytes(self.carve.residency_bytes())?;
-                let state = self.grads.optimizer().export_state(tensor)?;
-                let (master, m, v) =
-                    (self.upload_f32(&state.master)?, self.upload_f32(&state.m)?, self.upload_f32(&state.v)?);
+                // The device optimizer keeps f32 moments: reduced ones are decoded here (and
+                // stored in their dtype again when the unit's optimizer comes back).
+                let (master, m, v) = self.grads.optimizer().export_state(tensor)?.into_f32();
+                let (master, m, v) = (self.upload_f32(&master)?, self.upload_f32(&m)?, self.upload_f32(&v)?);
                 let copy = master.to_dtype(candle_dtype(dtype)?)?;
                 let u = self.units.get_mut(unit);
                 let off = match u.kind {
@@ -173,11 +174,11 @@ impl Runtime {
                     unreachable!("placed on the device")
                 };
                 u.kind = off.into();
-                let state = oogc_optimizer::UnitState {
-                    master: self.download_f32(&d.master)?,
-                    m: self.download_f32(&d.m)?,
-                    v: self.download_f32(&d.v)?,
-                };
+                let state = oogc_optimizer::UnitState::from_f32(
+                    self.download_f32(&d.master)?,
+                    self.download_f32(&d.m)?,
+                    self.download_f32(&d.v)?,
+                )?;
                 drop(d);
                 self.grads.optimizer().import_state(tensor, state)?;
                 self.carve.device_optimizers -= bytes;

@@ -236,6 +236,14 @@ impl Runtime {
         // the shards into the residency manager's whole copies. The norm it clips with is the
         // run's.
         let world = ranks.world();
+        if world.size > 1 && config.optimizer.state_dtype != oogc_optimizer::StateDType::F32 {
+            return Err(RuntimeError::Usage(format!(
+                "[optimizer] state_dtype = \"{}\" with {} data-parallel ranks: reduced moments are not sharded \
+                 over ranks yet (a rank's int8 blocks would start at its shard's first parameter)\n  fix: use \
+                 state_dtype = \"f32\" with [ranks], or train on one rank",
+                config.optimizer.state_dtype, world.size
+            )));
+        }
         // With sharded parameters the tiers hold exactly the optimizer's shard of each copy: the
         // optimizer writes it there, as in a world of one.
         let sharded = config.shard_parameters && world.size > 1;

@@ -4,42 +4,53 @@
 
 use super::tensor::candle_dtype;
 use super::unit::Kind;
+use oogc_optimizer::UnitState;
+
 use super::{home, Result, Runtime, RuntimeError, UnitId};
 
 impl Runtime {
-    /// The unit's fp32 master weights, Adam `m` and `v` (each `[numel]`). Call [`Runtime::sync`]
-    /// first to see the latest update. With data-parallel ranks each holds a shard: the three are
-    /// all-gathered (a collective: every rank calls this for the same units in the same order).
+    /// The unit's fp32 master weights and Adam moments (`[numel]` each) as the optimizer stores
+    /// them (`[optimizer] state_dtype`: f32, bf16, or int8 codes with their block absmaxes; f32
+    /// vectors through [`UnitState::into_f32`]): what a checkpoint saves, so that a resume is
+    /// bitwise. A device-resident unit's moments are f32 (the device optimizer's). Call
+    /// [`Runtime::sync`] first to see the latest update. With data-parallel ranks (f32 state
+    /// only) each holds a shard: they are all-gathered (a collective: every rank calls this for
+    /// the same units in the same order).
     ///
     /// # Errors
     /// Optimizer failures (NVMe read); with ranks, a failed all-gather ([`RuntimeError::Dist`]).
-    pub fn unit_state(&self, unit: UnitId) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    pub fn unit_state(&self, unit: UnitId) -> Result<UnitState> {
         let u = self.units.get(unit);
         if let Some(d) = u.device() {
             // The device optimizer's state (a checkpoint's read, not counted as link traffic).
-            return Ok((d.master.to_vec1()?, d.m.to_vec1()?, d.v.to_vec1()?));
+            return Ok(UnitState::from_f32(d.master.to_vec1()?, d.m.to_vec1()?, d.v.to_vec1()?)?);
         }
         let s = self.grads.optimizer().export_state(unit.tensor())?;
         if self.ranks.world().size == 1 {
-            return Ok((s.master, s.m, s.v));
+            return Ok(s);
         }
         let numel = u.numel;
         let gather = |shard: Vec<f32>| -> Result<Vec<f32>> {
             let whole = self.ranks.all_gather_shards(bytemuck::cast_slice(&shard), numel, 4)?;
             Ok(bytemuck::pod_collect_to_vec(&whole))
         };
-        Ok((gather(s.master)?, gather(s.m)?, gather(s.v)?))
+        // Ranks keep f32 moments (`Runtime::new` refuses others).
+        let (master, m, v) = s.into_f32();
+        Ok(UnitState::from_f32(gather(master)?, gather(m)?, gather(v)?)?)
     }
 
     /// Replaces the unit's master weights and Adam state (a checkpoint being restored) and its
-    /// compute copy.
+    /// compute copy. The moments may be of any dtype ([`UnitState::from_f32`] for f32 vectors):
+    /// stored as they are when they are of `[optimizer] state_dtype` (a bitwise resume), else
+    /// converted through f32 ([`oogc_optimizer::MomentBufs::converted`]; a checkpoint's loader
+    /// refuses that unless asked). A device-resident unit takes them in f32.
     ///
     /// # Errors
     /// [`RuntimeError::Usage`] for a length mismatch; optimizer or swapper failures.
-    pub fn load_unit_state(&mut self, unit: UnitId, master: Vec<f32>, m: Vec<f32>, v: Vec<f32>) -> Result<()> {
+    pub fn load_unit_state(&mut self, unit: UnitId, state: UnitState) -> Result<()> {
         let u = self.units.get(unit);
         let numel = u.numel;
-        if master.len() != numel || m.len() != numel || v.len() != numel {
+        if state.master.len() != numel || state.moments.len() != numel {
             return Err(RuntimeError::Usage(format!("load_unit_state({}): lengths differ from {numel}", u.name)));
         }
         self.publish(unit)?;
@@ -48,6 +59,7 @@ impl Runtime {
         let copy_dtype = candle_dtype(dtype)?;
         if let Some(d) = u.device_mut() {
             // Restored where the optimizer lives: on the device.
+            let (master, m, v) = state.into_f32();
             let dev = &self.tiers.compute_device;
             d.master = candle_core::Tensor::from_vec(master, numel, dev)?;
             d.m = candle_core::Tensor::from_vec(m, numel, dev)?;
@@ -63,6 +75,7 @@ impl Runtime {
             // This rank's shard to its optimizer (a checkpoint of any world size re-shards), which
             // writes the compute copy's shard into the tiers when they hold shards; else the
             // whole compute copy to the residency manager.
+            let (master, m, v) = state.into_f32();
             if !gathers {
                 let copy = oogc_optimizer::compute_copy(&master, dtype);
                 home::overwrite_host_copy(&self.tiers.residency, tensor, &mut |b| {
@@ -70,16 +83,12 @@ impl Runtime {
                 })?;
             }
             let r = crate::dist::shard_range(numel, world.rank, world.size);
-            let state = oogc_optimizer::UnitState {
-                master: master[r.clone()].to_vec(),
-                m: m[r.clone()].to_vec(),
-                v: v[r].to_vec(),
-            };
+            let state = UnitState::from_f32(master[r.clone()].to_vec(), m[r.clone()].to_vec(), v[r].to_vec())?;
             self.grads.optimizer().import_state(tensor, state)?;
             return Ok(());
         }
         // The optimizer writes the compute copy into its home (the host copy) from `master`.
-        self.grads.optimizer().import_state(tensor, oogc_optimizer::UnitState { master, m, v })?;
+        self.grads.optimizer().import_state(tensor, state)?;
         Ok(())
     }
 }

@@ -25,8 +25,9 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 use oogc_models::hf;
-use oogc_models::{CausalLm, UnitKind};
+use oogc_models::{CausalLm, UnitKind, UnitSpec};
 use oogc_moe_placement::Placement;
+use oogc_optimizer::{MomentBufs, StateDType, UnitState};
 
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::config::{LlamaModelConfig, ModelConfig, TrainConfig};
@@ -230,11 +231,11 @@ impl Trainer {
     pub fn open(
         cfg: TrainConfig,
         ranks: Ranks,
-        resume: Option<&Path>,
+        resume: Option<ResumeFrom<'_>>,
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self> {
         match resume {
-            Some(dir) => Self::resume_with(cfg, ranks, dir, progress),
+            Some(from) => Self::resume_with(cfg, ranks, from, progress),
             None => Self::build(cfg, ranks, false, progress),
         }
     }
@@ -354,10 +355,16 @@ impl Trainer {
     /// As [`Trainer::new`]; [`TrainError::Checkpoint`] when there is no readable checkpoint;
     /// [`TrainError::Mismatch`] when its model differs from the config's.
     pub fn resume(cfg: TrainConfig, ranks: Ranks, dir: &Path) -> Result<Self> {
-        Self::resume_with(cfg, ranks, dir, &mut |_, _| {})
+        Self::resume_with(cfg, ranks, ResumeFrom { path: dir, convert_state: false }, &mut |_, _| {})
     }
 
-    fn resume_with(cfg: TrainConfig, ranks: Ranks, dir: &Path, progress: &mut dyn FnMut(u64, u64)) -> Result<Self> {
+    fn resume_with(
+        cfg: TrainConfig,
+        ranks: Ranks,
+        from: ResumeFrom<'_>,
+        progress: &mut dyn FnMut(u64, u64),
+    ) -> Result<Self> {
+        let ResumeFrom { path: dir, convert_state } = from;
         let ckpt = checkpoint::load(dir)?;
         let path = if dir.is_dir() { checkpoint::latest(dir)? } else { dir.to_path_buf() };
         let mismatch = |reason: String| TrainError::Mismatch {
@@ -377,24 +384,33 @@ impl Trainer {
                 )));
             }
         }
-        for (k, spec) in t.model.units().to_vec().iter().enumerate() {
-            let mut state = [vec![0f32; spec.numel], vec![0f32; spec.numel], vec![0f32; spec.numel]];
-            for p in &spec.params {
-                for (slot, suffix) in state.iter_mut().zip(["", ".exp_avg", ".exp_avg_sq"]) {
-                    let name = format!("{}{suffix}", p.name);
-                    let tensor = ckpt.tensor(&name).ok_or_else(|| mismatch(format!("tensor {name} is missing")))?;
-                    if tensor.data.len() != p.numel() {
-                        return Err(mismatch(format!(
-                            "{name} has {} values, expected {}",
-                            tensor.data.len(),
-                            p.numel()
-                        )));
-                    }
-                    slot[p.offset..p.offset + p.numel()].copy_from_slice(&tensor.data);
-                }
+        let saved_dtype = match ckpt.metadata.get("state_dtype") {
+            None => StateDType::F32,
+            Some(d) => serde_json::from_value(serde_json::Value::String(d.clone()))
+                .map_err(|_| mismatch(format!("state_dtype `{d}` is not f32, bf16 or int8")))?,
+        };
+        let ours = t.cfg.optimizer.state_dtype;
+        if saved_dtype != ours {
+            if !convert_state {
+                return Err(TrainError::Mismatch {
+                    path: path.clone(),
+                    reason: format!(
+                        "cannot resume: the checkpoint's Adam moments are {saved_dtype}, [optimizer] state_dtype is \
+                         {ours}\n  fix: add --convert-state to convert them to {ours} (Trainer::open with \
+                         ResumeFrom::convert_state), or set [optimizer] state_dtype = \"{saved_dtype}\""
+                    ),
+                });
             }
-            let [master, m, v] = state;
-            t.rt.load_unit_state(t.ids[k], master, m, v)?;
+            tracing::warn!(
+                path = %path.display(),
+                from = %saved_dtype,
+                to = %ours,
+                "converting the checkpoint's Adam moments (--convert-state): the run continues from converted state"
+            );
+        }
+        for (k, spec) in t.model.units().to_vec().iter().enumerate() {
+            let state = unit_state_from(&ckpt, spec).map_err(mismatch)?;
+            t.rt.load_unit_state(t.ids[k], state)?;
         }
         let sampler = ckpt.metadata.get("sampler").ok_or_else(|| mismatch("no `sampler` metadata".into()))?;
         t.sampler = serde_json::from_str(sampler).map_err(|e| mismatch(format!("sampler state: {e}")))?;
@@ -497,7 +513,7 @@ impl Trainer {
     /// Runtime failures.
     pub fn master_weights(&mut self) -> Result<Vec<Vec<f32>>> {
         self.rt.sync()?;
-        self.ids.iter().map(|&u| Ok(self.rt.unit_state(u)?.0)).collect()
+        self.ids.iter().map(|&u| Ok(self.rt.unit_state(u)?.master)).collect()
     }
 
     /// Writes a checkpoint of the completed steps into `[checkpoint] dir` (atomically) and
@@ -512,23 +528,15 @@ impl Trainer {
         self.rt.sync()?;
         let mut tensors = Vec::new();
         for (k, spec) in self.model.units().iter().enumerate() {
-            let (master, m, v) = self.rt.unit_state(self.ids[k])?;
-            for p in &spec.params {
-                let range = p.offset..p.offset + p.numel();
-                for (src, suffix) in [(&master, ""), (&m, ".exp_avg"), (&v, ".exp_avg_sq")] {
-                    tensors.push(NamedTensor {
-                        name: format!("{}{suffix}", p.name),
-                        shape: p.shape.clone(),
-                        data: src[range.clone()].to_vec(),
-                    });
-                }
-            }
+            let state = self.rt.unit_state(self.ids[k])?;
+            unit_tensors(spec, &state, &mut tensors);
         }
         // The other ranks took part in gathering the state; rank 0 writes it.
         let Some(dir) = self.cfg.checkpoint.dir.clone() else { return Ok(None) };
         let mut metadata = BTreeMap::new();
         metadata.insert("format".into(), "oogc-gpt-1".into());
         metadata.insert("optimizer_updates".into(), self.updates.to_string());
+        metadata.insert("state_dtype".into(), self.cfg.optimizer.state_dtype.name().into());
         metadata.insert("model".into(), serde_json::to_string(&self.cfg.model).expect("model config serializes"));
         metadata.insert("sampler".into(), serde_json::to_string(&self.sampler).expect("sampler serializes"));
         metadata.insert("config".into(), toml::to_string(&self.cfg).unwrap_or_default());
@@ -540,4 +548,101 @@ impl Trainer {
         let keep = self.cfg.checkpoint.keep.unwrap_or(2);
         Ok(Some(checkpoint::save(&dir, &ckpt, keep)?))
     }
+}
+
+/// Where a run resumes from ([`Trainer::open`]): a checkpoint file or the directory whose newest
+/// checkpoint is taken.
+#[derive(Debug, Clone, Copy)]
+pub struct ResumeFrom<'a> {
+    /// The checkpoint file or directory.
+    pub path: &'a Path,
+    /// Convert Adam moments saved in another dtype than `[optimizer] state_dtype` (through f32:
+    /// what the new dtype cannot hold is lost). Without it such a checkpoint is refused
+    /// (`oogc train --convert-state`).
+    pub convert_state: bool,
+}
+
+/// Appends the checkpoint tensors of one unit's state: each parameter's f32 master weights
+/// (`{name}`) and moments (`{name}.exp_avg`, `{name}.exp_avg_sq`) in their stored dtype (f32,
+/// bf16, or int8 codes: I8 for `m`'s linear map, U8 for `v`'s tree map), and for int8 the unit's
+/// block absmaxes (`{unit}.exp_avg.absmax`, `{unit}.exp_avg_sq.absmax`, f32 `[blocks]`: blocks of
+/// 256 run over the unit's flat vector, across its parameters).
+fn unit_tensors(spec: &UnitSpec, state: &UnitState, tensors: &mut Vec<NamedTensor>) {
+    use crate::checkpoint::TensorData as D;
+    let named = |name: String, shape: Vec<usize>, data: D| NamedTensor { name, shape, data };
+    for p in &spec.params {
+        let r = p.offset..p.offset + p.numel();
+        let (m, v) = match &state.moments {
+            MomentBufs::F32 { m, v } => (D::F32(m[r.clone()].to_vec()), D::F32(v[r.clone()].to_vec())),
+            MomentBufs::Bf16 { m, v } => (D::BF16(m[r.clone()].to_vec()), D::BF16(v[r.clone()].to_vec())),
+            MomentBufs::Int8 { m, v, .. } => (D::I8(m[r.clone()].to_vec()), D::U8(v[r.clone()].to_vec())),
+        };
+        tensors.push(named(p.name.clone(), p.shape.clone(), D::F32(state.master[r].to_vec())));
+        tensors.push(named(format!("{}.exp_avg", p.name), p.shape.clone(), m));
+        tensors.push(named(format!("{}.exp_avg_sq", p.name), p.shape.clone(), v));
+    }
+    if let MomentBufs::Int8 { m_absmax, v_absmax, .. } = &state.moments {
+        let blocks = vec![m_absmax.len()];
+        tensors.push(named(format!("{}.exp_avg.absmax", spec.name), blocks.clone(), D::F32(m_absmax.clone())));
+        tensors.push(named(format!("{}.exp_avg_sq.absmax", spec.name), blocks, D::F32(v_absmax.clone())));
+    }
+}
+
+/// One unit's state from a checkpoint's tensors ([`unit_tensors`]' layout): the moments' dtype
+/// is the tensors' (f32, bf16 or int8). Errors name the tensor.
+fn unit_state_from(ckpt: &Checkpoint, spec: &UnitSpec) -> std::result::Result<UnitState, String> {
+    use crate::checkpoint::TensorData as D;
+    let get = |name: &str, numel: usize| -> std::result::Result<&D, String> {
+        let t = ckpt.tensor(name).ok_or_else(|| format!("tensor {name} is missing"))?;
+        if t.data.len() != numel {
+            return Err(format!("{name} has {} values, expected {numel}", t.data.len()));
+        }
+        Ok(&t.data)
+    };
+    let first = spec.params.first().map(|p| get(&format!("{}.exp_avg", p.name), p.numel())).transpose()?;
+    let dtype = match first {
+        None | Some(D::F32(_)) => StateDType::F32,
+        Some(D::BF16(_)) => StateDType::Bf16,
+        Some(D::I8(_)) => StateDType::Int8,
+        Some(D::U8(_)) => return Err(format!("{}'s exp_avg is U8, expected F32, BF16 or I8", spec.name)),
+    };
+    let mut master = vec![0f32; spec.numel];
+    let mut moments = MomentBufs::zeros(dtype, spec.numel);
+    for p in &spec.params {
+        let r = p.offset..p.offset + p.numel();
+        let w = get(&p.name, p.numel())?;
+        master[r.clone()]
+            .copy_from_slice(w.as_f32().ok_or_else(|| format!("{} is {:?}, expected F32", p.name, w.dtype()))?);
+        let (mn, vn) = (format!("{}.exp_avg", p.name), format!("{}.exp_avg_sq", p.name));
+        let (md, vd) = (get(&mn, p.numel())?, get(&vn, p.numel())?);
+        match (&mut moments, md, vd) {
+            (MomentBufs::F32 { m, v }, D::F32(a), D::F32(b)) => {
+                m[r.clone()].copy_from_slice(a);
+                v[r].copy_from_slice(b);
+            }
+            (MomentBufs::Bf16 { m, v }, D::BF16(a), D::BF16(b)) => {
+                m[r.clone()].copy_from_slice(a);
+                v[r].copy_from_slice(b);
+            }
+            (MomentBufs::Int8 { m, v, .. }, D::I8(a), D::U8(b)) => {
+                m[r.clone()].copy_from_slice(a);
+                v[r].copy_from_slice(b);
+            }
+            (_, a, b) => {
+                return Err(format!(
+                    "{mn} is {:?} and {vn} is {:?}: the unit's first exp_avg says its moments are {dtype}",
+                    a.dtype(),
+                    b.dtype()
+                ))
+            }
+        }
+    }
+    if let MomentBufs::Int8 { m_absmax, v_absmax, .. } = &mut moments {
+        for (name, out) in [("exp_avg", m_absmax), ("exp_avg_sq", v_absmax)] {
+            let name = format!("{}.{name}.absmax", spec.name);
+            let d = get(&name, out.len())?;
+            out.copy_from_slice(d.as_f32().ok_or_else(|| format!("{name} is {:?}, expected F32", d.dtype()))?);
+        }
+    }
+    Ok(UnitState { master, moments })
 }

@@ -141,7 +141,7 @@ fn round_trip_run(ctx: &Ctx, dtype: oogc::swapper::DType, f: &mut Figures) -> an
         let stats = rt.finish_step()?;
         rt.sync()?;
         for (u, g) in grads.iter().enumerate() {
-            let (master, m, _) = rt.unit_state(ids[u])?;
+            let (master, m, _) = rt.unit_state(ids[u])?.into_f32();
             grad_bad += m.iter().zip(g).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
             // lr 0: the parameters (and the compute copies fetched next step) must not move.
             let moved = master.iter().zip(&masters[u]).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
