@@ -114,6 +114,15 @@ impl TensorData {
         }
     }
 
+    /// The values widened to f32, if the tensor is f32 or bf16.
+    pub fn to_f32(&self) -> Option<Vec<f32>> {
+        match self {
+            TensorData::F32(d) => Some(d.clone()),
+            TensorData::BF16(d) => Some(d.iter().map(|b| b.to_f32()).collect()),
+            _ => None,
+        }
+    }
+
     /// The f32 values, if the tensor is f32.
     pub fn as_f32(&self) -> Option<&[f32]> {
         match self {

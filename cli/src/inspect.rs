@@ -64,7 +64,7 @@ pub(crate) fn inspect(cmd: InspectCmd) -> anyhow::Result<ExitCode> {
     let params: usize = ckpt.tensors.iter().filter(|t| !is_state(&t.name)).map(|t| t.data.len()).sum();
     writeln!(out, "tensors: {} ({} parameters, {} bytes in all)", ckpt.tensors.len(), params, ckpt.num_bytes())?;
     for t in ckpt.tensors.iter().filter(|t| !is_state(&t.name)) {
-        let data = t.data.as_f32().unwrap_or_default();
+        let data = t.data.to_f32().unwrap_or_default();
         let n = data.len().max(1) as f64;
         let rms = (data.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>() / n).sqrt();
         let finite = data.iter().all(|x| x.is_finite());

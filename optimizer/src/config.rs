@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::kernel::StepScalars;
+use crate::master::{MasterDType, StateFormat};
 use crate::quant::StateDType;
 use crate::simd::Isa;
 
@@ -217,6 +218,10 @@ pub struct OptimizerConfig {
     /// parameter), `bf16` (4 B) or `int8` (block-wise, 2.03 B; [`crate::quant`]). Default: f32.
     #[serde(default)]
     pub state_dtype: StateDType,
+    /// Element type of the master weights: `f32` (4 B per parameter) or `bf16` (2 B, written by
+    /// stochastic rounding: [`crate::master`]). Default: f32.
+    #[serde(default)]
+    pub master_dtype: MasterDType,
 }
 
 /// What a step with a non-finite gradient (NaN or ±inf anywhere) does.
@@ -251,6 +256,7 @@ impl Default for OptimizerConfig {
             isa: None,
             nonfinite: NonFinite::Skip,
             state_dtype: StateDType::F32,
+            master_dtype: MasterDType::F32,
         }
     }
 }
@@ -270,11 +276,16 @@ impl OptimizerConfig {
     }
 
     /// Parameters per streamed chunk: as many whole [`crate::NORM_BLOCK`]s as
-    /// `stream_chunk_bytes` holds at [`StateDType::state_bytes`] (`stream_chunk_bytes / 12`
+    /// `stream_chunk_bytes` holds at [`StateFormat::bytes`] (`stream_chunk_bytes / 12`
     /// rounded down to whole blocks in f32), at least one block.
     pub fn stream_chunk_params(&self) -> usize {
         let block = crate::NORM_BLOCK;
-        (self.stream_chunk_bytes / self.state_dtype.state_bytes(block)).max(1) * block
+        (self.stream_chunk_bytes / self.state_format().bytes(block)).max(1) * block
+    }
+
+    /// How a unit's state is stored: [`Self::master_dtype`] and [`Self::state_dtype`].
+    pub fn state_format(&self) -> StateFormat {
+        StateFormat { master: self.master_dtype, moments: self.state_dtype }
     }
 
     /// Whether each unit's update is final when its job ends, without waiting for the step's

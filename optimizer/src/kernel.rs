@@ -55,6 +55,8 @@ pub struct StepScalars {
     pub(crate) bc2_sqrt: f32,
     pub(crate) eps: f32,
     pub(crate) step_size: f32,
+    /// The step `t` (1-based): the stochastic rounding of bf16 master weights draws from it.
+    pub(crate) t: u64,
 }
 
 impl StepScalars {
@@ -78,7 +80,13 @@ impl StepScalars {
             bc2_sqrt: bc2.sqrt() as f32,
             eps: cfg.eps as f32,
             step_size: (lr64 / bc1) as f32,
+            t,
         }
+    }
+
+    /// The step `t` (1-based) these constants are of.
+    pub fn step(&self) -> u64 {
+        self.t
     }
 
     /// The same constants with another gradient scale.
@@ -392,9 +400,33 @@ pub(crate) fn check_isa(isa: Isa) -> Result<()> {
     }
 }
 
-fn check_lens(state: &StateIo<'_>, grads: &GradSlice<'_>, out: &CopyOut<'_>) -> Result<()> {
+/// Checks the lengths of `state` (its own buffers), `grads`, `out` and `partials` (one slot per
+/// [`NORM_BLOCK`]).
+fn check_work<S: StepState>(
+    state: &S,
+    grads: &GradSlice<'_>,
+    out: &CopyOut<'_>,
+    partials: Option<&[f64]>,
+) -> Result<()> {
     state.check()?;
-    check_io(state.len(), grads, out)
+    check_io(state.len(), grads, out)?;
+    partials.map_or(Ok(()), |p| check_partials(state.len(), p))
+}
+
+/// One step over `state` on the calling thread, block by block, with the block sums of squares
+/// written to `partials` when given; every length checked.
+pub(crate) fn step_one<S: StepState>(
+    isa: Isa,
+    scalars: &StepScalars,
+    state: S,
+    grads: GradSlice<'_>,
+    out: CopyOut<'_>,
+    partials: Option<&mut [f64]>,
+) -> Result<()> {
+    check_isa(isa)?;
+    check_work(&state, &grads, &out, partials.as_deref())?;
+    Work { state, grads, out, partials }.run(isa, scalars);
+    Ok(())
 }
 
 /// Checks that `grads` and `out` (unless `None`) have `n` elements.
@@ -424,24 +456,8 @@ pub fn adam_step(
     out: CopyOut<'_>,
 ) -> Result<()> {
     check_isa(isa)?;
-    check_lens(&state, &grads, &out)?;
+    check_work(&state, &grads, &out, None)?;
     simd::adam(isa, scalars, state, grads, out);
-    Ok(())
-}
-
-/// [`adam_step`] block by block on the calling thread, with the block sums of squares written to
-/// `partials` (one slot per [`NORM_BLOCK`]) when given. Lengths must have been checked.
-pub(crate) fn step_blocks(
-    isa: Isa,
-    scalars: &StepScalars,
-    state: StateIo<'_>,
-    grads: GradSlice<'_>,
-    out: CopyOut<'_>,
-    partials: Option<&mut [f64]>,
-) -> Result<()> {
-    check_isa(isa)?;
-    check_lens(&state, &grads, &out)?;
-    Work { state, grads, out, partials }.run(isa, scalars);
     Ok(())
 }
 
@@ -489,6 +505,8 @@ pub(crate) trait StepState: Sized + Send {
     fn split_at(self, mid: usize) -> (Self, Self);
     /// Updates these parameters on this thread with `grads`, writing the compute copy to `out`.
     fn step(self, isa: Isa, s: &StepScalars, grads: GradSlice<'_>, out: CopyOut<'_>);
+    /// Checks that the state's own buffers are `len()` long.
+    fn check(&self) -> Result<()>;
 }
 
 impl StepState for StateIo<'_> {
@@ -502,6 +520,10 @@ impl StepState for StateIo<'_> {
 
     fn step(self, isa: Isa, s: &StepScalars, grads: GradSlice<'_>, out: CopyOut<'_>) {
         simd::adam(isa, s, self, grads, out)
+    }
+
+    fn check(&self) -> Result<()> {
+        StateIo::check(self)
     }
 }
 
@@ -642,11 +664,7 @@ impl AdamKernel {
         grads: GradSlice<'_>,
         out: CopyOut<'_>,
     ) -> Result<()> {
-        check_lens(&state, &grads, &out)?;
-        let parts = self.parts(state.len());
-        let w = Work { state, grads, out, partials: None };
-        self.pool.install(|| run_parts(w, parts, self.isa, scalars));
-        Ok(())
+        self.step_state(scalars, state, grads, out, None).map(|_| ())
     }
 
     /// [`AdamKernel::step`] that also returns the gradients' sum of squares ([`grad_sumsq`]'s
@@ -663,12 +681,25 @@ impl AdamKernel {
         out: CopyOut<'_>,
         partials: &mut [f64],
     ) -> Result<f64> {
-        check_lens(&state, &grads, &out)?;
-        check_partials(state.len(), partials)?;
+        self.step_state(scalars, state, grads, out, Some(partials))
+    }
+
+    /// One step over `state` on the pool's threads (whole [`NORM_BLOCK`]s per thread, the same
+    /// bits as on one thread), with the block sums of squares into `partials` when given;
+    /// returns their sum (0 without). Every length checked.
+    pub(crate) fn step_state<S: StepState>(
+        &self,
+        scalars: &StepScalars,
+        state: S,
+        grads: GradSlice<'_>,
+        out: CopyOut<'_>,
+        mut partials: Option<&mut [f64]>,
+    ) -> Result<f64> {
+        check_work(&state, &grads, &out, partials.as_deref())?;
         let parts = self.parts(state.len());
-        let w = Work { state, grads, out, partials: Some(&mut *partials) };
+        let w = Work { state, grads, out, partials: partials.as_deref_mut() };
         self.pool.install(|| run_parts(w, parts, self.isa, scalars));
-        Ok(partials.iter().fold(0.0f64, |a, &s| a + s))
+        Ok(partials.map_or(0.0, |p| p.iter().fold(0.0f64, |a, &s| a + s)))
     }
 
     /// [`grad_sumsq`] on this kernel's path, on the calling thread.

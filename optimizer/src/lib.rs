@@ -57,6 +57,7 @@ pub mod error;
 pub mod grad_pool;
 pub mod home;
 pub mod kernel;
+pub mod master;
 pub mod pipeline;
 pub mod quant;
 mod simd;
@@ -70,6 +71,7 @@ pub use kernel::{
     adam_step, clip_scale, global_norm, grad_sumsq, AdamKernel, CopyOut, ElementConstants, GradSlice, StateIo,
     StepScalars, NORM_BLOCK,
 };
+pub use master::{adam_step_bf16_master, sr_bf16, sr_bits, sr_key, MasterDType, StateFormat};
 pub use oogc_swapper::{DType, StatePlacement};
 pub use pipeline::{
     compute_copy, speculation_cost, state_host_bytes, stream_host_bytes, Grads, NormReduce, PipelinedOptimizer,

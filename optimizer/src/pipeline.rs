@@ -92,7 +92,17 @@ use crate::error::{Error, Result};
 use crate::grad_pool::GradPool;
 use crate::home::{ComputeCopyHome, MemoryHome};
 use crate::kernel::{clip_scale, global_norm, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
-use crate::quant::{MomentBufs, StateDType};
+use crate::master::{sr_key, MasterBuf, MasterDType, StateFormat};
+
+/// `master` as the optimizer will hold it: rounded to bf16 (to nearest even) and widened again
+/// for a bf16 master, so that the first compute copy is the master's.
+fn held_master(dtype: MasterDType, master: &[f32]) -> std::borrow::Cow<'_, [f32]> {
+    match dtype {
+        MasterDType::F32 => std::borrow::Cow::Borrowed(master),
+        MasterDType::Bf16 => std::borrow::Cow::Owned(master.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()),
+    }
+}
+use crate::quant::MomentBufs;
 use crate::simd::Isa;
 use crate::stream::{state_nvme_bytes, stream_update, NvmeState, StreamConfig};
 use oogc_swapper::{DType, StatePlacement};
@@ -196,7 +206,9 @@ impl Grads {
 }
 
 /// A unit's optimizer state, for checkpoints: fp32 master weights and Adam's moments in their
-/// element type ([`OptimizerConfig::state_dtype`]), one length.
+/// element type ([`OptimizerConfig::state_dtype`]), one length. With bf16 master weights
+/// ([`OptimizerConfig::master_dtype`]) `master` holds their values widened (exact), and an
+/// imported master is rounded to bf16 (to nearest even).
 #[derive(Debug, Clone, PartialEq)]
 pub struct UnitState {
     /// Master weights.
@@ -291,14 +303,15 @@ impl UpdateHandle {
 
 /// Host-resident state buffers (their bytes claimed from the ledger before they were made).
 struct HostBufs {
-    p: Vec<f32>,
+    p: MasterBuf,
     mom: MomentBufs,
     _claim: HostClaim,
 }
 
 impl HostBufs {
-    fn zeros(n: usize, dtype: StateDType, claim: HostClaim) -> Self {
-        Self { p: vec![0.0; n], mom: MomentBufs::zeros(dtype, n), _claim: claim }
+    fn zeros(n: usize, format: StateFormat, claim: HostClaim) -> Self {
+        let p = MasterBuf::from_f32(format.master, &vec![0.0; n]);
+        Self { p, mom: MomentBufs::zeros(format.moments, n), _claim: claim }
     }
 }
 
@@ -551,16 +564,16 @@ fn fill_copy(out: &mut [u8], master: &[f32], dtype: DType) {
 }
 
 /// Host bytes of a unit's first state buffers and norm partials ([`HostUse::OptimizerState`]):
-/// for host-placed state, [`StateDType::state_bytes`] (12 B per parameter with f32 moments:
-/// p, m, v; 8 with bf16, 6.03 with int8), plus 8 B per [`NORM_BLOCK`].
-pub fn state_host_bytes(numel: usize, placement: StatePlacement, state_dtype: StateDType) -> u64 {
+/// for host-placed state, [`StateFormat::bytes`] (12 B per parameter in f32: p, m, v; 8 with
+/// bf16 moments, 6.03 with int8, 2 fewer with a bf16 master), plus 8 B per [`NORM_BLOCK`].
+pub fn state_host_bytes(numel: usize, placement: StatePlacement, format: StateFormat) -> u64 {
     let partials = 8 * numel.div_ceil(NORM_BLOCK) as u64;
-    partials + if placement == StatePlacement::Host { state_dtype.state_bytes(numel) as u64 } else { 0 }
+    partials + if placement == StatePlacement::Host { format.bytes(numel) as u64 } else { 0 }
 }
 
 /// What speculating one unit costs: `(host bytes, NVMe bytes)`. Host: its second compute copy
 /// (`numel` elements of `dtype`, in 4-byte words) plus, for host-placed state, a second
-/// master and moments ([`StateDType::state_bytes`]: 12 B per parameter in f32); NVMe: for
+/// master and moments ([`StateFormat::bytes`]: 12 B per parameter in f32); NVMe: for
 /// NVMe-placed state, its second extents (chunks of `chunk_params`, each padded to 4 KiB), held
 /// from its speculation to the commit.
 pub fn speculation_cost(
@@ -568,21 +581,21 @@ pub fn speculation_cost(
     placement: StatePlacement,
     dtype: DType,
     chunk_params: usize,
-    state_dtype: StateDType,
+    format: StateFormat,
 ) -> (u64, u64) {
     let copy = (copy_words(numel, dtype) * 4) as u64;
     match placement {
-        StatePlacement::Host => (copy + state_dtype.state_bytes(numel) as u64, 0),
-        StatePlacement::Nvme => (copy, state_nvme_bytes(numel, chunk_params, state_dtype)),
+        StatePlacement::Host => (copy + format.bytes(numel) as u64, 0),
+        StatePlacement::Nvme => (copy, state_nvme_bytes(numel, chunk_params, format)),
     }
 }
 
 /// Host bytes of one NVMe stream over units of at most `max_numel` parameters with chunks of
-/// `chunk_params`: three chunk buffers of `size_class(state_bytes(min(chunk_params, max_numel)))`
-/// ([`StateDType::state_bytes`]: 12 B per parameter in f32).
-pub fn stream_host_bytes(max_numel: usize, chunk_params: usize, state_dtype: StateDType) -> u64 {
+/// `chunk_params`: three chunk buffers of `size_class(bytes(min(chunk_params, max_numel)))`
+/// ([`StateFormat::bytes`]: 12 B per parameter in f32).
+pub fn stream_host_bytes(max_numel: usize, chunk_params: usize, format: StateFormat) -> u64 {
     let len = chunk_params.min(max_numel).max(1);
-    crate::stream::STREAM_BUFFERS as u64 * size_class(state_dtype.state_bytes(len)) as u64
+    crate::stream::STREAM_BUFFERS as u64 * size_class(format.bytes(len)) as u64
 }
 
 /// Which units speculate, from [`PipelinedOptimizer::reserve_speculation`].
@@ -631,7 +644,7 @@ impl PipelinedOptimizer {
         config.validate()?;
         let isa = config.isa.unwrap_or_else(Isa::detect);
         let kernel = AdamKernel::new(isa, config.threads)?;
-        let stream = StreamConfig::with_state_dtype(config.stream_chunk_params(), config.state_dtype)?;
+        let stream = StreamConfig::with_format(config.stream_chunk_params(), config.state_format())?;
         let stream_pool = PinnedPool::with_ledger(
             &PinnedPoolConfig { budget_bytes: config.stream_host_budget_bytes, lock: true },
             Arc::new(MmapAllocator::new(true)),
@@ -714,7 +727,7 @@ impl PipelinedOptimizer {
     /// the largest NVMe-placed unit); 0 without NVMe-placed units.
     pub fn stream_bytes_per_stream(&self) -> u64 {
         let max = self.shared.units.read().values().filter(|c| c.placement == StatePlacement::Nvme).map(|c| c.n).max();
-        max.map_or(0, |n| stream_host_bytes(n, self.shared.stream.chunk_params, self.shared.stream.state_dtype))
+        max.map_or(0, |n| stream_host_bytes(n, self.shared.stream.chunk_params, self.shared.stream.format))
     }
 
     /// Lowers (or raises) the host bytes the NVMe streams may hold, between steps: the stream
@@ -757,6 +770,7 @@ impl PipelinedOptimizer {
     /// the copy.
     pub fn add_unit(&self, unit: TensorId, master: &[f32], placement: StatePlacement) -> Result<()> {
         let sh = &self.shared;
+        let master = &*held_master(sh.stream.format.master, master);
         let n = master.len();
         let dtype = sh.config.compute_dtype;
         if sh.units.read().contains_key(&unit) {
@@ -768,20 +782,20 @@ impl PipelinedOptimizer {
         }
         let claim = sh
             .ledger
-            .claim(HostUse::OptimizerState, state_host_bytes(n, placement, sh.stream.state_dtype))
+            .claim(HostUse::OptimizerState, state_host_bytes(n, placement, sh.stream.format))
             .map_err(|source| Error::Swapper { unit, source })?;
         let (home, claim) = match placement {
             StatePlacement::Host => {
-                let mut cur = HostBufs::zeros(n, sh.stream.state_dtype, claim);
-                cur.p.copy_from_slice(master);
+                let mut cur = HostBufs::zeros(n, sh.stream.format, claim);
+                cur.p = MasterBuf::from_f32(sh.stream.format.master, master);
                 (Home::Host { cur, spare: None }, HostClaim::none(HostUse::OptimizerState))
             }
             StatePlacement::Nvme => {
                 let store = sh.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
                 // Every stream buffer at the largest unit's chunk length: one size class, each
                 // buffer reused by every unit's stream (the plan holds `threads` streams of it).
-                sh.stream_pool.raise_min_len(sh.stream.state_dtype.state_bytes(sh.stream.chunk_params.min(n)));
-                let zeros = MomentBufs::zeros(sh.stream.state_dtype, n);
+                sh.stream_pool.raise_min_len(sh.stream.format.bytes(sh.stream.chunk_params.min(n)));
+                let zeros = MomentBufs::zeros(sh.stream.format.moments, n);
                 let _slot = sh.slots.acquire();
                 let st = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, master, &zeros)?;
                 (Home::Nvme { cur: Some(st), new: None }, claim)
@@ -855,7 +869,7 @@ impl PipelinedOptimizer {
                 continue;
             }
             let (host, nvme) =
-                speculation_cost(cell.n, cell.placement, dtype, sh.stream.chunk_params, sh.stream.state_dtype);
+                speculation_cost(cell.n, cell.placement, dtype, sh.stream.chunk_params, sh.stream.format);
             let fits = step.rollback_used_bytes.saturating_add(host) <= host_budget
                 && step.rollback_nvme_bytes.saturating_add(nvme) <= nvme_budget_bytes;
             let claim = if fits { sh.ledger.claim(HostUse::Speculation, host).ok() } else { None };
@@ -864,7 +878,7 @@ impl PipelinedOptimizer {
                 continue;
             };
             if let Home::Host { spare, .. } = &mut data.home {
-                *spare = Some(HostBufs::zeros(cell.n, sh.stream.state_dtype, HostClaim::none(HostUse::Speculation)));
+                *spare = Some(HostBufs::zeros(cell.n, sh.stream.format, HostClaim::none(HostUse::Speculation)));
             }
             data.spare_copy =
                 Some(SpareCopy { words: vec![0u32; copy_words(cell.n, dtype)], unpublished: false, _claim: claim });
@@ -1210,7 +1224,7 @@ impl PipelinedOptimizer {
         }
         let data = g.data.as_ref().expect("idle cell holds its data");
         match &data.home {
-            Home::Host { cur, .. } => Ok(UnitState { master: cur.p.clone(), moments: cur.mom.clone() }),
+            Home::Host { cur, .. } => Ok(UnitState { master: cur.p.to_f32(), moments: cur.mom.clone() }),
             Home::Nvme { cur, .. } => {
                 let store = self.shared.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
                 let _slot = self.shared.slots.acquire();
@@ -1244,8 +1258,9 @@ impl PipelinedOptimizer {
             g.error = None;
             g.data.take().expect("idle cell holds its data")
         };
-        let state =
-            UnitState { master: state.master, moments: state.moments.converted(self.shared.stream.state_dtype) };
+        let format = self.shared.stream.format;
+        let master = held_master(format.master, &state.master).into_owned();
+        let state = UnitState { master, moments: state.moments.converted(format.moments) };
         let r = import_data(&self.shared, &cell, &mut data, state);
         cell.put_back(data, None, None, None);
         r
@@ -1281,7 +1296,7 @@ fn import_data(sh: &Shared, cell: &UnitCell, data: &mut UnitData, state: UnitSta
     let unit = cell.id;
     match &mut data.home {
         Home::Host { cur, .. } => {
-            cur.p.copy_from_slice(&state.master);
+            cur.p = MasterBuf::from_f32(sh.stream.format.master, &state.master);
             cur.mom = state.moments;
         }
         Home::Nvme { cur, .. } => {
@@ -1360,28 +1375,36 @@ fn update_into(
 ) -> Result<f64> {
     match home {
         Home::Host { cur, spare } => {
-            let state = match (spare, &mut cur.mom) {
-                (Some(s), MomentBufs::F32 { m, v }) => {
-                    let MomentBufs::F32 { m: sm, v: sv } = &mut s.mom else { unreachable!("one moment dtype") };
-                    StateIo::OutOfPlace { src: [&cur.p, m, v], dst: [&mut s.p, sm, sv] }
+            let state = match (spare, &mut cur.p, &mut cur.mom) {
+                (Some(s), MasterBuf::F32(p), MomentBufs::F32 { m, v }) => {
+                    let (MasterBuf::F32(sp), MomentBufs::F32 { m: sm, v: sv }) = (&mut s.p, &mut s.mom) else {
+                        unreachable!("one state format")
+                    };
+                    StateIo::OutOfPlace { src: [p, m, v], dst: [sp, sm, sv] }
                 }
-                (None, MomentBufs::F32 { m, v }) => StateIo::InPlace { p: &mut cur.p, m, v },
-                (spare, _) => {
-                    // Reduced moments update in place only: a speculated unit's second buffers
+                (None, MasterBuf::F32(p), MomentBufs::F32 { m, v }) => StateIo::InPlace { p, m, v },
+                (spare, _, _) => {
+                    // Reduced state updates in place only: a speculated unit's second buffers
                     // take a copy of the committed state first (one more read and write of it).
                     let target = match spare {
                         Some(s) => {
-                            s.p.copy_from_slice(&cur.p);
+                            s.p.copy_from(&cur.p);
                             s.mom.clone_from(&cur.mom);
                             s
                         }
                         None => cur,
                     };
                     let moments = target.mom.view();
-                    return if with_sumsq {
-                        sh.kernel.step_moments_with_sumsq(scalars, &mut target.p, moments, grads, out, partials)
-                    } else {
-                        sh.kernel.step_moments(scalars, &mut target.p, moments, grads, out).map(|()| 0.0)
+                    let partials = with_sumsq.then_some(partials);
+                    return match &mut target.p {
+                        MasterBuf::F32(p) => match partials {
+                            Some(part) => sh.kernel.step_moments_with_sumsq(scalars, p, moments, grads, out, part),
+                            None => sh.kernel.step_moments(scalars, p, moments, grads, out).map(|()| 0.0),
+                        },
+                        MasterBuf::Bf16(p) => {
+                            let key = sr_key(cell.id.0, scalars.step());
+                            sh.kernel.step_bf16_master(scalars, p, moments, grads, out, key, partials)
+                        }
                     };
                 }
             };

@@ -46,10 +46,7 @@ use half::bf16;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::kernel::{
-    check_io, check_isa, check_partials, run_parts, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, StepState,
-    Work,
-};
+use crate::kernel::{check_isa, step_one, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, StepState};
 use crate::simd::{self, Isa};
 
 /// Values per quantization block (one f32 absmax each); see the module docs for why 256.
@@ -151,7 +148,7 @@ impl Moments<'_> {
     }
 
     /// Cuts at `mid`, a multiple of [`QUANT_BLOCK`].
-    fn split_at(self, mid: usize) -> (Self, Self) {
+    pub(crate) fn split_at(self, mid: usize) -> (Self, Self) {
         debug_assert_eq!(mid % QUANT_BLOCK, 0);
         match self {
             Moments::F32 { m, v } => {
@@ -174,7 +171,7 @@ impl Moments<'_> {
         }
     }
 
-    fn check(&self, n: usize) -> Result<()> {
+    pub(crate) fn check(&self, n: usize) -> Result<()> {
         let blocks = n.div_ceil(QUANT_BLOCK);
         let lens: [(&str, usize, usize); 4] = match self {
             Moments::F32 { m, v } => [("m", m.len(), n), ("v", v.len(), n), ("m", n, n), ("v", n, n)],
@@ -680,7 +677,7 @@ pub fn adam_step_moments(
     grads: GradSlice<'_>,
     out: CopyOut<'_>,
 ) -> Result<()> {
-    step_moments_blocks(isa, scalars, p, moments, grads, out, None)
+    step_one(isa, scalars, Reduced { p, moments }, grads, out, None)
 }
 
 /// [`adam_step_moments`] with the checks done.
@@ -692,21 +689,36 @@ fn step_blocks(
     grads: GradSlice<'_>,
     mut out: CopyOut<'_>,
 ) {
-    let (mut mb, mut vb) = ([0.0f32; QUANT_BLOCK], [0.0f32; QUANT_BLOCK]);
-    let mut start = 0;
-    let block = |start: usize, mb: &mut [f32], vb: &mut [f32], p: &mut [f32], out: &mut CopyOut<'_>| {
-        let r = start..start + mb.len();
-        let state = StateIo::InPlace { p: &mut p[r.clone()], m: mb, v: vb };
+    let block = |start: usize, mf: &mut [f32], vf: &mut [f32]| {
+        let r = start..start + mf.len();
+        let state = StateIo::InPlace { p: &mut p[r.clone()], m: mf, v: vf };
         simd::adam(isa, scalars, state, grads.slice(r.clone()), out.slice_mut(r));
     };
     match moments {
         Moments::F32 { m, v } => simd::adam(isa, scalars, StateIo::InPlace { p, m, v }, grads, out),
+        other => for_each_block(isa, other, block),
+    }
+}
+
+/// Calls `f(start, m, v)` for each [`QUANT_BLOCK`] of `moments` in order, with the block's
+/// moments in f32 (f32 ones as they are; bf16 and int8 decoded into L1 and encoded again after
+/// `f`, int8 with the block's new absmax).
+pub(crate) fn for_each_block(isa: Isa, moments: Moments<'_>, mut f: impl FnMut(usize, &mut [f32], &mut [f32])) {
+    let (mut mb, mut vb) = ([0.0f32; QUANT_BLOCK], [0.0f32; QUANT_BLOCK]);
+    let mut start = 0;
+    match moments {
+        Moments::F32 { m, v } => {
+            for (ms, vs) in m.chunks_mut(QUANT_BLOCK).zip(v.chunks_mut(QUANT_BLOCK)) {
+                f(start, ms, vs);
+                start += ms.len();
+            }
+        }
         Moments::Bf16 { m, v } => {
             for (ms, vs) in m.chunks_mut(QUANT_BLOCK).zip(v.chunks_mut(QUANT_BLOCK)) {
                 let (mf, vf) = (&mut mb[..ms.len()], &mut vb[..ms.len()]);
                 simd::bf16_decode(isa, ms, mf);
                 simd::bf16_decode(isa, vs, vf);
-                block(start, mf, vf, p, &mut out);
+                f(start, mf, vf);
                 simd::bf16_encode(isa, mf, ms);
                 simd::bf16_encode(isa, vf, vs);
                 start += ms.len();
@@ -718,7 +730,7 @@ fn step_blocks(
                 let (mf, vf) = (&mut mb[..mc.len()], &mut vb[..mc.len()]);
                 simd::linear_decode(isa, mc, *ma, mf);
                 simd::dynamic_decode(isa, vc, *va, vf);
-                block(start, mf, vf, p, &mut out);
+                f(start, mf, vf);
                 *ma = encode(isa, mf, mc, simd::linear_encode);
                 *va = encode(isa, vf, vc, simd::dynamic_encode);
                 start += mc.len();
@@ -727,32 +739,13 @@ fn step_blocks(
     }
 }
 
-/// [`adam_step_moments`] with the block sums of squares of `grads` into `partials` (one slot
-/// per [`crate::NORM_BLOCK`]) when given, on the calling thread: the NVMe stream's chunk step.
-pub(crate) fn step_moments_blocks(
-    isa: Isa,
-    scalars: &StepScalars,
-    p: &mut [f32],
-    moments: Moments<'_>,
-    grads: GradSlice<'_>,
-    out: CopyOut<'_>,
-    partials: Option<&mut [f64]>,
-) -> Result<()> {
-    check_isa(isa)?;
-    check_io(p.len(), &grads, &out)?;
-    moments.check(p.len())?;
-    if let Some(part) = &partials {
-        check_partials(p.len(), part)?;
-    }
-    Work { state: Reduced { p, moments }, grads, out, partials }.run(isa, scalars);
-    Ok(())
-}
-
 /// A thread's range of a reduced-moment step's state: f32 master weights and their moments, cut
-/// at multiples of [`crate::NORM_BLOCK`] (whole quantization blocks) by the kernel's [`run_parts`].
-struct Reduced<'a> {
-    p: &'a mut [f32],
-    moments: Moments<'a>,
+/// at multiples of [`crate::NORM_BLOCK`] (whole quantization blocks) by the kernel's threads.
+pub(crate) struct Reduced<'a> {
+    /// Master weights.
+    pub(crate) p: &'a mut [f32],
+    /// Their moments.
+    pub(crate) moments: Moments<'a>,
 }
 
 impl StepState for Reduced<'_> {
@@ -768,6 +761,10 @@ impl StepState for Reduced<'_> {
 
     fn step(self, isa: Isa, s: &StepScalars, grads: GradSlice<'_>, out: CopyOut<'_>) {
         step_blocks(isa, s, self.p, self.moments, grads, out)
+    }
+
+    fn check(&self) -> Result<()> {
+        self.moments.check(self.p.len())
     }
 }
 
@@ -786,7 +783,7 @@ impl AdamKernel {
         grads: GradSlice<'_>,
         out: CopyOut<'_>,
     ) -> Result<()> {
-        self.run_work(scalars, Work { state: Reduced { p, moments }, grads, out, partials: None })
+        self.step_state(scalars, Reduced { p, moments }, grads, out, None).map(|_| ())
     }
 
     /// [`AdamKernel::step_moments`] that also returns the gradients' sum of squares
@@ -805,20 +802,6 @@ impl AdamKernel {
         out: CopyOut<'_>,
         partials: &mut [f64],
     ) -> Result<f64> {
-        self.run_work(scalars, Work { state: Reduced { p, moments }, grads, out, partials: Some(&mut *partials) })?;
-        Ok(partials.iter().fold(0.0f64, |a, &s| a + s))
-    }
-
-    /// Checks the lengths of `w` and runs it over the pool.
-    fn run_work(&self, scalars: &StepScalars, w: Work<'_, Reduced<'_>>) -> Result<()> {
-        let n = w.state.p.len();
-        check_io(n, &w.grads, &w.out)?;
-        w.state.moments.check(n)?;
-        if let Some(partials) = &w.partials {
-            check_partials(n, partials)?;
-        }
-        let parts = self.parts(n);
-        self.install(|| run_parts(w, parts, self.isa(), scalars));
-        Ok(())
+        self.step_state(scalars, Reduced { p, moments }, grads, out, Some(partials))
     }
 }

@@ -27,8 +27,9 @@ use std::collections::VecDeque;
 use oogc_swapper::{Extent, HostBuffer, IoHandle, NvmeStore, PinnedPool, TensorId};
 
 use crate::error::{Error, Result};
-use crate::kernel::{step_blocks, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
-use crate::quant::{step_moments_blocks, MomentBufs, Moments, StateDType, QUANT_BLOCK};
+use crate::kernel::{step_one, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
+use crate::master::{sr_key, Bf16Master, MasterDType, StateFormat};
+use crate::quant::{MomentBufs, Moments, Reduced, QUANT_BLOCK};
 use crate::simd::Isa;
 
 /// Buffers one stream holds: read, update, write.
@@ -38,10 +39,10 @@ pub const STREAM_BUFFERS: usize = 3;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StreamConfig {
     /// Parameters per chunk: a multiple of [`NORM_BLOCK`], more than 0. A chunk is
-    /// [`StateDType::state_bytes`]`(chunk_params)` bytes (12 × `chunk_params` in f32).
+    /// [`StateFormat::bytes`]`(chunk_params)` bytes (12 × `chunk_params` in f32).
     pub chunk_params: usize,
-    /// The moments' element type.
-    pub state_dtype: StateDType,
+    /// The master weights' and the moments' element types.
+    pub format: StateFormat,
 }
 
 impl StreamConfig {
@@ -50,14 +51,14 @@ impl StreamConfig {
     /// # Errors
     /// [`Error::Config`] unless `chunk_params` is a positive multiple of [`NORM_BLOCK`].
     pub fn new(chunk_params: usize) -> Result<Self> {
-        Self::with_state_dtype(chunk_params, StateDType::F32)
+        Self::with_format(chunk_params, StateFormat::default())
     }
 
-    /// Chunks of `chunk_params` parameters, moments of `state_dtype`.
+    /// Chunks of `chunk_params` parameters, state stored as `format`.
     ///
     /// # Errors
     /// As [`StreamConfig::new`].
-    pub fn with_state_dtype(chunk_params: usize, state_dtype: StateDType) -> Result<Self> {
+    pub fn with_format(chunk_params: usize, format: StateFormat) -> Result<Self> {
         if chunk_params == 0 || !chunk_params.is_multiple_of(NORM_BLOCK) {
             return Err(Error::Config {
                 key: "optimizer.stream_chunk_bytes".into(),
@@ -65,12 +66,12 @@ impl StreamConfig {
             });
         }
         debug_assert_eq!(NORM_BLOCK % QUANT_BLOCK, 0);
-        Ok(Self { chunk_params, state_dtype })
+        Ok(Self { chunk_params, format })
     }
 
     /// Bytes of one chunk buffer as the pool hands it out (its size class).
     pub fn buffer_bytes(&self) -> u64 {
-        oogc_swapper::host::size_class(self.state_dtype.state_bytes(self.chunk_params)) as u64
+        oogc_swapper::host::size_class(self.format.bytes(self.chunk_params)) as u64
     }
 
     /// Host bytes one stream holds at most: [`STREAM_BUFFERS`] chunk buffers.
@@ -79,16 +80,14 @@ impl StreamConfig {
     }
 }
 
-/// NVMe bytes of a unit's state of `numel` parameters in chunks of `chunk_params` with moments
-/// of `state_dtype`: each chunk is one extent of [`StateDType::state_bytes`]`(len)` bytes
-/// (`12 × len` in f32) padded to 4 KiB.
-pub fn state_nvme_bytes(numel: usize, chunk_params: usize, state_dtype: StateDType) -> u64 {
+/// NVMe bytes of a unit's state of `numel` parameters in chunks of `chunk_params` stored as
+/// `format`: each chunk is one extent of [`StateFormat::bytes`]`(len)` bytes (`12 × len` in
+/// f32) padded to 4 KiB.
+pub fn state_nvme_bytes(numel: usize, chunk_params: usize, format: StateFormat) -> u64 {
     let chunk_params = chunk_params.max(1);
     let full = (numel / chunk_params) as u64;
     let rest = numel % chunk_params;
-    let pad = |params: usize| {
-        (state_dtype.state_bytes(params) as u64).next_multiple_of(oogc_swapper::host::PAGE_BYTES as u64)
-    };
+    let pad = |params: usize| (format.bytes(params) as u64).next_multiple_of(oogc_swapper::host::PAGE_BYTES as u64);
     full * pad(chunk_params) + if rest > 0 { pad(rest) } else { 0 }
 }
 
@@ -121,8 +120,9 @@ fn swap_err(unit: TensorId) -> impl Fn(oogc_swapper::Error) -> Error {
 }
 
 impl NvmeState {
-    /// Writes master weights `p` and `moments` (one length; the moments of `cfg`'s dtype) to new
-    /// extents, chunk by chunk through one buffer of `pool`.
+    /// Writes master weights `p` (stored in `cfg`'s master dtype: bf16 rounded to nearest even,
+    /// exact for values that are bf16) and `moments` (one length; of `cfg`'s moment dtype) to
+    /// new extents, chunk by chunk through one buffer of `pool`.
     ///
     /// # Errors
     /// [`Error::LengthMismatch`]; [`Error::Config`] for moments of another dtype than `cfg`'s;
@@ -143,10 +143,10 @@ impl NvmeState {
                 got: moments.len(),
             });
         }
-        if moments.dtype() != cfg.state_dtype {
+        if moments.dtype() != cfg.format.moments {
             return Err(Error::Config {
                 key: "optimizer.state_dtype".into(),
-                reason: format!("unit {unit}: {} moments given to a {} stream", moments.dtype(), cfg.state_dtype),
+                reason: format!("unit {unit}: {} moments given to a {} stream", moments.dtype(), cfg.format.moments),
             });
         }
         let mut state = NvmeState { unit, len: p.len(), cfg, extents: Vec::new() };
@@ -155,8 +155,8 @@ impl NvmeState {
             let r = state.chunk_range(k);
             let mut b = buf.take().expect("buffer returned by the previous write");
             b.set_len(state.chunk_bytes(k));
-            let (fp, fm) = b.as_mut_slice().split_at_mut(4 * r.len());
-            fp.copy_from_slice(bytemuck::cast_slice(&p[r.clone()]));
+            let (fp, fm) = b.as_mut_slice().split_at_mut(cfg.format.master.master_bytes(r.len()));
+            write_master(cfg.format.master, &p[r.clone()], fp);
             moments.write_bytes(r, fm);
             let (res, b) = store.write(unit, b).wait();
             buf = Some(b);
@@ -171,20 +171,20 @@ impl NvmeState {
         Ok(state)
     }
 
-    /// Reads the whole state back: master weights and moments.
+    /// Reads the whole state back: master weights (in f32: bf16 widened) and moments.
     ///
     /// # Errors
     /// [`Error::Swapper`] for an I/O error, a corrupt block or the pool's budget.
     pub fn read(&self, store: &NvmeStore, pool: &PinnedPool) -> Result<(Vec<f32>, MomentBufs)> {
         let mut p = vec![0f32; self.len];
-        let mut moments = MomentBufs::zeros(self.cfg.state_dtype, self.len);
+        let mut moments = MomentBufs::zeros(self.cfg.format.moments, self.len);
         let mut buf = Some(pool.alloc(self.chunk_bytes(0)).map_err(swap_err(self.unit))?);
         for (k, e) in self.extents.iter().enumerate() {
             let r = self.chunk_range(k);
             let (res, b) = store.read(e, buf.take().expect("buffer back")).wait();
             res.map_err(swap_err(self.unit))?;
-            let (fp, fm) = b.as_slice().split_at(4 * r.len());
-            bytemuck::cast_slice_mut(&mut p[r.clone()]).copy_from_slice(fp);
+            let (fp, fm) = b.as_slice().split_at(self.cfg.format.master.master_bytes(r.len()));
+            read_master(self.cfg.format.master, fp, &mut p[r.clone()]);
             moments.read_bytes(r, fm);
             buf = Some(b);
         }
@@ -194,7 +194,7 @@ impl NvmeState {
     /// Bytes of chunk `k` (master weights and moments).
     fn chunk_bytes(&self, k: usize) -> usize {
         let r = self.chunk_range(k);
-        self.cfg.state_dtype.state_bytes(r.len())
+        self.cfg.format.bytes(r.len())
     }
 
     /// Frees every extent.
@@ -319,14 +319,22 @@ pub fn stream_update(
             let blocks = (r.start / NORM_BLOCK)..r.end.div_ceil(NORM_BLOCK);
             let part = partials.as_deref_mut().map(|p| &mut p[blocks]);
             let (g, o) = (grads.slice(r.clone()), out.slice_mut(r.clone()));
-            let dtype = state.cfg.state_dtype;
-            let (pb, mb) = buf.as_mut_slice().split_at_mut(4 * r.len());
-            let p: &mut [f32] = bytemuck::cast_slice_mut(pb);
-            if dtype == StateDType::F32 {
-                let (m, v) = bytemuck::cast_slice_mut::<u8, f32>(mb).split_at_mut(r.len());
-                step_blocks(isa, scalars, StateIo::InPlace { p, m, v }, g, o, part)?;
-            } else {
-                step_moments_blocks(isa, scalars, p, Moments::from_bytes(dtype, r.len(), mb), g, o, part)?;
+            let StateFormat { master, moments: dtype } = state.cfg.format;
+            let (pb, mb) = buf.as_mut_slice().split_at_mut(master.master_bytes(r.len()));
+            let moments = Moments::from_bytes(dtype, r.len(), mb);
+            match (master, moments) {
+                (MasterDType::F32, Moments::F32 { m, v }) => {
+                    let p = bytemuck::cast_slice_mut(pb);
+                    step_one(isa, scalars, StateIo::InPlace { p, m, v }, g, o, part)?;
+                }
+                (MasterDType::F32, moments) => {
+                    step_one(isa, scalars, Reduced { p: bytemuck::cast_slice_mut(pb), moments }, g, o, part)?;
+                }
+                (MasterDType::Bf16, moments) => {
+                    let p = &mut bytemuck::cast_slice_mut(pb)[..r.len()];
+                    let st = Bf16Master { p, moments, key: sr_key(unit.0, scalars.step()), offset: r.start as u64 };
+                    step_one(isa, scalars, st, g, o, part)?;
+                }
             }
         }
         stats.written_bytes += buf.len() as u64;
@@ -340,4 +348,26 @@ pub fn stream_update(
         }
     }
     Ok((new, stats))
+}
+
+/// Writes master weights `p` into `out` ([`MasterDType::master_bytes`] of them) in `dtype`.
+fn write_master(dtype: MasterDType, p: &[f32], out: &mut [u8]) {
+    match dtype {
+        MasterDType::F32 => out.copy_from_slice(bytemuck::cast_slice(p)),
+        MasterDType::Bf16 => {
+            let o: &mut [half::bf16] = bytemuck::cast_slice_mut(out);
+            o.iter_mut().zip(p).for_each(|(o, &x)| *o = half::bf16::from_f32(x));
+        }
+    }
+}
+
+/// Reads master weights in `dtype` from `bytes` into `p` (widened).
+fn read_master(dtype: MasterDType, bytes: &[u8], p: &mut [f32]) {
+    match dtype {
+        MasterDType::F32 => p.copy_from_slice(bytemuck::cast_slice(bytes)),
+        MasterDType::Bf16 => {
+            let b: &[half::bf16] = bytemuck::cast_slice(bytes);
+            p.iter_mut().zip(b).for_each(|(p, b)| *p = b.to_f32());
+        }
+    }
 }

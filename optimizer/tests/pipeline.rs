@@ -5,9 +5,11 @@
 use std::sync::Arc;
 
 use half::bf16;
+use oogc_optimizer::sr_key;
 use oogc_optimizer::{
-    adam_step_moments, clip_scale, global_norm, grad_sumsq, AdamConfig, CopyOut, DType, GradSlice, Grads, Isa,
-    MomentBufs, NonFinite, OptimizerConfig, PipelinedOptimizer, StateDType, StatePlacement, UnitState, NORM_BLOCK,
+    adam_step_bf16_master, adam_step_moments, clip_scale, global_norm, grad_sumsq, AdamConfig, CopyOut, DType,
+    GradSlice, Grads, Isa, MasterDType, MomentBufs, NonFinite, OptimizerConfig, PipelinedOptimizer, StateDType,
+    StateFormat, StatePlacement, UnitState, NORM_BLOCK,
 };
 use oogc_swapper::{NvmeConfig, NvmeStore, TensorId};
 
@@ -40,6 +42,9 @@ impl Reference {
 
     fn add(&mut self, id: TensorId, master: &[f32]) {
         let n = master.len();
+        // A bf16 master holds the weights rounded to nearest even.
+        let rounded: Vec<f32> = master.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
+        let master = if self.cfg.master_dtype == MasterDType::Bf16 { &rounded[..] } else { master };
         let copy = master.iter().map(|&x| bf16::from_f32(x)).collect();
         let moments = MomentBufs::zeros(self.cfg.state_dtype, n);
         self.units.push((id, UnitState { master: master.to_vec(), moments }, copy));
@@ -60,7 +65,14 @@ impl Reference {
         for (id, gr) in by_id {
             let (_, st, copy) = self.units.iter_mut().find(|u| u.0 == *id).unwrap();
             let moments = st.moments.view();
-            adam_step_moments(isa, &s, &mut st.master, moments, GradSlice::BF16(gr), CopyOut::BF16(copy)).unwrap();
+            if self.cfg.master_dtype == MasterDType::Bf16 {
+                let mut pb: Vec<bf16> = st.master.iter().map(|&x| bf16::from_f32(x)).collect();
+                let (key, out) = (sr_key(id.0, t), CopyOut::BF16(copy));
+                adam_step_bf16_master(isa, &s, &mut pb, moments, GradSlice::BF16(gr), out, key, 0).unwrap();
+                st.master = pb.iter().map(|b| b.to_f32()).collect();
+            } else {
+                adam_step_moments(isa, &s, &mut st.master, moments, GradSlice::BF16(gr), CopyOut::BF16(copy)).unwrap();
+            }
         }
         (norm, scale, false)
     }
@@ -398,10 +410,11 @@ fn one_home_per_compute_copy_and_every_host_byte_claimed() {
         opt.add_unit(TensorId(i as u64), &master, place(i)).unwrap();
         reference.add(TensorId(i as u64), &master);
     }
-    let state: u64 = sizes.iter().enumerate().map(|(i, &n)| state_host_bytes(n, place(i), cfg.state_dtype)).sum();
+    let state: u64 = sizes.iter().enumerate().map(|(i, &n)| state_host_bytes(n, place(i), cfg.state_format())).sum();
     assert_eq!(ledger.used_bytes_of(HostUse::OptimizerState), state);
     // Room for the second buffers of units 0 and 1 only: unit 2 is deferred.
-    let cost = |i: usize| speculation_cost(sizes[i], place(i), DType::BF16, cfg.stream_chunk_params(), cfg.state_dtype);
+    let cost =
+        |i: usize| speculation_cost(sizes[i], place(i), DType::BF16, cfg.stream_chunk_params(), cfg.state_format());
     let room = cost(0).0 + cost(1).0;
     let spec = opt.reserve_speculation(room, u64::MAX).unwrap();
     assert_eq!((spec.speculative_units, spec.deferred_units), (2, 1), "{spec:?}");
@@ -513,11 +526,19 @@ fn shards_of_a_model_joined_by_a_norm_reduce_update_as_the_whole_model() {
 /// and the state takes the bytes its dtype says.
 #[test]
 fn reduced_moments_equal_the_reference_on_host_and_nvme() {
-    for dtype in [StateDType::Bf16, StateDType::Int8] {
+    let formats = [
+        StateFormat::with_moments(StateDType::Bf16),
+        StateFormat::with_moments(StateDType::Int8),
+        StateFormat { master: MasterDType::Bf16, moments: StateDType::F32 },
+        StateFormat { master: MasterDType::Bf16, moments: StateDType::Int8 },
+    ];
+    for format in formats {
+        let dtype = format.moments;
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(NvmeStore::open(NvmeConfig::new(vec![dir.path().to_path_buf()], 256 << 20)).unwrap());
         let mut cfg = config(Some(50.0), 2);
         cfg.state_dtype = dtype;
+        cfg.master_dtype = format.master;
         // A roll-back budget for a few units: the rest are deferred (updated in place).
         cfg.rollback_budget_bytes = Some(40_000);
         let place = |i: usize| if i.is_multiple_of(2) { StatePlacement::Nvme } else { StatePlacement::Host };
@@ -533,17 +554,19 @@ fn reduced_moments_equal_the_reference_on_host_and_nvme() {
         assert!(reports[2].skipped, "{dtype}");
         let st = opt.export_state(TensorId(4)).unwrap();
         assert_eq!(st.moments.dtype(), dtype);
+        let is_bf16 = st.master.iter().all(|&x| bf16::from_f32(x).to_f32() == x);
+        assert_eq!(is_bf16, format.master == MasterDType::Bf16, "{format}: the master weights' values");
         // The NVMe units' extents hold their dtype's bytes (chunks of 2 blocks, padded to 4 KiB).
         let nvme: u64 = SIZES
             .iter()
             .enumerate()
             .filter(|(i, _)| place(*i) == StatePlacement::Nvme)
-            .map(|(_, &n)| oogc_optimizer::state_nvme_bytes(n, cfg.stream_chunk_params(), dtype))
+            .map(|(_, &n)| oogc_optimizer::state_nvme_bytes(n, cfg.stream_chunk_params(), cfg.state_format()))
             .sum();
         assert_eq!(store.used_bytes(), nvme, "{dtype}");
         let f32_chunk = config(None, 1).stream_chunk_params();
         let f32_nvme: u64 =
-            [0, 2, 4].iter().map(|&i| oogc_optimizer::state_nvme_bytes(SIZES[i], f32_chunk, StateDType::F32)).sum();
+            [0, 2, 4].iter().map(|&i| oogc_optimizer::state_nvme_bytes(SIZES[i], f32_chunk, Default::default())).sum();
         assert!(nvme < f32_nvme, "{dtype}: {nvme} NVMe bytes, not fewer than f32's {f32_nvme}");
         // Export and import keep every bit (the int8 codes and absmaxes as they are).
         let mut changed = st.clone();

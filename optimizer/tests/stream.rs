@@ -3,8 +3,8 @@
 
 use half::bf16;
 use oogc_optimizer::{
-    adam_step_moments, grad_sumsq, state_nvme_bytes, stream_update, AdamConfig, CopyOut, GradSlice, Isa, MomentBufs,
-    NvmeState, StateDType, StreamConfig, NORM_BLOCK,
+    adam_step_bf16_master, adam_step_moments, grad_sumsq, sr_key, state_nvme_bytes, stream_update, AdamConfig, CopyOut,
+    GradSlice, Isa, MasterDType, MomentBufs, NvmeState, StateDType, StateFormat, StreamConfig, NORM_BLOCK,
 };
 use oogc_swapper::{NvmeConfig, NvmeStore, PinnedPool, PinnedPoolConfig, TensorId};
 
@@ -34,28 +34,42 @@ fn moment_bytes(m: &MomentBufs) -> Vec<u8> {
 #[test]
 fn streamed_update_equals_in_memory_update_bitwise() {
     for dtype in [StateDType::F32, StateDType::Bf16, StateDType::Int8] {
-        streamed_update_equals_in_memory_update(dtype);
+        streamed_update_equals_in_memory_update(StateFormat::with_moments(dtype));
+        // bf16 master weights, stochastically rounded with the unit's key of the step.
+        streamed_update_equals_in_memory_update(StateFormat { master: MasterDType::Bf16, moments: dtype });
     }
 }
 
-fn streamed_update_equals_in_memory_update(dtype: StateDType) {
+fn streamed_update_equals_in_memory_update(format: StateFormat) {
     let dir = tempfile::tempdir().unwrap();
     let store = store(dir.path());
-    let cfg = StreamConfig::with_state_dtype(2 * NORM_BLOCK, dtype).unwrap();
+    let dtype = format;
+    let cfg = StreamConfig::with_format(2 * NORM_BLOCK, format).unwrap();
     let pool = pool(cfg.stream_host_bytes() + (1 << 20));
     let n = 5 * cfg.chunk_params + NORM_BLOCK + 77; // 6 chunks, the last one short
     let unit = TensorId(7);
-    let (mut p, mut mom) = (data(n, 1), MomentBufs::zeros(dtype, n));
+    let (mut p, mut mom) = (data(n, 1), MomentBufs::zeros(format.moments, n));
+    let bf16_master = format.master == MasterDType::Bf16;
+    if bf16_master {
+        p.iter_mut().for_each(|x| *x = bf16::from_f32(*x).to_f32());
+    }
     let adam = AdamConfig::default();
     let mut state = NvmeState::write(&store, &pool, unit, cfg, &p, &mom).unwrap();
     assert_eq!(state.num_chunks(), 6);
-    assert_eq!(store.used_bytes(), state_nvme_bytes(n, cfg.chunk_params, dtype), "{dtype}");
+    assert_eq!(store.used_bytes(), state_nvme_bytes(n, cfg.chunk_params, cfg.format), "{dtype}");
     for t in 1..=3u64 {
         let g: Vec<bf16> = data(n, 100 + t as u32).iter().map(|&x| bf16::from_f32(x * 1e-2)).collect();
         let s = adam.scalars(t, 1e-3, if t == 2 { 0.25 } else { 1.0 }).unwrap();
         let mut copy_mem = vec![bf16::ZERO; n];
         let isa = Isa::detect();
-        adam_step_moments(isa, &s, &mut p, mom.view(), GradSlice::BF16(&g), CopyOut::BF16(&mut copy_mem)).unwrap();
+        if bf16_master {
+            let mut pb: Vec<bf16> = p.iter().map(|&x| bf16::from_f32(x)).collect();
+            let (key, out) = (sr_key(unit.0, t), CopyOut::BF16(&mut copy_mem));
+            adam_step_bf16_master(isa, &s, &mut pb, mom.view(), GradSlice::BF16(&g), out, key, 0).unwrap();
+            p = pb.iter().map(|b| b.to_f32()).collect();
+        } else {
+            adam_step_moments(isa, &s, &mut p, mom.view(), GradSlice::BF16(&g), CopyOut::BF16(&mut copy_mem)).unwrap();
+        }
         for stream_isa in Isa::available() {
             let mut copy = vec![bf16::ZERO; n];
             let mut partials = vec![0f64; n.div_ceil(NORM_BLOCK)];
@@ -72,7 +86,7 @@ fn streamed_update_equals_in_memory_update(dtype: StateDType) {
             .unwrap();
             assert_eq!(stats.chunks, 6);
             assert!(stats.peak_host_bytes <= cfg.stream_host_bytes());
-            let chunk_bytes = |k: usize| dtype.state_bytes(cfg.chunk_params.min(n - k * cfg.chunk_params)) as u64;
+            let chunk_bytes = |k: usize| format.bytes(cfg.chunk_params.min(n - k * cfg.chunk_params)) as u64;
             assert_eq!(stats.read_bytes, (0..6).map(chunk_bytes).sum::<u64>(), "{dtype}");
             let sumsq: f64 = partials.iter().fold(0.0, |a, &b| a + b);
             assert_eq!(sumsq.to_bits(), grad_sumsq(isa, GradSlice::BF16(&g)).unwrap().to_bits());

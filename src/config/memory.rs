@@ -117,6 +117,14 @@ pub struct OptimizerSection {
     /// device_optimizer`) keep f32 moments. Not with data-parallel ranks yet. Default: f32.
     #[serde(default)]
     pub state_dtype: oogc_optimizer::StateDType,
+    /// Element type of the CPU optimizer's master weights: `"f32"` (4 B per parameter) or
+    /// `"bf16"` (2 B, written by stochastic rounding so that updates below half a bf16 ulp still
+    /// move the weights in expectation; the compute copy is then the master's value). A
+    /// checkpoint saves the master weights in their dtype; resuming one of another dtype needs
+    /// `oogc train --convert-state`. Device optimizers keep f32 master weights. Not with
+    /// data-parallel ranks yet. Default: f32.
+    #[serde(default)]
+    pub master_dtype: oogc_optimizer::MasterDType,
 }
 
 /// `[optimizer] device_units`: how many units keep their optimizer on the device.
@@ -178,6 +186,7 @@ impl Default for OptimizerSection {
             stream_host_budget: None,
             device_units: DeviceUnits::default(),
             state_dtype: oogc_optimizer::StateDType::F32,
+            master_dtype: oogc_optimizer::MasterDType::F32,
         }
     }
 }

@@ -2,7 +2,6 @@
 //! ([`host_and_nvme_plan`], the runtime's own figures), and the step planned through the
 //! simulator with them ([`plan_model`]).
 
-use oogc_optimizer::QUANT_BLOCK;
 use oogc_prefetch::plan::{plan, PlanInput, PlanReport};
 use oogc_prefetch::PrefetchConfig;
 use oogc_swapper::StatePlacement;
@@ -43,7 +42,7 @@ pub fn plan_model(args: &PlanArgs) -> Result<PlanReport, PlanError> {
         gpu_budget_bytes: args.gpu_budget_bytes,
         host_budget_bytes: args.host_budget_bytes,
         optimizer_state: args.optimizer_state,
-        state_bytes_per_param: args.optimizer.state_dtype.state_bytes(QUANT_BLOCK) as f64 / QUANT_BLOCK as f64,
+        state_bytes_per_param: args.optimizer.state_format().bytes_per_param(),
         prefetch: PrefetchConfig { max_depth: args.max_depth, ..PrefetchConfig::default() },
         steps: 3,
         trace: args.trace,

@@ -131,10 +131,7 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
         }
         .expect("writing to a String");
     }
-    let dtype = args.optimizer.state_dtype;
-    let per_param = |d: oogc_optimizer::StateDType| {
-        d.state_bytes(oogc_optimizer::QUANT_BLOCK) as f64 / oogc_optimizer::QUANT_BLOCK as f64
-    };
+    let format = args.optimizer.state_format();
     let place = match args.optimizer_state {
         Some(StatePlacement::Nvme) => "on NVMe",
         Some(StatePlacement::Host) => "in host memory",
@@ -142,10 +139,10 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
     };
     writeln!(
         out,
-        "optimizer state: f32 master weights + {dtype} Adam moments = {:.2} B per parameter {place} \
-         ([optimizer] state_dtype; f32 moments: 12 B), {}",
-        per_param(dtype),
-        gib((r.params as f64 * per_param(dtype)).ceil() as u64)
+        "optimizer state: {format} = {:.2} B per parameter {place} ([optimizer] master_dtype, \
+         state_dtype; both f32: 12 B), {}",
+        format.bytes_per_param(),
+        gib((r.params as f64 * format.bytes_per_param()).ceil() as u64)
     )
     .expect("writing to a String");
     writeln!(out, "hardware: {}", args.hardware.source).expect("writing to a String");

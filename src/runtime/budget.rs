@@ -271,7 +271,7 @@ impl HostPlan {
             }
         };
         let optimizer_state_bytes: u64 =
-            shards.iter().map(|&n| state_host_bytes(n, config.state_placement, opt.state_dtype)).sum();
+            shards.iter().map(|&n| state_host_bytes(n, config.state_placement, opt.state_format())).sum();
         let gradient_landing_bytes = GRAD_LANDING_BUFFERS as u64 * copy_class(largest.max(1));
         // One more unit's gradients from the drain thread and one from a CPU-computed unit may
         // arrive while their unit's previous update still holds its own. Immediate updates
@@ -285,7 +285,7 @@ impl HostPlan {
         let (stream_min, stream_want) = match config.state_placement {
             StatePlacement::Host => (0, 0),
             StatePlacement::Nvme => {
-                let one = stream_host_bytes(largest_shard, opt.stream_chunk_params(), opt.state_dtype);
+                let one = stream_host_bytes(largest_shard, opt.stream_chunk_params(), opt.state_format());
                 let want = (opt.threads as u64 * one).min(opt.stream_host_budget_bytes).max(one);
                 (one, want)
             }
@@ -397,7 +397,7 @@ fn speculation_fit(
 ) -> (u64, usize) {
     let (mut host, mut nvme, mut count) = (0u64, 0u64, 0usize);
     for &n in units {
-        let (h, v) = speculation_cost(n, state, opt.compute_dtype, opt.stream_chunk_params(), opt.state_dtype);
+        let (h, v) = speculation_cost(n, state, opt.compute_dtype, opt.stream_chunk_params(), opt.state_format());
         if host + h <= host_budget && nvme + v <= nvme_budget {
             host += h;
             nvme += v;
@@ -477,13 +477,13 @@ impl NvmePlan {
         let pad = |b: u64| b.next_multiple_of(PAGE_BYTES as u64);
         let on = |p: StatePlacement| p == StatePlacement::Nvme;
         let state_bytes: u64 =
-            if on(state) { shards.iter().map(|&n| state_nvme_bytes(n, chunk, opt.state_dtype)).sum() } else { 0 };
+            if on(state) { shards.iter().map(|&n| state_nvme_bytes(n, chunk, opt.state_format())).sum() } else { 0 };
         let params_bytes: u64 =
             if on(params) { copies.iter().map(|&n| pad(opt.compute_dtype.num_bytes(n) as u64)).sum() } else { 0 };
         let threads = opt.threads as u64;
         let frag = FRAGMENTATION_EXTENTS;
         let slack_bytes =
-            if on(state) { (threads + frag) * state_nvme_bytes(largest_shard, chunk, opt.state_dtype) } else { 0 }
+            if on(state) { (threads + frag) * state_nvme_bytes(largest_shard, chunk, opt.state_format()) } else { 0 }
                 + if on(params) {
                     (PREFETCH_THREADS + threads + 1 + frag) * pad(opt.compute_dtype.num_bytes(largest) as u64)
                 } else {

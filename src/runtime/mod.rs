@@ -236,12 +236,13 @@ impl Runtime {
         // the shards into the residency manager's whole copies. The norm it clips with is the
         // run's.
         let world = ranks.world();
-        if world.size > 1 && config.optimizer.state_dtype != oogc_optimizer::StateDType::F32 {
+        let format = config.optimizer.state_format();
+        if world.size > 1 && format != oogc_optimizer::StateFormat::default() {
             return Err(RuntimeError::Usage(format!(
-                "[optimizer] state_dtype = \"{}\" with {} data-parallel ranks: reduced moments are not sharded \
-                 over ranks yet (a rank's int8 blocks would start at its shard's first parameter)\n  fix: use \
-                 state_dtype = \"f32\" with [ranks], or train on one rank",
-                config.optimizer.state_dtype, world.size
+                "[optimizer] state_dtype = \"{}\", master_dtype = \"{}\" with {} data-parallel ranks: reduced \
+                 optimizer state is not sharded over ranks yet (a rank's int8 blocks would start at its shard's \
+                 first parameter)\n  fix: use state_dtype = master_dtype = \"f32\" with [ranks], or train on one rank",
+                format.moments, format.master, world.size
             )));
         }
         // With sharded parameters the tiers hold exactly the optimizer's shard of each copy: the

@@ -154,6 +154,7 @@ pub fn optimizer_config(cfg: &TrainConfig) -> oogc_optimizer::OptimizerConfig {
         clip_norm: (o.clip_norm > 0.0).then_some(o.clip_norm),
         nonfinite: o.nonfinite,
         state_dtype: o.state_dtype,
+        master_dtype: o.master_dtype,
         compute_dtype: cfg.train.compute_dtype.dtype(),
         rollback_budget_bytes: o.rollback_budget.map(|b| b.as_u64()),
         stream_host_budget_bytes: o

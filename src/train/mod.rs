@@ -27,7 +27,7 @@ use candle_core::Tensor;
 use oogc_models::hf;
 use oogc_models::{CausalLm, UnitKind, UnitSpec};
 use oogc_moe_placement::Placement;
-use oogc_optimizer::{MomentBufs, StateDType, UnitState};
+use oogc_optimizer::{MasterDType, MomentBufs, StateDType, UnitState};
 
 use crate::checkpoint::{self, Checkpoint, NamedTensor};
 use crate::config::{LlamaModelConfig, ModelConfig, TrainConfig};
@@ -384,28 +384,29 @@ impl Trainer {
                 )));
             }
         }
-        let saved_dtype = match ckpt.metadata.get("state_dtype") {
-            None => StateDType::F32,
-            Some(d) => serde_json::from_value(serde_json::Value::String(d.clone()))
-                .map_err(|_| mismatch(format!("state_dtype `{d}` is not f32, bf16 or int8")))?,
-        };
-        let ours = t.cfg.optimizer.state_dtype;
-        if saved_dtype != ours {
+        for (key, what, ours) in [
+            ("state_dtype", "Adam moments", t.cfg.optimizer.state_dtype.name()),
+            ("master_dtype", "master weights", t.cfg.optimizer.master_dtype.name()),
+        ] {
+            let saved = ckpt.metadata.get(key).map_or("f32", String::as_str);
+            if saved == ours {
+                continue;
+            }
             if !convert_state {
                 return Err(TrainError::Mismatch {
                     path: path.clone(),
                     reason: format!(
-                        "cannot resume: the checkpoint's Adam moments are {saved_dtype}, [optimizer] state_dtype is \
-                         {ours}\n  fix: add --convert-state to convert them to {ours} (Trainer::open with \
-                         ResumeFrom::convert_state), or set [optimizer] state_dtype = \"{saved_dtype}\""
+                        "cannot resume: the checkpoint's {what} are {saved}, [optimizer] {key} is {ours}\n  fix: add \
+                         --convert-state to convert them to {ours} (Trainer::open with ResumeFrom::convert_state), or \
+                         set [optimizer] {key} = \"{saved}\""
                     ),
                 });
             }
             tracing::warn!(
                 path = %path.display(),
-                from = %saved_dtype,
-                to = %ours,
-                "converting the checkpoint's Adam moments (--convert-state): the run continues from converted state"
+                from = saved,
+                to = ours,
+                "converting the checkpoint's {what} (--convert-state): the run continues from converted state"
             );
         }
         for (k, spec) in t.model.units().to_vec().iter().enumerate() {
@@ -529,7 +530,7 @@ impl Trainer {
         let mut tensors = Vec::new();
         for (k, spec) in self.model.units().iter().enumerate() {
             let state = self.rt.unit_state(self.ids[k])?;
-            unit_tensors(spec, &state, &mut tensors);
+            unit_tensors(spec, &state, self.cfg.optimizer.master_dtype, &mut tensors);
         }
         // The other ranks took part in gathering the state; rank 0 writes it.
         let Some(dir) = self.cfg.checkpoint.dir.clone() else { return Ok(None) };
@@ -537,6 +538,7 @@ impl Trainer {
         metadata.insert("format".into(), "oogc-gpt-1".into());
         metadata.insert("optimizer_updates".into(), self.updates.to_string());
         metadata.insert("state_dtype".into(), self.cfg.optimizer.state_dtype.name().into());
+        metadata.insert("master_dtype".into(), self.cfg.optimizer.master_dtype.name().into());
         metadata.insert("model".into(), serde_json::to_string(&self.cfg.model).expect("model config serializes"));
         metadata.insert("sampler".into(), serde_json::to_string(&self.sampler).expect("sampler serializes"));
         metadata.insert("config".into(), toml::to_string(&self.cfg).unwrap_or_default());
@@ -562,13 +564,15 @@ pub struct ResumeFrom<'a> {
     pub convert_state: bool,
 }
 
-/// Appends the checkpoint tensors of one unit's state: each parameter's f32 master weights
-/// (`{name}`) and moments (`{name}.exp_avg`, `{name}.exp_avg_sq`) in their stored dtype (f32,
+/// Appends the checkpoint tensors of one unit's state: each parameter's master weights
+/// (`{name}`: f32, or bf16 when `master` is and the unit's values are bf16 — a device-resident
+/// unit's are f32) and moments (`{name}.exp_avg`, `{name}.exp_avg_sq`) in their stored dtype (f32,
 /// bf16, or int8 codes: I8 for `m`'s linear map, U8 for `v`'s tree map), and for int8 the unit's
 /// block absmaxes (`{unit}.exp_avg.absmax`, `{unit}.exp_avg_sq.absmax`, f32 `[blocks]`: blocks of
 /// 256 run over the unit's flat vector, across its parameters).
-fn unit_tensors(spec: &UnitSpec, state: &UnitState, tensors: &mut Vec<NamedTensor>) {
+fn unit_tensors(spec: &UnitSpec, state: &UnitState, master: MasterDType, tensors: &mut Vec<NamedTensor>) {
     use crate::checkpoint::TensorData as D;
+    let as_bf16 = master == MasterDType::Bf16 && state.master.iter().all(|&x| half::bf16::from_f32(x).to_f32() == x);
     let named = |name: String, shape: Vec<usize>, data: D| NamedTensor { name, shape, data };
     for p in &spec.params {
         let r = p.offset..p.offset + p.numel();
@@ -577,7 +581,10 @@ fn unit_tensors(spec: &UnitSpec, state: &UnitState, tensors: &mut Vec<NamedTenso
             MomentBufs::Bf16 { m, v } => (D::BF16(m[r.clone()].to_vec()), D::BF16(v[r.clone()].to_vec())),
             MomentBufs::Int8 { m, v, .. } => (D::I8(m[r.clone()].to_vec()), D::U8(v[r.clone()].to_vec())),
         };
-        tensors.push(named(p.name.clone(), p.shape.clone(), D::F32(state.master[r].to_vec())));
+        let w = &state.master[r];
+        let w =
+            if as_bf16 { D::BF16(w.iter().map(|&x| half::bf16::from_f32(x)).collect()) } else { D::F32(w.to_vec()) };
+        tensors.push(named(p.name.clone(), p.shape.clone(), w));
         tensors.push(named(format!("{}.exp_avg", p.name), p.shape.clone(), m));
         tensors.push(named(format!("{}.exp_avg_sq", p.name), p.shape.clone(), v));
     }
@@ -611,8 +618,8 @@ fn unit_state_from(ckpt: &Checkpoint, spec: &UnitSpec) -> std::result::Result<Un
     for p in &spec.params {
         let r = p.offset..p.offset + p.numel();
         let w = get(&p.name, p.numel())?;
-        master[r.clone()]
-            .copy_from_slice(w.as_f32().ok_or_else(|| format!("{} is {:?}, expected F32", p.name, w.dtype()))?);
+        let values = w.to_f32().ok_or_else(|| format!("{} is {:?}, expected F32 or BF16", p.name, w.dtype()))?;
+        master[r.clone()].copy_from_slice(&values);
         let (mn, vn) = (format!("{}.exp_avg", p.name), format!("{}.exp_avg_sq", p.name));
         let (md, vd) = (get(&mn, p.numel())?, get(&vn, p.numel())?);
         match (&mut moments, md, vd) {
