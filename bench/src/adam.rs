@@ -5,7 +5,8 @@
 //! |---|---|
 //! | `seconds_per_step` | median wall time of `steps` timed steps (after one untimed warm-up that also faults the pages in) |
 //! | `params_per_s` | `params / seconds_per_step` |
-//! | `bytes_per_param` | bytes the variant really moves per parameter: read `p, m, v` (12) + the gradient (4 or 2), write `p, m, v` (12) + the compute copy (0, 2 or 4); 28 for the pure fp32 step |
+//! | `state_dtype` | only with `state_dtypes` (`--state-dtype`): the element type of `m` and `v` ([`StateDType`]), the step [`AdamKernel::step_moments`]; absent: the f32 [`AdamKernel::step`] |
+//! | `bytes_per_param` | bytes the variant really moves per parameter: read `p, m, v` (12) + the gradient (4 or 2), write `p, m, v` (12) + the compute copy (0, 2 or 4); 28 for the pure fp32 step. With a `state_dtype`, `m` and `v` count [`StateDType::moment_bytes`]`(params) / params` each way: f32 8 (the same 28), bf16 4 (20 with f32 gradients and no copy), int8 2 + 8/256 = 2.03125 (the codes and one f32 absmax per 256-value block of each moment: 16.0625) |
 //! | `gbps` | `params_per_s × bytes_per_param`, 10⁹ B/s |
 //! | `triad_gbps` | `a[i] = b[i] + s·c[i]` over f32 arrays of 4 × the last-level cache each (huge pages, as the step), counted at 12 B per element as STREAM does (16 B really move, with the write-allocate of `a`); median of as many passes |
 //! | `ratio_to_triad` | `gbps / triad_gbps` |
@@ -17,10 +18,12 @@
 use std::time::Instant;
 
 use half::{bf16, f16};
-use oogc_optimizer::{AdamConfig, AdamKernel, CopyOut, DType, GradSlice, Isa, StateIo};
+use oogc_optimizer::{
+    AdamConfig, AdamKernel, CopyOut, DType, GradSlice, Isa, Moments, StateDType, StateIo, QUANT_BLOCK,
+};
 use oogc_swapper::host::{HostMemory, MmapMemory};
 use rayon::prelude::*;
-use serde::Serialize;
+use serde::{Serialize, Serializer};
 
 use crate::error::{Context, Error, Result};
 
@@ -47,6 +50,10 @@ pub struct AdamBenchArgs {
     /// the run shorter (a host with a 480 MiB L3 allocates and touches 5.6 GiB otherwise).
     /// Default: `None`.
     pub triad_bytes: Option<usize>,
+    /// Element types of Adam's moments, rows of [`AdamKernel::step_moments`] each (in this
+    /// order, every thread count); empty: the f32 [`AdamKernel::step`] alone, rows without a
+    /// `state_dtype`. Default: empty.
+    pub state_dtypes: Vec<StateDType>,
 }
 
 impl Default for AdamBenchArgs {
@@ -59,15 +66,20 @@ impl Default for AdamBenchArgs {
             steps: 5,
             isa: None,
             triad_bytes: None,
+            state_dtypes: Vec::new(),
         }
     }
 }
 
-/// One row: one thread count.
+/// One row: one thread count (and one moment type).
 #[derive(Debug, Clone, Serialize)]
 pub struct AdamBenchRow {
-    /// `adamw g=<dtype> copy=<dtype|none>`.
+    /// `adamw g=<dtype> copy=<dtype|none>`, and ` state=<dtype>` with a `state_dtype`.
     pub variant: String,
+    /// The moments' element type, for [`AdamKernel::step_moments`]; `None` (not serialized):
+    /// the f32 [`AdamKernel::step`].
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub state_dtype: Option<StateDType>,
     /// Dispatch path.
     pub isa: String,
     /// Threads of the optimizer pool and of the triad.
@@ -78,8 +90,10 @@ pub struct AdamBenchRow {
     pub seconds_per_step: f64,
     /// Parameters updated per second.
     pub params_per_s: f64,
-    /// Bytes moved per parameter (see the module docs).
-    pub bytes_per_param: usize,
+    /// Bytes moved per parameter (see the module docs): whole, except with int8 moments
+    /// (serialized as an integer when whole).
+    #[serde(serialize_with = "whole_as_integer")]
+    pub bytes_per_param: f64,
     /// Effective GB/s (10⁹ B/s) at `bytes_per_param`.
     pub gbps: f64,
     /// STREAM triad GB/s, same process, same thread count.
@@ -90,6 +104,16 @@ pub struct AdamBenchRow {
     pub torch_params_per_s: f64,
     /// `params_per_s / torch_params_per_s`.
     pub ratio_to_torch: f64,
+}
+
+/// `x` as a JSON integer when it is a whole number (the byte counts of every variant but int8
+/// moments), else as a float.
+fn whole_as_integer<S: Serializer>(x: &f64, s: S) -> std::result::Result<S::Ok, S::Error> {
+    if x.fract() == 0.0 && (0.0..9.0e15).contains(x) {
+        s.serialize_u64(*x as u64)
+    } else {
+        s.serialize_f64(*x)
+    }
 }
 
 /// Host memory as the optimizer state would get it from the swapper's pool: an anonymous
@@ -185,7 +209,64 @@ pub fn triad_gbps(pool: &rayon::ThreadPool, len: usize, passes: usize) -> Result
     Ok(12.0 * len as f64 / median(times) * 1e-9)
 }
 
-/// Runs the benchmark: one row per thread count.
+/// Adam's moments in huge-page memory: f32 (for [`AdamKernel::step`] or
+/// [`Moments::F32`]), bf16 or int8 codes with their per-block absmax.
+struct MomentBufs {
+    dtype: StateDType,
+    n: usize,
+    m: Huge,
+    v: Huge,
+    /// The absmax of `m` and of `v` (int8 only).
+    absmax: Option<(Huge, Huge)>,
+}
+
+impl MomentBufs {
+    /// Zero moments (torch's initial state; all-zero int8 codes are zeros) for `n` parameters.
+    fn new(dtype: StateDType, n: usize) -> Result<Self> {
+        let blocks = n.div_ceil(QUANT_BLOCK);
+        let elem = match dtype {
+            StateDType::F32 => 4,
+            StateDType::Bf16 => 2,
+            StateDType::Int8 => 1,
+        };
+        let absmax = match dtype {
+            StateDType::Int8 => Some((Huge::new::<f32>(blocks)?, Huge::new::<f32>(blocks)?)),
+            _ => None,
+        };
+        Ok(Self { dtype, n, m: Huge::new::<u8>(n * elem)?, v: Huge::new::<u8>(n * elem)?, absmax })
+    }
+
+    /// The moments, for [`AdamKernel::step_moments`].
+    fn moments(&mut self) -> Moments<'_> {
+        let (n, blocks) = (self.n, self.n.div_ceil(QUANT_BLOCK));
+        match (self.dtype, &mut self.absmax) {
+            (StateDType::Bf16, _) => Moments::Bf16 { m: self.m.get(n), v: self.v.get(n) },
+            (StateDType::Int8, Some((ma, va))) => {
+                Moments::Int8 { m: self.m.get(n), m_absmax: ma.get(blocks), v: self.v.get(n), v_absmax: va.get(blocks) }
+            }
+            _ => Moments::F32 { m: self.m.get(n), v: self.v.get(n) },
+        }
+    }
+
+    /// Whether the first block's `m` and `v` are no longer zero: the step really ran.
+    fn written(&mut self) -> bool {
+        let k = self.n.min(QUANT_BLOCK);
+        match self.moments() {
+            Moments::F32 { m, v } => m[..k].iter().any(|&x| x != 0.0) && v[..k].iter().any(|&x| x != 0.0),
+            Moments::Bf16 { m, v } => {
+                m[..k].iter().any(|x| x.to_f32() != 0.0) && v[..k].iter().any(|x| x.to_f32() != 0.0)
+            }
+            Moments::Int8 { m, m_absmax, v, v_absmax } => {
+                m_absmax[0] > 0.0
+                    && v_absmax[0] > 0.0
+                    && m[..k].iter().any(|&c| c != 0)
+                    && v[..k].iter().any(|&c| c != 0)
+            }
+        }
+    }
+}
+
+/// Runs the benchmark: one row per thread count, for each of `state_dtypes` when given.
 ///
 /// # Errors
 /// Bad arguments (no thread counts, 0 parameters or steps, a forced ISA this CPU lacks), or a
@@ -197,8 +278,8 @@ pub fn run(args: &AdamBenchArgs) -> Result<Vec<AdamBenchRow>> {
     let isa = args.isa.unwrap_or_else(Isa::detect);
     let n = args.params;
     let adam = AdamConfig::default();
-    let (mut hp, mut hm, mut hv) = (Huge::new::<f32>(n)?, Huge::new::<f32>(n)?, Huge::new::<f32>(n)?);
-    let (p, m, v) = (hp.get::<f32>(n), hm.get::<f32>(n), hv.get::<f32>(n));
+    let mut hp = Huge::new::<f32>(n)?;
+    let p = hp.get::<f32>(n);
     p.iter_mut().enumerate().for_each(|(i, x)| *x = val(i, 3));
     let gsize = args.grad_dtype.size_in_bytes();
     let mut hg = Huge::new::<u8>(n * gsize)?;
@@ -223,50 +304,70 @@ pub fn run(args: &AdamBenchArgs) -> Result<Vec<AdamBenchRow>> {
     };
     let mut hc = args.param_out.map(|d| Huge::new::<u8>(n * d.size_in_bytes())).transpose()?;
     let copy_bytes = args.param_out.map_or(0, |d| d.size_in_bytes());
-    let bytes_per_param = 24 + args.grad_dtype.size_in_bytes() + copy_bytes;
-    let variant = format!("adamw g={} copy={}", args.grad_dtype, args.param_out.map_or("none", |d| d.name()));
+    let base = format!("adamw g={} copy={}", args.grad_dtype, args.param_out.map_or("none", |d| d.name()));
     let triad_len = (args.triad_bytes.unwrap_or_else(|| 4 * llc_bytes()) / 4).max(1024);
+    // `None`: today's f32 `AdamKernel::step`; `Some`: `step_moments` on that moment type.
+    let kinds: Vec<Option<StateDType>> =
+        if args.state_dtypes.is_empty() { vec![None] } else { args.state_dtypes.iter().copied().map(Some).collect() };
     let mut rows = Vec::new();
     let mut t = 0u64;
-    for &threads in &args.threads {
-        let kernel = AdamKernel::new(isa, threads).with_context(|| format!("optimizer kernel on {isa}"))?;
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .build()
-            .map_err(|source| Error::ThreadPool { what: "triad thread pool", source })?;
-        let mut step = || -> Result<f64> {
-            t += 1;
-            let s = adam.scalars(t, 1e-3, 1.0)?;
-            let start = Instant::now();
-            let out = match (args.param_out, hc.as_mut()) {
-                (Some(d), Some(c)) => CopyOut::from_bytes(d, c.get::<u8>(n * d.size_in_bytes())),
-                _ => CopyOut::None,
-            };
-            kernel.step(&s, StateIo::InPlace { p: &mut *p, m: &mut *m, v: &mut *v }, grads, out)?;
-            Ok(start.elapsed().as_secs_f64())
+    for kind in kinds {
+        let mut state = MomentBufs::new(kind.unwrap_or(StateDType::F32), n)?;
+        // p and the gradients (and the copy) move 8 + g + c B; the moments theirs, read and written.
+        let bytes_per_param = match kind {
+            None => (24 + gsize + copy_bytes) as f64,
+            Some(d) => (n * (8 + gsize + copy_bytes) + 2 * d.moment_bytes(n)) as f64 / n as f64,
         };
-        step()?; // warm-up: page faults, caches
-        let times = (0..args.steps).map(|_| step()).collect::<Result<Vec<f64>>>()?;
-        let secs = median(times);
-        let triad = triad_gbps(&pool, triad_len, args.steps.max(3))?;
-        let params_per_s = n as f64 / secs;
-        let gbps = params_per_s * bytes_per_param as f64 * 1e-9;
-        let casts = 6 * usize::from(args.grad_dtype != DType::F32) + 6 * usize::from(copy_bytes > 0);
-        let torch = 1.0 / (1.0 / TORCH_FUSED_PARAMS_PER_S + casts as f64 / (triad * 1e9));
-        rows.push(AdamBenchRow {
-            variant: variant.clone(),
-            isa: isa.name().into(),
-            threads,
-            params: n,
-            seconds_per_step: secs,
-            params_per_s,
-            bytes_per_param,
-            gbps,
-            triad_gbps: triad,
-            ratio_to_triad: gbps / triad,
-            torch_params_per_s: torch,
-            ratio_to_torch: params_per_s / torch,
-        });
+        let variant = kind.map_or_else(|| base.clone(), |d| format!("{base} state={d}"));
+        for &threads in &args.threads {
+            let kernel = AdamKernel::new(isa, threads).with_context(|| format!("optimizer kernel on {isa}"))?;
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .map_err(|source| Error::ThreadPool { what: "triad thread pool", source })?;
+            let mut step = || -> Result<f64> {
+                t += 1;
+                let s = adam.scalars(t, 1e-3, 1.0)?;
+                let start = Instant::now();
+                let out = match (args.param_out, hc.as_mut()) {
+                    (Some(d), Some(c)) => CopyOut::from_bytes(d, c.get::<u8>(n * d.size_in_bytes())),
+                    _ => CopyOut::None,
+                };
+                match (kind, state.moments()) {
+                    (None, Moments::F32 { m, v }) => {
+                        kernel.step(&s, StateIo::InPlace { p: &mut *p, m, v }, grads, out)?
+                    }
+                    (_, moments) => kernel.step_moments(&s, &mut *p, moments, grads, out)?,
+                }
+                Ok(start.elapsed().as_secs_f64())
+            };
+            step()?; // warm-up: page faults, caches
+            let times = (0..args.steps).map(|_| step()).collect::<Result<Vec<f64>>>()?;
+            if !state.written() {
+                return Err(Error::Internal { what: "moments written by the step (the first block is still zero)" });
+            }
+            let secs = median(times);
+            let triad = triad_gbps(&pool, triad_len, args.steps.max(3))?;
+            let params_per_s = n as f64 / secs;
+            let gbps = params_per_s * bytes_per_param * 1e-9;
+            let casts = 6 * usize::from(args.grad_dtype != DType::F32) + 6 * usize::from(copy_bytes > 0);
+            let torch = 1.0 / (1.0 / TORCH_FUSED_PARAMS_PER_S + casts as f64 / (triad * 1e9));
+            rows.push(AdamBenchRow {
+                variant: variant.clone(),
+                state_dtype: kind,
+                isa: isa.name().into(),
+                threads,
+                params: n,
+                seconds_per_step: secs,
+                params_per_s,
+                bytes_per_param,
+                gbps,
+                triad_gbps: triad,
+                ratio_to_triad: gbps / triad,
+                torch_params_per_s: torch,
+                ratio_to_torch: params_per_s / torch,
+            });
+        }
     }
     std::hint::black_box(&hp);
     Ok(rows)
@@ -274,20 +375,23 @@ pub fn run(args: &AdamBenchArgs) -> Result<Vec<AdamBenchRow>> {
 
 /// Prints the rows as a table.
 pub fn print_table(rows: &[AdamBenchRow]) {
+    let w = rows.iter().map(|r| r.variant.len()).max().unwrap_or(0).max(26);
     println!(
-        "{:<26} {:>7} {:>7} {:>11} {:>9} {:>9} {:>6} {:>7} {:>8} {:>6} {:>8}",
+        "{:<w$} {:>7} {:>7} {:>11} {:>9} {:>9} {:>6} {:>7} {:>8} {:>6} {:>8}",
         "variant", "isa", "threads", "params", "s/step", "Gparam/s", "B/par", "GB/s", "triad", "ratio", "vs torch"
     );
     for r in rows {
+        let bytes = r.bytes_per_param;
+        let bytes = if bytes.fract() == 0.0 { format!("{bytes}") } else { format!("{bytes:.2}") };
         println!(
-            "{:<26} {:>7} {:>7} {:>11} {:>9.4} {:>9.3} {:>6} {:>7.2} {:>8.2} {:>6.2} {:>8.2}",
+            "{:<w$} {:>7} {:>7} {:>11} {:>9.4} {:>9.3} {:>6} {:>7.2} {:>8.2} {:>6.2} {:>8.2}",
             r.variant,
             r.isa,
             r.threads,
             r.params,
             r.seconds_per_step,
             r.params_per_s * 1e-9,
-            r.bytes_per_param,
+            bytes,
             r.gbps,
             r.triad_gbps,
             r.ratio_to_triad,

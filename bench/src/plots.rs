@@ -202,7 +202,7 @@ pub fn draw_adam<DB: DrawingBackend>(
     let g = 1e-9;
     // The triad is counted at 12 B per element but moves 16 (write-allocate): the roofline uses the
     // bytes that really move, as the step's bytes per parameter do.
-    let roof = |r: &adam::AdamBenchRow| r.triad_gbps * 16.0 / 12.0 / r.bytes_per_param.max(1) as f64;
+    let roof = |r: &adam::AdamBenchRow| r.triad_gbps * 16.0 / 12.0 / r.bytes_per_param.max(1.0);
     let max_t = rows.iter().map(|r| r.threads).max().unwrap_or(2).max(2) as f64;
     let top = 1.15 * max_or(rows.iter().flat_map(|r| [r.params_per_s * g, roof(r), r.torch_params_per_s * g]), 0.1);
     let mut b = ChartBuilder::on(root);

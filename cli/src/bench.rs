@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 use oogc::config::TrainConfig;
-use oogc::optimizer::{DType, Isa};
+use oogc::optimizer::{DType, Isa, StateDType};
 use oogc::swapper::EngineChoice;
 use oogc_bench::{adam, all, evict, moe, nvme, plan_check, probe, step, swap};
 use serde::Serialize;
@@ -205,6 +205,27 @@ impl DTypeArg {
     }
 }
 
+/// Element types of Adam's moments for `bench adam --state-dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum StateDTypeArg {
+    /// f32 moments (8 B/param for m and v).
+    F32,
+    /// bf16 moments (4 B/param).
+    Bf16,
+    /// block-wise int8 moments, one f32 absmax per 256 values (2.03 B/param).
+    Int8,
+}
+
+impl StateDTypeArg {
+    fn dtype(self) -> StateDType {
+        match self {
+            StateDTypeArg::F32 => StateDType::F32,
+            StateDTypeArg::Bf16 => StateDType::Bf16,
+            StateDTypeArg::Int8 => StateDType::Int8,
+        }
+    }
+}
+
 /// Dispatch paths for `bench adam`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub(crate) enum IsaArg {
@@ -240,9 +261,14 @@ pub(crate) struct AdamCmd {
     /// the triad measures memory bandwidth; smaller only makes a smoke run shorter).
     #[arg(long, value_name = "MIB", value_parser = clap::value_parser!(u64).range(1..))]
     pub(crate) triad_mib: Option<u64>,
-    /// Print JSON Lines on stdout: one object per row per line, with fields variant, isa,
-    /// threads, params, seconds_per_step, params_per_s, bytes_per_param, gbps, triad_gbps,
-    /// ratio_to_triad, torch_params_per_s, ratio_to_torch.
+    /// Element types of Adam's moments m and v, comma-separated or repeated: rows of the
+    /// reduced-moment step (AdamKernel::step_moments) per type and thread count, bytes counted
+    /// with the moments' own size (default: none, only the rows of the f32 AdamKernel::step).
+    #[arg(long = "state-dtype", value_name = "DTYPE,..", value_enum, value_delimiter = ',')]
+    pub(crate) state_dtypes: Vec<StateDTypeArg>,
+    /// Print JSON Lines on stdout: one object per row per line, with fields variant,
+    /// state_dtype (with --state-dtype), isa, threads, params, seconds_per_step, params_per_s,
+    /// bytes_per_param, gbps, triad_gbps, ratio_to_triad, torch_params_per_s, ratio_to_torch.
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -595,6 +621,7 @@ pub(crate) fn bench_adam(cmd: AdamCmd) -> anyhow::Result<()> {
         steps: cmd.steps as usize,
         isa,
         triad_bytes: cmd.triad_mib.map(|m| (m as usize) << 20),
+        state_dtypes: cmd.state_dtypes.iter().map(|d| d.dtype()).collect(),
     };
     let rows = adam::run(&args).context("oogc bench adam")?;
     if cmd.json {

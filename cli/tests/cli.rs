@@ -431,18 +431,59 @@ fn bench_adam_prints_json_rows_per_thread_count() {
             assert_eq!(row["threads"], threads, "{row}");
             assert_eq!(row["params"], 64 << 10, "{row}");
             assert_eq!(row["bytes_per_param"], bytes, "{row}");
-            let (pps, gbps, triad, ratio) = (
-                positive(row, "params_per_s"),
-                positive(row, "gbps"),
-                positive(row, "triad_gbps"),
-                positive(row, "ratio_to_triad"),
-            );
-            assert!((gbps - pps * bytes as f64 * 1e-9).abs() <= 1e-9 * gbps.max(1.0) * 1e3, "{row}");
-            assert!((ratio - gbps / triad).abs() <= 1e-9 * ratio.max(1.0) * 1e3, "{row}");
-            positive(row, "seconds_per_step");
-            positive(row, "ratio_to_torch");
+            assert!(row.get("state_dtype").is_none(), "no --state-dtype, no state_dtype: {row}");
+            adam_rates_agree(row, bytes as f64);
         }
     }
+}
+
+/// A `bench adam` row's rates: positive, finite, and `gbps`, `ratio_to_triad` from
+/// `bytes_per_param` = `bytes`.
+fn adam_rates_agree(row: &Value, bytes: f64) {
+    let (pps, gbps, triad, ratio) = (
+        positive(row, "params_per_s"),
+        positive(row, "gbps"),
+        positive(row, "triad_gbps"),
+        positive(row, "ratio_to_triad"),
+    );
+    assert!((gbps - pps * bytes * 1e-9).abs() <= 1e-9 * gbps.max(1.0) * 1e3, "{row}");
+    assert!((ratio - gbps / triad).abs() <= 1e-9 * ratio.max(1.0) * 1e3, "{row}");
+    positive(row, "seconds_per_step");
+    positive(row, "ratio_to_torch");
+}
+
+#[test]
+fn bench_adam_state_dtypes_print_rows_with_their_moment_bytes() {
+    use oogc::optimizer::StateDType;
+    // 65,636 parameters: 256 blocks and a ragged one of 100 (a whole absmax each).
+    let n = 65_636usize;
+    let flags =
+        format!("--params {n} --threads 1,2 --steps 2 --state-dtype f32,bf16 --state-dtype int8 --triad-mib 16");
+    let out = oogc(&[&["bench", "adam", "--json"][..], &flags.split(' ').collect::<Vec<_>>()].concat());
+    // `adam::run` fails when a step left the first block's moments zero: success means the
+    // kernel ran on each type (the int8 codes and absmax included).
+    assert!(out.status.success(), "exit {:?}; stderr:\n{}", out.status, text(&out.stderr));
+    let rows = json_rows(&out);
+    let dtypes = [StateDType::F32, StateDType::Bf16, StateDType::Int8];
+    assert_eq!(rows.len(), dtypes.len() * 2, "{rows:?}");
+    for (k, row) in rows.iter().enumerate() {
+        let (dtype, threads) = (dtypes[k / 2], [1, 2][k % 2]);
+        assert_eq!(row["state_dtype"], dtype.name(), "{row}");
+        assert_eq!(row["variant"], format!("adamw g=f32 copy=none state={dtype}"), "{row}");
+        assert_eq!(row["threads"], threads, "{row}");
+        assert_eq!(row["params"], n, "{row}");
+        // p read and written (8), f32 gradients (4), the moments read and written.
+        let bytes = (12 * n + 2 * dtype.moment_bytes(n)) as f64 / n as f64;
+        let got = row["bytes_per_param"].as_f64().expect("bytes_per_param");
+        assert!((got - bytes).abs() <= 1e-12 * bytes, "{bytes} B/param expected: {row}");
+        if dtype == StateDType::F32 {
+            assert_eq!(row["bytes_per_param"], 28, "an integer, as without --state-dtype: {row}");
+        }
+        adam_rates_agree(row, bytes);
+    }
+    let out = oogc(&["bench", "adam", "--params", "1K", "--state-dtype", "f16"]);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains("--state-dtype"), "{}", text(&out.stderr));
 }
 
 #[test]
