@@ -3,7 +3,7 @@
 //! A unit's state is cut into chunks of [`StreamConfig::chunk_params`] parameters (a multiple of
 //! [`NORM_BLOCK`], so of [`QUANT_BLOCK`]: a chunk holds whole quantization blocks); chunk `k` is
 //! one extent of the swapper's [`NvmeStore`] holding the f32 master weights, then the moments in
-//! their [`StateDType`] in the layout of [`Moments::from_bytes`]: `[p | m | v]` in f32 (12 B per
+//! their [`StateDType`](crate::StateDType) in the layout of [`Moments::from_bytes`]: `[p | m | v]` in f32 (12 B per
 //! parameter), `[p | m | v]` with bf16 moments (8 B), `[p | m absmax | v absmax | m | v]` with
 //! int8 moments (6 B and 8 B per block of 256). [`stream_update`] runs the update with three host buffers
 //! (ZeRO-Infinity's overlap of NVMe reads, CPU update and NVMe writes):
