@@ -92,7 +92,7 @@ use crate::error::{Error, Result};
 use crate::grad_pool::GradPool;
 use crate::home::{ComputeCopyHome, MemoryHome};
 use crate::kernel::{clip_scale, global_norm, AdamKernel, CopyOut, GradSlice, StateIo, StepScalars, NORM_BLOCK};
-use crate::master::{sr_key, MasterBuf, MasterDType, StateFormat};
+use crate::master::{sr_key, Bf16Master, MasterBuf, MasterDType, StateFormat};
 
 /// `master` as the optimizer will hold it: rounded to bf16 (to nearest even) and widened again
 /// for a bf16 master, so that the first compute copy is the master's.
@@ -102,7 +102,7 @@ fn held_master(dtype: MasterDType, master: &[f32]) -> std::borrow::Cow<'_, [f32]
         MasterDType::Bf16 => std::borrow::Cow::Owned(master.iter().map(|&x| bf16::from_f32(x).to_f32()).collect()),
     }
 }
-use crate::quant::MomentBufs;
+use crate::quant::{MomentBufs, Reduced};
 use crate::simd::Isa;
 use crate::stream::{state_nvme_bytes, stream_update, NvmeState, StreamConfig};
 use oogc_swapper::{DType, StatePlacement};
@@ -1375,14 +1375,18 @@ fn update_into(
 ) -> Result<f64> {
     match home {
         Home::Host { cur, spare } => {
-            let state = match (spare, &mut cur.p, &mut cur.mom) {
+            let partials = with_sumsq.then_some(partials);
+            match (spare, &mut cur.p, &mut cur.mom) {
                 (Some(s), MasterBuf::F32(p), MomentBufs::F32 { m, v }) => {
                     let (MasterBuf::F32(sp), MomentBufs::F32 { m: sm, v: sv }) = (&mut s.p, &mut s.mom) else {
                         unreachable!("one state format")
                     };
-                    StateIo::OutOfPlace { src: [p, m, v], dst: [sp, sm, sv] }
+                    let state = StateIo::OutOfPlace { src: [p, m, v], dst: [sp, sm, sv] };
+                    sh.kernel.step_state(scalars, state, grads, out, partials)
                 }
-                (None, MasterBuf::F32(p), MomentBufs::F32 { m, v }) => StateIo::InPlace { p, m, v },
+                (None, MasterBuf::F32(p), MomentBufs::F32 { m, v }) => {
+                    sh.kernel.step_state(scalars, StateIo::InPlace { p, m, v }, grads, out, partials)
+                }
                 (spare, _, _) => {
                     // Reduced state updates in place only: a speculated unit's second buffers
                     // take a copy of the committed state first (one more read and write of it).
@@ -1395,23 +1399,16 @@ fn update_into(
                         None => cur,
                     };
                     let moments = target.mom.view();
-                    let partials = with_sumsq.then_some(partials);
-                    return match &mut target.p {
-                        MasterBuf::F32(p) => match partials {
-                            Some(part) => sh.kernel.step_moments_with_sumsq(scalars, p, moments, grads, out, part),
-                            None => sh.kernel.step_moments(scalars, p, moments, grads, out).map(|()| 0.0),
-                        },
-                        MasterBuf::Bf16(p) => {
-                            let key = sr_key(cell.id.0, scalars.step());
-                            sh.kernel.step_bf16_master(scalars, p, moments, grads, out, key, partials)
+                    match &mut target.p {
+                        MasterBuf::F32(p) => {
+                            sh.kernel.step_state(scalars, Reduced { p, moments }, grads, out, partials)
                         }
-                    };
+                        MasterBuf::Bf16(p) => {
+                            let state = Bf16Master { p, moments, key: sr_key(cell.id.0, scalars.step()), offset: 0 };
+                            sh.kernel.step_state(scalars, state, grads, out, partials)
+                        }
+                    }
                 }
-            };
-            if with_sumsq {
-                sh.kernel.step_with_sumsq(scalars, state, grads, out, partials)
-            } else {
-                sh.kernel.step(scalars, state, grads, out).map(|()| 0.0)
             }
         }
         Home::Nvme { cur, new } => {

@@ -2,10 +2,10 @@
 //! from the ranks' shards) and [`Runtime::load_unit_state`] (re-sharded for this rank), by kind:
 //! a device-resident unit's state is the device optimizer's.
 
-use super::tensor::candle_dtype;
-use super::unit::Kind;
 use oogc_optimizer::UnitState;
 
+use super::tensor::candle_dtype;
+use super::unit::Kind;
 use super::{home, Result, Runtime, RuntimeError, UnitId};
 
 impl Runtime {
