@@ -47,8 +47,9 @@ pub struct Exported {
     pub tokenizer: PathBuf,
 }
 
-/// Reads the oogc checkpoint `ckpt` (a file, or a directory's newest; verified) and writes its
-/// model as a Hugging Face checkpoint into `out` (created if missing).
+/// Reads the oogc checkpoint `ckpt` (a file, or a directory's newest) one unit's master weights
+/// at a time (each checked against its crc32c as it is read) and writes its model as a Hugging
+/// Face checkpoint into `out` (created if missing).
 ///
 /// # Errors
 /// [`TrainError::Checkpoint`] for an unreadable or corrupt checkpoint; [`TrainError::Mismatch`]
@@ -56,10 +57,15 @@ pub struct Exported {
 /// Hugging Face layout), or a tensor is missing; model and I/O errors naming the path.
 pub fn export_hf(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<Exported, TrainError> {
     let path = if ckpt.is_dir() { checkpoint::latest(ckpt)? } else { ckpt.to_path_buf() };
-    let loaded = checkpoint::load(&path)?;
+    // The header now, each parameter's master weights as its unit is written (checked against
+    // its crc32c as it is read): never the whole checkpoint in memory.
+    let loaded = checkpoint::Reader::open(&path)?;
+    let step = loaded.step()?;
     let mismatch = |reason: String| TrainError::Mismatch { path: path.clone(), reason };
-    let text =
-        loaded.metadata.get("config").ok_or_else(|| mismatch("no `config` metadata: not a run's checkpoint".into()))?;
+    let text = loaded
+        .metadata()
+        .get("config")
+        .ok_or_else(|| mismatch("no `config` metadata: not a run's checkpoint".into()))?;
     let cfg = TrainConfig::from_toml_str(text).map_err(|e| mismatch(format!("its run config does not parse: {e}")))?;
     let ModelConfig::Llama(llama) = &cfg.model else {
         return Err(mismatch(format!(
@@ -78,11 +84,18 @@ pub fn export_hf(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<Export
     let weights = hf::write_checkpoint(out, &config, &extra, &units, &wopts, |unit| {
         let mut flat = vec![0f32; unit.numel];
         for p in &unit.params {
-            let t = loaded.tensor(&p.name).ok_or_else(|| oogc_models::Error::HfTensor {
-                path: path.clone(),
-                tensor: p.name.clone(),
-                reason: "missing from the checkpoint".into(),
-            })?;
+            let t = loaded
+                .tensor(&p.name)
+                .map_err(|e| oogc_models::Error::HfTensor {
+                    path: path.clone(),
+                    tensor: p.name.clone(),
+                    reason: e.to_string(),
+                })?
+                .ok_or_else(|| oogc_models::Error::HfTensor {
+                    path: path.clone(),
+                    tensor: p.name.clone(),
+                    reason: "missing from the checkpoint".into(),
+                })?;
             if t.data.len() != p.numel() {
                 return Err(oogc_models::Error::HfTensor {
                     path: path.clone(),
@@ -102,11 +115,5 @@ pub fn export_hf(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<Export
     let tokenizer_out = out.join("tokenizer.json");
     std::fs::copy(&tokenizer, &tokenizer_out)
         .map_err(|source| TrainError::Checkpoint(CheckpointError::Io { path: tokenizer_out.clone(), source }))?;
-    Ok(Exported {
-        checkpoint: path,
-        step: loaded.step,
-        weights,
-        config: out.join("config.json"),
-        tokenizer: tokenizer_out,
-    })
+    Ok(Exported { checkpoint: path, step, weights, config: out.join("config.json"), tokenizer: tokenizer_out })
 }

@@ -217,7 +217,7 @@ fn a_checkpoint_imported_then_exported_is_bitwise_the_input() {
         let work = tempfile::tempdir().unwrap();
         let cfg = oogc::config::TrainConfig::from_toml_str(&init_config(&case_dir(case), work.path())).unwrap();
         let mut t = oogc::train::Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
-        let saved = t.save_checkpoint().unwrap().expect("a checkpoint dir");
+        let saved = t.save_checkpoint().unwrap().expect("a checkpoint dir").path;
         drop(t);
         let out = work.path().join("hf");
         let e = oogc::export::export_hf(&saved, &out, &Default::default()).unwrap();

@@ -294,7 +294,7 @@ fn a_mixtral_checkpoint_imported_then_exported_is_bitwise_the_input() {
 fn imported_then_exported(config: &str, dir: &Path, work: &Path) {
     let cfg = oogc::config::TrainConfig::from_toml_str(config).unwrap();
     let mut t = oogc::train::Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
-    let saved = t.save_checkpoint().unwrap().expect("a checkpoint dir");
+    let saved = t.save_checkpoint().unwrap().expect("a checkpoint dir").path;
     drop(t);
     let out = work.join("hf");
     oogc::export::export_hf(&saved, &out, &Default::default()).unwrap();

@@ -105,7 +105,7 @@ fn a_checkpoint_of_another_state_dtype_is_refused_unless_converted() {
     for _ in 0..3 {
         t.train_step().unwrap();
     }
-    let ckpt = t.save_checkpoint().unwrap().unwrap();
+    let ckpt = t.save_checkpoint().unwrap().unwrap().path;
     let saved: Vec<_> = t.runtime().units().ids().map(|u| t.runtime().unit_state(u).unwrap().into_f32()).collect();
     drop(t);
     let mut f32_cfg = int8.clone();
@@ -135,7 +135,7 @@ fn a_checkpoint_of_another_state_dtype_is_refused_unless_converted() {
     let bf16 = config(dir.path(), "bf16m", "host", "bf16 master + f32");
     let mut t = Trainer::new(bf16.clone(), oogc::dist::Ranks::single()).unwrap();
     t.train_step().unwrap();
-    let ckpt = t.save_checkpoint().unwrap().unwrap();
+    let ckpt = t.save_checkpoint().unwrap().unwrap().path;
     drop(t);
     let mut f32_cfg = bf16;
     f32_cfg.optimizer.master_dtype = oogc_optimizer::MasterDType::F32;

@@ -53,17 +53,24 @@ pub(crate) fn inspect(cmd: InspectCmd) -> anyhow::Result<ExitCode> {
     if cmd.verify {
         return verify(&cmd);
     }
-    let ckpt = oogc::checkpoint::load(&cmd.path).context("oogc inspect")?;
+    // The header, then one parameter's master weights at a time (checked as they are read).
+    let ckpt = oogc::checkpoint::Reader::open(&cmd.path).context("oogc inspect")?;
+    // Every tensor's crc32c first (through a fixed buffer), as a resume would find them.
+    ckpt.verify().context("oogc inspect")?;
     let is_state =
         |name: &str| name.ends_with(".exp_avg") || name.ends_with(".exp_avg_sq") || name.ends_with(".absmax");
+    let mut names = ckpt.names();
+    names.sort();
+    let numel = |name: &str| ckpt.info(name).map_or(0, |(_, shape)| shape.iter().product::<usize>());
     let mut out = String::new();
-    writeln!(out, "step: {}", ckpt.step)?;
-    for (k, v) in ckpt.metadata.iter().filter(|(k, _)| *k != "config") {
+    writeln!(out, "step: {}", ckpt.step().context("oogc inspect")?)?;
+    for (k, v) in ckpt.metadata().iter().filter(|(k, _)| *k != "config") {
         writeln!(out, "{k}: {v}")?;
     }
-    let params: usize = ckpt.tensors.iter().filter(|t| !is_state(&t.name)).map(|t| t.data.len()).sum();
-    writeln!(out, "tensors: {} ({} parameters, {} bytes in all)", ckpt.tensors.len(), params, ckpt.num_bytes())?;
-    for t in ckpt.tensors.iter().filter(|t| !is_state(&t.name)) {
+    let params: usize = names.iter().filter(|n| !is_state(n)).map(|n| numel(n)).sum();
+    writeln!(out, "tensors: {} ({} parameters, {} bytes in all)", names.len(), params, ckpt.data_bytes())?;
+    for name in names.iter().filter(|n| !is_state(n)) {
+        let t = ckpt.tensor(name).context("oogc inspect")?.expect("a name of the file");
         let data = t.data.to_f32().unwrap_or_default();
         let n = data.len().max(1) as f64;
         let rms = (data.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>() / n).sqrt();

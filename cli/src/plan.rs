@@ -223,6 +223,7 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         overhead: None,
         device_units: Vec::new(),
         device: None,
+        checkpoints: false,
     };
     finish_plan(&cmd, args)
 }

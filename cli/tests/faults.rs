@@ -215,3 +215,58 @@ fn a_failing_nvme_write_stops_the_run_naming_the_file_and_resuming_gives_the_sam
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(losses(&metrics), expected);
 }
+
+/// A save that cannot be written — the process's file size limit (RLIMIT_FSIZE, SIGXFSZ
+/// ignored) fails the checkpoint's writes as a full disk would — leaves the previous
+/// checkpoints as they were and no temp file, and the run goes on; the last step's save failing
+/// ends the run with an error naming the checkpoint's directory and a fix.
+#[test]
+fn a_checkpoint_that_cannot_be_written_leaves_the_previous_one_and_the_run_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    // State in host memory: the NVMe store's files would meet the limit too.
+    let text = common::tiny("64KiB", "host", &dir.path().join("nvme"), 2)
+        .replace("n_layer = 24", "n_layer = 4")
+        .replace("steps = 20", "steps = 8")
+        .replace(
+            "[threads]",
+            "[checkpoint]\ndir = \"run/ckpt\"\ninterval = 2\nkeep = 3\n[output]\nmetrics = \"run/metrics.jsonl\"\n[threads]",
+        );
+    let cfg = dir.path().join("run.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let out = train(&cfg, &["--steps", "4"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let ckpt = dir.path().join("run/ckpt");
+    let saved: Vec<(u64, Vec<u8>)> =
+        oogc::checkpoint::list(&ckpt).unwrap().into_iter().map(|(s, p)| (s, std::fs::read(p).unwrap())).collect();
+    assert_eq!(saved.iter().map(|(s, _)| *s).collect::<Vec<_>>(), vec![2, 4]);
+    let limit_blocks = 64; // 32 KiB in sh's 512-byte blocks: below a checkpoint, above a metrics line
+    assert!(saved[1].1.len() > 4 * 512 * limit_blocks, "the checkpoint is larger than the limit");
+    let script = format!(
+        "trap '' XFSZ; ulimit -f {limit_blocks}; exec \"{}\" train --no-progress --config \"{}\" --resume \"{}\"",
+        env!("CARGO_BIN_EXE_oogc"),
+        cfg.display(),
+        ckpt.display()
+    );
+    let out = Command::new("sh").args(["-c", &script]).env("RAYON_NUM_THREADS", "1").output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "the last save fails the run: {err}");
+    assert!(err.contains("checkpoint not saved") && err.contains("training goes on"), "step 6's save: {err}");
+    assert!(err.contains(&ckpt.display().to_string()) && err.contains("fix"), "{err}");
+    // Steps 5-8 ran past the failed save at step 6.
+    let steps: Vec<u64> = std::fs::read_to_string(dir.path().join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(steps, (1..=8).collect::<Vec<_>>(), "{err}");
+    // The previous checkpoints untouched, no temp file left.
+    let after: Vec<(u64, Vec<u8>)> =
+        oogc::checkpoint::list(&ckpt).unwrap().into_iter().map(|(s, p)| (s, std::fs::read(p).unwrap())).collect();
+    assert!(after == saved, "checkpoints changed");
+    let names: Vec<String> =
+        std::fs::read_dir(&ckpt).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+    assert!(!names.iter().any(|n| n.ends_with(".tmp")), "{names:?}");
+    // And it still resumes.
+    let out = train(&cfg, &["--resume", ckpt.to_str().unwrap(), "--steps", "5"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+}

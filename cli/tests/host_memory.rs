@@ -39,12 +39,12 @@ fn peak_rss_of_a_small_run_is_within_the_plan_and_the_stated_overhead() {
     let bound = (plan as f64 * 1.1) as u64 + overhead;
     assert!(rss <= bound, "peak RSS {rss} B > plan {plan} B × 1.1 + overhead {overhead} B = {bound} B");
     let categories = h["categories"].as_array().unwrap();
-    assert_eq!(categories.len(), 6, "{h}");
+    assert_eq!(categories.len(), oogc::swapper::HostUse::ALL.len(), "{h}");
 }
 
 /// A Llama of the given shape trained from scratch on the fixture's BPE ids (the shared tiny
-/// Llama's config reshaped: `batch` × 128 tokens, f32, state on NVMe, clipping on, 6 steps), as a
-/// new user would try one.
+/// Llama's config reshaped: `batch` × 128 tokens, f32, state on NVMe, clipping on, 6 steps, a
+/// checkpoint every other step), as a new user would try one.
 #[allow(clippy::too_many_arguments)]
 fn llama_shape(
     dir: &std::path::Path,
@@ -79,7 +79,13 @@ fn llama_shape(
         out += &line;
         out.push('\n');
     }
-    out + &format!("[output]\nmetrics = \"{}\"\n", dir.join("metrics.jsonl").display())
+    // A checkpoint every other step: saves stream one unit's state at a time through the
+    // ledger's `checkpoint` category, so the bounds below hold through them.
+    out + &format!(
+        "[output]\nmetrics = \"{}\"\n[checkpoint]\ndir = \"{}\"\ninterval = 2\n",
+        dir.join("metrics.jsonl").display(),
+        dir.join("ckpt").display()
+    )
 }
 
 /// The host budget holds at every shape (one test each, so that two run at once): at four shapes far apart (the main job's 0.99 M
@@ -125,6 +131,15 @@ fn peak_rss_follows_the_ledger_and_the_overhead_model(
         .map(|k| h[k].as_u64().unwrap_or_else(|| panic!("{k} missing: {h}")) as f64);
     let predicted = plan["predicted_peak_rss_bytes"].as_f64().expect("oogc plan --json predicts the peak RSS");
     let ratio = rss / (ledger + overhead);
+    // The saves staged one unit at a time, counted by the ledger within the plan's room.
+    // `categories`: `[name, planned bytes, ledger peak bytes]` each.
+    let checkpoint = h["categories"].as_array().unwrap().iter().find(|c| c[0] == "checkpoint").cloned();
+    let checkpoint = checkpoint.unwrap_or_else(|| panic!("{name}: no checkpoint category in {h}"));
+    let (room, staged) = (checkpoint[1].as_u64().unwrap(), checkpoint[2].as_u64().unwrap());
+    let planned = plan["host_plan"]["checkpoint_bytes"].as_u64().expect("oogc plan's checkpoint staging");
+    assert_eq!(room, planned, "{name}: the run's plan and oogc plan's");
+    assert!(staged > 0 && staged <= room, "{name}: checkpoint staging peak {staged} B, plan {room} B");
+    assert_eq!(summary["checkpoints"].as_array().map(Vec::len), Some(3), "{name}: saves at steps 2, 4, 6");
     let plan_error = predicted / rss - 1.0;
     eprintln!(
         "{name}: {} params, peak RSS {rss} B, ledger peak {ledger} B + overhead {overhead} B: ratio {ratio:.3}; \

@@ -250,6 +250,7 @@ impl Config {
             activation_offload: None,
             // The module hands units to torch as pinned device memory (DLPack): whole copies.
             shard_parameters: false,
+            checkpoint_staging: false,
         })
     }
 }

@@ -26,6 +26,7 @@ pub fn host_and_nvme_plan(args: &PlanArgs, report: &PlanReport) -> (HostPlan, Op
     rc.state_placement = state;
     rc.params_placement = args.params;
     rc.optimizer = optimizer;
+    rc.checkpoint_staging = args.checkpoints;
     let room = nvme.as_ref().map_or(0, |p| p.speculation_room_bytes());
     (HostPlan::with_shards(&rc, &units, &shards, copies, args.max_units_in_use, room), nvme)
 }

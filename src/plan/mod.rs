@@ -112,6 +112,9 @@ pub struct PlanArgs {
     /// What the run needs on the GPU and whether it fits (an `oogc train` config's; `None` for
     /// a shape-only plan).
     pub device: Option<GpuMemory>,
+    /// The run writes checkpoints (`[checkpoint] dir`): the host plan keeps one unit's state
+    /// for them ([`crate::runtime::budget::checkpoint_staging_bytes`]).
+    pub checkpoints: bool,
 }
 
 /// The plan of an `oogc train` config: its model ([`PlannedModel::of_model`]: the model the
@@ -180,6 +183,7 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
         overhead: Some(crate::train::overhead_inputs(cfg, &*model, text_bytes(cfg))),
         device_units,
         device,
+        checkpoints: cfg.checkpoint.dir.is_some(),
     })
 }
 

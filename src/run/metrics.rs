@@ -77,6 +77,13 @@ pub struct StepRecord {
     /// on the sim device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_peak_bytes: Option<u64>,
+    /// Seconds the checkpoint saved after the previous step took (streamed, unit by unit:
+    /// between the steps, outside `step_s`); absent when none was saved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ckpt_s: Option<f64>,
+    /// Bytes of that checkpoint file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ckpt_bytes: Option<u64>,
 }
 
 /// A line of a JSON-lines file cut short by a crash (the last line, without its newline).

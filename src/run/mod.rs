@@ -226,6 +226,8 @@ pub fn run(
         ));
     }
     let mut saved_step = resumed_from.as_ref().map(|_| trainer.step());
+    // The checkpoint saved after the previous step: its figures go on the next step's line.
+    let mut last_save: Option<crate::checkpoint::Saved> = None;
     summary.checkpoint = resumed_from;
     while trainer.step() < last {
         if stop_requested()? {
@@ -291,6 +293,8 @@ pub fn run(
             gathers: (s.gathers > 0).then_some(s.gathers),
             gather_bytes: (s.gathers > 0).then_some(s.gather_bytes),
             device_peak_bytes: s.device_peak_bytes,
+            ckpt_s: last_save.as_ref().map(|c| c.seconds),
+            ckpt_bytes: last_save.take().map(|c| c.bytes),
         };
         if s.figures.skipped {
             observer.line(&format!("step {step}: skipped, a gradient was not finite (norm {})", s.figures.grad_norm));
@@ -304,18 +308,28 @@ pub fn run(
         observer.step(&record, &summary);
         let interval = cfg.checkpoint.interval;
         if step == last || (interval > 0 && step % interval == 0) {
-            if let Some(p) = trainer.save_checkpoint()? {
-                summary.checkpoints.push(p.clone());
-                summary.checkpoint = Some(p);
-                saved_step = Some(step);
+            match trainer.save_checkpoint() {
+                Ok(Some(saved)) => {
+                    note_save(&mut summary, &saved);
+                    saved_step = Some(step);
+                    last_save = Some(saved);
+                }
+                Ok(None) => {}
+                // A save between steps that cannot be written (a full disk) leaves the previous
+                // checkpoint intact and the run going; the last one's failure ends the run.
+                Err(TrainError::Checkpoint(e)) if step != last && !summary.stopped => {
+                    tracing::error!(step, error = %e, "checkpoint not saved: training goes on");
+                    observer.line(&format!("step {step}: checkpoint not saved ({e}); training goes on"));
+                    summary.checkpoint_failures += 1;
+                }
+                Err(e) => return Err(e),
             }
         }
     }
     if summary.stopped && saved_step != Some(trainer.step()) {
         tracing::warn!(step = trainer.step(), "stop requested: writing a checkpoint of the steps done");
-        if let Some(p) = trainer.save_checkpoint()? {
-            summary.checkpoints.push(p.clone());
-            summary.checkpoint = Some(p);
+        if let Some(saved) = trainer.save_checkpoint()? {
+            note_save(&mut summary, &saved);
         }
     }
     observer.finish();
@@ -329,6 +343,14 @@ pub fn run(
     summary.host = host_report(&trainer);
     tracing::debug!(wall_s = run_start.elapsed().as_secs_f64(), "run finished");
     Ok(summary)
+}
+
+/// Records a checkpoint the run saved in its summary.
+fn note_save(summary: &mut RunSummary, saved: &crate::checkpoint::Saved) {
+    summary.checkpoints.push(saved.path.clone());
+    summary.checkpoint = Some(saved.path.clone());
+    summary.checkpoint_s += saved.seconds;
+    summary.checkpoint_bytes = saved.bytes;
 }
 
 /// The run-time side of the host budget: the process's RSS, sampled after each step, against
@@ -508,6 +530,8 @@ mod tests {
             device_peak_bytes: None,
             gathers: None,
             gather_bytes: None,
+            ckpt_s: None,
+            ckpt_bytes: None,
         };
         serde_json::to_string(&r).unwrap() + "\n"
     }
@@ -531,6 +555,8 @@ mod tests {
         r.gathers = Some(9);
         r.gather_bytes = Some(10);
         r.device_peak_bytes = Some(11);
+        r.ckpt_s = Some(0.5);
+        r.ckpt_bytes = Some(13);
         r.stats.h2d_bytes = 12;
         r.stats.clip_scale = 0.25;
         r.stats.skipped = true;
@@ -541,7 +567,7 @@ mod tests {
         let mut want: Vec<&str> = "step loss val_loss val_bits_per_byte lr tokens_per_s step_s stall_s \
              stall_transfer_s stall_optimizer_s h2d_bytes d2h_bytes nvme_read_bytes nvme_write_bytes grad_norm \
              clip_scale skipped aux_loss cpu_tokens expert_h2d_bytes expert_hit_rate rank_step_s rss_bytes \
-             minor_faults device_units device_optimizer_bytes gathers gather_bytes device_peak_bytes"
+             minor_faults device_units device_optimizer_bytes gathers gather_bytes device_peak_bytes ckpt_s ckpt_bytes"
             .split_whitespace()
             .collect();
         want.sort_unstable();

@@ -61,6 +61,13 @@ pub struct RunSummary {
     pub model_to_gpu_ratio: f64,
     /// Checkpoints written.
     pub checkpoints: Vec<PathBuf>,
+    /// Seconds spent writing them (all saves together).
+    pub checkpoint_s: f64,
+    /// Bytes of the newest checkpoint written (0 when none was).
+    pub checkpoint_bytes: u64,
+    /// Saves between steps that failed (a full disk): the run went on from the previous
+    /// checkpoint's safety; each is logged.
+    pub checkpoint_failures: u64,
     /// The run was stopped early by [`RunOptions::stop`](crate::run::RunOptions::stop) (after
     /// `last_step`, checkpointed when `checkpoint` is set).
     pub stopped: bool,

@@ -13,6 +13,7 @@
 //! | NVMe stream | state on NVMe: `threads` streams of three chunk buffers of the largest unit (within `stream_host_budget_bytes`) |
 //! | gradients | every unit's gradients (compute dtype) (held until the step is final; with immediate updates — `clip_norm = 0`, `nonfinite = "stop"` — only the `threads + 1` largest units' whose update runs or waits), two more of the largest unit's (arriving while their unit's last update runs), two pinned landing buffers of the largest unit |
 //! | activations | with `[activations] offload`: every checkpoint of a step (blocks × micro-batches, pool size classes); else 0 (on the sim device the checkpoints of every micro-batch are candle's buffers: the overhead below) |
+//! | checkpoint | with `[checkpoint] dir`: one unit's state while a checkpoint is saved or loaded ([`checkpoint_staging_bytes`] of the largest unit); else 0 |
 //!
 //! **Overhead** (not in the ledger, stated): the process itself (binary, libraries, thread
 //! stacks), the training text, on the sim device its memory (host memory there) and candle's
@@ -30,6 +31,7 @@ use oogc_swapper::{DType, HostUse, StatePlacement};
 use serde::Serialize;
 
 use super::grads::GRAD_LANDING_BUFFERS;
+pub use super::process::{minor_faults, peak_rss_bytes, rss_bytes, statvfs_free_bytes};
 use super::{RuntimeConfig, RuntimeError};
 use crate::dist::World;
 
@@ -222,6 +224,9 @@ pub struct HostPlan {
     pub gradients_margin_bytes: u64,
     /// Activation checkpoints offloaded to pinned host memory (`[activations] offload`).
     pub activations_bytes: u64,
+    /// A checkpoint's staging ([`checkpoint_staging_bytes`] of the largest unit) when the run
+    /// writes checkpoints ([`RuntimeConfig::checkpoint_staging`]), else 0.
+    pub checkpoint_bytes: u64,
 }
 
 impl HostPlan {
@@ -295,8 +300,17 @@ impl HostPlan {
         let activations_bytes = config
             .activation_offload
             .map_or(0, |a| a.checkpoints as u64 * size_class(a.checkpoint_bytes.max(1)) as u64);
-        let min_bytes =
-            compute_copies_min_bytes + optimizer_state_bytes + gradients_bytes + stream_min + activations_bytes;
+        let checkpoint_bytes = if config.checkpoint_staging {
+            checkpoint_staging_bytes(largest, largest_shard, opt.state_format().moments)
+        } else {
+            0
+        };
+        let min_bytes = compute_copies_min_bytes
+            + optimizer_state_bytes
+            + gradients_bytes
+            + stream_min
+            + activations_bytes
+            + checkpoint_bytes;
         let budget = config.host_budget_bytes;
         let mut left = budget.saturating_sub(min_bytes);
         let nvme_stream_bytes = stream_min + (stream_want - stream_min).min(left);
@@ -320,6 +334,7 @@ impl HostPlan {
             gradient_landing_bytes,
             gradients_margin_bytes: 2 * bytes(largest) + gradient_landing_bytes / GRAD_LANDING_BUFFERS as u64,
             activations_bytes,
+            checkpoint_bytes,
         }
     }
 
@@ -332,6 +347,7 @@ impl HostPlan {
             HostUse::NvmeStream => self.nvme_stream_bytes,
             HostUse::Gradients => self.gradients_bytes,
             HostUse::Activations => self.activations_bytes,
+            HostUse::Checkpoint => self.checkpoint_bytes,
         }
     }
 
@@ -371,19 +387,38 @@ impl HostPlan {
             budget_bytes: self.budget_bytes,
             min_bytes: self.min_bytes,
             parts: format!(
-                "compute copies {}, optimizer state {}, gradients {}, activations {}, NVMe stream {}",
+                "compute copies {}, optimizer state {}, gradients {}, activations {}, checkpoint staging {}, NVMe stream {}",
                 self.compute_copies_min_bytes,
                 self.optimizer_state_bytes,
                 self.gradients_bytes,
                 self.activations_bytes,
+                self.checkpoint_bytes,
                 self.min_bytes
                     - self.compute_copies_min_bytes
                     - self.optimizer_state_bytes
                     - self.gradients_bytes
                     - self.activations_bytes
+                    - self.checkpoint_bytes
             ),
         })
     }
+}
+
+/// Host bytes a checkpoint's save or load holds at once (the ledger's
+/// [`HostUse::Checkpoint`]) for a unit of `numel` parameters of which this rank's optimizer
+/// holds `shard` (`numel` in a world of one), with moments of `moments`: the unit's state as
+/// [`Runtime::unit_state`](super::Runtime::unit_state) returns it — f32 master weights (4 B per
+/// parameter; bf16 masters are widened) and the moments in their dtype; with ranks the
+/// all-gathered whole unit in f32 (12 B per parameter) besides this rank's f32 shard — plus the
+/// checkpoint writer's buffer ([`crate::checkpoint::WRITE_BUFFER_BYTES`]). A unit whose
+/// optimizer is on the device holds f32 moments (an expert, smaller than the largest unit).
+pub fn checkpoint_staging_bytes(numel: usize, shard: usize, moments: oogc_optimizer::StateDType) -> u64 {
+    let state = if shard < numel {
+        12 * numel as u64 + 12 * shard as u64
+    } else {
+        4 * numel as u64 + moments.moment_bytes(numel) as u64
+    };
+    state + crate::checkpoint::WRITE_BUFFER_BYTES as u64
 }
 
 /// The units that speculate, as [`oogc_optimizer::PipelinedOptimizer::reserve_speculation`]
@@ -605,41 +640,6 @@ pub fn param_nvme_traffic(copy_bytes: &[u64], cache_bytes: u64) -> (u64, u64) {
         }
     }
     (read, write)
-}
-
-/// Bytes available to this process on the file system of `dir` (statvfs: `f_bavail × f_frsize`).
-///
-/// # Errors
-/// statvfs failed.
-pub fn statvfs_free_bytes(dir: &Path) -> std::io::Result<u64> {
-    oogc_swapper::nvme::free_bytes(dir)
-}
-
-/// The process's peak resident set size, bytes (`VmHWM` of `/proc/self/status`); `None` where
-/// it cannot be read.
-pub fn peak_rss_bytes() -> Option<u64> {
-    proc_status_kib("VmHWM:").map(|k| k * 1024)
-}
-
-/// The process's resident set size now, bytes (`VmRSS` of `/proc/self/status`).
-pub fn rss_bytes() -> Option<u64> {
-    proc_status_kib("VmRSS:").map(|k| k * 1024)
-}
-
-/// The process's minor page faults so far (field 10, `minflt`, of `/proc/self/stat`): pages
-/// mapped on first touch without I/O, the cost of memory allocated afresh. `None` where it
-/// cannot be read.
-pub fn minor_faults() -> Option<u64> {
-    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // After the command name (in parentheses, which may hold spaces): state is field 3, minflt 10.
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(7)?.parse().ok()
-}
-
-fn proc_status_kib(key: &str) -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with(key))?;
-    line[key.len()..].trim().trim_end_matches("kB").trim().parse().ok()
 }
 
 /// The elements of each unit (`units`, whole sizes) that rank `w.rank`'s optimizer holds: its

@@ -71,6 +71,10 @@ pub struct RuntimeConfig {
     /// copies, all-gathered once per update in [`Runtime::finish_step`](super::Runtime::finish_step) (ZeRO-2, FSDP's
     /// `SHARD_GRAD_OP`), which [`Runtime::fetch_pinned`](super::Runtime::fetch_pinned) needs. No effect in a world of one.
     pub shard_parameters: bool,
+    /// The run saves or loads checkpoints: the host plan keeps room for one unit's state
+    /// ([`HostUse::Checkpoint`](oogc_swapper::HostUse::Checkpoint),
+    /// [`checkpoint_staging_bytes`](super::budget::checkpoint_staging_bytes)).
+    pub checkpoint_staging: bool,
 }
 
 /// What a run offloads of its activation checkpoints (`[activations] offload`): enters the host
@@ -103,6 +107,7 @@ impl RuntimeConfig {
             overlap_optimizer: true,
             activation_offload: None,
             shard_parameters: false,
+            checkpoint_staging: false,
         }
     }
 }

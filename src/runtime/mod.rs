@@ -80,6 +80,7 @@ mod grads;
 mod home;
 mod memory;
 mod ordering;
+mod process;
 mod push;
 mod schedule;
 mod state;

@@ -118,6 +118,7 @@ pub fn runtime_config(cfg: &TrainConfig, model: &dyn CausalLm, world: World) -> 
         overlap_optimizer: cfg.prefetch.overlap_optimizer,
         activation_offload: activation_offload(cfg, model),
         shard_parameters: cfg.ranks.shard_parameters,
+        checkpoint_staging: cfg.checkpoint.dir.is_some(),
     }
 }
 

@@ -25,18 +25,19 @@ use std::sync::Arc;
 
 use candle_core::Tensor;
 use oogc_models::hf;
-use oogc_models::{CausalLm, UnitKind, UnitSpec};
+use oogc_models::{CausalLm, UnitKind};
 use oogc_moe_placement::Placement;
-use oogc_optimizer::{MasterDType, MomentBufs, StateDType, UnitState};
 
-use crate::checkpoint::{self, Checkpoint, NamedTensor};
+use crate::checkpoint;
 use crate::config::{LlamaModelConfig, ModelConfig, TrainConfig};
 use crate::data::{Batch, Corpus, Sampler};
 use crate::dist::{Ranks, World};
 use crate::runtime::budget::HostOverhead;
-use crate::runtime::{Runtime, StepStats, UnitId};
+use crate::runtime::{Runtime, RuntimeConfig, StepStats, UnitId};
+use ckpt::UnitLayout;
 
 mod build;
+mod ckpt;
 mod dump;
 mod moe;
 mod step;
@@ -289,7 +290,9 @@ impl Trainer {
                 })?;
             }
         }
-        let mut rt = Runtime::new(runtime_config(&cfg, &*model, world), ranks.clone())?;
+        // Every rank stages the units' state of a checkpoint (rank 0's config alone keeps its dir).
+        let rc = RuntimeConfig { checkpoint_staging: checkpoints, ..runtime_config(&cfg, &*model, world) };
+        let mut rt = Runtime::new(rc, ranks.clone())?;
         // One unit at a time, straight into the runtime (never the whole model in memory): from
         // a Hugging Face checkpoint, or drawn from the run's seed.
         let init = match &cfg.model {
@@ -365,19 +368,27 @@ impl Trainer {
         progress: &mut dyn FnMut(u64, u64),
     ) -> Result<Self> {
         let ResumeFrom { path: dir, convert_state } = from;
-        let ckpt = checkpoint::load(dir)?;
-        let path = if dir.is_dir() { checkpoint::latest(dir)? } else { dir.to_path_buf() };
+        // The header alone: the units' state is read one unit at a time below.
+        let ckpt = checkpoint::Reader::open(dir)?;
+        if !ckpt.has_checksums() {
+            tracing::warn!(
+                path = %ckpt.path().display(),
+                "checkpoint has no checksums (written before oogc checked them): it cannot be verified"
+            );
+        }
+        let path = ckpt.path().to_path_buf();
+        let step = ckpt.step()?;
         let mismatch = |reason: String| TrainError::Mismatch {
             path: path.clone(),
             reason: format!("cannot resume: {reason}\n  fix: resume with the config the checkpoint was written with"),
         };
-        let saved_model = ckpt.metadata.get("model").ok_or_else(|| mismatch("no `model` metadata".into()))?;
+        let saved_model = ckpt.metadata().get("model").ok_or_else(|| mismatch("no `model` metadata".into()))?;
         let ours = serde_json::to_string(&cfg.model).expect("model config serializes");
         if *saved_model != ours {
             return Err(mismatch(format!("checkpoint model {saved_model} != config model {ours}")));
         }
         let mut t = Self::build(cfg, ranks, true, progress)?;
-        if let (Some(saved), Some(ours)) = (ckpt.metadata.get("data_key"), t.data.key()) {
+        if let (Some(saved), Some(ours)) = (ckpt.metadata().get("data_key"), t.data.key()) {
             if *saved != ours {
                 return Err(mismatch(format!(
                     "its tokens came from another text or tokenizer.json (data key {saved}, now {ours})"
@@ -388,7 +399,7 @@ impl Trainer {
             ("state_dtype", "Adam moments", t.cfg.optimizer.state_dtype.name()),
             ("master_dtype", "master weights", t.cfg.optimizer.master_dtype.name()),
         ] {
-            let saved = ckpt.metadata.get(key).map_or("f32", String::as_str);
+            let saved = ckpt.metadata().get(key).map_or("f32", String::as_str);
             if saved == ours {
                 continue;
             }
@@ -409,16 +420,19 @@ impl Trainer {
                 "converting the checkpoint's {what} (--convert-state): the run continues from converted state"
             );
         }
+        let world = t.ranks.world();
+        let (state, master) = (t.cfg.optimizer.state_dtype, t.cfg.optimizer.master_dtype);
         for (k, spec) in t.model.units().to_vec().iter().enumerate() {
-            let state = unit_state_from(&ckpt, spec).map_err(mismatch)?;
-            t.rt.load_unit_state(t.ids[k], state)?;
+            let id = t.ids[k];
+            let layout = UnitLayout::new(t.rt.units().optimizer_place(id), state, master);
+            ckpt::load_unit(&mut t.rt, world, id, spec, layout, &ckpt)?;
         }
-        let sampler = ckpt.metadata.get("sampler").ok_or_else(|| mismatch("no `sampler` metadata".into()))?;
+        let sampler = ckpt.metadata().get("sampler").ok_or_else(|| mismatch("no `sampler` metadata".into()))?;
         t.sampler = serde_json::from_str(sampler).map_err(|e| mismatch(format!("sampler state: {e}")))?;
-        t.step = ckpt.step;
-        t.updates = match ckpt.metadata.get("optimizer_updates") {
+        t.step = step;
+        t.updates = match ckpt.metadata().get("optimizer_updates") {
             Some(u) => u.parse().map_err(|e| mismatch(format!("optimizer_updates: {e}")))?,
-            None => ckpt.step,
+            None => t.step,
         };
         Ok(t)
     }
@@ -517,23 +531,63 @@ impl Trainer {
         self.ids.iter().map(|&u| Ok(self.rt.unit_state(u)?.master)).collect()
     }
 
-    /// Writes a checkpoint of the completed steps into `[checkpoint] dir` (atomically) and
-    /// returns its path; `None` when the config has no checkpoint directory.
+    /// Writes a checkpoint of the completed steps into `[checkpoint] dir`, streamed unit by unit
+    /// (each unit's state read from its tier into a staging claimed from the host ledger,
+    /// appended, released: [`checkpoint::Writer`]) and atomically; returns what was saved,
+    /// `None` when the config has no checkpoint directory (and on ranks other than 0, which
+    /// take part in gathering the state).
     ///
     /// # Errors
-    /// Runtime or checkpoint I/O failures (the previous checkpoint stays intact).
-    pub fn save_checkpoint(&mut self) -> Result<Option<PathBuf>> {
+    /// Runtime failures; checkpoint I/O failures ([`checkpoint::CheckpointError::NoSpace`] when
+    /// the disk is full): the previous checkpoint stays intact, and with ranks every rank still
+    /// takes part in every gather before rank 0 returns the error.
+    pub fn save_checkpoint(&mut self) -> Result<Option<checkpoint::Saved>> {
         if !self.checkpoints {
             return Ok(None);
         }
         self.rt.sync()?;
-        let mut tensors = Vec::new();
+        let world = self.ranks.world();
+        let layouts: Vec<UnitLayout> = self
+            .ids
+            .iter()
+            .map(|&id| {
+                let o = &self.cfg.optimizer;
+                UnitLayout::new(self.rt.units().optimizer_place(id), o.state_dtype, o.master_dtype)
+            })
+            .collect();
+        // Rank 0 writes; a failure to start or to write keeps the gathers going (the other
+        // ranks are in them) and is returned at the end.
+        let mut failed = None;
+        let mut writer = match self.cfg.checkpoint.dir.clone() {
+            None => None,
+            Some(dir) => {
+                let units = self.model.units();
+                let tensors = units.iter().zip(&layouts).flat_map(|(spec, l)| l.tensors(spec)).collect();
+                match checkpoint::Writer::create(&dir, self.step, &self.checkpoint_metadata(), tensors) {
+                    Ok(w) => Some(w),
+                    Err(e) => {
+                        failed = Some(e);
+                        None
+                    }
+                }
+            }
+        };
         for (k, spec) in self.model.units().iter().enumerate() {
-            let state = self.rt.unit_state(self.ids[k])?;
-            unit_tensors(spec, &state, self.cfg.optimizer.master_dtype, &mut tensors);
+            if let Some(e) = ckpt::save_unit(&self.rt, world, self.ids[k], spec, layouts[k], writer.as_mut())? {
+                failed = Some(e);
+                writer = None;
+            }
         }
-        // The other ranks took part in gathering the state; rank 0 writes it.
-        let Some(dir) = self.cfg.checkpoint.dir.clone() else { return Ok(None) };
+        if let Some(e) = failed {
+            return Err(e.into());
+        }
+        let keep = self.cfg.checkpoint.keep.unwrap_or(2);
+        Ok(writer.map(|w| w.finish(keep)).transpose()?)
+    }
+
+    /// A checkpoint's string metadata: format, optimizer updates, the state's dtypes, the model,
+    /// sampler and run config, the text and its data key.
+    fn checkpoint_metadata(&self) -> BTreeMap<String, String> {
         let mut metadata = BTreeMap::new();
         metadata.insert("format".into(), "oogc-gpt-1".into());
         metadata.insert("optimizer_updates".into(), self.updates.to_string());
@@ -546,9 +600,7 @@ impl Trainer {
         if let Some(key) = self.data.key() {
             metadata.insert("data_key".into(), key);
         }
-        let ckpt = Checkpoint { step: self.step, metadata, tensors };
-        let keep = self.cfg.checkpoint.keep.unwrap_or(2);
-        Ok(Some(checkpoint::save(&dir, &ckpt, keep)?))
+        metadata
     }
 }
 
@@ -562,94 +614,4 @@ pub struct ResumeFrom<'a> {
     /// what the new dtype cannot hold is lost). Without it such a checkpoint is refused
     /// (`oogc train --convert-state`).
     pub convert_state: bool,
-}
-
-/// Appends the checkpoint tensors of one unit's state: each parameter's master weights
-/// (`{name}`: f32, or bf16 when `master` is and the unit's values are bf16 — a device-resident
-/// unit's are f32) and moments (`{name}.exp_avg`, `{name}.exp_avg_sq`) in their stored dtype (f32,
-/// bf16, or int8 codes: I8 for `m`'s linear map, U8 for `v`'s tree map), and for int8 the unit's
-/// block absmaxes (`{unit}.exp_avg.absmax`, `{unit}.exp_avg_sq.absmax`, f32 `[blocks]`: blocks of
-/// 256 run over the unit's flat vector, across its parameters).
-fn unit_tensors(spec: &UnitSpec, state: &UnitState, master: MasterDType, tensors: &mut Vec<NamedTensor>) {
-    use crate::checkpoint::TensorData as D;
-    let as_bf16 = master == MasterDType::Bf16 && state.master.iter().all(|&x| half::bf16::from_f32(x).to_f32() == x);
-    let named = |name: String, shape: Vec<usize>, data: D| NamedTensor { name, shape, data };
-    for p in &spec.params {
-        let r = p.offset..p.offset + p.numel();
-        let (m, v) = match &state.moments {
-            MomentBufs::F32 { m, v } => (D::F32(m[r.clone()].to_vec()), D::F32(v[r.clone()].to_vec())),
-            MomentBufs::Bf16 { m, v } => (D::BF16(m[r.clone()].to_vec()), D::BF16(v[r.clone()].to_vec())),
-            MomentBufs::Int8 { m, v, .. } => (D::I8(m[r.clone()].to_vec()), D::U8(v[r.clone()].to_vec())),
-        };
-        let w = &state.master[r];
-        let w =
-            if as_bf16 { D::BF16(w.iter().map(|&x| half::bf16::from_f32(x)).collect()) } else { D::F32(w.to_vec()) };
-        tensors.push(named(p.name.clone(), p.shape.clone(), w));
-        tensors.push(named(format!("{}.exp_avg", p.name), p.shape.clone(), m));
-        tensors.push(named(format!("{}.exp_avg_sq", p.name), p.shape.clone(), v));
-    }
-    if let MomentBufs::Int8 { m_absmax, v_absmax, .. } = &state.moments {
-        let blocks = vec![m_absmax.len()];
-        tensors.push(named(format!("{}.exp_avg.absmax", spec.name), blocks.clone(), D::F32(m_absmax.clone())));
-        tensors.push(named(format!("{}.exp_avg_sq.absmax", spec.name), blocks, D::F32(v_absmax.clone())));
-    }
-}
-
-/// One unit's state from a checkpoint's tensors ([`unit_tensors`]' layout): the moments' dtype
-/// is the tensors' (f32, bf16 or int8). Errors name the tensor.
-fn unit_state_from(ckpt: &Checkpoint, spec: &UnitSpec) -> std::result::Result<UnitState, String> {
-    use crate::checkpoint::TensorData as D;
-    let get = |name: &str, numel: usize| -> std::result::Result<&D, String> {
-        let t = ckpt.tensor(name).ok_or_else(|| format!("tensor {name} is missing"))?;
-        if t.data.len() != numel {
-            return Err(format!("{name} has {} values, expected {numel}", t.data.len()));
-        }
-        Ok(&t.data)
-    };
-    let first = spec.params.first().map(|p| get(&format!("{}.exp_avg", p.name), p.numel())).transpose()?;
-    let dtype = match first {
-        None | Some(D::F32(_)) => StateDType::F32,
-        Some(D::BF16(_)) => StateDType::Bf16,
-        Some(D::I8(_)) => StateDType::Int8,
-        Some(D::U8(_)) => return Err(format!("{}'s exp_avg is U8, expected F32, BF16 or I8", spec.name)),
-    };
-    let mut master = vec![0f32; spec.numel];
-    let mut moments = MomentBufs::zeros(dtype, spec.numel);
-    for p in &spec.params {
-        let r = p.offset..p.offset + p.numel();
-        let w = get(&p.name, p.numel())?;
-        let values = w.to_f32().ok_or_else(|| format!("{} is {:?}, expected F32 or BF16", p.name, w.dtype()))?;
-        master[r.clone()].copy_from_slice(&values);
-        let (mn, vn) = (format!("{}.exp_avg", p.name), format!("{}.exp_avg_sq", p.name));
-        let (md, vd) = (get(&mn, p.numel())?, get(&vn, p.numel())?);
-        match (&mut moments, md, vd) {
-            (MomentBufs::F32 { m, v }, D::F32(a), D::F32(b)) => {
-                m[r.clone()].copy_from_slice(a);
-                v[r].copy_from_slice(b);
-            }
-            (MomentBufs::Bf16 { m, v }, D::BF16(a), D::BF16(b)) => {
-                m[r.clone()].copy_from_slice(a);
-                v[r].copy_from_slice(b);
-            }
-            (MomentBufs::Int8 { m, v, .. }, D::I8(a), D::U8(b)) => {
-                m[r.clone()].copy_from_slice(a);
-                v[r].copy_from_slice(b);
-            }
-            (_, a, b) => {
-                return Err(format!(
-                    "{mn} is {:?} and {vn} is {:?}: the unit's first exp_avg says its moments are {dtype}",
-                    a.dtype(),
-                    b.dtype()
-                ))
-            }
-        }
-    }
-    if let MomentBufs::Int8 { m_absmax, v_absmax, .. } = &mut moments {
-        for (name, out) in [("exp_avg", m_absmax), ("exp_avg_sq", v_absmax)] {
-            let name = format!("{}.{name}.absmax", spec.name);
-            let d = get(&name, out.len())?;
-            out.copy_from_slice(d.as_f32().ok_or_else(|| format!("{name} is {:?}, expected F32", d.dtype()))?);
-        }
-    }
-    Ok(UnitState { master, moments })
 }

@@ -5,7 +5,7 @@
 //! | concept | type | what it is |
 //! |---|---|---|
 //! | ledger | [`HostLedger`] | the budget (bytes), and per category the bytes claimed now and their peak |
-//! | category | [`HostUse`] | what the bytes are for: compute copies, optimizer state, speculation, NVMe streams, gradients, activations |
+//! | category | [`HostUse`] | what the bytes are for: compute copies, optimizer state, speculation, NVMe streams, gradients, activations, checkpoint staging |
 //! | claim | [`HostClaim`] | bytes taken from the ledger; given back when dropped |
 //! | report | [`HostLedgerReport`] | a copy of the figures, serde-serializable, for summaries and logs |
 //!
@@ -14,7 +14,7 @@
 //! claimants: the residency manager's host tier (through its [`crate::PinnedPool`], which claims
 //! when it takes memory from the OS and gives it back when it returns it, so cached free buffers
 //! count too), the optimizer's state, speculation and stream buffers, and the runtime's gradient
-//! staging and the gradients the optimizer holds. How the budget is shared between them is the
+//! staging and the gradients the optimizer holds, and the trainer's checkpoint staging. How the budget is shared between them is the
 //! caller's plan (the runtime's `HostPlan`); the ledger enforces and measures.
 
 use std::sync::Arc;
@@ -45,17 +45,22 @@ pub enum HostUse {
     /// Activations (checkpointed inputs) kept in host memory. Nothing claims it yet: the hook
     /// for `[activations] offload`.
     Activations,
+    /// A checkpoint's staging: one unit's master weights and Adam state at a time, read from
+    /// wherever they live while a checkpoint is saved (or restored while one is loaded), and the
+    /// writer's buffer.
+    Checkpoint,
 }
 
 impl HostUse {
     /// Every category, in report order.
-    pub const ALL: [HostUse; 6] = [
+    pub const ALL: [HostUse; 7] = [
         HostUse::ComputeCopies,
         HostUse::OptimizerState,
         HostUse::Speculation,
         HostUse::NvmeStream,
         HostUse::Gradients,
         HostUse::Activations,
+        HostUse::Checkpoint,
     ];
 
     /// The snake_case name, as in reports (`compute_copies`, ...).
@@ -67,6 +72,7 @@ impl HostUse {
             HostUse::NvmeStream => "nvme_stream",
             HostUse::Gradients => "gradients",
             HostUse::Activations => "activations",
+            HostUse::Checkpoint => "checkpoint",
         }
     }
 

@@ -147,7 +147,7 @@ pub fn assert_resume_continues_exactly(config: &dyn Fn(&str) -> oogc::config::Tr
     let cfg = config("parts");
     let mut first = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     let mut resumed_losses: Vec<f64> = (0..2).map(|_| first.train_step().unwrap().loss).collect();
-    let ckpt = first.save_checkpoint().unwrap().expect("a checkpoint dir");
+    let ckpt = first.save_checkpoint().unwrap().expect("a checkpoint dir").path;
     drop(first);
     let mut second = Trainer::resume(cfg, oogc::dist::Ranks::single(), &ckpt).unwrap();
     resumed_losses.extend((0..2).map(|_| second.train_step().unwrap().loss));

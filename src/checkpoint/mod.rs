@@ -2,6 +2,11 @@
 //! rename, fsync of the directory), so a run killed at any moment leaves either the previous
 //! checkpoint or the new one, never a torn file (DESIGN.md invariant 4).
 //!
+//! Saves and loads stream: [`Writer`] writes the header from the tensors' shapes first and
+//! appends each tensor's data as the caller produces it (the trainer: one unit's state at a
+//! time), [`Reader`] opens a file by its header and reads one tensor at a time. [`save`] and
+//! [`load`] are the whole-[`Checkpoint`] forms over them, for small checkpoints and tests.
+//!
 //! A checkpoint holds tensors by name (the trainer stores each parameter's f32 master weights
 //! and Adam `exp_avg` / `exp_avg_sq` in the run's `[optimizer] state_dtype`: f32, bf16, or int8
 //! codes beside their blocks' f32 absmax) and string metadata (step, RNG and data position, the
@@ -12,11 +17,16 @@
 //! checkpoint on a mismatch; [`newest_verified`] is `--resume --fallback`'s choice. A checkpoint
 //! written before checksums existed loads with a warning that it cannot be verified.
 
-use std::collections::{BTreeMap, HashMap};
-use std::io::Write;
+mod read;
+mod write;
+
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::Dtype;
+
+pub use read::Reader;
+pub use write::{Saved, TensorSpec, Writer, WRITE_BUFFER_BYTES};
 
 /// A checkpoint cannot be written or read.
 #[derive(Debug, thiserror::Error)]
@@ -52,6 +62,21 @@ pub enum CheckpointError {
         source: crate::checksum::ChecksumError,
         /// The newest older checkpoint in the same directory, if any.
         previous: Option<PathBuf>,
+    },
+    /// The checkpoint does not fit the free space of its directory's file system (checked
+    /// before writing, and a write that fails for space). Nothing of the previous checkpoints
+    /// is touched.
+    #[error(
+        "no space for the checkpoint in {dir}: it needs {needed_bytes} more bytes, the file system has {free_bytes} free\n  \
+         fix: free space there, lower [checkpoint] keep, or point [checkpoint] dir at a larger disk"
+    )]
+    NoSpace {
+        /// The checkpoint directory.
+        dir: PathBuf,
+        /// Bytes the rest of the file needs.
+        needed_bytes: u64,
+        /// Bytes free for this process.
+        free_bytes: u64,
     },
     /// No checkpoint in the directory.
     #[error("no checkpoint (ckpt-*.safetensors) in {dir}\n  fix: pass the [checkpoint] dir of a run that saved one")]
@@ -140,17 +165,6 @@ impl TensorData {
             TensorData::U8(_) => Dtype::U8,
         }
     }
-
-    /// Values from little-endian `bytes` of `dtype` (F32, BF16, I8 or U8; `None` for another).
-    fn from_bytes(dtype: Dtype, bytes: &[u8]) -> Option<Self> {
-        Some(match dtype {
-            Dtype::F32 => TensorData::F32(bytemuck::pod_collect_to_vec(bytes)),
-            Dtype::BF16 => TensorData::BF16(bytemuck::pod_collect_to_vec(bytes)),
-            Dtype::I8 => TensorData::I8(bytemuck::pod_collect_to_vec(bytes)),
-            Dtype::U8 => TensorData::U8(bytes.to_vec()),
-            _ => return None,
-        })
-    }
 }
 
 /// A checkpoint in memory.
@@ -192,47 +206,18 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
 /// [`CheckpointError::Io`] (directory not creatable, disk full: the temp file is removed and the
 /// previous checkpoints are untouched).
 pub fn save(dir: &Path, ckpt: &Checkpoint, keep: usize) -> Result<PathBuf> {
-    std::fs::create_dir_all(dir).map_err(io(dir))?;
-    let mut info: HashMap<String, String> = ckpt.metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
-    info.insert("step".into(), ckpt.step.to_string());
-    let views = ckpt
-        .tensors
-        .iter()
-        .map(|t| {
-            let view = TensorView::new(t.data.dtype(), t.shape.clone(), t.data.bytes()).map_err(|e| {
-                CheckpointError::Corrupt { path: dir.into(), reason: format!("tensor {}: {e}", t.name) }
-            })?;
-            Ok((t.name.clone(), view))
-        })
-        .collect::<Result<Vec<_>>>()?;
-    crate::checksum::add_checksums(&mut info, &views);
-    let bytes = safetensors::serialize(views, Some(info))
-        .map_err(|e| CheckpointError::Corrupt { path: dir.into(), reason: e.to_string() })?;
-    let path = path_for(dir, ckpt.step);
-    let tmp = path.with_extension("safetensors.tmp");
-    let write = || -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        // Test hooks (crate::hooks): the soak kills a run half-way through this write.
-        let half = bytes.len() / 2;
-        f.write_all(&bytes[..half])?;
-        crate::hooks::pause_point("checkpoint");
-        crate::hooks::crash_point("checkpoint");
-        f.write_all(&bytes[half..])?;
-        f.sync_all()
-    };
-    if let Err(e) = write() {
-        let _ = std::fs::remove_file(&tmp);
-        return Err(io(&tmp)(e));
+    let specs = ckpt.tensors.iter().map(|t| TensorSpec::new(t.name.clone(), t.data.dtype(), t.shape.clone())).collect();
+    let mut w = Writer::create(dir, ckpt.step, &ckpt.metadata, specs)?;
+    for t in &ckpt.tensors {
+        if t.data.len() != t.shape.iter().product::<usize>() {
+            return Err(CheckpointError::Corrupt {
+                path: dir.into(),
+                reason: format!("tensor {}: {} values for shape {:?}", t.name, t.data.len(), t.shape),
+            });
+        }
+        w.append(t.data.bytes())?;
     }
-    std::fs::rename(&tmp, &path).map_err(io(&path))?;
-    std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io(dir))?;
-    let mut all = list(dir)?;
-    while all.len() > keep.max(1) {
-        let (_, old) = all.remove(0);
-        std::fs::remove_file(&old).map_err(io(&old))?;
-    }
-    remove_stale_temp_files(dir);
-    Ok(path)
+    Ok(w.finish(keep)?.path)
 }
 
 /// Removes `ckpt-*.safetensors.tmp` files that a killed run left half-written (the run holds
@@ -291,24 +276,14 @@ pub fn previous(path: &Path) -> Option<PathBuf> {
     pos.checked_sub(1).map(|i| all[i].1.clone())
 }
 
-/// Reads and checks a checkpoint file: parses it and verifies its checksums.
-fn read_verified(path: &Path) -> Result<(Vec<u8>, crate::checksum::Verification)> {
-    let bytes = std::fs::read(path).map_err(io(path))?;
-    let corrupt = |reason: String| CheckpointError::Corrupt { path: path.to_path_buf(), reason };
-    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(e.to_string()))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| corrupt(e.to_string()))?;
-    let verification = crate::checksum::verify(&st, &meta.metadata().clone().unwrap_or_default())
-        .map_err(|source| CheckpointError::Checksum { path: path.to_path_buf(), source, previous: previous(path) })?;
-    Ok((bytes, verification))
-}
-
-/// Verifies a checkpoint file's checksums without keeping its tensors (`oogc inspect --verify`).
+/// Verifies a checkpoint file's checksums, reading it through a fixed buffer
+/// (`oogc inspect --verify`, `--resume --fallback`).
 ///
 /// # Errors
 /// [`CheckpointError::Io`]; [`CheckpointError::Corrupt`] when it is not a valid safetensors
 /// file; [`CheckpointError::Checksum`] naming the tensor that fails and the previous checkpoint.
 pub fn verify(path: &Path) -> Result<crate::checksum::Verification> {
-    read_verified(path).map(|(_, v)| v)
+    Reader::open(path)?.verify()
 }
 
 /// A checkpoint that `--fallback` passed over.
@@ -363,44 +338,27 @@ pub fn newest_verified(path: &Path) -> Result<(PathBuf, Vec<Skipped>)> {
 /// file is truncated, not safetensors, holds a tensor that is not f32, bf16, int8 or uint8, or
 /// lacks the `step` key.
 pub fn load(path: &Path) -> Result<Checkpoint> {
-    let path = if path.is_dir() { latest(path)? } else { path.to_path_buf() };
-    let (bytes, verification) = read_verified(&path)?;
-    if verification == crate::checksum::Verification::Unverified {
+    let r = Reader::open(path)?;
+    if !r.has_checksums() {
         tracing::warn!(
-            path = %path.display(),
+            path = %r.path().display(),
             "checkpoint has no checksums (written before oogc checked them): it cannot be verified"
         );
     }
-    let corrupt = |reason: String| CheckpointError::Corrupt { path: path.clone(), reason };
-    let (_, meta) = SafeTensors::read_metadata(&bytes).map_err(|e| corrupt(e.to_string()))?;
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| corrupt(e.to_string()))?;
-    let mut metadata: BTreeMap<String, String> = meta
-        .metadata()
-        .clone()
-        .unwrap_or_default()
-        .into_iter()
-        .filter(|(k, _)| !crate::checksum::is_checksum_key(k))
-        .collect();
-    let step = metadata
-        .remove("step")
-        .ok_or_else(|| corrupt("no `step` in the metadata".into()))?
-        .parse::<u64>()
-        .map_err(|e| corrupt(format!("step: {e}")))?;
-    let mut tensors = st
-        .tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            let data = TensorData::from_bytes(view.dtype(), view.data())
-                .ok_or_else(|| corrupt(format!("tensor {name} is {:?}, expected F32, BF16, I8 or U8", view.dtype())))?;
-            Ok(NamedTensor { name, shape: view.shape().to_vec(), data })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let mut tensors = Vec::new();
+    for name in r.names() {
+        tensors.push(r.tensor(&name)?.expect("a name of the file"));
+    }
     tensors.sort_by(|a, b| a.name.cmp(&b.name));
-    Ok(Checkpoint { step, metadata, tensors })
+    Ok(Checkpoint { step: r.step()?, metadata: r.metadata().clone(), tensors })
 }
 
 #[cfg(test)]
 mod tests {
+    use std::collections::HashMap;
+
+    use safetensors::tensor::TensorView;
+
     use super::*;
 
     fn sample(step: u64) -> Checkpoint {
@@ -517,5 +475,131 @@ mod tests {
         std::fs::write(&path, safetensors::serialize(views, Some(info)).unwrap()).unwrap();
         assert_eq!(verify(&path).unwrap(), crate::checksum::Verification::Unverified);
         assert_eq!(load(&path).unwrap(), c);
+    }
+
+    /// Tensors of every dtype, one empty, in an order that is not the alignment order.
+    fn mixed() -> Checkpoint {
+        Checkpoint {
+            step: 9,
+            metadata: [("k".to_string(), "v".to_string())].into(),
+            tensors: vec![
+                NamedTensor { name: "z.codes".into(), shape: vec![5], data: TensorData::U8(vec![1, 2, 3, 4, 5]) },
+                NamedTensor {
+                    name: "a.w".into(),
+                    shape: vec![3, 2],
+                    data: TensorData::F32((0..6).map(|i| i as f32 - 2.5).collect()),
+                },
+                NamedTensor { name: "empty".into(), shape: vec![0, 4], data: TensorData::F32(vec![]) },
+                NamedTensor {
+                    name: "m.bf16".into(),
+                    shape: vec![3],
+                    data: TensorData::BF16(vec![half::bf16::ONE, half::bf16::NEG_ONE, half::bf16::MAX]),
+                },
+                NamedTensor { name: "m.i8".into(), shape: vec![2], data: TensorData::I8(vec![-128, 127]) },
+            ],
+        }
+    }
+
+    fn specs(c: &Checkpoint) -> Vec<TensorSpec> {
+        c.tensors.iter().map(|t| TensorSpec::new(t.name.clone(), t.data.dtype(), t.shape.clone())).collect()
+    }
+
+    /// The data appended in any cut — one byte at a time, chunks across tensor boundaries — is
+    /// the same file as whole tensors; a reader gets each tensor back, verifies the file and
+    /// names what it holds.
+    #[test]
+    fn a_streamed_write_is_the_same_file_however_its_data_is_cut() {
+        let c = mixed();
+        let whole = tempfile::tempdir().unwrap();
+        let reference = std::fs::read(save(whole.path(), &c, 1).unwrap()).unwrap();
+        let data: Vec<u8> = c.tensors.iter().flat_map(|t| t.data.bytes().to_vec()).collect();
+        for cut in [1, 3, 7, data.len()] {
+            let dir = tempfile::tempdir().unwrap();
+            let mut w = Writer::create(dir.path(), c.step, &c.metadata, specs(&c)).unwrap();
+            for chunk in data.chunks(cut) {
+                assert!(w.next_tensor().is_some());
+                w.append(chunk).unwrap();
+            }
+            assert_eq!(
+                (w.next_tensor(), w.written_bytes(), w.data_bytes()),
+                (None, data.len() as u64, data.len() as u64)
+            );
+            let saved = w.finish(1).unwrap();
+            assert_eq!(std::fs::read(&saved.path).unwrap(), reference, "cut {cut}");
+            assert_eq!(saved.bytes, reference.len() as u64);
+        }
+        let r = Reader::open(whole.path()).unwrap();
+        assert_eq!((r.step().unwrap(), r.metadata().get("k").map(String::as_str)), (9, Some("v")));
+        assert_eq!(r.names(), c.tensors.iter().map(|t| t.name.clone()).collect::<Vec<_>>(), "file order");
+        for t in &c.tensors {
+            assert_eq!(r.tensor(&t.name).unwrap().as_ref(), Some(t));
+        }
+        assert_eq!(r.tensor("nope").unwrap(), None);
+        // A safetensors file with checksums but no `step` (a Hugging Face export's shard) opens
+        // and verifies; it is no checkpoint.
+        let mut info = HashMap::from([("format".to_string(), "pt".to_string())]);
+        let zeros = [0u8; 8];
+        let views = vec![("w".to_string(), TensorView::new(Dtype::F32, vec![2], &zeros).unwrap())];
+        crate::checksum::add_checksums(&mut info, &views);
+        let shard = whole.path().join("model.safetensors");
+        std::fs::write(&shard, safetensors::serialize(views, Some(info)).unwrap()).unwrap();
+        let hf = Reader::open(&shard).unwrap();
+        assert!(matches!(hf.verify(), Ok(crate::checksum::Verification::Verified { tensors: 1, bytes: 8 })));
+        assert!(hf.step().unwrap_err().to_string().contains("no `step`"));
+        let bytes = data.len() as u64;
+        assert_eq!(r.verify().unwrap(), crate::checksum::Verification::Verified { tensors: 5, bytes });
+    }
+
+    /// A write that cannot complete — data past the last tensor, a tensor left short, a writer
+    /// dropped half-way (an error of the caller) — leaves no temp file and the previous
+    /// checkpoint as it was.
+    #[test]
+    fn an_unfinished_write_leaves_the_previous_checkpoint_and_no_temp_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let before = save(dir.path(), &sample(1), 3).unwrap();
+        let bytes = std::fs::read(&before).unwrap();
+        let c = mixed();
+        let data: Vec<u8> = c.tensors.iter().flat_map(|t| t.data.bytes().to_vec()).collect();
+        let temp_files = || {
+            std::fs::read_dir(dir.path())
+                .unwrap()
+                .filter(|e| e.as_ref().unwrap().file_name().to_string_lossy().ends_with(".tmp"))
+                .count()
+        };
+        // Past the end.
+        let mut w = Writer::create(dir.path(), 2, &c.metadata, specs(&c)).unwrap();
+        assert_eq!(temp_files(), 1);
+        w.append(&data).unwrap();
+        let err = w.append(&[0]).unwrap_err();
+        assert!(err.to_string().contains("past the last tensor"), "{err}");
+        drop(w);
+        assert_eq!(temp_files(), 0);
+        // Short.
+        let mut w = Writer::create(dir.path(), 2, &c.metadata, specs(&c)).unwrap();
+        w.append(&data[..data.len() - 1]).unwrap();
+        let err = w.finish(3).unwrap_err().to_string();
+        assert!(err.contains("tensor m.i8 has 1 of 2 bytes"), "{err}");
+        // Duplicate names are refused before anything is written.
+        let mut twice = specs(&c);
+        twice.push(twice[0].clone());
+        let err = Writer::create(dir.path(), 2, &c.metadata, twice).unwrap_err().to_string();
+        assert!(err.contains("z.codes is named twice"), "{err}");
+        assert_eq!(temp_files(), 0);
+        assert_eq!(list(dir.path()).unwrap(), vec![(1, before.clone())]);
+        assert_eq!(std::fs::read(&before).unwrap(), bytes);
+        assert_eq!(load(dir.path()).unwrap(), sample(1));
+    }
+
+    /// A tensor whose bytes changed fails when it is read, naming it; the others still read.
+    #[test]
+    fn a_reader_checks_each_tensor_as_it_reads_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = save(dir.path(), &big(3), 2).unwrap();
+        flip_mid_data(&path);
+        let r = Reader::open(&path).unwrap();
+        let err = r.tensor("big.w").unwrap_err().to_string();
+        assert!(err.contains("tensor big.w") && err.contains("ckpt-00000003"), "{err}");
+        assert_eq!(r.tensor("a").unwrap().unwrap().data, sample(3).tensors[0].data);
+        assert!(r.verify().unwrap_err().to_string().contains("tensor big.w"));
     }
 }

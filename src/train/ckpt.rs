@@ -1,0 +1,232 @@
+//! The trainer's checkpoints, streamed one unit at a time (saves and loads hold one unit's
+//! state, claimed from the host ledger as [`HostUse::Checkpoint`], never the model's).
+//!
+//! A unit's tensors, in file order: for each parameter its master weights (`{name}`: f32, or
+//! bf16 with `[optimizer] master_dtype = "bf16"` when the unit's optimizer is on the host — a
+//! device-resident unit's are f32), `{name}.exp_avg` and `{name}.exp_avg_sq` in the moments'
+//! stored dtype (f32, bf16, or int8 codes: I8 for `m`'s linear map, U8 for `v`'s tree map; a
+//! device-resident unit's are f32), then for int8 the unit's block absmaxes
+//! (`{unit}.exp_avg.absmax`, `{unit}.exp_avg_sq.absmax`, f32 `[blocks]`: blocks of 256 run over
+//! the unit's flat vector, across its parameters).
+
+use oogc_models::UnitSpec;
+use oogc_optimizer::{MasterDType, MomentBufs, StateDType, UnitState};
+use oogc_swapper::{HostClaim, HostUse};
+use safetensors::Dtype;
+
+use crate::checkpoint::{CheckpointError, Reader, TensorData as D, TensorSpec, Writer};
+use crate::dist::World;
+use crate::runtime::{OptimizerPlace, Runtime, RuntimeError, UnitId};
+use crate::train::{Result as TrainResult, TrainError};
+
+/// Elements converted to bf16 at a time when a bf16 master is written.
+const CONVERT_CHUNK: usize = 1 << 15;
+
+/// How one unit's state is stored in a checkpoint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct UnitLayout {
+    /// Master weights as bf16 (else f32).
+    master_bf16: bool,
+    /// The moments' dtype.
+    moments: StateDType,
+}
+
+impl UnitLayout {
+    /// The layout of a unit whose optimizer is at `place`, in a run of `[optimizer]
+    /// state_dtype` and `master_dtype`.
+    pub(super) fn new(place: OptimizerPlace, state: StateDType, master: MasterDType) -> Self {
+        match place {
+            OptimizerPlace::Device => Self { master_bf16: false, moments: StateDType::F32 },
+            OptimizerPlace::Host => Self { master_bf16: master == MasterDType::Bf16, moments: state },
+        }
+    }
+
+    /// The unit's tensors, in file order (module docs).
+    pub(super) fn tensors(self, spec: &UnitSpec) -> Vec<TensorSpec> {
+        let (m, v) = match self.moments {
+            StateDType::F32 => (Dtype::F32, Dtype::F32),
+            StateDType::Bf16 => (Dtype::BF16, Dtype::BF16),
+            StateDType::Int8 => (Dtype::I8, Dtype::U8),
+        };
+        let w = if self.master_bf16 { Dtype::BF16 } else { Dtype::F32 };
+        let mut out = Vec::with_capacity(3 * spec.params.len() + 2);
+        for p in &spec.params {
+            out.push(TensorSpec::new(p.name.clone(), w, p.shape.clone()));
+            out.push(TensorSpec::new(format!("{}.exp_avg", p.name), m, p.shape.clone()));
+            out.push(TensorSpec::new(format!("{}.exp_avg_sq", p.name), v, p.shape.clone()));
+        }
+        if self.moments == StateDType::Int8 {
+            let blocks = vec![spec.numel.div_ceil(oogc_optimizer::QUANT_BLOCK)];
+            out.push(TensorSpec::new(format!("{}.exp_avg.absmax", spec.name), Dtype::F32, blocks.clone()));
+            out.push(TensorSpec::new(format!("{}.exp_avg_sq.absmax", spec.name), Dtype::F32, blocks));
+        }
+        out
+    }
+
+    /// Host bytes of the unit's state while it is staged: [`Runtime::unit_state`]'s vectors
+    /// (f32 master weights and the moments in their dtype) and the writer's buffer
+    /// ([`crate::runtime::budget::checkpoint_staging_bytes`]).
+    fn staging_bytes(self, world: World, numel: usize) -> u64 {
+        let shard = crate::dist::shard_range(numel, world.rank, world.size).len();
+        crate::runtime::budget::checkpoint_staging_bytes(numel, shard, self.moments)
+    }
+}
+
+/// Claims the staging of one unit's state from the runtime's host ledger.
+fn claim(rt: &Runtime, world: World, layout: UnitLayout, numel: usize) -> Result<HostClaim, RuntimeError> {
+    let bytes = layout.staging_bytes(world, numel);
+    rt.memory().host_ledger().claim(HostUse::Checkpoint, bytes).map_err(RuntimeError::from)
+}
+
+/// Reads unit `id`'s state (a collective with ranks: every rank calls it for the same units in
+/// the same order) within a claim of its staging, and appends its tensors to `w` (rank 0; `None`
+/// on the others, or after a failed write, so that the ranks' collectives stay in step).
+/// Returns the first write error, if any, without stopping the gathers.
+pub(super) fn save_unit(
+    rt: &Runtime,
+    world: World,
+    id: UnitId,
+    spec: &UnitSpec,
+    layout: UnitLayout,
+    w: Option<&mut Writer>,
+) -> Result<Option<CheckpointError>, RuntimeError> {
+    let _claim = claim(rt, world, layout, spec.numel)?;
+    let state = rt.unit_state(id)?;
+    let Some(w) = w else { return Ok(None) };
+    Ok(write_unit(w, spec, layout, &state).err())
+}
+
+/// Appends one unit's tensors (the layout's, in its order) to `w`.
+fn write_unit(w: &mut Writer, spec: &UnitSpec, layout: UnitLayout, state: &UnitState) -> Result<(), CheckpointError> {
+    let wrong = |what: &str| CheckpointError::Corrupt {
+        path: std::path::PathBuf::from(&spec.name),
+        reason: format!("unit {}: its state is {what}, the checkpoint's layout {layout:?}", spec.name),
+    };
+    if state.moments.dtype() != layout.moments {
+        return Err(wrong(&format!("{} moments", state.moments.dtype())));
+    }
+    let mut bf16 = Vec::with_capacity(if layout.master_bf16 { CONVERT_CHUNK } else { 0 });
+    for p in &spec.params {
+        let r = p.offset..p.offset + p.numel();
+        let master = &state.master[r.clone()];
+        if layout.master_bf16 {
+            for chunk in master.chunks(CONVERT_CHUNK) {
+                bf16.clear();
+                bf16.extend(chunk.iter().map(|&x| half::bf16::from_f32(x)));
+                if bf16.iter().zip(chunk).any(|(b, &x)| b.to_f32() != x) {
+                    return Err(wrong("a master weight that bf16 cannot hold"));
+                }
+                w.append(bytemuck::cast_slice(&bf16))?;
+            }
+        } else {
+            w.append(bytemuck::cast_slice(master))?;
+        }
+        match &state.moments {
+            MomentBufs::F32 { m, v } => {
+                w.append(bytemuck::cast_slice(&m[r.clone()]))?;
+                w.append(bytemuck::cast_slice(&v[r]))?;
+            }
+            MomentBufs::Bf16 { m, v } => {
+                w.append(bytemuck::cast_slice(&m[r.clone()]))?;
+                w.append(bytemuck::cast_slice(&v[r]))?;
+            }
+            MomentBufs::Int8 { m, v, .. } => {
+                w.append(bytemuck::cast_slice(&m[r.clone()]))?;
+                w.append(&v[r])?;
+            }
+        }
+    }
+    if let MomentBufs::Int8 { m_absmax, v_absmax, .. } = &state.moments {
+        w.append(bytemuck::cast_slice(m_absmax))?;
+        w.append(bytemuck::cast_slice(v_absmax))?;
+    }
+    Ok(())
+}
+
+/// Restores unit `id`'s state from `r` within a claim of its staging: the moments' dtype is the
+/// file's (f32, bf16 or int8; converted by [`Runtime::load_unit_state`] when it is not the
+/// run's).
+///
+/// # Errors
+/// [`TrainError::Mismatch`] naming a missing tensor or one of another size or dtype; the
+/// file's [`CheckpointError`] (a tensor failing its crc32c, I/O); runtime failures.
+pub(super) fn load_unit(
+    rt: &mut Runtime,
+    world: World,
+    id: UnitId,
+    spec: &UnitSpec,
+    layout: UnitLayout,
+    r: &Reader,
+) -> TrainResult<()> {
+    let _claim = claim(rt, world, layout, spec.numel)?;
+    let state = unit_state_from(r, spec)?;
+    rt.load_unit_state(id, state)?;
+    Ok(())
+}
+
+/// One unit's state from a checkpoint's tensors (the module's layout): the moments' dtype is
+/// the tensors' (f32, bf16 or int8).
+fn unit_state_from(r: &Reader, spec: &UnitSpec) -> TrainResult<UnitState> {
+    let mismatch = |reason: String| TrainError::Mismatch {
+        path: r.path().to_path_buf(),
+        reason: format!("cannot resume: {reason}\n  fix: resume with the config the checkpoint was written with"),
+    };
+    let get = |name: &str, numel: usize| -> TrainResult<D> {
+        let t = r.tensor(name)?.ok_or_else(|| mismatch(format!("tensor {name} is missing")))?;
+        if t.data.len() != numel {
+            return Err(mismatch(format!("{name} has {} values, expected {numel}", t.data.len())));
+        }
+        Ok(t.data)
+    };
+    // The moments' dtype is the first parameter's exp_avg's (read from the header).
+    let first = spec.params.first().map(|p| format!("{}.exp_avg", p.name));
+    let dtype = match first.as_deref().map(|n| (n, r.info(n))) {
+        None => StateDType::F32,
+        Some((_, Some((Dtype::F32, _)))) => StateDType::F32,
+        Some((_, Some((Dtype::BF16, _)))) => StateDType::Bf16,
+        Some((_, Some((Dtype::I8, _)))) => StateDType::Int8,
+        Some((n, Some((other, _)))) => return Err(mismatch(format!("{n} is {other:?}, expected F32, BF16 or I8"))),
+        Some((n, None)) => return Err(mismatch(format!("tensor {n} is missing"))),
+    };
+    let mut master = vec![0f32; spec.numel];
+    let mut moments = MomentBufs::zeros(dtype, spec.numel);
+    for p in &spec.params {
+        let r = p.offset..p.offset + p.numel();
+        let w = get(&p.name, p.numel())?;
+        let values =
+            w.to_f32().ok_or_else(|| mismatch(format!("{} is {:?}, expected F32 or BF16", p.name, w.dtype())))?;
+        master[r.clone()].copy_from_slice(&values);
+        let (mn, vn) = (format!("{}.exp_avg", p.name), format!("{}.exp_avg_sq", p.name));
+        let (md, vd) = (get(&mn, p.numel())?, get(&vn, p.numel())?);
+        match (&mut moments, md, vd) {
+            (MomentBufs::F32 { m, v }, D::F32(a), D::F32(b)) => {
+                m[r.clone()].copy_from_slice(&a);
+                v[r].copy_from_slice(&b);
+            }
+            (MomentBufs::Bf16 { m, v }, D::BF16(a), D::BF16(b)) => {
+                m[r.clone()].copy_from_slice(&a);
+                v[r].copy_from_slice(&b);
+            }
+            (MomentBufs::Int8 { m, v, .. }, D::I8(a), D::U8(b)) => {
+                m[r.clone()].copy_from_slice(&a);
+                v[r].copy_from_slice(&b);
+            }
+            (_, a, b) => {
+                return Err(mismatch(format!(
+                    "{mn} is {:?} and {vn} is {:?}: the unit's first exp_avg says its moments are {dtype}",
+                    a.dtype(),
+                    b.dtype()
+                )))
+            }
+        }
+    }
+    if let MomentBufs::Int8 { m_absmax, v_absmax, .. } = &mut moments {
+        for (name, out) in [("exp_avg", m_absmax), ("exp_avg_sq", v_absmax)] {
+            let name = format!("{}.{name}.absmax", spec.name);
+            let d = get(&name, out.len())?;
+            let values = d.as_f32().ok_or_else(|| mismatch(format!("{name} is {:?}, expected F32", d.dtype())))?;
+            out.copy_from_slice(values);
+        }
+    }
+    Ok(UnitState { master, moments })
+}
