@@ -138,11 +138,19 @@ fn default_eval_batches() -> usize {
     8
 }
 
-/// `[checkpoint]`: safetensors checkpoints, written atomically.
+/// `[checkpoint]`: safetensors checkpoints, written atomically and streamed: a save reads one
+/// unit's master weights and Adam state at a time from wherever they live (host, NVMe, the
+/// device optimizer) into a staging the host plan keeps room for (the ledger's `checkpoint`
+/// category: the largest unit's state), appends it and lets it go; a resume reads one unit's
+/// tensors at a time. A run's memory never holds the model's state for a checkpoint, so a run
+/// larger than host memory saves and resumes (`configs/scale-beyond-ram.toml`).
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointConfig {
-    /// Directory of checkpoints. Default: none (no checkpoints).
+    /// Directory of checkpoints. A save that cannot be written (a full disk: checked before
+    /// writing, the error names the directory and the bytes needed) leaves the previous
+    /// checkpoints intact and the run going, with an error logged; at the run's last step it
+    /// fails the run. Default: none (no checkpoints).
     #[serde(default)]
     pub dir: Option<PathBuf>,
     /// A checkpoint every this many steps (and at the end). 0 = only at the end. Default: 0.
@@ -159,8 +167,9 @@ pub struct CheckpointConfig {
 pub struct OutputConfig {
     /// JSON-lines metrics, one object per step: `step`, `loss`, `val_loss` (when evaluated), `lr`,
     /// `tokens_per_s`, `step_s`, `stall_s`, `stall_transfer_s`, `stall_optimizer_s`, `h2d_bytes`,
-    /// `d2h_bytes`, `nvme_read_bytes`, `nvme_write_bytes`, `grad_norm`, `clip_scale`, `skipped`.
-    /// Default: none.
+    /// `d2h_bytes`, `nvme_read_bytes`, `nvme_write_bytes`, `grad_norm`, `clip_scale`, `skipped`;
+    /// after a checkpoint, the next step's line has `ckpt_s` and `ckpt_bytes` (the save's seconds
+    /// and file bytes). Default: none.
     #[serde(default)]
     pub metrics: Option<PathBuf>,
     /// Chrome/Perfetto trace of the timeline (open in ui.perfetto.dev): one track per thread

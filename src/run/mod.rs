@@ -311,6 +311,12 @@ pub fn run(
             match trainer.save_checkpoint() {
                 Ok(Some(saved)) => {
                     note_save(&mut summary, &saved);
+                    observer.line(&format!(
+                        "step {step}: checkpoint {} ({:.2} GB in {:.1} s)",
+                        saved.path.display(),
+                        saved.bytes as f64 / 1e9,
+                        saved.seconds
+                    ));
                     saved_step = Some(step);
                     last_save = Some(saved);
                 }
@@ -347,6 +353,14 @@ pub fn run(
 
 /// Records a checkpoint the run saved in its summary.
 fn note_save(summary: &mut RunSummary, saved: &crate::checkpoint::Saved) {
+    tracing::info!(
+        path = %saved.path.display(),
+        bytes = saved.bytes,
+        seconds = saved.seconds,
+        "checkpoint saved: {:.2} GB in {:.1} s",
+        saved.bytes as f64 / 1e9,
+        saved.seconds
+    );
     summary.checkpoints.push(saved.path.clone());
     summary.checkpoint = Some(saved.path.clone());
     summary.checkpoint_s += saved.seconds;

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The beyond-RAM run (configs/scale-beyond-ram.toml, 2.49 B parameters, state and parameters on
+# NVMe, 6 GiB host budget) saves a checkpoint, is killed with SIGKILL, and resumes bitwise:
+#
+#   1. reference: steps 1-4 without a checkpoint (the losses to match);
+#   2. killed: steps 1-2, the checkpoint after step 2 (streamed unit by unit), then SIGKILL during
+#      step 3; its peak RSS (VmHWM) is read just before the kill, so it covers the save;
+#   3. resumed: `--resume` from that checkpoint, steps 3-4: their losses must equal the
+#      reference's bit for bit.
+#
+# Then one Markdown table (save seconds and bytes, peak RSS against the budget, the losses). The
+# runs share one NVMe directory, one after another. Not in CI: about 15-25 min on 2 cores.
+#
+#   scripts/scale-checkpoint.sh [STATE_DTYPE MASTER_DTYPE]    # default: int8 bf16
+#
+# f32 state (the config's own) needs about 72 GB of free disk under target/ (a 40 GB NVMe store
+# and a 30 GB checkpoint); int8 moments with bf16 master weights (4.03 B per parameter) about
+# 31 GB. OOGC=path/to/oogc uses that binary instead of building target/release/oogc.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+state="${1:-int8}"; master="${2:-bf16}"
+root="$PWD"
+out="$root/target/scale-checkpoint/$state-$master"
+rm -rf "$out"; mkdir -p "$out"
+oogc="${OOGC:-}"
+if [[ -z "$oogc" ]]; then cargo build --release --locked -q; oogc="$root/target/release/oogc"; fi
+
+# The config with absolute paths, the dtypes, its checkpoint directory and metrics per run.
+config() { # name, with_checkpoint
+  local f="$out/$1.toml"
+  sed -e "s#\"\.\./\.\./#\"$root/../#g" -e "s#\"\.\./target/#\"$root/target/#g" \
+      -e "s#^\[optimizer\]#[optimizer]\nstate_dtype = \"$state\"\nmaster_dtype = \"$master\"#" \
+      -e "s#^metrics = .*#metrics = \"$out/$1.metrics.jsonl\"#" \
+      -e '/^\[checkpoint\]/,/^$/d' \
+      configs/scale-beyond-ram.toml > "$f"
+  if [[ "$2" == 1 ]]; then printf '\n[checkpoint]\ndir = "%s/ckpt"\ninterval = 2\nkeep = 1\n' "$out" >> "$f"; fi
+  echo "$f"
+}
+lines() { [[ -f "$1" ]] && wc -l < "$1" || echo 0; }
+
+echo "reference: steps 1-4" >&2
+"$oogc" train --config "$(config reference 0)" --steps 4 --no-progress --json > "$out/reference.json" 2> "$out/reference.log"
+
+echo "killed: steps 1-2, a checkpoint, SIGKILL in step 3" >&2
+cfg=$(config killed 1)
+"$oogc" train --config "$cfg" --steps 4 --no-progress > /dev/null 2> "$out/killed.log" &
+pid=$!
+# The step-3 line's absence and the checkpoint's presence: the save after step 2 is done.
+until [[ -f "$out/ckpt/ckpt-00000002.safetensors" ]]; do
+  kill -0 "$pid" 2>/dev/null || { echo "the run ended before its checkpoint" >&2; exit 1; }
+  sleep 1
+done
+sleep 20
+[[ $(lines "$out/killed.metrics.jsonl") == 2 ]] || { echo "step 3 ended before the kill: lengthen nothing, rerun" >&2; exit 1; }
+grep VmHWM "/proc/$pid/status" | awk '{printf "%d\n", $2 * 1024}' > "$out/killed.peak_rss"
+kill -9 "$pid"; wait "$pid" || true
+ls -l "$out/ckpt" > "$out/ckpt.ls"
+
+echo "resumed: steps 3-4 from the checkpoint" >&2
+"$oogc" train --config "$(config resumed 0)" --resume "$out/ckpt" --steps 4 --no-progress --json \
+  > "$out/resumed.json" 2> "$out/resumed.log"
+
+python3 - "$out" "$state" "$master" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1]); state, master = sys.argv[2:4]
+read = lambda n: [json.loads(l) for l in (out / f"{n}.metrics.jsonl").read_text().splitlines()]
+ref, killed, resumed = read("reference"), read("killed"), read("resumed")
+loss = {r["step"]: r["loss"] for r in ref}
+same = all(r["loss"] == loss[r["step"]] for r in resumed) and [r["step"] for r in resumed] == [3, 4]
+summary = json.loads((out / "reference.json").read_text())
+budget = summary["host"]["budget_bytes"]
+peak = int(float((out / "killed.peak_rss").read_text()))
+ckpt = next(p for p in (out / "ckpt").glob("ckpt-*.safetensors"))
+# The save: from step 2's metrics line (written just before it) to the file's rename.
+start = (out / "killed.metrics.jsonl").stat().st_mtime
+ckpt_file = next((out / "ckpt").glob("ckpt-*.safetensors"))
+save_s = ckpt_file.stat().st_mtime - start
+losses = ", ".join(f"{r['loss']:.6f}" for r in resumed)
+verdict = "bitwise the reference" if same else f"DIFFERENT from {[loss[3], loss[4]]}"
+print(f"| state, master | checkpoint | save | peak RSS through the save | budget | resumed losses (steps 3, 4) |")
+print("|---|---|---|---|---|---|")
+print(f"| {state}, {master} | {ckpt.stat().st_size / 1e9:.2f} GB | {save_s:.0f} s (from step 2's line to the rename) | {peak / 2**30:.2f} GiB | {budget / 2**30:.0f} GiB | {losses}: {verdict} |")
+print("step times (reference):", [round(r["step_s"], 1) for r in ref])
+print("step times (resumed):", [round(r["step_s"], 1) for r in resumed])
+sys.exit(0 if same else 1)
+PY
