@@ -172,6 +172,23 @@ fn peak_rss_follows_the_ledger_and_the_overhead_model(
             "{name}: minor faults per step {faults:?}: steps 4-6's median is not below 20 % of step 1's"
         ));
     }
+    // A resume reads one unit's tensors at a time: from step 4's checkpoint (two are kept),
+    // steps 5-6 within the same bounds, the same losses as the first run's.
+    let first = common::metrics_losses(&dir.path().join("metrics.jsonl"));
+    let ckpt = dir.path().join("ckpt").join("ckpt-00000004.safetensors");
+    let resumed = run(&["train", "--no-progress", "--json", "--resume", ckpt.to_str().unwrap(), "--config"]);
+    let h = &resumed["host"];
+    let [ledger, rss, overhead] = ["ledger_peak_bytes", "peak_rss_bytes", "fixed_overhead_bytes"]
+        .map(|k| h[k].as_u64().unwrap_or_else(|| panic!("{k} missing: {h}")) as f64);
+    let ratio = rss / (ledger + overhead);
+    eprintln!("{name}: resumed: peak RSS {rss} B, ledger peak {ledger} B + overhead {overhead} B: ratio {ratio:.3}");
+    if !(0.7..=1.15).contains(&ratio) {
+        failures.push(format!("{name}: resumed: peak RSS / (ledger peak + overhead) = {ratio:.3}, not in [0.7, 1.15]"));
+    }
+    let again = common::metrics_losses(&dir.path().join("metrics.jsonl"));
+    if again != first {
+        failures.push(format!("{name}: the resumed steps' losses {again:?} differ from the first run's {first:?}"));
+    }
     assert!(failures.is_empty(), "{failures:#?}");
 }
 
