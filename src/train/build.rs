@@ -80,15 +80,16 @@ pub fn lr_schedule(cfg: &TrainConfig) -> oogc_optimizer::LrSchedule {
 /// The config of this process's rank: `{rank}` and `{local_rank}` in `[budgets] nvme_dirs`
 /// replaced by its own (DeepSpeed's `nvme_path_per_local_rank`); with several ranks, an NVMe
 /// directory without either gets a `rank{r}` subdirectory, so ranks never share store files,
-/// and only rank 0 keeps `[checkpoint] dir` and `[output] metrics` (the state is the same on
-/// every rank: rank 0's checkpoint is the run's). A world of one is unchanged but for the
-/// placeholders.
+/// and only rank 0 keeps `[output] metrics`. Every rank keeps `[checkpoint] dir`: each takes
+/// part in a save (the units' state is gathered from the ranks' shards, staged on each: the host
+/// plan holds room for it everywhere) and a fresh run into a directory holding checkpoints is
+/// refused on every rank alike; rank 0 alone locks it and writes the checkpoint (the state is
+/// the same on every rank). A world of one is unchanged but for the placeholders.
 pub fn for_rank(mut cfg: TrainConfig, world: crate::dist::World) -> TrainConfig {
     for dir in &mut cfg.budgets.nvme_dirs {
         *dir = world.rank_dir(dir);
     }
     if !world.is_root() {
-        cfg.checkpoint.dir = None;
         cfg.output.metrics = None;
     }
     cfg

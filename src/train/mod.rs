@@ -33,7 +33,7 @@ use crate::config::{LlamaModelConfig, ModelConfig, TrainConfig};
 use crate::data::{Batch, Corpus, Sampler};
 use crate::dist::{Ranks, World};
 use crate::runtime::budget::HostOverhead;
-use crate::runtime::{Runtime, RuntimeConfig, StepStats, UnitId};
+use crate::runtime::{Runtime, StepStats, UnitId};
 use ckpt::UnitLayout;
 
 mod build;
@@ -259,7 +259,14 @@ impl Trainer {
             |dir: &Path| Ok(crate::runtime::budget::statvfs_free_bytes(dir)? + crate::lock::stale_store_bytes(dir));
         check_budgets(&cfg, &*model, &free, world)?;
         // Before anything is written: one run at a time owns its directories.
-        let lock = crate::lock::RunLock::for_config(&cfg)?;
+        // Rank 0 alone locks (and writes into) the checkpoint directory.
+        let lock = if world.is_root() {
+            crate::lock::RunLock::for_config(&cfg)?
+        } else {
+            let mut others = cfg.clone();
+            others.checkpoint.dir = None;
+            crate::lock::RunLock::for_config(&others)?
+        };
         if let Some(dir) = cfg.checkpoint.dir.as_deref().filter(|_| !resuming) {
             // A fresh run must not mix its checkpoints with another run's (nor rotate them away).
             if let Some((step, path)) = checkpoint::list(dir).ok().and_then(|l| l.last().cloned()) {
@@ -290,9 +297,7 @@ impl Trainer {
                 })?;
             }
         }
-        // Every rank stages the units' state of a checkpoint (rank 0's config alone keeps its dir).
-        let rc = RuntimeConfig { checkpoint_staging: checkpoints, ..runtime_config(&cfg, &*model, world) };
-        let mut rt = Runtime::new(rc, ranks.clone())?;
+        let mut rt = Runtime::new(runtime_config(&cfg, &*model, world), ranks.clone())?;
         // One unit at a time, straight into the runtime (never the whole model in memory): from
         // a Hugging Face checkpoint, or drawn from the run's seed.
         let init = match &cfg.model {
@@ -558,7 +563,7 @@ impl Trainer {
         // Rank 0 writes; a failure to start or to write keeps the gathers going (the other
         // ranks are in them) and is returned at the end.
         let mut failed = None;
-        let mut writer = match self.cfg.checkpoint.dir.clone() {
+        let mut writer = match self.cfg.checkpoint.dir.clone().filter(|_| world.is_root()) {
             None => None,
             Some(dir) => {
                 let units = self.model.units();
