@@ -655,8 +655,9 @@ pub(crate) fn thresholds_padded() -> &'static [f64; 256] {
 
 /// The AVX-512 tree-map encoder's first guess, independent of the absmax: per binary octave of
 /// `u ≈ y/A` the two lines of a continuous, concave, piecewise-linear position `X(u)` whose
-/// value at every decision threshold `k` (0..=254, [`thresholds`]) lies in `[k + 1 − 3·10^−6,
-/// k + 1.2 + 10^−6]` (checked by the tests).
+/// value at every decision threshold `k` (0..=254, [`thresholds`]) lies within 5·10^−5 of
+/// `k + 1`, or of `k + 1.2` where `k + 1` is a power of two (with the table's f32 rounding;
+/// checked by the tests; 3·10^−6 in exact arithmetic).
 ///
 /// `X` on decade `E` of the map (`10^−(E+1) ≤ u < 10^−E`, codes `2^f ..= 2^(f+1) − 1`,
 /// `f = 7 − E`, `E < 7`) is the map's own linear grid, `X_E(u) = 2^f + (10^E·u − 0.1)·2^f/0.9`,
@@ -669,12 +670,14 @@ pub(crate) fn thresholds_padded() -> &'static [f64; 256] {
 /// decades, `X` is the smaller of those two lines — no decision on the decade is needed, and an
 /// error in `u` moves `X` by `S_E·Δu` only.
 ///
-/// So threshold `k` sits at `pos_k = k + 1 + 0.2·[k + 1 is a power of two]` (within 3·10^−6).
-/// The guess `g = clamp(⌊X(u) − 0.6⌋, 0, 255)` with `u` within a relative 2^−22 of `y/A` (so `X`
-/// within 1.2·10^−4, f32 evaluation included) satisfies `code ∈ {g, g + 1}`: thresholds `k < g`
-/// lie at or below `g + 0.2` (plus the margins) `< X`, thresholds `k > g` at or above
-/// `g + 2 − 3·10^−6 > X`. Where `|X − pos_g| ≥ 2^−11` the side of `X` decides; else one exact
-/// comparison with threshold `g` does (`y > mid[g]·A` in f64, as [`dynamic_code`]).
+/// So threshold `k` sits at `pos_k = k + 1 + 0.2·[k + 1 is a power of two]`. With `u` within a
+/// relative 2^−22 of `y/A`, the computed `X − pos_g` is within 1.6·10^−4 of the exact one (the
+/// table's 5·10^−5; `u`'s error times `S·u + |O| ≤ 370`, 4.4·10^−5; four f32 roundings below
+/// 256, 1.5·10^−5 each). So the guess `g = clamp(⌊X(u) − 0.6⌋, 0, 255)` satisfies
+/// `code ∈ {g, g + 1}`: thresholds `k < g` lie at or below `g + 0.2` (plus the margins) `< X`,
+/// thresholds `k > g` at or above `g + 2` (minus the margins) `> X`. Where `|X − pos_g| ≥ 2^−11`
+/// the side of `X` decides; else one exact comparison with threshold `g` does (`y > mid[g]·A`
+/// in f64, as [`dynamic_code`]).
 pub(crate) struct TreeLines {
     /// Slopes of the two lines, indexed by `octave & 31` where `octave` is `u`'s biased f32
     /// exponent clamped to `≥ 96` (`u ∈ [2^(o−127), 2^(o−126))`; below `2^−31` is decade 7).
@@ -945,6 +948,9 @@ mod tests {
                 assert!((-0.01..=0.21).contains(&pos), "threshold {k}: u = {u} at X = k + 1 + {pos}");
             }
         }
+        // The vector encoder's range of `X − 0.6` (so its guess is in 0..=255 without a clamp).
+        let (lo, hi) = (x(2f64.powi(-31)) - 0.6, x(1.0 + 2f64.powi(-22)) - 0.6);
+        assert!(lo > 0.29 && hi < 255.45, "X − 0.6 in [{lo}, {hi}]");
         // Across each octave's ends and the decade powers, the two lines agree with the true
         // (decade-wise) position within 10^−4.
         for i in -31..=0 {

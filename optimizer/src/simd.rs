@@ -926,12 +926,14 @@ mod avx512 {
     /// Tree-map codes of whole groups of 16 for `a` in [`quant::fast_codec_range`], and their
     /// count; the same codes as [`quant::dynamic_code`].
     ///
-    /// `u = max(y·RN(1/a), 0)` (within a relative 2^−22 of `y/a`), the first guess
-    /// `g = clamp(⌊min(S_a·u + O_a, S_b·u + O_b)⌋, 0, 255)` from `u`'s octave's two lines
-    /// ([`quant::TreeLines`], looked up in registers by `vpermt2ps`), which is the code or one
-    /// below it, then `g + [y > mid[g]·a]` with `mid[g]` gathered and the comparison in f64 (exact,
-    /// as [`quant::dynamic_code`]; `mid[255] = +∞`). Negative values give `u = 0`, `g = 0` and
-    /// code 0, as the scalar count.
+    /// `u = max(y·RN(1/a), 2^−31)` (within a relative 2^−22 of `y/a` where that is above
+    /// 2^−31), the position `X − 0.6 = min(S_a·u + O_a, S_b·u + O_b)` from `u`'s octave's two
+    /// lines ([`quant::TreeLines`], looked up in registers by `vpermt2ps`) and the first guess
+    /// `g = ⌊X − 0.6⌋`, which is the code or one below it. Where `X` is at least [`TREE_SURE`]
+    /// from threshold `g`'s position (`g + 1`, or `g + 1.2` where `g + 1` is a power of two) in
+    /// all 16 lanes, the side decides; else `g + [y > mid[g]·a]` with `mid[g]` gathered and the
+    /// comparison in f64 (exact, as [`quant::dynamic_code`]; `mid[255] = +∞`). Negative values
+    /// and NaN give `u = 2^−31` and code 0, as the scalar count.
     #[target_feature(enable = "avx512f")]
     pub(super) fn dynamic_encode_lines(
         x: &[f32],
@@ -965,10 +967,10 @@ mod avx512 {
         mid: &'a [f64; 256],
     }
 
-    /// How far (`2^−11`) `X` must be from the guess's threshold for its side to decide: more than
-    /// 4× the bound on `X`'s error (1.2·10^−4, [`quant::TreeLines`]) plus the threshold's
-    /// distance from its nominal position (3·10^−6); about one group of 16 in 60 on random data
-    /// takes the exact comparison.
+    /// How far (`2^−11`, 4.9·10^−4) `X` must be from the guess's threshold for its side to
+    /// decide: 3× the bound on the error of the computed distance (1.6·10^−4, table rounding
+    /// included, [`quant::TreeLines`]); about one group of 16 in 60 on random data takes the exact
+    /// comparison.
     const TREE_SURE: f32 = 1.0 / 2048.0;
 
     /// 2^−31, the smallest `u` the tree-map encoder looks up (the start of [`quant::TreeLines`]'
