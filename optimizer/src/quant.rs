@@ -9,7 +9,10 @@
 //! vector code on every [`Isa`]), and requantizes it with the absmax of the updated values.
 //! Master weights stay f32. Each stage is a vector loop on the [`Isa`] (AVX-512, AVX2, scalar);
 //! the block's f32 moments pass between them through 2 KiB on the stack (in L1), not in
-//! registers, because the new absmax must be known before the first code is written.
+//! registers, because the new absmax must be known before the first code is written. On
+//! AVX-512 the whole-block part of the step is one fused kernel (`simd::adam_int8`: decode,
+//! update and absmax of block `b` in the loop that encodes block `b − 1`) with f32 codecs that
+//! are proven (and tested) to choose the same codes as the exact f64 ones.
 //!
 //! **Maps.**
 //! - `m` (signed): the linear map `j / 127`, `j ∈ −127..=127` ([`quantize_linear`]): `m` is
@@ -625,6 +628,100 @@ impl TreeGuess {
     }
 }
 
+/// Whether the AVX-512 codecs' f32 fast paths ([`TreeLines`], the linear map's f32 quotient and
+/// split reciprocal) apply to a block of absmax `a`: `2^−90 ≤ a ≤ 2^90`, where `1/a`, `127/a`,
+/// `a/127` and the low half of `a/127` are normal f32, so each of them is within 2^−24 of its
+/// exact value. Other blocks (and NaN) take the f64 paths, which are exact for any `a`.
+#[inline(always)]
+pub(crate) fn fast_codec_range(a: f32) -> bool {
+    (FAST_MIN..=FAST_MAX).contains(&a)
+}
+
+/// 2^−90, the smallest absmax of [`fast_codec_range`].
+const FAST_MIN: f32 = 1.0 / (1u128 << 90) as f32;
+/// 2^90, the largest absmax of [`fast_codec_range`].
+const FAST_MAX: f32 = (1u128 << 90) as f32;
+
+/// The tree map's 255 decision thresholds ([`thresholds`]) followed by +∞: the table the AVX-512
+/// encoder gathers from, so that a first guess of 255 reads a threshold no value exceeds.
+pub(crate) fn thresholds_padded() -> &'static [f64; 256] {
+    static T: std::sync::OnceLock<[f64; 256]> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let mut t = [f64::INFINITY; 256];
+        t[..255].copy_from_slice(thresholds());
+        t
+    })
+}
+
+/// The AVX-512 tree-map encoder's first guess, independent of the absmax: per binary octave of
+/// `u ≈ y/A` the two lines of a continuous, concave, piecewise-linear position `X(u)` whose
+/// value at every decision threshold `k` (0..=254, [`thresholds`]) lies within 5·10^−5 of
+/// `k + 1`, or of `k + 1.2` where `k + 1` is a power of two (with the table's f32 rounding;
+/// checked by the tests; 3·10^−6 in exact arithmetic).
+///
+/// `X` on decade `E` of the map (`10^−(E+1) ≤ u < 10^−E`, codes `2^f ..= 2^(f+1) − 1`,
+/// `f = 7 − E`, `E < 7`) is the map's own linear grid, `X_E(u) = 2^f + (10^E·u − 0.1)·2^f/0.9`,
+/// so the code `c` value sits at `X = c + ½` and the threshold between two codes of one decade at
+/// an integer; the threshold at a decade boundary sits at `+0.2`, because the decade below has 10×
+/// the resolution. Decade 7 (below `10^−7`, down to 0) takes the line through `(10^−7, 2)` that
+/// puts threshold 0 at 1.2; decade 0's line continues above 1. The lines meet at every
+/// `10^−(E+1)` (both give `2^f`) and their slopes (`S_E = 10^E·2^f/0.9 = 128·5^E/0.9`, then
+/// 1.1·10^7) fall as `u` grows, so `X = min_E X_E`: on an octave, which meets at most two
+/// decades, `X` is the smaller of those two lines — no decision on the decade is needed, and an
+/// error in `u` moves `X` by `S_E·Δu` only.
+///
+/// So threshold `k` sits at `pos_k = k + 1 + 0.2·[k + 1 is a power of two]`. With `u` within a
+/// relative 2^−22 of `y/A`, the computed `X − pos_g` is within 1.6·10^−4 of the exact one (the
+/// table's 5·10^−5; `u`'s error times `S·u + |O| ≤ 370`, 4.4·10^−5; four f32 roundings below
+/// 256, 1.5·10^−5 each). So the guess `g = clamp(⌊X(u) − 0.6⌋, 0, 255)` satisfies
+/// `code ∈ {g, g + 1}`: thresholds `k < g` lie at or below `g + 0.2` (plus the margins) `< X`,
+/// thresholds `k > g` at or above `g + 2` (minus the margins) `> X`. Where `|X − pos_g| ≥ 2^−11`
+/// the side of `X` decides; else one exact comparison with threshold `g` does (`y > mid[g]·A`
+/// in f64, as [`dynamic_code`]).
+pub(crate) struct TreeLines {
+    /// Slopes of the two lines, indexed by `octave & 31` where `octave` is `u`'s biased f32
+    /// exponent clamped to `≥ 96` (`u ∈ [2^(o−127), 2^(o−126))`; below `2^−31` is decade 7).
+    pub(crate) slope: [[f32; 32]; 2],
+    /// Their offsets, `(8/9)·2^f − 0.6` (the guess's −0.6 included).
+    pub(crate) offset: [[f32; 32]; 2],
+}
+
+/// The decade `E` (0..=7) of the tree map that holds `u` (`10^−(E+1) ≤ u < 10^−E`), decade 0
+/// above 1 and decade 7 below `10^−8`.
+fn decade(u: f64) -> usize {
+    let mut e = 0;
+    while e < 7 && u < 10f64.powi(-(e as i32 + 1)) {
+        e += 1;
+    }
+    e
+}
+
+/// The tables of [`TreeLines`], built once.
+pub(crate) fn tree_lines() -> &'static TreeLines {
+    static T: std::sync::OnceLock<TreeLines> = std::sync::OnceLock::new();
+    T.get_or_init(|| {
+        let mut t = TreeLines { slope: [[0.0; 32]; 2], offset: [[0.0; 32]; 2] };
+        let line = |e: usize| {
+            let two_f = (1u32 << (7 - e)) as f64;
+            ((10f64.powi(e as i32) * two_f / 0.9) as f32, (8.0 / 9.0 * two_f - 0.6) as f32)
+        };
+        // Decade 7 (code 1 alone, and threshold 0 below it) takes the line through decade 6's
+        // start `(10^−7, 2)` and `(mid_0, 1.2)`, so that threshold 0 too sits at `+0.2`; its
+        // slope (1.10·10^7) is above decade 6's (2.2·10^6): `X` stays concave.
+        let slope7 = 0.8 / (1e-7 - thresholds()[0]);
+        let line7 = (slope7 as f32, (2.0 - slope7 * 1e-7 - 0.6) as f32);
+        for i in 0..32 {
+            // Octave: biased exponents 96..=127 → u ∈ [2^(i−31), 2^(i−30)).
+            let lo = 2f64.powi(i as i32 - 31);
+            let (ea, eb) = (decade(lo), decade(2.0 * lo * (1.0 - 1e-12)));
+            for (s, e) in [ea, eb].into_iter().enumerate() {
+                (t.slope[s][i], t.offset[s][i]) = if e == 7 { line7 } else { line(e) };
+            }
+        }
+        t
+    })
+}
+
 /// Quantizes one block of non-negative values on the dynamic tree map: returns
 /// `A = max |x|` and writes `codes[i]`, the code of the map value nearest to `x[i]/A` (ties to
 /// the lower code; all 0 when `A = 0`; negative values give 0).
@@ -689,15 +786,29 @@ fn step_blocks(
     grads: GradSlice<'_>,
     mut out: CopyOut<'_>,
 ) {
+    // The fused int8 kernel (AVX-512) takes the whole blocks; the rest (a ragged last block, or
+    // everything on other paths) goes block by block through f32 buffers.
+    let (moments, done) = match moments {
+        Moments::F32 { m, v } => return simd::adam(isa, scalars, StateIo::InPlace { p, m, v }, grads, out),
+        Moments::Int8 { m, m_absmax, v, v_absmax } => {
+            let done = simd::adam_int8(isa, scalars, p, m, m_absmax, v, v_absmax, grads, &mut out);
+            let b = done / QUANT_BLOCK;
+            let rest = Moments::Int8 {
+                m: &mut m[done..],
+                m_absmax: &mut m_absmax[b..],
+                v: &mut v[done..],
+                v_absmax: &mut v_absmax[b..],
+            };
+            (rest, done)
+        }
+        other => (other, 0),
+    };
     let block = |start: usize, mf: &mut [f32], vf: &mut [f32]| {
-        let r = start..start + mf.len();
+        let r = done + start..done + start + mf.len();
         let state = StateIo::InPlace { p: &mut p[r.clone()], m: mf, v: vf };
         simd::adam(isa, scalars, state, grads.slice(r.clone()), out.slice_mut(r));
     };
-    match moments {
-        Moments::F32 { m, v } => simd::adam(isa, scalars, StateIo::InPlace { p, m, v }, grads, out),
-        other => for_each_block(isa, other, block),
-    }
+    for_each_block(isa, moments, block);
 }
 
 /// Calls `f(start, m, v)` for each [`QUANT_BLOCK`] of `moments` in order, with the block's
@@ -803,5 +914,64 @@ impl AdamKernel {
         partials: &mut [f64],
     ) -> Result<f64> {
         self.step_state(scalars, Reduced { p, moments }, grads, out, Some(partials))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// [`TreeLines`]' claim: at every threshold `k` the position `X` (the smaller of the octave's
+    /// two lines, evaluated in f64 from the f32 table entries, plus the guess's 0.6) lies in
+    /// `[k + 1 − 10^−5, k + 1.2 + 10^−5]`, so `⌊X(u) − 0.6⌋` is the code or one below it for any
+    /// `u` within a relative 2^−22 of `y/A`; and the same for the f32 neighbours of the threshold.
+    #[test]
+    fn tree_lines_put_every_threshold_where_the_guess_needs_it() {
+        let t = tree_lines();
+        // X at an exact u (f64), from the f32 table entries (their rounding included).
+        let x = |u: f64| {
+            let o = (((u as f32).to_bits() >> 23).max(96) & 31) as usize;
+            let line = |s: usize| t.slope[s][o] as f64 * u + t.offset[s][o] as f64 + 0.6;
+            line(0).min(line(1))
+        };
+        for (k, &m) in thresholds().iter().enumerate() {
+            let pos = x(m) - (k + 1) as f64;
+            assert!((-5e-5..=0.2 + 5e-5).contains(&pos), "threshold {k} at X = k + 1 + {pos}");
+            // Where the vector encoder's certificate expects it: within 5·10^−5 (the table's f32
+            // rounding, at most 2^−24 of `S·u + |O|` ≤ 500, is in this, and in the budget of
+            // `TREE_SURE`).
+            let boundary = if (k + 1).is_power_of_two() { 0.2 } else { 0.0 };
+            assert!((pos - boundary).abs() < 5e-5, "threshold {k} at X = k + 1 + {pos}, not + {boundary}");
+            // Values a relative 2^−22 around it stay within the guess's margins (0.4 each side).
+            for u in [m * (1.0 - 2f64.powi(-22)), m * (1.0 + 2f64.powi(-22))] {
+                let pos = x(u) - (k + 1) as f64;
+                assert!((-0.01..=0.21).contains(&pos), "threshold {k}: u = {u} at X = k + 1 + {pos}");
+            }
+        }
+        // The vector encoder's range of `X − 0.6` (so its guess is in 0..=255 without a clamp).
+        let (lo, hi) = (x(2f64.powi(-31)) - 0.6, x(1.0 + 2f64.powi(-22)) - 0.6);
+        assert!(lo > 0.29 && hi < 255.45, "X − 0.6 in [{lo}, {hi}]");
+        // Across each octave's ends and the decade powers, the two lines agree with the true
+        // (decade-wise) position within 10^−4.
+        for i in -31..=0 {
+            for f in [1.0, 1.0000001, 1.999999, 1.25, 1.5] {
+                let u = 2f64.powi(i) * f;
+                let e = decade(u);
+                let two_f = (1u32 << (7 - e)) as f64;
+                let exact = if e == 7 {
+                    2.0 - 0.8 * (1e-7 - u) / (1e-7 - thresholds()[0])
+                } else {
+                    two_f + (10f64.powi(e as i32) * u - 0.1) * two_f / 0.9
+                };
+                assert!((x(u) - exact).abs() < 1e-4 * exact.max(1.0), "u = {u}: {} vs {exact}", x(u));
+            }
+        }
+    }
+
+    #[test]
+    fn fast_range_edges() {
+        assert!(fast_codec_range(2f32.powi(-90)) && fast_codec_range(2f32.powi(90)) && fast_codec_range(1.0));
+        assert!(!fast_codec_range(2f32.powi(-91)) && !fast_codec_range(2f32.powi(91)));
+        assert!(!fast_codec_range(f32::NAN) && !fast_codec_range(0.0) && !fast_codec_range(f32::INFINITY));
     }
 }

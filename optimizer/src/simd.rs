@@ -21,11 +21,21 @@
 //! (measured on this CPU: `0x0001_8000` gives `0x0000`, `half` gives `0x0002`). f16 uses the
 //! hardware conversion (`vcvtps2ph`, round to nearest even), which is IEEE-exact like `half`.
 //!
-//! **Codecs.** The int8 codecs compute in f64 lanes as the scalar code does (`127·y/A` divided
-//! and rounded to nearest even; `c·A/127` divided, then narrowed to f32; the tree map's code is
-//! a first guess from the value's decade, kept only where the two thresholds around it confirm it
-//! (`t·A < y ≤ t'·A`, exact in f64, by gathers), else a binary search of `y > t·A`), so each
-//! path's codes and values equal the scalar ones bit for bit on finite inputs.
+//! **Codecs.** The scalar int8 codecs decide in exact f64 arithmetic (`127·y/A` divided and
+//! rounded to nearest even; `c·A/127` divided, then narrowed to f32; the tree map's code counts
+//! the thresholds `t` with `y > t·A`). The AVX2 path computes the same in f64 lanes (the tree
+//! map's code a first guess from the value's decade, kept where the two thresholds around it
+//! confirm it by gathers, else a binary search). The AVX-512 path works in f32 where a block's
+//! absmax allows it ([`quant::fast_codec_range`], `2^−90 ≤ A ≤ 2^90`) and proves each result
+//! equal to the exact one: `c·A/127` as `fma(c, h, RN(c·l))` with `h + l = A/127` (a number
+//! within 2^−45 of the quotient, which is at least 2^−32 from every f32 midpoint); the linear
+//! code as `round(y·RN(127/A))` where that product is farther than 2^−14 from a half-integer
+//! (else the f64 division); the tree-map code from a continuous piecewise-linear position
+//! ([`quant::TreeLines`]) where it is farther than 2^−11 from the threshold it could cross
+//! (else one exact f64 comparison with that threshold). The int8 step runs fused on AVX-512
+//! ([`adam_int8`]): decode, update and the new absmax of one block in the loop that encodes the
+//! block before it. Every path's codes and values equal the scalar ones bit for bit on finite
+//! inputs (`optimizer/tests/codecs.rs` checks them at and around every threshold).
 #![allow(unsafe_code)]
 
 #[cfg(target_arch = "x86_64")]
@@ -272,13 +282,19 @@ pub(crate) fn linear_decode(isa: Isa, codes: &[i8], a: f32, out: &mut [f32]) {
 
 /// Codes of `x` on the tree map of absmax `a > 0` ([`quant::dynamic_code`]).
 pub(crate) fn dynamic_encode(isa: Isa, x: &[f32], a: f32, codes: &mut [u8]) {
-    let guess = match isa {
-        Isa::Scalar => None,
-        _ => Some(quant::TreeGuess::new(a)),
-    };
-    let done: usize = match &guess {
-        Some(guess) => vector_part!(isa, dynamic_encode(x, a, guess, quant::thresholds(), codes)),
-        None => 0,
+    let done: usize = match isa {
+        Isa::Scalar => 0,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 if quant::fast_codec_range(a) => {
+            let (lines, mid) = (quant::tree_lines(), quant::thresholds_padded());
+            // SAFETY: the caller checked `Isa::Avx512.is_available()` (AVX-512F); the function
+            // reads and writes its slices only through bounds-checked sub-slices.
+            unsafe { avx512::dynamic_encode_lines(x, a, lines, mid, codes) }
+        }
+        _ => {
+            let guess = quant::TreeGuess::new(a);
+            vector_part!(isa, dynamic_encode(x, a, &guess, quant::thresholds(), codes))
+        }
     };
     for (c, &y) in codes[done..].iter_mut().zip(&x[done..]) {
         *c = quant::dynamic_code(y, a as f64);
@@ -291,6 +307,33 @@ pub(crate) fn dynamic_decode(isa: Isa, codes: &[u8], a: f32, out: &mut [f32]) {
     let done: usize = vector_part!(isa, dynamic_decode(codes, a, map, out));
     for (o, &c) in out[done..].iter_mut().zip(&codes[done..]) {
         *o = map[c as usize] * a;
+    }
+}
+
+/// The int8-moment step ([`quant::adam_step_moments`] with [`quant::Moments::Int8`]) of the whole
+/// [`quant::QUANT_BLOCK`]s of `p` in one pass per block on `isa` (AVX-512; other paths do none):
+/// decode, update and the new absmax fused, then the two encoders. Returns how many elements it
+/// did (a multiple of the block); the same bits as the block-by-block path, which does the rest.
+/// The caller checked the lengths (`n` values and codes, `n.div_ceil(QUANT_BLOCK)` absmaxes,
+/// `grads` and `out` `n` long or `out` none) and that `isa` is available.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn adam_int8(
+    isa: Isa,
+    c: &StepScalars,
+    p: &mut [f32],
+    mc: &mut [i8],
+    ma: &mut [f32],
+    vc: &mut [u8],
+    va: &mut [f32],
+    grads: GradSlice<'_>,
+    out: &mut CopyOut<'_>,
+) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Isa::Avx512.is_available()` (checked by the caller): the CPU has AVX-512F;
+        // the function reads and writes its slices only through bounds-checked sub-slices.
+        Isa::Avx512 => unsafe { avx512::adam_int8(c, p, mc, ma, vc, va, grads, out) },
+        _ => 0,
     }
 }
 
@@ -381,31 +424,15 @@ mod avx512 {
     /// `g` and `out` (unless `None`) hold `n` elements.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn adam(c: &StepScalars, s: &Ptrs, n: usize, g: GradSlice<'_>, out: &mut CopyOut<'_>) -> usize {
-        let scale = _mm512_set1_ps(c.scale);
-        let l2 = _mm512_set1_ps(c.l2);
-        let decay = _mm512_set1_ps(c.decay);
-        let c1 = _mm512_set1_ps(c.c1);
-        let b2 = _mm512_set1_ps(c.b2);
-        let c2 = _mm512_set1_ps(c.c2);
-        let bc2 = _mm512_set1_ps(c.bc2_sqrt);
-        let eps = _mm512_set1_ps(c.eps);
-        let step = _mm512_set1_ps(c.step_size);
+        let k = Consts::new(c);
         let mut i = 0;
         while i + 16 <= n {
             // SAFETY: `i + 16 <= n` and every pointer/slice covers `n` elements (contract).
             unsafe {
-                let mut gv = _mm512_mul_ps(load_grads(&g, i), scale);
                 let p = _mm512_loadu_ps(s.p_in.add(i));
                 let m = _mm512_loadu_ps(s.m_in.add(i));
                 let v = _mm512_loadu_ps(s.v_in.add(i));
-                if c.has_l2 {
-                    gv = _mm512_add_ps(gv, _mm512_mul_ps(p, l2));
-                }
-                let p = _mm512_mul_ps(p, decay);
-                let m = _mm512_fmadd_ps(c1, _mm512_sub_ps(gv, m), m);
-                let v = _mm512_add_ps(_mm512_mul_ps(v, b2), _mm512_mul_ps(_mm512_mul_ps(c2, gv), gv));
-                let denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), bc2), eps);
-                let p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(step, m), denom));
+                let (p, m, v) = k.update(p, m, v, load_grads(&g, i));
                 _mm512_storeu_ps(s.p_out.add(i), p);
                 _mm512_storeu_ps(s.m_out.add(i), m);
                 _mm512_storeu_ps(s.v_out.add(i), v);
@@ -414,6 +441,274 @@ mod avx512 {
             i += 16;
         }
         i
+    }
+
+    /// [`StepScalars`] in 16 lanes each.
+    struct Consts {
+        scale: __m512,
+        l2: __m512,
+        decay: __m512,
+        c1: __m512,
+        b2: __m512,
+        c2: __m512,
+        bc2: __m512,
+        eps: __m512,
+        step: __m512,
+        has_l2: bool,
+    }
+
+    impl Consts {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn new(c: &StepScalars) -> Self {
+            Consts {
+                scale: _mm512_set1_ps(c.scale),
+                l2: _mm512_set1_ps(c.l2),
+                decay: _mm512_set1_ps(c.decay),
+                c1: _mm512_set1_ps(c.c1),
+                b2: _mm512_set1_ps(c.b2),
+                c2: _mm512_set1_ps(c.c2),
+                bc2: _mm512_set1_ps(c.bc2_sqrt),
+                eps: _mm512_set1_ps(c.eps),
+                step: _mm512_set1_ps(c.step_size),
+                has_l2: c.has_l2,
+            }
+        }
+
+        /// The element update of 16 lanes (`elem`'s expression, in its order): new (p, m, v).
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn update(&self, p: __m512, m: __m512, v: __m512, g: __m512) -> (__m512, __m512, __m512) {
+            self.update_l2(self.has_l2, p, m, v, g)
+        }
+
+        /// [`Self::update`] with `has_l2` given (a constant where the caller's loop was split on it,
+        /// which spares AdamW the two instructions of the L2 term).
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn update_l2(&self, has_l2: bool, p: __m512, m: __m512, v: __m512, g: __m512) -> (__m512, __m512, __m512) {
+            let mut gv = _mm512_mul_ps(g, self.scale);
+            if has_l2 {
+                gv = _mm512_add_ps(gv, _mm512_mul_ps(p, self.l2));
+            }
+            let p = _mm512_mul_ps(p, self.decay);
+            let m = _mm512_fmadd_ps(self.c1, _mm512_sub_ps(gv, m), m);
+            let v = _mm512_add_ps(_mm512_mul_ps(v, self.b2), _mm512_mul_ps(_mm512_mul_ps(self.c2, gv), gv));
+            let denom = _mm512_add_ps(_mm512_div_ps(_mm512_sqrt_ps(v), self.bc2), self.eps);
+            let p = _mm512_sub_ps(p, _mm512_div_ps(_mm512_mul_ps(self.step, m), denom));
+            (p, m, v)
+        }
+    }
+
+    /// [`super::adam_int8`] on AVX-512, one loop of 16 lanes per block that does two blocks' work:
+    ///
+    /// - block `b`: decode `m` ([`linear_decode_f32`]'s arithmetic, or the f64 path first for an
+    ///   absmax outside [`quant::fast_codec_range`]) and `v` (`map[c]·A`, gathered), update
+    ///   ([`Consts::update`], the bits of [`adam`]), store `p` and the copy, keep the new `m`,
+    ///   `v` in a 2 KiB buffer pair and their absmax in registers;
+    /// - block `b − 1`, whose new absmax is known: encode its buffers with [`LinearEnc`] and
+    ///   [`TreeEnc`] into its codes.
+    ///
+    /// The update is bound by the divider (two divisions and a square root per 16 lanes); the
+    /// encoders are other ports' work, so in one loop they overlap. A block whose new absmax is 0
+    /// (codes 0, as [`quant`]'s `encode`) or outside the fast range is encoded alone by the
+    /// block encoders ([`encode_block`]). The loop prefetches `p`, the gradients and the codes
+    /// [`PREFETCH_BLOCKS`] blocks ahead (1 thread, 128 Mi parameters: 1.6 → 1.25 ns/param). The
+    /// same bits as the block-by-block path.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn adam_int8(
+        c: &StepScalars,
+        p: &mut [f32],
+        mc: &mut [i8],
+        ma: &mut [f32],
+        vc: &mut [u8],
+        va: &mut [f32],
+        g: GradSlice<'_>,
+        out: &mut CopyOut<'_>,
+    ) -> usize {
+        // One instance of the loop per kind of gradient, and for no copy: no dispatch per group.
+        let g_bytes = match g {
+            GradSlice::F32(g) => (g.as_ptr().cast::<u8>(), 4),
+            GradSlice::BF16(g) => (g.as_ptr().cast::<u8>(), 2),
+            GradSlice::F16(g) => (g.as_ptr().cast::<u8>(), 2),
+        };
+        let st = Int8State { p, mc: bytemuck::cast_slice_mut(mc), ma, vc, va, g_bytes };
+        match g {
+            GradSlice::F32(g) => int8_copy(c, st, |k| load_grads(&GradSlice::F32(g), k), out),
+            GradSlice::BF16(g) => int8_copy(c, st, |k| load_grads(&GradSlice::BF16(g), k), out),
+            GradSlice::F16(g) => int8_copy(c, st, |k| load_grads(&GradSlice::F16(g), k), out),
+        }
+    }
+
+    /// The state [`adam_int8`] reads and writes: `p`, the codes (`m`'s as bytes) and absmax.
+    struct Int8State<'a> {
+        p: &'a mut [f32],
+        mc: &'a mut [u8],
+        ma: &'a mut [f32],
+        vc: &'a mut [u8],
+        va: &'a mut [f32],
+        /// The gradients' first byte and bytes per element (for prefetches only).
+        g_bytes: (*const u8, usize),
+    }
+
+    /// [`adam_int8`] with the gradients' loader `g` (16 lanes from an element index), split by
+    /// whether a copy is written and whether the update has an L2 term.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn int8_copy(c: &StepScalars, st: Int8State<'_>, g: impl Fn(usize) -> __m512, out: &mut CopyOut<'_>) -> usize {
+        match (out, c.has_l2) {
+            (CopyOut::None, false) => int8_blocks::<false>(c, st, g, |_, _| {}),
+            (CopyOut::None, true) => int8_blocks::<true>(c, st, g, |_, _| {}),
+            (out, false) => int8_blocks::<false>(c, st, g, |k, p| store_copy(out, k, p)),
+            (out, true) => int8_blocks::<true>(c, st, g, |k, p| store_copy(out, k, p)),
+        }
+    }
+
+    /// The loop of [`adam_int8`], with the gradients' loader `g` and the copy's store `out` (both by
+    /// element index); `HAS_L2` is `c.has_l2`.
+    #[target_feature(enable = "avx512f")]
+    fn int8_blocks<const HAS_L2: bool>(
+        c: &StepScalars,
+        st: Int8State<'_>,
+        g: impl Fn(usize) -> __m512,
+        mut out: impl FnMut(usize, __m512),
+    ) -> usize {
+        const B: usize = quant::QUANT_BLOCK;
+        let Int8State { p, mc, ma, vc, va, g_bytes } = st;
+        // Addresses for the prefetches only (never dereferenced).
+        let (p_at, mc_at, vc_at) = (p.as_ptr(), mc.as_ptr(), vc.as_ptr());
+        let k = Consts::new(c);
+        let map = quant::dynamic_map();
+        let tree = TreeEnc::new(quant::tree_lines(), quant::thresholds_padded());
+        // Buffer pairs (m, v) by block parity.
+        let mut bufs = [[[0.0f32; B]; 2]; 2];
+        let blocks = p.len() / B;
+        // The block whose update is done and whose codes are not written yet, with its absmax.
+        let mut pending: Option<(usize, f32, f32)> = None;
+        for b in 0..=blocks {
+            let (even, odd) = bufs.split_at_mut(1);
+            let (cur, prev) = if b % 2 == 0 { (&mut even[0], &odd[0]) } else { (&mut odd[0], &even[0]) };
+            let (mc_done, mc_cur) = mc.split_at_mut(b * B);
+            let (vc_done, vc_cur) = vc.split_at_mut(b * B);
+            let mut enc = match pending.take() {
+                Some((pb, a_m, a_v)) => {
+                    let r = pb * B..(pb + 1) * B;
+                    let mcp: &mut [u8; B] = (&mut mc_done[r.clone()]).try_into().expect("a whole block");
+                    let vcp: &mut [u8; B] = (&mut vc_done[r]).try_into().expect("a whole block");
+                    if quant::fast_codec_range(a_m) && quant::fast_codec_range(a_v) {
+                        Some((LinearEnc::new(a_m), tree.absmax(a_v), mcp, vcp))
+                    } else {
+                        encode_block(prev, a_m, a_v, mcp, vcp);
+                        None
+                    }
+                }
+                None => None,
+            };
+            let mut step = if b < blocks {
+                let base = b * B;
+                let mcb: &[u8; B] = mc_cur[..B].try_into().expect("a whole block");
+                let vcb: &[u8; B] = vc_cur[..B].try_into().expect("a whole block");
+                let pb: &mut [f32; B] = (&mut p[base..base + B]).try_into().expect("a whole block");
+                let (a_m, a_v) = (ma[b], va[b]);
+                let m_fast = quant::fast_codec_range(a_m);
+                if !m_fast {
+                    let done = linear_decode(bytemuck::cast_slice(mcb), a_m, &mut cur[0]);
+                    debug_assert_eq!(done, B);
+                }
+                let q = a_m as f64 / 127.0;
+                let h = q as f32;
+                let (h, l) = (_mm512_set1_ps(h), _mm512_set1_ps((q - h as f64) as f32));
+                Some((base, m_fast, h, l, _mm512_set1_ps(a_v), mcb, vcb, pb))
+            } else {
+                None
+            };
+            let (mut m_max, mut v_max) = (_mm512_setzero_ps(), _mm512_setzero_ps());
+            for j in 0..B / 16 {
+                let i = 16 * j;
+                if b + PREFETCH_BLOCKS < blocks {
+                    // One line of `p` and of the gradients per group, the codes in the first four
+                    // groups, `PREFETCH_BLOCKS` blocks ahead of the update.
+                    let e = (b + PREFETCH_BLOCKS) * B + i;
+                    // (A prefetch is a hint that never faults; the addresses, in wrapping
+                    // arithmetic, lie inside the slices: `e < blocks · B`.)
+                    _mm_prefetch::<_MM_HINT_T0>(p_at.wrapping_add(e).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(g_bytes.0.wrapping_add(e * g_bytes.1).cast());
+                    if j < 4 {
+                        let c = (b + PREFETCH_BLOCKS) * B + 64 * j;
+                        _mm_prefetch::<_MM_HINT_T0>(mc_at.wrapping_add(c).cast());
+                        _mm_prefetch::<_MM_HINT_T0>(vc_at.wrapping_add(c).cast());
+                    }
+                }
+                if let Some((base, m_fast, h, l, a_v, mcb, vcb, pb)) = &mut step {
+                    let m = if *m_fast {
+                        let s = &mcb[i..i + 16];
+                        // SAFETY: `s` holds 16 bytes (an unaligned load).
+                        let c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(s.as_ptr().cast()) }));
+                        _mm512_fmadd_ps(c, *h, _mm512_mul_ps(c, *l))
+                    } else {
+                        // SAFETY: `cur[0][i..i + 16]` is in bounds (i + 16 <= B).
+                        unsafe { _mm512_loadu_ps(cur[0][i..i + 16].as_ptr()) }
+                    };
+                    let s = &vcb[i..i + 16];
+                    // SAFETY: `s` holds 16 bytes (an unaligned load).
+                    let cv = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(s.as_ptr().cast()) });
+                    // SAFETY: every index is a byte, below the map's 256 entries.
+                    let v = _mm512_mul_ps(unsafe { _mm512_i32gather_ps::<4>(cv, map.as_ptr()) }, *a_v);
+                    let ps = &mut pb[i..i + 16];
+                    // SAFETY: `ps` holds 16 f32 (an unaligned load).
+                    let pv = unsafe { _mm512_loadu_ps(ps.as_ptr()) };
+                    let (pn, mn, vn) = k.update_l2(HAS_L2, pv, m, v, g(*base + i));
+                    // SAFETY: `ps`, `cur[0][i..i + 16]` and `cur[1][i..i + 16]` hold 16 f32 each.
+                    unsafe {
+                        _mm512_storeu_ps(ps.as_mut_ptr(), pn);
+                        _mm512_storeu_ps(cur[0][i..i + 16].as_mut_ptr(), mn);
+                        _mm512_storeu_ps(cur[1][i..i + 16].as_mut_ptr(), vn);
+                    }
+                    out(*base + i, pn);
+                    // |x| first: `max` returns its second operand when one is NaN (ignored, as
+                    // `absmax`).
+                    m_max = _mm512_max_ps(_mm512_abs_ps(mn), m_max);
+                    v_max = _mm512_max_ps(_mm512_abs_ps(vn), v_max);
+                }
+                if let Some((lin, t, mcp, vcp)) = &mut enc {
+                    store16_bytes(&mut mcp[i..i + 16], lin.codes(&prev[0], i));
+                    store16_bytes(&mut vcp[i..i + 16], tree.codes(&prev[1], i, *t));
+                }
+            }
+            if b < blocks {
+                let (a_m, a_v) = (_mm512_reduce_max_ps(m_max), _mm512_reduce_max_ps(v_max));
+                (ma[b], va[b]) = (a_m, a_v);
+                pending = Some((b, a_m, a_v));
+            }
+        }
+        blocks * B
+    }
+
+    /// How many blocks ahead of the update [`int8_blocks`] prefetches its inputs.
+    const PREFETCH_BLOCKS: usize = 2;
+
+    /// Encodes one block's new `m`, `v` (`buf`) with absmax `a_m`, `a_v` by the block encoders:
+    /// codes 0 for an absmax of 0, else [`linear_encode`] and the tree-map encoder of `a_v`'s range.
+    #[target_feature(enable = "avx512f")]
+    fn encode_block(buf: &[[f32; quant::QUANT_BLOCK]; 2], a_m: f32, a_v: f32, mc: &mut [u8], vc: &mut [u8]) {
+        const B: usize = quant::QUANT_BLOCK;
+        if a_m > 0.0 {
+            let done = linear_encode(&buf[0], a_m, bytemuck::cast_slice_mut(mc));
+            debug_assert_eq!(done, B);
+        } else {
+            mc.fill(0);
+        }
+        if a_v > 0.0 {
+            let done = if quant::fast_codec_range(a_v) {
+                dynamic_encode_lines(&buf[1], a_v, quant::tree_lines(), quant::thresholds_padded(), vc)
+            } else {
+                dynamic_encode(&buf[1], a_v, &quant::TreeGuess::new(a_v), quant::thresholds(), vc)
+            };
+            debug_assert_eq!(done, B);
+        } else {
+            vc.fill(0);
+        }
     }
 
     /// Accumulates whole groups of 16 below `n` into `acc` (lane `i % 16`); returns the count.
@@ -485,27 +780,106 @@ mod avx512 {
         (lanes.into_iter().fold(0.0f32, f32::max), i)
     }
 
-    /// Linear-map codes of whole groups of 8 ([`quant::linear_code`]: `127·y/a` in f64, nearest
-    /// even), and their count.
+    /// Linear-map codes of whole groups of 8 ([`quant::linear_code`]), and their count. With `a`
+    /// in [`quant::fast_codec_range`], groups of 16 by [`linear_encode_f32`]; else (and for what
+    /// it leaves) `127·y/a` in f64, nearest even.
     #[target_feature(enable = "avx512f")]
     pub(super) fn linear_encode(x: &[f32], a: f32, codes: &mut [i8]) -> usize {
-        let (a, k) = (_mm512_set1_pd(a as f64), _mm512_set1_pd(127.0));
+        let mut i = if quant::fast_codec_range(a) { linear_encode_f32(x, a, codes) } else { 0 };
         let codes: &mut [u8] = bytemuck::cast_slice_mut(codes);
-        let mut i = 0;
         while i + 8 <= x.len() {
-            let q = _mm512_roundscale_pd::<NEAREST>(_mm512_div_pd(_mm512_mul_pd(k, load8_pd(x, i)), a));
-            store8_bytes(&mut codes[i..], _mm512_cvtepi32_epi64(_mm512_cvtpd_epi32(q)));
+            store8_bytes(&mut codes[i..], _mm512_cvtepi32_epi64(linear_code_f64(x, i, a)));
             i += 8;
         }
         i
     }
 
+    /// [`quant::linear_code`] of `x[i..i + 8]`: `127·y/a` in f64 (`127·y` exact), divided,
+    /// rounded to nearest even, as i32 lanes.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn linear_code_f64(x: &[f32], i: usize, a: f32) -> __m256i {
+        let (a, k) = (_mm512_set1_pd(a as f64), _mm512_set1_pd(127.0));
+        _mm512_cvtpd_epi32(_mm512_roundscale_pd::<NEAREST>(_mm512_div_pd(_mm512_mul_pd(k, load8_pd(x, i)), a)))
+    }
+
+    /// Largest `|q − round(q)|` at which the f32 quotient decides alone: `½ − 2^−14`.
+    const LINEAR_SURE: f32 = 0.5 - 1.0 / 16384.0;
+
+    /// Linear-map codes of whole groups of 16 for `a` in [`quant::fast_codec_range`], and their
+    /// count; the same codes as [`quant::linear_code`].
+    ///
+    /// `q = y·r` in f32 with `r = RN(127/a)` is within `127·2^−23 < 2^−15.9` of the exact `127·y/a`
+    /// (two roundings of relative 2^−24, `|q| ≤ 127`; a subnormal product adds at most 2^−150).
+    /// Where `|q − round(q)| ≤ ½ − 2^−14` in every lane, the exact quotient is more than 2^−16 from
+    /// every half-integer, so its nearest integer is `round(q)` — and so is f64's (its quotient
+    /// is within 2^−46 of the exact one). Otherwise (about one group in 500 on random data, and
+    /// every exact tie) the group is divided in f64 as [`quant::linear_code`].
+    #[target_feature(enable = "avx512f")]
+    fn linear_encode_f32(x: &[f32], a: f32, codes: &mut [i8]) -> usize {
+        let e = LinearEnc::new(a);
+        let codes: &mut [u8] = bytemuck::cast_slice_mut(codes);
+        let mut i = 0;
+        while i + 16 <= x.len() {
+            store16_bytes(&mut codes[i..], e.codes(x, i));
+            i += 16;
+        }
+        i
+    }
+
+    /// Stores the low byte of each of 16 i32 lanes to `d[..16]`.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn store16_bytes(d: &mut [u8], c: __m512i) {
+        let d = &mut d[..16];
+        // SAFETY: `d` holds 16 bytes (an unaligned store).
+        unsafe { _mm_storeu_si128(d.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(c)) }
+    }
+
+    /// The linear-map encoder of one block of absmax `a` in [`quant::fast_codec_range`]
+    /// ([`linear_encode_f32`]).
+    struct LinearEnc {
+        /// `RN(127/a)` in every lane.
+        r: __m512,
+        /// [`LINEAR_SURE`] in every lane.
+        sure: __m512,
+        /// The absmax.
+        a: f32,
+    }
+
+    impl LinearEnc {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn new(a: f32) -> Self {
+            LinearEnc { r: _mm512_set1_ps(127.0 / a), sure: _mm512_set1_ps(LINEAR_SURE), a }
+        }
+
+        /// The codes of `x[i..i + 16]` as i32 lanes.
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn codes(&self, x: &[f32], i: usize) -> __m512i {
+            let s = &x[i..i + 16];
+            // SAFETY: `s` holds 16 f32 (an unaligned load).
+            let q = _mm512_mul_ps(unsafe { _mm512_loadu_ps(s.as_ptr()) }, self.r);
+            let n = _mm512_roundscale_ps::<NEAREST>(q);
+            // `q − n` is exact (Sterbenz, or n = 0).
+            let near_tie = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(_mm512_sub_ps(q, n)), self.sure);
+            if near_tie == 0 {
+                _mm512_cvtps_epi32(n)
+            } else {
+                let (lo, hi) = (linear_code_f64(x, i, self.a), linear_code_f64(x, i + 8, self.a));
+                _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+            }
+        }
+    }
+
     /// Linear-map values of whole groups of 8 ([`quant::linear_value`]: `c·a/127` in f64, then
-    /// f32), and their count.
+    /// f32), and their count. With `a` in [`quant::fast_codec_range`], groups of 16 by
+    /// [`linear_decode_f32`] first.
     #[target_feature(enable = "avx512f")]
     pub(super) fn linear_decode(codes: &[i8], a: f32, out: &mut [f32]) -> usize {
+        let mut i = if quant::fast_codec_range(a) { linear_decode_f32(codes, a, out) } else { 0 };
         let (a, k) = (_mm512_set1_pd(a as f64), _mm512_set1_pd(127.0));
-        let mut i = 0;
         while i + 8 <= codes.len() {
             let s = &codes[i..i + 8];
             // SAFETY: `s` holds 8 bytes (an unaligned 64-bit load).
@@ -517,6 +891,170 @@ mod avx512 {
             i += 8;
         }
         i
+    }
+
+    /// Linear-map values of whole groups of 16 for `a` in [`quant::fast_codec_range`], and their
+    /// count; the same bits as [`quant::linear_value`].
+    ///
+    /// The value is `RN32(c·a/127)`: with `a = A·2^e` (`A` < 2^24) the exact quotient is never an
+    /// f32 midpoint (127 is prime and `|c| < 127` or the quotient is `±a`; a midpoint needs 25
+    /// significant bits) and lies at least a relative 2^−32 from every one (both sides are
+    /// multiples of the finer of `2^e`, the midpoint spacing), so f64's `RN64(c·a)/127` rounds to
+    /// the same f32. Here `a/127 = h + l` (`h = RN32`, `l = RN32` of the f64 remainder, within
+    /// 2^−48 of `a/127` together) and `fma(c, h, RN(c·l))` is one rounding of a number within a
+    /// relative 2^−45 of `c·a/127`: the same f32.
+    #[target_feature(enable = "avx512f")]
+    fn linear_decode_f32(codes: &[i8], a: f32, out: &mut [f32]) -> usize {
+        let q = a as f64 / 127.0;
+        let h = q as f32;
+        let l = (q - h as f64) as f32;
+        let (h, l) = (_mm512_set1_ps(h), _mm512_set1_ps(l));
+        let mut i = 0;
+        while i + 16 <= codes.len() {
+            let s = &codes[i..i + 16];
+            // SAFETY: `s` holds 16 bytes (an unaligned load).
+            let c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(s.as_ptr().cast()) }));
+            let y = _mm512_fmadd_ps(c, h, _mm512_mul_ps(c, l));
+            let d = &mut out[i..i + 16];
+            // SAFETY: `d` holds 16 f32 (an unaligned store).
+            unsafe { _mm512_storeu_ps(d.as_mut_ptr(), y) };
+            i += 16;
+        }
+        i
+    }
+
+    /// Tree-map codes of whole groups of 16 for `a` in [`quant::fast_codec_range`], and their
+    /// count; the same codes as [`quant::dynamic_code`].
+    ///
+    /// `u = max(y·RN(1/a), 2^−31)` (within a relative 2^−22 of `y/a` where that is above
+    /// 2^−31), the position `X − 0.6 = min(S_a·u + O_a, S_b·u + O_b)` from `u`'s octave's two
+    /// lines ([`quant::TreeLines`], looked up in registers by `vpermt2ps`) and the first guess
+    /// `g = ⌊X − 0.6⌋`, which is the code or one below it. Where `X` is at least [`TREE_SURE`]
+    /// from threshold `g`'s position (`g + 1`, or `g + 1.2` where `g + 1` is a power of two) in
+    /// all 16 lanes, the side decides; else `g + [y > mid[g]·a]` with `mid[g]` gathered and the
+    /// comparison in f64 (exact, as [`quant::dynamic_code`]; `mid[255] = +∞`). Negative values
+    /// and NaN give `u = 2^−31` and code 0, as the scalar count.
+    #[target_feature(enable = "avx512f")]
+    pub(super) fn dynamic_encode_lines(
+        x: &[f32],
+        a: f32,
+        t: &quant::TreeLines,
+        mid: &[f64; 256],
+        codes: &mut [u8],
+    ) -> usize {
+        let e = TreeEnc::new(t, mid);
+        let a = e.absmax(a);
+        let mut i = 0;
+        while i + 16 <= x.len() {
+            store16_bytes(&mut codes[i..], e.codes(x, i, a));
+            i += 16;
+        }
+        i
+    }
+
+    /// The tree-map encoder ([`dynamic_encode_lines`]): [`quant::TreeLines`] in registers and
+    /// the padded thresholds.
+    struct TreeEnc<'a> {
+        /// Slopes of line a (entries 0..16, 16..32).
+        sa: (__m512, __m512),
+        /// Slopes of line b.
+        sb: (__m512, __m512),
+        /// Offsets of line a.
+        oa: (__m512, __m512),
+        /// Offsets of line b.
+        ob: (__m512, __m512),
+        /// The 256 thresholds (the last +∞).
+        mid: &'a [f64; 256],
+    }
+
+    /// How far (`2^−11`, 4.9·10^−4) `X` must be from the guess's threshold for its side to
+    /// decide: 3× the bound on the error of the computed distance (1.6·10^−4, table rounding
+    /// included, [`quant::TreeLines`]); about one group of 16 in 60 on random data takes the exact
+    /// comparison.
+    const TREE_SURE: f32 = 1.0 / 2048.0;
+
+    /// 2^−31, the smallest `u` the tree-map encoder looks up (the start of [`quant::TreeLines`]'
+    /// first octave; the first threshold is 2.75·10^−8).
+    const MIN_U: f32 = 1.0 / (1u64 << 31) as f32;
+
+    /// A block's absmax for [`TreeEnc::codes`]: `RN(1/a)` (f32 lanes) and `a` (f64 lanes).
+    #[derive(Clone, Copy)]
+    struct TreeAbsmax {
+        ra: __m512,
+        a: __m512d,
+    }
+
+    impl<'a> TreeEnc<'a> {
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn new(t: &quant::TreeLines, mid: &'a [f64; 256]) -> Self {
+            let table = |t: &[f32; 32]| {
+                // SAFETY: `t` holds 32 f32 (two unaligned loads of 16).
+                unsafe { (_mm512_loadu_ps(t.as_ptr()), _mm512_loadu_ps(t[16..].as_ptr())) }
+            };
+            TreeEnc {
+                sa: table(&t.slope[0]),
+                sb: table(&t.slope[1]),
+                oa: table(&t.offset[0]),
+                ob: table(&t.offset[1]),
+                mid,
+            }
+        }
+
+        /// The per-block constants of absmax `a` (in [`quant::fast_codec_range`]).
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn absmax(&self, a: f32) -> TreeAbsmax {
+            TreeAbsmax { ra: _mm512_set1_ps(1.0 / a), a: _mm512_set1_pd(a as f64) }
+        }
+
+        /// The codes of `x[i..i + 16]` as i32 lanes.
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn codes(&self, x: &[f32], i: usize, a: TreeAbsmax) -> __m512i {
+            let look = |(lo, hi): (__m512, __m512), o: __m512i| _mm512_permutex2var_ps(lo, o, hi);
+            let s = &x[i..i + 16];
+            // SAFETY: `s` holds 16 f32 (an unaligned load).
+            let y = unsafe { _mm512_loadu_ps(s.as_ptr()) };
+            // u ≥ 2^−31 (biased exponent ≥ 96, the first octave of the tables, where every code is 0
+            // as for u = 0); `max` returns its second operand when one is NaN: NaN takes it too,
+            // and so do negative values (code 0, as the scalar count).
+            let u = _mm512_max_ps(_mm512_mul_ps(y, a.ra), _mm512_set1_ps(MIN_U));
+            let o = _mm512_srli_epi32::<23>(_mm512_castps_si512(u));
+            let xa = _mm512_fmadd_ps(u, look(self.sa, o), look(self.oa, o));
+            let xb = _mm512_fmadd_ps(u, look(self.sb, o), look(self.ob, o));
+            // X − 0.6 (the offsets hold the −0.6): in [0.30, 255.41] for u in [2^−31, 1 + 2^−22],
+            // so g is in 0..=255 (the exact path clamps it anyway, for its gather).
+            let xs = _mm512_min_ps(xa, xb);
+            let g = _mm512_cvt_roundps_epi32::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(xs);
+            let one = _mm512_set1_epi32(1);
+            // Threshold g at X = g + 1 (+ 0.2 where g + 1 is a power of two), X − 0.6 = g + 0.4 (+ 0.2).
+            let pos = _mm512_add_ps(_mm512_cvtepi32_ps(g), _mm512_set1_ps(0.4));
+            let boundary = _mm512_testn_epi32_mask(g, _mm512_add_epi32(g, one));
+            let d = _mm512_sub_ps(xs, _mm512_mask_add_ps(pos, boundary, pos, _mm512_set1_ps(0.2)));
+            let unsure = _mm512_cmp_ps_mask::<_CMP_LT_OQ>(_mm512_abs_ps(d), _mm512_set1_ps(TREE_SURE));
+            if unsure == 0 {
+                return _mm512_mask_add_epi32(g, _mm512_cmp_ps_mask::<_CMP_GT_OQ>(d, _mm512_setzero_ps()), g, one);
+            }
+            self.verified(y, g, a)
+        }
+
+        /// The codes of `y` whose guess `g` is the code or one below: `g + [y > mid[g]·a]` (f64).
+        #[inline]
+        #[target_feature(enable = "avx512f")]
+        fn verified(&self, y: __m512, g: __m512i, a: TreeAbsmax) -> __m512i {
+            let g = _mm512_min_epi32(_mm512_max_epi32(g, _mm512_setzero_si512()), _mm512_set1_epi32(255));
+            let (g_lo, g_hi) = (_mm512_castsi512_si256(g), _mm512_extracti64x4_epi64::<1>(g));
+            // SAFETY: every index is in 0..=255, inside the 256 thresholds.
+            let (t_lo, t_hi) = unsafe {
+                (_mm512_i32gather_pd::<8>(g_lo, self.mid.as_ptr()), _mm512_i32gather_pd::<8>(g_hi, self.mid.as_ptr()))
+            };
+            let y_lo = _mm512_cvtps_pd(_mm512_castps512_ps256(y));
+            let y_hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(y))));
+            let above_lo = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(y_lo, _mm512_mul_pd(t_lo, a.a));
+            let above_hi = _mm512_cmp_pd_mask::<_CMP_GT_OQ>(y_hi, _mm512_mul_pd(t_hi, a.a));
+            _mm512_mask_add_epi32(g, above_lo as u16 | (above_hi as u16) << 8, g, _mm512_set1_epi32(1))
+        }
     }
 
     /// Tree-map codes of whole groups of 8 ([`quant::dynamic_code`]), and their count: the guess
