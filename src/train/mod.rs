@@ -200,8 +200,8 @@ pub struct Trainer {
     moe: Option<moe::MoeState>,
     /// The run's ranks (a world of one without data-parallel ranks).
     ranks: Ranks,
-    /// Whether the run writes checkpoints (`[checkpoint] dir`, which only rank 0 keeps): every
-    /// rank gathers the state for them.
+    /// Whether the run writes checkpoints (`[checkpoint] dir`): every rank gathers the state for
+    /// them, rank 0 writes.
     checkpoints: bool,
     /// `--dump-batches`: each step's windows written as they are drawn ([`Trainer::dump_batches`]).
     batch_dump: Option<BatchDump>,
