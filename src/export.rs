@@ -103,10 +103,10 @@ pub fn export_hf(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<Export
                     reason: format!("{} values, the model's layout has {}", t.data.len(), p.numel()),
                 });
             }
-            let values = t.data.to_f32().ok_or_else(|| oogc_models::Error::HfTensor {
+            let values = t.data.into_f32().map_err(|d| oogc_models::Error::HfTensor {
                 path: path.clone(),
                 tensor: p.name.clone(),
-                reason: format!("{:?} master weights, expected F32 or BF16", t.data.dtype()),
+                reason: format!("{d:?} master weights, expected F32 or BF16"),
             })?;
             flat[p.offset..p.offset + p.numel()].copy_from_slice(&values);
         }

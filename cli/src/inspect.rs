@@ -71,7 +71,7 @@ pub(crate) fn inspect(cmd: InspectCmd) -> anyhow::Result<ExitCode> {
     writeln!(out, "tensors: {} ({} parameters, {} bytes in all)", names.len(), params, ckpt.data_bytes())?;
     for name in names.iter().filter(|n| !is_state(n)) {
         let t = ckpt.tensor(name).context("oogc inspect")?.expect("a name of the file");
-        let data = t.data.to_f32().unwrap_or_default();
+        let data = t.data.into_f32().unwrap_or_default();
         let n = data.len().max(1) as f64;
         let rms = (data.iter().map(|&x| (x as f64) * (x as f64)).sum::<f64>() / n).sqrt();
         let finite = data.iter().all(|x| x.is_finite());

@@ -139,12 +139,13 @@ impl TensorData {
         }
     }
 
-    /// The values widened to f32, if the tensor is f32 or bf16.
-    pub fn to_f32(&self) -> Option<Vec<f32>> {
+    /// The values widened to f32 (f32 values moved, not copied), or the dtype of a tensor that is
+    /// neither f32 nor bf16.
+    pub fn into_f32(self) -> std::result::Result<Vec<f32>, Dtype> {
         match self {
-            TensorData::F32(d) => Some(d.clone()),
-            TensorData::BF16(d) => Some(d.iter().map(|b| b.to_f32()).collect()),
-            _ => None,
+            TensorData::F32(d) => Ok(d),
+            TensorData::BF16(d) => Ok(d.iter().map(|b| b.to_f32()).collect()),
+            other => Err(other.dtype()),
         }
     }
 

@@ -193,8 +193,7 @@ fn unit_state_from(r: &Reader, spec: &UnitSpec) -> TrainResult<UnitState> {
     for p in &spec.params {
         let r = p.offset..p.offset + p.numel();
         let w = get(&p.name, p.numel())?;
-        let values =
-            w.to_f32().ok_or_else(|| mismatch(format!("{} is {:?}, expected F32 or BF16", p.name, w.dtype())))?;
+        let values = w.into_f32().map_err(|d| mismatch(format!("{} is {d:?}, expected F32 or BF16", p.name)))?;
         master[r.clone()].copy_from_slice(&values);
         let (mn, vn) = (format!("{}.exp_avg", p.name), format!("{}.exp_avg_sq", p.name));
         let (md, vd) = (get(&mn, p.numel())?, get(&vn, p.numel())?);
