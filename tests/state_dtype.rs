@@ -35,8 +35,8 @@ fn train(cfg: TrainConfig, steps: usize) -> (Vec<f64>, u64, u64, u64) {
     let units: Vec<usize> = t.model().units().iter().map(|u| u.numel).collect();
     if t.runtime().memory().nvme_bytes() > 0 {
         // Before the first step the store holds each unit's state in chunks of its dtype.
-        let chunk = opt.stream_chunk_params();
-        let want: u64 = units.iter().map(|&n| oogc_optimizer::state_nvme_bytes(n, chunk, opt.state_format())).sum();
+        let stream = opt.stream_config();
+        let want: u64 = units.iter().map(|&n| oogc_optimizer::state_nvme_bytes(n, &stream)).sum();
         assert_eq!(t.runtime().memory().nvme_bytes(), want, "{}", opt.state_format());
     }
     let losses = (0..steps).map(|_| t.train_step().unwrap().loss).collect();
@@ -49,10 +49,16 @@ fn train(cfg: TrainConfig, steps: usize) -> (Vec<f64>, u64, u64, u64) {
 fn reduced_moments_train_in_fewer_bytes() {
     let dir = tempfile::tempdir().unwrap();
     let steps = 12;
-    let (f32_losses, f32_nvme, f32_read, _) = train(config(dir.path(), "f32", "nvme", "f32"), steps);
+    let f32_cfg = config(dir.path(), "f32", "nvme", "f32");
+    let f32_stream = oogc::train::optimizer_config(&f32_cfg).stream_config();
+    // f32 compute copies hold f32 master weights: NVMe keeps the moments alone (8 B per parameter).
+    assert!(f32_stream.master_in_copy && f32_stream.nvme_bytes_per_param() == 8.0, "{f32_stream:?}");
+    let (f32_losses, f32_nvme, f32_read, _) = train(f32_cfg, steps);
     let (_, _, _, f32_host) = train(config(dir.path(), "f32h", "host", "f32"), 1);
     for (dtype, bytes_per_param) in [("bf16", 8.0), ("int8", 6.03125), ("bf16 master + int8", 4.03125)] {
-        let (losses, nvme, read, _) = train(config(dir.path(), &dtype.replace(' ', "_"), "nvme", dtype), steps);
+        let cfg = config(dir.path(), &dtype.replace(' ', "_"), "nvme", dtype);
+        let stream = oogc::train::optimizer_config(&cfg).stream_config();
+        let (losses, nvme, read, _) = train(cfg, steps);
         // The same run up to the moments' rounding: the loss falls as f32's does and stays close.
         assert!(losses[steps - 1] < losses[0], "{dtype}: {losses:?}");
         for (a, b) in losses.iter().zip(&f32_losses) {
@@ -60,16 +66,19 @@ fn reduced_moments_train_in_fewer_bytes() {
         }
         assert_ne!(losses, f32_losses, "{dtype}: not a different optimizer state");
         // NVMe streams about the dtype's share of f32's bytes per step (chunks padded to 4 KiB
-        // and clipped steps' redos, which differ from f32's run, move it a little). What the store
-        // holds is checked exactly before the first step (`train`); after it, speculated units'
-        // second extents come and go with the step's timing.
-        let want = bytes_per_param / 12.0;
+        // and clipped steps' redos, which differ from f32's run, move it a little): its moments,
+        // and its master weights unless the f32 compute copy holds them (a bf16 master's does
+        // not). What the store holds is checked exactly before the first step (`train`); after
+        // it, speculated units' second extents come and go with the step's timing.
+        let (master, stored) = if dtype.starts_with("bf16 master") { (2.0, 2.0) } else { (4.0, 0.0) };
+        assert_eq!(stream.nvme_bytes_per_param(), bytes_per_param - master + stored, "{dtype}");
+        let want = stream.nvme_bytes_per_param() / f32_stream.nvme_bytes_per_param();
         let moved = read as f64 / f32_read as f64;
         assert!(nvme > 0 && f32_nvme > 0);
         assert!(moved < want + 0.08 && moved > want - 0.08, "{dtype}: read {read}/step vs f32 {f32_read}");
         // Host-placed state claims the dtype's bytes from the host ledger.
         let (_, _, _, host) = train(config(dir.path(), &format!("{}h", dtype.replace(' ', "_")), "host", dtype), 1);
-        let ratio = host as f64 / f32_host as f64;
+        let (ratio, want) = (host as f64 / f32_host as f64, bytes_per_param / 12.0);
         assert!(ratio < want + 0.03 && ratio > want - 0.02, "{dtype}: host state {host} vs f32 {f32_host}");
     }
 }

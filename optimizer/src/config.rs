@@ -283,6 +283,28 @@ impl OptimizerConfig {
         (self.stream_chunk_bytes / self.state_format().bytes(block)).max(1) * block
     }
 
+    /// Whether the compute copy holds the master weights bit for bit: f32 masters with f32
+    /// compute copies, bf16 masters with bf16 ones. Then NVMe-placed state keeps the master
+    /// weights there, not in its chunks ([`crate::stream`]'s module docs: 4 B per parameter
+    /// fewer to write and read each step in f32).
+    pub fn master_in_compute_copy(&self) -> bool {
+        matches!(
+            (self.master_dtype, self.compute_dtype),
+            (MasterDType::F32, DType::F32) | (MasterDType::Bf16, DType::BF16)
+        )
+    }
+
+    /// How NVMe-placed state is cut and stored: chunks of [`Self::stream_chunk_params`],
+    /// [`Self::state_format`], the master weights in the compute copy when
+    /// [`Self::master_in_compute_copy`].
+    pub fn stream_config(&self) -> crate::StreamConfig {
+        crate::StreamConfig {
+            chunk_params: self.stream_chunk_params(),
+            format: self.state_format(),
+            master_in_copy: self.master_in_compute_copy(),
+        }
+    }
+
     /// How a unit's state is stored: [`Self::master_dtype`] and [`Self::state_dtype`].
     pub fn state_format(&self) -> StateFormat {
         StateFormat { master: self.master_dtype, moments: self.state_dtype }

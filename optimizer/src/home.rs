@@ -36,6 +36,14 @@ pub trait ComputeCopyHome: Send + Sync {
     /// The home could not make the copy writable (host budget, NVMe I/O, unknown unit).
     fn write(&self, unit: TensorId, f: &mut dyn FnMut(&mut [u8])) -> oogc_swapper::Result<()>;
 
+    /// Calls `f` with the unit's compute copy to update it in place: its current bytes are
+    /// there to read (fetched from a lower tier if need be), and every byte `f` leaves is the
+    /// new copy. How an update whose master weights live in the compute copy writes it.
+    ///
+    /// # Errors
+    /// As [`ComputeCopyHome::write`], and reading the old bytes (NVMe I/O, corrupt block).
+    fn update(&self, unit: TensorId, f: &mut dyn FnMut(&mut [u8])) -> oogc_swapper::Result<()>;
+
     /// Calls `f` with the unit's compute copy.
     ///
     /// # Errors
@@ -77,6 +85,11 @@ impl ComputeCopyHome for MemoryHome {
         let copy = self.copies.read().get(&unit).cloned().ok_or_else(|| unknown(unit))?;
         f(&mut copy.lock());
         Ok(())
+    }
+
+    /// As [`MemoryHome::write`]: the vector holds the old bytes.
+    fn update(&self, unit: TensorId, f: &mut dyn FnMut(&mut [u8])) -> oogc_swapper::Result<()> {
+        self.write(unit, f)
     }
 
     fn read(&self, unit: TensorId, f: &mut dyn FnMut(&[u8])) -> oogc_swapper::Result<()> {

@@ -286,6 +286,17 @@ impl CopyOut<'_> {
         }
     }
 
+    /// The destination's current bytes (`None` for no copy): what an update whose master
+    /// weights live in the compute copy reads before it overwrites them.
+    pub(crate) fn as_bytes(&self) -> Option<&[u8]> {
+        match self {
+            CopyOut::None => None,
+            CopyOut::F32(o) => Some(bytemuck::cast_slice(o)),
+            CopyOut::BF16(o) => Some(bytemuck::cast_slice(o)),
+            CopyOut::F16(o) => Some(bytemuck::cast_slice(o)),
+        }
+    }
+
     pub(crate) fn split_at(self, mid: usize) -> (Self, Self) {
         match self {
             CopyOut::None => (CopyOut::None, CopyOut::None),

@@ -82,4 +82,4 @@ pub use quant::{
     MomentBufs, Moments, StateDType, QUANT_BLOCK,
 };
 pub use simd::Isa;
-pub use stream::{state_nvme_bytes, stream_update, NvmeState, StreamConfig, StreamStats};
+pub use stream::{state_nvme_bytes, stream_update, MasterIn, NvmeState, StreamConfig, StreamStats};

@@ -104,7 +104,7 @@ fn held_master(dtype: MasterDType, master: &[f32]) -> std::borrow::Cow<'_, [f32]
 }
 use crate::quant::{MomentBufs, Reduced};
 use crate::simd::Isa;
-use crate::stream::{state_nvme_bytes, stream_update, NvmeState, StreamConfig};
+use crate::stream::{state_nvme_bytes, stream_update, MasterIn, NvmeState, StreamConfig};
 use oogc_swapper::{DType, StatePlacement};
 
 /// A unit's gradients, owned (the optimizer keeps them until the step is final, then gives them
@@ -573,29 +573,23 @@ pub fn state_host_bytes(numel: usize, placement: StatePlacement, format: StateFo
 
 /// What speculating one unit costs: `(host bytes, NVMe bytes)`. Host: its second compute copy
 /// (`numel` elements of `dtype`, in 4-byte words) plus, for host-placed state, a second
-/// master and moments ([`StateFormat::bytes`]: 12 B per parameter in f32); NVMe: for
-/// NVMe-placed state, its second extents (chunks of `chunk_params`, each padded to 4 KiB), held
-/// from its speculation to the commit.
-pub fn speculation_cost(
-    numel: usize,
-    placement: StatePlacement,
-    dtype: DType,
-    chunk_params: usize,
-    format: StateFormat,
-) -> (u64, u64) {
+/// master and moments ([`StateFormat::bytes`] of `stream.format`: 12 B per parameter in f32);
+/// NVMe: for NVMe-placed state, its second extents ([`StreamConfig::nvme_bytes`]), held from
+/// its speculation to the commit.
+pub fn speculation_cost(numel: usize, placement: StatePlacement, dtype: DType, stream: &StreamConfig) -> (u64, u64) {
     let copy = (copy_words(numel, dtype) * 4) as u64;
     match placement {
-        StatePlacement::Host => (copy + format.bytes(numel) as u64, 0),
-        StatePlacement::Nvme => (copy, state_nvme_bytes(numel, chunk_params, format)),
+        StatePlacement::Host => (copy + stream.format.bytes(numel) as u64, 0),
+        StatePlacement::Nvme => (copy, state_nvme_bytes(numel, stream)),
     }
 }
 
-/// Host bytes of one NVMe stream over units of at most `max_numel` parameters with chunks of
-/// `chunk_params`: three chunk buffers of `size_class(bytes(min(chunk_params, max_numel)))`
-/// ([`StateFormat::bytes`]: 12 B per parameter in f32).
-pub fn stream_host_bytes(max_numel: usize, chunk_params: usize, format: StateFormat) -> u64 {
-    let len = chunk_params.min(max_numel).max(1);
-    crate::stream::STREAM_BUFFERS as u64 * size_class(format.bytes(len)) as u64
+/// Host bytes of one NVMe stream over units of at most `max_numel` parameters streamed as
+/// `stream` says: three chunk buffers of `size_class(`[`StreamConfig::buffer_len`]`(min(chunk,
+/// max_numel)))` (12 B per parameter in f32).
+pub fn stream_host_bytes(max_numel: usize, stream: &StreamConfig) -> u64 {
+    let len = stream.chunk_params.min(max_numel).max(1);
+    crate::stream::STREAM_BUFFERS as u64 * size_class(stream.buffer_len(len)) as u64
 }
 
 /// Which units speculate, from [`PipelinedOptimizer::reserve_speculation`].
@@ -644,7 +638,7 @@ impl PipelinedOptimizer {
         config.validate()?;
         let isa = config.isa.unwrap_or_else(Isa::detect);
         let kernel = AdamKernel::new(isa, config.threads)?;
-        let stream = StreamConfig::with_format(config.stream_chunk_params(), config.state_format())?;
+        let stream = config.stream_config();
         let stream_pool = PinnedPool::with_ledger(
             &PinnedPoolConfig { budget_bytes: config.stream_host_budget_bytes, lock: true },
             Arc::new(MmapAllocator::new(true)),
@@ -727,7 +721,7 @@ impl PipelinedOptimizer {
     /// the largest NVMe-placed unit); 0 without NVMe-placed units.
     pub fn stream_bytes_per_stream(&self) -> u64 {
         let max = self.shared.units.read().values().filter(|c| c.placement == StatePlacement::Nvme).map(|c| c.n).max();
-        max.map_or(0, |n| stream_host_bytes(n, self.shared.stream.chunk_params, self.shared.stream.format))
+        max.map_or(0, |n| stream_host_bytes(n, &self.shared.stream))
     }
 
     /// Lowers (or raises) the host bytes the NVMe streams may hold, between steps: the stream
@@ -794,7 +788,7 @@ impl PipelinedOptimizer {
                 let store = sh.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
                 // Every stream buffer at the largest unit's chunk length: one size class, each
                 // buffer reused by every unit's stream (the plan holds `threads` streams of it).
-                sh.stream_pool.raise_min_len(sh.stream.format.bytes(sh.stream.chunk_params.min(n)));
+                sh.stream_pool.raise_min_len(sh.stream.buffer_len(sh.stream.chunk_params.min(n)));
                 let zeros = MomentBufs::zeros(sh.stream.format.moments, n);
                 let _slot = sh.slots.acquire();
                 let st = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, master, &zeros)?;
@@ -868,8 +862,7 @@ impl PipelinedOptimizer {
                 report.speculative_units += 1;
                 continue;
             }
-            let (host, nvme) =
-                speculation_cost(cell.n, cell.placement, dtype, sh.stream.chunk_params, sh.stream.format);
+            let (host, nvme) = speculation_cost(cell.n, cell.placement, dtype, &sh.stream);
             let fits = step.rollback_used_bytes.saturating_add(host) <= host_budget
                 && step.rollback_nvme_bytes.saturating_add(nvme) <= nvme_budget_bytes;
             let claim = if fits { sh.ledger.claim(HostUse::Speculation, host).ok() } else { None };
@@ -1227,8 +1220,30 @@ impl PipelinedOptimizer {
             Home::Host { cur, .. } => Ok(UnitState { master: cur.p.to_f32(), moments: cur.mom.clone() }),
             Home::Nvme { cur, .. } => {
                 let store = self.shared.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
-                let _slot = self.shared.slots.acquire();
-                let (master, moments) = cur.as_ref().expect("committed state").read(store, &self.shared.stream_pool)?;
+                let read = {
+                    let _slot = self.shared.slots.acquire();
+                    cur.as_ref().expect("committed state").read(store, &self.shared.stream_pool)?
+                };
+                let (master, moments) = read;
+                let master = match master {
+                    Some(m) => m,
+                    None => {
+                        // Kept in the committed compute copy (the second buffer's while it waits).
+                        let dtype = self.shared.config.compute_dtype;
+                        let mut master = vec![0f32; cell.n];
+                        let mut fill =
+                            |bytes: &[u8]| copy_to_f32(&bytes[..cell.n * dtype.size_in_bytes()], dtype, &mut master);
+                        match data.spare_copy.as_ref().filter(|s| s.unpublished) {
+                            Some(spare) => fill(copy_bytes(&spare.words, cell.n, dtype)),
+                            None => self
+                                .shared
+                                .home
+                                .read(unit, &mut fill)
+                                .map_err(|source| Error::Swapper { unit, source })?,
+                        }
+                        master
+                    }
+                };
                 Ok(UnitState { master, moments })
             }
         }
@@ -1288,6 +1303,16 @@ impl Drop for PipelinedOptimizer {
                 }
             }
         }
+    }
+}
+
+/// Widens a compute copy (`bytes` of `dtype`, little-endian) to f32 into `out`.
+fn copy_to_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) {
+    match dtype {
+        DType::F32 => out.copy_from_slice(bytemuck::cast_slice(bytes)),
+        DType::BF16 => bytemuck::cast_slice::<u8, bf16>(bytes).convert_to_f32_slice(out),
+        DType::F16 => bytemuck::cast_slice::<u8, f16>(bytes).convert_to_f32_slice(out),
+        DType::U8 => unreachable!("a compute copy is a float type"),
     }
 }
 
@@ -1361,7 +1386,8 @@ fn discard(sh: &Shared, data: &mut UnitData) {
 
 /// Runs one update of the unit from its committed state with `scalars`, writing the new compute
 /// copy to `out`: out of place into the spare buffers (speculative units) or in place; NVMe
-/// state to new extents. With `with_sumsq`, returns the gradients' sum of squares.
+/// state to new extents, its master weights from `master` ([`MasterIn`]). With `with_sumsq`,
+/// returns the gradients' sum of squares.
 #[allow(clippy::too_many_arguments)]
 fn update_into(
     sh: &Shared,
@@ -1369,6 +1395,7 @@ fn update_into(
     home: &mut Home,
     partials: &mut [f64],
     grads: GradSlice<'_>,
+    master: MasterIn<'_>,
     out: CopyOut<'_>,
     scalars: &StepScalars,
     with_sumsq: bool,
@@ -1424,6 +1451,7 @@ fn update_into(
                 sh.kernel.isa(),
                 scalars,
                 cur.as_ref().expect("committed state"),
+                master,
                 grads,
                 out,
                 part,
@@ -1436,25 +1464,41 @@ fn update_into(
 }
 
 /// Runs one update of the unit (see [`update_into`]): a speculated unit writes its new compute
-/// copy into its second buffer, any other straight into its home (the step is final then).
+/// copy into its second buffer, any other straight into its home (the step is final then). NVMe
+/// state that keeps its master weights in the compute copy ([`StreamConfig::master_in_copy`])
+/// reads them from the home's committed copy: beside the second buffer, or in place.
 fn update(sh: &Shared, cell: &UnitCell, data: &mut UnitData, scalars: &StepScalars, with_sumsq: bool) -> Result<f64> {
     let dtype = sh.config.compute_dtype;
     let n = cell.n;
     let UnitData { home, spare_copy, partials, grads, .. } = data;
     let grads = grads.as_ref().map(|(g, _)| g.as_slice()).expect("a submitted unit holds its gradients");
+    let in_copy = sh.stream.master_in_copy && matches!(home, Home::Nvme { .. });
+    let len = n * dtype.size_in_bytes();
+    let swap = |source| Error::Swapper { unit: cell.id, source };
+    let mut result = Ok(0.0);
     match spare_copy {
+        Some(spare) if in_copy => {
+            sh.home
+                .read(cell.id, &mut |bytes| {
+                    let out = copy_out(&mut spare.words, n, dtype);
+                    let master = MasterIn::Copy(&bytes[..len]);
+                    result = update_into(sh, cell, home, partials, grads, master, out, scalars, with_sumsq);
+                })
+                .map_err(swap)?;
+            result
+        }
         Some(spare) => {
-            update_into(sh, cell, home, partials, grads, copy_out(&mut spare.words, n, dtype), scalars, with_sumsq)
+            let out = copy_out(&mut spare.words, n, dtype);
+            update_into(sh, cell, home, partials, grads, MasterIn::Stored, out, scalars, with_sumsq)
         }
         None => {
-            let mut result = Ok(0.0);
-            let len = n * dtype.size_in_bytes();
-            sh.home
-                .write(cell.id, &mut |bytes| {
-                    let out = CopyOut::from_bytes(dtype, &mut bytes[..len]);
-                    result = update_into(sh, cell, home, partials, grads, out, scalars, with_sumsq);
-                })
-                .map_err(|source| Error::Swapper { unit: cell.id, source })?;
+            let mut f = |bytes: &mut [u8]| {
+                let out = CopyOut::from_bytes(dtype, &mut bytes[..len]);
+                let master = if in_copy { MasterIn::Out } else { MasterIn::Stored };
+                result = update_into(sh, cell, home, partials, grads, master, out, scalars, with_sumsq);
+            };
+            // The old copy is read first when it holds the master weights; else only written.
+            if in_copy { sh.home.update(cell.id, &mut f) } else { sh.home.write(cell.id, &mut f) }.map_err(swap)?;
             result
         }
     }

@@ -6,7 +6,16 @@
 //! their [`StateDType`](crate::StateDType) in the layout of [`Moments::from_bytes`]: `[p | m | v]` in f32 (12 B per
 //! parameter), `[p | m | v]` with bf16 moments (8 B), `[p | m absmax | v absmax | m | v]` with
 //! int8 moments (6 B and 8 B per block of 256). [`stream_update`] runs the update with three host buffers
-//! (ZeRO-Infinity's overlap of NVMe reads, CPU update and NVMe writes):
+//! (ZeRO-Infinity's overlap of NVMe reads, CPU update and NVMe writes).
+//!
+//! **Master weights in the compute copy.** When the compute copy holds the master weights bit
+//! for bit (f32 masters with f32 compute copies, bf16 masters with bf16 ones:
+//! [`StreamConfig::master_in_copy`]), storing them again in every chunk only writes the same
+//! bytes twice per step. Then a chunk's extent holds the moments alone; the update reads the
+//! master weights from the unit's compute copy ([`MasterIn`]) into the chunk buffer behind the
+//! moments and writes the new ones as the new compute copy, as always. With state and
+//! parameters on NVMe this drops 4 B per parameter from the optimizer's NVMe writes and reads
+//! (the compute copy is read and written back anyway):
 //!
 //! ```text
 //! buffer A: read k+1   | update k+2 | write k+2 ...
@@ -24,6 +33,7 @@
 
 use std::collections::VecDeque;
 
+use oogc_swapper::host::PAGE_BYTES;
 use oogc_swapper::{Extent, HostBuffer, IoHandle, NvmeStore, PinnedPool, TensorId};
 
 use crate::error::{Error, Result};
@@ -43,6 +53,10 @@ pub struct StreamConfig {
     pub chunk_params: usize,
     /// The master weights' and the moments' element types.
     pub format: StateFormat,
+    /// The master weights live in the unit's compute copy, not in the chunks (module docs):
+    /// extents hold the moments only and every update takes a [`MasterIn`] other than
+    /// [`MasterIn::Stored`].
+    pub master_in_copy: bool,
 }
 
 impl StreamConfig {
@@ -66,12 +80,65 @@ impl StreamConfig {
             });
         }
         debug_assert_eq!(NORM_BLOCK % QUANT_BLOCK, 0);
-        Ok(Self { chunk_params, format })
+        Ok(Self { chunk_params, format, master_in_copy: false })
+    }
+
+    /// The same, with the master weights in the compute copy when `yes` (module docs).
+    pub fn with_master_in_copy(self, yes: bool) -> Self {
+        Self { master_in_copy: yes, ..self }
+    }
+
+    /// Bytes of a chunk of `len` parameters on the store (before padding): master weights and
+    /// moments, or the moments alone with [`Self::master_in_copy`].
+    pub fn nvme_chunk_bytes(&self, len: usize) -> usize {
+        if self.master_in_copy {
+            self.format.moments.moment_bytes(len)
+        } else {
+            self.format.bytes(len)
+        }
+    }
+
+    /// Where a chunk buffer of `len` parameters holds the master weights, and the buffer's
+    /// length: `[p | moments]` when they are stored, `[moments | p]` when they come from the
+    /// compute copy (the read fills the buffer's start), `p` at the next multiple of 4 bytes.
+    /// Never more than [`StateFormat::bytes`] of a chunk one parameter longer, so a buffer of a
+    /// whole chunk holds any chunk.
+    fn layout(&self, len: usize) -> (usize, usize) {
+        let p = self.format.master.master_bytes(len);
+        if self.master_in_copy {
+            let at = self.format.moments.moment_bytes(len).next_multiple_of(4);
+            (at, at + p)
+        } else {
+            (0, self.format.bytes(len))
+        }
+    }
+
+    /// Bytes of a host buffer for a chunk of `len` parameters ([`StateFormat::bytes`], plus at
+    /// most 3 bytes of alignment for a ragged last chunk with the master in the compute copy).
+    pub fn buffer_len(&self, len: usize) -> usize {
+        self.layout(len).1
+    }
+
+    /// NVMe bytes of a unit's state of `numel` parameters: each chunk one extent of
+    /// [`Self::nvme_chunk_bytes`] padded to 4 KiB.
+    pub fn nvme_bytes(&self, numel: usize) -> u64 {
+        let chunk_params = self.chunk_params.max(1);
+        let full = (numel / chunk_params) as u64;
+        let rest = numel % chunk_params;
+        let pad = |params: usize| (self.nvme_chunk_bytes(params) as u64).next_multiple_of(PAGE_BYTES as u64);
+        full * pad(chunk_params) + if rest > 0 { pad(rest) } else { 0 }
+    }
+
+    /// NVMe bytes per parameter over whole blocks of [`QUANT_BLOCK`], unpadded (what a planner
+    /// multiplies): [`StateFormat::bytes_per_param`], less the master's with
+    /// [`Self::master_in_copy`].
+    pub fn nvme_bytes_per_param(&self) -> f64 {
+        self.nvme_chunk_bytes(QUANT_BLOCK) as f64 / QUANT_BLOCK as f64
     }
 
     /// Bytes of one chunk buffer as the pool hands it out (its size class).
     pub fn buffer_bytes(&self) -> u64 {
-        oogc_swapper::host::size_class(self.format.bytes(self.chunk_params)) as u64
+        oogc_swapper::host::size_class(self.buffer_len(self.chunk_params)) as u64
     }
 
     /// Host bytes one stream holds at most: [`STREAM_BUFFERS`] chunk buffers.
@@ -80,15 +147,24 @@ impl StreamConfig {
     }
 }
 
-/// NVMe bytes of a unit's state of `numel` parameters in chunks of `chunk_params` stored as
-/// `format`: each chunk is one extent of [`StateFormat::bytes`]`(len)` bytes (`12 × len` in
-/// f32) padded to 4 KiB.
-pub fn state_nvme_bytes(numel: usize, chunk_params: usize, format: StateFormat) -> u64 {
-    let chunk_params = chunk_params.max(1);
-    let full = (numel / chunk_params) as u64;
-    let rest = numel % chunk_params;
-    let pad = |params: usize| (format.bytes(params) as u64).next_multiple_of(oogc_swapper::host::PAGE_BYTES as u64);
-    full * pad(chunk_params) + if rest > 0 { pad(rest) } else { 0 }
+/// NVMe bytes of a unit's state of `numel` parameters streamed as `stream` says
+/// ([`StreamConfig::nvme_bytes`]: `12 × numel` in f32 with the master weights stored, padded
+/// per chunk to 4 KiB).
+pub fn state_nvme_bytes(numel: usize, stream: &StreamConfig) -> u64 {
+    stream.nvme_bytes(numel)
+}
+
+/// Where an update over NVMe state reads the unit's master weights from.
+#[derive(Debug, Clone, Copy)]
+pub enum MasterIn<'a> {
+    /// From the chunks (the state stores them: [`StreamConfig::master_in_copy`] false).
+    Stored,
+    /// From this committed compute copy (the unit's whole copy, bytes of the compute dtype,
+    /// which holds the master weights bit for bit); the new one goes to the update's output.
+    Copy(&'a [u8]),
+    /// From the update's output itself, before each chunk overwrites it: the compute copy is
+    /// updated in place.
+    Out,
 }
 
 /// What one stream did.
@@ -122,7 +198,9 @@ fn swap_err(unit: TensorId) -> impl Fn(oogc_swapper::Error) -> Error {
 impl NvmeState {
     /// Writes master weights `p` (stored in `cfg`'s master dtype: bf16 rounded to nearest even,
     /// exact for values that are bf16) and `moments` (one length; of `cfg`'s moment dtype) to
-    /// new extents, chunk by chunk through one buffer of `pool`.
+    /// new extents, chunk by chunk through one buffer of `pool`. With
+    /// [`StreamConfig::master_in_copy`] only the moments are written (`p` gives the length: the
+    /// caller writes the master weights into the unit's compute copy).
     ///
     /// # Errors
     /// [`Error::LengthMismatch`]; [`Error::Config`] for moments of another dtype than `cfg`'s;
@@ -150,14 +228,18 @@ impl NvmeState {
             });
         }
         let mut state = NvmeState { unit, len: p.len(), cfg, extents: Vec::new() };
-        let mut buf = Some(pool.alloc(state.chunk_bytes(0)).map_err(swap_err(unit))?);
+        let mut buf = Some(pool.alloc(state.buffer_bytes(0)).map_err(swap_err(unit))?);
         for k in 0..state.num_chunks() {
             let r = state.chunk_range(k);
             let mut b = buf.take().expect("buffer returned by the previous write");
-            b.set_len(state.chunk_bytes(k));
-            let (fp, fm) = b.as_mut_slice().split_at_mut(cfg.format.master.master_bytes(r.len()));
-            write_master(cfg.format.master, &p[r.clone()], fp);
-            moments.write_bytes(r, fm);
+            b.set_len(cfg.nvme_chunk_bytes(r.len()));
+            if cfg.master_in_copy {
+                moments.write_bytes(r, b.as_mut_slice());
+            } else {
+                let (fp, fm) = b.as_mut_slice().split_at_mut(cfg.format.master.master_bytes(r.len()));
+                write_master(cfg.format.master, &p[r.clone()], fp);
+                moments.write_bytes(r, fm);
+            }
             let (res, b) = store.write(unit, b).wait();
             buf = Some(b);
             match res {
@@ -171,30 +253,34 @@ impl NvmeState {
         Ok(state)
     }
 
-    /// Reads the whole state back: master weights (in f32: bf16 widened) and moments.
+    /// Reads the whole state back: master weights (in f32: bf16 widened; `None` with
+    /// [`StreamConfig::master_in_copy`]: the compute copy holds them) and moments.
     ///
     /// # Errors
     /// [`Error::Swapper`] for an I/O error, a corrupt block or the pool's budget.
-    pub fn read(&self, store: &NvmeStore, pool: &PinnedPool) -> Result<(Vec<f32>, MomentBufs)> {
-        let mut p = vec![0f32; self.len];
+    pub fn read(&self, store: &NvmeStore, pool: &PinnedPool) -> Result<(Option<Vec<f32>>, MomentBufs)> {
+        let stored = !self.cfg.master_in_copy;
+        let mut p = vec![0f32; if stored { self.len } else { 0 }];
         let mut moments = MomentBufs::zeros(self.cfg.format.moments, self.len);
-        let mut buf = Some(pool.alloc(self.chunk_bytes(0)).map_err(swap_err(self.unit))?);
+        let mut buf = Some(pool.alloc(self.buffer_bytes(0)).map_err(swap_err(self.unit))?);
         for (k, e) in self.extents.iter().enumerate() {
             let r = self.chunk_range(k);
             let (res, b) = store.read(e, buf.take().expect("buffer back")).wait();
             res.map_err(swap_err(self.unit))?;
-            let (fp, fm) = b.as_slice().split_at(self.cfg.format.master.master_bytes(r.len()));
-            read_master(self.cfg.format.master, fp, &mut p[r.clone()]);
+            let at = if stored { self.cfg.format.master.master_bytes(r.len()) } else { 0 };
+            let (fp, fm) = b.as_slice().split_at(at);
+            if stored {
+                read_master(self.cfg.format.master, fp, &mut p[r.clone()]);
+            }
             moments.read_bytes(r, fm);
             buf = Some(b);
         }
-        Ok((p, moments))
+        Ok((stored.then_some(p), moments))
     }
 
-    /// Bytes of chunk `k` (master weights and moments).
-    fn chunk_bytes(&self, k: usize) -> usize {
-        let r = self.chunk_range(k);
-        self.cfg.format.bytes(r.len())
+    /// Host buffer bytes of chunk `k` ([`StreamConfig::buffer_len`]).
+    fn buffer_bytes(&self, k: usize) -> usize {
+        self.cfg.buffer_len(self.chunk_range(k).len())
     }
 
     /// Frees every extent.
@@ -238,15 +324,23 @@ impl NvmeState {
 /// One Adam step over NVMe-resident `state`, streamed chunk by chunk (read k+1 ‖ update k ‖
 /// write k−1) through [`STREAM_BUFFERS`] buffers of `pool`, on the calling thread with `isa`.
 /// Writes the compute copy to `out` and, when given, the block sums of squares of `grads` to
-/// `partials` (one slot per [`NORM_BLOCK`]). Returns the **new** state (new extents) and the
-/// stream's figures; `state` is left as it was, for the caller to free (commit) or keep (roll back).
+/// `partials` (one slot per [`NORM_BLOCK`]). The master weights come from `master`: the chunks
+/// ([`MasterIn::Stored`]), or the compute copy when the state keeps them there
+/// ([`StreamConfig::master_in_copy`]; `out` must then be the compute copy of the master's
+/// dtype). Returns the **new** state (new extents) and the stream's figures; `state` is left as
+/// it was, for the caller to free (commit) or keep (roll back).
 ///
 /// The result equals [`crate::adam_step`] over the same state in memory, bit for bit.
 ///
 /// # Errors
-/// [`Error::LengthMismatch`] (grads, out, partials); [`Error::Swapper`] for the pool's budget
-/// (`OutOfMemory` on the host tier: raise `optimizer.stream_host_budget_bytes`), a full store,
-/// an I/O error or a corrupt block. On error every new extent is freed and `state` is intact.
+/// [`Error::LengthMismatch`] (grads, out, partials, the master's copy); [`Error::Config`] for a
+/// `master` the state's layout does not take (stored master weights and a copy given, or none
+/// given with the master in the copy, or an `out` of another dtype than the master's);
+/// [`Error::Swapper`] for the pool's budget (`OutOfMemory` on the host tier: raise
+/// `optimizer.stream_host_budget_bytes`), a full store, an I/O error or a corrupt block. On error
+/// every new extent is freed and `state` is intact — but with [`MasterIn::Out`] the chunks
+/// updated before the error have new master weights in `out` (the step failed: resume from a
+/// checkpoint).
 #[allow(clippy::too_many_arguments)]
 pub fn stream_update(
     store: &NvmeStore,
@@ -254,12 +348,14 @@ pub fn stream_update(
     isa: Isa,
     scalars: &StepScalars,
     state: &NvmeState,
+    master: MasterIn<'_>,
     grads: GradSlice<'_>,
     mut out: CopyOut<'_>,
     mut partials: Option<&mut [f64]>,
 ) -> Result<(NvmeState, StreamStats)> {
     let unit = state.unit;
     let n = state.len;
+    check_master_in(state, master, &out)?;
     if grads.len() != n {
         return Err(Error::LengthMismatch { what: format!("unit {unit} gradients"), expected: n, got: grads.len() });
     }
@@ -280,7 +376,7 @@ pub fn stream_update(
     if chunks == 0 {
         return Ok((new, stats));
     }
-    let buffer_len = state.chunk_bytes(0);
+    let buffer_len = state.buffer_bytes(0);
     let mut free: Vec<HostBuffer> = Vec::with_capacity(STREAM_BUFFERS);
     for _ in 0..STREAM_BUFFERS.min(chunks + 1) {
         let b = pool.alloc(buffer_len).map_err(swap_err(unit))?;
@@ -315,14 +411,30 @@ pub fn stream_update(
         }
         let r = state.chunk_range(k);
         stats.read_bytes += buf.len() as u64;
+        let stored_len = buf.len();
         {
             let blocks = (r.start / NORM_BLOCK)..r.end.div_ceil(NORM_BLOCK);
             let part = partials.as_deref_mut().map(|p| &mut p[blocks]);
             let (g, o) = (grads.slice(r.clone()), out.slice_mut(r.clone()));
-            let StateFormat { master, moments: dtype } = state.cfg.format;
-            let (pb, mb) = buf.as_mut_slice().split_at_mut(master.master_bytes(r.len()));
+            let StateFormat { master: mdt, moments: dtype } = state.cfg.format;
+            let (at, len) = state.cfg.layout(r.len());
+            buf.set_len(len);
+            let (pb, mb) = if state.cfg.master_in_copy {
+                let (mb, pb) = buf.as_mut_slice().split_at_mut(at);
+                let pb = &mut pb[..mdt.master_bytes(r.len())];
+                let size = copy_elem_bytes(mdt);
+                let dst = &mut pb[..size * r.len()];
+                match master {
+                    MasterIn::Copy(copy) => dst.copy_from_slice(&copy[r.start * size..r.end * size]),
+                    MasterIn::Out => dst.copy_from_slice(o.as_bytes().expect("checked: a compute copy")),
+                    MasterIn::Stored => unreachable!("checked: the master comes from the compute copy"),
+                }
+                (pb, &mut mb[..dtype.moment_bytes(r.len())])
+            } else {
+                buf.as_mut_slice().split_at_mut(mdt.master_bytes(r.len()))
+            };
             let moments = Moments::from_bytes(dtype, r.len(), mb);
-            match (master, moments) {
+            match (mdt, moments) {
                 (MasterDType::F32, Moments::F32 { m, v }) => {
                     let p = bytemuck::cast_slice_mut(pb);
                     step_one(isa, scalars, StateIo::InPlace { p, m, v }, g, o, part)?;
@@ -337,6 +449,7 @@ pub fn stream_update(
                 }
             }
         }
+        buf.set_len(stored_len);
         stats.written_bytes += buf.len() as u64;
         writes.push_back(store.write(unit, buf));
         reading = next;
@@ -348,6 +461,40 @@ pub fn stream_update(
         }
     }
     Ok((new, stats))
+}
+
+/// Bytes per element of a compute copy that holds master weights of `dtype` (f32: 4, bf16: 2).
+fn copy_elem_bytes(dtype: MasterDType) -> usize {
+    match dtype {
+        MasterDType::F32 => 4,
+        MasterDType::Bf16 => 2,
+    }
+}
+
+/// Checks that `master` is what `state`'s layout takes and `out` can carry the master weights.
+fn check_master_in(state: &NvmeState, master: MasterIn<'_>, out: &CopyOut<'_>) -> Result<()> {
+    let unit = state.unit;
+    let bad = |reason: String| Err(Error::Config { key: "optimizer.master_dtype".into(), reason });
+    let mdt = state.cfg.format.master;
+    match (state.cfg.master_in_copy, master) {
+        (false, MasterIn::Stored) => return Ok(()),
+        (false, _) => return bad(format!("unit {unit}: its state stores the master weights, a copy was given")),
+        (true, MasterIn::Stored) => {
+            return bad(format!("unit {unit}: its master weights live in the compute copy, none was given"))
+        }
+        (true, MasterIn::Copy(copy)) if copy.len() != copy_elem_bytes(mdt) * state.len => {
+            let what = format!("unit {unit} master weights in the compute copy (bytes)");
+            return Err(Error::LengthMismatch { what, expected: copy_elem_bytes(mdt) * state.len, got: copy.len() });
+        }
+        (true, _) => {}
+    }
+    let fits = matches!((mdt, out), (MasterDType::F32, CopyOut::F32(_)) | (MasterDType::Bf16, CopyOut::BF16(_)));
+    if !fits {
+        return bad(format!(
+            "unit {unit}: {mdt} master weights kept in the compute copy need a compute copy of that dtype"
+        ));
+    }
+    Ok(())
 }
 
 /// Writes master weights `p` into `out` ([`MasterDType::master_bytes`] of them) in `dtype`.

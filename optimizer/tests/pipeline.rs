@@ -32,7 +32,17 @@ fn grads(unit: u64, step: u64, n: usize, scale: f32) -> Vec<bf16> {
 /// The non-pipelined reference of the same steps: in-memory state per unit.
 struct Reference {
     cfg: OptimizerConfig,
-    units: Vec<(TensorId, UnitState, Vec<bf16>)>,
+    /// Each unit's id, state and compute copy (bytes of `cfg.compute_dtype` in 4-byte words).
+    units: Vec<(TensorId, UnitState, Vec<u32>)>,
+}
+
+/// The first `n` elements of `words` as an update's output of `dtype` (f32 or bf16).
+fn out_of(dtype: DType, words: &mut [u32], n: usize) -> CopyOut<'_> {
+    match dtype {
+        DType::F32 => CopyOut::F32(&mut bytemuck::cast_slice_mut(words)[..n]),
+        DType::BF16 => CopyOut::BF16(&mut bytemuck::cast_slice_mut(words)[..n]),
+        other => panic!("the reference keeps f32 or bf16 copies, not {other}"),
+    }
 }
 
 impl Reference {
@@ -45,7 +55,13 @@ impl Reference {
         // A bf16 master holds the weights rounded to nearest even.
         let rounded: Vec<f32> = master.iter().map(|&x| bf16::from_f32(x).to_f32()).collect();
         let master = if self.cfg.master_dtype == MasterDType::Bf16 { &rounded[..] } else { master };
-        let copy = master.iter().map(|&x| bf16::from_f32(x)).collect();
+        let mut copy = vec![0u32; (n * self.cfg.compute_dtype.size_in_bytes()).div_ceil(4)];
+        let mut out = out_of(self.cfg.compute_dtype, &mut copy, n);
+        match &mut out {
+            CopyOut::F32(o) => o.copy_from_slice(master),
+            CopyOut::BF16(o) => o.iter_mut().zip(master).for_each(|(o, &x)| *o = bf16::from_f32(x)),
+            _ => unreachable!(),
+        }
         let moments = MomentBufs::zeros(self.cfg.state_dtype, n);
         self.units.push((id, UnitState { master: master.to_vec(), moments }, copy));
         self.units.sort_by_key(|u| u.0);
@@ -67,11 +83,13 @@ impl Reference {
             let moments = st.moments.view();
             if self.cfg.master_dtype == MasterDType::Bf16 {
                 let mut pb: Vec<bf16> = st.master.iter().map(|&x| bf16::from_f32(x)).collect();
-                let (key, out) = (sr_key(id.0, t), CopyOut::BF16(copy));
+                let n = st.master.len();
+                let (key, out) = (sr_key(id.0, t), out_of(self.cfg.compute_dtype, copy, n));
                 adam_step_bf16_master(isa, &s, &mut pb, moments, GradSlice::BF16(gr), out, key, 0).unwrap();
                 st.master = pb.iter().map(|b| b.to_f32()).collect();
             } else {
-                adam_step_moments(isa, &s, &mut st.master, moments, GradSlice::BF16(gr), CopyOut::BF16(copy)).unwrap();
+                let out = out_of(self.cfg.compute_dtype, copy, st.master.len());
+                adam_step_moments(isa, &s, &mut st.master, moments, GradSlice::BF16(gr), out).unwrap();
             }
         }
         (norm, scale, false)
@@ -83,8 +101,9 @@ impl Reference {
             let got = opt.export_state(*id).unwrap();
             assert!(bits(&got.master) == bits(&st.master), "{what}: unit {id} master differs");
             assert!(moment_bytes(&got.moments) == moment_bytes(&st.moments), "{what}: unit {id} moments differ");
+            let len = st.master.len() * self.cfg.compute_dtype.size_in_bytes();
             opt.read_compute_copy(*id, |b| {
-                assert!(b == bytemuck::cast_slice::<bf16, u8>(copy), "{what}: unit {id} copy")
+                assert!(b == &bytemuck::cast_slice::<u32, u8>(copy)[..len], "{what}: unit {id} copy")
             })
             .unwrap();
         }
@@ -413,8 +432,7 @@ fn one_home_per_compute_copy_and_every_host_byte_claimed() {
     let state: u64 = sizes.iter().enumerate().map(|(i, &n)| state_host_bytes(n, place(i), cfg.state_format())).sum();
     assert_eq!(ledger.used_bytes_of(HostUse::OptimizerState), state);
     // Room for the second buffers of units 0 and 1 only: unit 2 is deferred.
-    let cost =
-        |i: usize| speculation_cost(sizes[i], place(i), DType::BF16, cfg.stream_chunk_params(), cfg.state_format());
+    let cost = |i: usize| speculation_cost(sizes[i], place(i), DType::BF16, &cfg.stream_config());
     let room = cost(0).0 + cost(1).0;
     let spec = opt.reserve_speculation(room, u64::MAX).unwrap();
     assert_eq!((spec.speculative_units, spec.deferred_units), (2, 1), "{spec:?}");
@@ -450,8 +468,9 @@ fn one_home_per_compute_copy_and_every_host_byte_claimed() {
     for i in 0..3 {
         opt.publish(TensorId(i)).unwrap();
     }
-    for (id, _, copy) in &reference.units {
-        assert_eq!(home_copy(id.0), bytemuck::cast_slice::<bf16, u8>(copy), "unit {id} home after publish");
+    for (id, st, copy) in &reference.units {
+        let len = st.master.len() * cfg.compute_dtype.size_in_bytes();
+        assert_eq!(home_copy(id.0), bytemuck::cast_slice::<u32, u8>(copy)[..len], "unit {id} home after publish");
     }
     assert!(ledger.used_bytes_of(HostUse::NvmeStream) <= cfg.stream_host_budget_bytes);
     assert!(ledger.peak_bytes() >= state + room);
@@ -523,22 +542,30 @@ fn shards_of_a_model_joined_by_a_norm_reduce_update_as_the_whole_model() {
 
 /// bf16 and int8 moments, host- and NVMe-placed, speculated, clipped, redone, skipped and
 /// deferred: the pipelined step gives the bits of [`adam_step_moments`] over the whole model,
-/// and the state takes the bytes its dtype says.
+/// and the state takes the bytes its dtype says. With bf16 compute copies and bf16 masters, and
+/// with f32 copies and f32 masters, NVMe-placed units keep their master weights in the compute
+/// copy ([`OptimizerConfig::master_in_compute_copy`]): the same bits.
 #[test]
 fn reduced_moments_equal_the_reference_on_host_and_nvme() {
     let formats = [
-        StateFormat::with_moments(StateDType::Bf16),
-        StateFormat::with_moments(StateDType::Int8),
-        StateFormat { master: MasterDType::Bf16, moments: StateDType::F32 },
-        StateFormat { master: MasterDType::Bf16, moments: StateDType::Int8 },
+        (StateFormat::with_moments(StateDType::Bf16), DType::BF16),
+        (StateFormat::with_moments(StateDType::Int8), DType::BF16),
+        (StateFormat { master: MasterDType::Bf16, moments: StateDType::F32 }, DType::BF16),
+        (StateFormat { master: MasterDType::Bf16, moments: StateDType::Int8 }, DType::BF16),
+        (StateFormat::with_moments(StateDType::Int8), DType::F32),
+        (StateFormat::with_moments(StateDType::F32), DType::F32),
     ];
-    for format in formats {
+    for (format, compute) in formats {
         let dtype = format.moments;
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(NvmeStore::open(NvmeConfig::new(vec![dir.path().to_path_buf()], 256 << 20)).unwrap());
         let mut cfg = config(Some(50.0), 2);
         cfg.state_dtype = dtype;
         cfg.master_dtype = format.master;
+        cfg.compute_dtype = compute;
+        let aliased =
+            matches!((format.master, compute), (MasterDType::F32, DType::F32) | (MasterDType::Bf16, DType::BF16));
+        assert_eq!(cfg.master_in_compute_copy(), aliased, "{format} with {compute} copies");
         // A roll-back budget for a few units: the rest are deferred (updated in place).
         cfg.rollback_budget_bytes = Some(40_000);
         let place = |i: usize| if i.is_multiple_of(2) { StatePlacement::Nvme } else { StatePlacement::Host };
@@ -561,12 +588,11 @@ fn reduced_moments_equal_the_reference_on_host_and_nvme() {
             .iter()
             .enumerate()
             .filter(|(i, _)| place(*i) == StatePlacement::Nvme)
-            .map(|(_, &n)| oogc_optimizer::state_nvme_bytes(n, cfg.stream_chunk_params(), cfg.state_format()))
+            .map(|(_, &n)| oogc_optimizer::state_nvme_bytes(n, &cfg.stream_config()))
             .sum();
         assert_eq!(store.used_bytes(), nvme, "{dtype}");
-        let f32_chunk = config(None, 1).stream_chunk_params();
-        let f32_nvme: u64 =
-            [0, 2, 4].iter().map(|&i| oogc_optimizer::state_nvme_bytes(SIZES[i], f32_chunk, Default::default())).sum();
+        let f32_stream = config(None, 1).stream_config();
+        let f32_nvme: u64 = [0, 2, 4].iter().map(|&i| oogc_optimizer::state_nvme_bytes(SIZES[i], &f32_stream)).sum();
         assert!(nvme < f32_nvme, "{dtype}: {nvme} NVMe bytes, not fewer than f32's {f32_nvme}");
         // Export and import keep every bit (the int8 codes and absmaxes as they are).
         let mut changed = st.clone();

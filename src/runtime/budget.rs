@@ -290,7 +290,7 @@ impl HostPlan {
         let (stream_min, stream_want) = match config.state_placement {
             StatePlacement::Host => (0, 0),
             StatePlacement::Nvme => {
-                let one = stream_host_bytes(largest_shard, opt.stream_chunk_params(), opt.state_format());
+                let one = stream_host_bytes(largest_shard, &opt.stream_config());
                 let want = (opt.threads as u64 * one).min(opt.stream_host_budget_bytes).max(one);
                 (one, want)
             }
@@ -432,7 +432,7 @@ fn speculation_fit(
 ) -> (u64, usize) {
     let (mut host, mut nvme, mut count) = (0u64, 0u64, 0usize);
     for &n in units {
-        let (h, v) = speculation_cost(n, state, opt.compute_dtype, opt.stream_chunk_params(), opt.state_format());
+        let (h, v) = speculation_cost(n, state, opt.compute_dtype, &opt.stream_config());
         if host + h <= host_budget && nvme + v <= nvme_budget {
             host += h;
             nvme += v;
@@ -506,24 +506,22 @@ impl NvmePlan {
         if state == StatePlacement::Host && params == StatePlacement::Host {
             return None;
         }
-        let chunk = opt.stream_chunk_params();
+        let stream = opt.stream_config();
         let largest = copies.iter().copied().max().unwrap_or(0);
         let largest_shard = shards.iter().copied().max().unwrap_or(0);
         let pad = |b: u64| b.next_multiple_of(PAGE_BYTES as u64);
         let on = |p: StatePlacement| p == StatePlacement::Nvme;
-        let state_bytes: u64 =
-            if on(state) { shards.iter().map(|&n| state_nvme_bytes(n, chunk, opt.state_format())).sum() } else { 0 };
+        let state_bytes: u64 = if on(state) { shards.iter().map(|&n| state_nvme_bytes(n, &stream)).sum() } else { 0 };
         let params_bytes: u64 =
             if on(params) { copies.iter().map(|&n| pad(opt.compute_dtype.num_bytes(n) as u64)).sum() } else { 0 };
         let threads = opt.threads as u64;
         let frag = FRAGMENTATION_EXTENTS;
-        let slack_bytes =
-            if on(state) { (threads + frag) * state_nvme_bytes(largest_shard, chunk, opt.state_format()) } else { 0 }
-                + if on(params) {
-                    (PREFETCH_THREADS + threads + 1 + frag) * pad(opt.compute_dtype.num_bytes(largest) as u64)
-                } else {
-                    0
-                };
+        let slack_bytes = if on(state) { (threads + frag) * state_nvme_bytes(largest_shard, &stream) } else { 0 }
+            + if on(params) {
+                (PREFETCH_THREADS + threads + 1 + frag) * pad(opt.compute_dtype.num_bytes(largest) as u64)
+            } else {
+                0
+            };
         let min_bytes = state_bytes + params_bytes + slack_bytes;
         // Immediate updates speculate nothing: no second extents.
         let speculation_bytes = if opt.updates_immediately() { 0 } else { state_bytes };
@@ -584,62 +582,6 @@ impl NvmePlan {
         }
         Ok(())
     }
-}
-
-/// Compute-copy NVMe traffic of one steady-state step with parameters on NVMe: `(read, write)`
-/// bytes. A model of the host tier as a cache of `cache_bytes` over the units' compute copies
-/// (`copy_bytes`, in unit order): each step reads every unit in the forward (unit order) and in
-/// the backward (reverse order), and the optimizer overwrites each unit's copy right after its
-/// backward (no read; dirty). A miss on a read is an NVMe read; the victim is the cached unit
-/// whose next read is farthest (Belady's MIN, the runtime's next-use eviction; a copy about to
-/// be overwritten first), and a dirty victim is written back. Three steps are run and the last
-/// is reported. All of it cached: `(0, 0)`.
-pub fn param_nvme_traffic(copy_bytes: &[u64], cache_bytes: u64) -> (u64, u64) {
-    const STEPS: usize = 3;
-    let n_units = copy_bytes.len();
-    if copy_bytes.iter().sum::<u64>() <= cache_bytes {
-        return (0, 0);
-    }
-    // (unit, overwrite) in step order.
-    let one: Vec<(usize, bool)> =
-        (0..n_units).map(|u| (u, false)).chain((0..n_units).rev().flat_map(|u| [(u, false), (u, true)])).collect();
-    let seq: Vec<(usize, bool)> = one.iter().copied().cycle().take(STEPS * one.len()).collect();
-    // Next read of a unit after position t: usize::MAX when its next access overwrites it.
-    let next_read = |u: usize, t: usize| -> usize {
-        match seq[t + 1..].iter().position(|&(v, _)| v == u) {
-            Some(k) if !seq[t + 1 + k].1 => t + 1 + k,
-            _ => usize::MAX,
-        }
-    };
-    let mut cached: Vec<Option<bool>> = vec![None; n_units]; // Some(dirty)
-    let mut used = 0u64;
-    let (mut read, mut write) = (0u64, 0u64);
-    for (t, &(u, overwrite)) in seq.iter().enumerate() {
-        let last_step = t >= (STEPS - 1) * one.len();
-        if cached[u].is_none() {
-            if !overwrite && last_step {
-                read += copy_bytes[u];
-            }
-            while used + copy_bytes[u] > cache_bytes {
-                let Some(victim) =
-                    (0..n_units).filter(|&v| v != u && cached[v].is_some()).max_by_key(|&v| next_read(v, t))
-                else {
-                    break;
-                };
-                if cached[victim] == Some(true) && last_step {
-                    write += copy_bytes[victim];
-                }
-                used -= copy_bytes[victim];
-                cached[victim] = None;
-            }
-            used += copy_bytes[u];
-            cached[u] = Some(false);
-        }
-        if overwrite {
-            cached[u] = Some(true);
-        }
-    }
-    (read, write)
 }
 
 /// The elements of each unit (`units`, whole sizes) that rank `w.rank`'s optimizer holds: its
@@ -718,7 +660,8 @@ mod tests {
         let p = NvmePlan::new(&units, StatePlacement::Nvme, StatePlacement::Nvme, &opt, None, false, World::SINGLE)
             .unwrap();
         let params: u64 = units.iter().map(|&n| DType::F32.num_bytes(n) as u64).sum();
-        assert!(p.state_bytes >= 3 * params && p.params_bytes >= params);
+        // f32 compute copies hold the f32 master weights: the state's chunks keep m and v alone.
+        assert!(p.state_bytes >= 2 * params && p.state_bytes < 2 * params + 3 * 4096 && p.params_bytes >= params);
         // bf16 compute copies: half the parameter bytes on NVMe (within the 4 KiB padding).
         let half = NvmePlan::new(
             &units,
@@ -732,7 +675,8 @@ mod tests {
         let half = half.unwrap();
         assert_eq!(OptimizerConfig::default().compute_dtype, DType::BF16);
         assert!(half.params_bytes >= params / 2 && half.params_bytes < params / 2 + 3 * 4096, "{half:?}");
-        assert_eq!(half.state_bytes, p.state_bytes);
+        // bf16 copies cannot hold them: master weights, m and v in the chunks.
+        assert!(half.state_bytes >= 3 * params && half.state_bytes < 3 * params + 3 * 4096, "{half:?}");
         assert_eq!(p.capacity_bytes, p.min_bytes + p.state_bytes);
         assert!(p.capacity_bytes < 3 * p.state_bytes + p.params_bytes + (64 << 20));
         let dirs = vec![PathBuf::from("/nonexistent-oogc/a")];
@@ -753,23 +697,6 @@ mod tests {
         assert!(e.contains("nvme_size") && e.contains(&small.min_bytes.to_string()), "{e}");
         assert!(NvmePlan::new(&units, StatePlacement::Host, StatePlacement::Host, &opt, None, false, World::SINGLE)
             .is_none());
-    }
-
-    #[test]
-    fn param_nvme_traffic_follows_the_cache() {
-        let units = vec![100u64; 10];
-        assert_eq!(param_nvme_traffic(&units, 1000), (0, 0));
-        // Half cached: the forward hits what the last updates left, the backward what the
-        // forward left; every unit is read once and written once.
-        let (r, w) = param_nvme_traffic(&units, 500);
-        assert_eq!((r, w), (1000, 1000));
-        // Room for one unit: every read misses but the turn's (the last unit's backward right
-        // after its forward) and the next forward's first (the last update's copy); every update
-        // is written back.
-        assert_eq!(param_nvme_traffic(&units, 100), (1800, 1000));
-        // Traffic falls as the cache grows.
-        let (r9, w9) = param_nvme_traffic(&units, 900);
-        assert!(r9 < r && w9 < w, "{r9} {w9}");
     }
 
     #[test]

@@ -55,6 +55,14 @@ impl ComputeCopyHome for ResidencyHome {
         overwrite_host_copy(&self.residency, unit, f)
     }
 
+    /// The host copy pinned for [`Access::Write`]: read from NVMe when absent, a stale device
+    /// copy dropped, written back when evicted.
+    fn update(&self, unit: TensorId, f: &mut dyn FnMut(&mut [u8])) -> oogc_swapper::Result<()> {
+        let pin = self.residency.acquire(unit, Tier::Host, Access::Write)?;
+        f(&mut pin.host_bytes_mut());
+        Ok(())
+    }
+
     fn read(&self, unit: TensorId, f: &mut dyn FnMut(&[u8])) -> oogc_swapper::Result<()> {
         let pin = self.residency.acquire(unit, Tier::Host, Access::Read)?;
         f(&pin.host_bytes());
@@ -105,6 +113,10 @@ impl ComputeCopyHome for RankHome {
 
     fn write(&self, unit: TensorId, f: &mut dyn FnMut(&mut [u8])) -> oogc_swapper::Result<()> {
         self.of(unit).write(unit, f)
+    }
+
+    fn update(&self, unit: TensorId, f: &mut dyn FnMut(&mut [u8])) -> oogc_swapper::Result<()> {
+        self.of(unit).update(unit, f)
     }
 
     fn read(&self, unit: TensorId, f: &mut dyn FnMut(&[u8])) -> oogc_swapper::Result<()> {

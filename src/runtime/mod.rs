@@ -90,7 +90,7 @@ pub mod tensor;
 mod unit;
 
 pub use activations::{ActivationId, Activations};
-pub use budget::{param_nvme_traffic, rank_units, HostPlan, NvmePlan};
+pub use budget::{rank_units, HostPlan, NvmePlan};
 pub use config::{ActivationOffload, DeviceSpec, RuntimeConfig};
 pub use device_optim::{adam_fixture_excess, adam_step_tensors, device_optimizer_bytes, OptimizerPlace};
 pub use error::{Result, RuntimeError};
