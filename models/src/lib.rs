@@ -35,6 +35,7 @@
 //! | [`mixtral`] | Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE: the Llama family's attention with a sparse MoE feed-forward network per layer (top-k of `E` SwiGLU experts, each a unit; Qwen2-MoE's shared expert in the trunk; the load-balancing loss pooled over all layers): [`Mixtral`], [`MixtralConfig`] |
 //! | [`hf`] | Hugging Face checkpoints: `config.json` ↔ [`LlamaConfig`] (the MoE families' too), safetensors read unit by unit ([`hf::HfCheckpoint`]) and written in shards ([`hf::write_checkpoint`]) |
 //! | [`checksum`] | crc32c per tensor and for the file in safetensors `__metadata__` (oogc checkpoints and Hugging Face exports), verified on read |
+//! | [`streamed`] | one safetensors file written as its data is produced ([`streamed::StreamedFile`]: header first with placeholder checksums, data in pieces, checksums over the header at the end): the Hugging Face export's shards and oogc's checkpoints |
 //! | `ops`, `kernels` | the checks, views and mixed-precision helpers shared by the families; their ops, each a fused CPU kernel with its own backward beside its composition of candle ops |
 //!
 //! Every call takes a unit's flat parameters as a 1-D [`Tensor`] on any candle device and
@@ -56,6 +57,7 @@ pub mod moe;
 mod ops;
 #[cfg(test)]
 mod shared_tests;
+pub mod streamed;
 pub mod unit;
 
 use std::path::PathBuf;

@@ -14,43 +14,19 @@
 //! `safetensors::serialize` does: a tensor's data may start at any byte (oogc's readers copy
 //! it out).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{BufWriter, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use safetensors::tensor::Dtype;
+pub use oogc_models::streamed::TensorSpec;
+use oogc_models::streamed::{StreamError, StreamedFile};
 
 use super::{io, list, path_for, remove_stale_temp_files, CheckpointError, Result};
-use crate::checksum::{checksum_entries, TensorChecksum};
 
 /// Bytes of the buffer between a [`Writer`]'s caller and its file (the only memory a writer
 /// holds besides the header).
-pub const WRITE_BUFFER_BYTES: usize = 1 << 20;
-
-/// A tensor of a checkpoint to be written: what its header entry needs before its data exists.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TensorSpec {
-    /// safetensors key, e.g. `blocks.0.attn.qkv.weight.exp_avg`.
-    pub name: String,
-    /// Element type (F32, BF16, I8 or U8 in oogc's checkpoints).
-    pub dtype: Dtype,
-    /// Dimensions.
-    pub shape: Vec<usize>,
-}
-
-impl TensorSpec {
-    /// A tensor called `name` of `dtype` and `shape`.
-    pub fn new(name: impl Into<String>, dtype: Dtype, shape: Vec<usize>) -> Self {
-        Self { name: name.into(), dtype, shape }
-    }
-
-    /// Bytes of its data: the product of `shape` × the dtype's size.
-    pub fn num_bytes(&self) -> u64 {
-        (self.shape.iter().product::<usize>() as u64 * self.dtype.bitsize() as u64).div_ceil(8)
-    }
-}
+pub const WRITE_BUFFER_BYTES: usize = oogc_models::streamed::BUFFER_BYTES;
 
 /// What a finished [`Writer`] saved.
 #[derive(Debug, Clone, PartialEq)]
@@ -85,17 +61,7 @@ pub struct Writer {
     path: PathBuf,
     tmp: PathBuf,
     /// `None` once finished (then `Drop` leaves the file alone).
-    file: Option<BufWriter<File>>,
-    metadata: HashMap<String, String>,
-    tensors: Vec<TensorSpec>,
-    /// crc32c of each tensor written in full, in order.
-    crcs: Vec<u32>,
-    /// The tensor being written: its bytes so far and their crc32c.
-    filled: u64,
-    crc: u32,
-    header_len: usize,
-    data_bytes: u64,
-    written: u64,
+    file: Option<StreamedFile>,
     half_way: bool,
     start: Instant,
 }
@@ -103,7 +69,8 @@ pub struct Writer {
 impl Writer {
     /// Starts the checkpoint of `step` in `dir` (created if needed): its temp file
     /// (`ckpt-{step:08}.safetensors.tmp`) with the header of `tensors` (in the order their data
-    /// will be appended) and `metadata` (plus `step`; the checksum entries are added).
+    /// will be appended) and `metadata` (plus `step`; the checksum entries are added), an
+    /// [`oogc_models::streamed::StreamedFile`].
     ///
     /// # Errors
     /// [`CheckpointError::NoSpace`] when the directory's file system has less free space than
@@ -117,17 +84,10 @@ impl Writer {
     ) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let invalid = |reason: String| CheckpointError::Corrupt { path: dir.to_path_buf(), reason };
-        let mut seen = HashSet::new();
-        for t in &tensors {
-            if !seen.insert(t.name.as_str()) {
-                return Err(invalid(format!("tensor {} is named twice", t.name)));
-            }
-        }
-        let mut info: HashMap<String, String> = metadata.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        let mut info = metadata.clone();
         info.insert("step".into(), step.to_string());
-        let header = header(&info, &tensors, None).map_err(invalid)?;
-        let data_bytes: u64 = tensors.iter().map(TensorSpec::num_bytes).sum();
-        let needed = 8 + header.len() as u64 + data_bytes;
+        let header = oogc_models::streamed::header(&info, &tensors, None).map_err(invalid)?;
+        let needed = 8 + header.len() as u64 + tensors.iter().map(TensorSpec::num_bytes).sum::<u64>();
         if let Ok(free) = crate::runtime::budget::statvfs_free_bytes(dir) {
             if free < needed {
                 return Err(CheckpointError::NoSpace {
@@ -139,44 +99,35 @@ impl Writer {
         }
         let path = path_for(dir, step);
         let tmp = path.with_extension("safetensors.tmp");
-        let file = File::create(&tmp).map_err(io(&tmp))?;
-        let mut w = Self {
-            dir: dir.to_path_buf(),
-            path,
-            tmp,
-            file: Some(BufWriter::with_capacity(WRITE_BUFFER_BYTES, file)),
-            metadata: info,
-            tensors,
-            crcs: Vec::new(),
-            filled: 0,
-            crc: 0,
-            header_len: header.len(),
-            data_bytes,
-            written: 0,
-            half_way: false,
-            start: Instant::now(),
+        let file = match StreamedFile::create(&tmp, &info, tensors) {
+            Ok(f) => f,
+            Err(StreamError::Invalid(reason)) => return Err(invalid(reason)),
+            Err(StreamError::Io(e)) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(io_or_no_space(dir, &tmp, needed, 0, e));
+            }
         };
-        let f = w.file.as_mut().expect("open");
-        let r = f.write_all(&(header.len() as u64).to_le_bytes()).and_then(|_| f.write_all(header.as_bytes()));
-        r.map_err(|e| w.write_error(e))?;
-        w.skip_empty();
-        Ok(w)
+        Ok(Self { dir: dir.to_path_buf(), path, tmp, file: Some(file), half_way: false, start: Instant::now() })
+    }
+
+    fn file(&self) -> &StreamedFile {
+        self.file.as_ref().expect("a writer is open until finished")
     }
 
     /// The tensor whose data the next [`Writer::append`] continues, `None` when every tensor is
     /// complete.
     pub fn next_tensor(&self) -> Option<&TensorSpec> {
-        self.tensors.get(self.crcs.len())
+        self.file().next_tensor()
     }
 
     /// Bytes of tensor data written so far, of [`Writer::data_bytes`].
     pub fn written_bytes(&self) -> u64 {
-        self.written
+        self.file().written_bytes()
     }
 
     /// Bytes of tensor data the file holds when complete.
     pub fn data_bytes(&self) -> u64 {
-        self.data_bytes
+        self.file().data_bytes()
     }
 
     /// Appends `bytes` of tensor data (little-endian), continuing where the last call stopped,
@@ -187,53 +138,31 @@ impl Writer {
     /// [`CheckpointError::Corrupt`] when `bytes` run past the last tensor; [`CheckpointError::Io`]
     /// or [`CheckpointError::NoSpace`] when the write fails (the temp file is removed when the
     /// writer is dropped; earlier checkpoints are untouched).
-    pub fn append(&mut self, mut bytes: &[u8]) -> Result<()> {
-        while !bytes.is_empty() {
-            let Some(spec) = self.tensors.get(self.crcs.len()) else {
-                return Err(CheckpointError::Corrupt {
-                    path: self.tmp.clone(),
-                    reason: format!("{} bytes of data past the last tensor", bytes.len()),
-                });
-            };
-            let take = (spec.num_bytes() - self.filled).min(bytes.len() as u64) as usize;
-            let (now, rest) = bytes.split_at(take);
-            self.crc = crc32c::crc32c_append(self.crc, now);
-            let f = self.file.as_mut().expect("a writer is open until finished");
-            f.write_all(now).map_err(|e| self.write_error(e))?;
-            self.filled += take as u64;
-            self.written += take as u64;
-            bytes = rest;
-            self.skip_empty();
-            if !self.half_way && 2 * self.written >= self.data_bytes {
+    pub fn append(&mut self, bytes: &[u8]) -> Result<()> {
+        let f = self.file.as_mut().expect("a writer is open until finished");
+        let r = f.append(bytes);
+        let r = r.and_then(|()| {
+            if !self.half_way && 2 * f.written_bytes() >= f.data_bytes() {
                 self.half_way = true;
-                self.file.as_mut().expect("open").flush().map_err(|e| self.write_error(e))?;
+                f.flush()?;
                 // Test hooks (crate::hooks): the soak kills a run half-way through this write.
                 crate::hooks::pause_point("checkpoint");
                 crate::hooks::crash_point("checkpoint");
             }
-        }
-        Ok(())
+            Ok(())
+        });
+        r.map_err(|e| self.stream_error(e))
     }
 
-    /// Closes the tensor being written when it is complete, and every empty one after it.
-    fn skip_empty(&mut self) {
-        while let Some(spec) = self.tensors.get(self.crcs.len()) {
-            if self.filled < spec.num_bytes() {
-                break;
+    /// A [`StreamError`] of the temp file: [`CheckpointError::NoSpace`] when the disk is full.
+    fn stream_error(&self, e: StreamError) -> CheckpointError {
+        match e {
+            StreamError::Invalid(reason) => CheckpointError::Corrupt { path: self.tmp.clone(), reason },
+            StreamError::Io(e) => {
+                let f = self.file();
+                io_or_no_space(&self.dir, &self.tmp, f.file_bytes(), 8 + f.written_bytes(), e)
             }
-            self.crcs.push(std::mem::take(&mut self.crc));
-            self.filled = 0;
         }
-    }
-
-    /// An I/O error of the temp file: [`CheckpointError::NoSpace`] when the disk is full.
-    fn write_error(&self, e: std::io::Error) -> CheckpointError {
-        if e.kind() == std::io::ErrorKind::StorageFull {
-            let free = crate::runtime::budget::statvfs_free_bytes(&self.dir).unwrap_or(0);
-            let needed = (8 + self.header_len as u64 + self.data_bytes).saturating_sub(8 + self.written);
-            return CheckpointError::NoSpace { dir: self.dir.clone(), needed_bytes: needed, free_bytes: free };
-        }
-        io(&self.tmp)(e)
     }
 
     /// Completes the file: writes the real checksums into its header, syncs it, renames it to
@@ -245,15 +174,16 @@ impl Writer {
     /// [`CheckpointError::Io`] / [`CheckpointError::NoSpace`].
     pub fn finish(mut self, keep: usize) -> Result<Saved> {
         if let Some(t) = self.next_tensor() {
+            let f = self.file();
             return Err(CheckpointError::Corrupt {
                 path: self.tmp.clone(),
                 reason: format!(
                     "tensor {} has {} of {} bytes ({} of {} data bytes written)",
                     t.name,
-                    self.filled,
+                    f.next_tensor_filled(),
                     t.num_bytes(),
-                    self.written,
-                    self.data_bytes
+                    f.written_bytes(),
+                    f.data_bytes()
                 ),
             });
         }
@@ -263,22 +193,16 @@ impl Writer {
             crate::hooks::pause_point("checkpoint");
             crate::hooks::crash_point("checkpoint");
         }
-        let header = header(&self.metadata, &self.tensors, Some(&self.crcs))
-            .map_err(|reason| CheckpointError::Corrupt { path: self.tmp.clone(), reason })?;
-        assert_eq!(header.len(), self.header_len, "checksum entries are fixed width");
-        let w = self.file.take().expect("open");
-        let result = (|| -> std::io::Result<u64> {
-            let mut file = w.into_inner().map_err(|e| e.into_error())?;
-            file.seek(SeekFrom::Start(8))?;
-            file.write_all(header.as_bytes())?;
-            file.sync_all()?;
-            Ok(file.metadata()?.len())
-        })();
+        let file = self.file.take().expect("open");
+        let size = file.file_bytes();
         let tmp = self.tmp.clone();
-        let bytes = match result {
+        let bytes = match file.finish() {
             Ok(bytes) => bytes,
             Err(e) => {
-                let err = self.write_error(e);
+                let err = match e {
+                    StreamError::Invalid(reason) => CheckpointError::Corrupt { path: tmp.clone(), reason },
+                    StreamError::Io(e) => io_or_no_space(&self.dir, &tmp, size, size, e),
+                };
                 let _ = std::fs::remove_file(&tmp);
                 return Err(err);
             }
@@ -307,48 +231,16 @@ impl Drop for Writer {
     }
 }
 
-/// The safetensors header of `tensors` (data in their order) with `metadata` and the checksum
-/// entries (`crcs`: each tensor's crc32c; `None` for the placeholder of the same length),
-/// padded with spaces to a multiple of 8 bytes. The same inputs give the same bytes (metadata
-/// keys sorted). Errors: a shape whose size overflows.
-fn header(
-    metadata: &HashMap<String, String>,
-    tensors: &[TensorSpec],
-    crcs: Option<&[u32]>,
-) -> std::result::Result<String, String> {
-    use serde_json::{Map, Value};
-    let mut offset = 0u64;
-    let mut entries = Vec::with_capacity(tensors.len());
-    let mut checksums = Vec::with_capacity(tensors.len());
-    for (k, t) in tensors.iter().enumerate() {
-        let elems = t.shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d as u64));
-        let end = elems
-            .and_then(|n| n.checked_mul(t.dtype.bitsize() as u64))
-            .and_then(|bits| offset.checked_add(bits.div_ceil(8)))
-            .ok_or_else(|| format!("tensor {}: shape {:?} overflows", t.name, t.shape))?;
-        entries.push((
-            t.name.clone(),
-            serde_json::json!({ "dtype": format!("{:?}", t.dtype), "shape": t.shape, "data_offsets": [offset, end] }),
-        ));
-        offset = end;
-        checksums.push(TensorChecksum {
-            name: &t.name,
-            dtype: format!("{:?}", t.dtype),
-            shape: &t.shape,
-            crc32c: crcs.map_or(0, |c| c[k]),
-        });
+/// An I/O error writing `tmp` in `dir`: [`CheckpointError::NoSpace`] when the disk is full (the
+/// bytes still needed: `file_bytes` less the `written` ones), else [`CheckpointError::Io`].
+fn io_or_no_space(dir: &Path, tmp: &Path, file_bytes: u64, written: u64, e: std::io::Error) -> CheckpointError {
+    if e.kind() == std::io::ErrorKind::StorageFull {
+        let free = crate::runtime::budget::statvfs_free_bytes(dir).unwrap_or(0);
+        return CheckpointError::NoSpace {
+            dir: dir.to_path_buf(),
+            needed_bytes: file_bytes.saturating_sub(written),
+            free_bytes: free,
+        };
     }
-    let mut metadata = metadata.clone();
-    checksum_entries(&mut metadata, &checksums);
-    let sorted: BTreeMap<String, String> = metadata.into_iter().collect();
-    let mut m = Map::new();
-    m.insert("__metadata__".into(), Value::Object(sorted.into_iter().map(|(k, v)| (k, Value::from(v))).collect()));
-    for (name, entry) in entries {
-        m.insert(name, entry);
-    }
-    let mut header = Value::Object(m).to_string();
-    while header.len() % 8 != 0 {
-        header.push(' ');
-    }
-    Ok(header)
+    io(tmp)(e)
 }

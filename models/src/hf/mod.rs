@@ -65,5 +65,16 @@ impl HfDtype {
     }
 }
 
+impl From<HfDtype> for safetensors::Dtype {
+    /// The safetensors element type ([`HfDtype::safetensors_name`]).
+    fn from(d: HfDtype) -> Self {
+        match d {
+            HfDtype::F32 => safetensors::Dtype::F32,
+            HfDtype::BF16 => safetensors::Dtype::BF16,
+            HfDtype::F16 => safetensors::Dtype::F16,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests;

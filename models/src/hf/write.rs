@@ -1,15 +1,15 @@
 //! Writing Hugging Face checkpoints: sharded safetensors, streamed unit by unit.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
-use std::io::{BufWriter, Seek, SeekFrom, Write};
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Map, Value};
 
 use super::{HfDtype, INDEX_FILE, SINGLE_FILE};
-use crate::checksum::{checksum_entries, TensorChecksum};
 use crate::llama::LlamaConfig;
+use crate::streamed::{StreamError, StreamedFile, TensorSpec};
 use crate::unit::UnitSpec;
 use crate::{Error, Result};
 
@@ -74,9 +74,9 @@ fn is_weights_file(name: &str) -> bool {
 /// [`crate::ParamSpec::name`] with their shapes, in unit order; each safetensors header carries
 /// `{"format": "pt"}` and the [`crate::checksum`] entries (a crc32c per tensor and one for the
 /// file, which [`super::HfCheckpoint`] verifies and other readers ignore), and is padded to 8
-/// bytes. A shard's header is written first with placeholder checksums (all `0`; fixed width, so
-/// the same length), each tensor's crc32c is computed over the bytes as they are written, and the
-/// header is overwritten with the real values when the shard is complete, before it is synced.
+/// bytes. Each shard is a [`StreamedFile`]: its header first with placeholder checksums, each
+/// tensor's crc32c computed over the bytes as they are written, the real values over the header
+/// when the shard is complete, before it is synced.
 ///
 /// `unit_data` is called once per unit, in order, and returns that unit's flat f32 vector
 /// (`unit.numel` elements): only one unit's data is held at a time, and each shard is streamed.
@@ -118,19 +118,30 @@ pub fn write_safetensors(
     };
     let tmp_of = |name: &str| dir.join(format!("{name}.tmp"));
 
+    // Each shard's tensors, in write order (unit order).
+    let specs = |k: usize| -> Vec<TensorSpec> {
+        let params = units.iter().zip(&shard_of).flat_map(|(u, s)| u.params.iter().zip(s));
+        params
+            .filter(|(_, &s)| s == k)
+            .map(|(p, _)| TensorSpec::new(p.name.clone(), opts.dtype.into(), p.shape.clone()))
+            .collect()
+    };
+    let metadata = BTreeMap::from([("format".to_string(), "pt".to_string())]);
+    let stream_err = |path: &Path| {
+        let path = path.to_path_buf();
+        move |e: StreamError| match e {
+            StreamError::Io(source) => Error::Io { path: path.clone(), source },
+            StreamError::Invalid(reason) => crate::ops::input_err("shard", "a complete shard".into(), reason),
+        }
+    };
     let result = (|| -> Result<(u64, u64, Map<String, Value>)> {
         let mut weight_map = Map::new();
         let mut total_parameters = 0u64;
-        // The open shard: its index, writer, path, and the crc32c of each tensor written so far.
-        let mut current: Option<(usize, BufWriter<File>, PathBuf, Vec<u32>)> = None;
-        let finish = |(k, w, path, crcs): (usize, BufWriter<File>, PathBuf, Vec<u32>)| -> Result<()> {
-            let mut file = w.into_inner().map_err(|e| Error::Io { path: path.clone(), source: e.into_error() })?;
-            let header = shard_header(units, &shard_of, k, opts.dtype, Some(&crcs));
-            let placeholder_len = shard_header(units, &shard_of, k, opts.dtype, None).len();
-            assert_eq!(header.len(), placeholder_len, "checksum entries are fixed width");
-            file.seek(SeekFrom::Start(8)).map_err(io_err(&path))?;
-            file.write_all(header.as_bytes()).map_err(io_err(&path))?;
-            file.sync_all().map_err(io_err(&path))
+        // The open shard: its index and file.
+        let mut current: Option<(usize, StreamedFile)> = None;
+        let finish = |(_, f): (usize, StreamedFile)| -> Result<()> {
+            let path = f.path().to_path_buf();
+            f.finish().map(|_| ()).map_err(stream_err(&path))
         };
         let mut buf: Vec<u8> = Vec::with_capacity(WRITE_CHUNK_ELEMS * es as usize);
         for (u, unit) in units.iter().enumerate() {
@@ -143,20 +154,14 @@ pub fn write_safetensors(
                 ));
             }
             for (p, &k) in unit.params.iter().zip(&shard_of[u]) {
-                if current.as_ref().is_none_or(|(ck, _, _, _)| *ck != k) {
+                if current.as_ref().is_none_or(|(ck, _)| *ck != k) {
                     if let Some(c) = current.take() {
                         finish(c)?;
                     }
                     let path = tmp_of(&names[k]);
-                    let file = File::create(&path).map_err(io_err(&path))?;
-                    let mut w = BufWriter::with_capacity(1 << 20, file);
-                    let header = shard_header(units, &shard_of, k, opts.dtype, None);
-                    w.write_all(&(header.len() as u64).to_le_bytes()).map_err(io_err(&path))?;
-                    w.write_all(header.as_bytes()).map_err(io_err(&path))?;
-                    current = Some((k, w, path, Vec::new()));
+                    current = Some((k, StreamedFile::create(&path, &metadata, specs(k)).map_err(stream_err(&path))?));
                 }
-                let (_, w, path, crcs) = current.as_mut().expect("a shard is open");
-                let mut crc = 0u32;
+                let (_, f) = current.as_mut().expect("a shard is open");
                 for chunk in flat[p.offset..p.offset + p.numel()].chunks(WRITE_CHUNK_ELEMS) {
                     buf.clear();
                     match opts.dtype {
@@ -168,10 +173,9 @@ pub fn write_safetensors(
                             .iter()
                             .for_each(|v| buf.extend_from_slice(&half::f16::from_f32(*v).to_bits().to_le_bytes())),
                     }
-                    crc = crc32c::crc32c_append(crc, &buf);
-                    w.write_all(&buf).map_err(io_err(path))?;
+                    let path = f.path().to_path_buf();
+                    f.append(&buf).map_err(stream_err(&path))?;
                 }
-                crcs.push(crc);
                 weight_map.insert(p.name.clone(), Value::from(names[k].clone()));
                 total_parameters += p.numel() as u64;
             }
@@ -182,10 +186,8 @@ pub fn write_safetensors(
         if units.iter().all(|u| u.params.is_empty()) {
             // No tensor at all: still a valid (empty) safetensors file.
             let path = tmp_of(&names[0]);
-            let header = shard_header(units, &shard_of, 0, opts.dtype, Some(&[]));
-            let mut bytes = (header.len() as u64).to_le_bytes().to_vec();
-            bytes.extend_from_slice(header.as_bytes());
-            std::fs::write(&path, bytes).map_err(io_err(&path))?;
+            let f = StreamedFile::create(&path, &metadata, Vec::new()).map_err(stream_err(&path))?;
+            f.finish().map_err(stream_err(&path))?;
         }
         Ok((total_parameters * es, total_parameters, weight_map))
     })();
@@ -229,49 +231,6 @@ pub fn write_safetensors(
         }
     }
     Ok(WrittenCheckpoint { files, index, total_bytes, total_parameters })
-}
-
-/// The safetensors header of shard `k`: the JSON object of its tensors (dtype, shape, data
-/// offsets relative to the data start, in write order) and `__metadata__` (`format: pt` and the
-/// checksum entries: `crcs` holds the crc32c of each tensor of the shard in write order, `None`
-/// for the placeholder of the same length), padded with spaces to a multiple of 8 bytes.
-fn shard_header(units: &[UnitSpec], shard_of: &[Vec<usize>], k: usize, dtype: HfDtype, crcs: Option<&[u32]>) -> String {
-    let es = dtype.size_bytes();
-    let mut m = Map::new();
-    let mut offset = 0usize;
-    let mut checksums = Vec::new();
-    for (unit, shards) in units.iter().zip(shard_of) {
-        for (p, &s) in unit.params.iter().zip(shards) {
-            if s != k {
-                continue;
-            }
-            let end = offset + p.numel() * es;
-            m.insert(
-                p.name.clone(),
-                serde_json::json!({ "dtype": dtype.safetensors_name(), "shape": p.shape, "data_offsets": [offset, end] }),
-            );
-            offset = end;
-            let crc32c = crcs.map_or(0, |c| c[checksums.len()]);
-            checksums.push(TensorChecksum {
-                name: &p.name,
-                dtype: dtype.safetensors_name().to_string(),
-                shape: &p.shape,
-                crc32c,
-            });
-        }
-    }
-    if let Some(c) = crcs {
-        assert_eq!(c.len(), checksums.len(), "one crc32c per tensor of the shard");
-    }
-    let mut metadata = HashMap::from([("format".to_string(), "pt".to_string())]);
-    checksum_entries(&mut metadata, &checksums);
-    let metadata: Map<String, Value> = metadata.into_iter().map(|(k, v)| (k, Value::from(v))).collect();
-    m.insert("__metadata__".into(), Value::Object(metadata));
-    let mut header = Value::Object(m).to_string();
-    while header.len() % 8 != 0 {
-        header.push(' ');
-    }
-    header
 }
 
 /// Writes `bytes` to `path` through a synced `.tmp` file and a rename.
