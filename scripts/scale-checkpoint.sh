@@ -52,7 +52,7 @@ until [[ -f "$out/ckpt/ckpt-00000002.safetensors" ]]; do
 done
 sleep 20
 [[ $(lines "$out/killed.metrics.jsonl") == 2 ]] || { echo "step 3 ended before the kill: lengthen nothing, rerun" >&2; exit 1; }
-grep VmHWM "/proc/$pid/status" | awk '{printf "%d\n", $2 * 1024}' > "$out/killed.peak_rss"
+grep VmHWM "/proc/$pid/status" | awk '{printf "%.0f\n", $2 * 1024}' > "$out/killed.peak_rss"
 kill -9 "$pid"; wait "$pid" || true
 ls -l "$out/ckpt" > "$out/ckpt.ls"
 

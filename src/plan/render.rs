@@ -137,12 +137,18 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
         Some(StatePlacement::Host) => "in host memory",
         None => "host or NVMe",
     };
+    // On NVMe the master weights stay in the compute copies when those hold them bit for bit.
+    let (per_param, kept) = match args.optimizer_state {
+        Some(StatePlacement::Nvme) if args.optimizer.master_in_compute_copy() => {
+            (args.optimizer.stream_config().nvme_bytes_per_param(), ", the master weights kept in the compute copies")
+        }
+        _ => (format.bytes_per_param(), ""),
+    };
     writeln!(
         out,
-        "optimizer state: {format} = {:.2} B per parameter {place} ([optimizer] master_dtype, \
+        "optimizer state: {format} = {per_param:.2} B per parameter {place}{kept} ([optimizer] master_dtype, \
          state_dtype; both f32: 12 B), {}",
-        format.bytes_per_param(),
-        gib((r.params as f64 * format.bytes_per_param()).ceil() as u64)
+        gib((r.params as f64 * per_param).ceil() as u64)
     )
     .expect("writing to a String");
     writeln!(out, "hardware: {}", args.hardware.source).expect("writing to a String");
