@@ -71,6 +71,7 @@ mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda_dummy.rs"]
 mod cuda;
+mod device_moments;
 mod device_optim;
 pub mod device_plan;
 mod error;
