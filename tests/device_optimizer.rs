@@ -540,6 +540,8 @@ fn a_mixtral_with_int8_hot_experts_on_the_device_tracks_the_cpu_int8_run() {
     }
     assert!(most > 0 && most % per == 0 && most <= 200 * 1024, "hot experts of {per} B each: {most}");
     assert!(hits > 0, "hot experts were used without a fetch");
+    // The hot set sizes by the int8 bytes: more experts than f32's 92,160 B each would fit.
+    assert!(most / per > 200 * 1024 / 92_160, "{} hot experts at most", most / per);
     let mut cpu = Trainer::new(config("cpu", false), oogc::dist::Ranks::single()).unwrap();
     let cpu_losses: Vec<f64> = (0..20).map(|_| cpu.train_step().unwrap().loss).collect();
     let rel = losses.iter().zip(&cpu_losses).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);

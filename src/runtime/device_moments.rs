@@ -233,26 +233,80 @@ fn encode_dynamic(v: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
     Ok((code.narrow(0, 0, n)?.to_dtype(CandleDType::U8)?, absmax))
 }
 
+/// Test values of `n` elements: magnitudes over eight decades, signs mixed, a block of zeros
+/// (elements 256..512).
+fn codec_test_values(n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| {
+            if (QUANT_BLOCK..2 * QUANT_BLOCK).contains(&i) {
+                0.0
+            } else {
+                let mag = 10f32.powf(-((i * 37 % 97) as f32) / 12.0);
+                if i % 3 == 0 {
+                    -mag
+                } else {
+                    mag
+                }
+            }
+        })
+        .collect()
+}
+
+/// Runs the device optimizer's moment codecs (bf16 and int8, [`DeviceMoments`]) on `device`
+/// over test values (four blocks of [`QUANT_BLOCK`], the last ragged, one of zeros; `m` over
+/// eight decades with signs mixed, `v = m²`) against the CPU optimizer's
+/// ([`MomentBufs::from_f32`], [`MomentBufs::to_f32`]) and returns, per dtype (`"bf16"`,
+/// `"int8"`), how far it is from agreeing, in units of its tolerance (≤ 1 passes): the larger
+/// of the share of stored bytes (codes, bf16 bits, absmaxes) that differ from the CPU
+/// encoder's, in units of 1 % (the device decides values within f32 rounding of a decision
+/// boundary in f32, the CPU in f64), and the largest deviation of the device's decode of the
+/// CPU's codes from the CPU's decode, in units of a relative 2^−22 (two f32 roundings). For the
+/// unit tests and `oogc gpu-check` (the same codecs on the GPU).
+///
+/// # Errors
+/// candle's, as text.
+pub fn moment_codec_excess(device: &Device) -> Result<Vec<(String, f64)>, String> {
+    let n = 3 * QUANT_BLOCK + 77;
+    let m = codec_test_values(n);
+    let v: Vec<f32> = m.iter().map(|x| x * x).collect();
+    let err = |e: super::RuntimeError| e.to_string();
+    let cerr = |e: candle_core::Error| e.to_string();
+    let mut out = Vec::new();
+    for dtype in [StateDType::Bf16, StateDType::Int8] {
+        let t = |x: &[f32]| Tensor::from_slice(x, x.len(), device).map_err(cerr);
+        let encoded = DeviceMoments::encode(dtype, t(&m)?, t(&v)?).map_err(cerr)?;
+        let got = encoded.to_host(super::tensor::host_bytes).map_err(err)?;
+        let want = MomentBufs::from_f32(dtype, &m, &v).map_err(|e| e.to_string())?;
+        let bytes = |b: &MomentBufs| {
+            let mut out = vec![0u8; dtype.moment_bytes(n)];
+            b.write_bytes(0..n, &mut out);
+            out
+        };
+        let (g, w) = (bytes(&got), bytes(&want));
+        let differ = g.iter().zip(&w).filter(|(a, b)| a != b).count() as f64 / w.len() as f64;
+        // The device's decode of the CPU's codes against the CPU's decode.
+        let upload = |b: &[u8], dt: DType| super::tensor::tensor_from_bytes(b, dt, b.len() / dt.num_bytes(1), device);
+        let (dm, dv) = DeviceMoments::from_host(&want, upload).map_err(err)?.decode().map_err(cerr)?;
+        let (hm, hv) = want.to_f32();
+        let mut worst = 0f64;
+        for (d, h) in [(dm, hm), (dv, hv)] {
+            for (a, b) in d.to_vec1::<f32>().map_err(cerr)?.iter().zip(&h) {
+                let e =
+                    f64::from((a - b).abs()) / (f64::from(b.abs()) * 2f64.powi(-22)).max(f64::from(f32::MIN_POSITIVE));
+                worst = if e.is_nan() { f64::INFINITY } else { worst.max(e) };
+            }
+        }
+        out.push((dtype.name().to_string(), (differ / 0.01).max(worst)));
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// Values over many decades, signs mixed, a ragged last block and a block of zeros.
     fn values(n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|i| {
-                if (256..512).contains(&i) {
-                    0.0
-                } else {
-                    let mag = 10f32.powf(-((i * 37 % 97) as f32) / 12.0);
-                    if i % 3 == 0 {
-                        -mag
-                    } else {
-                        mag
-                    }
-                }
-            })
-            .collect()
+        codec_test_values(n)
     }
 
     fn host(dtype: StateDType, m: &[f32], v: &[f32]) -> MomentBufs {
@@ -265,57 +319,22 @@ mod tests {
     }
 
     fn to_host(d: &DeviceMoments) -> MomentBufs {
-        d.to_host(|t| {
-            let t = t.flatten_all()?;
-            Ok(match t.dtype() {
-                CandleDType::U8 => t.to_vec1::<u8>()?,
-                CandleDType::BF16 => bytemuck::cast_slice(&t.to_vec1::<half::bf16>()?).to_vec(),
-                _ => bytemuck::cast_slice(&t.to_vec1::<f32>()?).to_vec(),
-            })
-        })
-        .unwrap()
+        d.to_host(super::super::tensor::host_bytes).unwrap()
     }
 
-    fn from_host(b: &MomentBufs) -> DeviceMoments {
-        DeviceMoments::from_host(b, |bytes, dtype| {
-            super::super::tensor::tensor_from_bytes(bytes, dtype, bytes.len() / dtype.num_bytes(1), &Device::Cpu)
-        })
-        .unwrap()
-    }
-
-    /// The device encoders write the CPU's format: bf16 bitwise, int8 codes equal to the CPU
-    /// encoder's but for values within f32 rounding of a decision boundary (none here, counted),
-    /// the same absmax; decoding agrees with the CPU's decode to an f32 ulp.
+    /// The device codecs (here on the CPU, as on the sim device) write the CPU optimizer's
+    /// format: the stored bytes agree but for under 1 % (values within f32 rounding of a
+    /// boundary), decoding to two f32 roundings; f32 moments are stored as they are.
     #[test]
     fn device_codecs_write_the_cpu_format() {
-        let n = 3 * QUANT_BLOCK + 77;
-        let m = values(n);
-        let v: Vec<f32> = m.iter().map(|x| x * x).collect();
-        for dtype in [StateDType::F32, StateDType::Bf16, StateDType::Int8] {
-            let dev = on_device(dtype, &m, &v);
-            let got = to_host(&dev);
-            let want = host(dtype, &m, &v);
-            match (&got, &want) {
-                (
-                    MomentBufs::Int8 { m: gm, m_absmax: ga, v: gv, v_absmax: gva },
-                    MomentBufs::Int8 { m: wm, m_absmax: wa, v: wv, v_absmax: wva },
-                ) => {
-                    assert_eq!((ga, gva), (wa, wva), "absmax");
-                    let off = |a: &[u8], b: &[u8]| a.iter().zip(b).filter(|(x, y)| x != y).count();
-                    assert!(off(bytemuck::cast_slice(gm), bytemuck::cast_slice(wm)) <= n / 100, "m codes");
-                    assert!(off(gv, wv) <= n / 100, "v codes");
-                }
-                _ => assert_eq!(got, want, "{dtype}"),
-            }
-            // Decoding: the device's against the CPU's of the same codes.
-            let (dm, dv) = from_host(&got).decode().unwrap();
-            let (hm, hv) = got.to_f32();
-            for (d, h) in [(dm.to_vec1::<f32>().unwrap(), hm), (dv.to_vec1::<f32>().unwrap(), hv)] {
-                for (a, b) in d.iter().zip(&h) {
-                    assert!((a - b).abs() <= 2.0 * f32::EPSILON * b.abs(), "{dtype}: decoded {a} vs the CPU's {b}");
-                }
-            }
+        let excess = moment_codec_excess(&Device::Cpu).unwrap();
+        assert_eq!(excess.iter().map(|(d, _)| d.as_str()).collect::<Vec<_>>(), ["bf16", "int8"]);
+        for (dtype, e) in &excess {
+            eprintln!("{dtype}: {e:.3} × the tolerance");
+            assert!(*e <= 1.0, "{dtype}: {e:.3} × the tolerance");
         }
+        let m = values(QUANT_BLOCK + 3);
+        assert_eq!(to_host(&on_device(StateDType::F32, &m, &m)), host(StateDType::F32, &m, &m));
     }
 
     /// decode(encode(x)) stays within the codecs' bounds: bf16 a relative 2^−8; int8 `m` within
