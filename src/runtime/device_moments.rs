@@ -13,13 +13,14 @@
 //!   (`j ∈ −127..=127`, stored as its two's-complement byte in a U8 tensor, as the CPU's `i8`),
 //!   `v`'s on the dynamic tree map ([`oogc_optimizer::dynamic_map`]), absmaxes F32 `[blocks]`.
 //!   The update decodes them to f32 (`(j/127)·A`; the tree map's value gathered by code,
-//!   times `A`), runs the f32 element update, takes each block's new absmax (a ragged last block is
-//!   padded with zeros, which change no absmax) and encodes: `m` to the nearest `j` (`|m − m̃| ≤
-//!   A/254`, plus f32 rounding), `v` to the number of the tree map's 255 decision thresholds
-//!   (midpoints of consecutive values) below `v/A`, found by an 8-step binary search of
-//!   gathers, so the transient memory is a few `[n]` tensors whatever the unit's size. The codes
-//!   are the CPU encoder's except where a value lies within f32 rounding of a decision boundary
-//!   (the CPU decides those in f64); decoding is the CPU's up to one f32 rounding.
+//!   times `A`), runs the f32 element update, takes each block's new absmax (a ragged last
+//!   block is padded with zeros, which change no absmax) and encodes: `m` to the nearest `j`
+//!   (`|m − m̃| ≤ A/254`, plus f32 rounding), `v` to the number of the tree map's 255 decision
+//!   thresholds (midpoints of consecutive values) `t` with `v > t·A`, found by an 8-step binary
+//!   search of gathers, so the transient memory is a few `[n]` tensors whatever the unit's
+//!   size. The codes are the CPU encoder's except where a value lies within f32 rounding of a
+//!   decision boundary (the CPU decides those in f64); decoding is the CPU's up to two f32
+//!   roundings ([`moment_codec_excess`] measures both).
 //!
 //! Master weights stay f32 on the device (a bf16 master's values, widened, exactly).
 
@@ -40,7 +41,8 @@ pub(super) enum DeviceMoments {
     Int8 { m: Tensor, m_absmax: Tensor, v: Tensor, v_absmax: Tensor },
 }
 
-/// The swapper's dtype of each array of [`MomentBufs`] of `dtype`, in [`DeviceMoments::arrays`]' order.
+/// The swapper's dtype of each array of [`MomentBufs`] of `dtype`, in the order of
+/// [`DeviceMoments::arrays`].
 fn array_dtypes(dtype: StateDType) -> &'static [DType] {
     match dtype {
         StateDType::F32 => &[DType::F32, DType::F32],
