@@ -51,7 +51,7 @@ pub fn device_optimizer(cfg: &TrainConfig, expert_params: usize, world: World) -
     if !places_experts(cfg) {
         return Ok(false);
     }
-    let need = crate::runtime::device_optimizer_bytes(expert_params, cfg.train.compute_dtype.dtype());
+    let need = device_expert_bytes(cfg, expert_params);
     let fits = expert_budget_bytes(cfg) >= need;
     let ranks = world.size;
     if ranks > 1 {
@@ -75,13 +75,21 @@ pub fn device_optimizer(cfg: &TrainConfig, expert_params: usize, world: World) -
         Some(true) => Err(ConfigError::Invalid {
             key: "moe.expert_budget".into(),
             reason: format!(
-                "{} bytes cannot hold one hot expert with its optimizer on the device ({need} bytes: 16 B per \
-                 parameter + the compute copy); fix: raise [moe] expert_budget to at least {need} bytes, or set \
-                 [moe] device_optimizer = false",
-                expert_budget_bytes(cfg)
+                "{} bytes cannot hold one hot expert with its optimizer on the device ({need} bytes: master \
+                 weights, {} moments, gradients and the compute copy); fix: raise [moe] expert_budget to at least \
+                 {need} bytes, or set [moe] device_optimizer = false",
+                expert_budget_bytes(cfg),
+                cfg.optimizer.state_dtype
             ),
         }),
     }
+}
+
+/// GPU bytes of one expert of `expert_params` parameters with its optimizer on the device in
+/// `cfg`'s run ([`crate::runtime::device_optimizer_bytes`] with the compute dtype and
+/// `[optimizer] state_dtype`).
+pub fn device_expert_bytes(cfg: &TrainConfig, expert_params: usize) -> u64 {
+    crate::runtime::device_optimizer_bytes(expert_params, cfg.train.compute_dtype.dtype(), cfg.optimizer.state_dtype)
 }
 
 /// GPU bytes of one hot expert of `expert_params` parameters in `cfg`'s run: its compute copy,
@@ -89,7 +97,7 @@ pub fn device_optimizer(cfg: &TrainConfig, expert_params: usize, world: World) -
 pub fn hot_expert_bytes(cfg: &TrainConfig, expert_params: usize, world: World) -> u64 {
     let dtype = cfg.train.compute_dtype.dtype();
     if device_optimizer(cfg, expert_params, world).unwrap_or(false) {
-        crate::runtime::device_optimizer_bytes(expert_params, dtype)
+        device_expert_bytes(cfg, expert_params)
     } else {
         dtype.num_bytes(expert_params) as u64
     }
@@ -103,11 +111,12 @@ pub fn hot_expert_bytes(cfg: &TrainConfig, expert_params: usize, world: World) -
 pub fn placer_config(cfg: &TrainConfig, cpu_gflops: f64, expert_params: usize, world: World) -> PlacerConfig {
     let mut pc = PlacerConfig::new(expert_budget_bytes(cfg));
     if device_optimizer(cfg, expert_params, world).unwrap_or(false) {
-        // A hot expert holds its optimizer too, moves its state (12 B per parameter) to enter,
-        // and keeps its gradients on the device.
-        pc.hot_expert_bytes =
-            Some(crate::runtime::device_optimizer_bytes(expert_params, cfg.train.compute_dtype.dtype()));
-        pc.hot_set.admit_bytes = Some(12 * expert_params as u64);
+        // A hot expert holds its optimizer too, moves its state (f32 master weights and the
+        // moments as stored: 12, 8 or 6.03 B per parameter) to enter, and keeps its gradients on
+        // the device.
+        pc.hot_expert_bytes = Some(device_expert_bytes(cfg, expert_params));
+        pc.hot_set.admit_bytes =
+            Some((4 * expert_params + cfg.optimizer.state_dtype.moment_bytes(expert_params)) as u64);
         pc.hot_set.keeps_gradients = true;
     }
     pc.decay = cfg.moe.popularity_decay;

@@ -1,8 +1,10 @@
 //! Device optimizers (`runtime/device_optim.rs`): units whose master weights and Adam state live
 //! on the device, updated there. Oracles: the plain in-memory loop with the CPU kernel for every
 //! unit (`tests/reference`), within a stated tolerance (the device update is torch's formula in
-//! candle ops, not the CPU kernel's FMA order); moving state between the tiers is bitwise; a
-//! resumed run continues bitwise.
+//! candle ops, not the CPU kernel's FMA order); with bf16 and int8 moments
+//! (`runtime/device_moments.rs`), the CPU optimizer with the same state dtype, within the
+//! quantization's bound; moving state between the tiers is bitwise; a resumed run continues
+//! bitwise.
 
 use crate::common;
 use crate::reference;
@@ -11,6 +13,7 @@ use oogc::config::{DeviceUnits, TrainConfig};
 use oogc::runtime::Phase;
 use oogc::runtime::{OptimizerPlace, Runtime, RuntimeConfig};
 use oogc::train::Trainer;
+use oogc_optimizer::StateDType;
 
 /// Relative tolerance on the losses of 20 steps against the all-CPU reference, and on the
 /// parameters (with [`PARAM_ABS`]): a few f32 ulps per update, compounded by Adam's division by
@@ -38,7 +41,8 @@ fn param_excess(a: &[Vec<f32>], b: &[Vec<f32>]) -> (f64, String) {
 fn device_bytes(cfg: &TrainConfig, k: usize) -> u64 {
     let t = Trainer::new(cfg.clone(), oogc::dist::Ranks::single()).unwrap();
     let dtype = cfg.train.compute_dtype.dtype();
-    t.model().units().iter().take(k).map(|u| oogc::runtime::device_optimizer_bytes(u.numel, dtype)).sum()
+    let state = cfg.optimizer.state_dtype;
+    t.model().units().iter().take(k).map(|u| oogc::runtime::device_optimizer_bytes(u.numel, dtype, state)).sum()
 }
 
 fn assert_close_to_reference(cfg: &TrainConfig, losses: &[f64], params: &[Vec<f32>], what: &str) {
@@ -120,6 +124,23 @@ fn a_resumed_run_with_device_optimizers_continues_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let config = |name: &str| {
         let (mut cfg, _) = common::offloaded_tiny_llama(&dir.path().join(name), oogc::config::ComputeDType::F32);
+        cfg.budgets.gpu = bytesize::ByteSize::b(cfg.budgets.gpu.as_u64() + device_bytes(&cfg, 2));
+        cfg.optimizer.device_units = DeviceUnits::Count(2);
+        cfg.checkpoint.dir = Some(dir.path().join(name).join("ckpt"));
+        cfg
+    };
+    common::assert_resume_continues_exactly(&config);
+}
+
+/// The same with int8 moments: the checkpoint saves the device units' codes and absmaxes as
+/// stored (the layout of a host unit's), and the resumed run places them on the device again
+/// and continues bitwise.
+#[test]
+fn a_resumed_run_with_int8_device_optimizers_continues_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |name: &str| {
+        let (mut cfg, _) = common::offloaded_tiny_llama(&dir.path().join(name), oogc::config::ComputeDType::F32);
+        cfg.optimizer.state_dtype = StateDType::Int8;
         cfg.budgets.gpu = bytesize::ByteSize::b(cfg.budgets.gpu.as_u64() + device_bytes(&cfg, 2));
         cfg.optimizer.device_units = DeviceUnits::Count(2);
         cfg.checkpoint.dir = Some(dir.path().join(name).join("ckpt"));
@@ -314,4 +335,217 @@ fn an_expert_budget_below_one_device_expert_is_refused_by_name() {
         .expect("refused")
         .to_string();
     assert!(err.contains("moe.expert_budget") && err.contains("92160"), "{err}");
+}
+
+/// A sim runtime of units `sizes` with `[optimizer] state_dtype = dtype`.
+fn runtime_with_state(dtype: StateDType, sizes: &[usize]) -> Runtime {
+    let mut cfg = without_prefetch();
+    cfg.optimizer.state_dtype = dtype;
+    runtime_with_units(cfg, sizes)
+}
+
+/// Gradients of step `t` that do not depend on the parameters (so two runs see the same ones
+/// whatever their updates did): magnitudes over four decades within each block, signs mixed.
+fn fixed_grads(t: u64) -> impl Fn(usize, &candle_core::Tensor) -> candle_core::Tensor {
+    move |u, p| {
+        let n = p.elem_count();
+        let g: Vec<f32> = (0..n)
+            .map(|i| {
+                let x = (i as f32 * 0.37 + t as f32 * 1.3 + u as f32).sin();
+                x * 10f32.powi(-((i * 7 % 5) as i32))
+            })
+            .collect();
+        candle_core::Tensor::from_vec(g, n, p.device()).unwrap()
+    }
+}
+
+/// Per element, the largest `|x|` of its [`oogc_optimizer::QUANT_BLOCK`]-value block.
+fn block_absmax(x: &[f32]) -> Vec<f32> {
+    x.chunks(oogc_optimizer::QUANT_BLOCK)
+        .flat_map(|b| {
+            let a = b.iter().fold(0f32, |s, x| s.max(x.abs()));
+            std::iter::repeat_n(a, b.len())
+        })
+        .collect()
+}
+
+/// A unit whose optimizer is on the device with bf16 or int8 moments follows the same unit on
+/// the CPU optimizer with the same state dtype (gradients independent of the parameters),
+/// step by step, within the quantization's bound on `m` and `v`. Each step each run rounds
+/// its new moments once, so with `e` the difference of the stored values,
+/// `e_t ≤ β·e_(t−1) + r_t(cpu) + r_t(device)` (β = β₁ for `m`, β₂ for `v`, both < 1): the
+/// differences stay within the sum of both runs' rounding bounds over the steps. Per rounding:
+/// bf16, a relative 2^−8 of the value; int8 `m`, `A/254` (`A` the block's absmax); int8 `v`,
+/// half the tree map's largest gap (0.9/256, the top decade's) times `A`. Plus the device
+/// update's f32 difference from the CPU kernel's (a relative 1e-5, the fixtures' tolerance).
+#[test]
+fn reduced_moments_on_the_device_track_the_cpu_optimizer_within_the_codecs_bound() {
+    let n = 3 * oogc_optimizer::QUANT_BLOCK + 77;
+    for dtype in [StateDType::Bf16, StateDType::Int8] {
+        let mut cpu = runtime_with_state(dtype, &[n]);
+        let mut dev = runtime_with_state(dtype, &[n]);
+        let id = dev.units().id(0).unwrap();
+        dev.place_optimizer(id, OptimizerPlace::Device).unwrap();
+        // Accumulated rounding bounds per element (`m`, `v`).
+        let (mut bm, mut bv) = (vec![0f64; n], vec![0f64; n]);
+        let (mut worst_m, mut worst_v, mut differ) = (0f64, 0f64, 0usize);
+        let (b1, b2) = (0.9f64, 0.999f64);
+        for t in 1..=6u64 {
+            backward_step(&mut cpu, t, fixed_grads(t));
+            backward_step(&mut dev, t, fixed_grads(t));
+            let state = |rt: &Runtime| {
+                let s = rt.unit_state(rt.units().id(0).unwrap()).unwrap();
+                assert_eq!(s.moments.dtype(), dtype, "the state stays in the run's dtype");
+                s.into_f32()
+            };
+            let ((_, mc, vc), (_, md, vd)) = (state(&cpu), state(&dev));
+            let nonzero = |x: &[f32]| x.iter().filter(|x| **x != 0.0).count();
+            assert!(nonzero(&mc) > n / 2 && nonzero(&vc) > n / 2, "{dtype}: the moments moved");
+            let (amc, avc, amd, avd) = (block_absmax(&mc), block_absmax(&vc), block_absmax(&md), block_absmax(&vd));
+            for i in 0..n {
+                // Each run's rounding bound, from its own stored values (a stored bf16 is within
+                // a relative 2^−8 of the value it rounded).
+                let bf = |x: f32| f64::from(x.abs()) / 256.0 * (1.0 + 1.0 / 128.0);
+                let (rm, rv) = match dtype {
+                    StateDType::Bf16 => (bf(mc[i]) + bf(md[i]), bf(vc[i]) + bf(vd[i])),
+                    _ => (f64::from(amc[i] + amd[i]) / 254.0, f64::from(avc[i] + avd[i]) * 0.9 / 256.0),
+                };
+                // Plus the device update's f32 difference from the CPU kernel's.
+                bm[i] = b1 * bm[i] + rm * (1.0 + 1e-5) + 1e-5 * f64::from(mc[i].abs());
+                bv[i] = b2 * bv[i] + rv * (1.0 + 1e-5) + 1e-5 * f64::from(vc[i].abs());
+                let (em, ev) = (f64::from((md[i] - mc[i]).abs()), f64::from((vd[i] - vc[i]).abs()));
+                assert!(
+                    em <= bm[i] + 1e-30,
+                    "{dtype} step {t} m[{i}]: device {} vs cpu {} (bound {})",
+                    md[i],
+                    mc[i],
+                    bm[i]
+                );
+                assert!(
+                    ev <= bv[i] + 1e-30,
+                    "{dtype} step {t} v[{i}]: device {} vs cpu {} (bound {})",
+                    vd[i],
+                    vc[i],
+                    bv[i]
+                );
+                differ += usize::from(em > 0.0 || ev > 0.0);
+                worst_m = worst_m.max(em / bm[i].max(1e-30));
+                worst_v = worst_v.max(ev / bv[i].max(1e-30));
+            }
+        }
+        eprintln!(
+            "{dtype}: largest difference from the CPU optimizer over 6 steps: m {worst_m:.2e}, v {worst_v:.2e} of the \
+             bound; {differ} of the {} (element, step) pairs differ",
+            6 * n
+        );
+    }
+}
+
+/// With bf16 and int8 moments a unit's optimizer moved device → host → device leaves its
+/// state bitwise as it was (the stored arrays are copied, not re-encoded; the link carries the
+/// master weights and the moments' bytes), and the run goes on bitwise as one that kept it on
+/// the device.
+#[test]
+fn reduced_moments_move_between_host_and_device_without_drift() {
+    let n = 2 * oogc_optimizer::QUANT_BLOCK + 9;
+    for dtype in [StateDType::Bf16, StateDType::Int8] {
+        let run = |round_trip: bool| {
+            let mut rt = runtime_with_state(dtype, &[n, 700]);
+            let id = rt.units().id(0).unwrap();
+            backward_step(&mut rt, 1, sine_grads);
+            rt.place_optimizer(id, OptimizerPlace::Device).unwrap();
+            let mut after = Vec::new();
+            for t in 2..=6u64 {
+                if round_trip && (t == 4 || t == 5) {
+                    let before = rt.unit_state(id).unwrap();
+                    assert_eq!(before.moments.dtype(), dtype);
+                    let moved = (4 * n + dtype.moment_bytes(n)) as u64;
+                    let d2h = rt.memory().traffic().dtoh.bytes;
+                    assert_eq!(rt.place_optimizer(id, OptimizerPlace::Host).unwrap(), moved);
+                    assert_eq!(rt.memory().traffic().dtoh.bytes - d2h, moved, "the stored bytes crossed the link");
+                    assert_eq!(rt.unit_state(id).unwrap(), before, "{dtype}: on the host, bitwise");
+                    let h2d = rt.memory().traffic().htod.bytes;
+                    assert_eq!(rt.place_optimizer(id, OptimizerPlace::Device).unwrap(), moved);
+                    assert_eq!(rt.memory().traffic().htod.bytes - h2d, moved);
+                    assert_eq!(rt.unit_state(id).unwrap(), before, "{dtype}: back on the device, bitwise");
+                }
+                backward_step(&mut rt, t, sine_grads);
+                after.push(rt.unit_state(id).unwrap());
+            }
+            after
+        };
+        assert_eq!(run(true), run(false), "{dtype}: the moves changed the run");
+    }
+}
+
+/// The GPU bytes a device-resident unit holds, measured on its tensors (master weights, moments
+/// with their absmaxes, compute copy, the step's gradients), equal `device_optimizer_bytes` for
+/// its state dtype and are what the runtime carves; bf16 and int8 moments hold fewer than f32.
+#[test]
+fn device_optimizer_bytes_are_what_the_device_state_holds() {
+    let n = 4099; // a ragged last int8 block
+    let mut held = Vec::new();
+    for dtype in [StateDType::F32, StateDType::Bf16, StateDType::Int8] {
+        let mut rt = runtime_with_state(dtype, &[n, 300]);
+        let id = rt.units().id(0).unwrap();
+        assert_eq!(rt.memory().device_optimizer_held_bytes(id), None);
+        rt.place_optimizer(id, OptimizerPlace::Device).unwrap();
+        let want = oogc::runtime::device_optimizer_bytes(n, oogc_swapper::DType::F32, dtype);
+        assert_eq!(rt.memory().device_optimizer_held_bytes(id), Some(want), "{dtype}: placed");
+        assert_eq!(rt.memory().device_optimizer_bytes(), want, "{dtype}: carved");
+        backward_step(&mut rt, 1, sine_grads);
+        assert_eq!(rt.memory().device_optimizer_held_bytes(id), Some(want), "{dtype}: after an update");
+        held.push(want);
+    }
+    assert!(held[0] > held[1] && held[1] > held[2], "{held:?}");
+}
+
+/// The Mixtral hot set with `[moe] device_optimizer = true` and int8 moments: hot experts are
+/// placed on the device holding int8 state (the hot set counts their smaller bytes), were used
+/// without a fetch, and the run follows the same run with every expert on the CPU optimizer's
+/// int8 moments: the loss falls and the two runs' losses agree within the tolerance of the f32
+/// device test (the codes differ only where a value lies within f32 rounding of a decision
+/// boundary).
+#[test]
+fn a_mixtral_with_int8_hot_experts_on_the_device_tracks_the_cpu_int8_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = |name: &str, device: bool| {
+        let (nvme, cache) = (dir.path().join(name).join("nvme"), dir.path().join("tokens"));
+        let text = common::tiny_mixtral(&nvme, &cache, "1MiB", "ours")
+            .replace("clip_norm = 0.5", "clip_norm = 0.5\nstate_dtype = \"int8\"")
+            .replace(
+                "expert_budget = \"40KiB\"",
+                &format!(
+                    "expert_budget = \"200KiB\"\ndevice_optimizer = {device}\ncpu_compute = false\ncpu_gflops = 20.0\n\
+                     [device]\nkind = \"sim\"\nlink_gbps = 0.05"
+                ),
+            );
+        TrainConfig::from_toml_str(&text).unwrap()
+    };
+    let cfg = config("dev", true);
+    assert_eq!(cfg.optimizer.state_dtype, StateDType::Int8);
+    let per = oogc::moe::device_expert_bytes(&cfg, 4608);
+    assert!(per < 92_160, "int8 moments make a device expert smaller than f32's: {per}");
+    let mut t = Trainer::new(cfg, oogc::dist::Ranks::single()).unwrap();
+    let (mut losses, mut most, mut hits) = (Vec::new(), 0, 0);
+    for _ in 0..20 {
+        let out = t.train_step().unwrap();
+        losses.push(out.loss);
+        most = most.max(t.runtime().memory().device_optimizer_bytes());
+        hits += out.expert_traffic.hits;
+        let rt = t.runtime();
+        for u in rt.units().ids().filter(|&u| rt.units().optimizer_place(u) == OptimizerPlace::Device) {
+            assert_eq!(rt.unit_state(u).unwrap().moments.dtype(), StateDType::Int8);
+        }
+    }
+    assert!(most > 0 && most % per == 0 && most <= 200 * 1024, "hot experts of {per} B each: {most}");
+    assert!(hits > 0, "hot experts were used without a fetch");
+    // The hot set sizes by the int8 bytes: more experts than f32's 92,160 B each would fit.
+    assert!(most / per > 200 * 1024 / 92_160, "{} hot experts at most", most / per);
+    let mut cpu = Trainer::new(config("cpu", false), oogc::dist::Ranks::single()).unwrap();
+    let cpu_losses: Vec<f64> = (0..20).map(|_| cpu.train_step().unwrap().loss).collect();
+    let rel = losses.iter().zip(&cpu_losses).map(|(a, b)| ((a - b) / b).abs()).fold(0.0, f64::max);
+    eprintln!("mixtral int8: hot set up to {most} B ({per} B per expert); largest loss difference {rel:.2e}");
+    assert!(rel <= LOSS_REL, "losses {losses:?} vs the CPU int8 run's {cpu_losses:?}");
+    assert!(losses[19] < losses[0], "{losses:?}");
 }

@@ -8,7 +8,7 @@
 //! | 1 | environment | GPU, driver, CUDA, every shared library resolved, the device opened | the machine, libraries, data |
 //! | 2 | swapper tests | the swapper's CUDA tests (`swapper-tests` beside the binary) | skip: needs CUDA |
 //! | 3 | ops | the composed path's units and models, forward and backward, CUDA (and the CPU) against f64 on the CPU, f32 and bf16 | the composed and fused CPU paths against f64 |
-//! | 4 | fixtures | `llama_gqa`, `qwen2_tied`, `mixtral_moe` through the runtime: logits, loss, gradients against transformers' | the same on the sim device |
+//! | 4 | fixtures | `llama_gqa`, `qwen2_tied`, `mixtral_moe` through the runtime: logits, loss, gradients against transformers'; the device optimizer's update against torch's AdamW vectors and its bf16 / int8 moment codecs against the CPU optimizer's | the same on the sim device |
 //! | 5 | round trips | fetch, gradient and activation bytes exact under a long kernel chain; a missing event detected | the same; the happens-before checker as the negative control |
 //! | 6 | training | a tiny Llama 20 steps: offloaded at the minimum GPU budget vs all-resident (bitwise), vs the sim (tolerance), parameters on NVMe with immediate updates, activation offload, a tiny Mixtral under ours/fetch/lru | the same runs; fused vs composed stands in for CUDA vs sim |
 //! | 7 | bf16 | bf16 against f32 over 50 steps | the same |

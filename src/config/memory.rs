@@ -97,8 +97,9 @@ pub struct OptimizerSection {
     /// thread).
     #[serde(default)]
     pub stream_host_budget: Option<ByteSize>,
-    /// Units whose optimizer (fp32 master weights, Adam state, gradients: 16 B per parameter,
-    /// plus the compute copy) lives in GPU memory and is updated there: `N` units (refused with
+    /// Units whose optimizer (fp32 master weights, Adam state in `state_dtype`, gradients: 16 B
+    /// per parameter with f32 moments, 12 with bf16, 10.03 with int8, plus the compute copy)
+    /// lives in GPU memory and is updated there: `N` units (refused with
     /// the bytes when they do not fit beyond the minimum working set), or `"auto"`: the spare
     /// GPU budget only, what is left once every unit's compute copy fits (none below that).
     /// Either way the units whose CPU update would be exposed come first: the last units of the
@@ -114,7 +115,8 @@ pub struct OptimizerSection {
     /// the NVMe store, the streams' chunks and `oogc plan` count the bytes of the dtype; a
     /// checkpoint saves the moments as stored, and resuming one of another dtype needs
     /// `oogc train --convert-state`. Device optimizers (`device_units`, `[moe]
-    /// device_optimizer`) keep f32 moments. Not with data-parallel ranks yet. Default: f32.
+    /// device_optimizer`) keep the moments in this dtype and format too, updated on the device.
+    /// Not with data-parallel ranks yet. Default: f32.
     #[serde(default)]
     pub state_dtype: oogc_optimizer::StateDType,
     /// Element type of the CPU optimizer's master weights: `"f32"` (4 B per parameter) or
@@ -280,8 +282,9 @@ pub struct MoePlacementConfig {
     #[serde(default)]
     pub routing_trace: Option<PathBuf>,
     /// With `policy = "ours"`: the hot experts keep their optimizer on the device (master
-    /// weights, Adam state and gradients, 16 B per parameter, plus the compute copy, all counted
-    /// in `expert_budget`) and are updated there, so they are not uploaded again after each
+    /// weights, Adam state and gradients: 16 B per parameter with f32 moments, 12 with bf16,
+    /// 10.03 with int8 (`[optimizer] state_dtype`), plus the compute copy, all counted in
+    /// `expert_budget`) and are updated there, so they are not uploaded again after each
     /// update; moved in and out only when the hot set changes (with hysteresis). false: the hot
     /// set holds compute copies only (4 B per f32 parameter), refreshed from the CPU optimizer
     /// every step. Unset: on when `expert_budget` holds at least one expert with its optimizer,

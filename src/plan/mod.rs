@@ -106,8 +106,9 @@ pub struct PlanArgs {
     /// predicts the process's peak RSS ([`OverheadInputs::predicted_peak_rss_bytes`]).
     pub overhead: Option<OverheadInputs>,
     /// Units whose optimizer the run keeps on the device (`[optimizer] device_units`:
-    /// [`crate::train::choose_device_units`]), with their GPU bytes (16 B per parameter + the
-    /// compute copy), carved out of the GPU budget; empty for none.
+    /// [`crate::train::choose_device_units`]), with their GPU bytes
+    /// ([`crate::runtime::device_optimizer_bytes`]: 16, 12 or 10.03 B per parameter by
+    /// `[optimizer] state_dtype`, + the compute copy), carved out of the GPU budget; empty for none.
     pub device_units: Vec<(String, u64)>,
     /// What the run needs on the GPU and whether it fits (an `oogc train` config's; `None` for
     /// a shape-only plan).
@@ -157,7 +158,7 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
         .into_iter()
         .map(|u| {
             let spec = &model.units()[u];
-            (spec.name.clone(), crate::runtime::device_optimizer_bytes(spec.numel, dtype))
+            (spec.name.clone(), crate::runtime::device_optimizer_bytes(spec.numel, dtype, cfg.optimizer.state_dtype))
         })
         .collect();
     let plan = device_plan_for_config(cfg, &*model, device_units.iter().map(|(_, b)| b).sum())?;
@@ -346,6 +347,25 @@ mod tests {
         let args = plan_args_for_config(&cfg, &hw, false).unwrap();
         let text = render_plan(&args, &plan_model(&args).unwrap());
         assert!(text.contains("device optimizers") && text.contains(&two[1]), "{text}");
+        // Their bytes follow `[optimizer] state_dtype`, in the list and the device plan: fewer
+        // with bf16 and int8 moments.
+        let mut totals = Vec::new();
+        for dtype in
+            [oogc_optimizer::StateDType::F32, oogc_optimizer::StateDType::Bf16, oogc_optimizer::StateDType::Int8]
+        {
+            cfg.optimizer.state_dtype = dtype;
+            let args = plan_args_for_config(&cfg, &hw, false).unwrap();
+            let want: Vec<u64> = model.units()[..2]
+                .iter()
+                .map(|u| crate::runtime::device_optimizer_bytes(u.numel, cfg.train.compute_dtype.dtype(), dtype))
+                .collect();
+            assert_eq!(args.device_units.iter().map(|(_, b)| *b).collect::<Vec<_>>(), want, "{dtype}");
+            let total: u64 = want.iter().sum();
+            assert_eq!(args.device.as_ref().unwrap().plan.device_optimizer_bytes, total, "{dtype}");
+            totals.push(total);
+        }
+        assert!(totals[0] > totals[1] && totals[1] > totals[2], "{totals:?}");
+        cfg.optimizer.state_dtype = oogc_optimizer::StateDType::F32;
         // "auto" below the compute copies places none; with twice their bytes, some.
         cfg.optimizer.device_units = crate::config::DeviceUnits::Auto(crate::config::AutoKeyword::Auto);
         assert!(names(&cfg).is_empty());

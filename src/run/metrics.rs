@@ -62,7 +62,8 @@ pub struct StepRecord {
     /// the step's end; absent when none is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_units: Option<usize>,
-    /// Their GPU bytes (16 B per parameter + the compute copy); absent when none is.
+    /// Their GPU bytes (`oogc::runtime::device_optimizer_bytes`: 16, 12 or 10.03 B per parameter
+    /// by `[optimizer] state_dtype`, + the compute copy); absent when none is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_optimizer_bytes: Option<u64>,
     /// Ranks with sharded parameters (`[ranks] shard_parameters`): units all-gathered from the

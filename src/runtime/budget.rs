@@ -411,7 +411,7 @@ impl HostPlan {
 /// parameter; bf16 masters are widened) and the moments in their dtype; with ranks the
 /// all-gathered whole unit in f32 (12 B per parameter) besides this rank's f32 shard — plus the
 /// checkpoint writer's buffer ([`crate::checkpoint::WRITE_BUFFER_BYTES`]). A unit whose
-/// optimizer is on the device holds f32 moments (an expert, smaller than the largest unit).
+/// optimizer is on the device holds its moments in the same dtype.
 pub fn checkpoint_staging_bytes(numel: usize, shard: usize, moments: oogc_optimizer::StateDType) -> u64 {
     let state = if shard < numel {
         12 * numel as u64 + 12 * shard as u64

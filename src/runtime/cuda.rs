@@ -27,7 +27,7 @@ use candle_core::{CudaStorage, Shape, Storage, Tensor};
 use half::{bf16, f16};
 use oogc_swapper::{CudaBuffer, CudaDevice, DType, Device};
 
-use super::tensor::candle_dtype;
+use super::tensor::element_dtype;
 use super::{Result, RuntimeError};
 
 /// Opens GPU `ordinal`: candle's device with a stream of its own, and the swapper's device
@@ -68,7 +68,7 @@ fn candle_cuda(device: &candle_core::Device) -> Result<&candle_core::CudaDevice>
 /// stream.
 ///
 /// # Errors
-/// A dtype that is not a float; the buffer too small; the allocation or the copy failing.
+/// The buffer too small; the allocation or the copy failing.
 pub(super) fn unit_tensor(
     buf: &CudaBuffer,
     dtype: DType,
@@ -83,7 +83,8 @@ pub(super) fn unit_tensor(
         DType::F32 => CudaStorage::wrap_cuda_slice(buf.copy_out::<f32>(numel, &stream)?, cd.clone()),
         DType::BF16 => CudaStorage::wrap_cuda_slice(buf.copy_out::<bf16>(numel, &stream)?, cd.clone()),
         DType::F16 => CudaStorage::wrap_cuda_slice(buf.copy_out::<f16>(numel, &stream)?, cd.clone()),
-        DType::U8 => return Err(RuntimeError::Usage("compute copies are f32, bf16 or f16, not u8".into())),
+        // A device optimizer's int8 codes.
+        DType::U8 => CudaStorage::wrap_cuda_slice(buf.copy_out::<u8>(numel, &stream)?, cd.clone()),
     };
     Ok(Tensor::from_storage(Storage::Cuda(storage), shape, BackpropOp::none(), false))
 }
@@ -96,10 +97,10 @@ pub(super) fn unit_tensor(
 /// D2H of `staging` after it.
 ///
 /// # Errors
-/// `t` not on a CUDA device of `device`'s context; a dtype that is not a float; `staging` too
-/// small; candle or the copy failing.
+/// `t` not on a CUDA device of `device`'s context; `staging` too small; candle or the copy
+/// failing.
 pub(super) fn write_tensor(t: &Tensor, dtype: DType, staging: &mut CudaBuffer, device: &CudaDevice) -> Result<usize> {
-    let t = t.flatten_all()?.to_dtype(candle_dtype(dtype)?)?.contiguous()?;
+    let t = t.flatten_all()?.to_dtype(element_dtype(dtype))?.contiguous()?;
     let tensor_stream = candle_cuda(t.device())
         .map_err(|_| {
             RuntimeError::Usage(format!(
@@ -133,7 +134,7 @@ pub(super) fn write_tensor(t: &Tensor, dtype: DType, staging: &mut CudaBuffer, d
         DType::F32 => staging.copy_in(&cs.as_cuda_slice::<f32>()?.slice(start..end), &stream)?,
         DType::BF16 => staging.copy_in(&cs.as_cuda_slice::<bf16>()?.slice(start..end), &stream)?,
         DType::F16 => staging.copy_in(&cs.as_cuda_slice::<f16>()?.slice(start..end), &stream)?,
-        DType::U8 => return Err(RuntimeError::Usage("compute copies are f32, bf16 or f16, not u8".into())),
+        DType::U8 => staging.copy_in(&cs.as_cuda_slice::<u8>()?.slice(start..end), &stream)?,
     }
     Ok(dtype.num_bytes(end - start))
 }

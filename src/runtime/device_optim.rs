@@ -1,7 +1,8 @@
 //! Device optimizers: a unit whose fp32 master weights and Adam state live in GPU memory, updated
-//! there after the step's decision, its compute copy rewritten on the device — so a hot unit (a
-//! popular MoE expert, the last units of a dense model's backward) is neither re-uploaded after
-//! every update nor waited for on the CPU optimizer.
+//! there after the step's decision (the moments in the run's `[optimizer] state_dtype`, in the
+//! CPU optimizer's format: `runtime/device_moments.rs`), its compute copy rewritten on the
+//! device — so a hot unit (a popular MoE expert, the last units of a dense model's backward) is
+//! neither re-uploaded after every update nor waited for on the CPU optimizer.
 //!
 //! The update ([`adam_step_tensors`]) is the CPU kernel's element update (torch's fused
 //! AdamW/Adam, [`ElementConstants`]) written as candle ops, so the same code runs on CUDA and,
@@ -17,14 +18,15 @@
 //! set (`train/moe.rs`) or `[optimizer] device_units` (`train/mod.rs`).
 
 use candle_core::{DType as CandleDType, Tensor};
-use oogc_optimizer::ElementConstants;
+use oogc_optimizer::{ElementConstants, StateDType};
 use oogc_swapper::DType;
 
+use super::device_moments::DeviceMoments;
 use super::tensor::{self, candle_dtype, device_tensor};
 use super::unit::{Kind, OffDevice, Update};
 use super::{OrderingCall, Result, Runtime, RuntimeError, UnitId};
 
-/// Where a unit's optimizer (fp32 master weights, Adam `m` and `v`) lives.
+/// Where a unit's optimizer (master weights, Adam `m` and `v`) lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum OptimizerPlace {
     /// The CPU optimizer's (host memory or NVMe, as `[budgets] optimizer_state` says).
@@ -34,10 +36,13 @@ pub enum OptimizerPlace {
 }
 
 /// GPU bytes a unit of `numel` parameters holds with its optimizer on the device: fp32 master
-/// weights, `m`, `v` and the step's fp32 gradients (16 B per parameter) plus its compute copy in
-/// `dtype` (4 B per parameter in f32, 2 in bf16).
-pub fn device_optimizer_bytes(numel: usize, dtype: DType) -> u64 {
-    16 * numel as u64 + dtype.num_bytes(numel) as u64
+/// weights (4 B per parameter), `m` and `v` in `moments`, the run's `[optimizer] state_dtype`
+/// ([`StateDType::moment_bytes`]: 8 B per parameter in f32, 4 in bf16, 2 + 8 per block of
+/// [`oogc_optimizer::QUANT_BLOCK`] in int8, the ragged last block's absmaxes whole), the step's
+/// fp32 gradients (4 B per parameter) and its compute copy in `dtype` (4 B per parameter in
+/// f32, 2 in bf16): 16, 12 or 10.03 B per parameter + the compute copy.
+pub fn device_optimizer_bytes(numel: usize, dtype: DType, moments: StateDType) -> u64 {
+    (8 * numel + moments.moment_bytes(numel) + dtype.num_bytes(numel)) as u64
 }
 
 /// One AdamW/Adam step on tensors of one device (`p`, `m`, `v`, `g`: f32 of one shape), the CPU
@@ -78,10 +83,8 @@ pub(super) fn sumsq(g: &Tensor) -> candle_core::Result<f64> {
 pub(super) struct DeviceState {
     /// fp32 master weights, `[numel]`.
     pub(super) master: Tensor,
-    /// Adam's first moment, `[numel]` f32.
-    pub(super) m: Tensor,
-    /// Adam's second moment, `[numel]` f32.
-    pub(super) v: Tensor,
+    /// Adam's `m` and `v` in the run's `[optimizer] state_dtype`.
+    pub(super) moments: DeviceMoments,
     /// The compute copy (`[numel]`, the compute dtype), rewritten from `master` by each update.
     pub(super) copy: Tensor,
     /// The step's gradients (`[numel]` f32), from the unit's `push_grads` to `finish_step`.
@@ -90,13 +93,23 @@ pub(super) struct DeviceState {
 
 impl DeviceState {
     /// Applies the step's update with `c` (after the decision: the clip scale is in `c`) and
-    /// rewrites the compute copy in `dtype`; drops the gradients.
+    /// rewrites the compute copy in `dtype`; drops the gradients. Reduced moments are decoded
+    /// to f32, updated, and stored in their dtype again ([`DeviceMoments`]).
     pub(super) fn update(&mut self, c: &ElementConstants, dtype: CandleDType) -> candle_core::Result<()> {
         let Some(g) = self.grads.take() else { return Ok(()) };
-        let (p, m, v) = adam_step_tensors(c, &self.master, &self.m, &self.v, &g)?;
+        let (m, v) = self.moments.decode()?;
+        let (p, m, v) = adam_step_tensors(c, &self.master, &m, &v, &g)?;
         self.copy = p.to_dtype(dtype)?;
-        (self.master, self.m, self.v) = (p, m, v);
+        self.moments = DeviceMoments::encode(self.moments.dtype(), m, v)?;
+        self.master = p;
         Ok(())
+    }
+
+    /// GPU bytes its tensors hold (master weights, moments, compute copy), without the step's
+    /// gradients: [`device_optimizer_bytes`] less 4 B per parameter.
+    pub(super) fn bytes(&self) -> u64 {
+        [&self.master, &self.copy].iter().map(|t| (t.elem_count() * t.dtype().size_in_bytes()) as u64).sum::<u64>()
+            + self.moments.bytes()
     }
 }
 
@@ -109,14 +122,16 @@ impl Runtime {
         Ok(self.carve.base.saturating_sub(floor).saturating_sub(self.carve.device_optimizers))
     }
 
-    /// Moves `unit`'s optimizer (fp32 master weights, Adam `m` and `v`) to `place`, between
+    /// Moves `unit`'s optimizer (fp32 master weights, Adam `m` and `v` in the run's `[optimizer]
+    /// state_dtype`, copied as stored: int8 codes and absmaxes, bf16 bits) to `place`, between
     /// steps: to the device, the state goes H2D over the link from the CPU optimizer's tier and
     /// the compute copy is made there; from then the unit's fetches move nothing, its gradients
     /// stay on the device and [`Runtime::finish_step`] updates it there after the step's
     /// decision. Back to the host, the state goes D2H into the CPU optimizer (which rewrites the
     /// compute copy's home from it). The state is not changed by the move (bitwise). Its GPU
     /// bytes ([`device_optimizer_bytes`]) are carved out of the residency manager's budget
-    /// (evicting other copies if needed). Returns the bytes moved over the link.
+    /// (evicting other copies if needed). Returns the bytes moved over the link: the master
+    /// weights' 4 B per parameter and the moments' [`StateDType::moment_bytes`].
     ///
     /// # Errors
     /// [`RuntimeError::Usage`] during a step, with data-parallel ranks (their optimizer holds a
@@ -140,33 +155,35 @@ impl Runtime {
         self.publish(unit)?;
         let u = self.units.get(unit);
         let (tensor, numel, dtype) = (unit.tensor(), u.numel, u.dtype);
-        let bytes = device_optimizer_bytes(numel, dtype);
+        let state_dtype = self.config.optimizer.state_dtype;
+        let bytes = device_optimizer_bytes(numel, dtype, state_dtype);
+        let moved = (4 * numel + state_dtype.moment_bytes(numel)) as u64;
         match place {
             OptimizerPlace::Device => {
                 let room = self.device_optimizer_room()?;
                 if bytes > room {
                     return Err(RuntimeError::Usage(format!(
-                        "place_optimizer({name}): its device optimizer needs {bytes} GPU bytes (16 B per parameter + \
-                         the compute copy), the GPU budget has {room} bytes beyond the minimum working set and the \
-                         device optimizers placed already\n  fix: raise [budgets] gpu, or lower [optimizer] \
-                         device_units / [moe] expert_budget"
+                        "place_optimizer({name}): its device optimizer needs {bytes} GPU bytes (master weights, \
+                         {state_dtype} moments, gradients and the compute copy), the GPU budget has {room} bytes \
+                         beyond the minimum working set and the device optimizers placed already\n  fix: raise \
+                         [budgets] gpu, or lower [optimizer] device_units / [moe] expert_budget"
                     )));
                 }
                 self.carve.device_optimizers += bytes;
                 self.tiers.residency.set_device_budget_bytes(self.carve.residency_bytes())?;
-                // The device optimizer keeps f32 moments: reduced ones are decoded here (and
-                // stored in their dtype again when the unit's optimizer comes back).
-                let (master, m, v) = self.grads.optimizer().export_state(tensor)?.into_f32();
-                let (master, m, v) = (self.upload_f32(&master)?, self.upload_f32(&m)?, self.upload_f32(&v)?);
+                // The moments go as the CPU optimizer stores them (no re-encoding).
+                let state = self.grads.optimizer().export_state(tensor)?;
+                let master = self.upload(bytemuck::cast_slice(&state.master), DType::F32)?;
+                let moments = DeviceMoments::from_host(&state.moments, |b, dt| self.upload(b, dt))?;
                 let copy = master.to_dtype(candle_dtype(dtype)?)?;
                 let u = self.units.get_mut(unit);
                 let off = match u.kind {
                     Kind::Unscheduled => OffDevice::Unscheduled,
                     _ => OffDevice::Tiered,
                 };
-                u.kind = Kind::Device { state: Box::new(DeviceState { master, m, v, copy, grads: None }), off };
+                u.kind = Kind::Device { state: Box::new(DeviceState { master, moments, copy, grads: None }), off };
                 tracing::debug!(unit = unit.index(), bytes, "runtime: optimizer placed on the device");
-                Ok(12 * numel as u64)
+                Ok(moved)
             }
             OptimizerPlace::Host => {
                 let u = self.units.get_mut(unit);
@@ -174,35 +191,37 @@ impl Runtime {
                     unreachable!("placed on the device")
                 };
                 u.kind = off.into();
-                let state = oogc_optimizer::UnitState::from_f32(
-                    self.download_f32(&d.master)?,
-                    self.download_f32(&d.m)?,
-                    self.download_f32(&d.v)?,
-                )?;
+                let state = oogc_optimizer::UnitState {
+                    master: bytemuck::pod_collect_to_vec(&self.download(&d.master)?),
+                    moments: d.moments.to_host(|t| self.download(t))?,
+                };
                 drop(d);
                 self.grads.optimizer().import_state(tensor, state)?;
                 self.carve.device_optimizers -= bytes;
                 self.tiers.residency.set_device_budget_bytes(self.carve.residency_bytes())?;
                 tracing::debug!(unit = unit.index(), bytes, "runtime: optimizer placed on the host");
-                Ok(12 * numel as u64)
+                Ok(moved)
             }
         }
     }
 
     /// Bytes of one H2D/D2H piece of a state move: the gradient landing pool's buffers serve
-    /// them (at least the largest unit's compute copy), whole f32 elements.
+    /// them (at least the largest unit's compute copy), whole f32 elements (so whole elements
+    /// of every state dtype).
     fn state_chunk_bytes(&self) -> usize {
         (self.units.largest_bytes(1) as usize / 4).max(1) * 4
     }
 
-    /// `values` H2D over the link (pieces through the landing pool and a device buffer), as an
-    /// f32 tensor `[len]` on the compute device. No host wait: compute waits for each piece's
-    /// copy event; the landing buffers go back to the pool once their copies are complete.
-    fn upload_f32(&self, values: &[f32]) -> Result<Tensor> {
+    /// `values` (the little-endian bytes of elements of `dtype`) H2D over the link (pieces
+    /// through the landing pool and a device buffer), as a tensor `[len]` of `dtype` on the
+    /// compute device. No host wait: compute waits for each piece's copy event; the landing
+    /// buffers go back to the pool once their copies are complete.
+    fn upload(&self, values: &[u8], dtype: DType) -> Result<Tensor> {
         let (device, order) = (self.tiers.device(), self.tiers.order);
         let mut parts = Vec::new();
         let mut in_flight = Vec::new();
-        for piece in bytemuck::cast_slice::<f32, u8>(values).chunks(self.state_chunk_bytes()) {
+        let width = dtype.num_bytes(1);
+        for piece in values.chunks(self.state_chunk_bytes()) {
             let mut host = self.grads.landing_buffer(piece.len())?;
             host.as_mut_slice()[..piece.len()].copy_from_slice(piece);
             let dev = order.alloc(device, piece.len())?;
@@ -210,13 +229,13 @@ impl Runtime {
             let (dev, host) = transfer.release_device()?;
             in_flight.push(host);
             order.compute_waits(device, OrderingCall::StateUploadComputeWaits, &copied)?;
-            parts.push(device_tensor(&dev, piece.len() / 4, DType::F32, &self.tiers.compute_device)?);
+            parts.push(device_tensor(&dev, piece.len() / width, dtype, &self.tiers.compute_device)?);
             order.free_after_use(device, OrderingCall::StateUploadFreeAfterRead, dev)?;
         }
         // Between steps: the host buffers go back to the pool here (their copies finish while
         // compute concatenates the pieces).
         let tensor = if parts.is_empty() {
-            Tensor::zeros(0, CandleDType::F32, &self.tiers.compute_device)?
+            Tensor::zeros(0, tensor::element_dtype(dtype), &self.tiers.compute_device)?
         } else {
             Tensor::cat(&parts, 0)?
         };
@@ -226,24 +245,25 @@ impl Runtime {
         Ok(tensor)
     }
 
-    /// An f32 tensor on the compute device D2H over the link (pieces through a device buffer
-    /// and the landing pool), as host values.
-    fn download_f32(&self, t: &Tensor) -> Result<Vec<f32>> {
+    /// A tensor on the compute device (F32, BF16 or U8) D2H over the link (pieces through a
+    /// device buffer and the landing pool), as the host bytes of its values.
+    fn download(&self, t: &Tensor) -> Result<Vec<u8>> {
         let (device, order) = (self.tiers.device(), self.tiers.order);
         let flat = t.flatten_all()?;
-        let n = flat.elem_count();
-        let per = self.state_chunk_bytes() / 4;
-        let mut out = Vec::with_capacity(n);
+        let dtype = tensor::state_dtype_of(flat.dtype())?;
+        let (n, width) = (flat.elem_count(), dtype.num_bytes(1));
+        let per = self.state_chunk_bytes() / width;
+        let mut out = Vec::with_capacity(n * width);
         let mut start = 0;
         while start < n {
             let len = per.min(n - start);
-            let mut dev = order.alloc_for_compute(device, OrderingCall::StateDownloadAlloc, len * 4)?;
-            tensor::write_to_device(&flat.narrow(0, start, len)?, DType::F32, &mut dev, device)?;
-            let host = self.grads.landing_buffer(len * 4)?;
+            let mut dev = order.alloc_for_compute(device, OrderingCall::StateDownloadAlloc, len * width)?;
+            tensor::write_to_device(&flat.narrow(0, start, len)?, dtype, &mut dev, device)?;
+            let host = self.grads.landing_buffer(len * width)?;
             let transfer = order.dtoh_after_write(device, OrderingCall::StateDownloadDtohAfterWrite, dev, host)?;
             // The host needs the bytes: it waits for this copy (a D2H, between steps).
             let (host, dev) = transfer.wait()?;
-            out.extend(bytemuck::pod_collect_to_vec::<u8, f32>(&host.as_slice()[..len * 4]));
+            out.extend_from_slice(&host.as_slice()[..len * width]);
             order.free_after_use(device, OrderingCall::StateDownloadFreeAfterWrite, dev)?;
             start += len;
         }

@@ -12,7 +12,7 @@
 //! | `gradient_staging` | the runtime's gradient staging buffers (the largest unit's compute copy each) | yes |
 //! | `activation_staging` | with `[activations] offload`: the checkpoints' staging buffers | yes |
 //! | `in_use_copies` | candle's own copy of each unit in use (a device-to-device copy at the fetch) | yes |
-//! | `device_optimizers` | `[optimizer] device_units`: 16 B per parameter + the compute copy | yes |
+//! | `device_optimizers` | `[optimizer] device_units`: 16 B per parameter with f32 moments (12 with bf16, 10.03 with int8: `device_optimizer_bytes`) + the compute copy | yes |
 //! | `checkpoints` | the activation checkpoints kept on the device: `(layers·k + k)·B·T·d` elements of the compute dtype (`k` micro-batches; the head's inputs are the `+ k`); with `[activations] offload` only the `k` of the block in backward and the head's `k` | yes |
 //! | `input_gradients` | the gradients flowing between units, `2·k·B·T·d` elements of the compute dtype (the ones a unit receives and the ones it returns); with a tied head also the head's gradient of the embedding (its parameters, compute dtype) | yes |
 //! | `working_set` | the peak unit's backward (recompute + VJP) at its peak, less the two parts below: norms, residuals, MLP activations and their gradients (blocks); the logits `[B·T, V]` and the softmax/loss gradient in f32 (head); the rows' gradients summed in f32 (embedding) | yes |

@@ -133,6 +133,15 @@ impl<'a> Memory<'a> {
         self.rt.carve.device_optimizers
     }
 
+    /// GPU bytes `unit`'s device optimizer holds, measured on its tensors: master weights,
+    /// moments (in their stored dtype, absmaxes included) and compute copy, plus the step's f32
+    /// gradients (4 B per parameter, held from its `push_grads` to the update). What
+    /// [`super::device_optimizer_bytes`] counts for it; `None` when its optimizer is on the host.
+    pub fn device_optimizer_held_bytes(&self, unit: UnitId) -> Option<u64> {
+        let u = self.rt.units.get(unit);
+        u.device().map(|d| d.bytes() + 4 * u.numel as u64)
+    }
+
     /// The residency manager's device budget without device optimizers: the GPU budget less
     /// gradient staging, activation staging and (on CUDA) candle's copies of the units in use
     /// (0 before [`Runtime::check_working_set`]).

@@ -71,6 +71,7 @@ mod cuda;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda_dummy.rs"]
 mod cuda;
+mod device_moments;
 mod device_optim;
 pub mod device_plan;
 mod error;
@@ -92,6 +93,7 @@ mod unit;
 pub use activations::{ActivationId, Activations};
 pub use budget::{rank_units, HostPlan, NvmePlan};
 pub use config::{ActivationOffload, DeviceSpec, RuntimeConfig};
+pub use device_moments::moment_codec_excess;
 pub use device_optim::{adam_fixture_excess, adam_step_tensors, device_optimizer_bytes, OptimizerPlace};
 pub use error::{Result, RuntimeError};
 pub use memory::Memory;

@@ -4,7 +4,8 @@
 
 use oogc_optimizer::UnitState;
 
-use super::tensor::candle_dtype;
+use super::device_moments::DeviceMoments;
+use super::tensor::{self, candle_dtype};
 use super::unit::Kind;
 use super::{home, Result, Runtime, RuntimeError, UnitId};
 
@@ -12,7 +13,7 @@ impl Runtime {
     /// The unit's fp32 master weights and Adam moments (`[numel]` each) as the optimizer stores
     /// them (`[optimizer] state_dtype`: f32, bf16, or int8 codes with their block absmaxes; f32
     /// vectors through [`UnitState::into_f32`]): what a checkpoint saves, so that a resume is
-    /// bitwise. A device-resident unit's moments are f32 (the device optimizer's). Call
+    /// bitwise. A device-resident unit's are the device optimizer's (the same format). Call
     /// [`Runtime::sync`] first to see the latest update. With data-parallel ranks (f32 state
     /// only) each holds a shard: they are all-gathered (a collective: every rank calls this for
     /// the same units in the same order).
@@ -23,7 +24,8 @@ impl Runtime {
         let u = self.units.get(unit);
         if let Some(d) = u.device() {
             // The device optimizer's state (a checkpoint's read, not counted as link traffic).
-            return Ok(UnitState::from_f32(d.master.to_vec1()?, d.m.to_vec1()?, d.v.to_vec1()?)?);
+            let moments = d.moments.to_host(tensor::host_bytes)?;
+            return Ok(UnitState { master: d.master.to_vec1()?, moments });
         }
         let s = self.grads.optimizer().export_state(unit.tensor())?;
         if self.ranks.world().size == 1 {
@@ -43,7 +45,7 @@ impl Runtime {
     /// compute copy. The moments may be of any dtype ([`UnitState::from_f32`] for f32 vectors):
     /// stored as they are when they are of `[optimizer] state_dtype` (a bitwise resume), else
     /// converted through f32 ([`oogc_optimizer::MomentBufs::converted`]; a checkpoint's loader
-    /// refuses that unless asked). A device-resident unit takes them in f32.
+    /// refuses that unless asked); a device-resident unit takes them the same way, on the device.
     ///
     /// # Errors
     /// [`RuntimeError::Usage`] for a length mismatch; optimizer or swapper failures.
@@ -59,11 +61,12 @@ impl Runtime {
         let copy_dtype = candle_dtype(dtype)?;
         if let Some(d) = u.device_mut() {
             // Restored where the optimizer lives: on the device.
-            let (master, m, v) = state.into_f32();
+            let moments = state.moments.converted(self.config.optimizer.state_dtype);
             let dev = &self.tiers.compute_device;
-            d.master = candle_core::Tensor::from_vec(master, numel, dev)?;
-            d.m = candle_core::Tensor::from_vec(m, numel, dev)?;
-            d.v = candle_core::Tensor::from_vec(v, numel, dev)?;
+            d.master = candle_core::Tensor::from_vec(state.master, numel, dev)?;
+            d.moments = DeviceMoments::from_host(&moments, |b, dt| {
+                tensor::tensor_from_bytes(b, dt, b.len() / dt.num_bytes(1), dev)
+            })?;
             d.copy = d.master.to_dtype(copy_dtype)?;
             d.grads = None;
             return Ok(());

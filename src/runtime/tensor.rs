@@ -22,6 +22,39 @@ pub fn candle_dtype(dtype: DType) -> Result<candle_core::DType> {
     }
 }
 
+/// candle's dtype of elements of `dtype`, any of them (U8 for optimizer state's int8 codes).
+pub(super) fn element_dtype(dtype: DType) -> candle_core::DType {
+    match dtype {
+        DType::F32 => candle_core::DType::F32,
+        DType::BF16 => candle_core::DType::BF16,
+        DType::F16 => candle_core::DType::F16,
+        DType::U8 => candle_core::DType::U8,
+    }
+}
+
+/// The swapper's dtype of a device optimizer's state tensor (F32, BF16, F16 or U8).
+///
+/// # Errors
+/// [`RuntimeError::Usage`] for another dtype.
+pub(super) fn state_dtype_of(dtype: candle_core::DType) -> Result<DType> {
+    match dtype {
+        candle_core::DType::U8 => Ok(DType::U8),
+        other => swapper_dtype(other),
+    }
+}
+
+/// The little-endian bytes of `t`'s values (F32, BF16, F16 or U8; flattened), in host memory.
+///
+/// # Errors
+/// candle's; [`RuntimeError::Usage`] for another dtype.
+pub(super) fn host_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    let t = t.flatten_all()?;
+    Ok(match state_dtype_of(t.dtype())? {
+        DType::U8 => t.to_vec1::<u8>()?,
+        dtype => tensor_values(&t, dtype)?.as_slice().as_bytes().to_vec(),
+    })
+}
+
 /// The swapper's dtype of a candle float dtype.
 ///
 /// # Errors
@@ -74,12 +107,15 @@ pub(super) fn device_bytes(
     }
 }
 
-/// Writes `t` (flattened, converted to `dtype`) into the front of the device buffer `buf`, as
-/// compute does (the sim device's checker records a compute write), on `device`'s compute
-/// stream (CUDA: after the kernels that wrote `t`, on whichever stream); returns the bytes
-/// written. Record a compute event after it to order a D2H of `buf`.
+/// Writes `t` (flattened, converted to `dtype`; U8 for int8 optimizer state) into the front of
+/// the device buffer `buf`, as compute does (the sim device's checker records a compute write),
+/// on `device`'s compute stream (CUDA: after the kernels that wrote `t`, on whichever stream);
+/// returns the bytes written. Record a compute event after it to order a D2H of `buf`.
 pub(super) fn write_to_device(t: &Tensor, dtype: DType, buf: &mut DeviceBuffer, device: &Device) -> Result<usize> {
     match (buf, device) {
+        (DeviceBuffer::Sim(b), _) if dtype == DType::U8 => {
+            write_bytes_to_sim(&t.flatten_all()?.to_dtype(candle_core::DType::U8)?.to_vec1::<u8>()?, b)
+        }
         (DeviceBuffer::Sim(b), _) => write_bytes_to_sim(tensor_values(t, dtype)?.as_slice().as_bytes(), b),
         (DeviceBuffer::Cuda(b), Device::Cuda(d)) => super::cuda::write_tensor(t, dtype, b, d),
         (DeviceBuffer::Cuda(_), Device::Sim(_)) => {
@@ -99,14 +135,15 @@ pub(super) fn write_bytes_to_sim(bytes: &[u8], b: &mut oogc_swapper::SimBuffer) 
     Ok(n)
 }
 
-/// A tensor of `shape` and `dtype` from its little-endian bytes, on `device`.
+/// A tensor of `shape` and `dtype` (any: U8 for int8 optimizer state) from its little-endian
+/// bytes, on `device`.
 pub(super) fn tensor_from_bytes(
     bytes: &[u8],
     dtype: DType,
     shape: impl Into<Shape>,
     device: &CandleDevice,
 ) -> Result<Tensor> {
-    Ok(Tensor::from_raw_buffer(bytes, candle_dtype(dtype)?, shape.into().dims(), device)?)
+    Ok(Tensor::from_raw_buffer(bytes, element_dtype(dtype), shape.into().dims(), device)?)
 }
 
 /// The elements of `t` (any shape, flattened in row-major order) converted to `dtype`, in host

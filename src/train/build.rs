@@ -335,7 +335,8 @@ pub fn choose_device_units(cfg: &TrainConfig, model: &dyn CausalLm, compute_budg
             order
                 .filter(|u| {
                     let n = units[*u].numel;
-                    let bytes = crate::runtime::device_optimizer_bytes(n, dtype) - dtype.num_bytes(n) as u64;
+                    let bytes = crate::runtime::device_optimizer_bytes(n, dtype, cfg.optimizer.state_dtype)
+                        - dtype.num_bytes(n) as u64;
                     let fits = bytes <= left;
                     if fits {
                         left -= bytes;

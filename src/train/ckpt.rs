@@ -5,7 +5,7 @@
 //! bf16 with `[optimizer] master_dtype = "bf16"` when the unit's optimizer is on the host — a
 //! device-resident unit's are f32), `{name}.exp_avg` and `{name}.exp_avg_sq` in the moments'
 //! stored dtype (f32, bf16, or int8 codes: I8 for `m`'s linear map, U8 for `v`'s tree map; a
-//! device-resident unit's are f32), then for int8 the unit's block absmaxes
+//! device-resident unit's too, the device optimizer keeping the same format), then for int8 the unit's block absmaxes
 //! (`{unit}.exp_avg.absmax`, `{unit}.exp_avg_sq.absmax`, f32 `[blocks]`: blocks of 256 run over
 //! the unit's flat vector, across its parameters).
 
@@ -36,7 +36,7 @@ impl UnitLayout {
     /// state_dtype` and `master_dtype`.
     pub(super) fn new(place: OptimizerPlace, state: StateDType, master: MasterDType) -> Self {
         match place {
-            OptimizerPlace::Device => Self { master_bf16: false, moments: StateDType::F32 },
+            OptimizerPlace::Device => Self { master_bf16: false, moments: state },
             OptimizerPlace::Host => Self { master_bf16: master == MasterDType::Bf16, moments: state },
         }
     }

@@ -548,6 +548,21 @@ pub(crate) fn fixtures(ctx: &Ctx, f: &mut Figures) -> anyhow::Result<Verdict> {
         }
         Err(e) => failures.push(format!("device_adam: {e}")),
     }
+    // The device optimizer's bf16 and int8 moment codecs (candle ops on the compute device)
+    // against the CPU optimizer's.
+    match oogc::runtime::moment_codec_excess(&ctx.compute_device()?) {
+        Ok(excess) => {
+            for (dtype, e) in &excess {
+                f.set(&format!("device_moments.{dtype}.tolerance_share"), e);
+                if !within(*e, 1.0) {
+                    failures.push(format!("device_moments.{dtype}: {e:.2} × the codecs' tolerance"));
+                }
+            }
+            let worst = excess.iter().map(|(_, e)| *e).fold(0.0, f64::max);
+            summary.push(format!("device moments {worst:.2}× tol"));
+        }
+        Err(e) => failures.push(format!("device_moments: {e}")),
+    }
     f.set("bf16_limits", FIXTURE_BF16);
     f.summary(summary.join(", "));
     Ok(verdict(failures))
