@@ -20,10 +20,14 @@ const RANKS: usize = 2;
 /// The tiny Llama with state on NVMe and a clip norm the gradients exceed (so the global norm
 /// decides every step's scale), `batch_size` windows per rank.
 fn config(dir: &Path, batch_size: usize) -> TrainConfig {
-    let text = common::tiny_llama(&dir.join("nvme"), &dir.join("cache"))
+    TrainConfig::from_toml_str(&config_text(dir, batch_size)).expect("config")
+}
+
+/// [`config`]'s TOML.
+fn config_text(dir: &Path, batch_size: usize) -> String {
+    common::tiny_llama(&dir.join("nvme"), &dir.join("cache"))
         .replace("batch_size = 4", &format!("batch_size = {batch_size}"))
-        .replace("steps = 12", &format!("steps = {STEPS}"));
-    TrainConfig::from_toml_str(&text).expect("config")
+        .replace("steps = 12", &format!("steps = {STEPS}"))
 }
 
 /// [`config`] with a GPU budget that keeps a rank's shards and the unit in use, with room to
@@ -40,10 +44,15 @@ const TIGHT_STEPS: u64 = 6;
 
 /// [`config`] with what else must keep working across ranks: two micro-batches of
 /// `batch_size` windows, activation checkpoints offloaded, the compute copies (and so their
-/// shards) on NVMe with the host tier as their cache, and immediate updates (no clipping,
-/// `nonfinite = "stop"`).
+/// shards) on NVMe with the host tier as their cache, immediate updates (no clipping,
+/// `nonfinite = "stop"`), and a head tied to the embedding: its unit, the final norm's 32
+/// parameters, is too small to give each rank a block of 256, so its compute copy stays whole
+/// on every rank (its optimizer state on rank 0 alone) while the others are sharded.
 fn features_config(dir: &Path, batch_size: usize) -> TrainConfig {
-    let mut cfg = config(dir, batch_size);
+    let text = config_text(dir, batch_size)
+        .replace("max_position_embeddings = 32", "max_position_embeddings = 32\ntie_word_embeddings = true");
+    let mut cfg = TrainConfig::from_toml_str(&text).expect("config");
+    assert!(text.contains("tie_word_embeddings = true"), "{text}");
     cfg.train.micro_batches = 2;
     cfg.train.steps = FEATURES_STEPS;
     cfg.activations.offload = true;

@@ -589,7 +589,8 @@ fn reduced_moments_equal_the_reference_on_host_and_nvme() {
 /// of a unit (bf16 master weights, int8 moments; host- and NVMe-placed) update it bit for bit as
 /// one optimizer holding it whole: the shards' int8 blocks are the whole unit's, and the
 /// stochastic rounding keys on the element's index in the unit. A shard added at offset 0
-/// instead rounds otherwise.
+/// instead rounds otherwise. A rank whose shard is empty (a unit of one block over 2 ranks) holds
+/// and steps nothing.
 #[test]
 fn shards_added_at_their_offsets_update_as_the_whole_unit() {
     let block = oogc_optimizer::QUANT_BLOCK;
@@ -597,10 +598,17 @@ fn shards_added_at_their_offsets_update_as_the_whole_unit() {
     let cut = 9 * block;
     let id = TensorId(3);
     let master = noise(5, n, 2.0);
-    for place in [StatePlacement::Host, StatePlacement::Nvme] {
+    let cases = [StatePlacement::Host, StatePlacement::Nvme].into_iter().flat_map(|p| [(p, false), (p, true)]);
+    for (place, immediate) in cases {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(NvmeStore::open(NvmeConfig::new(vec![dir.path().to_path_buf()], 64 << 20)).unwrap());
         let mut cfg = config(None, 2);
+        // Speculated updates write the new compute copy into second buffers; immediate ones
+        // straight into its home.
+        if immediate {
+            cfg.nonfinite = NonFinite::Stop;
+        }
+        assert_eq!(cfg.updates_immediately(), immediate);
         cfg.state_dtype = StateDType::Int8;
         cfg.master_dtype = MasterDType::Bf16;
         let make = || PipelinedOptimizer::new(cfg.clone(), Some(store.clone())).unwrap();
@@ -615,6 +623,9 @@ fn shards_added_at_their_offsets_update_as_the_whole_unit() {
                 opt
             })
             .collect();
+        // A third rank's empty shard, at the unit's end.
+        let nothing = make();
+        nothing.add_shard(id, &[], n, place).unwrap();
         // The second shard as if it were a unit of its own (offset 0).
         let unaligned = make();
         unaligned.add_unit(id, &master[cut..], place).unwrap();
@@ -631,7 +642,10 @@ fn shards_added_at_their_offsets_update_as_the_whole_unit() {
                 step(opt, r.clone());
             }
             step(&unaligned, cut..n);
+            step(&nothing, n..n);
         }
+        let empty = nothing.export_state(id).unwrap();
+        assert!(empty.master.is_empty() && empty.moments.is_empty() && empty.moments.dtype() == StateDType::Int8);
         let want = whole.export_state(id).unwrap();
         let want_moments = moment_bytes(&want.moments);
         let mut joined_master = Vec::new();
