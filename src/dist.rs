@@ -10,13 +10,16 @@
 //! | [`Ranks::new`] | the ranks of another engine instead: a [`Collectives`] of the program that set them up (the Python module's over torch.distributed, for `torchrun`) |
 //! | [`World`] | rank, world size, local rank (`OMPI_COMM_WORLD_*`); [`World::SINGLE`] without ranks |
 //! | [`Collectives`] | the engine's calls: all-reduce (f64 sum), reduce-scatter (f32 sum), all-gather (bytes), abort; [`SingleProcess`] is the no-op of a world of one |
-//! | [`shard_range`] | the elements of a unit whose master weights and Adam state a rank holds (ZeRO-style: `⌈numel / ranks⌉` each, in rank order) |
+//! | [`shard_range`], [`shard_len`] | the elements of a unit whose master weights and Adam state a rank holds (ZeRO-style: `⌈numel / ranks⌉` each rounded up to whole blocks of [`SHARD_ALIGN`], in rank order) |
 //! | [`Ranks::reduce_scatter_mean_grads`] | the drain thread's step: this rank's shard of a unit's gradients averaged over the ranks (summed in f32, divided by the world size, back in their dtype) |
 //! | [`Ranks::all_gather_shards`] | the fetch's step: a unit's bytes (a compute copy, master weights) from every rank's shard |
+//! | [`Ranks::all_gather_shard_blocks`] | a checkpoint's step for int8 moments: one value per block of every rank's shard (the absmaxes) |
 //! | [`Ranks::all_reduce_sum_f64`], [`Ranks::all_gather_f64`] | the trainer's scalars: losses, validation sums, per-rank figures, the global norm |
 //!
 //! **Sharding (ZeRO-style).** With more than one rank the runtime's optimizer holds only this
-//! rank's [`shard_range`] of every unit: its fp32 master weights and Adam state (host or NVMe),
+//! rank's [`shard_range`] of every unit: its master weights and Adam state (host or NVMe, in
+//! `[optimizer] state_dtype` / `master_dtype`; a shard starts on a block of [`SHARD_ALIGN`], so
+//! a rank's int8 blocks are one process's blocks of that range),
 //! its gradients (a reduce-scatter of each unit's), its update; the global norm is an all-reduce
 //! of the shards' sums of squares (`PipelinedOptimizer::set_norm_reduce`), so clipping and the
 //! non-finite skip are the same everywhere. With `RuntimeConfig::shard_parameters` (ZeRO-3, the
@@ -25,7 +28,8 @@
 //! without it (ZeRO-2, the Python module) the compute copies stay whole on every rank and
 //! `Runtime::finish_step` all-gathers each updated unit's new copy — as it does, with sharded
 //! parameters too, for units registered unscheduled (MoE experts: each rank fetches those its
-//! own routing needs, so their copies stay whole; `Runtime::add_unscheduled_unit`). A checkpoint gathers the state (every rank takes part, rank 0 writes it); a
+//! own routing needs, so their copies stay whole; `Runtime::add_unscheduled_unit`). A checkpoint gathers the state in its
+//! stored dtype (every rank takes part, rank 0 writes it: the file a world of one writes); a
 //! checkpoint of any world size loads, each rank taking its shard.
 //!
 //! **Ordering.** MPI collectives on one communicator must be called in the same order on every
@@ -298,7 +302,7 @@ impl Ranks {
 
     /// The gradient drain thread's step: this rank's shard ([`shard_range`]) of a unit's
     /// gradients averaged over the ranks: a reduce-scatter (`MPI_Reduce_scatter_block`, summed
-    /// in f32, the unit padded to equal blocks), divided by the world size, returned in the
+    /// in f32, the unit padded to equal blocks of [`shard_len`]), divided by the world size, returned in the
     /// gradients' dtype. The whole gradients, unchanged, in a world of one.
     ///
     /// # Errors
@@ -310,7 +314,7 @@ impl Ranks {
         }
         let dtype = grads.dtype();
         let numel = grads.len();
-        let per = numel.div_ceil(world.size);
+        let per = shard_len(numel, world.size);
         let mut send = match Grads::converted(grads.as_slice(), oogc_swapper::DType::F32) {
             Grads::F32(v) => v,
             _ => unreachable!("converted to f32"),
@@ -329,8 +333,9 @@ impl Ranks {
 
     /// The fetch's step: a unit of `numel` elements of `elem_bytes` bytes each, gathered from
     /// every rank's shard ([`shard_range`]; `shard` is this rank's,
-    /// `shard.len() == range.len() × elem_bytes`): an all-gather of equal padded blocks,
-    /// `numel × elem_bytes` bytes in rank order. `shard` itself in a world of one.
+    /// `shard.len() == range.len() × elem_bytes`): an all-gather of equal padded blocks
+    /// ([`shard_len`] elements), `numel × elem_bytes` bytes in rank order. `shard` itself in a
+    /// world of one.
     ///
     /// # Errors
     /// [`DistError::Collective`] when the engine fails.
@@ -338,18 +343,54 @@ impl Ranks {
     /// # Panics
     /// When `shard` is not this rank's shard's size.
     pub fn all_gather_shards(&self, shard: &[u8], numel: usize, elem_bytes: usize) -> Result<Vec<u8>, DistError> {
+        let per = shard_len(numel, self.world.size);
+        self.all_gather_chunks(shard, numel, per, elem_bytes, "all-gather (bytes)")
+    }
+
+    /// A checkpoint's step for int8 moments: one value of `elem_bytes` bytes per block of
+    /// [`SHARD_ALIGN`] elements of every rank's shard of a unit of `numel` elements (`blocks`
+    /// is this rank's: `shard_range(..).len().div_ceil(SHARD_ALIGN)` values, its blocks'
+    /// absmaxes), gathered in rank order: `numel.div_ceil(SHARD_ALIGN)` values as bytes, one
+    /// process's blocks (a shard starts on a block). `blocks` itself in a world of one.
+    ///
+    /// # Errors
+    /// [`DistError::Collective`] when the engine fails.
+    ///
+    /// # Panics
+    /// When `blocks` is not this rank's shard's number of blocks.
+    pub fn all_gather_shard_blocks(
+        &self,
+        blocks: &[u8],
+        numel: usize,
+        elem_bytes: usize,
+    ) -> Result<Vec<u8>, DistError> {
+        let per = shard_len(numel, self.world.size) / SHARD_ALIGN;
+        self.all_gather_chunks(blocks, numel.div_ceil(SHARD_ALIGN), per, elem_bytes, "all-gather (block values)")
+    }
+
+    /// `total` elements of `elem_bytes` bytes cut in chunks of `per` in rank order (the last
+    /// shorter or empty), this rank's chunk `mine`: every rank's, gathered (equal blocks of
+    /// `per` elements, padded).
+    fn all_gather_chunks(
+        &self,
+        mine: &[u8],
+        total: usize,
+        per: usize,
+        elem_bytes: usize,
+        op: &'static str,
+    ) -> Result<Vec<u8>, DistError> {
         let world = self.world;
-        let range = shard_range(numel, world.rank, world.size);
-        assert_eq!(shard.len(), range.len() * elem_bytes, "rank {}'s shard of a unit of {numel}", world.rank);
+        let len = ((world.rank + 1) * per).min(total).saturating_sub(world.rank * per);
+        assert_eq!(mine.len(), len * elem_bytes, "rank {}'s shard of a unit of {total}", world.rank);
         if world.size == 1 {
-            return Ok(shard.to_vec());
+            return Ok(mine.to_vec());
         }
-        let block = numel.div_ceil(world.size) * elem_bytes;
-        let mut send = shard.to_vec();
+        let block = per * elem_bytes;
+        let mut send = mine.to_vec();
         send.resize(block, 0);
         let mut all = vec![0u8; block * world.size];
-        self.collectives.all_gather_bytes(&send, &mut all).map_err(|e| self.failed("all-gather (bytes)", e))?;
-        all.truncate(numel * elem_bytes);
+        self.collectives.all_gather_bytes(&send, &mut all).map_err(|e| self.failed(op, e))?;
+        all.truncate(total * elem_bytes);
         Ok(all)
     }
 
@@ -492,12 +533,33 @@ mod mpi_world {
     }
 }
 
+/// The alignment of a rank's shard ([`shard_range`]): a shard starts at a multiple of
+/// [`oogc_optimizer::QUANT_BLOCK`] (256) elements, so the int8 moments' blocks of a rank (counted
+/// from its shard's start) are exactly one process's blocks of that range, and a gathered unit
+/// is one process's layout whatever the world size.
+pub const SHARD_ALIGN: usize = oogc_optimizer::QUANT_BLOCK;
+
+/// Elements per rank's shard of a flat unit of `numel` over `ranks` ranks: `⌈numel / ranks⌉`
+/// rounded up to a multiple of [`SHARD_ALIGN`] (the last shards hold less, or nothing).
+pub fn shard_len(numel: usize, ranks: usize) -> usize {
+    numel.div_ceil(ranks.max(1)).next_multiple_of(SHARD_ALIGN)
+}
+
 /// The elements of a flat unit of `numel` that rank `rank` of `ranks` owns (its master
-/// weights, Adam state and update, ZeRO-style): `⌈numel / ranks⌉` per rank, the last ones
-/// shorter (or empty), together the whole unit in rank order.
+/// weights, Adam state and update, ZeRO-style): [`shard_len`] per rank, each starting at a
+/// multiple of [`SHARD_ALIGN`], the last ones shorter (or empty, at `numel..numel`), together
+/// the whole unit in rank order. A world of one holds the whole unit.
 pub fn shard_range(numel: usize, rank: usize, ranks: usize) -> std::ops::Range<usize> {
-    let per = numel.div_ceil(ranks.max(1));
+    let per = shard_len(numel, ranks);
     (rank * per).min(numel)..((rank + 1) * per).min(numel)
+}
+
+/// Whether every rank of `ranks` holds a part of a unit of `numel` ([`shard_range`] not empty):
+/// not for units of fewer than `ranks - 1` blocks of [`SHARD_ALIGN`] and a bit, whose compute
+/// copies stay whole with sharded parameters (`RuntimeConfig::shard_parameters`). Always in a
+/// world of one.
+pub fn every_rank_holds(numel: usize, ranks: usize) -> bool {
+    ranks <= 1 || !shard_range(numel, ranks - 1, ranks).is_empty()
 }
 
 #[cfg(test)]
@@ -574,7 +636,7 @@ mod tests {
         assert!(e.to_string().contains("rank 1 died"), "{e}");
         let e = ranks.reduce_scatter_mean_grads(Grads::F32(vec![1.0; 4])).unwrap_err();
         assert!(matches!(e, DistError::Collective { op: "reduce-scatter (sum, f32)", .. }), "{e:?}");
-        let e = ranks.all_gather_shards(&[0; 2], 4, 1).unwrap_err();
+        let e = ranks.all_gather_shards(&[0; 4], 4, 1).unwrap_err();
         assert!(matches!(e, DistError::Collective { op: "all-gather (bytes)", .. }), "{e:?}");
         assert!(ranks.all_gather_f64(1.0).is_err());
         // The default abort returns: the caller ends the process.
@@ -582,17 +644,83 @@ mod tests {
     }
 
     #[test]
-    fn the_shards_cover_a_unit_once_in_rank_order() {
-        for (numel, ranks) in [(10, 3), (9, 3), (1, 4), (0, 2), (7, 1), (5, 8)] {
-            let mut next = 0;
+    fn the_shards_cover_a_unit_once_in_rank_order_on_whole_blocks() {
+        let b = SHARD_ALIGN;
+        let cases = [(10, 3), (9, 3), (1, 4), (0, 2), (7, 1), (5, 8), (3 * b, 2), (1000, 3), (4 * b + 1, 4), (5000, 7)];
+        for (numel, ranks) in cases {
+            let (mut next, mut empty) = (0, 0);
             for rank in 0..ranks {
                 let r = shard_range(numel, rank, ranks);
                 assert_eq!(r.start, next, "numel {numel}, rank {rank} of {ranks}");
-                assert!(r.len() <= numel.div_ceil(ranks));
+                // A shard starts on a block; an empty one sits at the unit's end.
+                assert!(r.start % b == 0 || r.start == numel, "numel {numel}, rank {rank} of {ranks}: {r:?}");
+                assert!(r.len() <= shard_len(numel, ranks));
+                // Whole blocks but at the unit's end: the shard's blocks are the unit's.
+                assert!(r.end == numel || r.len() % b == 0, "numel {numel}, rank {rank} of {ranks}: {r:?}");
+                empty += usize::from(r.is_empty());
                 next = r.end;
             }
             assert_eq!(next, numel, "numel {numel} over {ranks} ranks");
+            assert_eq!(shard_range(numel, 0, 1), 0..numel);
+            // A unit of one block or less is rank 0's alone.
+            if numel <= b {
+                assert_eq!(empty, ranks - usize::from(numel > 0), "numel {numel} over {ranks} ranks");
+            }
+            assert_eq!(every_rank_holds(numel, ranks), empty == 0, "numel {numel} over {ranks} ranks");
         }
+        // The per-rank size: ⌈numel / ranks⌉ rounded up to a block.
+        assert_eq!(shard_len(1000, 3), 512);
+        assert_eq!(shard_range(1000, 1, 3), 512..1000);
+        assert_eq!(shard_range(1000, 2, 3), 1000..1000);
+        assert_eq!(shard_len(4 * b, 4), b);
+        for (numel, ranks) in [(12345, 5), (99, 2), (2 * b, 2)] {
+            let per = shard_len(numel, ranks);
+            assert!(per >= numel.div_ceil(ranks) && per < numel.div_ceil(ranks) + b, "{numel} / {ranks}: {per}");
+        }
+    }
+
+    /// Two ranks' engine in one process: what each rank sends, recorded beforehand.
+    struct Recorded(Vec<Vec<u8>>);
+    impl Collectives for Recorded {
+        fn all_reduce_sum_f64(&self, _: &mut [f64]) -> Result<(), String> {
+            unreachable!("only all-gathers here")
+        }
+        fn reduce_scatter_sum_f32(&self, _: &[f32], _: &mut [f32]) -> Result<(), String> {
+            unreachable!("only all-gathers here")
+        }
+        fn all_gather_bytes(&self, send: &[u8], recv: &mut [u8]) -> Result<(), String> {
+            // Every rank's block padded to one length, as each rank sends it.
+            for (k, chunk) in recv.chunks_mut(send.len()).enumerate() {
+                assert!(self.0[k].len() <= send.len(), "rank {k} sends more than one padded block");
+                chunk.fill(0);
+                chunk[..self.0[k].len()].copy_from_slice(&self.0[k]);
+            }
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn block_values_gather_as_one_process_s_blocks() {
+        // A unit of 3 blocks and a bit over 2 ranks: rank 0 holds blocks 0, 1; rank 1 blocks 2, 3.
+        let numel = 3 * SHARD_ALIGN + 5;
+        let per_rank: Vec<Vec<u8>> = (0..2)
+            .map(|r| {
+                let range = shard_range(numel, r, 2);
+                let first = range.start / SHARD_ALIGN;
+                (first..first + range.len().div_ceil(SHARD_ALIGN)).map(|k| k as u8 + 10).collect()
+            })
+            .collect();
+        assert_eq!(per_rank, [vec![10, 11], vec![12, 13]]);
+        for rank in 0..2 {
+            let world = World { rank, size: 2, local_rank: rank };
+            let ranks = Ranks::new(world, Arc::new(Recorded(per_rank.clone()))).unwrap();
+            assert_eq!(ranks.all_gather_shard_blocks(&per_rank[rank], numel, 1).unwrap(), [10, 11, 12, 13]);
+        }
+        // A unit of one block: rank 1 holds nothing, sends nothing but padding.
+        let one = [vec![7u8, 0, 0, 0], vec![]];
+        let ranks = Ranks::new(World { rank: 1, size: 2, local_rank: 1 }, Arc::new(Recorded(one.to_vec()))).unwrap();
+        assert_eq!(ranks.all_gather_shard_blocks(&[], 100, 4).unwrap(), [7, 0, 0, 0]);
+        assert_eq!(ranks.all_gather_shards(&[], 100, 1).unwrap().len(), 100);
     }
 
     #[test]

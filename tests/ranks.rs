@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 
 use oogc::config::TrainConfig;
 use oogc::dist::Ranks;
+use oogc::optimizer::{MasterDType, StateDType, StateFormat};
 use oogc::train::Trainer;
 
 const STEPS: u64 = 20;
@@ -19,10 +20,14 @@ const RANKS: usize = 2;
 /// The tiny Llama with state on NVMe and a clip norm the gradients exceed (so the global norm
 /// decides every step's scale), `batch_size` windows per rank.
 fn config(dir: &Path, batch_size: usize) -> TrainConfig {
-    let text = common::tiny_llama(&dir.join("nvme"), &dir.join("cache"))
+    TrainConfig::from_toml_str(&config_text(dir, batch_size)).expect("config")
+}
+
+/// [`config`]'s TOML.
+fn config_text(dir: &Path, batch_size: usize) -> String {
+    common::tiny_llama(&dir.join("nvme"), &dir.join("cache"))
         .replace("batch_size = 4", &format!("batch_size = {batch_size}"))
-        .replace("steps = 12", &format!("steps = {STEPS}"));
-    TrainConfig::from_toml_str(&text).expect("config")
+        .replace("steps = 12", &format!("steps = {STEPS}"))
 }
 
 /// [`config`] with a GPU budget that keeps a rank's shards and the unit in use, with room to
@@ -39,10 +44,15 @@ const TIGHT_STEPS: u64 = 6;
 
 /// [`config`] with what else must keep working across ranks: two micro-batches of
 /// `batch_size` windows, activation checkpoints offloaded, the compute copies (and so their
-/// shards) on NVMe with the host tier as their cache, and immediate updates (no clipping,
-/// `nonfinite = "stop"`).
+/// shards) on NVMe with the host tier as their cache, immediate updates (no clipping,
+/// `nonfinite = "stop"`), and a head tied to the embedding: its unit, the final norm's 32
+/// parameters, is too small to give each rank a block of 256, so its compute copy stays whole
+/// on every rank (its optimizer state on rank 0 alone) while the others are sharded.
 fn features_config(dir: &Path, batch_size: usize) -> TrainConfig {
-    let mut cfg = config(dir, batch_size);
+    let text = config_text(dir, batch_size)
+        .replace("max_position_embeddings = 32", "max_position_embeddings = 32\ntie_word_embeddings = true");
+    let mut cfg = TrainConfig::from_toml_str(&text).expect("config");
+    assert!(text.contains("tie_word_embeddings = true"), "{text}");
     cfg.train.micro_batches = 2;
     cfg.train.steps = FEATURES_STEPS;
     cfg.activations.offload = true;
@@ -86,6 +96,24 @@ fn qwen3_moe_config(dir: &Path, batch_size: usize) -> TrainConfig {
     assert_eq!(cfg.model.family(), "qwen3_moe", "{text}");
     cfg
 }
+
+/// [`config`] with reduced optimizer state: `[optimizer] state_dtype` (int8: blocks of 256 with
+/// an absmax each) and `master_dtype` (bf16: stochastic rounding).
+fn reduced_config(dir: &Path, batch_size: usize, format: StateFormat) -> TrainConfig {
+    let mut cfg = config(dir, batch_size);
+    cfg.optimizer.state_dtype = format.moments;
+    cfg.optimizer.master_dtype = format.master;
+    cfg
+}
+
+/// The reduced formats the ranks train with (name, outcome suffix, format); the last one also
+/// checkpoints at STEPS / 2 and resumes across world sizes.
+const REDUCED: [(&str, &str, StateFormat); 3] = [
+    ("int8 moments", "-int8", StateFormat { master: MasterDType::F32, moments: StateDType::Int8 }),
+    ("bf16 master weights", "-bf16-master", StateFormat { master: MasterDType::Bf16, moments: StateDType::F32 }),
+    ("int8 moments + bf16 master weights", "-reduced", BOTH),
+];
+const BOTH: StateFormat = StateFormat { master: MasterDType::Bf16, moments: StateDType::Int8 };
 
 /// [`config`] writing checkpoints into `ckpt`.
 fn config_with_checkpoints(dir: &Path, batch_size: usize, ckpt: &Path) -> TrainConfig {
@@ -137,11 +165,13 @@ fn train_resumed(cfg: TrainConfig, from: &Path, ranks: &Ranks) -> Outcome {
     let t = Trainer::resume(cfg, ranks.clone(), from).expect("resume");
     assert_eq!(t.step(), STEPS / 2);
     let loaded = state(&t);
-    Outcome { loaded, ..run_to(t, STEPS, true) }
+    Outcome { loaded, ..run_to(t, STEPS, Some(STEPS)) }
 }
 
-/// Trains `t` to step `last`, writes a checkpoint when `save`, evaluates.
-fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
+/// Trains `t` to step `last`, writes a checkpoint after step `save_at` (and keeps the state it
+/// saved), evaluates.
+fn run_to(mut t: Trainer, last: u64, save_at: Option<u64>) -> Outcome {
+    let mut saved = Vec::new();
     let (mut losses, mut grad_norms, mut skipped) = (Vec::new(), Vec::new(), Vec::new());
     let (mut h2d_bytes, mut gathers, mut gather_bytes, mut routed) = (0, 0, 0, Vec::new());
     while t.step() < last {
@@ -154,17 +184,16 @@ fn run_to(mut t: Trainer, last: u64, save: bool) -> Outcome {
         // JSON has no NaN: a non-finite norm is written as -1.
         grad_norms.push(if o.stats.figures.grad_norm.is_finite() { o.stats.figures.grad_norm } else { -1.0 });
         skipped.push(o.stats.figures.skipped);
+        if save_at == Some(t.step()) {
+            t.save_checkpoint().expect("checkpoint");
+            saved = state(&t);
+        }
     }
     // The budget check before the run (and the summary's plan peak) plans what the runtime
     // applies: on each rank its shards, MoE experts' compute copies whole.
     let applied = t.runtime().memory().host_plan().cloned().expect("a host plan from the first step on");
     let planned = oogc::train::host_plan(t.config(), t.model(), t.world());
     assert_eq!(planned, applied, "train::host_plan against the runtime's plan");
-    let mut saved = Vec::new();
-    if save {
-        t.save_checkpoint().expect("checkpoint");
-        saved = state(&t);
-    }
     let val = t.evaluate().expect("evaluate").nats_per_token;
     let state_nvme_bytes = t.runtime().memory().nvme_bytes();
     let masters = t.master_weights().expect("masters");
@@ -193,7 +222,7 @@ fn train(cfg: TrainConfig, ranks: &Ranks) -> Outcome {
 }
 
 fn train_steps(cfg: TrainConfig, steps: u64, ranks: &Ranks) -> Outcome {
-    run_to(Trainer::new(cfg, ranks.clone()).expect("trainer"), steps, false)
+    run_to(Trainer::new(cfg, ranks.clone()).expect("trainer"), steps, None)
 }
 
 /// One rank of an `mpirun` run of this test binary: what `OOGC_RANKS_MODE` asks, its outcome
@@ -283,6 +312,18 @@ fn rank_train(out: &Path, ranks: &Ranks) {
     let loaded = state(&again);
     let outcome = Outcome { loaded, ..Outcome::default() };
     write_outcome(out, world.rank, "-again", &outcome);
+    // Reduced state: each format's whole run, the last with a checkpoint at STEPS / 2; and its
+    // second half resumed from one process's checkpoint of STEPS / 2.
+    for (_, suffix, format) in REDUCED {
+        let mut reduced = reduced_config(&out.join(&suffix[1..]), 4 / RANKS, format);
+        let save_at = (format == BOTH).then_some(STEPS / 2);
+        reduced.checkpoint.dir = save_at.map(|_| out.join("ckpt-ranks-reduced"));
+        let t = Trainer::new(reduced, ranks.clone()).expect("trainer");
+        write_outcome(out, world.rank, suffix, &run_to(t, STEPS, save_at));
+    }
+    let mut cfg = reduced_config(&out.join("reduced-resumed"), 4 / RANKS, BOTH);
+    cfg.checkpoint.dir = Some(out.join("ckpt-ranks-reduced-resumed"));
+    write_outcome(out, world.rank, "-reduced-resumed", &train_resumed(cfg, &out.join("ckpt-one-reduced"), ranks));
 }
 
 /// A rank's outcome, as `dir/rank{rank}{suffix}.json`.
@@ -316,6 +357,16 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     // A checkpoint of step STEPS / 2 from one process, for the ranks to resume from.
     let one_saved = {
         let cfg = config_with_checkpoints(&dir.path().join("half"), 4, &ranks_dir.join("ckpt-one"));
+        let mut t = Trainer::new(cfg, Ranks::single()).expect("trainer");
+        for _ in 0..STEPS / 2 {
+            t.train_step().expect("step");
+        }
+        t.save_checkpoint().expect("checkpoint");
+        state(&t)
+    };
+    let one_reduced_saved = {
+        let mut cfg = reduced_config(&dir.path().join("half-reduced"), 4, BOTH);
+        cfg.checkpoint.dir = Some(ranks_dir.join("ckpt-one-reduced"));
         let mut t = Trainer::new(cfg, Ranks::single()).expect("trainer");
         for _ in 0..STEPS / 2 {
             t.train_step().expect("step");
@@ -500,6 +551,134 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     let init = train_zero_steps(&dir.path().join("init"));
     let moved = one.masters.iter().flatten().zip(init.iter().flatten()).filter(|(a, b)| a != b).count();
     assert!(moved > 0, "training changed no parameter");
+    reduced_state_over_ranks(dir.path(), &ranks_dir, &one_reduced_saved);
+}
+
+/// Reduced optimizer state over 2 ranks (int8 moments, bf16 master weights, both): each run is
+/// the one process's with the whole batch (a shard starts on an int8 block, and a bf16 master
+/// rounds by its index in the unit); the ranks' checkpoint holds the state as stored (I8/U8
+/// codes, f32 absmaxes, BF16 masters), the tensors one process writes of the same state, and
+/// resumes at one rank; one process's resumes at 2 ranks.
+fn reduced_state_over_ranks(dir: &Path, ranks_dir: &Path, one_saved: &[UnitState]) {
+    let rel = |a: f64, b: f64| (a - b).abs() / b.abs().max(1e-12);
+    let max_rel = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| rel(*x, *y)).fold(0.0, f64::max);
+    let mut measured = Vec::new();
+    for (name, suffix, format) in REDUCED {
+        let ranks = read_outcomes(ranks_dir, suffix);
+        assert_eq!(ranks[0].losses.len() as u64, STEPS);
+        assert!(ranks[1].masters == ranks[0].masters, "{name}: the ranks' master weights differ");
+        assert_eq!(ranks[1].losses, ranks[0].losses, "{name}: the ranks report other losses");
+        let one = train(reduced_config(&dir.join(format!("one{suffix}")), 4, format), &Ranks::single());
+        let worst = max_abs_diff(&ranks[0].masters, &one.masters);
+        let differ = ranks[0].masters.iter().flatten().zip(one.masters.iter().flatten()).filter(|(a, b)| a != b);
+        let line = format!(
+            "{name}, {RANKS} ranks vs one process, {STEPS} steps: losses ≤ {:.1e} rel., grad norms ≤ {:.1e} rel. \
+             (per step {}), validation {:.1e} rel., master weights ≤ {worst:.1e} ({} of {} differ)",
+            max_rel(&ranks[0].losses, &one.losses),
+            max_rel(&ranks[0].grad_norms, &one.grad_norms),
+            ranks[0]
+                .grad_norms
+                .iter()
+                .zip(&one.grad_norms)
+                .map(|(a, b)| format!("{:.0e}", rel(*a, *b)))
+                .collect::<Vec<_>>()
+                .join(" "),
+            rel(ranks[0].val, one.val),
+            differ.count(),
+            one.masters.iter().map(Vec::len).sum::<usize>(),
+        );
+        eprintln!("{line}");
+        measured.push((name, ranks, one));
+    }
+    // Not the f32 case's tolerances: the ranks' gradients differ from the one process's in the
+    // last bits (another summation order), and quantization amplifies that — an int8 code or a
+    // stochastically rounded bf16 that lands on the other side of its threshold moves by a
+    // whole step (1/127 of a block's absmax, a bf16 ulp) where f32 moves by an ulp. Measured
+    // (20 steps, tiny Llama): losses ≤ 9.3e-6 rel., grad norms ≤ 4.5e-3 rel., master weights
+    // ≤ 4.6e-3 (about one bf16 ulp); the f32 case: 2.1e-7, 7.2e-7, 1.8e-5. The first two steps
+    // are the sharp check: step 2's gradients come from one sharded update, which rounds and
+    // quantizes as one process's only when the shards start on blocks and the rounding keys
+    // on the unit's indices (measured ≤ 3e-7 rel.; f32 ≤ 7.2e-7).
+    for (name, ranks, one) in &measured {
+        for (s, (a, b)) in ranks[0].losses.iter().zip(&one.losses).enumerate() {
+            assert!(rel(*a, *b) < 3e-5, "{name}, step {}: loss {a} over 2 ranks, {b} in one process", s + 1);
+        }
+        for (s, (a, b)) in ranks[0].grad_norms.iter().zip(&one.grad_norms).enumerate() {
+            let tolerance = if s < 2 { 1e-6 } else { 1e-2 };
+            assert!(rel(*a, *b) < tolerance, "{name}, step {}: grad norm {a} over 2 ranks, {b} in one process", s + 1);
+        }
+        assert!(rel(ranks[0].val, one.val) < 1e-5, "{name}: validation {} vs {}", ranks[0].val, one.val);
+        let worst = max_abs_diff(&ranks[0].masters, &one.masters);
+        assert!(worst < 1e-2, "{name}: master weights differ by up to {worst}");
+    }
+    let (_, ranks, one) = measured.pop().expect("the int8 + bf16 run");
+    assert!(ranks[1].saved == ranks[0].saved, "reduced state: the ranks gathered different states");
+    // bf16 master weights, all of them: the values a bf16 holds.
+    assert!(ranks[0].masters.iter().flatten().all(|x| half::bf16::from_f32(*x).to_f32() == *x));
+    // The shards together are about half of the one process's state on NVMe each, in the
+    // reduced format's bytes (2 B master + 2.03 B moments per parameter).
+    let f32_ranks = read_outcomes(ranks_dir, "");
+    for (r, o) in ranks.iter().enumerate() {
+        let share = o.state_nvme_bytes as f64 / one.state_nvme_bytes as f64;
+        let against_f32 = o.state_nvme_bytes as f64 / f32_ranks[r].state_nvme_bytes as f64;
+        assert!(
+            share > 0.4 && share < 0.6,
+            "rank {r}: {} B of reduced state, {share:.2} × one process's",
+            o.state_nvme_bytes
+        );
+        assert!(against_f32 < 0.5, "rank {r}: reduced state {against_f32:.2} × the f32 state's bytes");
+    }
+    // The ranks' checkpoint (step STEPS / 2) holds int8 codes, absmaxes and bf16 masters...
+    let ckpt = oogc::checkpoint::Reader::open(&ranks_dir.join("ckpt-ranks-reduced")).expect("the ranks' checkpoint");
+    assert_eq!(ckpt.step().unwrap(), STEPS / 2);
+    let kinds = |r: &oogc::checkpoint::Reader| -> Vec<(String, String)> {
+        r.names().into_iter().map(|n| (format!("{:?}", r.info(&n).unwrap().0), n)).collect()
+    };
+    let names = kinds(&ckpt);
+    for (dtype, suffix) in [("I8", ".exp_avg"), ("U8", ".exp_avg_sq"), ("F32", ".exp_avg.absmax"), ("BF16", ".weight")]
+    {
+        assert!(names.iter().any(|(d, n)| d == dtype && n.ends_with(suffix)), "no {dtype} tensor {suffix}: {names:?}");
+    }
+    // ...and loads in one process as the state the ranks gathered; saved again by that process,
+    // every tensor is the same: the file one process writes of that state.
+    let mut cfg = reduced_config(&dir.join("reduced-one"), 4, BOTH);
+    cfg.checkpoint.dir = Some(dir.join("ckpt-reduced-one"));
+    let mut t = Trainer::resume(cfg, Ranks::single(), &ranks_dir.join("ckpt-ranks-reduced")).expect("resume at 1 rank");
+    assert!(state(&t) == ranks[0].saved, "one process loaded the ranks' reduced checkpoint as another state");
+    t.save_checkpoint().expect("checkpoint");
+    let again = oogc::checkpoint::Reader::open(&dir.join("ckpt-reduced-one")).expect("one process's checkpoint");
+    assert_eq!(kinds(&again), names);
+    for (_, name) in &names {
+        let (a, b) = (ckpt.tensor(name).unwrap().unwrap(), again.tensor(name).unwrap().unwrap());
+        assert!(a.data == b.data, "tensor {name}: the ranks saved other values than one process");
+    }
+    // Resumed at 1 rank: the ranks' second half.
+    let resumed_one = run_to(t, STEPS, None);
+    for (s, (a, b)) in resumed_one.losses.iter().zip(&ranks[0].losses[STEPS as usize / 2..]).enumerate() {
+        let step = s as u64 + 1 + STEPS / 2;
+        assert!(rel(*a, *b) < 3e-5, "reduced, resumed at 1 rank, step {step}: loss {a}, {b} over 2 ranks");
+    }
+    // One process's reduced checkpoint resumed at 2 ranks: loaded as saved, the second half of
+    // the one process's run.
+    let resumed = read_outcomes(ranks_dir, "-reduced-resumed");
+    for (r, o) in resumed.iter().enumerate() {
+        assert!(o.loaded == one_saved, "rank {r} resumed one process's reduced checkpoint as another state");
+    }
+    assert!(resumed[1].masters == resumed[0].masters, "reduced state: resumed ranks differ");
+    for (s, (a, b)) in resumed[0].losses.iter().zip(&one.losses[STEPS as usize / 2..]).enumerate() {
+        let step = s as u64 + 1 + STEPS / 2;
+        assert!(rel(*a, *b) < 3e-5, "reduced, resumed at 2 ranks, step {step}: loss {a}, {b} in one process");
+    }
+    let worst_resumed = max_abs_diff(&resumed[0].masters, &one.masters);
+    assert!(worst_resumed < 1e-2, "reduced state resumed at 2 ranks: master weights differ by up to {worst_resumed}");
+    eprintln!(
+        "int8 moments + bf16 master weights: resumed at 1 rank losses ≤ {:.1e} rel., at 2 ranks ≤ {:.1e} rel., \
+         master weights ≤ {worst_resumed:.1e}; state on NVMe per rank {:?} of {} bytes",
+        max_rel(&resumed_one.losses, &ranks[0].losses[STEPS as usize / 2..]),
+        max_rel(&resumed[0].losses, &one.losses[STEPS as usize / 2..]),
+        ranks.iter().map(|o| o.state_nvme_bytes).collect::<Vec<_>>(),
+        one.state_nvme_bytes
+    );
 }
 
 /// The ranks' run `ranks` is the one process's `one`: every step's loss within 1e-5 relative,

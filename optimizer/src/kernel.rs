@@ -252,9 +252,19 @@ impl CopyOut<'_> {
     /// The same destination as a byte buffer of `dtype` (`bytes.len()` a multiple of its size).
     ///
     /// # Panics
-    /// If the bytes are not aligned to or a multiple of the element size, or `dtype` is not a
-    /// float type ([`DType::U8`]).
+    /// If the bytes are not aligned to or a multiple of the element size (no bytes need no
+    /// alignment), or `dtype` is not a float type ([`DType::U8`]).
     pub fn from_bytes(dtype: DType, bytes: &mut [u8]) -> CopyOut<'_> {
+        if bytes.is_empty() {
+            // No elements (a data-parallel rank's empty shard): an empty buffer's address need
+            // not be aligned for the dtype, so no cast.
+            return match dtype {
+                DType::F32 => CopyOut::F32(&mut []),
+                DType::BF16 => CopyOut::BF16(&mut []),
+                DType::F16 => CopyOut::F16(&mut []),
+                DType::U8 => panic!("a compute copy is a float type, not u8"),
+            };
+        }
         match dtype {
             DType::F32 => CopyOut::F32(bytemuck::cast_slice_mut(bytes)),
             DType::BF16 => CopyOut::BF16(bytemuck::cast_slice_mut(bytes)),

@@ -370,6 +370,8 @@ struct UnitInner {
 struct UnitCell {
     id: TensorId,
     n: usize,
+    /// The unit's index of element 0 (a data-parallel rank's shard): the stochastic rounding's.
+    offset: u64,
     placement: StatePlacement,
     inner: Mutex<UnitInner>,
     cv: Condvar,
@@ -763,7 +765,20 @@ impl PipelinedOptimizer {
     /// ([`oogc_swapper::Error::HostBudget`]), writing to the store fails, or the home refuses
     /// the copy.
     pub fn add_unit(&self, unit: TensorId, master: &[f32], placement: StatePlacement) -> Result<()> {
+        self.add_shard(unit, master, 0, placement)
+    }
+
+    /// [`PipelinedOptimizer::add_unit`] for elements `offset..offset + master.len()` of a unit
+    /// (a data-parallel rank's shard, `offset` a multiple of [`crate::QUANT_BLOCK`] so that its
+    /// int8 blocks are the whole unit's): bf16 master weights round element `i` stochastically
+    /// with the unit's index `offset + i` ([`crate::sr_bits`]), as one process holding the whole
+    /// unit does. `offset` 0 is [`PipelinedOptimizer::add_unit`].
+    ///
+    /// # Errors
+    /// As [`PipelinedOptimizer::add_unit`].
+    pub fn add_shard(&self, unit: TensorId, master: &[f32], offset: usize, placement: StatePlacement) -> Result<()> {
         let sh = &self.shared;
+        let offset = offset as u64;
         let master = &*held_master(sh.stream.format.master, master);
         let n = master.len();
         let dtype = sh.config.compute_dtype;
@@ -791,7 +806,7 @@ impl PipelinedOptimizer {
                 sh.stream_pool.raise_min_len(sh.stream.buffer_len(sh.stream.chunk_params.min(n)));
                 let zeros = MomentBufs::zeros(sh.stream.format.moments, n);
                 let _slot = sh.slots.acquire();
-                let st = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, master, &zeros)?;
+                let st = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, master, &zeros)?.at_offset(offset);
                 (Home::Nvme { cur: Some(st), new: None }, claim)
             }
         };
@@ -813,6 +828,7 @@ impl PipelinedOptimizer {
         let cell = UnitCell {
             id: unit,
             n,
+            offset,
             placement,
             inner: Mutex::new(UnitInner {
                 data: Some(data),
@@ -1327,7 +1343,8 @@ fn import_data(sh: &Shared, cell: &UnitCell, data: &mut UnitData, state: UnitSta
         Home::Nvme { cur, .. } => {
             let store = sh.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
             let _slot = sh.slots.acquire();
-            let new = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, &state.master, &state.moments)?;
+            let new = NvmeState::write(store, &sh.stream_pool, unit, sh.stream, &state.master, &state.moments)?
+                .at_offset(cell.offset);
             if let Some(old) = cur.replace(new) {
                 old.free(store);
             }
@@ -1431,7 +1448,8 @@ fn update_into(
                             sh.kernel.step_state(scalars, Reduced { p, moments }, grads, out, partials)
                         }
                         MasterBuf::Bf16(p) => {
-                            let state = Bf16Master { p, moments, key: sr_key(cell.id.0, scalars.step()), offset: 0 };
+                            let state =
+                                Bf16Master { p, moments, key: sr_key(cell.id.0, scalars.step()), offset: cell.offset };
                             sh.kernel.step_state(scalars, state, grads, out, partials)
                         }
                     }

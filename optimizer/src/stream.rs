@@ -187,6 +187,8 @@ pub struct StreamStats {
 pub struct NvmeState {
     unit: TensorId,
     len: usize,
+    /// The unit's index of element 0 (a rank's shard starts inside its unit).
+    offset: u64,
     cfg: StreamConfig,
     extents: Vec<Extent>,
 }
@@ -227,7 +229,7 @@ impl NvmeState {
                 reason: format!("unit {unit}: {} moments given to a {} stream", moments.dtype(), cfg.format.moments),
             });
         }
-        let mut state = NvmeState { unit, len: p.len(), cfg, extents: Vec::new() };
+        let mut state = NvmeState { unit, len: p.len(), offset: 0, cfg, extents: Vec::new() };
         let mut buf = Some(pool.alloc(state.buffer_bytes(0)).map_err(swap_err(unit))?);
         for k in 0..state.num_chunks() {
             let r = state.chunk_range(k);
@@ -293,6 +295,20 @@ impl NvmeState {
     /// The unit.
     pub fn unit(&self) -> TensorId {
         self.unit
+    }
+
+    /// This state as that of elements `offset..offset + len` of its unit (a data-parallel
+    /// rank's shard): bf16 master weights round element `i` stochastically with the unit's
+    /// index `offset + i` ([`crate::sr_bits`]), so that a rank rounds as one process holding
+    /// the whole unit. [`NvmeState::write`] gives offset 0; [`stream_update`] keeps it.
+    pub fn at_offset(mut self, offset: u64) -> Self {
+        self.offset = offset;
+        self
+    }
+
+    /// The unit's index of this state's element 0 ([`NvmeState::at_offset`]).
+    pub fn offset(&self) -> u64 {
+        self.offset
     }
 
     /// Parameters.
@@ -372,7 +388,7 @@ pub fn stream_update(
     }
     let chunks = state.num_chunks();
     let mut stats = StreamStats { chunks, ..Default::default() };
-    let mut new = NvmeState { unit, len: n, cfg: state.cfg, extents: Vec::with_capacity(chunks) };
+    let mut new = NvmeState { unit, len: n, offset: state.offset, cfg: state.cfg, extents: Vec::with_capacity(chunks) };
     if chunks == 0 {
         return Ok((new, stats));
     }
@@ -444,7 +460,12 @@ pub fn stream_update(
                 }
                 (MasterDType::Bf16, moments) => {
                     let p = &mut bytemuck::cast_slice_mut(pb)[..r.len()];
-                    let st = Bf16Master { p, moments, key: sr_key(unit.0, scalars.step()), offset: r.start as u64 };
+                    let st = Bf16Master {
+                        p,
+                        moments,
+                        key: sr_key(unit.0, scalars.step()),
+                        offset: state.offset + r.start as u64,
+                    };
                     step_one(isa, scalars, st, g, o, part)?;
                 }
             }

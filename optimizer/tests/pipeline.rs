@@ -609,3 +609,84 @@ fn reduced_moments_equal_the_reference_on_host_and_nvme() {
         assert_eq!(store.used_bytes(), 0, "{dtype}: extents left on the store");
     }
 }
+
+/// A data-parallel rank's shard: a unit's elements `offset..` added with
+/// [`PipelinedOptimizer::add_shard`] at a block boundary. Two optimizers holding the two shards
+/// of a unit (bf16 master weights, int8 moments; host- and NVMe-placed) update it bit for bit as
+/// one optimizer holding it whole: the shards' int8 blocks are the whole unit's, and the
+/// stochastic rounding keys on the element's index in the unit. A shard added at offset 0
+/// instead rounds otherwise. A rank whose shard is empty (a unit of one block over 2 ranks) holds
+/// and steps nothing.
+#[test]
+fn shards_added_at_their_offsets_update_as_the_whole_unit() {
+    let block = oogc_optimizer::QUANT_BLOCK;
+    let n = NORM_BLOCK + 3 * block + 77;
+    let cut = 9 * block;
+    let id = TensorId(3);
+    let master = noise(5, n, 2.0);
+    let cases = [StatePlacement::Host, StatePlacement::Nvme].into_iter().flat_map(|p| [(p, false), (p, true)]);
+    for (place, immediate) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(NvmeStore::open(NvmeConfig::new(vec![dir.path().to_path_buf()], 64 << 20)).unwrap());
+        let mut cfg = config(None, 2);
+        // Speculated updates write the new compute copy into second buffers; immediate ones
+        // straight into its home.
+        if immediate {
+            cfg.nonfinite = NonFinite::Stop;
+        }
+        assert_eq!(cfg.updates_immediately(), immediate);
+        cfg.state_dtype = StateDType::Int8;
+        cfg.master_dtype = MasterDType::Bf16;
+        let make = || PipelinedOptimizer::new(cfg.clone(), Some(store.clone())).unwrap();
+        let whole = make();
+        whole.add_unit(id, &master, place).unwrap();
+        let ranges = [0..cut, cut..n];
+        let shards: Vec<PipelinedOptimizer> = ranges
+            .iter()
+            .map(|r| {
+                let opt = make();
+                opt.add_shard(id, &master[r.clone()], r.start, place).unwrap();
+                opt
+            })
+            .collect();
+        // A third rank's empty shard, at the unit's end.
+        let nothing = make();
+        nothing.add_shard(id, &[], n, place).unwrap();
+        // The second shard as if it were a unit of its own (offset 0).
+        let unaligned = make();
+        unaligned.add_unit(id, &master[cut..], place).unwrap();
+        for t in 1..=3u64 {
+            let g = grads(3, t, n, 1.0);
+            let step = |opt: &PipelinedOptimizer, r: std::ops::Range<usize>| {
+                opt.begin_step(t, 1e-2).unwrap();
+                opt.submit(id, Grads::BF16(g[r].to_vec())).unwrap();
+                assert!(!opt.finish_step().unwrap().skipped);
+                opt.wait_unit(id).unwrap();
+            };
+            step(&whole, 0..n);
+            for (opt, r) in shards.iter().zip(&ranges) {
+                step(opt, r.clone());
+            }
+            step(&unaligned, cut..n);
+            step(&nothing, n..n);
+        }
+        let empty = nothing.export_state(id).unwrap();
+        assert!(empty.master.is_empty() && empty.moments.is_empty() && empty.moments.dtype() == StateDType::Int8);
+        let want = whole.export_state(id).unwrap();
+        let want_moments = moment_bytes(&want.moments);
+        let mut joined_master = Vec::new();
+        for (opt, r) in shards.iter().zip(&ranges) {
+            let got = opt.export_state(id).unwrap();
+            assert!(bits(&got.master) == bits(&want.master[r.clone()]), "{place:?}: shard {r:?}'s master weights");
+            let mut whole_part = vec![0u8; StateDType::Int8.moment_bytes(r.len())];
+            want.moments.write_bytes(r.clone(), &mut whole_part);
+            assert!(moment_bytes(&got.moments) == whole_part, "{place:?}: shard {r:?}'s int8 codes and absmaxes");
+            joined_master.extend(got.master);
+        }
+        assert_eq!(joined_master.len(), n);
+        assert!(want_moments.len() > 2 * n, "int8 moments with their absmaxes");
+        let off = unaligned.export_state(id).unwrap();
+        let differ = bits(&off.master).iter().zip(bits(&want.master[cut..])).filter(|(a, b)| **a != *b).count();
+        assert!(differ > 0, "{place:?}: a shard rounding by its own indices matched the whole unit");
+    }
+}

@@ -116,15 +116,17 @@ pub struct OptimizerSection {
     /// checkpoint saves the moments as stored, and resuming one of another dtype needs
     /// `oogc train --convert-state`. Device optimizers (`device_units`, `[moe]
     /// device_optimizer`) keep the moments in this dtype and format too, updated on the device.
-    /// Not with data-parallel ranks yet. Default: f32.
+    /// With data-parallel ranks each rank's shard starts on a block, so ranks train and
+    /// checkpoint as one process does. Default: f32.
     #[serde(default)]
     pub state_dtype: oogc_optimizer::StateDType,
     /// Element type of the CPU optimizer's master weights: `"f32"` (4 B per parameter) or
     /// `"bf16"` (2 B, written by stochastic rounding so that updates below half a bf16 ulp still
     /// move the weights in expectation; the compute copy is then the master's value). A
     /// checkpoint saves the master weights in their dtype; resuming one of another dtype needs
-    /// `oogc train --convert-state`. Device optimizers keep f32 master weights. Not with
-    /// data-parallel ranks yet. Default: f32.
+    /// `oogc train --convert-state`. Device optimizers keep f32 master weights. With
+    /// data-parallel ranks an element rounds by its index in the unit, as in one process.
+    /// Default: f32.
     #[serde(default)]
     pub master_dtype: oogc_optimizer::MasterDType,
 }
@@ -232,8 +234,10 @@ pub struct RanksConfig {
     /// Shard the compute copies too (ZeRO-3, FSDP's `FULL_SHARD`): each rank's host tier, NVMe
     /// files and device hold its `1/N` shard of every unit's parameters; a fetch copies the
     /// shard H2D and all-gathers the unit, which stays gathered for its next use while the GPU
-    /// budget allows. `false`: whole compute copies on every rank (ZeRO-2, FSDP's
-    /// `SHARD_GRAD_OP`: master weights, Adam state and gradients sharded only). Default: true.
+    /// budget allows (shards are whole blocks of 256 parameters: a unit too small to give every
+    /// rank one stays whole on every rank). `false`: whole compute copies on every rank (ZeRO-2,
+    /// FSDP's `SHARD_GRAD_OP`: master weights, Adam state and gradients sharded only). Default:
+    /// true.
     #[serde(default = "default_true")]
     pub shard_parameters: bool,
 }

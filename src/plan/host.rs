@@ -14,13 +14,12 @@ use crate::runtime::{HostPlan, NvmePlan, RuntimeConfig};
 /// there). Without a host budget, an unlimited one.
 pub fn host_and_nvme_plan(args: &PlanArgs, report: &PlanReport) -> (HostPlan, Option<NvmePlan>) {
     let units: Vec<usize> = args.model.units.iter().map(|u| u.numel as usize).collect();
-    // Rank 0's shards (the largest) of each unit's optimizer state.
-    let shards: Vec<usize> =
-        units.iter().map(|&n| crate::dist::shard_range(n, 0, args.world_size.max(1)).len()).collect();
+    // Rank 0's shards (the largest) of each unit's optimizer state, and of its compute copies.
+    let rank0 = crate::dist::World { rank: 0, size: args.world_size.max(1), local_rank: 0 };
+    let (shards, copies) = crate::runtime::rank_units(rank0, &units, &[], args.shard_parameters);
     let state = if report.optimizer_state_on_nvme { StatePlacement::Nvme } else { StatePlacement::Host };
     let optimizer = args.optimizer.clone();
-    let copies = if args.shard_parameters { &shards } else { &units };
-    let nvme = NvmePlan::with_shards(&shards, copies, state, args.params, &optimizer, None);
+    let nvme = NvmePlan::with_shards(&shards, &copies, state, args.params, &optimizer, None);
     let mut rc = RuntimeConfig::sim(args.gpu_budget_bytes);
     rc.host_budget_bytes = args.host_budget_bytes.unwrap_or(u64::MAX);
     rc.state_placement = state;
@@ -28,7 +27,7 @@ pub fn host_and_nvme_plan(args: &PlanArgs, report: &PlanReport) -> (HostPlan, Op
     rc.optimizer = optimizer;
     rc.checkpoint_staging = args.checkpoints;
     let room = nvme.as_ref().map_or(0, |p| p.speculation_room_bytes());
-    (HostPlan::with_shards(&rc, &units, &shards, copies, args.max_units_in_use, room), nvme)
+    (HostPlan::with_shards(&rc, &units, &shards, &copies, args.max_units_in_use, room), nvme)
 }
 
 /// Plans a model: its units through [`oogc_prefetch::plan::plan`] (the step simulator with the
@@ -166,13 +165,16 @@ mod tests {
         assert_eq!(h2.compute_copies_bytes, h1.compute_copies_bytes);
         let (c1, c3) = (h1.compute_copies_bytes, h3.compute_copies_bytes);
         assert!(c3 * 2 >= c1 && c3 * 2 <= c1 + 2 * 4096 * one.model.units.len() as u64, "{c1} vs {c3}");
-        // The shards are ⌈numel / 2⌉: half, or half an element more, per unit, and each shard's
-        // last chunk padded to 4 KiB: up to a page more per unit for the two.
+        // The shards are ⌈numel / 2⌉ rounded up to a block of 256 (`dist::SHARD_ALIGN`): half,
+        // or up to a block more, per unit (12 B of f32 state per parameter), and each shard's last
+        // chunk padded to 4 KiB: up to a page more per unit for the two.
         let units: u64 = one.model.units.iter().map(|u| u.numel).sum();
         let (s1, s2) = (n1.unwrap().state_bytes, n2.unwrap().state_bytes);
-        let slack = (24 + 4096) * one.model.units.len() as u64;
-        assert!(s2 * 2 >= s1 && s2 * 2 <= s1 + slack, "{s1} vs {s2}");
-        assert!(h2.speculation_bytes * 2 <= h1.speculation_bytes + 8 * one.model.units.len() as u64);
+        let blocks = 2 * crate::dist::SHARD_ALIGN as u64 * one.model.units.len() as u64;
+        let pages = 4096 * one.model.units.len() as u64;
+        assert!(s2 * 2 >= s1 && s2 * 2 <= s1 + 12 * blocks + pages, "{s1} vs {s2}");
+        assert!(s2 * 2 < s1 + s1 / 50, "{s1} vs {s2}: a rank's shard is about half");
+        assert!(h2.speculation_bytes * 2 <= h1.speculation_bytes + 16 * blocks);
         assert!(units > 0 && h2.min_bytes < h1.min_bytes);
     }
 

@@ -409,16 +409,13 @@ impl HostPlan {
 /// holds `shard` (`numel` in a world of one), with moments of `moments`: the unit's state as
 /// [`Runtime::unit_state`](super::Runtime::unit_state) returns it — f32 master weights (4 B per
 /// parameter; bf16 masters are widened) and the moments in their dtype; with ranks the
-/// all-gathered whole unit in f32 (12 B per parameter) besides this rank's f32 shard — plus the
-/// checkpoint writer's buffer ([`crate::checkpoint::WRITE_BUFFER_BYTES`]). A unit whose
-/// optimizer is on the device holds its moments in the same dtype.
+/// all-gathered whole unit besides this rank's shard, both so — plus the checkpoint writer's
+/// buffer ([`crate::checkpoint::WRITE_BUFFER_BYTES`]). A unit whose optimizer is on the
+/// device holds its moments in the same dtype.
 pub fn checkpoint_staging_bytes(numel: usize, shard: usize, moments: oogc_optimizer::StateDType) -> u64 {
-    let state = if shard < numel {
-        12 * numel as u64 + 12 * shard as u64
-    } else {
-        4 * numel as u64 + moments.moment_bytes(numel) as u64
-    };
-    state + crate::checkpoint::WRITE_BUFFER_BYTES as u64
+    let state = |n: usize| 4 * n as u64 + moments.moment_bytes(n) as u64;
+    let shard_copy = if shard < numel { state(shard) } else { 0 };
+    state(numel) + shard_copy + crate::checkpoint::WRITE_BUFFER_BYTES as u64
 }
 
 /// The units that speculate, as [`oogc_optimizer::PipelinedOptimizer::reserve_speculation`]
@@ -594,15 +591,16 @@ pub(super) fn optimizer_units(w: World, units: &[usize]) -> Vec<usize> {
 
 /// Rank `world.rank`'s shards of `units` (the elements its optimizer holds, `optimizer_units`),
 /// and the elements of each unit its compute-copy home holds: the same shards with
-/// `shard_parameters`
-/// ([`RuntimeConfig::shard_parameters`]), else the whole units. Units marked in `whole` (MoE
-/// experts, registered with [`crate::runtime::Runtime::add_unscheduled_unit`]: every rank keeps
-/// their copies whole) count whole either way; `whole` shorter than `units` marks none of the rest.
+/// `shard_parameters` ([`RuntimeConfig::shard_parameters`]), else the whole units. Units marked
+/// in `whole` (MoE experts, registered with [`crate::runtime::Runtime::add_unscheduled_unit`])
+/// and units that leave a rank no shard ([`crate::dist::every_rank_holds`]) keep whole copies on
+/// every rank either way; `whole` shorter than `units` marks none of the rest.
 /// In a world of one, both are `units`.
 pub fn rank_units(world: World, units: &[usize], whole: &[bool], shard_parameters: bool) -> (Vec<usize>, Vec<usize>) {
     let shards = optimizer_units(world, units);
     let copies = if shard_parameters {
-        let is_whole = |k: usize| whole.get(k).copied().unwrap_or(false);
+        let is_whole =
+            |k: usize| whole.get(k).is_some_and(|&w| w) || !crate::dist::every_rank_holds(units[k], world.size);
         shards.iter().enumerate().map(|(k, &s)| if is_whole(k) { units[k] } else { s }).collect()
     } else {
         units.to_vec()

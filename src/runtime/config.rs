@@ -67,7 +67,9 @@ pub struct RuntimeConfig {
     /// each rank's tiers (host, NVMe, device) hold only its [`crate::dist::shard_range`] of
     /// every unit's compute copy, a fetch copies that shard H2D and all-gathers the whole unit
     /// on the compute device, and gathered units are kept for their next use while the GPU
-    /// budget allows (`runtime/gathered.rs`). `false`: every rank's tiers hold whole compute
+    /// budget allows (`runtime/gathered.rs`); a unit that leaves a rank no shard (a shard is whole
+    /// blocks of 256: [`crate::dist::every_rank_holds`]) stays whole on every rank, as with
+    /// `false`. `false`: every rank's tiers hold whole compute
     /// copies, all-gathered once per update in [`Runtime::finish_step`](super::Runtime::finish_step) (ZeRO-2, FSDP's
     /// `SHARD_GRAD_OP`), which [`Runtime::fetch_pinned`](super::Runtime::fetch_pinned) needs. No effect in a world of one.
     pub shard_parameters: bool,

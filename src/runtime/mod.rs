@@ -234,20 +234,12 @@ impl Runtime {
             Box::new(oogc_swapper::LruPolicy),
         )?);
         // Data-parallel ranks shard the optimizer (ZeRO-style): this rank's optimizer holds its
-        // shard of every unit's master weights and Adam state. Without sharded parameters it
-        // writes its shard's compute copy into a home of its own and `finish_step` all-gathers
-        // the shards into the residency manager's whole copies. The norm it clips with is the
-        // run's.
+        // shard of every unit's master weights and Adam state, in any state format (a shard
+        // starts on an int8 block; bf16 masters round by their index in the unit). Without
+        // sharded parameters it writes its shard's compute copy into a home of its own and
+        // `finish_step` all-gathers the shards into the residency manager's whole copies. The
+        // norm it clips with is the run's.
         let world = ranks.world();
-        let format = config.optimizer.state_format();
-        if world.size > 1 && format != oogc_optimizer::StateFormat::default() {
-            return Err(RuntimeError::Usage(format!(
-                "[optimizer] state_dtype = \"{}\", master_dtype = \"{}\" with {} data-parallel ranks: reduced \
-                 optimizer state is not sharded over ranks yet (a rank's int8 blocks would start at its shard's \
-                 first parameter)\n  fix: use state_dtype = master_dtype = \"f32\" with [ranks], or train on one rank",
-                format.moments, format.master, world.size
-            )));
-        }
         // With sharded parameters the tiers hold exactly the optimizer's shard of each copy: the
         // optimizer writes it there, as in a world of one.
         let sharded = config.shard_parameters && world.size > 1;
@@ -337,25 +329,17 @@ impl Runtime {
         let dtype = self.compute_dtype();
         let world = self.ranks.world();
         let shard = crate::dist::shard_range(master.len(), world.rank, world.size);
-        // Sharded parameters: the tiers hold this rank's shard of a scheduled unit's compute copy.
+        // Sharded parameters: the tiers hold this rank's shard of a scheduled unit's compute copy;
+        // a unit too small to give every rank a block stays whole (gathered at the step's end).
         let kind = match (self.sharded(), unscheduled) {
-            (true, false) => Kind::Gathered,
-            (false, false) => Kind::Tiered,
+            (true, false) if crate::dist::every_rank_holds(master.len(), world.size) => Kind::Gathered,
+            (_, false) => Kind::Tiered,
             (_, true) => Kind::Unscheduled,
         };
         let gathers = matches!(kind, Kind::Gathered);
         let kept = if gathers { shard.clone() } else { 0..master.len() };
         if let (Some(home), false) = (&self.rank_home, gathers) {
             home.keep_whole(tensor);
-        }
-        if gathers && kept.is_empty() {
-            return Err(RuntimeError::Usage(format!(
-                "add_unit({name}): {} parameters leave rank {} of {} no shard of the unit; shard the parameters of \
-                 units of at least one element per rank (shard_parameters = false keeps whole copies)",
-                master.len(),
-                world.rank,
-                world.size
-            )));
         }
         let meta = TensorMeta::new(tensor, name, &[kept.len()], dtype, home);
         let residency = &self.tiers.residency;
@@ -365,7 +349,7 @@ impl Runtime {
             residency.drop_host_copy(tensor)?;
             residency.host_pool().trim();
         }
-        self.grads.optimizer().add_unit(tensor, &master[shard], self.config.state_placement)?;
+        self.grads.optimizer().add_shard(tensor, &master[shard.clone()], shard.start, self.config.state_placement)?;
         // Gradients land in buffers of the largest unit's size (the plan's two): reused by every
         // unit's D2H instead of one size class giving way to another every step.
         self.grads.raise_landing_len(dtype.num_bytes(master.len()));
