@@ -13,9 +13,9 @@
 #
 #   scripts/scale-checkpoint.sh [STATE_DTYPE MASTER_DTYPE]    # default: int8 bf16
 #
-# f32 state (the config's own) needs about 72 GB of free disk under target/ (a 40 GB NVMe store
-# and a 30 GB checkpoint); int8 moments with bf16 master weights (4.03 B per parameter) about
-# 31 GB. OOGC=path/to/oogc uses that binary instead of building target/release/oogc.
+# f32 state (the config's own) needs about 62 GB of free disk under target/ (a 32 GB NVMe store:
+# the compute copies and m, v; and a 30 GB checkpoint); int8 moments about 30 GB (15 + 15);
+# int8 moments with bf16 master weights (4.03 B per parameter) about 31 GB. OOGC=path/to/oogc uses that binary instead of building target/release/oogc.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 state="${1:-int8}"; master="${2:-bf16}"
