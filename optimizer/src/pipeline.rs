@@ -1322,12 +1322,23 @@ impl Drop for PipelinedOptimizer {
     }
 }
 
-/// Widens a compute copy (`bytes` of `dtype`, little-endian) to f32 into `out`.
+/// Widens a compute copy (`bytes` of `dtype`, little-endian) to f32 into `out`. Reads the bytes
+/// as they are: a home's buffer need not be aligned to the element (an empty one, a rank's
+/// empty shard, has any address).
 fn copy_to_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) {
     match dtype {
-        DType::F32 => out.copy_from_slice(bytemuck::cast_slice(bytes)),
-        DType::BF16 => bytemuck::cast_slice::<u8, bf16>(bytes).convert_to_f32_slice(out),
-        DType::F16 => bytemuck::cast_slice::<u8, f16>(bytes).convert_to_f32_slice(out),
+        DType::F32 => {
+            let elems = bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+            out.iter_mut().zip(elems).for_each(|(o, x)| *o = x);
+        }
+        DType::BF16 => {
+            let elems = bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]]).to_f32());
+            out.iter_mut().zip(elems).for_each(|(o, x)| *o = x);
+        }
+        DType::F16 => {
+            let elems = bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]]).to_f32());
+            out.iter_mut().zip(elems).for_each(|(o, x)| *o = x);
+        }
         DType::U8 => unreachable!("a compute copy is a float type"),
     }
 }
