@@ -254,7 +254,7 @@ fn codec_test_values(n: usize) -> Vec<f32> {
         .collect()
 }
 
-/// Runs the device optimizer's moment codecs (bf16 and int8, [`DeviceMoments`]) on `device`
+/// Runs the device optimizer's moment codecs (bf16 and int8, `DeviceMoments`) on `device`
 /// over test values (four blocks of [`QUANT_BLOCK`], the last ragged, one of zeros; `m` over
 /// eight decades with signs mixed, `v = m²`) against the CPU optimizer's
 /// ([`MomentBufs::from_f32`], [`MomentBufs::to_f32`]) and returns, per dtype (`"bf16"`,
