@@ -288,10 +288,7 @@ impl OptimizerConfig {
     /// weights there, not in its chunks ([`crate::stream`]'s module docs: 4 B per parameter
     /// fewer to write and read each step in f32).
     pub fn master_in_compute_copy(&self) -> bool {
-        matches!(
-            (self.master_dtype, self.compute_dtype),
-            (MasterDType::F32, DType::F32) | (MasterDType::Bf16, DType::BF16)
-        )
+        self.compute_dtype == self.master_dtype.copy_dtype()
     }
 
     /// How NVMe-placed state is cut and stored: chunks of [`Self::stream_chunk_params`],

@@ -296,6 +296,16 @@ impl CopyOut<'_> {
         }
     }
 
+    /// Element type of the copy (`None` for no copy).
+    pub(crate) fn dtype(&self) -> Option<DType> {
+        match self {
+            CopyOut::None => None,
+            CopyOut::F32(_) => Some(DType::F32),
+            CopyOut::BF16(_) => Some(DType::BF16),
+            CopyOut::F16(_) => Some(DType::F16),
+        }
+    }
+
     /// The destination's current bytes (`None` for no copy): what an update whose master
     /// weights live in the compute copy reads before it overwrites them.
     pub(crate) fn as_bytes(&self) -> Option<&[u8]> {

@@ -54,6 +54,16 @@ impl MasterDType {
         }
     }
 
+    /// The compute copy's element type that holds these master weights bit for bit (f32 or
+    /// bf16): with it, NVMe-placed state keeps the master weights in the compute copy
+    /// ([`crate::OptimizerConfig::master_in_compute_copy`]).
+    pub fn copy_dtype(self) -> oogc_swapper::DType {
+        match self {
+            MasterDType::F32 => oogc_swapper::DType::F32,
+            MasterDType::Bf16 => oogc_swapper::DType::BF16,
+        }
+    }
+
     /// Lowercase name (`f32`, `bf16`), as in the config.
     pub fn name(self) -> &'static str {
         match self {

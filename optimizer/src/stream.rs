@@ -438,7 +438,7 @@ pub fn stream_update(
             let (pb, mb) = if state.cfg.master_in_copy {
                 let (mb, pb) = buf.as_mut_slice().split_at_mut(at);
                 let pb = &mut pb[..mdt.master_bytes(r.len())];
-                let size = copy_elem_bytes(mdt);
+                let size = mdt.copy_dtype().size_in_bytes();
                 let dst = &mut pb[..size * r.len()];
                 match master {
                     MasterIn::Copy(copy) => dst.copy_from_slice(&copy[r.start * size..r.end * size]),
@@ -484,14 +484,6 @@ pub fn stream_update(
     Ok((new, stats))
 }
 
-/// Bytes per element of a compute copy that holds master weights of `dtype` (f32: 4, bf16: 2).
-fn copy_elem_bytes(dtype: MasterDType) -> usize {
-    match dtype {
-        MasterDType::F32 => 4,
-        MasterDType::Bf16 => 2,
-    }
-}
-
 /// Checks that `master` is what `state`'s layout takes and `out` can carry the master weights.
 fn check_master_in(state: &NvmeState, master: MasterIn<'_>, out: &CopyOut<'_>) -> Result<()> {
     let unit = state.unit;
@@ -503,14 +495,17 @@ fn check_master_in(state: &NvmeState, master: MasterIn<'_>, out: &CopyOut<'_>) -
         (true, MasterIn::Stored) => {
             return bad(format!("unit {unit}: its master weights live in the compute copy, none was given"))
         }
-        (true, MasterIn::Copy(copy)) if copy.len() != copy_elem_bytes(mdt) * state.len => {
+        (true, MasterIn::Copy(copy)) if copy.len() != mdt.copy_dtype().size_in_bytes() * state.len => {
             let what = format!("unit {unit} master weights in the compute copy (bytes)");
-            return Err(Error::LengthMismatch { what, expected: copy_elem_bytes(mdt) * state.len, got: copy.len() });
+            return Err(Error::LengthMismatch {
+                what,
+                expected: mdt.copy_dtype().size_in_bytes() * state.len,
+                got: copy.len(),
+            });
         }
         (true, _) => {}
     }
-    let fits = matches!((mdt, out), (MasterDType::F32, CopyOut::F32(_)) | (MasterDType::Bf16, CopyOut::BF16(_)));
-    if !fits {
+    if out.dtype() != Some(mdt.copy_dtype()) {
         return bad(format!(
             "unit {unit}: {mdt} master weights kept in the compute copy need a compute copy of that dtype"
         ));
