@@ -1,6 +1,7 @@
 //! The `Runtime` API as a trainer other than ours embeds it: a unit computed on the CPU from its
 //! host copy (`fetch_host` / `push_grads_host`, the cold-expert path) trains exactly as the same
-//! unit fetched to the device, and moves no bytes H2D.
+//! unit fetched to the device, and moves no bytes H2D; `Memory::is_on_device` says whether a
+//! fetch will move bytes.
 
 use candle_core::{Device, Tensor, Var};
 use oogc::runtime::{Phase, Runtime, RuntimeConfig, UnitId};
@@ -87,4 +88,46 @@ fn a_unit_computed_on_the_cpu_trains_exactly_as_on_the_device_and_moves_no_h2d_b
     // The middle unit's fetches (forward + backward each step, or once when kept) are gone.
     let unit_bytes = ((W * W + W) * 4) as u64;
     assert!(h2d_cpu + 6 * unit_bytes <= h2d_dev, "cpu {h2d_cpu} vs device {h2d_dev}");
+}
+
+/// `Memory::is_on_device` predicts whether a fetch moves bytes H2D (what the MoE metrics count
+/// as an expert's H2D bytes and hits): across steps, while a finished update is still to be
+/// published (its device copy then stale) as well as after, for units fetched on demand as
+/// experts are.
+#[test]
+fn is_on_device_predicts_whether_a_fetch_moves_bytes() {
+    let numel = W * W + W;
+    // The budget holds every unit: copies stay on the device until an update makes them stale.
+    let mut rt = Runtime::new(RuntimeConfig::sim(8 * numel as u64 * 4), oogc::dist::Ranks::single()).unwrap();
+    let units: Vec<UnitId> = (0..3)
+        .map(|l| {
+            let init: Vec<f32> = (0..numel).map(|i| ((i * 7 + l) % 11) as f32 / 11.0 - 0.5).collect();
+            let id = rt.add_unit(&format!("expert{l}"), &init).unwrap();
+            rt.set_unscheduled(id).unwrap();
+            id
+        })
+        .collect();
+    let mut checked = [0usize; 2];
+    for step in 1..=4u64 {
+        rt.begin_step(step, 1e-2).unwrap();
+        for phase in [Phase::Forward, Phase::Backward] {
+            // Unit 2 is used in odd steps only: its update stays unpublished for a step.
+            for (k, &u) in units.iter().enumerate().filter(|&(k, _)| k < 2 || step % 2 == 1) {
+                let predicted_hit = rt.memory().is_on_device(u);
+                let before = rt.memory().residency_metrics().htod.bytes;
+                let p = rt.fetch(u, phase).unwrap();
+                let moved = rt.memory().residency_metrics().htod.bytes - before;
+                assert_eq!(predicted_hit, moved == 0, "step {step} {phase:?} unit {k}: moved {moved} B");
+                checked[usize::from(predicted_hit)] += 1;
+                if phase == Phase::Backward {
+                    let g = (p.tensor().ones_like().unwrap() * 1e-3).unwrap();
+                    drop(p);
+                    rt.push_grads(u, &g).unwrap();
+                }
+            }
+        }
+        rt.finish_step().unwrap();
+    }
+    // Both outcomes occurred: forward fetches after an update move bytes, backward ones hit.
+    assert!(checked[0] > 0 && checked[1] > 0, "{checked:?}");
 }

@@ -10,7 +10,7 @@ use oogc_swapper::{Device, HostLedger, MetricsSnapshot, NvmeStore, ResidencyMana
 
 use super::budget::{self, HostPlan, NvmePlan};
 use super::ordering::Order;
-use super::unit::Kind;
+use super::unit::{Kind, Update};
 use super::{staging_bytes, PeakBytes, Result, Runtime, UnitId};
 
 /// Where the units' bytes live and move.
@@ -183,11 +183,19 @@ impl<'a> Memory<'a> {
         self.rt.activations.len()
     }
 
-    /// Whether `unit` has a copy on the device now (a fetch would move no bytes).
+    /// Whether `unit`'s next fetch finds its current copy on the device (and moves no bytes):
+    /// its optimizer lives there, or the device holds a copy that no finished update has made
+    /// stale (the fetch would publish the update first, dropping that copy, and copy the new
+    /// one H2D).
     pub fn is_on_device(&self, unit: UnitId) -> bool {
         let u = self.rt.units.get(unit);
-        matches!(u.kind, Kind::Device { .. })
-            || self.rt.tiers.residency.residency(unit.tensor()).is_ok_and(|r| r.device)
+        match u.kind {
+            Kind::Device { .. } => true,
+            _ => {
+                u.update != Update::StepFinished
+                    && self.rt.tiers.residency.residency(unit.tensor()).is_ok_and(|r| r.device)
+            }
+        }
     }
 
     /// The device's ordering check: a copy, free or reuse of a device buffer not ordered after
