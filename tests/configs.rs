@@ -109,3 +109,32 @@ fn the_8b_config_fits_every_tier_of_the_gpu_machine() {
     let compute = (1.0 + args.hardware.backward_flops_ratio) * forward / (args.hardware.device_gflops * 1e9);
     assert!((report.compute_s - compute).abs() <= 1e-6 * compute, "{} vs {compute}", report.compute_s);
 }
+
+/// The MoE main job (README "MoE"): a fine-grained Qwen3-MoE from scratch on BPE tokens — 8
+/// blocks of 64 experts, top-8, hidden 256 — with the state on NVMe and a GPU budget below
+/// parameters + optimizer state, the hot set alone deciding ([moe] cpu_compute off).
+#[test]
+fn the_moe_main_job_is_a_fine_grained_qwen3_moe_out_of_gpu_core() {
+    let cfg = TrainConfig::load(&common::repo_root().join("configs/qwen3-moe-shakespeare.toml")).unwrap();
+    assert_eq!(cfg.model.family(), "qwen3_moe");
+    assert!(cfg.data.tokenizer.is_some(), "the MoE main job trains on BPE tokens");
+    assert_eq!(cfg.budgets.optimizer_state, StatePlacement::Nvme);
+    assert!(!cfg.moe.cpu_compute);
+    let vocab = oogc::train::vocab_size(&cfg).unwrap();
+    let model = oogc::train::build_model(&cfg, vocab).unwrap();
+    let moe = model.moe().expect("an MoE model");
+    assert_eq!(moe.experts_per_token(), 8);
+    let experts: Vec<(usize, usize)> = model
+        .units()
+        .iter()
+        .filter_map(|u| match u.kind {
+            oogc::models::UnitKind::Expert { block, expert } => Some((block, expert)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(experts.len(), 8 * 64, "8 blocks of 64 experts");
+    let params: usize = oogc::train::unit_sizes(&*model).iter().sum();
+    let gpu = cfg.budgets.gpu.as_u64();
+    assert!(gpu < 16 * params as u64, "GPU budget {gpu} B holds parameters + state");
+    oogc::train::check_budgets(&cfg, &*model, &|_| Ok(u64::MAX), oogc::dist::World::SINGLE).unwrap();
+}

@@ -94,6 +94,14 @@ pub(crate) struct PlanCmd {
     /// Write the simulated step's Chrome/Perfetto trace (JSON) here.
     #[arg(long, value_name = "FILE")]
     pub(crate) trace: Option<PathBuf>,
+    /// With --config of an MoE model: place its experts and predict its expert bytes per step at
+    /// the routing skew of this routing trace (`[moe] routing_trace` of a run, `oogc-routing-1`),
+    /// carried over to the config's expert count by popularity rank, instead of uniform routing.
+    #[arg(long, value_name = "FILE", requires = "config")]
+    pub(crate) routing_trace: Option<PathBuf>,
+    /// With --routing-trace: leave out the trace's first N steps (the router's warm-up).
+    #[arg(long, value_name = "N", default_value_t = 10, requires = "routing_trace")]
+    pub(crate) routing_skip_steps: usize,
     /// Measure this machine (memory triad, NVMe through the store, CPU Adam, and the sim
     /// device's compute: one block forward and backward, of --config's shape if given, else the
     /// main example's) and print or write (--out) a hardware profile instead of planning.
@@ -129,7 +137,9 @@ pub(crate) struct PlanCmd {
     /// memory, step_s, compute_s, exposed_transfer_s, exposed_optimizer_s, lower_bound_s, sim, warnings,
     /// host_plan: the host budget by ledger category, nvme_plan: the NVMe store's size, hardware:
     /// the figures planned with, device_plan: what the run needs on the GPU, by part, with
-    /// in_pool_bytes, outside_pool_bytes, total_bytes, device_memory_bytes and fits).
+    /// in_pool_bytes, outside_pool_bytes, total_bytes, device_memory_bytes and fits; experts, for an
+    /// MoE config: routing, top_quarter_share, hot, cpu, expected_fetches, expected_h2d_bytes,
+    /// fetch_h2d_bytes).
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -174,7 +184,20 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
     if let Some(path) = &cmd.config {
         let cfg = TrainConfig::load(path)?;
         let hardware = load_hardware(cmd.hardware.as_ref())?;
-        let mut args = planner::plan_args_for_config(&cfg, &hardware, cmd.trace.is_some())?;
+        let profile = match &cmd.routing_trace {
+            Some(trace) => {
+                let t = oogc::moe_placement::read_trace_file(trace).context("--routing-trace")?;
+                let p = oogc::moe_placement::PopularityProfile::from_trace(&t, cmd.routing_skip_steps)
+                    .with_context(|| format!("--routing-trace {}", trace.display()))?;
+                Some((p, trace.display().to_string()))
+            }
+            None => None,
+        };
+        let routing = profile.as_ref().map(|(p, source)| (p, source.as_str()));
+        let mut args = planner::plan_args_at_skew(&cfg, &hardware, cmd.trace.is_some(), routing)?;
+        if cmd.routing_trace.is_some() && args.experts.is_none() {
+            anyhow::bail!("--routing-trace: {} is a dense model (no experts to place)", path.display());
+        }
         if cmd.probe_compute {
             if !cfg.device.kind.is_sim() && cmd.device == oogc_bench::swap::BenchDevice::Sim {
                 anyhow::bail!(
@@ -224,6 +247,7 @@ pub(crate) fn plan(cmd: PlanCmd) -> anyhow::Result<()> {
         device_units: Vec::new(),
         device: None,
         checkpoints: false,
+        experts: None,
     };
     finish_plan(&cmd, args)
 }
@@ -247,6 +271,9 @@ pub(crate) fn finish_plan(cmd: &PlanCmd, args: planner::PlanArgs) -> anyhow::Res
         v["hardware"] = serde_json::to_value(&args.hardware).context("serializing the hardware profile")?;
         if let Some(d) = &args.device {
             v["device_plan"] = d.to_json();
+        }
+        if let Some(e) = &args.experts {
+            v["experts"] = serde_json::to_value(e).context("serializing the experts' plan")?;
         }
         println!("{}", serde_json::to_string(&v).context("serializing the plan")?);
     } else {

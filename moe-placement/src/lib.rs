@@ -30,6 +30,7 @@
 //! | compute placement | [`CostModel`], [`Placement`] | per cold expert and step: fetch, or compute on the CPU (Fiddler), by a calibrated, online-corrected cost model |
 //! | eviction fallback | [`PopularityFallback`] | the swapper `EvictionPolicy` that ranks expert copies by popularity, for `NextUsePolicy::with_fallback` |
 //! | routing traces | [`RoutingTraceWriter`], [`read_trace`], [`synthetic_trace`] | `oogc-routing-1` JSON Lines: what the router chose, for replay (`oogc bench moe`) |
+//! | routing skew | [`PopularityProfile`] | a trace's share of assignments by popularity rank, carried over to another expert count (`oogc plan --routing-trace`) |
 //! | facade | [`Placer`] | the statistics, hot set and cost model of one model, as the trainer uses them |
 //!
 //! Sources: routing by a softmax router with top-k selection (Switch Transformer, Fedus et al.
@@ -53,6 +54,7 @@ pub mod cost;
 pub mod error;
 pub mod fallback;
 pub mod hotset;
+pub mod profile;
 pub mod stats;
 pub mod synthetic;
 pub mod trace;
@@ -62,6 +64,7 @@ pub use error::{Error, Result};
 pub use fallback::PopularityFallback;
 pub use hotset::{HotSet, HotSetChange, HotSetConfig};
 pub use oogc_swapper::TensorId;
+pub use profile::PopularityProfile;
 pub use stats::{ExpertId, ExpertStats, PopularityStats, StatsHandle};
 pub use synthetic::{synthetic_trace, SyntheticConfig};
 pub use trace::{

@@ -33,7 +33,7 @@
 //! [`moe_placement`]).
 
 use oogc_models::{CausalLm, UnitKind};
-use oogc_moe_placement::{ColdMode, CostModel, CostModelConfig, ExpertShape, Placement};
+use oogc_moe_placement::{ColdMode, CostModel, CostModelConfig, ExpertShape, Placement, PopularityProfile};
 use oogc_optimizer::OptimizerConfig;
 use oogc_prefetch::{GpuDatasheet, HardwareProfile};
 use oogc_swapper::StatePlacement;
@@ -116,6 +116,38 @@ pub struct PlanArgs {
     /// The run writes checkpoints (`[checkpoint] dir`): the host plan keeps one unit's state
     /// for them ([`crate::runtime::budget::checkpoint_staging_bytes`]).
     pub checkpoints: bool,
+    /// MoE: the hot set and the expected expert bytes per step at the routing skew planned
+    /// with ([`plan_args_at_skew`]); `None` for a dense model or a shape-only plan.
+    pub experts: Option<PlannedExperts>,
+}
+
+/// An MoE config's experts in a steady-state step at a routing skew: how many the hot set
+/// holds, and the expert bytes a step is expected to move H2D (what the run's metrics call
+/// `expert_h2d_bytes`).
+///
+/// Expected bytes: a non-resident expert that is not computed on the CPU is fetched when it
+/// receives at least one token ([`PopularityProfile::used_probability`] at its rank's share), once
+/// per step (its forward copy kept for its backward, as the run keeps it when the GPU budget
+/// allows); a resident one moves nothing (with device optimizers its update stays on the
+/// device too). `fetch_h2d_bytes` is the same step under `[moe] policy = "fetch"` (every used
+/// expert fetched).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct PlannedExperts {
+    /// Where the skew came from: `uniform routing`, or the routing trace's path.
+    pub routing: String,
+    /// The share of a block's routed assignments its most popular quarter of experts takes
+    /// (0.25 under uniform routing).
+    pub top_quarter_share: f64,
+    /// Experts resident for the whole step (the hot set), over all blocks.
+    pub hot: usize,
+    /// Experts computed on the CPU from their host copy, over all blocks.
+    pub cpu: usize,
+    /// Expected experts fetched per step.
+    pub expected_fetches: f64,
+    /// Expected expert bytes H2D per step (compute copies, `[train] compute_dtype`).
+    pub expected_h2d_bytes: f64,
+    /// Expected expert bytes H2D per step when every used expert is fetched.
+    pub fetch_h2d_bytes: f64,
 }
 
 /// The plan of an `oogc train` config: its model ([`PlannedModel::of_model`]: the model the
@@ -130,6 +162,21 @@ pub struct PlanArgs {
 /// [`PlanError::Model`] when the config's model cannot be built (its tokenizer.json or
 /// Hugging Face checkpoint unreadable, bad dimensions).
 pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace: bool) -> Result<PlanArgs, PlanError> {
+    plan_args_at_skew(cfg, hardware, trace, None)
+}
+
+/// [`plan_args_for_config`] with MoE experts placed at a routing skew: `routing` is a
+/// profile and where it came from (`oogc plan --routing-trace`: [`PopularityProfile::from_trace`],
+/// carried over to the config's expert count); `None` plans uniform routing.
+///
+/// # Errors
+/// As [`plan_args_for_config`].
+pub fn plan_args_at_skew(
+    cfg: &TrainConfig,
+    hardware: &HardwareProfile,
+    trace: bool,
+    routing: Option<(&PopularityProfile, &str)>,
+) -> Result<PlanArgs, PlanError> {
     let mut hardware = hardware.clone();
     let sim = cfg.device.kind.is_sim();
     let dtype = cfg.train.compute_dtype.dtype();
@@ -144,7 +191,10 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
     let model_err = |e: crate::train::TrainError| PlanError::Model(e.to_string());
     let vocab = crate::train::vocab_size(cfg).map_err(model_err)?;
     let model = crate::train::build_model(cfg, vocab).map_err(model_err)?;
-    let placements = moe_placement(cfg, &*model, &hardware);
+    let (placements, experts) = match moe_placement_at(cfg, &*model, &hardware, routing) {
+        Some((p, e)) => (p, Some(e)),
+        None => (Vec::new(), None),
+    };
     let top_k = model.moe().map_or(1, |m| m.experts_per_token());
     // A step computes all its micro-batches' sequences; each unit still moves once per phase.
     let sequences = cfg.train.batch_size * cfg.train.micro_batches.max(1);
@@ -185,6 +235,7 @@ pub fn plan_args_for_config(cfg: &TrainConfig, hardware: &HardwareProfile, trace
         device_units,
         device,
         checkpoints: cfg.checkpoint.dir.is_some(),
+        experts,
     })
 }
 
@@ -213,20 +264,62 @@ fn text_bytes(cfg: &TrainConfig) -> u64 {
 /// a GPU the cost model's defaults. The trainer corrects its rates online and routing is not
 /// uniform, so a real step places a few experts differently.
 pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &HardwareProfile) -> Vec<Vec<Placement>> {
+    moe_placement_at(cfg, model, hardware, None).map(|(p, _)| p).unwrap_or_default()
+}
+
+/// [`moe_placement`] at a routing skew (`None`: uniform routing), with the step's expected
+/// expert traffic ([`PlannedExperts`]); `None` for a dense model. Expert `e` of a block is the
+/// profile's rank `e` (it receives `tokens · top_k · share[e]` of the step's tokens), so the hot
+/// set, filled in turn across the blocks, holds the most popular ranks; an expert is kept only
+/// when keeping it beats its moves under the cost model at its own token count.
+pub fn moe_placement_at(
+    cfg: &TrainConfig,
+    model: &dyn CausalLm,
+    hardware: &HardwareProfile,
+    routing: Option<(&PopularityProfile, &str)>,
+) -> Option<(Vec<Vec<Placement>>, PlannedExperts)> {
     let experts_of = |u: &oogc_models::UnitSpec| match u.kind {
         UnitKind::Expert { block, expert } => Some((block, expert, u.numel as u64)),
         _ => None,
     };
     let all: Vec<(usize, usize, u64)> = model.units().iter().filter_map(experts_of).collect();
-    let Some(&(_, _, numel)) = all.first() else { return Vec::new() };
+    let &(_, _, numel) = all.first()?;
     let layers = all.iter().map(|e| e.0 + 1).max().unwrap_or(0);
     let experts = all.iter().map(|e| e.1 + 1).max().unwrap_or(0);
     let top_k = model.moe().map_or(1, |m| m.experts_per_token());
-    if !crate::moe::places_experts(cfg) {
-        return vec![vec![Placement::Fetch; experts]; layers];
-    }
     let bytes = cfg.train.compute_dtype.dtype().num_bytes(numel as usize) as u64;
-    let tokens = (cfg.train.batch_size * cfg.train.seq_len * top_k / experts.max(1)) as u64;
+    let step_tokens = (cfg.train.batch_size * cfg.train.seq_len) as u64;
+    let (profile, source) = match routing {
+        Some((p, source)) => (p.resample(experts), source.to_string()),
+        None => (PopularityProfile::uniform(experts), "uniform routing".to_string()),
+    };
+    let tokens: Vec<u64> =
+        profile.shares().iter().map(|s| (step_tokens as f64 * top_k as f64 * s).round() as u64).collect();
+    let used: Vec<f64> = (0..experts).map(|r| profile.used_probability(r, step_tokens, top_k)).collect();
+    let traffic = |placements: &[Vec<Placement>]| {
+        let hot = placements.iter().flatten().filter(|&&q| q == Placement::Resident).count();
+        let cpu = placements.iter().flatten().filter(|&&q| q == Placement::Cpu).count();
+        let fetches: f64 = placements
+            .iter()
+            .flat_map(|block| block.iter().zip(&used))
+            .filter(|(&q, _)| q != Placement::Resident && q != Placement::Cpu)
+            .map(|(_, &p)| p)
+            .sum();
+        PlannedExperts {
+            routing: source.clone(),
+            top_quarter_share: profile.top_share(0.25),
+            hot,
+            cpu,
+            expected_fetches: fetches,
+            expected_h2d_bytes: fetches * bytes as f64,
+            fetch_h2d_bytes: layers as f64 * used.iter().sum::<f64>() * bytes as f64,
+        }
+    };
+    if !crate::moe::places_experts(cfg) {
+        let placements = vec![vec![Placement::Fetch; experts]; layers];
+        let t = traffic(&placements);
+        return Some((placements, t));
+    }
     // The sim device's GPU is this CPU, at the profile's rate; on a GPU the cost model's CPU rate.
     let cpu_gflops =
         if cfg.device.kind.is_sim() { hardware.device_gflops } else { CostModelConfig::default().cpu_gflops };
@@ -238,23 +331,29 @@ pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &Hardwar
     );
     let Ok(cost) = cost else {
         // A rate that is not a positive number: the planner refuses the profile anyway.
-        return vec![vec![Placement::Fetch; experts]; layers];
+        let placements = vec![vec![Placement::Fetch; experts]; layers];
+        let t = traffic(&placements);
+        return Some((placements, t));
     };
     let mode = if cfg.moe.cpu_compute { ColdMode::FetchOrCpu } else { ColdMode::FetchOnly };
     // A hot expert's GPU bytes: its compute copy, and its optimizer when it lives there.
     let hot_bytes = crate::moe::hot_expert_bytes(cfg, numel as usize, crate::dist::World::SINGLE);
     let capacity = ((pc.hot_set.budget_bytes / hot_bytes.max(1)) as usize).min(layers * experts);
     let horizon = 1.0 / (1.0 - cfg.moe.popularity_decay).max(1e-6);
-    let worth_keeping = cost.hot_benefit_s(tokens as f64, 1.0, mode, pc.hot_set.keeps_gradients) * horizon
-        > (1.0 + pc.hot_set.margin) * cost.h2d_s(pc.hot_set.admit_bytes.unwrap_or(bytes));
-    let hot = if worth_keeping { capacity } else { 0 };
-    (0..layers)
+    let worth_keeping = |tokens: u64| {
+        cost.hot_benefit_s(tokens as f64, 1.0, mode, pc.hot_set.keeps_gradients) * horizon
+            > (1.0 + pc.hot_set.margin) * cost.h2d_s(pc.hot_set.admit_bytes.unwrap_or(bytes))
+    };
+    let placements: Vec<Vec<Placement>> = (0..layers)
         .map(|b| {
             // Expert e of block b is the (e · layers + b)-th in turn.
-            let resident: Vec<bool> = (0..experts).map(|e| e * layers + b < hot).collect();
-            cost.place_block(&vec![tokens; experts], &resident, mode)
+            let resident: Vec<bool> =
+                (0..experts).map(|e| e * layers + b < capacity && worth_keeping(tokens[e])).collect();
+            cost.place_block(&tokens, &resident, mode)
         })
-        .collect()
+        .collect();
+    let t = traffic(&placements);
+    Some((placements, t))
 }
 
 #[cfg(test)]
@@ -372,6 +471,41 @@ mod tests {
         let copies: u64 = model.units().iter().map(|u| 4 * u.numel as u64).sum();
         cfg.budgets.gpu = bytesize::ByteSize::b(2 * copies);
         assert!(!names(&cfg).is_empty());
+    }
+
+    #[test]
+    fn a_measured_routing_skew_places_the_hot_set_on_the_used_experts() {
+        // Mixtral's example: 4 blocks of 8 experts, an expert budget of 16 hot experts with
+        // their optimizer; the hot set alone (no CPU compute).
+        let mut cfg = example("mixtral-shakespeare.toml");
+        cfg.moe.cpu_compute = false;
+        let hw = HardwareProfile::default();
+        let model = crate::train::build_model(&cfg, 1024).unwrap();
+        let bytes =
+            4.0 * model.units().iter().find(|u| matches!(u.kind, UnitKind::Expert { .. })).unwrap().numel as f64;
+        let (_, uniform) = moe_placement_at(&cfg, &*model, &hw, None).unwrap();
+        assert_eq!(uniform.hot, 16);
+        // A trace in which experts 4..8 of every block never receive a token, and expert 3
+        // only every other step.
+        let header = oogc_moe_placement::TraceHeader::new(4, 8, 2, 10, 40, 80.0, 512);
+        let mut trace = oogc_moe_placement::RoutingTrace::new(header);
+        trace.steps = (0..10u64)
+            .map(|s| {
+                (s + 1, (0..32).map(|i| [400, 300, 200, if s % 2 == 0 { 124 } else { 0 }, 0, 0, 0, 0][i % 8]).collect())
+            })
+            .collect();
+        let profile = PopularityProfile::from_trace(&trace, 0).unwrap();
+        let (p, skewed) = moe_placement_at(&cfg, &*model, &hw, Some((&profile, "trace"))).unwrap();
+        // The hot set holds ranks 0..4 of every block: nothing left to fetch but what is never
+        // used, so no bytes are expected; under uniform routing, 16 used cold experts per step.
+        assert!(p.iter().all(|b| b[..4].iter().all(|&q| q == Placement::Resident)), "{p:?}");
+        assert!(skewed.expected_h2d_bytes.abs() < 1e-9, "{skewed:?}");
+        assert!((uniform.expected_h2d_bytes - 16.0 * bytes).abs() < 1e-6 * bytes, "{uniform:?}");
+        // Fetching every used expert: 3 per block every step and the fourth every other step,
+        // against all 8 under uniform routing (at the trace's own 512 tokens, top-2).
+        assert!((skewed.fetch_h2d_bytes - 4.0 * 3.5 * bytes).abs() < 1e-6 * bytes, "{skewed:?}");
+        assert!((uniform.fetch_h2d_bytes - 32.0 * bytes).abs() < 1e-6 * bytes, "{uniform:?}");
+        assert!(skewed.top_quarter_share > 0.6 && (uniform.top_quarter_share - 0.25).abs() < 1e-12);
     }
 
     #[test]

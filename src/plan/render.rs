@@ -79,14 +79,29 @@ pub fn render_plan(args: &PlanArgs, r: &PlanReport) -> String {
     .expect("writing to a String");
     if !args.model.placements.is_empty() {
         let m = &args.model;
+        let routing = args.experts.as_ref().map_or("uniform routing", |e| e.routing.as_str());
         writeln!(
             out,
             "experts: {} hot (resident), {} fetched, {} computed on the CPU, {} idle — the trainer's placement under \
-             uniform routing (coarse: real routing is skewed and the trainer re-places every step)",
+             {routing} (coarse: the trainer re-places every step)",
             m.count(Placement::Resident),
             m.count(Placement::Fetch),
             m.count(Placement::Cpu),
             m.count(Placement::Skip)
+        )
+        .expect("writing to a String");
+    }
+    if let Some(e) = &args.experts {
+        let mib = |b: f64| b / f64::from(1u32 << 20);
+        writeln!(
+            out,
+            "expert bytes H2D per step (expected): {:.1} MiB, {:.1} experts fetched ([moe] policy = \"fetch\": {:.1} \
+             MiB, {:.2}x); the top quarter of a block's experts takes {:.1} % of its tokens",
+            mib(e.expected_h2d_bytes),
+            e.expected_fetches,
+            mib(e.fetch_h2d_bytes),
+            e.expected_h2d_bytes / e.fetch_h2d_bytes.max(1.0),
+            100.0 * e.top_quarter_share
         )
         .expect("writing to a String");
     }
