@@ -20,11 +20,11 @@ use candle_core::{Device, Tensor};
 use oogc::models::hf::HfCheckpoint;
 use oogc::models::llama::Llama;
 use oogc::models::{CausalLm, UnitKind};
-use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
-use oogc::runtime::{Phase, Runtime, RuntimeConfig};
+use oogc::runtime::tensor::candle_dtype;
+use oogc::runtime::{Phase, Runtime, RuntimeConfig, UnitId};
 use oogc::swapper::{DType, NvmeConfig, StatePlacement};
 
-use fixtures::{assert_close, by_param, floats, ids, tensors};
+use fixtures::{assert_close, by_param, f32s, floats, ids, tensors};
 
 fn fixtures() -> PathBuf {
     common::repo_root().join("../shared/fixtures/llama")
@@ -40,6 +40,16 @@ fn case_dir(case: &str) -> PathBuf {
 /// `chunk`: run the model on the op compositions (a CUDA device's path) with its attention over
 /// blocks of that many query positions; `None`: the default model (fused CPU kernels).
 fn through_the_runtime(case: &str, chunk: Option<usize>) {
+    through_the_runtime_in(case, chunk, DType::F32)
+}
+
+/// [`through_the_runtime`] with compute copies in `dtype` over f32 masters. F32: logits and
+/// loss within 1e-4 relative + 1e-5 absolute of transformers', gradients within 1e-3 + 1e-6.
+/// BF16 (which computes on the op compositions): within the BF16 bounds of the in-memory
+/// checks (`fixtures::BF16_*`), and the runtime's logits, loss and gradients bitwise those of
+/// the in-memory loop over the masters rounded to BF16. Either way, one AdamW step
+/// ([`fixtures::assert_adamw_step`]).
+fn through_the_runtime_in(case: &str, chunk: Option<usize>, dtype: DType) {
     let dir = case_dir(case);
     let reference = tensors(&dir.join("reference.safetensors"));
     let step = tensors(&dir.join("step.safetensors"));
@@ -50,8 +60,8 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
     }
     ckpt.check_units(model.units()).unwrap();
     let units = model.units().to_vec();
-    let total_bytes: u64 = units.iter().map(|u| u.numel as u64 * 4).sum();
-    let largest = units.iter().map(|u| u.numel as u64 * 4).max().unwrap();
+    let total_bytes: u64 = units.iter().map(|u| dtype.num_bytes(u.numel) as u64).sum();
+    let largest = units.iter().map(|u| dtype.num_bytes(u.numel) as u64).max().unwrap();
 
     // Offloaded: state on NVMe, and the GPU budget of the minimum working set (the units in use
     // at once and gradient staging), below the model's bytes where the model allows it (the
@@ -65,19 +75,12 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
     }
     rc.state_placement = StatePlacement::Nvme;
     rc.nvme = Some(NvmeConfig::new(vec![nvme.path().to_path_buf()], 64 << 20));
-    // The fixture's torch.optim.AdamW(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1), no clipping.
-    rc.optimizer = OptimizerConfig {
-        threads: 1,
-        adam: AdamConfig { kind: AdamKind::AdamW, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
-        clip_norm: None,
-        compute_dtype: DType::F32,
-        ..OptimizerConfig::default()
-    };
+    rc.optimizer = fixtures::fixture_optimizer(dtype);
     let mut rt = Runtime::new(rc, oogc::dist::Ranks::single()).unwrap();
     // The runtime's id of each model unit, in the model's order.
     let unit_ids: Vec<_> = units.iter().map(|u| rt.add_unit(&u.name, &ckpt.read_unit(u).unwrap()).unwrap()).collect();
     rt.set_max_units_in_use(in_use);
-    rt.begin_step(1, 1e-3).unwrap();
+    rt.begin_step(1, fixtures::FIXTURE_LR).unwrap();
 
     let tokens = ids(&reference, "input_ids");
     let targets = ids(&reference, "labels");
@@ -94,18 +97,17 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
     let emb = model.tied_head().then(|| rt.fetch(unit_ids[0], Phase::Backward).unwrap());
     let p = rt.fetch(unit_ids[head], Phase::Backward).unwrap();
     let logits = model.forward(head, p.tensor(), &x, emb.as_ref().map(|e| e.tensor())).unwrap();
-    let logits: Vec<f32> = logits.flatten_all().unwrap().to_vec1().unwrap();
-    assert_close(&format!("{case} logits"), &logits, &floats(&reference, "logits"), 1e-4, 1e-5);
+    assert_eq!(logits.dtype(), candle_dtype(dtype).unwrap());
+    let logits = f32s(&logits);
     let out = model.head_loss_backward(p.tensor(), &x, emb.as_ref().map(|e| e.tensor()), &targets).unwrap();
     drop((p, emb));
-    assert_close(&format!("{case} loss"), &[out.loss as f32], &floats(&reference, "loss"), 1e-4, 1e-5);
     let mut grads: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
-    grads.insert(head, out.grads.grad_params.to_vec1().unwrap());
+    grads.insert(head, f32s(&out.grads.grad_params));
     let mut g = out.grads.grad_input.unwrap();
     for u in (1..head).rev() {
         let p = rt.fetch(unit_ids[u], Phase::Backward).unwrap();
         let ug = model.backward(u, p.tensor(), &inputs[u - 1], &g, None).unwrap();
-        grads.insert(u, ug.grad_params.to_vec1().unwrap());
+        grads.insert(u, f32s(&ug.grad_params));
         g = ug.grad_input.unwrap();
     }
     let p = rt.fetch(unit_ids[0], Phase::Backward).unwrap();
@@ -114,17 +116,28 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
         g0 = (g0 + extra).unwrap();
     }
     drop(p);
-    grads.insert(0, g0.to_vec1().unwrap());
+    grads.insert(0, f32s(&g0));
 
-    // The same gradients from the plain in-memory loop, and both against transformers'.
+    // The same from the plain in-memory loop over the masters (rounded to `dtype`).
     let params: Vec<Tensor> = units
         .iter()
         .map(|u| {
             let flat = ckpt.read_unit(u).unwrap();
-            Tensor::from_vec(flat, u.numel, &Device::Cpu).unwrap()
+            Tensor::from_vec(flat, u.numel, &Device::Cpu).unwrap().to_dtype(candle_dtype(dtype).unwrap()).unwrap()
         })
         .collect();
     let (loss, in_memory) = oogc::models::loss_and_grads(&model, &params, &tokens, &targets).unwrap();
+    if dtype != DType::F32 {
+        check_bf16(case, &model, &reference, &logits, out.loss, &grads);
+        assert_eq!(loss.to_bits(), out.loss.to_bits(), "{case}: the runtime's loss is the in-memory loop's");
+        for (u, flat) in &grads {
+            assert!(f32s(&in_memory[*u]) == *flat, "{case}: unit {u}'s gradients are the in-memory loop's");
+        }
+        push_fixture_grads_and_step(case, &mut rt, &model, &unit_ids, &reference, &step);
+        return;
+    }
+    assert_close(&format!("{case} logits"), &logits, &floats(&reference, "logits"), 1e-4, 1e-5);
+    assert_close(&format!("{case} loss"), &[out.loss as f32], &floats(&reference, "loss"), 1e-4, 1e-5);
     assert_close(&format!("{case} in-memory loss"), &[loss as f32], &floats(&reference, "loss"), 1e-4, 1e-5);
     let mut checked = 0;
     for (u, flat) in &grads {
@@ -139,25 +152,58 @@ fn through_the_runtime(case: &str, chunk: Option<usize>) {
     let expected = reference.keys().filter(|k| k.starts_with("grad.")).count();
     assert_eq!(checked, expected, "{case}: every parameter's gradient is compared");
 
-    // One AdamW step from transformers' gradients (step.safetensors was made from them; from
-    // ours, which differ in the last bits, a first Adam step `g / (|g| + eps)` moves tiny
-    // gradients differently), through the pipelined optimizer with state on NVMe.
-    for (u, unit) in units.iter().enumerate().rev() {
+    push_fixture_grads_and_step(case, &mut rt, &model, &unit_ids, &reference, &step);
+}
+
+/// The BF16 run's logits, loss and every gradient against transformers' f32 ones, within the
+/// BF16 bounds.
+fn check_bf16(
+    case: &str,
+    model: &Llama,
+    reference: &fixtures::Tensors,
+    logits: &[f32],
+    loss: f64,
+    grads: &BTreeMap<usize, Vec<f32>>,
+) {
+    fixtures::assert_rel(
+        &format!("{case} bf16 logits"),
+        fixtures::rel_max_abs(logits, &floats(reference, "logits")),
+        fixtures::BF16_LOGITS_RTOL,
+    );
+    let want = floats(reference, "loss")[0] as f64;
+    fixtures::assert_rel(&format!("{case} bf16 loss"), (loss - want).abs() / want.abs(), fixtures::BF16_LOSS_RTOL);
+    let checked = fixtures::assert_grads_rel(
+        &format!("{case} bf16"),
+        model,
+        grads,
+        |name| floats(reference, &format!("grad.{name}")),
+        fixtures::BF16_GRAD_RTOL,
+    );
+    assert_eq!(checked, reference.keys().filter(|k| k.starts_with("grad.")).count());
+}
+
+/// One AdamW step from transformers' gradients (step.safetensors was made from them; from
+/// ours, which differ in the last bits, a first Adam step `g / (|g| + eps)` moves tiny
+/// gradients differently), through the pipelined optimizer with state on NVMe, checked by
+/// [`fixtures::assert_adamw_step`].
+fn push_fixture_grads_and_step(
+    case: &str,
+    rt: &mut Runtime,
+    model: &Llama,
+    unit_ids: &[UnitId],
+    reference: &fixtures::Tensors,
+    step: &fixtures::Tensors,
+) {
+    for (u, unit) in model.units().iter().enumerate().rev() {
         let mut flat = vec![0f32; unit.numel];
         for p in &unit.params {
-            flat[p.offset..p.offset + p.numel()].copy_from_slice(&floats(&reference, &format!("grad.{}", p.name)));
+            flat[p.offset..p.offset + p.numel()].copy_from_slice(&floats(reference, &format!("grad.{}", p.name)));
         }
         rt.push_grads_slice(unit_ids[u], oogc::optimizer::GradSlice::F32(&flat)).unwrap();
     }
     let stats = rt.finish_step().unwrap();
     assert!(!stats.figures.skipped && stats.figures.clip_scale == 1.0, "{stats:?}");
-    rt.sync().unwrap();
-    for (u, _) in units.iter().enumerate() {
-        let master = rt.unit_state(unit_ids[u]).unwrap().master;
-        for (name, ours) in by_param(&model, u, &master) {
-            assert_close(&format!("{case} AdamW step {name}"), &ours, &floats(&step, &name), 1e-5, 1e-7);
-        }
-    }
+    fixtures::assert_adamw_step(case, rt, model, unit_ids, step);
     assert!(rt.memory().traffic().nvme_write.bytes > 0, "the optimizer state went through NVMe");
 }
 
@@ -182,6 +228,13 @@ fn qwen2_tied_matches_transformers_through_the_offloaded_runtime() {
 fn qwen3_dense_matches_transformers_through_the_offloaded_runtime() {
     through_the_runtime("qwen3_dense", None);
     through_the_runtime("qwen3_dense", Some(5));
+}
+
+/// Qwen3 with BF16 compute copies over f32 masters, whole and over attention blocks of 5.
+#[test]
+fn qwen3_dense_in_bf16_matches_transformers_through_the_offloaded_runtime() {
+    through_the_runtime_in("qwen3_dense", None, DType::BF16);
+    through_the_runtime_in("qwen3_dense", Some(5), DType::BF16);
 }
 
 /// A run config that starts from the `case` checkpoint.

@@ -19,24 +19,23 @@ use candle_core::{Device, Tensor};
 use oogc::models::hf::HfCheckpoint;
 use oogc::models::llama::Llama;
 use oogc::models::{CausalLm, UnitKind};
-use oogc::optimizer::{AdamConfig, AdamKind, OptimizerConfig};
 use oogc::runtime::{Phase, Runtime, RuntimeConfig, UnitId, UnitParams};
 use oogc::swapper::{DType, NvmeConfig, StatePlacement};
 
-use fixtures::{assert_close, by_param, floats, ids, tensors};
+use fixtures::{assert_close, by_param, f32s, floats, ids, tensors};
 
-fn case() -> PathBuf {
+pub(crate) fn case() -> PathBuf {
     common::repo_root().join("../shared/fixtures/llama/mixtral_moe")
 }
 
 /// A case of `../shared/fixtures/moe/` (`qwen3_moe`, `olmoe`, `qwen2_moe`; README there).
-fn moe_case(name: &str) -> PathBuf {
+pub(crate) fn moe_case(name: &str) -> PathBuf {
     common::repo_root().join("../shared/fixtures/moe").join(name)
 }
 
 /// Where an expert runs in the test's step.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Place {
+pub(crate) enum Place {
     /// Fetched in the forward and kept pinned until its backward.
     Resident,
     /// Fetched (H2D) in the forward and again in the backward.
@@ -60,169 +59,284 @@ fn through_the_runtime(label: &str, chunk: Option<usize>, place: impl Fn(usize, 
     case_through_the_runtime(&case(), label, chunk, place)
 }
 
-/// [`through_the_runtime`] for the fixture case in `dir`.
-fn case_through_the_runtime(dir: &Path, label: &str, chunk: Option<usize>, place: impl Fn(usize, usize) -> Place) {
-    let reference = tensors(&dir.join("reference.safetensors"));
-    let step = tensors(&dir.join("step.safetensors"));
-    let ckpt = HfCheckpoint::open(dir).unwrap();
-    let mut model = Llama::new(ckpt.llama_config().unwrap()).unwrap();
-    if chunk.is_some() {
-        model = model.composed_only().with_attention_chunk(chunk).unwrap();
-    }
-    let cfg = model.config().clone();
-    let moe = model.moe().expect("Mixtral is an MoE model");
-    ckpt.check_units(model.units()).unwrap();
-    let units = model.units().to_vec();
-    let (layers, experts) = (cfg.num_hidden_layers, cfg.num_experts());
-    let total_bytes: u64 = units.iter().map(|u| u.numel as u64 * 4).sum();
-    let largest = units.iter().map(|u| u.numel as u64 * 4).max().unwrap();
-    let expert_bytes = units[cfg.expert_unit(0, 0)].numel as u64 * 4;
-    let resident = (0..layers)
-        .flat_map(|b| (0..experts).map(move |e| (b, e)))
-        .filter(|&(b, e)| place(b, e) == Place::Resident)
-        .count() as u64;
+/// A fixture case loaded: the checkpoint, its model, transformers' numbers.
+pub(crate) struct Case {
+    pub(crate) ckpt: HfCheckpoint,
+    pub(crate) model: Llama,
+    pub(crate) reference: fixtures::Tensors,
+    pub(crate) step: fixtures::Tensors,
+}
 
-    // Offloaded (the GPU budget below the model's bytes) unless every expert stays resident.
-    let nvme = tempfile::tempdir().unwrap();
-    let mut rc = RuntimeConfig::sim(resident * expert_bytes + 3 * largest);
-    if resident < (layers * experts) as u64 {
-        assert!(rc.gpu_budget_bytes < total_bytes, "{label}: the GPU budget must be below the model's bytes");
-    }
-    rc.state_placement = StatePlacement::Nvme;
-    rc.nvme = Some(NvmeConfig::new(vec![nvme.path().to_path_buf()], 64 << 20));
-    rc.optimizer = OptimizerConfig {
-        threads: 1,
-        adam: AdamConfig { kind: AdamKind::AdamW, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 },
-        clip_norm: None,
-        compute_dtype: DType::F32,
-        ..OptimizerConfig::default()
-    };
-    let mut rt = Runtime::new(rc, oogc::dist::Ranks::single()).unwrap();
-    // The runtime's id of each model unit, in the model's order.
-    let mut unit_ids = Vec::with_capacity(units.len());
-    for u in &units {
-        let id = rt.add_unit(&u.name, &ckpt.read_unit(u).unwrap()).unwrap();
-        if matches!(u.kind, UnitKind::Expert { .. }) {
-            rt.set_unscheduled(id).unwrap();
+impl Case {
+    /// The case in `dir`; `chunk` as [`through_the_runtime`]'s.
+    pub(crate) fn open(dir: &Path, chunk: Option<usize>) -> Case {
+        let ckpt = HfCheckpoint::open(dir).unwrap();
+        let mut model = Llama::new(ckpt.llama_config().unwrap()).unwrap();
+        if chunk.is_some() {
+            model = model.composed_only().with_attention_chunk(chunk).unwrap();
         }
-        unit_ids.push(id);
+        assert!(model.moe().is_some(), "{dir:?} is an MoE model");
+        ckpt.check_units(model.units()).unwrap();
+        let reference = tensors(&dir.join("reference.safetensors"));
+        let step = tensors(&dir.join("step.safetensors"));
+        Case { ckpt, model, reference, step }
     }
-    rt.set_max_units_in_use(2);
-    rt.begin_step(1, 1e-3).unwrap();
 
-    let tokens = ids(&reference, "input_ids");
-    let targets = ids(&reference, "labels");
-    let head = units.len() - 1;
-    let mut held: HashMap<usize, UnitParams> = HashMap::new();
-    let mut x = model.forward(0, rt.fetch(unit_ids[0], Phase::Forward).unwrap().tensor(), &tokens, None).unwrap();
-    let (mut inputs, mut routings, mut router_logits) = (Vec::new(), Vec::new(), Vec::new());
-    for b in 0..layers {
-        let t =
-            moe.trunk_forward(b, rt.fetch(unit_ids[cfg.block_unit(b)], Phase::Forward).unwrap().tensor(), &x).unwrap();
-        let mut outs = vec![None; experts];
-        for (e, out) in outs.iter_mut().enumerate() {
-            let Some(h_e) = t.routing.expert_input(e, &t.h).unwrap() else { continue };
-            let u = cfg.expert_unit(b, e);
-            let p = fetch(&mut rt, unit_ids[u], place(b, e), Phase::Forward);
-            *out = Some(moe.expert_forward(p.tensor(), &h_e).unwrap());
-            if place(b, e) == Place::Resident {
-                held.insert(u, p);
+    /// Every unit's parameters in memory, rounded to `dtype`.
+    pub(crate) fn params(&self, dtype: candle_core::DType) -> Vec<Tensor> {
+        let units = self.model.units();
+        units
+            .iter()
+            .map(|u| {
+                Tensor::from_vec(self.ckpt.read_unit(u).unwrap(), u.numel, &Device::Cpu)
+                    .unwrap()
+                    .to_dtype(dtype)
+                    .unwrap()
+            })
+            .collect()
+    }
+
+    /// An offloaded runtime (state on NVMe in `nvme`, a GPU budget below the model's bytes
+    /// unless every expert stays resident) with compute copies in `dtype` and every unit
+    /// registered (experts unscheduled), its step 1 begun; and the runtime's id of each model
+    /// unit, in the model's order.
+    pub(crate) fn runtime(
+        &self,
+        dtype: DType,
+        nvme: &Path,
+        place: &dyn Fn(usize, usize) -> Place,
+    ) -> (Runtime, Vec<UnitId>) {
+        let cfg = self.model.config();
+        let units = self.model.units();
+        let (layers, experts) = (cfg.num_hidden_layers, cfg.num_experts());
+        let bytes = |numel: usize| dtype.num_bytes(numel) as u64;
+        let total_bytes: u64 = units.iter().map(|u| bytes(u.numel)).sum();
+        let largest = units.iter().map(|u| bytes(u.numel)).max().unwrap();
+        let expert_bytes = bytes(units[cfg.expert_unit(0, 0)].numel);
+        let resident = (0..layers)
+            .flat_map(|b| (0..experts).map(move |e| (b, e)))
+            .filter(|&(b, e)| place(b, e) == Place::Resident)
+            .count() as u64;
+        let mut rc = RuntimeConfig::sim(resident * expert_bytes + 3 * largest);
+        if resident < (layers * experts) as u64 {
+            assert!(rc.gpu_budget_bytes < total_bytes, "the GPU budget must be below the model's bytes");
+        }
+        rc.state_placement = StatePlacement::Nvme;
+        rc.nvme = Some(NvmeConfig::new(vec![nvme.to_path_buf()], 64 << 20));
+        rc.optimizer = fixtures::fixture_optimizer(dtype);
+        let mut rt = Runtime::new(rc, oogc::dist::Ranks::single()).unwrap();
+        let mut unit_ids = Vec::with_capacity(units.len());
+        for u in units {
+            let id = rt.add_unit(&u.name, &self.ckpt.read_unit(u).unwrap()).unwrap();
+            if matches!(u.kind, UnitKind::Expert { .. }) {
+                rt.set_unscheduled(id).unwrap();
+            }
+            unit_ids.push(id);
+        }
+        rt.set_max_units_in_use(2);
+        rt.begin_step(1, fixtures::FIXTURE_LR).unwrap();
+        (rt, unit_ids)
+    }
+
+    /// One forward and backward with the unit parameters `source` gives (`keep(unit)`: an
+    /// expert's forward parameters are held until its backward), routed as the router decides
+    /// or, with `replay` (every layer's choices `[N · k]`), to those experts
+    /// (`Llama::trunk_forward_routed`).
+    pub(crate) fn pass(
+        &self,
+        source: &mut dyn FnMut(usize, Phase) -> Params,
+        keep: &dyn Fn(usize) -> bool,
+        replay: Option<&[Vec<u32>]>,
+    ) -> Pass {
+        let (model, cfg) = (&self.model, self.model.config());
+        let moe = model.moe().unwrap();
+        let units = model.units();
+        let (layers, experts) = (cfg.num_hidden_layers, cfg.num_experts());
+        let tokens = ids(&self.reference, "input_ids");
+        let targets = ids(&self.reference, "labels");
+        let head = units.len() - 1;
+        let mut held: HashMap<usize, Params> = HashMap::new();
+        let mut x = model.forward(0, source(0, Phase::Forward).tensor(), &tokens, None).unwrap();
+        let (mut inputs, mut routings, mut router_logits) = (Vec::new(), Vec::new(), Vec::new());
+        for b in 0..layers {
+            let trunk = source(cfg.block_unit(b), Phase::Forward);
+            let t = match replay {
+                Some(choices) => model.trunk_forward_routed(b, trunk.tensor(), &x, &choices[b]).unwrap(),
+                None => moe.trunk_forward(b, trunk.tensor(), &x).unwrap(),
+            };
+            drop(trunk);
+            let mut outs = vec![None; experts];
+            for (e, out) in outs.iter_mut().enumerate() {
+                let Some(h_e) = t.routing.expert_input(e, &t.h).unwrap() else { continue };
+                let u = cfg.expert_unit(b, e);
+                let p = source(u, Phase::Forward);
+                *out = Some(moe.expert_forward(p.tensor(), &h_e).unwrap());
+                if keep(u) {
+                    held.insert(u, p);
+                }
+            }
+            let y = moe.combine(&t.x1, &t.routing, &outs).unwrap();
+            router_logits.extend(f32s(&t.logits));
+            routings.push(t.routing);
+            inputs.push(std::mem::replace(&mut x, y));
+        }
+        moe.finish_forward(&mut routings.iter_mut().collect::<Vec<_>>()).unwrap();
+        let weighted_aux = moe.aux_loss(&routings.iter().collect::<Vec<_>>());
+
+        let p = source(head, Phase::Backward);
+        let logits = f32s(&model.forward(head, p.tensor(), &x, None).unwrap());
+        let out = model.head_loss_backward(p.tensor(), &x, None, &targets).unwrap();
+        drop(p);
+        let mut grads: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
+        grads.insert(head, f32s(&out.grads.grad_params));
+        let mut g = out.grads.grad_input.unwrap();
+        for b in (0..layers).rev() {
+            let trunk = cfg.block_unit(b);
+            let pt = source(trunk, Phase::Backward);
+            let routing = &routings[b];
+            let t = moe.trunk_forward(b, pt.tensor(), &inputs[b]).unwrap();
+            let (mut grad_inputs, mut grad_gates) = (vec![None; experts], vec![None; experts]);
+            for e in 0..experts {
+                let u = cfg.expert_unit(b, e);
+                let Some(h_e) = routing.expert_input(e, &t.h).unwrap() else {
+                    grads.insert(u, vec![0.0; units[u].numel]);
+                    continue;
+                };
+                let go = moe.expert_grad_output(routing, e, &g).unwrap().unwrap();
+                let pe = held.remove(&u).unwrap_or_else(|| source(u, Phase::Backward));
+                let eg = moe.expert_backward(pe.tensor(), &h_e, &go).unwrap();
+                drop(pe);
+                grad_gates[e] = moe.expert_grad_gate(routing, e, &g, &eg.output).unwrap();
+                grad_inputs[e] = Some(eg.grad_input);
+                grads.insert(u, f32s(&eg.grad_params));
+            }
+            let grad_h = routing.scatter_input_grads(&grad_inputs).unwrap();
+            let tg = moe.trunk_backward(b, pt.tensor(), &inputs[b], routing, &g, &grad_h, &grad_gates).unwrap();
+            drop(pt);
+            grads.insert(trunk, f32s(&tg.grad_params));
+            g = tg.grad_input.unwrap();
+        }
+        assert!(held.is_empty());
+        let p = source(0, Phase::Backward);
+        grads.insert(0, f32s(&model.backward(0, p.tensor(), &tokens, &g, None).unwrap().grad_params));
+        drop(p);
+        let choices = routings.iter().map(|r| r.choices().to_vec()).collect();
+        let (aux, loss) = (weighted_aux / cfg.aux_loss_weight(), out.loss + weighted_aux);
+        Pass { router_logits, choices, aux, logits, loss_ce: out.loss, loss, grads }
+    }
+
+    /// [`Case::pass`] through `rt`, experts where `place` says.
+    pub(crate) fn runtime_pass(
+        &self,
+        rt: &mut Runtime,
+        unit_ids: &[UnitId],
+        place: &dyn Fn(usize, usize) -> Place,
+    ) -> Pass {
+        let units = self.model.units().to_vec();
+        let where_ = |u: usize| match units[u].kind {
+            UnitKind::Expert { block, expert } => place(block, expert),
+            _ => Place::Fetch,
+        };
+        let mut source = |u: usize, phase: Phase| Params::Runtime(fetch(rt, unit_ids[u], where_(u), phase));
+        self.pass(&mut source, &|u| where_(u) == Place::Resident, None)
+    }
+
+    /// Pushes transformers' gradients (experts on the CPU straight to the optimizer), finishes
+    /// the step and checks it ([`fixtures::assert_adamw_step`]).
+    pub(crate) fn adamw_step(
+        &self,
+        label: &str,
+        rt: &mut Runtime,
+        unit_ids: &[UnitId],
+        place: &dyn Fn(usize, usize) -> Place,
+    ) {
+        for (u, unit) in self.model.units().iter().enumerate().rev() {
+            let mut flat = vec![0f32; unit.numel];
+            for p in &unit.params {
+                flat[p.offset..p.offset + p.numel()]
+                    .copy_from_slice(&floats(&self.reference, &format!("grad.{}", p.name)));
+            }
+            match unit.kind {
+                UnitKind::Expert { block, expert } if place(block, expert) == Place::Cpu => {
+                    let flat = Tensor::from_vec(flat, unit.numel, &Device::Cpu).unwrap();
+                    rt.push_grads_host(unit_ids[u], &flat).unwrap()
+                }
+                _ => rt.push_grads_slice(unit_ids[u], oogc::optimizer::GradSlice::F32(&flat)).unwrap(),
             }
         }
-        let y = moe.combine(&t.x1, &t.routing, &outs).unwrap();
-        router_logits.extend(t.logits.flatten_all().unwrap().to_vec1::<f32>().unwrap());
-        routings.push(t.routing);
-        inputs.push(std::mem::replace(&mut x, y));
+        let stats = rt.finish_step().unwrap();
+        assert!(!stats.figures.skipped && stats.figures.clip_scale == 1.0, "{stats:?}");
+        fixtures::assert_adamw_step(label, rt, &self.model, unit_ids, &self.step);
+        assert!(rt.memory().traffic().nvme_write.bytes > 0, "the optimizer state went through NVMe");
     }
-    assert_close(&format!("{label} router_logits"), &router_logits, &floats(&reference, "router_logits"), 1e-4, 1e-5);
-    moe.finish_forward(&mut routings.iter_mut().collect::<Vec<_>>()).unwrap();
-    let aux = moe.aux_loss(&routings.iter().collect::<Vec<_>>());
-    let coef = cfg.aux_loss_weight();
-    assert_close(&format!("{label} aux_loss"), &[(aux / coef) as f32], &floats(&reference, "aux_loss"), 1e-4, 1e-5);
+}
 
-    let p = rt.fetch(unit_ids[head], Phase::Backward).unwrap();
-    let logits: Vec<f32> = model.forward(head, p.tensor(), &x, None).unwrap().flatten_all().unwrap().to_vec1().unwrap();
-    assert_close(&format!("{label} logits"), &logits, &floats(&reference, "logits"), 1e-4, 1e-5);
-    let out = model.head_loss_backward(p.tensor(), &x, None, &targets).unwrap();
-    drop(p);
-    assert_close(&format!("{label} loss_ce"), &[out.loss as f32], &floats(&reference, "loss_ce"), 1e-4, 1e-5);
-    assert_close(&format!("{label} loss"), &[(out.loss + aux) as f32], &floats(&reference, "loss"), 1e-4, 1e-5);
-    let mut grads: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
-    grads.insert(head, out.grads.grad_params.to_vec1().unwrap());
-    let mut g = out.grads.grad_input.unwrap();
-    for b in (0..layers).rev() {
-        let trunk = cfg.block_unit(b);
-        let pt = rt.fetch(unit_ids[trunk], Phase::Backward).unwrap();
-        let routing = &routings[b];
-        let t = moe.trunk_forward(b, pt.tensor(), &inputs[b]).unwrap();
-        let (mut grad_inputs, mut grad_gates) = (vec![None; experts], vec![None; experts]);
-        for e in 0..experts {
-            let u = cfg.expert_unit(b, e);
-            let Some(h_e) = routing.expert_input(e, &t.h).unwrap() else {
-                grads.insert(u, vec![0.0; units[u].numel]);
-                continue;
-            };
-            let go = moe.expert_grad_output(routing, e, &g).unwrap().unwrap();
-            let pe = held.remove(&u).unwrap_or_else(|| fetch(&mut rt, unit_ids[u], place(b, e), Phase::Backward));
-            let eg = moe.expert_backward(pe.tensor(), &h_e, &go).unwrap();
-            drop(pe);
-            grad_gates[e] = moe.expert_grad_gate(routing, e, &g, &eg.output).unwrap();
-            grad_inputs[e] = Some(eg.grad_input);
-            grads.insert(u, eg.grad_params.to_vec1().unwrap());
+/// A unit's parameters for one call: the runtime's (pinned while held) or in memory.
+pub(crate) enum Params {
+    Runtime(UnitParams),
+    Memory(Tensor),
+}
+
+impl Params {
+    fn tensor(&self) -> &Tensor {
+        match self {
+            Params::Runtime(p) => p.tensor(),
+            Params::Memory(t) => t,
         }
-        let grad_h = routing.scatter_input_grads(&grad_inputs).unwrap();
-        let tg = moe.trunk_backward(b, pt.tensor(), &inputs[b], routing, &g, &grad_h, &grad_gates).unwrap();
-        drop(pt);
-        grads.insert(trunk, tg.grad_params.to_vec1().unwrap());
-        g = tg.grad_input.unwrap();
     }
-    assert!(held.is_empty());
-    let p = rt.fetch(unit_ids[0], Phase::Backward).unwrap();
-    grads.insert(0, model.backward(0, p.tensor(), &tokens, &g, None).unwrap().grad_params.to_vec1().unwrap());
-    drop(p);
+}
+
+/// What one forward and backward of an MoE fixture gives (values as f32).
+pub(crate) struct Pass {
+    /// Every layer's router logits, `[layers, N, E]` flat.
+    pub(crate) router_logits: Vec<f32>,
+    /// Every layer's top-k choices `[N · k]`, best first.
+    pub(crate) choices: Vec<Vec<u32>>,
+    /// The load-balancing loss (transformers' `aux_loss`, before its coefficient).
+    pub(crate) aux: f64,
+    /// `[B, T, V]` flat.
+    pub(crate) logits: Vec<f32>,
+    pub(crate) loss_ce: f64,
+    /// `loss_ce + coef · aux`.
+    pub(crate) loss: f64,
+    /// Every unit's flat gradients, by model unit.
+    pub(crate) grads: BTreeMap<usize, Vec<f32>>,
+}
+
+/// [`through_the_runtime`] for the fixture case in `dir`.
+fn case_through_the_runtime(dir: &Path, label: &str, chunk: Option<usize>, place: impl Fn(usize, usize) -> Place) {
+    let case = Case::open(dir, chunk);
+    let nvme = tempfile::tempdir().unwrap();
+    let (mut rt, unit_ids) = case.runtime(DType::F32, nvme.path(), &place);
+    let pass = case.runtime_pass(&mut rt, &unit_ids, &place);
+    let r = &case.reference;
+    assert_close(&format!("{label} router_logits"), &pass.router_logits, &floats(r, "router_logits"), 1e-4, 1e-5);
+    assert_close(&format!("{label} aux_loss"), &[pass.aux as f32], &floats(r, "aux_loss"), 1e-4, 1e-5);
+    assert_close(&format!("{label} logits"), &pass.logits, &floats(r, "logits"), 1e-4, 1e-5);
+    assert_close(&format!("{label} loss_ce"), &[pass.loss_ce as f32], &floats(r, "loss_ce"), 1e-4, 1e-5);
+    assert_close(&format!("{label} loss"), &[pass.loss as f32], &floats(r, "loss"), 1e-4, 1e-5);
 
     // The same from the in-memory loop, and both against transformers'.
-    let params: Vec<Tensor> =
-        units.iter().map(|u| Tensor::from_vec(ckpt.read_unit(u).unwrap(), u.numel, &Device::Cpu).unwrap()).collect();
-    let (parts, in_memory) = oogc::models::loss_parts_and_grads(&model, &params, &tokens, &targets).unwrap();
-    assert_close(&format!("{label} in-memory loss"), &[parts.total() as f32], &floats(&reference, "loss"), 1e-4, 1e-5);
+    let model = &case.model;
+    let params = case.params(candle_core::DType::F32);
+    let (tokens, targets) = (ids(r, "input_ids"), ids(r, "labels"));
+    let (parts, in_memory) = oogc::models::loss_parts_and_grads(model, &params, &tokens, &targets).unwrap();
+    assert_close(&format!("{label} in-memory loss"), &[parts.total() as f32], &floats(r, "loss"), 1e-4, 1e-5);
     let mut checked = 0;
-    for (u, flat) in &grads {
+    for (u, flat) in &pass.grads {
         let mem: Vec<f32> = in_memory[*u].to_vec1().unwrap();
-        for ((name, ours), (_, theirs)) in by_param(&model, *u, flat).into_iter().zip(by_param(&model, *u, &mem)) {
-            let want = floats(&reference, &format!("grad.{name}"));
+        for ((name, ours), (_, theirs)) in by_param(model, *u, flat).into_iter().zip(by_param(model, *u, &mem)) {
+            let want = floats(r, &format!("grad.{name}"));
             assert_close(&format!("{label} grad {name} (runtime)"), &ours, &want, 1e-3, 1e-6);
             assert_close(&format!("{label} grad {name} (in memory)"), &theirs, &want, 1e-3, 1e-6);
             checked += 1;
         }
     }
-    let expected = reference.keys().filter(|k| k.starts_with("grad.")).count();
+    let expected = r.keys().filter(|k| k.starts_with("grad.")).count();
     assert_eq!(checked, expected, "{label}: every parameter's gradient is compared");
 
     // One AdamW step from transformers' gradients, CPU experts' straight to the optimizer.
-    for (u, unit) in units.iter().enumerate().rev() {
-        let mut flat = vec![0f32; unit.numel];
-        for p in &unit.params {
-            flat[p.offset..p.offset + p.numel()].copy_from_slice(&floats(&reference, &format!("grad.{}", p.name)));
-        }
-        match unit.kind {
-            UnitKind::Expert { block, expert } if place(block, expert) == Place::Cpu => {
-                let flat = Tensor::from_vec(flat, unit.numel, &Device::Cpu).unwrap();
-                rt.push_grads_host(unit_ids[u], &flat).unwrap()
-            }
-            _ => rt.push_grads_slice(unit_ids[u], oogc::optimizer::GradSlice::F32(&flat)).unwrap(),
-        }
-    }
-    let stats = rt.finish_step().unwrap();
-    assert!(!stats.figures.skipped && stats.figures.clip_scale == 1.0, "{stats:?}");
-    rt.sync().unwrap();
-    for (u, &id) in unit_ids.iter().enumerate() {
-        let master = rt.unit_state(id).unwrap().master;
-        for (name, ours) in by_param(&model, u, &master) {
-            assert_close(&format!("{label} AdamW step {name}"), &ours, &floats(&step, &name), 1e-5, 1e-7);
-        }
-    }
-    assert!(rt.memory().traffic().nvme_write.bytes > 0, "the optimizer state went through NVMe");
+    case.adamw_step(label, &mut rt, &unit_ids, &place);
 }
 
 #[test]

@@ -20,6 +20,7 @@ mod budgets;
 mod device_optimizer;
 mod llama;
 mod mixtral;
+mod moe_bf16;
 mod runtime;
 mod state_dtype;
 mod train;

@@ -44,7 +44,7 @@ use candle_core::{DType, Tensor};
 use crate::kernels::softmax_last_dim;
 use crate::llama::{AttnParams, Llama, LlamaConfig};
 use crate::lm::{MoeFamily, MoeLm};
-use crate::moe::{ExpertRoute, Routing};
+use crate::moe::{ExpertRoute, Routing, TrunkOut};
 use crate::ops::{self, input_err};
 use crate::Result;
 
@@ -128,12 +128,20 @@ impl Llama {
     fn mixtral_route(&self, probs: &Tensor, dtype: DType) -> Result<Routing> {
         let (n, e_count) = probs.dims2()?;
         let k = self.config().top_k();
-        let device = probs.device().clone();
         let host: Vec<f64> = probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
         let mut choices = Vec::with_capacity(n * k);
         for row in host.chunks_exact(e_count) {
             top_k_of(row, k, &mut choices);
         }
+        self.mixtral_routing_of(probs, &host, choices, dtype)
+    }
+
+    /// The [`Routing`] of `probs` `[N, E]` (`host`: the same, f64 on the CPU) with the top-k
+    /// `choices` `[N · k]` (checked by the caller).
+    fn mixtral_routing_of(&self, probs: &Tensor, host: &[f64], choices: Vec<u32>, dtype: DType) -> Result<Routing> {
+        let (n, e_count) = probs.dims2()?;
+        let k = self.config().top_k();
+        let device = probs.device().clone();
         let mut tokens = vec![Vec::new(); e_count];
         let mut slots = vec![Vec::new(); e_count];
         let mut top1 = vec![0usize; e_count];
@@ -183,6 +191,46 @@ impl Llama {
             dtype,
             device,
         })
+    }
+
+    /// Routing replay: block `block`'s trunk forward as [`MoeLm::trunk_forward`] computes it
+    /// (`x1`, `h`, the router's logits and probabilities), but routed to the given experts
+    /// instead of the router's top-k: `choices` `[N · k]` (`N = B · T` rows of `x` `[B, T, d]`,
+    /// row `n`'s experts at `n · k ..`, best first: the first counts as the row's top-1 in the
+    /// routing's statistics), the gates those experts' probabilities
+    /// (renormalized per [`LlamaConfig::norm_topk_prob`]), the load-balancing statistics counting
+    /// these picks. [`MoeLm::trunk_backward`] differentiates it as it does any routing. For
+    /// replaying a routing decided elsewhere (another precision, an inference engine's): the
+    /// rows' outputs and gradients are then those of that routing.
+    ///
+    /// # Errors
+    /// [`crate::Error::Input`] for a model of another family, `choices` of another length than
+    /// `N · k`, an expert index `>= E`, or a row naming an expert twice; as
+    /// [`MoeLm::trunk_forward`] otherwise.
+    pub fn trunk_forward_routed(&self, block: usize, params: &Tensor, x: &Tensor, choices: &[u32]) -> Result<TrunkOut> {
+        let mut t = crate::lm::trunk_forward(self, block, params, x)?;
+        let (n, e_count) = t.probs.dims2()?;
+        let k = self.config().top_k();
+        if choices.len() != n * k {
+            return Err(input_err(
+                "routing choices",
+                format!("{n} rows × top-{k} = {} experts", n * k),
+                choices.len().to_string(),
+            ));
+        }
+        for (row, c) in choices.chunks_exact(k).enumerate() {
+            let repeated = c.iter().enumerate().any(|(i, e)| c[..i].contains(e));
+            if c.iter().any(|&e| e as usize >= e_count) || repeated {
+                return Err(input_err(
+                    "routing choices",
+                    format!("{k} distinct experts < {e_count} per row"),
+                    format!("row {row}: {c:?}"),
+                ));
+            }
+        }
+        let host: Vec<f64> = t.probs.to_dtype(DType::F64)?.flatten_all()?.to_vec1()?;
+        t.routing = self.mixtral_routing_of(&t.probs, &host, choices.to_vec(), params.dtype())?;
+        Ok(t)
     }
 
     fn check_routing(&self, routing: &Routing) -> Result<()> {

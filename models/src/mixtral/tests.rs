@@ -519,3 +519,56 @@ fn fine_grained_scratch_configs_validate_and_refuse_foreign_keys() {
     dense.norm_topk_prob = Some(true);
     assert!(dense.validate().unwrap_err().to_string().contains("norm_topk_prob"));
 }
+
+/// Routing replay (`Llama::trunk_forward_routed`) on the Qwen3-MoE fixture (top-4 of 8,
+/// renormalized): replaying the router's own choices is `trunk_forward` bitwise (choices,
+/// gates, probability sums); replaying others routes each row to exactly those experts with
+/// gates their probabilities renormalized over them; choices of the wrong length, an expert out
+/// of range or named twice in a row are refused by name.
+#[test]
+fn trunk_forward_routed_replays_the_given_choices() {
+    let (_, cfg, params) = load_of(&moe_case("qwen3_moe"));
+    let model = Llama::new(cfg.clone()).unwrap();
+    let moe = model.moe().unwrap();
+    let tokens = ids(&reference_of(&moe_case("qwen3_moe"))["input_ids"]);
+    let x = model.forward(0, &params[0], &tokens, None).unwrap();
+    let p = &params[cfg.block_unit(0)];
+    let own = moe.trunk_forward(0, p, &x).unwrap();
+    let same = model.trunk_forward_routed(0, p, &x, own.routing.choices()).unwrap();
+    let (e, k) = (cfg.num_experts(), cfg.top_k());
+    assert_eq!(same.routing.choices(), own.routing.choices());
+    assert_eq!(same.routing.prob_sum(), own.routing.prob_sum());
+    for ex in 0..e {
+        assert_eq!(same.routing.tokens(ex), own.routing.tokens(ex));
+        assert_eq!(same.routing.gates(ex).map(to_f32), own.routing.gates(ex).map(to_f32), "expert {ex}");
+    }
+    // Every row routed to the experts it did not pick, best first as given.
+    let others: Vec<u32> = own
+        .routing
+        .choices()
+        .chunks_exact(k)
+        .flat_map(|c| (0..e as u32).filter(|x| !c.contains(x)).collect::<Vec<_>>())
+        .collect();
+    let t = model.trunk_forward_routed(0, p, &x, &others).unwrap();
+    assert_eq!(t.routing.choices(), &others[..]);
+    let probs = to_f32(&t.probs);
+    for ex in 0..e {
+        let Some(gates) = t.routing.gates(ex) else { continue };
+        for (&row, g) in t.routing.tokens(ex).iter().zip(to_f32(gates)) {
+            let row = row as usize;
+            assert!(others[row * k..row * k + k].contains(&(ex as u32)));
+            let sum: f32 = others[row * k..row * k + k].iter().map(|&c| probs[row * e + c as usize]).sum();
+            let want = probs[row * e + ex] / sum;
+            assert!((g - want).abs() <= 1e-6, "row {row} expert {ex}: gate {g} vs {want}");
+        }
+    }
+    let n = own.routing.num_tokens();
+    for (bad, says) in [
+        (vec![0u32; n * k - 1], format!("{}", n * k - 1)),
+        ([vec![8u32, 1, 2, 3], others[4..].to_vec()].concat(), "row 0: [8, 1, 2, 3]".into()),
+        ([vec![1u32, 2, 1, 3], others[4..].to_vec()].concat(), "row 0: [1, 2, 1, 3]".into()),
+    ] {
+        let err = model.trunk_forward_routed(0, p, &x, &bad).unwrap_err().to_string();
+        assert!(err.contains("routing choices") && err.contains(&says), "{err}");
+    }
+}
