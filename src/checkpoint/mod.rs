@@ -11,6 +11,8 @@
 //! and Adam `exp_avg` / `exp_avg_sq` in the run's `[optimizer] state_dtype`: f32, bf16, or int8
 //! codes beside their blocks' f32 absmax) and string metadata (step, RNG and data position, the
 //! config). Files are named `ckpt-{step:08}.safetensors`; [`latest`] picks the highest step.
+//! With data-parallel ranks a checkpoint is one file per rank and an index naming them
+//! (`ckpt-{step:08}.index.json`, [`shards`]); [`AnyReader`] reads either form.
 //!
 //! Every checkpoint carries a crc32c per tensor and one for the file in its metadata
 //! ([`crate::checksum`]); [`load`] verifies them and names the tensor and the previous

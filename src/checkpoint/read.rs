@@ -44,7 +44,9 @@ impl Reader {
     /// # Errors
     /// [`CheckpointError::NotFound`] for a directory without checkpoints; [`CheckpointError::Io`];
     /// [`CheckpointError::Corrupt`] when the file is truncated or not safetensors;
-    /// [`CheckpointError::Checksum`] when its manifest fails (naming the previous checkpoint).
+    /// [`CheckpointError::Checksum`] when its manifest fails (naming the previous checkpoint);
+    /// [`CheckpointError::Corrupt`] for a sharded checkpoint's index (read by
+    /// [`super::AnyReader`]).
     /// Any safetensors file with oogc's checksums opens (a Hugging Face export's shards too:
     /// `oogc inspect --verify`); [`Reader::step`] tells a checkpoint.
     pub fn open(path: &Path) -> Result<Self> {
