@@ -13,7 +13,7 @@
 //! tensor), which tile the tensor. [`ShardedReader`] assembles a whole tensor from its pieces,
 //! whatever world size reads it; [`AnyReader`] reads either form.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use safetensors::tensor::Dtype;
@@ -199,6 +199,8 @@ impl ShardIndex {
 pub struct ShardedReader {
     path: PathBuf,
     index: ShardIndex,
+    /// Each tensor's position in the index, by name.
+    by_name: HashMap<String, usize>,
     files: Vec<Reader>,
     /// Rank 0's metadata without the shard keys: the run's.
     metadata: BTreeMap<String, String>,
@@ -268,12 +270,18 @@ impl ShardedReader {
         let mut metadata = files[0].metadata().clone();
         metadata.remove(RANK_KEY);
         metadata.remove(WORLD_KEY);
-        Ok(Self { path: path.to_path_buf(), index, files, metadata })
+        let by_name = index.tensors.iter().enumerate().map(|(k, t)| (t.name.clone(), k)).collect();
+        Ok(Self { path: path.to_path_buf(), index, by_name, files, metadata })
     }
 
     /// The index.
     pub fn index(&self) -> &ShardIndex {
         &self.index
+    }
+
+    /// Tensor `name`'s entry of the index.
+    fn indexed(&self, name: &str) -> Option<&IndexedTensor> {
+        self.by_name.get(name).map(|&k| &self.index.tensors[k])
     }
 
     /// Each rank's file, by rank.
@@ -287,7 +295,7 @@ impl ShardedReader {
     /// # Errors
     /// [`Reader::tensor`]'s of a shard file.
     pub fn tensor(&self, name: &str) -> Result<Option<NamedTensor>> {
-        let Some(t) = self.index.tensors.iter().find(|t| t.name == name) else { return Ok(None) };
+        let Some(t) = self.indexed(name) else { return Ok(None) };
         let numel = t.shape.iter().product();
         let mut data = match t.dtype {
             Dtype::F32 => TensorData::F32(vec![0.0; numel]),
@@ -405,7 +413,7 @@ impl AnyReader {
     pub fn info(&self, name: &str) -> Option<(Dtype, &[usize])> {
         match self {
             Self::File(r) => r.info(name),
-            Self::Sharded(s) => s.index.tensors.iter().find(|t| t.name == name).map(|t| (t.dtype, t.shape.as_slice())),
+            Self::Sharded(s) => s.indexed(name).map(|t| (t.dtype, t.shape.as_slice())),
         }
     }
 
