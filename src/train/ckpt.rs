@@ -343,3 +343,70 @@ fn unit_state_from(r: &AnyReader, spec: &UnitSpec) -> TrainResult<UnitState> {
     }
     Ok(UnitState { master, moments })
 }
+
+#[cfg(test)]
+mod tests {
+    use oogc_models::{ParamInit, ParamSpec, UnitKind};
+    use oogc_optimizer::QUANT_BLOCK;
+
+    use super::*;
+
+    /// A unit of three parameters (the middle one crossing rank boundaries).
+    fn unit() -> UnitSpec {
+        let shapes = [vec![100], vec![7, 130], vec![3, 33]];
+        let mut offset = 0;
+        let params = shapes
+            .iter()
+            .enumerate()
+            .map(|(k, shape)| {
+                let p = ParamSpec { name: format!("u.p{k}"), shape: shape.clone(), offset, init: ParamInit::Zeros };
+                offset += shape.iter().product::<usize>();
+                p
+            })
+            .collect();
+        UnitSpec { index: 1, kind: UnitKind::Block(0), name: "u".into(), params, numel: offset }
+    }
+
+    /// Every tensor of the layout is tiled by the ranks' pieces, in rank order, each piece the
+    /// 1-D tensor a rank's file holds; int8 absmaxes by the ranks' blocks; a unit every rank
+    /// holds whole is rank 0's alone.
+    #[test]
+    fn the_ranks_pieces_tile_every_tensor() {
+        let spec = unit();
+        for (place, whole) in [(OptimizerPlace::Host, false), (OptimizerPlace::Device, true)] {
+            for state in [StateDType::F32, StateDType::Int8] {
+                let layout = UnitLayout::new(place, state, MasterDType::F32);
+                for ranks in [1, 2, 3, 5] {
+                    let (u, tensors) = layout.index_entries(&spec, ranks);
+                    assert_eq!(tensors.len(), layout.tensors(&spec).len());
+                    for (r, range) in u.ranges.iter().enumerate() {
+                        let want = if whole {
+                            if r == 0 {
+                                [0, spec.numel]
+                            } else {
+                                [spec.numel, spec.numel]
+                            }
+                        } else {
+                            let s = crate::dist::shard_range(spec.numel, r, ranks);
+                            [s.start, s.end]
+                        };
+                        assert_eq!(*range, want, "{state}, rank {r} of {ranks}");
+                    }
+                    for t in &tensors {
+                        let numel: usize = t.shape.iter().product();
+                        let mut next = 0;
+                        for p in &t.pieces {
+                            assert!(p.start == next && p.end > p.start, "{}: {:?}", t.name, t.pieces);
+                            assert!(!whole || p.rank == 0, "{}: a whole unit's piece on rank {}", t.name, p.rank);
+                            next = p.end;
+                        }
+                        assert_eq!(next, numel, "{}: {:?}", t.name, t.pieces);
+                        if t.name.ends_with(".absmax") {
+                            assert_eq!(numel, spec.numel.div_ceil(QUANT_BLOCK));
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
