@@ -47,9 +47,10 @@ pub struct Exported {
     pub tokenizer: PathBuf,
 }
 
-/// Reads the oogc checkpoint `ckpt` (a file, or a directory's newest) one unit's master weights
-/// at a time (each checked against its crc32c as it is read) and writes its model as a Hugging
-/// Face checkpoint into `out` (created if missing).
+/// Reads the oogc checkpoint `ckpt` (a file, a sharded checkpoint's index, or a directory's
+/// newest) one unit's master weights at a time (each checked against its crc32c as it is read;
+/// a sharded one's assembled from its ranks' pieces) and writes its model as a Hugging Face
+/// checkpoint into `out` (created if missing).
 ///
 /// # Errors
 /// [`TrainError::Checkpoint`] for an unreadable or corrupt checkpoint; [`TrainError::Mismatch`]
@@ -59,7 +60,7 @@ pub fn export_hf(ckpt: &Path, out: &Path, opts: &ExportOptions) -> Result<Export
     let path = if ckpt.is_dir() { checkpoint::latest(ckpt)? } else { ckpt.to_path_buf() };
     // The header now, each parameter's master weights as its unit is written (checked against
     // its crc32c as it is read): never the whole checkpoint in memory.
-    let loaded = checkpoint::Reader::open(&path)?;
+    let loaded = checkpoint::AnyReader::open(&path)?;
     let step = loaded.step()?;
     let mismatch = |reason: String| TrainError::Mismatch { path: path.clone(), reason };
     let text = loaded

@@ -143,6 +143,8 @@ struct Outcome {
     /// The host ledger's peak, all of it and the compute copies' part.
     ledger_peak: u64,
     ledger_copies_peak: u64,
+    /// The host ledger's peak of checkpoint staging (a fresh run's: its saves').
+    ledger_ckpt_peak: u64,
     /// The GPU bytes of the residency manager's copies at their peak.
     device_peak: u64,
     /// MoE: each step's tokens routed to each expert, `[step][block][expert]`.
@@ -210,6 +212,7 @@ fn run_to(mut t: Trainer, last: u64, save_at: Option<u64>) -> Outcome {
         gather_bytes,
         ledger_peak: ledger.peak_bytes,
         ledger_copies_peak: ledger.of(oogc::swapper::HostUse::ComputeCopies).peak_bytes,
+        ledger_ckpt_peak: ledger.of(oogc::swapper::HostUse::Checkpoint).peak_bytes,
         device_peak: t.runtime().memory().peak_bytes().device,
         routed,
         loaded: Vec::new(),
@@ -240,6 +243,7 @@ fn rank_main() {
         Ok("faults") => {
             write_outcome(&out, world.rank, "", &train_steps(config(&out, 4 / RANKS), 4, &ranks));
         }
+        Ok("ckpt-faults") => rank_ckpt_faults(&out, &ranks),
         other => panic!("OOGC_RANKS_MODE {other:?}"),
     }
 }
@@ -247,6 +251,18 @@ fn rank_main() {
 /// Starts `RANKS` copies of this test binary filtered to `test` under mpirun, `rank1_env` set
 /// for rank 1 only (Open MPI's MPMD form `-np 1 A : -np 1 A`); returns its status and output.
 fn launch(test: &str, mode: &str, out: &Path, rank1_env: &[(&str, &str)]) -> std::process::Output {
+    launch_with(test, mode, out, rank1_env, None)
+}
+
+/// [`launch`], rank 1 started through `sh -c` running `rank1_sh` first (then `exec`ing the
+/// test binary: what the shell sets, such as an ignored signal, is inherited).
+fn launch_with(
+    test: &str,
+    mode: &str,
+    out: &Path,
+    rank1_env: &[(&str, &str)],
+    rank1_sh: Option<&str>,
+) -> std::process::Output {
     let mpirun = mpirun().expect("mpirun not on PATH: install Open MPI (apt-get install openmpi-bin libopenmpi-dev)");
     let exe = std::env::current_exe().unwrap();
     let args = ["--exact", test, "--nocapture", "--test-threads=1"];
@@ -269,6 +285,9 @@ fn launch(test: &str, mode: &str, out: &Path, rank1_env: &[(&str, &str)]) -> std
         .args(["-np", "1"]);
     for (k, v) in rank1_env {
         cmd.args(["-x", &format!("{k}={v}")]);
+    }
+    if let Some(script) = rank1_sh {
+        cmd.args(["sh", "-c", &format!("{script}; exec \"$0\" \"$@\"")]);
     }
     cmd.arg(&exe).args(args).env("OOGC_RANKS_OUT", out).env("OOGC_RANKS_MODE", mode).env("OMPI_MCA_plm", "isolated");
     cmd.output().expect("mpirun starts")
@@ -324,6 +343,11 @@ fn rank_train(out: &Path, ranks: &Ranks) {
     let mut cfg = reduced_config(&out.join("reduced-resumed"), 4 / RANKS, BOTH);
     cfg.checkpoint.dir = Some(out.join("ckpt-ranks-reduced-resumed"));
     write_outcome(out, world.rank, "-reduced-resumed", &train_resumed(cfg, &out.join("ckpt-one-reduced"), ranks));
+    // The ranks' own sharded checkpoint of STEPS / 2 (int8 + bf16), resumed at the same world
+    // size: the rest of the uninterrupted run.
+    let cfg = reduced_config(&out.join("reduced-again"), 4 / RANKS, BOTH);
+    let t = Trainer::resume(cfg, ranks.clone(), &out.join("ckpt-ranks-reduced")).expect("resume the ranks' shards");
+    write_outcome(out, world.rank, "-reduced-again", &run_to(t, STEPS, None));
 }
 
 /// A rank's outcome, as `dir/rank{rank}{suffix}.json`.
@@ -364,7 +388,7 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
         t.save_checkpoint().expect("checkpoint");
         state(&t)
     };
-    let one_reduced_saved = {
+    let (one_reduced_saved, one_ckpt_peak) = {
         let mut cfg = reduced_config(&dir.path().join("half-reduced"), 4, BOTH);
         cfg.checkpoint.dir = Some(ranks_dir.join("ckpt-one-reduced"));
         let mut t = Trainer::new(cfg, Ranks::single()).expect("trainer");
@@ -372,7 +396,8 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
             t.train_step().expect("step");
         }
         t.save_checkpoint().expect("checkpoint");
-        state(&t)
+        let ledger = t.runtime().memory().host_ledger().report();
+        (state(&t), ledger.of(oogc::swapper::HostUse::Checkpoint).peak_bytes)
     };
     let ran = launch(TEST, "train", &ranks_dir, &[]);
     assert!(ran.status.success(), "mpirun -np {RANKS}: {}\n{}", ran.status, String::from_utf8_lossy(&ran.stderr));
@@ -552,6 +577,79 @@ fn two_ranks_train_as_one_process_with_the_whole_batch() {
     let moved = one.masters.iter().flatten().zip(init.iter().flatten()).filter(|(a, b)| a != b).count();
     assert!(moved > 0, "training changed no parameter");
     reduced_state_over_ranks(dir.path(), &ranks_dir, &one_reduced_saved);
+    sharded_checkpoint(dir.path(), &ranks_dir, one_ckpt_peak);
+}
+
+/// The ranks' checkpoint (int8 moments + bf16 masters, step STEPS / 2): each rank wrote its own
+/// shard file and rank 0 an index naming them and each unit's ranges (no single file); the
+/// shards hold together exactly the bytes one process's file of the same state holds, about
+/// half each; rank 0 staged only its shard while saving (the host ledger's checkpoint peak about
+/// half one process's: it gathered nothing); resumed at 2 ranks it is the rest of the
+/// uninterrupted run bit for bit (at 1 rank: [`reduced_state_over_ranks`]).
+fn sharded_checkpoint(dir: &Path, ranks_dir: &Path, one_ckpt_peak: u64) {
+    use oogc::checkpoint::{shards, AnyReader, Reader};
+    let ckpt = ranks_dir.join("ckpt-ranks-reduced");
+    let step = STEPS / 2;
+    let mut names: Vec<String> =
+        std::fs::read_dir(&ckpt).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    let files: Vec<String> = (0..RANKS).map(|r| shards::shard_file_name(step, r, RANKS)).collect();
+    let index_name = format!("ckpt-{step:08}.index.json");
+    let mut want: Vec<String> = files.iter().cloned().chain([index_name.clone(), ".oogc.lock".into()]).collect();
+    want.sort();
+    assert_eq!(names, want, "the ranks' checkpoint directory");
+    let index = shards::ShardIndex::read(&ckpt.join(&index_name)).expect("the index");
+    assert_eq!((index.step, index.world_size, &index.files), (step, RANKS, &files));
+    let one = AnyReader::open(&dir.join("ckpt-reduced-one")).expect("one process's checkpoint of the same state");
+    let AnyReader::File(one) = one else { panic!("one process writes a single file") };
+    let numels: Vec<usize> = index.units.iter().map(|u| u.numel).collect();
+    assert!(numels.iter().sum::<usize>() > 0 && numels.len() > 1);
+    for u in &index.units {
+        let ranges: Vec<[usize; 2]> = (0..RANKS)
+            .map(|r| {
+                let s = oogc::dist::shard_range(u.numel, r, RANKS);
+                [s.start, s.end]
+            })
+            .collect();
+        assert_eq!(u.ranges, ranges, "unit {}: each rank's range is its optimizer's shard", u.name);
+    }
+    let shards: Vec<Reader> = files.iter().map(|f| Reader::open(&ckpt.join(f)).expect("a shard")).collect();
+    let bytes: Vec<u64> = shards.iter().map(Reader::data_bytes).collect();
+    assert_eq!(bytes.iter().sum::<u64>(), one.data_bytes(), "the shards hold other bytes than one process's file");
+    for (r, b) in bytes.iter().enumerate() {
+        let share = *b as f64 / one.data_bytes() as f64;
+        assert!(share > 0.4 && share < 0.6, "rank {r}'s shard holds {b} B, {share:.2} × one process's file");
+    }
+    // Rank 0's staging while saving: its shard of the largest unit (and the writer's buffer),
+    // not the whole unit one process (or a gathering rank) stages.
+    let ranks = read_outcomes(ranks_dir, "-reduced");
+    let buffer = oogc::checkpoint::WRITE_BUFFER_BYTES as u64;
+    let share = (ranks[0].ledger_ckpt_peak - buffer) as f64 / (one_ckpt_peak - buffer) as f64;
+    eprintln!(
+        "sharded checkpoint of step {step} over {RANKS} ranks: shard files of {bytes:?} B (one process's file {} B); \
+         rank 0's checkpoint staging peak {} B against one process's {one_ckpt_peak} B ({share:.2} × beyond the \
+         {buffer} B write buffer)",
+        one.data_bytes(),
+        ranks[0].ledger_ckpt_peak
+    );
+    assert!(share > 0.4 && share < 0.6, "rank 0 staged {share:.2} × one process's checkpoint state while saving");
+    // `oogc inspect --verify` and `oogc export --hf` read the shards: every file's crc32c, and
+    // the same Hugging Face weights as one process's file of the same state.
+    let verified = oogc::checkpoint::verify(&ckpt).expect("the shards verify");
+    let tensors = shards.iter().map(|r| r.names().len()).sum();
+    assert_eq!(verified, oogc::checksum::Verification::Verified { tensors, bytes: one.data_bytes() });
+    let opts = oogc::export::ExportOptions::default();
+    let from_shards = oogc::export::export_hf(&ckpt, &dir.join("hf-shards"), &opts).expect("export the shards");
+    let from_one = oogc::export::export_hf(one.path(), &dir.join("hf-one"), &opts).expect("export one file");
+    assert_eq!(from_shards.step, step);
+    assert_eq!(from_shards.weights.files.len(), from_one.weights.files.len());
+    for (a, b) in from_shards.weights.files.iter().zip(&from_one.weights.files) {
+        assert!(std::fs::read(a).unwrap() == std::fs::read(b).unwrap(), "exported {} differs", a.display());
+    }
+    // Resumed at 2 ranks from the shards: the uninterrupted run's second half, bit for bit.
+    let again = read_outcomes(ranks_dir, "-reduced-again");
+    assert_eq!(again[0].losses, ranks[0].losses[STEPS as usize / 2..], "resumed at 2 ranks: other losses");
+    assert!(again[0].masters == ranks[0].masters, "resumed at 2 ranks: other master weights");
 }
 
 /// Reduced optimizer state over 2 ranks (int8 moments, bf16 master weights, both): each run is
@@ -634,9 +732,9 @@ fn reduced_state_over_ranks(dir: &Path, ranks_dir: &Path, one_saved: &[UnitState
         );
     }
     // The ranks' checkpoint (step STEPS / 2) holds int8 codes, absmaxes and bf16 masters...
-    let ckpt = oogc::checkpoint::Reader::open(&ranks_dir.join("ckpt-ranks-reduced")).expect("the ranks' checkpoint");
+    let ckpt = oogc::checkpoint::AnyReader::open(&ranks_dir.join("ckpt-ranks-reduced")).expect("the ranks' checkpoint");
     assert_eq!(ckpt.step().unwrap(), STEPS / 2);
-    let kinds = |r: &oogc::checkpoint::Reader| -> Vec<(String, String)> {
+    let kinds = |r: &oogc::checkpoint::AnyReader| -> Vec<(String, String)> {
         r.names().into_iter().map(|n| (format!("{:?}", r.info(&n).unwrap().0), n)).collect()
     };
     let names = kinds(&ckpt);
@@ -651,7 +749,7 @@ fn reduced_state_over_ranks(dir: &Path, ranks_dir: &Path, one_saved: &[UnitState
     let mut t = Trainer::resume(cfg, Ranks::single(), &ranks_dir.join("ckpt-ranks-reduced")).expect("resume at 1 rank");
     assert!(state(&t) == ranks[0].saved, "one process loaded the ranks' reduced checkpoint as another state");
     t.save_checkpoint().expect("checkpoint");
-    let again = oogc::checkpoint::Reader::open(&dir.join("ckpt-reduced-one")).expect("one process's checkpoint");
+    let again = oogc::checkpoint::AnyReader::open(&dir.join("ckpt-reduced-one")).expect("one process's checkpoint");
     assert_eq!(kinds(&again), names);
     for (_, name) in &names {
         let (a, b) = (ckpt.tensor(name).unwrap().unwrap(), again.tensor(name).unwrap().unwrap());
@@ -742,4 +840,87 @@ fn a_rank_that_dies_ends_the_run_naming_it() {
     assert!(took < std::time::Duration::from_secs(120), "the run took {took:?} to end: a rank hung");
     assert!(said.contains("rank 1"), "the launcher's output does not name rank 1:\n{said}");
     assert!(!dir.path().join("rank0.json").exists(), "rank 0 finished its run alone");
+}
+
+/// What a rank saw of [`rank_ckpt_faults`]: each save's outcome (`ok` or the error's text) and
+/// the master weights at the end.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SaveFaults {
+    saves: Vec<String>,
+    masters: Vec<Vec<f32>>,
+    steps: u64,
+}
+
+/// This process's soft file size limit (RLIMIT_FSIZE, bytes or `unlimited`), through util-linux's
+/// `prlimit`.
+fn set_file_size_limit(soft: &str) {
+    let pid = std::process::id().to_string();
+    let ran = std::process::Command::new("prlimit").args(["--pid", &pid, &format!("--fsize={soft}:")]).status();
+    assert!(ran.is_ok_and(|s| s.success()), "prlimit --fsize={soft}: (util-linux) failed");
+}
+
+/// Saves after steps 1, 2 and 3; rank 1 writes the second under a file size limit of
+/// `OOGC_CKPT_FSIZE` bytes (a disk that fills part-way through its shard: RLIMIT_FSIZE, SIGXFSZ
+/// ignored by the shell that started it, so the write fails with EFBIG), then trains on.
+fn rank_ckpt_faults(out: &Path, ranks: &Ranks) {
+    let world = ranks.world();
+    let cfg = config_with_checkpoints(&out.join("run"), 4 / RANKS, &out.join("ckpt"));
+    let mut t = Trainer::new(cfg, ranks.clone()).expect("trainer");
+    let limit: Option<u64> = std::env::var("OOGC_CKPT_FSIZE").ok().map(|v| v.parse().expect("bytes"));
+    let mut saves = Vec::new();
+    for step in 1..=3 {
+        t.train_step().expect("step");
+        // Pending updates (NVMe writes) done before the limit, which is the checkpoint's alone.
+        t.master_weights().expect("sync");
+        let limited = limit.filter(|_| step == 2);
+        if let Some(bytes) = limited {
+            set_file_size_limit(&bytes.to_string());
+        }
+        saves.push(match t.save_checkpoint() {
+            Ok(_) => "ok".to_string(),
+            Err(e) => e.to_string(),
+        });
+        if limited.is_some() {
+            set_file_size_limit("unlimited");
+        }
+    }
+    let masters = t.master_weights().expect("masters");
+    let outcome = SaveFaults { saves, masters, steps: t.step() };
+    std::fs::write(out.join(format!("faults{}.json", world.rank)), serde_json::to_vec(&outcome).unwrap()).unwrap();
+}
+
+#[test]
+fn a_shard_that_fails_to_write_leaves_no_index_and_the_run_going() {
+    const TEST: &str = "a_shard_that_fails_to_write_leaves_no_index_and_the_run_going";
+    if as_rank_or_skipped(TEST) {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // A rank's shard is about 800 KB here: the limit cuts it part-way.
+    let ran = launch_with(TEST, "ckpt-faults", dir.path(), &[("OOGC_CKPT_FSIZE", "131072")], Some("trap '' XFSZ"));
+    assert!(ran.status.success(), "mpirun: {}\n{}", ran.status, String::from_utf8_lossy(&ran.stderr));
+    let seen: Vec<SaveFaults> = (0..RANKS)
+        .map(|r| serde_json::from_slice(&std::fs::read(dir.path().join(format!("faults{r}.json"))).unwrap()).unwrap())
+        .collect();
+    // Both ranks failed the second save, together: rank 1 with its write's error, rank 0 naming
+    // rank 1; both saved before and after it, and trained on in step.
+    assert_eq!((seen[0].saves[0].as_str(), seen[0].saves[2].as_str()), ("ok", "ok"), "{:?}", seen[0].saves);
+    assert_eq!((seen[1].saves[0].as_str(), seen[1].saves[2].as_str()), ("ok", "ok"), "{:?}", seen[1].saves);
+    let (zero, one) = (&seen[0].saves[1], &seen[1].saves[1]);
+    eprintln!("a shard cut by a full disk on rank 1:\n  rank 0: {zero}\n  rank 1: {one}");
+    assert!(zero.contains("step 2 was not saved") && zero.contains("rank(s) [1]"), "rank 0: {zero}");
+    assert!(one.contains("ckpt-00000002.rank-1-of-2.safetensors"), "rank 1: {one}");
+    assert!(seen.iter().all(|s| s.steps == 3) && seen[0].masters == seen[1].masters);
+    // No index of step 2 and none of its shards (rank 0's, complete, removed too); steps 1
+    // and 3 whole, and they verify.
+    let ckpt = dir.path().join("ckpt");
+    let mut names: Vec<String> =
+        std::fs::read_dir(&ckpt).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    names.sort();
+    assert!(!names.iter().any(|n| n.starts_with("ckpt-00000002")), "step 2 left {names:?}");
+    let listed: Vec<u64> = oogc::checkpoint::list(&ckpt).unwrap().into_iter().map(|(s, _)| s).collect();
+    assert_eq!(listed, [1, 3]);
+    for (_, p) in oogc::checkpoint::list(&ckpt).unwrap() {
+        assert!(matches!(oogc::checkpoint::verify(&p), Ok(oogc::checksum::Verification::Verified { .. })), "{p:?}");
+    }
 }

@@ -54,7 +54,7 @@ pub(crate) fn inspect(cmd: InspectCmd) -> anyhow::Result<ExitCode> {
         return verify(&cmd);
     }
     // The header, then one parameter's master weights at a time (checked as they are read).
-    let ckpt = oogc::checkpoint::Reader::open(&cmd.path).context("oogc inspect")?;
+    let ckpt = oogc::checkpoint::AnyReader::open(&cmd.path).context("oogc inspect")?;
     // Every tensor's crc32c first (through a fixed buffer), as a resume would find them.
     ckpt.verify().context("oogc inspect")?;
     let is_state =

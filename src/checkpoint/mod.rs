@@ -11,6 +11,8 @@
 //! and Adam `exp_avg` / `exp_avg_sq` in the run's `[optimizer] state_dtype`: f32, bf16, or int8
 //! codes beside their blocks' f32 absmax) and string metadata (step, RNG and data position, the
 //! config). Files are named `ckpt-{step:08}.safetensors`; [`latest`] picks the highest step.
+//! With data-parallel ranks a checkpoint is one file per rank and an index naming them
+//! (`ckpt-{step:08}.index.json`, [`shards`]); [`AnyReader`] reads either form.
 //!
 //! Every checkpoint carries a crc32c per tensor and one for the file in its metadata
 //! ([`crate::checksum`]); [`load`] verifies them and names the tensor and the previous
@@ -18,6 +20,7 @@
 //! written before checksums existed loads with a warning that it cannot be verified.
 
 mod read;
+pub mod shards;
 mod write;
 
 use std::collections::BTreeMap;
@@ -26,6 +29,8 @@ use std::path::{Path, PathBuf};
 use safetensors::tensor::Dtype;
 
 pub use read::Reader;
+pub use shards::{AnyReader, ShardIndex, ShardedReader};
+pub(crate) use write::prune;
 pub use write::{Saved, TensorSpec, Writer, WRITE_BUFFER_BYTES};
 
 /// A checkpoint cannot be written or read.
@@ -77,6 +82,19 @@ pub enum CheckpointError {
         needed_bytes: u64,
         /// Bytes free for this process.
         free_bytes: u64,
+    },
+    /// A sharded save that another rank could not complete: no index was written, so the
+    /// checkpoint does not exist and the previous one is intact.
+    #[error(
+        "the checkpoint of step {step} was not saved: rank(s) {ranks:?} could not write their shard (their error \
+         says why); no index was written, the previous checkpoint is intact\n  fix: see those ranks' error (a full \
+         disk: free space there, lower [checkpoint] keep, or point [checkpoint] dir at a larger disk)"
+    )]
+    RankFailed {
+        /// The step of the checkpoint.
+        step: u64,
+        /// The ranks whose shard failed.
+        ranks: Vec<usize>,
     },
     /// No checkpoint in the directory.
     #[error("no checkpoint (ckpt-*.safetensors) in {dir}\n  fix: pass the [checkpoint] dir of a run that saved one")]
@@ -221,14 +239,17 @@ pub fn save(dir: &Path, ckpt: &Checkpoint, keep: usize) -> Result<PathBuf> {
     Ok(w.finish(keep)?.path)
 }
 
-/// Removes `ckpt-*.safetensors.tmp` files that a killed run left half-written (the run holds
-/// the directory's lock, so no other writer is using them). Failures are only logged.
+/// Removes `ckpt-*.safetensors.tmp` files that a killed run left half-written, and ranks'
+/// shards without their index (a save that failed on another rank, or a pruned set: the run
+/// holds the directory's lock and saves one at a time, so no other writer is using them).
+/// Failures are only logged.
 fn remove_stale_temp_files(dir: &Path) {
     let Ok(entries) = std::fs::read_dir(dir) else { return };
     for entry in entries.flatten() {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if name.starts_with("ckpt-") && name.ends_with(".safetensors.tmp") {
+        let unindexed = shards::shard_step(name).is_some_and(|step| !shards::index_path(dir, step).exists());
+        if unindexed || (name.starts_with("ckpt-") && name.ends_with(".safetensors.tmp")) {
             match std::fs::remove_file(entry.path()) {
                 Ok(()) => {
                     tracing::info!(path = %entry.path().display(), "removed a half-written checkpoint of a killed run")
@@ -241,7 +262,9 @@ fn remove_stale_temp_files(dir: &Path) {
     }
 }
 
-/// Checkpoints in `dir`, oldest first, as (step, path). Temp files are ignored.
+/// Checkpoints in `dir`, oldest first, as (step, path): a single file's path, or a sharded
+/// checkpoint's index (`ckpt-{step:08}.index.json`, [`shards`]). Temp files and shards are
+/// ignored.
 ///
 /// # Errors
 /// [`CheckpointError::Io`] when the directory cannot be read.
@@ -251,10 +274,12 @@ pub fn list(dir: &Path) -> Result<Vec<(u64, PathBuf)>> {
         let entry = entry.map_err(io(dir))?;
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
-        if let Some(step) = name.strip_prefix("ckpt-").and_then(|s| s.strip_suffix(".safetensors")) {
-            if let Ok(step) = step.parse::<u64>() {
-                out.push((step, entry.path()));
-            }
+        let Some(rest) = name.strip_prefix("ckpt-") else { continue };
+        let Some(step) = rest.strip_suffix(".safetensors").or_else(|| rest.strip_suffix(shards::INDEX_SUFFIX)) else {
+            continue;
+        };
+        if let Ok(step) = step.parse::<u64>() {
+            out.push((step, entry.path()));
         }
     }
     out.sort();
@@ -272,19 +297,26 @@ pub fn latest(dir: &Path) -> Result<PathBuf> {
 /// The newest checkpoint older than `path` in its directory, if any.
 pub fn previous(path: &Path) -> Option<PathBuf> {
     let dir = path.parent()?;
+    // A rank's shard: the checkpoint is its index.
+    let path = match path.file_name().and_then(|n| n.to_str()).and_then(shards::shard_step) {
+        Some(step) => shards::index_path(dir, step),
+        None => path.to_path_buf(),
+    };
     let all = list(dir).ok()?;
-    let pos = all.iter().position(|(_, p)| p == path)?;
+    let pos = all.iter().position(|(_, p)| *p == path)?;
     pos.checked_sub(1).map(|i| all[i].1.clone())
 }
 
-/// Verifies a checkpoint file's checksums, reading it through a fixed buffer
-/// (`oogc inspect --verify`, `--resume --fallback`).
+/// Verifies a checkpoint's checksums — a file's, or every shard file's of a sharded one (given
+/// its index, after checking the index against them: [`ShardedReader::open`]) — reading through
+/// a fixed buffer (`oogc inspect --verify`, `--resume --fallback`).
 ///
 /// # Errors
 /// [`CheckpointError::Io`]; [`CheckpointError::Corrupt`] when it is not a valid safetensors
-/// file; [`CheckpointError::Checksum`] naming the tensor that fails and the previous checkpoint.
+/// file, or a shard is missing or of another step; [`CheckpointError::Checksum`] naming the
+/// file, the tensor that fails and the previous checkpoint.
 pub fn verify(path: &Path) -> Result<crate::checksum::Verification> {
-    Reader::open(path)?.verify()
+    AnyReader::open(path)?.verify()
 }
 
 /// A checkpoint that `--fallback` passed over.
@@ -329,8 +361,8 @@ pub fn newest_verified(path: &Path) -> Result<(PathBuf, Vec<Skipped>)> {
     Err(CheckpointError::NotFound { dir })
 }
 
-/// Reads a checkpoint file (or, given a directory, its newest checkpoint) and verifies its
-/// checksums; a checkpoint without checksums (written before they existed) loads with a
+/// Reads a checkpoint file or a sharded checkpoint's index (or, given a directory, its newest
+/// checkpoint) and verifies its checksums; a checkpoint without checksums (written before they existed) loads with a
 /// warning that it cannot be verified.
 ///
 /// # Errors
@@ -339,7 +371,7 @@ pub fn newest_verified(path: &Path) -> Result<(PathBuf, Vec<Skipped>)> {
 /// file is truncated, not safetensors, holds a tensor that is not f32, bf16, int8 or uint8, or
 /// lacks the `step` key.
 pub fn load(path: &Path) -> Result<Checkpoint> {
-    let r = Reader::open(path)?;
+    let r = AnyReader::open(path)?;
     if !r.has_checksums() {
         tracing::warn!(
             path = %r.path().display(),

@@ -44,12 +44,17 @@ impl Reader {
     /// # Errors
     /// [`CheckpointError::NotFound`] for a directory without checkpoints; [`CheckpointError::Io`];
     /// [`CheckpointError::Corrupt`] when the file is truncated or not safetensors;
-    /// [`CheckpointError::Checksum`] when its manifest fails (naming the previous checkpoint).
+    /// [`CheckpointError::Checksum`] when its manifest fails (naming the previous checkpoint);
+    /// [`CheckpointError::Corrupt`] for a sharded checkpoint's index (read by
+    /// [`super::AnyReader`]).
     /// Any safetensors file with oogc's checksums opens (a Hugging Face export's shards too:
     /// `oogc inspect --verify`); [`Reader::step`] tells a checkpoint.
     pub fn open(path: &Path) -> Result<Self> {
         let path = if path.is_dir() { super::latest(path)? } else { path.to_path_buf() };
         let corrupt = |reason: String| CheckpointError::Corrupt { path: path.clone(), reason };
+        if path.to_string_lossy().ends_with(super::shards::INDEX_SUFFIX) {
+            return Err(corrupt("a sharded checkpoint's index, not a file: read it with checkpoint::AnyReader".into()));
+        }
         let file = File::open(&path).map_err(io(&path))?;
         let len = file.metadata().map_err(io(&path))?.len();
         let mut n = [0u8; 8];

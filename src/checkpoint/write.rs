@@ -82,6 +82,17 @@ impl Writer {
         metadata: &BTreeMap<String, String>,
         tensors: Vec<TensorSpec>,
     ) -> Result<Self> {
+        Self::create_at(dir, path_for(dir, step), step, metadata, tensors)
+    }
+
+    /// [`Writer::create`] of the file `path` in `dir` (a rank's shard: [`super::shards`]).
+    pub(crate) fn create_at(
+        dir: &Path,
+        path: PathBuf,
+        step: u64,
+        metadata: &BTreeMap<String, String>,
+        tensors: Vec<TensorSpec>,
+    ) -> Result<Self> {
         std::fs::create_dir_all(dir).map_err(io(dir))?;
         let invalid = |reason: String| CheckpointError::Corrupt { path: dir.to_path_buf(), reason };
         let mut info = metadata.clone();
@@ -97,7 +108,6 @@ impl Writer {
                 });
             }
         }
-        let path = path_for(dir, step);
         let tmp = path.with_extension("safetensors.tmp");
         let file = match StreamedFile::create(&tmp, &info, tensors) {
             Ok(f) => f,
@@ -172,7 +182,16 @@ impl Writer {
     /// # Errors
     /// [`CheckpointError::Corrupt`] when a tensor's data is incomplete (nothing renamed);
     /// [`CheckpointError::Io`] / [`CheckpointError::NoSpace`].
-    pub fn finish(mut self, keep: usize) -> Result<Saved> {
+    pub fn finish(self, keep: usize) -> Result<Saved> {
+        let dir = self.dir.clone();
+        let saved = self.complete()?;
+        prune(&dir, keep)?;
+        Ok(saved)
+    }
+
+    /// [`Writer::finish`] without the pruning: the file is complete, synced and renamed (a
+    /// rank's shard, which counts once its set's index is written).
+    pub(crate) fn complete(mut self) -> Result<Saved> {
         if let Some(t) = self.next_tensor() {
             let f = self.file();
             return Err(CheckpointError::Corrupt {
@@ -212,14 +231,24 @@ impl Writer {
             return Err(io(&self.path)(e));
         }
         File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io(&self.dir))?;
-        let mut all = list(&self.dir)?;
-        while all.len() > keep.max(1) {
-            let (_, old) = all.remove(0);
-            std::fs::remove_file(&old).map_err(io(&old))?;
-        }
-        remove_stale_temp_files(&self.dir);
         Ok(Saved { path: self.path.clone(), bytes, seconds: self.start.elapsed().as_secs_f64() })
     }
+}
+
+/// Deletes the checkpoints of `dir` beyond the newest `keep` (at least 1; a sharded one as a
+/// whole set: its index first, so that it is never visible half-deleted, then its shards), and
+/// the temp files and unindexed shards a killed run or a failed save left.
+///
+/// # Errors
+/// [`CheckpointError::Io`] when a checkpoint cannot be deleted.
+pub(crate) fn prune(dir: &Path, keep: usize) -> Result<()> {
+    let mut all = list(dir)?;
+    while all.len() > keep.max(1) {
+        let (_, old) = all.remove(0);
+        std::fs::remove_file(&old).map_err(io(&old))?;
+    }
+    remove_stale_temp_files(dir);
+    Ok(())
 }
 
 impl Drop for Writer {

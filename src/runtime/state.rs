@@ -28,17 +28,32 @@ impl Runtime {
     /// # Errors
     /// Optimizer failures (NVMe read); with ranks, a failed all-gather ([`RuntimeError::Dist`]).
     pub fn unit_state(&self, unit: UnitId) -> Result<UnitState> {
+        let (_, s) = self.local_unit_state(unit)?;
+        let u = self.units.get(unit);
+        // Every rank holds a device-resident unit whole (and calls this for it: no collective).
+        if self.ranks.world().size == 1 || u.device().is_some() {
+            return Ok(s);
+        }
+        self.gather_state(u.numel, s)
+    }
+
+    /// The part of the unit's state this rank holds, no collective (a rank's shard of a
+    /// checkpoint): the elements `range` of [`Runtime::unit_state`]'s vectors — this rank's
+    /// [`crate::dist::shard_range`] (int8: the absmaxes of its blocks), or the whole unit when
+    /// every rank holds it whole (a device-resident unit's, or in a world of one).
+    ///
+    /// # Errors
+    /// Optimizer failures (NVMe read).
+    pub(crate) fn local_unit_state(&self, unit: UnitId) -> Result<(Range<usize>, UnitState)> {
         let u = self.units.get(unit);
         if let Some(d) = u.device() {
             // The device optimizer's state (a checkpoint's read, not counted as link traffic).
             let moments = d.moments.to_host(tensor::host_bytes)?;
-            return Ok(UnitState { master: d.master.to_vec1()?, moments });
+            return Ok((0..u.numel, UnitState { master: d.master.to_vec1()?, moments }));
         }
+        let world = self.ranks.world();
         let s = self.grads.optimizer().export_state(unit.tensor())?;
-        if self.ranks.world().size == 1 {
-            return Ok(s);
-        }
-        self.gather_state(u.numel, s)
+        Ok((crate::dist::shard_range(u.numel, world.rank, world.size), s))
     }
 
     /// A unit of `numel`'s whole state from every rank's shard `s`, each array in its dtype.

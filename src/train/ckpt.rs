@@ -8,13 +8,21 @@
 //! device-resident unit's too, the device optimizer keeping the same format), then for int8 the unit's block absmaxes
 //! (`{unit}.exp_avg.absmax`, `{unit}.exp_avg_sq.absmax`, f32 `[blocks]`: blocks of 256 run over
 //! the unit's flat vector, across its parameters).
+//!
+//! With ranks each rank writes its own shard ([`crate::checkpoint::shards`]): the same tensors
+//! restricted to the elements of the unit its optimizer holds ([`UnitLayout::shard_tensors`]),
+//! read without a collective ([`save_shard`]); a unit every rank holds whole (its optimizer on
+//! the device) is written by rank 0 alone.
+
+use std::ops::Range;
 
 use oogc_models::UnitSpec;
 use oogc_optimizer::{MasterDType, MomentBufs, StateDType, UnitState};
 use oogc_swapper::{HostClaim, HostUse};
 use safetensors::Dtype;
 
-use crate::checkpoint::{CheckpointError, Reader, TensorData as D, TensorSpec, Writer};
+use crate::checkpoint::shards::{IndexedTensor, IndexedUnit, Piece};
+use crate::checkpoint::{AnyReader, CheckpointError, TensorData as D, TensorSpec, Writer};
 use crate::dist::World;
 use crate::runtime::{OptimizerPlace, Runtime, RuntimeError, UnitId};
 use crate::train::{Result as TrainResult, TrainError};
@@ -29,6 +37,8 @@ pub(super) struct UnitLayout {
     master_bf16: bool,
     /// The moments' dtype.
     moments: StateDType,
+    /// Every rank holds the unit whole (its optimizer is on the device).
+    whole: bool,
 }
 
 impl UnitLayout {
@@ -36,9 +46,71 @@ impl UnitLayout {
     /// state_dtype` and `master_dtype`.
     pub(super) fn new(place: OptimizerPlace, state: StateDType, master: MasterDType) -> Self {
         match place {
-            OptimizerPlace::Device => Self { master_bf16: false, moments: state },
-            OptimizerPlace::Host => Self { master_bf16: master == MasterDType::Bf16, moments: state },
+            OptimizerPlace::Device => Self { master_bf16: false, moments: state, whole: true },
+            OptimizerPlace::Host => Self { master_bf16: master == MasterDType::Bf16, moments: state, whole: false },
         }
+    }
+
+    /// The elements of a unit of `numel` that rank `rank` of `ranks` writes in a sharded
+    /// checkpoint: its optimizer's [`crate::dist::shard_range`], or for a unit every rank holds
+    /// whole, all of them on rank 0 and none on the others.
+    pub(super) fn written_range(self, numel: usize, rank: usize, ranks: usize) -> Range<usize> {
+        match (self.whole, rank) {
+            (true, 0) => 0..numel,
+            (true, _) => numel..numel,
+            (false, _) => crate::dist::shard_range(numel, rank, ranks),
+        }
+    }
+
+    /// The unit's tensors ([`UnitLayout::tensors`]) restricted to elements `range` of its flat
+    /// vector (`range.start` a multiple of [`crate::dist::SHARD_ALIGN`], or `range` empty): per
+    /// tensor the range meets, in file order, a 1-D tensor of the same name holding its
+    /// elements there, and which elements of the whole flattened tensor they are (int8 absmaxes:
+    /// the range's blocks).
+    pub(super) fn shard_tensors(self, spec: &UnitSpec, range: Range<usize>) -> Vec<(TensorSpec, Range<usize>)> {
+        let mut whole = self.tensors(spec).into_iter();
+        let mut out = Vec::new();
+        let mut piece = |t: TensorSpec, r: Range<usize>| {
+            if !r.is_empty() {
+                out.push((TensorSpec::new(t.name, t.dtype, vec![r.len()]), r));
+            }
+        };
+        for p in &spec.params {
+            let (a, b) = (range.start.max(p.offset), range.end.min(p.offset + p.numel()));
+            let within = if a < b { a - p.offset..b - p.offset } else { 0..0 };
+            for t in whole.by_ref().take(3) {
+                piece(t, within.clone());
+            }
+        }
+        let q = oogc_optimizer::QUANT_BLOCK;
+        let blocks = if range.is_empty() { 0..0 } else { range.start / q..range.end.div_ceil(q) };
+        for t in whole {
+            piece(t, blocks.clone());
+        }
+        out
+    }
+
+    /// The index's entries of the unit ([`crate::checkpoint::ShardIndex`]) when each rank `r`
+    /// of `ranks` writes elements [`UnitLayout::written_range`].
+    pub(super) fn index_entries(self, spec: &UnitSpec, ranks: usize) -> (IndexedUnit, Vec<IndexedTensor>) {
+        let ranges: Vec<_> = (0..ranks).map(|r| self.written_range(spec.numel, r, ranks)).collect();
+        let mut tensors: Vec<IndexedTensor> = self
+            .tensors(spec)
+            .into_iter()
+            .map(|t| IndexedTensor { name: t.name, dtype: t.dtype, shape: t.shape, pieces: Vec::new() })
+            .collect();
+        for (rank, r) in ranges.iter().enumerate() {
+            for (t, within) in self.shard_tensors(spec, r.clone()) {
+                let entry = tensors.iter_mut().find(|e| e.name == t.name).expect("a tensor of the layout");
+                entry.pieces.push(Piece { rank, start: within.start, end: within.end });
+            }
+        }
+        let unit = IndexedUnit {
+            name: spec.name.clone(),
+            numel: spec.numel,
+            ranges: ranges.iter().map(|r| [r.start, r.end]).collect(),
+        };
+        (unit, tensors)
     }
 
     /// The unit's tensors, in file order (module docs).
@@ -93,11 +165,49 @@ pub(super) fn save_unit(
     let _claim = claim(rt, world, layout, spec.numel)?;
     let state = rt.unit_state(id)?;
     let Some(w) = w else { return Ok(None) };
-    Ok(write_unit(w, spec, layout, &state).err())
+    Ok(write_unit(w, spec, layout, &state, 0..spec.numel).err())
 }
 
-/// Appends one unit's tensors (the layout's, in its order) to `w`.
-fn write_unit(w: &mut Writer, spec: &UnitSpec, layout: UnitLayout, state: &UnitState) -> Result<(), CheckpointError> {
+/// Appends this rank's shard of unit `id` (elements `range`: [`UnitLayout::written_range`]) to
+/// `w`, its tensors [`UnitLayout::shard_tensors`], read without a collective within a claim of
+/// the shard's staging alone (never the whole unit's).
+///
+/// # Errors
+/// Runtime failures; [`TrainError::Checkpoint`] for the write's.
+pub(super) fn save_shard(
+    rt: &Runtime,
+    id: UnitId,
+    spec: &UnitSpec,
+    layout: UnitLayout,
+    range: Range<usize>,
+    w: &mut Writer,
+) -> TrainResult<()> {
+    if range.is_empty() {
+        return Ok(());
+    }
+    let bytes = crate::runtime::budget::checkpoint_staging_bytes(range.len(), range.len(), layout.moments);
+    let _claim = rt.memory().host_ledger().claim(HostUse::Checkpoint, bytes).map_err(RuntimeError::from)?;
+    let (held, state) = rt.local_unit_state(id)?;
+    if held != range {
+        return Err(RuntimeError::Usage(format!(
+            "unit {}: this rank holds elements {held:?} of its state, its checkpoint shard is {range:?}",
+            spec.name
+        ))
+        .into());
+    }
+    Ok(write_unit(w, spec, layout, &state, range)?)
+}
+
+/// Appends one unit's tensors (the layout's, in its order) to `w`, restricted to elements
+/// `range` of the unit ([`UnitLayout::shard_tensors`]; `0..numel`: the whole tensors), `state`
+/// holding those elements.
+fn write_unit(
+    w: &mut Writer,
+    spec: &UnitSpec,
+    layout: UnitLayout,
+    state: &UnitState,
+    range: Range<usize>,
+) -> Result<(), CheckpointError> {
     let wrong = |what: &str| CheckpointError::Corrupt {
         path: std::path::PathBuf::from(&spec.name),
         reason: format!("unit {}: its state is {what}, the checkpoint's layout {layout:?}", spec.name),
@@ -107,7 +217,11 @@ fn write_unit(w: &mut Writer, spec: &UnitSpec, layout: UnitLayout, state: &UnitS
     }
     let mut bf16 = Vec::with_capacity(if layout.master_bf16 { CONVERT_CHUNK } else { 0 });
     for p in &spec.params {
-        let r = p.offset..p.offset + p.numel();
+        let (a, b) = (range.start.max(p.offset), range.end.min(p.offset + p.numel()));
+        if a >= b {
+            continue;
+        }
+        let r = a - range.start..b - range.start;
         let master = &state.master[r.clone()];
         if layout.master_bf16 {
             for chunk in master.chunks(CONVERT_CHUNK) {
@@ -136,7 +250,7 @@ fn write_unit(w: &mut Writer, spec: &UnitSpec, layout: UnitLayout, state: &UnitS
             }
         }
     }
-    if let MomentBufs::Int8 { m_absmax, v_absmax, .. } = &state.moments {
+    if let (MomentBufs::Int8 { m_absmax, v_absmax, .. }, false) = (&state.moments, range.is_empty()) {
         w.append(bytemuck::cast_slice(m_absmax))?;
         w.append(bytemuck::cast_slice(v_absmax))?;
     }
@@ -156,7 +270,7 @@ pub(super) fn load_unit(
     id: UnitId,
     spec: &UnitSpec,
     layout: UnitLayout,
-    r: &Reader,
+    r: &AnyReader,
 ) -> TrainResult<()> {
     let _claim = claim(rt, world, layout, spec.numel)?;
     let state = unit_state_from(r, spec)?;
@@ -166,7 +280,7 @@ pub(super) fn load_unit(
 
 /// One unit's state from a checkpoint's tensors (the module's layout): the moments' dtype is
 /// the tensors' (f32, bf16 or int8).
-fn unit_state_from(r: &Reader, spec: &UnitSpec) -> TrainResult<UnitState> {
+fn unit_state_from(r: &AnyReader, spec: &UnitSpec) -> TrainResult<UnitState> {
     let mismatch = |reason: String| TrainError::Mismatch {
         path: r.path().to_path_buf(),
         reason: format!("cannot resume: {reason}\n  fix: resume with the config the checkpoint was written with"),
@@ -228,4 +342,71 @@ fn unit_state_from(r: &Reader, spec: &UnitSpec) -> TrainResult<UnitState> {
         }
     }
     Ok(UnitState { master, moments })
+}
+
+#[cfg(test)]
+mod tests {
+    use oogc_models::{ParamInit, ParamSpec, UnitKind};
+    use oogc_optimizer::QUANT_BLOCK;
+
+    use super::*;
+
+    /// A unit of three parameters (the middle one crossing rank boundaries).
+    fn unit() -> UnitSpec {
+        let shapes = [vec![100], vec![7, 130], vec![3, 33]];
+        let mut offset = 0;
+        let params = shapes
+            .iter()
+            .enumerate()
+            .map(|(k, shape)| {
+                let p = ParamSpec { name: format!("u.p{k}"), shape: shape.clone(), offset, init: ParamInit::Zeros };
+                offset += shape.iter().product::<usize>();
+                p
+            })
+            .collect();
+        UnitSpec { index: 1, kind: UnitKind::Block(0), name: "u".into(), params, numel: offset }
+    }
+
+    /// Every tensor of the layout is tiled by the ranks' pieces, in rank order, each piece the
+    /// 1-D tensor a rank's file holds; int8 absmaxes by the ranks' blocks; a unit every rank
+    /// holds whole is rank 0's alone.
+    #[test]
+    fn the_ranks_pieces_tile_every_tensor() {
+        let spec = unit();
+        for (place, whole) in [(OptimizerPlace::Host, false), (OptimizerPlace::Device, true)] {
+            for state in [StateDType::F32, StateDType::Int8] {
+                let layout = UnitLayout::new(place, state, MasterDType::F32);
+                for ranks in [1, 2, 3, 5] {
+                    let (u, tensors) = layout.index_entries(&spec, ranks);
+                    assert_eq!(tensors.len(), layout.tensors(&spec).len());
+                    for (r, range) in u.ranges.iter().enumerate() {
+                        let want = if whole {
+                            if r == 0 {
+                                [0, spec.numel]
+                            } else {
+                                [spec.numel, spec.numel]
+                            }
+                        } else {
+                            let s = crate::dist::shard_range(spec.numel, r, ranks);
+                            [s.start, s.end]
+                        };
+                        assert_eq!(*range, want, "{state}, rank {r} of {ranks}");
+                    }
+                    for t in &tensors {
+                        let numel: usize = t.shape.iter().product();
+                        let mut next = 0;
+                        for p in &t.pieces {
+                            assert!(p.start == next && p.end > p.start, "{}: {:?}", t.name, t.pieces);
+                            assert!(!whole || p.rank == 0, "{}: a whole unit's piece on rank {}", t.name, p.rank);
+                            next = p.end;
+                        }
+                        assert_eq!(next, numel, "{}: {:?}", t.name, t.pieces);
+                        if t.name.ends_with(".absmax") {
+                            assert_eq!(numel, spec.numel.div_ceil(QUANT_BLOCK));
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

@@ -374,7 +374,7 @@ impl Trainer {
     ) -> Result<Self> {
         let ResumeFrom { path: dir, convert_state } = from;
         // The header alone: the units' state is read one unit at a time below.
-        let ckpt = checkpoint::Reader::open(dir)?;
+        let ckpt = checkpoint::AnyReader::open(dir)?;
         if !ckpt.has_checksums() {
             tracing::warn!(
                 path = %ckpt.path().display(),
@@ -539,13 +539,16 @@ impl Trainer {
     /// Writes a checkpoint of the completed steps into `[checkpoint] dir`, streamed unit by unit
     /// (each unit's state read from its tier into a staging claimed from the host ledger,
     /// appended, released: [`checkpoint::Writer`]) and atomically; returns what was saved,
-    /// `None` when the config has no checkpoint directory (and on ranks other than 0, which
-    /// take part in gathering the state).
+    /// `None` when the config has no checkpoint directory (and on ranks other than 0). With
+    /// ranks each rank writes its own shard of every unit to its own file and rank 0 the index
+    /// once every file is durable ([`checkpoint::shards`]): no rank gathers the state, and the
+    /// returned [`checkpoint::Saved`] names the index and the bytes of all files.
     ///
     /// # Errors
     /// Runtime failures; checkpoint I/O failures ([`checkpoint::CheckpointError::NoSpace`] when
-    /// the disk is full): the previous checkpoint stays intact, and with ranks every rank still
-    /// takes part in every gather before rank 0 returns the error.
+    /// the disk is full): the previous checkpoint stays intact. With ranks every rank returns an
+    /// error when any rank's shard failed ([`checkpoint::CheckpointError::RankFailed`] on the
+    /// others), after removing its shard and before any index is written.
     pub fn save_checkpoint(&mut self) -> Result<Option<checkpoint::Saved>> {
         if !self.checkpoints {
             return Ok(None);
@@ -560,6 +563,9 @@ impl Trainer {
                 UnitLayout::new(self.rt.units().optimizer_place(id), o.state_dtype, o.master_dtype)
             })
             .collect();
+        if world.size > 1 {
+            return self.save_shards(&layouts);
+        }
         // Rank 0 writes; a failure to start or to write keeps the gathers going (the other
         // ranks are in them) and is returned at the end.
         let mut failed = None;
@@ -588,6 +594,65 @@ impl Trainer {
         }
         let keep = self.cfg.checkpoint.keep.unwrap_or(2);
         Ok(writer.map(|w| w.finish(keep)).transpose()?)
+    }
+
+    /// [`Trainer::save_checkpoint`] with ranks: this rank's shard file (`layouts`: each unit's),
+    /// then a collective on whether every rank's is durable, then rank 0's index.
+    fn save_shards(&mut self, layouts: &[UnitLayout]) -> Result<Option<checkpoint::Saved>> {
+        use checkpoint::shards::{self, ShardIndex};
+        let world = self.ranks.world();
+        let dir = self.cfg.checkpoint.dir.clone().expect("a run that checkpoints has a directory");
+        let started = std::time::Instant::now();
+        let units = self.model.units();
+        let ranges: Vec<_> =
+            units.iter().zip(layouts).map(|(u, l)| l.written_range(u.numel, world.rank, world.size)).collect();
+        let tensors = units
+            .iter()
+            .zip(layouts)
+            .zip(&ranges)
+            .flat_map(|((u, l), r)| l.shard_tensors(u, r.clone()).into_iter().map(|(t, _)| t))
+            .collect();
+        let name = shards::shard_file_name(self.step, world.rank, world.size);
+        let meta = shards::shard_metadata(&self.checkpoint_metadata(), world.rank, world.size);
+        // This rank's file; a failure is shared with the others below, not returned at once.
+        let written = checkpoint::Writer::create_at(&dir, dir.join(&name), self.step, &meta, tensors)
+            .map_err(TrainError::from)
+            .and_then(|mut w| {
+                for (k, spec) in units.iter().enumerate() {
+                    ckpt::save_shard(&self.rt, self.ids[k], spec, layouts[k], ranges[k].clone(), &mut w)?;
+                }
+                Ok(w.complete()?)
+            });
+        let mut outcome = [0.0; 2];
+        match &written {
+            Ok(saved) => outcome[1] = saved.bytes as f64,
+            Err(_) => outcome[0] = 1.0,
+        }
+        let failed = self.ranks.all_gather_f64(outcome[0]).map_err(crate::runtime::RuntimeError::from)?;
+        let failed: Vec<usize> = failed.iter().enumerate().filter(|(_, &f)| f != 0.0).map(|(r, _)| r).collect();
+        if !failed.is_empty() {
+            let _ = std::fs::remove_file(dir.join(&name));
+            written?;
+            return Err(checkpoint::CheckpointError::RankFailed { step: self.step, ranks: failed }.into());
+        }
+        self.ranks.all_reduce_sum_f64(&mut outcome).map_err(crate::runtime::RuntimeError::from)?;
+        if !world.is_root() {
+            return Ok(None);
+        }
+        let (units_index, tensors_index): (Vec<_>, Vec<_>) =
+            units.iter().zip(layouts).map(|(u, l)| l.index_entries(u, world.size)).unzip();
+        let index = ShardIndex {
+            format: shards::FORMAT.into(),
+            step: self.step,
+            world_size: world.size,
+            files: (0..world.size).map(|r| shards::shard_file_name(self.step, r, world.size)).collect(),
+            units: units_index,
+            tensors: tensors_index.into_iter().flatten().collect(),
+        };
+        let (path, index_bytes) = index.write(&dir)?;
+        checkpoint::prune(&dir, self.cfg.checkpoint.keep.unwrap_or(2))?;
+        let bytes = outcome[1] as u64 + index_bytes;
+        Ok(Some(checkpoint::Saved { path, bytes, seconds: started.elapsed().as_secs_f64() }))
     }
 
     /// A checkpoint's string metadata: format, optimizer updates, the state's dtypes, the model,
