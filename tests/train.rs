@@ -7,6 +7,7 @@ use crate::common;
 use crate::reference;
 
 use oogc::config::TrainConfig;
+use oogc::models::UnitKind;
 use oogc::train::Trainer;
 
 use common::{tiny, tiny_mixtral, tiny_moe};
@@ -286,4 +287,38 @@ fn a_mixtral_with_micro_batches_is_refused_by_name() {
     let err = Trainer::new(cfg, oogc::dist::Ranks::single()).err().expect("refused").to_string();
     assert!(err.contains("train.micro_batches") && err.contains("micro_batches = 1"), "{err}");
     assert!(!nvme.exists(), "nothing written before the refusal");
+}
+
+/// An MoE block's experts reach the device in one batched H2D per block and phase (the trainer
+/// announces the block's fetch set, `Memory::will_fetch`), not one copy per expert: with 16
+/// experts per block, top-4, under the `fetch` policy, a step moves every routed expert's copy
+/// (dozens) in at most two H2D operations per block, beside at most three per other unit (its
+/// fetches and a prefetch).
+#[test]
+fn a_blocks_experts_reach_the_device_in_one_batched_copy_per_phase() {
+    let dir = tempfile::tempdir().unwrap();
+    let (nvme, cache) = (dir.path().join("nvme"), dir.path().join("tokens"));
+    let text = tiny_mixtral(&nvme, &cache, "2MiB", "fetch")
+        .replace("num_local_experts = 4", "num_local_experts = 16")
+        .replace("num_experts_per_tok = 2", "num_experts_per_tok = 4");
+    let mut t = Trainer::new(TrainConfig::from_toml_str(&text).unwrap(), oogc::dist::Ranks::single()).unwrap();
+    let kinds: Vec<UnitKind> = t.model().units().iter().map(|u| u.kind).collect();
+    let experts = kinds.iter().filter(|k| matches!(k, UnitKind::Expert { .. })).count() as u64;
+    let blocks = kinds.iter().filter(|k| matches!(k, UnitKind::Expert { expert: 0, .. })).count() as u64;
+    let others = kinds.len() as u64 - experts;
+    assert_eq!((experts, blocks), (48, 3));
+    for step in 1..=3 {
+        let before = t.runtime().memory().residency_metrics().htod.ops;
+        let out = t.train_step().unwrap();
+        let ops = t.runtime().memory().residency_metrics().htod.ops - before;
+        // Every routed expert moves H2D: in step 1 nothing is on the device yet, later the last
+        // step's update made its device copy stale.
+        let moved = out.routed_tokens.iter().flatten().filter(|&&n| n > 0).count() as u64;
+        assert!(out.loss.is_finite());
+        assert!(moved > 2 * blocks + 3 * others, "step {step}: the step should move many expert copies ({moved})");
+        assert!(
+            ops <= 2 * blocks + 3 * others,
+            "step {step}: {ops} H2D operations for {moved} expert copies in {blocks} blocks and {others} other units"
+        );
+    }
 }

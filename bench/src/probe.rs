@@ -290,7 +290,10 @@ pub(crate) fn probe_compute_on_current_pool(shape: &ComputeShape) -> Result<Comp
             let g = model.backward(block, &p_block, &x, &grad_y, None)?;
             return push(&g.grad_params);
         };
-        let tr = moe.trunk_forward(0, &p_block, &x)?;
+        let mut tr = moe.trunk_forward(0, &p_block, &x)?;
+        // As the trainer does after the forward: a pooled load-balancing loss (Mixtral's family)
+        // gives the routing its weights before any backward.
+        moe.finish_forward(&mut [&mut tr.routing])?;
         let routing = &tr.routing;
         let mut grad_inputs: Vec<Option<Tensor>> = vec![None; p_experts.len()];
         let mut grad_gates: Vec<Option<Tensor>> = vec![None; p_experts.len()];

@@ -21,6 +21,10 @@
 //! | `schedule_bound_s` | the schedule's bound: `max(compute_f, H2D_f, D2H_f) + max(compute_b, H2D_b, D2H_b)` over the forward (`f`, up to the turn: [`oogc::runtime::Runtime::end_forward`]) and backward (`b`) phases, at least NVMe busy time and the optimizer |
 //! | `speedup_ceiling` | on-demand's `step_s` / the variant's `schedule_bound_s` |
 //! | `plan_step_s` | `oogc plan --config --probe-compute` for the variant's config, compute probed around ours' steps as `oogc bench plan` does (the planner models the prefetch window and the pipelined optimizer, so `null` for `on-demand`) |
+//! | `train_step_s` | median wall time of the whole `Trainer::train_step` call: `step_s` and the trainer's work before and after the runtime's step (the batch's tensors; an MoE model's placer statistics, replan and routing trace) |
+//! | `measured_compute_s` | median time inside the model's calls in the step ([`oogc::train::StepOutcome::compute_s`]: forward, recompute, backward, routing, gathers, scatters, combine, losses) |
+//! | `outside_s` | median per step of `train_step_s − measured_compute_s − stall_transfer_s − stall_optimizer_s`: the time that is neither compute nor waiting for a copy (exposed H2D, D2H, NVMe reads of a fetch) nor for the optimizer (exposed) — the runtime's and trainer's own work: fetch and push calls when they do not wait (bookkeeping, the residency manager's lock, reservations and evictions, issuing copies, staging gradients, the prefetch window's planning, the step's trace), `begin_step` / `finish_step` less their waits, the MoE placer and its trace, and the trainer's loops and maps |
+//! | `outside_share` | median per step of `outside_s / train_step_s` |
 //!
 //! Why two bounds: every unit's new compute copy depends on the whole step's gradients (the
 //! global-norm clip and the skip of a non-finite step are decided after the last gradient), so
@@ -142,6 +146,15 @@ pub struct StepBenchRow {
     pub overlap_optimizer: bool,
     /// The machine (same in every row).
     pub machine: Machine,
+    /// Median wall time of the whole `Trainer::train_step` call, seconds (see the module docs).
+    pub train_step_s: f64,
+    /// Median time inside the model's calls per step, seconds.
+    pub measured_compute_s: f64,
+    /// Median per step of the time outside compute, exposed transfer and exposed optimizer,
+    /// seconds (see the module docs for what it holds).
+    pub outside_s: f64,
+    /// Median per step of `outside_s / train_step_s`.
+    pub outside_share: f64,
     /// The variant's config as TOML.
     pub config: String,
 }
@@ -197,6 +210,14 @@ pub(crate) struct Measured {
     pub(crate) device_units: usize,
     /// Their GPU bytes ([`oogc::runtime::device_optimizer_bytes`] each).
     pub(crate) device_optimizer_bytes: u64,
+    /// Median wall time of the whole `Trainer::train_step` call, seconds.
+    pub(crate) train_step_s: f64,
+    /// Median time inside the model's calls, seconds.
+    pub(crate) compute_s: f64,
+    /// Median per step of the wall time less compute and both stalls, seconds.
+    pub(crate) outside_s: f64,
+    /// Median per step of `outside_s` over the wall time.
+    pub(crate) outside_share: f64,
 }
 
 /// The median of `v` (the mean of the middle two for an even count; 0 when empty).
@@ -280,8 +301,13 @@ pub(crate) fn measure_with(
         at(Moment::Warm)?;
         let before = t.runtime().memory().traffic();
         let mut stats = Vec::with_capacity(steps);
+        // Per step: (train_step wall, compute, outside).
+        let mut split = Vec::with_capacity(steps);
         for _ in 0..steps {
-            stats.push(t.train_step()?.stats);
+            let o = t.train_step()?;
+            let outside = o.wall_s - o.compute_s - o.stats.stall_s();
+            split.push((o.wall_s, o.compute_s, outside));
+            stats.push(o.stats);
         }
         let after = t.runtime().memory().traffic();
         at(Moment::Measured)?;
@@ -306,6 +332,10 @@ pub(crate) fn measure_with(
             // As the last measured step ended (the step's own record of them).
             device_units: stats.last().map_or(0, |s| s.device_units),
             device_optimizer_bytes: stats.last().map_or(0, |s| s.device_optimizer_bytes),
+            train_step_s: median(split.iter().map(|s| s.0).collect()),
+            compute_s: median(split.iter().map(|s| s.1).collect()),
+            outside_s: median(split.iter().map(|s| s.2).collect()),
+            outside_share: median(split.iter().map(|s| s.2 / s.0.max(1e-12)).collect()),
         })
     })();
     remove_scratch(cfg);
@@ -484,6 +514,10 @@ pub fn run(args: &StepBenchArgs) -> Result<StepBenchReport> {
             prefetch_depth: cfg.prefetch.depth,
             overlap_optimizer: cfg.prefetch.overlap_optimizer,
             machine: machine.clone(),
+            train_step_s: m.train_step_s,
+            measured_compute_s: m.compute_s,
+            outside_s: m.outside_s,
+            outside_share: m.outside_share,
             config: toml::to_string(cfg).unwrap_or_default(),
         });
     }
@@ -664,6 +698,27 @@ pub fn print_table(r: &StepBenchReport) {
     for s in &r.skipped {
         println!("{:<10} skipped: {}", s.variant, s.skipped);
     }
+    println!();
+    println!(
+        "{:<10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
+        "variant", "call s", "compute", "xfer wt", "opt wait", "outside", "out %"
+    );
+    for row in &r.rows {
+        println!(
+            "{:<10} {:>9.4} {:>9.4} {:>9.4} {:>9.4} {:>9.4} {:>6.1}%",
+            row.variant,
+            row.train_step_s,
+            row.measured_compute_s,
+            row.stall_transfer_s,
+            row.stall_optimizer_s,
+            row.outside_s,
+            100.0 * row.outside_share
+        );
+    }
+    println!(
+        "call s: the whole train_step call; compute: inside the model's calls; xfer wt / opt wait: exposed transfer / \
+         optimizer; outside: the rest (the runtime's and trainer's own work), medians per step"
+    );
     if let Some(row) = r.rows.iter().find(|r| r.variant == "ours") {
         println!(
             "ours: {:.2}x the schedule bound, {:.2}x faster than on-demand (a perfect schedule of the same bytes: {:.2}x)",

@@ -112,6 +112,7 @@ impl Runtime {
         }
         let span = tracing::info_span!("runtime::fetch", unit = unit.index(), ?phase);
         let _e = span.enter();
+        self.load_fetch_set(unit)?;
         self.publish(unit)?;
         let tensor = unit.tensor();
         let t = Instant::now();
@@ -125,6 +126,35 @@ impl Runtime {
         }
         let u = self.units.get(unit);
         Ok(PinnedUnit { pin, unit, tensor, numel: u.home_numel, dtype: u.dtype, access, recorder })
+    }
+
+    /// When `unit` is in the announced fetch set ([`super::Memory::will_fetch`]): loads the
+    /// missing device copies of the set's units whose compute copy is final now — no update
+    /// outstanding, or one the optimizer has finished (published here, without waiting) — in
+    /// one batched H2D (the wait counts as exposed transfer); `unit` itself always (its fetch
+    /// waits for its update anyway). A unit whose update is still running is left to its own
+    /// fetch, so the set's first fetch never waits for the others' updates. The set is used up.
+    fn load_fetch_set(&mut self, unit: UnitId) -> Result<()> {
+        let set = {
+            let mut set = self.fetch_set.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if !set.contains(&unit) {
+                return Ok(());
+            }
+            std::mem::take(&mut *set)
+        };
+        self.collect_handles();
+        let mut tensors = Vec::with_capacity(set.len());
+        for u in set {
+            let s = self.units.get(u);
+            if u == unit || s.update != Update::StepFinished || s.ready_to_publish() {
+                self.publish(u)?;
+                tensors.push(u.tensor());
+            }
+        }
+        let t = Instant::now();
+        self.tiers.residency.load_device_batch(&tensors)?;
+        self.clock.stats.figures.stall_transfer_s += t.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// Takes the handles of the updates the drain thread submitted into the units' states.

@@ -183,6 +183,23 @@ impl<'a> Memory<'a> {
         self.rt.activations.len()
     }
 
+    /// Announces the units the caller fetches next, in the order it will (an MoE block's
+    /// routed experts that run on the device): the first [`Runtime::fetch`] (or
+    /// [`Runtime::fetch_pinned`]) of one of them publishes the finished updates of all of them
+    /// and loads every device copy they lack in one batched H2D
+    /// ([`oogc_swapper::ResidencyManager::load_device_batch`]: one copy-engine operation instead
+    /// of one per unit, as many as the device budget holds without waiting), so each fetch after
+    /// it only pins. Replaces an earlier announcement not yet used; units whose optimizer is on
+    /// the device or whose parameters are sharded are left out (their fetch moves nothing or
+    /// gathers). What the fetches return is unchanged: this moves copies, never values.
+    pub fn will_fetch(&self, units: &[UnitId]) {
+        let mut set = self.rt.fetch_set.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        set.clear();
+        set.extend(
+            units.iter().copied().filter(|&u| matches!(self.rt.units.get(u).kind, Kind::Tiered | Kind::Unscheduled)),
+        );
+    }
+
     /// Whether `unit`'s next fetch finds its current copy on the device (and moves no bytes):
     /// its optimizer lives there, or the device holds a copy that no finished update has made
     /// stale (the fetch would publish the update first, dropping that copy, and copy the new

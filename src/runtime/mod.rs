@@ -169,6 +169,9 @@ pub struct Runtime {
     /// With sharded compute copies ([`RuntimeConfig::shard_parameters`] and more than one
     /// rank), the optimizer's compute-copy home (which routes the units kept whole).
     rank_home: Option<Arc<home::RankHome>>,
+    /// The units the caller announced it fetches next ([`Memory::will_fetch`]): the first fetch
+    /// of one of them loads their device copies in one batched H2D.
+    fetch_set: std::sync::Mutex<Vec<UnitId>>,
 }
 
 impl Runtime {
@@ -288,6 +291,7 @@ impl Runtime {
             clock: StepClock::default(),
             carve: Carve::default(),
             rank_home,
+            fetch_set: std::sync::Mutex::new(Vec::new()),
             gathered: gathered::Gathered::new(),
         })
     }

@@ -38,6 +38,7 @@ use ckpt::UnitLayout;
 
 mod build;
 mod ckpt;
+mod clock;
 mod dump;
 mod moe;
 mod step;
@@ -118,6 +119,17 @@ pub struct StepOutcome {
     pub cpu_tokens: usize,
     /// MoE: the step's expert copies moved H2D and the uses that moved none.
     pub expert_traffic: ExpertTraffic,
+    /// Wall time of the whole [`Trainer::train_step`] call, seconds: the runtime's step
+    /// (`stats.figures.step_s`, from `begin_step` to the end of `finish_step`) and the trainer's
+    /// work before it (the batch's token tensors) and after it (the MoE placer's statistics and
+    /// replan, the routing trace).
+    pub wall_s: f64,
+    /// Of `wall_s`, the time inside the model's calls (the compute): every unit's forward,
+    /// recompute and backward, an MoE block's routing, its gathers of each expert's tokens and
+    /// scatters back, the combine and the load-balancing loss, the head's loss; seconds. On the
+    /// sim device these are candle's CPU ops; on CUDA the host's time issuing kernels (candle's
+    /// CUDA ops return before the GPU is done), so there it is not the GPU's compute.
+    pub compute_s: f64,
 }
 
 /// A validation result: the mean loss per token and the same total over the bytes of text the
@@ -205,6 +217,8 @@ pub struct Trainer {
     checkpoints: bool,
     /// `--dump-batches`: each step's windows written as they are drawn ([`Trainer::dump_batches`]).
     batch_dump: Option<BatchDump>,
+    /// Time in the model's calls ([`StepOutcome::compute_s`]), shared with the MoE state.
+    clock: clock::ComputeClock,
     /// The run's exclusive hold on its checkpoint and NVMe directories (released on drop, after
     /// the runtime has removed its store files).
     _lock: crate::lock::RunLock,
@@ -322,8 +336,9 @@ impl Trainer {
                 rt.add_unit(&spec.name, &flat)?
             });
         }
+        let clock = clock::ComputeClock::default();
         let moe = match model.moe() {
-            Some(_) => Some(moe::MoeState::new(&cfg, &*model, &mut rt, &ids, ranks.clone())?),
+            Some(_) => Some(moe::MoeState::new(&cfg, &*model, &mut rt, &ids, ranks.clone(), clock.clone())?),
             None => None,
         };
         // A trunk stays pinned while its experts run (MoE); a tied head uses the embedding.
@@ -350,6 +365,7 @@ impl Trainer {
             ranks,
             checkpoints,
             batch_dump: None,
+            clock,
             _lock: lock,
         })
     }

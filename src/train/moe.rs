@@ -122,6 +122,8 @@ pub(super) struct MoeState {
     used_anywhere: HashMap<usize, Vec<bool>>,
     /// The run's ranks (the routing counts are summed over them).
     ranks: crate::dist::Ranks,
+    /// The trainer's compute clock: the blocks' model calls are timed into it.
+    clock: super::clock::ComputeClock,
 }
 
 /// The arguments of [`MoeState::block_backward`] that say which block.
@@ -150,6 +152,7 @@ impl MoeState {
         rt: &mut Runtime,
         ids: &[UnitId],
         ranks: crate::dist::Ranks,
+        clock: super::clock::ComputeClock,
     ) -> Result<Self> {
         let world = ranks.world();
         let units = model.units();
@@ -229,6 +232,7 @@ impl MoeState {
             traffic: ExpertTraffic::default(),
             used_anywhere: HashMap::new(),
             ranks,
+            clock,
         })
     }
 
@@ -260,20 +264,24 @@ impl MoeState {
     }
 
     /// [`MoeState::fetch_expert`], feeding the time of a real H2D copy (the expert had no device
-    /// copy) to the cost model's bandwidth estimate.
+    /// copy) to the cost model's bandwidth estimate. `batched`: the expert is in the block's
+    /// announced fetch set ([`crate::runtime::Memory::will_fetch`]) and whether it lacked a device
+    /// copy when announced — its bytes count as moved then, and its fetch's time is not one copy's
+    /// (the batch loads with the set's first fetch), so the cost model does not hear it.
     fn timed_fetch_expert(
         &mut self,
         rt: &mut Runtime,
         unit: UnitId,
         placement: Placement,
         phase: Phase,
+        batched: Option<bool>,
     ) -> Result<UnitParams> {
-        let moves = placement != Placement::Cpu && !rt.memory().is_on_device(unit);
+        let moves = batched.unwrap_or_else(|| placement != Placement::Cpu && !rt.memory().is_on_device(unit));
         // The cost model learns the link from timed fetches on a GPU. On the sim device the
         // link's rate is the configured throttle, and a fetch's wall time measures this CPU's
         // load as much as the link: the model keeps the configured rate, so placements (and
         // the numbers they lead to) do not depend on how busy the machine is.
-        let cold = moves && self.placer.is_some() && !self.sim;
+        let cold = moves && batched.is_none() && self.placer.is_some() && !self.sim;
         if phase != Phase::Eval {
             self.count_use(moves);
         }
@@ -325,7 +333,7 @@ impl MoeState {
         let t = {
             let p = rt.fetch(trunk, phase)?;
             let _span = tracing::info_span!("compute::forward", unit = trunk.index()).entered();
-            moe.trunk_forward(block, p.tensor(), x)?
+            self.clock.time(|| moe.trunk_forward(block, p.tensor(), x))?
         };
         let counts = t.routing.counts();
         if phase != Phase::Eval && self.ranks.world().size > 1 {
@@ -334,30 +342,43 @@ impl MoeState {
             self.used_anywhere.insert(block, anywhere.iter().map(|&n| n > 0.0).collect());
         }
         let placements = self.place_block(block, &counts)?;
+        // The block's fetch set: its routed experts that run on the device, loaded together.
+        let on_device: Vec<UnitId> = (0..experts.len())
+            .filter(|&e| matches!(placements[e], Placement::Fetch | Placement::Resident) && counts[e] > 0)
+            .map(|e| experts[e])
+            .collect();
+        // Whether each expert lacked a device copy when announced (its traffic, counted below).
+        let missing: Vec<bool> = experts.iter().map(|&u| !rt.memory().is_on_device(u)).collect();
+        let announced = on_device.len() > 1;
+        rt.memory().will_fetch(&on_device);
         let mut outs: Vec<Option<Tensor>> = vec![None; t.routing.num_experts()];
         for (e, out) in outs.iter_mut().enumerate() {
-            let Some(h_e) = t.routing.expert_input(e, &t.h)? else { continue };
+            let Some(h_e) = self.clock.time(|| t.routing.expert_input(e, &t.h))? else { continue };
             let tokens = counts[e];
             let on_cpu = placements[e] == Placement::Cpu;
-            let p = self.timed_fetch_expert(rt, experts[e], placements[e], phase)?;
+            let batched = (announced && placements[e] != Placement::Cpu).then_some(missing[e]);
+            let p = self.timed_fetch_expert(rt, experts[e], placements[e], phase, batched)?;
             if on_cpu {
                 *cpu_tokens += tokens;
             }
             let _span = tracing::info_span!("compute::expert_forward", block, expert = e, tokens, on_cpu).entered();
-            *out = Some(if on_cpu {
-                // A CPU expert (Fiddler's placement): its tokens to the host, its output back.
-                let h_cpu = self.move_to_host(&h_e)?;
-                let y = moe.expert_forward(p.tensor(), &h_cpu)?;
-                self.move_to_compute(&y, h_e.device())?
-            } else {
-                moe.expert_forward(p.tensor(), &h_e)?
-            });
+            let clock = self.clock.clone();
+            *out = Some(clock.time(|| -> Result<Tensor> {
+                Ok(if on_cpu {
+                    // A CPU expert (Fiddler's placement): its tokens to the host, its output back.
+                    let h_cpu = self.move_to_host(&h_e)?;
+                    let y = moe.expert_forward(p.tensor(), &h_cpu)?;
+                    self.move_to_compute(&y, h_e.device())?
+                } else {
+                    moe.expert_forward(p.tensor(), &h_e)?
+                })
+            })?);
             if placements[e] == Placement::Resident && phase != Phase::Eval {
                 self.lru_touch(experts[e], held);
                 held.insert(experts[e], p);
             }
         }
-        let y = moe.combine(&t.x1, &t.routing, &outs)?;
+        let y = self.clock.time(|| moe.combine(&t.x1, &t.routing, &outs))?;
         Ok((y, t.routing, placements))
     }
 
@@ -376,12 +397,20 @@ impl MoeState {
         let moe: &dyn MoeLm = model.moe().expect("an MoE model");
         let BlockBackward { block, trunk, experts, x_in, grad_y } = args;
         let p = rt.fetch(trunk, Phase::Backward)?;
-        let t = moe.trunk_forward(block, p.tensor(), x_in)?;
+        let t = self.clock.time(|| moe.trunk_forward(block, p.tensor(), x_in))?;
         let n = routing.num_experts();
+        let counts = routing.counts();
+        let on_device: Vec<UnitId> = (0..n)
+            .filter(|&e| placements[e] != Placement::Cpu && counts[e] > 0 && !held.contains_key(&experts[e]))
+            .map(|e| experts[e])
+            .collect();
+        // Whether each expert lacked a device copy when announced (its traffic).
+        let missing: Vec<bool> = experts.iter().map(|&u| !rt.memory().is_on_device(u)).collect();
+        rt.memory().will_fetch(&on_device);
         let mut grad_inputs: Vec<Option<Tensor>> = vec![None; n];
         let mut grad_gates: Vec<Option<Tensor>> = vec![None; n];
         for e in 0..n {
-            let Some(h_e) = routing.expert_input(e, &t.h)? else {
+            let Some(h_e) = self.clock.time(|| routing.expert_input(e, &t.h))? else {
                 if self.used_anywhere.get(&block).is_some_and(|used| used[e]) {
                     // Another rank's tokens used it: this rank's share of its gradients is zero.
                     let numel = rt.units().numel(experts[e]);
@@ -390,7 +419,7 @@ impl MoeState {
                 }
                 continue;
             };
-            let grad_out = moe.expert_grad_output(routing, e, grad_y)?.expect("active expert");
+            let grad_out = self.clock.time(|| moe.expert_grad_output(routing, e, grad_y))?.expect("active expert");
             let tokens = routing.tokens(e).len();
             let on_cpu = placements[e] == Placement::Cpu;
             let pe = match held.remove(&experts[e]) {
@@ -399,7 +428,7 @@ impl MoeState {
                     pe
                 }
                 None => {
-                    self.count_use(placements[e] != Placement::Cpu && !rt.memory().is_on_device(experts[e]));
+                    self.count_use(placements[e] != Placement::Cpu && missing[e]);
                     Self::fetch_expert(rt, experts[e], placements[e], Phase::Backward)?
                 }
             };
@@ -407,15 +436,18 @@ impl MoeState {
             let g = {
                 let _span =
                     tracing::info_span!("compute::expert_backward", block, expert = e, tokens, on_cpu).entered();
-                if on_cpu {
-                    let (h_cpu, go_cpu) = (self.move_to_host(&h_e)?, self.move_to_host(&grad_out)?);
-                    let mut g = moe.expert_backward(pe.tensor(), &h_cpu, &go_cpu)?;
-                    g.output = self.move_to_compute(&g.output, h_e.device())?;
-                    g.grad_input = self.move_to_compute(&g.grad_input, h_e.device())?;
-                    g
-                } else {
-                    moe.expert_backward(pe.tensor(), &h_e, &grad_out)?
-                }
+                let clock = self.clock.clone();
+                clock.time(|| -> Result<_> {
+                    Ok(if on_cpu {
+                        let (h_cpu, go_cpu) = (self.move_to_host(&h_e)?, self.move_to_host(&grad_out)?);
+                        let mut g = moe.expert_backward(pe.tensor(), &h_cpu, &go_cpu)?;
+                        g.output = self.move_to_compute(&g.output, h_e.device())?;
+                        g.grad_input = self.move_to_compute(&g.grad_input, h_e.device())?;
+                        g
+                    } else {
+                        moe.expert_backward(pe.tensor(), &h_e, &grad_out)?
+                    })
+                })?
             };
             drop(pe);
             if on_cpu {
@@ -423,13 +455,15 @@ impl MoeState {
             } else {
                 rt.push_grads(experts[e], &g.grad_params)?;
             }
-            grad_gates[e] = moe.expert_grad_gate(routing, e, grad_y, &g.output)?;
+            grad_gates[e] = self.clock.time(|| moe.expert_grad_gate(routing, e, grad_y, &g.output))?;
             grad_inputs[e] = Some(g.grad_input);
         }
-        let grad_h = routing.scatter_input_grads(&grad_inputs)?;
         let g = {
             let _span = tracing::info_span!("compute::backward", unit = trunk.index()).entered();
-            moe.trunk_backward(block, p.tensor(), x_in, routing, grad_y, &grad_h, &grad_gates)?
+            self.clock.time(|| -> Result<_> {
+                let grad_h = routing.scatter_input_grads(&grad_inputs)?;
+                Ok(moe.trunk_backward(block, p.tensor(), x_in, routing, grad_y, &grad_h, &grad_gates)?)
+            })?
         };
         drop(p);
         rt.push_grads(trunk, &g.grad_params)?;

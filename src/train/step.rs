@@ -34,7 +34,9 @@ impl Trainer {
         let mut xs = {
             let p = self.rt.fetch(self.ids[embed], phase)?;
             let _span = tracing::info_span!("compute::forward", unit = embed).entered();
-            tokens.iter().map(|t| model.forward(embed, p.tensor(), t, None)).collect::<Result<Vec<_>, _>>()?
+            self.clock.time(|| {
+                tokens.iter().map(|t| model.forward(embed, p.tensor(), t, None)).collect::<Result<Vec<_>, _>>()
+            })?
         };
         let mut saved = Vec::with_capacity(self.layout.blocks.len());
         for (i, block) in self.layout.blocks.clone().iter().enumerate() {
@@ -42,8 +44,9 @@ impl Trainer {
                 Block::Dense(u) => {
                     let p = self.rt.fetch(self.ids[*u], phase)?;
                     let _span = tracing::info_span!("compute::forward", unit = u).entered();
-                    let ys =
-                        xs.iter().map(|x| model.forward(*u, p.tensor(), x, None)).collect::<Result<Vec<_>, _>>()?;
+                    let ys = self.clock.time(|| {
+                        xs.iter().map(|x| model.forward(*u, p.tensor(), x, None)).collect::<Result<Vec<_>, _>>()
+                    })?;
                     (ys, None)
                 }
                 Block::Moe { trunk, experts } => {
@@ -80,6 +83,8 @@ impl Trainer {
     /// Runtime, model or candle failures; with ranks, a failed collective (the run cannot go
     /// on: the caller ends it, [`Ranks::abort`](crate::dist::Ranks::abort)).
     pub fn train_step(&mut self) -> Result<StepOutcome> {
+        let started = std::time::Instant::now();
+        self.clock.take();
         crate::hooks::crash_point("step");
         let step = self.step + 1;
         let lr = lr_schedule(&self.cfg).lr(step);
@@ -110,13 +115,13 @@ impl Trainer {
         // The pass's routings together: a load-balancing loss pooled over the blocks (Mixtral)
         // gives each routing its weights before any block's backward; MoE-GPT's is per block.
         let aux = match model.moe() {
-            Some(moe) => {
+            Some(moe) => self.clock.time(|| -> Result<f64> {
                 let mut routings: Vec<&mut oogc_models::Routing> =
                     saved.iter_mut().filter_map(|c| c.moe.as_mut().map(|(r, _)| r)).collect();
                 moe.finish_forward(&mut routings)?;
                 let routings: Vec<&oogc_models::Routing> = routings.into_iter().map(|r| &*r).collect();
-                moe.aux_loss(&routings)
-            }
+                Ok(moe.aux_loss(&routings))
+            })?,
             None => 0.0,
         };
 
@@ -127,9 +132,12 @@ impl Trainer {
             let p = self.rt.fetch(self.ids[head], Phase::Backward)?;
             let _span = tracing::info_span!("compute::backward", unit = head).entered();
             let mut acc = HeadAccumulator::new(batch.targets.chunks(per_micro));
-            for (x, t) in xs.iter().zip(&targets) {
-                acc.add(model.head_loss_backward(p.tensor(), x, emb.as_ref().map(|e| e.tensor()), t)?)?;
-            }
+            self.clock.time(|| -> Result<()> {
+                for (x, t) in xs.iter().zip(&targets) {
+                    acc.add(model.head_loss_backward(p.tensor(), x, emb.as_ref().map(|e| e.tensor()), t)?)?;
+                }
+                Ok(())
+            })?;
             drop((p, emb));
             let mut grads = acc.grads.expect("at least one micro-batch");
             if crate::hooks::nan_grads_at(step) {
@@ -157,7 +165,7 @@ impl Trainer {
                     let p = self.rt.fetch(self.ids[*u], Phase::Backward)?;
                     let (grads, grad_inputs) = {
                         let _span = tracing::info_span!("compute::backward", unit = u).entered();
-                        backward_micro_batches(&*model, *u, p.tensor(), &c.inputs, &grad_xs)?
+                        self.clock.time(|| backward_micro_batches(&*model, *u, p.tensor(), &c.inputs, &grad_xs))?
                     };
                     drop(p);
                     self.rt.push_grads(self.ids[*u], &grads)?;
@@ -178,13 +186,13 @@ impl Trainer {
             let p = self.rt.fetch(self.ids[embed], Phase::Backward)?;
             let (mut grads, _) = {
                 let _span = tracing::info_span!("compute::backward", unit = embed).entered();
-                backward_micro_batches(&*model, embed, p.tensor(), &inputs, &grad_xs)?
+                self.clock.time(|| backward_micro_batches(&*model, embed, p.tensor(), &inputs, &grad_xs))?
             };
             drop(p);
             if let Some(extra) = tied_grad {
                 // The embedding's own gradient and the tied head's, summed in f32 for half
                 // dtypes (the same value as candle's half add, which rounds f32's sum once).
-                grads = (widen(&grads)? + widen(&extra)?)?;
+                grads = self.clock.time(|| -> Result<Tensor> { Ok((widen(&grads)? + widen(&extra)?)?) })?;
             }
             self.rt.push_grads(self.ids[embed], &grads)?;
         }
@@ -214,6 +222,8 @@ impl Trainer {
             routed_tokens: routed,
             cpu_tokens,
             expert_traffic: self.moe.as_ref().map(|m| m.traffic).unwrap_or_default(),
+            wall_s: started.elapsed().as_secs_f64(),
+            compute_s: self.clock.take(),
         })
     }
 

@@ -61,8 +61,8 @@ pub mod skip;
 pub mod tier;
 
 pub use device::{
-    CudaBuffer, CudaDevice, CudaEvent, Device, DeviceBackend, DeviceBuffer, DeviceEvent, Direction, OrderingHazard,
-    OrderingViolation, PendingHost, SimBuffer, SimDevice, SimDeviceConfig, SimEvent, Transfer,
+    BatchCopy, CudaBuffer, CudaDevice, CudaEvent, Device, DeviceBackend, DeviceBuffer, DeviceEvent, Direction,
+    OrderingHazard, OrderingViolation, PendingHost, SimBuffer, SimDevice, SimDeviceConfig, SimEvent, Transfer,
 };
 pub use error::{Error, Result};
 pub use host::{HostAllocator, HostBuffer, HostMemory, MmapAllocator, PinnedPool, PinnedPoolConfig};

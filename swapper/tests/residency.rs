@@ -396,3 +396,41 @@ fn a_lowered_device_budget_holds_and_peaks_are_tracked() {
     m.reset_peak_bytes();
     assert_eq!(m.peak_bytes(Tier::Device), m.used_bytes(Tier::Device));
 }
+
+/// A fetch set loaded with `load_device_batch` is one H2D operation for all its bytes (the link
+/// stats' ops), not one per tensor; each copy then reaches compute through its own event, with
+/// its bytes, and the acquires that pin them move nothing more. A device budget that holds only
+/// some of the set ends the batch there (nothing waits), and the rest come by their own acquire.
+#[test]
+fn a_fetch_set_is_one_batched_htod_that_the_acquires_only_pin() {
+    let n = 8u64;
+    let bytes = 4096;
+    for (device, batched) in [(1 << 20, n), (5 * bytes as u64, 5)] {
+        let m = manager(device, 16 << 20);
+        for id in 0..n {
+            m.register(meta(id, bytes), &pattern(id, 1, bytes)).unwrap();
+        }
+        let ids: Vec<TensorId> = (0..n).map(TensorId).collect();
+        let before = m.metrics().htod;
+        assert_eq!(m.load_device_batch(&ids).unwrap() as u64, batched);
+        let after = m.metrics().htod;
+        assert_eq!(after.ops - before.ops, 1, "one H2D operation for the set");
+        assert_eq!(after.bytes - before.bytes, batched * bytes as u64);
+        for id in 0..batched {
+            let g = m.acquire(TensorId(id), Tier::Device, Access::Read).unwrap();
+            assert_eq!(device_bytes(&g), pattern(id, 1, bytes), "tensor {id}");
+        }
+        assert_eq!(m.metrics().htod.ops, after.ops, "the batch's copies are pinned, not fetched again");
+        for id in batched..n {
+            let g = m.acquire(TensorId(id), Tier::Device, Access::Read).unwrap();
+            assert_eq!(device_bytes(&g), pattern(id, 1, bytes), "tensor {id}");
+        }
+        assert_eq!(m.metrics().htod.ops, after.ops + (n - batched), "the rest one by one");
+        // Loaded copies are skipped: nothing to move is no operation.
+        let before = m.metrics().htod;
+        let on_device: Vec<TensorId> = ids.iter().copied().filter(|&id| m.residency(id).unwrap().device).collect();
+        assert_eq!(m.load_device_batch(&on_device).unwrap(), 0);
+        assert_eq!(m.metrics().htod.ops, before.ops);
+        m.check_invariants().unwrap();
+    }
+}

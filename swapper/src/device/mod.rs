@@ -347,6 +347,64 @@ impl Device {
         }
     }
 
+    /// Copies each `(src, dst)` pair H2D in one call, each ordered as [`Device::htod_after`]
+    /// with no `after` event, and hands each device buffer to compute at once (as
+    /// [`Transfer::release_device`]). On the sim device the pairs are one copy-engine job: one
+    /// hand-off, the link's latency once for all their bytes, one operation in the link stats
+    /// (the call returns when the job is done, as the sim's single copies do). On CUDA each pair is
+    /// an async copy queued back to back on the copy stream, with its own event (none waited for).
+    /// Returns per pair, in order, the device buffer, the host buffer pending until the copy
+    /// completes and the copy's event — or the error and, when it was not lost, the host buffer.
+    pub fn htod_batch(&self, copies: Vec<(HostBuffer, DeviceBuffer)>) -> Vec<BatchCopy> {
+        match self {
+            Device::Sim(d) => {
+                let mut out: Vec<Option<BatchCopy>> = Vec::with_capacity(copies.len());
+                let (mut sim, mut slots) = (Vec::new(), Vec::new());
+                for (host, dev) in copies {
+                    match dev {
+                        DeviceBuffer::Sim(b) => {
+                            slots.push(out.len());
+                            out.push(None);
+                            sim.push((host, b));
+                        }
+                        DeviceBuffer::Cuda(_) => out.push(Some(Err((
+                            Error::InvalidRequest("device buffer of another backend".into()),
+                            Some(host),
+                        )))),
+                    }
+                }
+                match d.htod_batch(sim) {
+                    Ok(done) => {
+                        for (r, slot) in done.into_iter().zip(&slots) {
+                            out[*slot] = Some(match r {
+                                Ok((b, host, ev)) => Ok((
+                                    DeviceBuffer::Sim(b),
+                                    PendingHost { event: None, host: Some(host) },
+                                    DeviceEvent::Sim(ev),
+                                )),
+                                Err((e, host)) => Err((e, Some(host))),
+                            });
+                        }
+                    }
+                    Err(e) => {
+                        for slot in slots {
+                            out[slot] = Some(Err((Error::Device(e.to_string()), None)));
+                        }
+                    }
+                }
+                out.into_iter().map(|r| r.expect("every pair answered")).collect()
+            }
+            Device::Cuda(_) => copies
+                .into_iter()
+                .map(|(host, dev)| {
+                    self.htod_after(host, dev, None)
+                        .and_then(|(t, ev)| t.release_device().map(|(dev, pending)| (dev, pending, ev)))
+                        .map_err(|e| (e, None))
+                })
+                .collect(),
+        }
+    }
+
     /// Starts a D2H copy of `src` after `after` — for a gradient, an event recorded after the
     /// kernel that wrote it; `None` orders it after all compute when compute used `src` (as
     /// [`Device::dtoh`]). Returns the transfer and the copy's event.
@@ -689,6 +747,11 @@ impl Transfer {
         }
     }
 }
+
+/// One pair's outcome in [`Device::htod_batch`]: the device buffer (compute may use it once
+/// ordered after the event), the host buffer pending until the copy completes and the copy's
+/// event; or the error and the host buffer when the copy did not take it.
+pub type BatchCopy = std::result::Result<(DeviceBuffer, PendingHost, DeviceEvent), (Error, Option<HostBuffer>)>;
 
 /// The host buffer of an H2D whose device buffer went to compute early
 /// ([`Transfer::release_device`]): held until the copy completed.

@@ -167,7 +167,17 @@ impl std::fmt::Debug for SimBuffer {
 }
 
 enum Job {
-    Copy { host: HostBuffer, dev: SimBuffer, reply: Sender<CopyResult> },
+    Copy {
+        host: HostBuffer,
+        dev: SimBuffer,
+        reply: Sender<CopyResult>,
+    },
+    /// Several H2D copies as one: one hand-off to the engine, the link's latency paid once for
+    /// the bytes of all of them, every buffer handed back together.
+    Batch {
+        copies: Vec<(HostBuffer, SimBuffer)>,
+        reply: Sender<Vec<(HostBuffer, SimBuffer)>>,
+    },
     Barrier(Sender<()>),
 }
 
@@ -191,9 +201,38 @@ impl Engine {
             .spawn(move || {
                 // The link is free again at `link_free`; a copy occupies it for latency + bytes/bw.
                 let mut link_free = Instant::now();
+                // Occupies the link for latency + bytes / bandwidth from `start` (sleeping until
+                // then).
+                let throttle = |link_free: &mut Instant, start: Instant, bytes: usize| {
+                    if let Some(gbps) = link_gbps {
+                        let busy = latency + Duration::from_secs_f64(bytes as f64 / (gbps * 1e9));
+                        *link_free = (*link_free).max(start) + busy;
+                        let now = Instant::now();
+                        if *link_free > now {
+                            std::thread::sleep(*link_free - now);
+                        }
+                    } else if !latency.is_zero() {
+                        std::thread::sleep(latency);
+                    }
+                };
                 for job in rx {
                     let (mut host, mut dev, reply) = match job {
                         Job::Copy { host, dev, reply } => (host, dev, reply),
+                        Job::Batch { mut copies, reply } => {
+                            let bytes: usize = copies.iter().map(|(h, _)| h.len()).sum();
+                            let _enter =
+                                tracing::trace_span!("swapper::htod", bytes, tier = "device", copies = copies.len())
+                                    .entered();
+                            let start = Instant::now();
+                            for (host, dev) in &mut copies {
+                                let n = host.len();
+                                dev.as_mut_slice()[..n].copy_from_slice(host.as_slice());
+                            }
+                            throttle(&mut link_free, start, bytes);
+                            stats.record(bytes as u64, start.elapsed());
+                            let _ = reply.send(copies);
+                            continue;
+                        }
                         Job::Barrier(done) => {
                             let _ = done.send(());
                             continue;
@@ -210,16 +249,7 @@ impl Engine {
                         Direction::Htod => dev.as_mut_slice()[..bytes].copy_from_slice(host.as_slice()),
                         Direction::Dtoh => host.as_mut_slice().copy_from_slice(&dev.as_slice()[..bytes]),
                     }
-                    if let Some(gbps) = link_gbps {
-                        let busy = latency + Duration::from_secs_f64(bytes as f64 / (gbps * 1e9));
-                        link_free = link_free.max(start) + busy;
-                        let now = Instant::now();
-                        if link_free > now {
-                            std::thread::sleep(link_free - now);
-                        }
-                    } else if !latency.is_zero() {
-                        std::thread::sleep(latency);
-                    }
+                    throttle(&mut link_free, start, bytes);
                     stats.record(bytes as u64, start.elapsed());
                     let _ = reply.send(Ok((host, DeviceBuffer::Sim(dev))));
                 }
@@ -385,6 +415,54 @@ impl SimDevice {
         after: Option<&SimEvent>,
     ) -> Result<(Transfer, SimEvent)> {
         self.copy(Direction::Dtoh, dst, src, after)
+    }
+
+    /// Copies each `(src, dst)` pair H2D as one copy-engine job (one hand-off, the link's
+    /// latency once for all the bytes: the link stats count one operation) and waits for it;
+    /// each pair's copy is ordered as [`SimDevice::htod_after`] with no `after` event. Returns
+    /// per pair, in order, the filled buffer, the host buffer and the copy's event — or, when
+    /// that pair's ordering check or length check failed (nothing copied for it), the error and
+    /// its host buffer back.
+    ///
+    /// # Errors
+    /// The copy engine stopped (every pair's buffers are lost with it).
+    #[allow(clippy::type_complexity)]
+    pub fn htod_batch(
+        &self,
+        copies: Vec<(HostBuffer, SimBuffer)>,
+    ) -> Result<Vec<std::result::Result<(SimBuffer, HostBuffer, SimEvent), (Error, HostBuffer)>>> {
+        let mut out: Vec<Option<std::result::Result<(SimBuffer, HostBuffer, SimEvent), (Error, HostBuffer)>>> =
+            Vec::with_capacity(copies.len());
+        let (mut queued, mut events, mut slots) = (Vec::new(), Vec::new(), Vec::new());
+        for (host, dev) in copies {
+            let checked = self.report().and_then(|()| Self::check_len(&host, &dev)).and_then(|()| {
+                match (&self.checker, &dev.order) {
+                    (Some(c), Some(o)) => c.order_copy(Direction::Htod, o, None).map_err(Error::from),
+                    _ => Ok(SimEvent::default()),
+                }
+            });
+            match checked {
+                Ok(ev) => {
+                    slots.push(out.len());
+                    out.push(None);
+                    events.push(ev);
+                    queued.push((host, dev));
+                }
+                Err(e) => {
+                    dev.disarm();
+                    out.push(Some(Err((e, host))));
+                }
+            }
+        }
+        if !queued.is_empty() {
+            let (reply, rx) = bounded(1);
+            self.htod.submit(Job::Batch { copies: queued, reply })?;
+            let done = rx.recv().map_err(|_| Error::Device("copy engine stopped before the copies finished".into()))?;
+            for (((host, dev), ev), slot) in done.into_iter().zip(events).zip(slots) {
+                out[slot] = Some(Ok((dev, host, ev)));
+            }
+        }
+        Ok(out.into_iter().map(|r| r.expect("every pair answered")).collect())
     }
 
     /// Frees `buf` after `after` (an event recorded after compute's last access to it); with

@@ -502,6 +502,21 @@ impl ResidencyManager {
         self.prefetch_pool.submit(id, tier)
     }
 
+    /// Loads the device copies of `ids` (a compute step's fetch set, in the order it needs them)
+    /// in one batched H2D, without pinning them: each whose device copy is absent and whose host
+    /// copy is ready and not pinned, as long as the device has room without waiting (evicting
+    /// by policy as an acquire does). The copies are ready for the [`ResidencyManager::acquire`]
+    /// that pins each; the others are left to it. The policy hears each id as a prefetch. One
+    /// H2D operation in the link metrics for the batch, its bytes all of theirs. Returns how
+    /// many copies the batch loaded.
+    ///
+    /// # Errors
+    /// [`Error::UnknownTensor`]; the device's (a failed copy clears that tensor's device copy, as
+    /// a failed acquire's does).
+    pub fn load_device_batch(&self, ids: &[TensorId]) -> Result<usize> {
+        self.inner.load_device_batch(ids)
+    }
+
     /// Copies the current bytes of `id` out (from the freshest copy), for tests and checkpoints.
     ///
     /// # Errors

@@ -12,7 +12,7 @@ use parking_lot::MutexGuard;
 
 use super::state::{CopyState, State};
 use super::{Access, Inner};
-use crate::device::{DeviceBuffer, DeviceEvent};
+use crate::device::{BatchCopy, DeviceBuffer, DeviceEvent};
 use crate::error::Result;
 use crate::host::HostBuffer;
 use crate::metrics::{Link, Metrics};
@@ -189,9 +189,19 @@ impl Inner {
         // Busy until queued: on CUDA the copy's real duration is in the device's link stats
         // (timed by events); the sim's engine has finished it by now.
         st.links.end(Link::Htod, bytes as u64, &self.metrics);
+        self.apply_htod(st, id, res)
+    }
+
+    /// Applies an H2D's outcome to `id`'s copies (device copy reserved and `Loading`, host copy
+    /// lent): the device copy ready and clean with the copy's event in `arrived`, the host
+    /// buffer back now or once the copy completes ([`Inner::settle_host`]); on an error the
+    /// device copy cleared and the host buffer put back — a failed copy loses it only if the
+    /// engine lost it, and the host copy is then refetched from NVMe or, for host-homed
+    /// tensors, reported.
+    fn apply_htod(&self, st: &mut MutexGuard<'_, State>, id: TensorId, outcome: BatchCopy) -> Result<()> {
         let clock = st.clock;
         let e = st.entry(id)?;
-        match res {
+        match outcome {
             Ok((dev, pending, copied)) => {
                 e.device.put(dev);
                 e.device.dirty = false;
@@ -202,8 +212,6 @@ impl Inner {
                 self.settle_host(st, id, false).map(|_| ())
             }
             Err((err, host)) => {
-                // A failed copy loses the host buffer only if the engine lost it; the host
-                // copy is then refetched from NVMe or, for host-homed tensors, reported.
                 match host {
                     Some(h) => e.host.put(h),
                     None => {
@@ -216,6 +224,89 @@ impl Inner {
                 st.release(Tier::Device, r);
                 Err(err)
             }
+        }
+    }
+
+    /// [`ResidencyManager::load_device_batch`](super::ResidencyManager::load_device_batch): under
+    /// the lock, claims the device load of each of `ids` whose device copy is absent and whose
+    /// host copy is ready and unpinned, reserving its room (evicting by policy, never waiting:
+    /// the first that finds no room ends the batch) and lending its host copy; then one batched
+    /// H2D ([`Device::htod_batch`](crate::Device::htod_batch)) with the lock released; then each
+    /// outcome applied as [`Inner::run`]'s H2D applies its own. Returns how many were loaded.
+    pub(super) fn load_device_batch(&self, ids: &[TensorId]) -> Result<usize> {
+        let mut st = self.state.lock();
+        let budget = self.budget_bytes(Tier::Device);
+        // Reserving never waits: the deadline is now.
+        let now = Instant::now();
+        let mut batch: Vec<(TensorId, HostBuffer)> = Vec::new();
+        for &id in ids {
+            st.clock += 1;
+            let clock = st.clock;
+            st.policy.on_acquire(id, Tier::Device, clock, true);
+            let e = st.entry(id)?;
+            let bytes = e.num_bytes() as u64;
+            if e.device.state != CopyState::Absent || !e.host.lendable() || e.host_pending.is_some() || bytes > budget {
+                continue;
+            }
+            e.device.state = CopyState::Loading;
+            let reservation = super::reserve::Reservation { tier: Tier::Device, bytes, for_id: id };
+            if self.reserve(&mut st, reservation, now).is_err() {
+                // No room without waiting (or an eviction failed, which the caller's own
+                // acquire meets again): the batch ends here.
+                st.entry(id)?.device.state = CopyState::Absent;
+                break;
+            }
+            let e = st.entry(id)?;
+            // Evictions may have released the lock: look again before lending.
+            if !e.host.lendable() || e.host_pending.is_some() {
+                e.device.state = CopyState::Absent;
+                st.release(Tier::Device, bytes);
+                continue;
+            }
+            e.device.reserved = bytes;
+            batch.push((id, e.host.take()));
+        }
+        if batch.is_empty() {
+            self.cond.notify_all();
+            return Ok(0);
+        }
+        let total: usize = batch.iter().map(|(_, h)| h.len()).sum();
+        st.links.begin(Link::Htod);
+        let ids: Vec<TensorId> = batch.iter().map(|&(id, _)| id).collect();
+        let outcomes = MutexGuard::unlocked(&mut st, || {
+            let _span = tracing::trace_span!("swapper::htod_batch", copies = batch.len(), bytes = total).entered();
+            let mut copies = Vec::with_capacity(batch.len());
+            let mut failed: Vec<Option<BatchCopy>> = Vec::with_capacity(batch.len());
+            for (_, host) in batch {
+                match self.device.alloc(host.len()) {
+                    Ok(dev) => {
+                        copies.push((host, dev));
+                        failed.push(None);
+                    }
+                    Err(e) => failed.push(Some(Err((e, Some(host))))),
+                }
+            }
+            let mut done = self.device.htod_batch(copies).into_iter();
+            failed
+                .into_iter()
+                .map(|f| f.unwrap_or_else(|| done.next().expect("one outcome per copy")))
+                .collect::<Vec<_>>()
+        });
+        st.links.end(Link::Htod, total as u64, &self.metrics);
+        let mut first_err = None;
+        let mut loaded = 0;
+        for (id, outcome) in ids.into_iter().zip(outcomes) {
+            match self.apply_htod(&mut st, id, outcome) {
+                Ok(()) => loaded += 1,
+                Err(err) => {
+                    first_err.get_or_insert(err);
+                }
+            }
+        }
+        self.cond.notify_all();
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(loaded),
         }
     }
 
