@@ -388,10 +388,24 @@ fn a_lowered_device_budget_holds_and_peaks_are_tracked() {
     assert!(m.used_bytes(Tier::Device) <= 700_000);
     assert!(m.peak_bytes(Tier::Device) <= 700_000 && m.peak_bytes(Tier::Device) >= 300_000);
     m.check_invariants().unwrap();
-    // Two pinned tensors fill the budget: it cannot go below what is held, nor above capacity.
+    // Lowered below what is held: unpinned copies are evicted until the rest fits, a dirty one
+    // written back first.
+    {
+        let g = m.acquire(TensorId(2), Tier::Device, Access::Write).unwrap();
+        g.device_buffer_mut().as_sim_mut().unwrap().compute_write().unwrap().copy_from_slice(&pattern(2, 1, 300_000));
+    }
+    assert!(m.used_bytes(Tier::Device) > 300_000, "{}", m.used_bytes(Tier::Device));
+    m.set_device_budget_bytes(300_000).unwrap();
+    assert!(m.used_bytes(Tier::Device) <= 300_000, "{}", m.used_bytes(Tier::Device));
+    assert_eq!(m.read_to_vec(TensorId(2)).unwrap(), pattern(2, 1, 300_000));
+    m.check_invariants().unwrap();
+    m.set_device_budget_bytes(700_000).unwrap();
+    // Two pinned tensors fill the budget: it cannot go below what they hold (and stays as it
+    // was), nor above capacity.
     let _a = m.acquire(TensorId(0), Tier::Device, Access::Read).unwrap();
     let _b = m.acquire(TensorId(1), Tier::Device, Access::Read).unwrap();
-    assert!(matches!(m.set_device_budget_bytes(100_000), Err(Error::Config { .. })));
+    assert!(matches!(m.set_device_budget_bytes(100_000), Err(Error::OutOfMemory { tier: Tier::Device, .. })));
+    assert_eq!(m.budget_bytes(Tier::Device), 700_000);
     assert!(matches!(m.set_device_budget_bytes(2 << 20), Err(Error::Config { .. })));
     m.reset_peak_bytes();
     assert_eq!(m.peak_bytes(Tier::Device), m.used_bytes(Tier::Device));

@@ -231,24 +231,33 @@ impl ResidencyManager {
     }
 
     /// Lowers (or raises, up to the device's capacity) the device budget, e.g. to carve out room
-    /// for buffers the caller allocates on the device itself (gradient staging).
+    /// for buffers the caller allocates on the device itself (gradient staging, a device
+    /// optimizer's state). Lowering it below the bytes held evicts unpinned device copies by the
+    /// policy (dirty ones written back to their host copy first) until they fit.
     ///
     /// # Errors
-    /// [`Error::Config`] when `bytes` is 0, above the device's capacity, or below the bytes the
-    /// manager holds on the device now.
+    /// [`Error::Config`] when `bytes` is 0 or above the device's capacity;
+    /// [`Error::OutOfMemory`] on the device tier when the copies that cannot be evicted (pinned
+    /// ones) hold more than `bytes` (the budget is then left as it was); write-back errors.
     pub fn set_device_budget_bytes(&self, bytes: u64) -> Result<()> {
-        let st = self.inner.state.lock();
-        let capacity = self.inner.device.capacity_bytes();
-        if bytes == 0 || bytes > capacity || bytes < st.used_bytes(Tier::Device) {
+        let inner = &self.inner;
+        let capacity = inner.device.capacity_bytes();
+        if bytes == 0 || bytes > capacity {
             return Err(Error::Config {
                 key: "device_budget_bytes".into(),
-                reason: format!(
-                    "{bytes} must be in {}..={capacity} (bytes held now ..= capacity)",
-                    st.used_bytes(Tier::Device).max(1)
-                ),
+                reason: format!("{bytes} must be in 1..={capacity} (the device's capacity)"),
             });
         }
-        self.inner.budgets[Tier::Device.index()].store(bytes, Ordering::Relaxed);
+        let mut st = inner.state.lock();
+        let old = inner.budget_bytes(Tier::Device);
+        inner.budgets[Tier::Device.index()].store(bytes, Ordering::Relaxed);
+        let deadline = Instant::now() + inner.config.wait_timeout;
+        // Room for nothing more: evicts until the bytes held fit the new budget.
+        let fit = Reservation { tier: Tier::Device, bytes: 0, for_id: TensorId(u64::MAX) };
+        if let Err(e) = inner.reserve(&mut st, fit, deadline) {
+            inner.budgets[Tier::Device.index()].store(old, Ordering::Relaxed);
+            return Err(e);
+        }
         Ok(())
     }
 
