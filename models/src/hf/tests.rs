@@ -852,7 +852,7 @@ fn dense_layers_among_sparse_ones_parse_lay_out_and_write_back() {
     assert_eq!((written["decoder_sparse_step"].clone(), written["mlp_only_layers"].clone()), (json!(2), json!([2])));
     // The defaults are the all-sparse model, as before.
     let all = parse(&fixture_config("qwen3_moe")).unwrap();
-    assert_eq!((all.decoder_sparse_step.clone(), all.mlp_only_layers.clone()), (None, None));
+    assert_eq!((all.decoder_sparse_step, all.mlp_only_layers.clone()), (None, None));
     assert_eq!(all.sparse_layers(), (0..all.num_hidden_layers).collect::<Vec<_>>());
 
     // Qwen2-MoE: a dense layer has no shared expert.

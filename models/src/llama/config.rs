@@ -222,14 +222,14 @@ pub struct LlamaConfig {
     #[serde(default)]
     pub shared_expert_intermediate_size: Option<usize>,
     /// Qwen3-MoE and Qwen2-MoE only: layer `i` is sparse (an MoE block) when `(i + 1)` is a
-    /// multiple of this (`decoder_sparse_step`, ≥ 1) and `i` is not in
-    /// [`LlamaConfig::mlp_only_layers`]; the other layers are dense, a SwiGLU MLP of width
+    /// multiple of this (`decoder_sparse_step`, ≥ 1) and `i` is not in `mlp_only_layers`; the
+    /// other layers are dense, a SwiGLU MLP of width
     /// `intermediate_size` (transformers' `Qwen3MoeDecoderLayer`). Default: 1 (every layer
     /// sparse).
     #[serde(default)]
     pub decoder_sparse_step: Option<usize>,
     /// Qwen3-MoE and Qwen2-MoE only: 0-based indices of the layers that are dense whatever
-    /// [`LlamaConfig::decoder_sparse_step`] says (`mlp_only_layers`, each `< num_hidden_layers`).
+    /// `decoder_sparse_step` says (`mlp_only_layers`, each `< num_hidden_layers`).
     /// Qwen2-MoE's dense layers have no shared expert. Default: none.
     #[serde(default)]
     pub mlp_only_layers: Option<Vec<usize>>,
