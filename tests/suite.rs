@@ -17,6 +17,7 @@ mod reference;
 mod bf16;
 mod bf16_tracking;
 mod budgets;
+mod dense_among_sparse;
 mod device_optimizer;
 mod llama;
 mod mixtral;

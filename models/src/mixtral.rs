@@ -13,7 +13,7 @@
 //! router : logits = h Gᵀ (no bias), p = softmax(logits) in F32 over all E experts
 //! top-k  : the k largest p per token (ties to the lower index), gates = p_chosen / Σ p_chosen
 //! block  : y = x1 + Σ_{chosen e} gate_e · expert_e(h)
-//! aux    : N = L·B·T rows over every layer of the forward pass, c_e = picks of e among N·k,
+//! aux    : N = L_s·B·T rows over the L_s sparse layers of the pass, c_e = picks of e among N·k,
 //!          P_e = Σ_n p[n, e];  aux = E · Σ_e (c_e / N) (P_e / N)      (gradient through P_e only)
 //! loss   : ce + router_aux_loss_coef · aux     (when output_router_logits, as transformers)
 //! ```
@@ -29,11 +29,22 @@
 //! | Qwen2-MoE | as Qwen3-MoE | as Qwen3-MoE | q/k/v bias | `x1 += sigmoid(h g_sᵀ) ⊙ shared_expert(h)` |
 //!
 //! Qwen2-MoE's shared expert runs on every token: it is a dense part of the trunk unit (added
-//! to the residual stream the routed experts' outputs join), not a routed expert unit. Dense
-//! layers among the sparse ones (`decoder_sparse_step`, `mlp_only_layers`) are refused by
-//! [`crate::hf`].
+//! to the residual stream the routed experts' outputs join), not a routed expert unit.
 //!
-//! The load-balancing loss pools every layer ([`MoeLm::finish_forward`] hands each routing the
+//! **Dense layers among the sparse ones** (Qwen3-MoE and Qwen2-MoE: `decoder_sparse_step`,
+//! `mlp_only_layers`; transformers' rule [`LlamaConfig::is_sparse_layer`]: layer `i` is sparse
+//! iff `i ∉ mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`): a dense layer is one
+//! [`UnitKind::Block`](crate::UnitKind::Block)`(i)` unit `model.layers.{i}`, the dense family's
+//! decoder layer (the family's attention, then `mlp.{gate,up,down}_proj` of width
+//! `intermediate_size`; Qwen2-MoE's has no shared expert), computed by [`crate::CausalLm`]'s
+//! unit calls; a sparse layer is a trunk and its experts as above. Blocks are numbered by
+//! **layer**: `MoeTrunk(i)`, `Expert { block: i, .. }` and the `block` of [`MoeLm`]'s calls are
+//! the layer index `i` (a dense layer's index is refused there); unit indices from
+//! [`LlamaConfig::block_unit`] and [`LlamaConfig::expert_unit`]. (The trainer's placer,
+//! routing statistics and routing trace number the MoE blocks `0..` in the order of
+//! [`LlamaConfig::sparse_layers`].) OLMoE and Mixtral have no dense layers.
+//!
+//! The load-balancing loss pools every sparse layer ([`MoeLm::finish_forward`] hands each routing the
 //! pooled weights `w_e = coef · E · c_e / N²` of its probabilities, which
 //! [`MoeLm::trunk_backward`] differentiates); no capacity, no tokens dropped. The router's
 //! jitter noise (training-time only in transformers) is not implemented and refused in
@@ -264,12 +275,20 @@ impl MoeFamily for Llama {
         if block >= layers {
             return Err(input_err("block index", format!("< {layers}"), block.to_string()));
         }
+        if !self.config().is_sparse_layer(block) {
+            return Err(input_err(
+                "block index",
+                format!("a sparse layer (one of {:?})", self.config().sparse_layers()),
+                format!("{block}, a dense layer (decoder_sparse_step, mlp_only_layers): call CausalLm::forward"),
+            ));
+        }
         Ok(self.config().block_unit(block))
     }
 
     fn expert_unit0(&self) -> Result<usize> {
         self.moe_check()?;
-        Ok(self.config().expert_unit(0, 0))
+        let first = self.config().sparse_layers()[0];
+        Ok(self.config().expert_unit(first, 0))
     }
 
     fn trunk_math(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
@@ -319,7 +338,7 @@ impl MoeLm for Llama {
 
     crate::lm::moe_calls!();
 
-    /// Pools the forward pass's routings (one per layer, in order): `N = Σ N_i`, `c_e` the
+    /// Pools the forward pass's routings (one per sparse layer, in order): `N = Σ N_i`, `c_e` the
     /// picks of expert `e` over all `N · k` choices, and gives each routing the weights
     /// `w_e = coef · E · c_e / N²` of its probabilities in the objective
     /// ([`Routing::aux_weights`]) and its share `Σ_e w_e Σ_n p[n, e]` of the loss

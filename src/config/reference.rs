@@ -223,6 +223,7 @@ fn toml_type(ty: &str) -> String {
         "PathBuf" => "path",
         "ByteSize" => "size",
         "Vec<PathBuf>" => "array of paths",
+        "Vec<usize>" => "array of integers",
         "[f32; 2]" => "[float, float]",
         "DeviceUnits" => "integer or `\"auto\"`",
         "RopeScaling" => "inline table",

@@ -267,7 +267,8 @@ pub fn moe_placement(cfg: &TrainConfig, model: &dyn CausalLm, hardware: &Hardwar
     moe_placement_at(cfg, model, hardware, None).map(|(p, _)| p).unwrap_or_default()
 }
 
-/// [`moe_placement`] at a routing skew (`None`: uniform routing), with the step's expected
+/// [`moe_placement`] at a routing skew (`None`: uniform routing), `[block][expert]` with
+/// `block` the MoE block's number (the sparse layers in order), with the step's expected
 /// expert traffic ([`PlannedExperts`]); `None` for a dense model. Expert `e` of a block is the
 /// profile's rank `e` (it receives `tokens · top_k · share[e]` of the step's tokens), so the hot
 /// set, filled in turn across the blocks, holds the most popular ranks; an expert is kept only
@@ -284,7 +285,10 @@ pub fn moe_placement_at(
     };
     let all: Vec<(usize, usize, u64)> = model.units().iter().filter_map(experts_of).collect();
     let &(_, _, numel) = all.first()?;
-    let layers = all.iter().map(|e| e.0 + 1).max().unwrap_or(0);
+    // The MoE blocks (the sparse layers; dense layers among them have no experts).
+    let mut moe_blocks: Vec<usize> = all.iter().map(|e| e.0).collect();
+    moe_blocks.dedup();
+    let layers = moe_blocks.len();
     let experts = all.iter().map(|e| e.1 + 1).max().unwrap_or(0);
     let top_k = model.moe().map_or(1, |m| m.experts_per_token());
     let bytes = cfg.train.compute_dtype.dtype().num_bytes(numel as usize) as u64;

@@ -181,8 +181,8 @@ pub struct PlannedModel {
     pub description: String,
     /// Its units in forward order.
     pub units: Vec<ModelUnit>,
-    /// MoE: where each expert runs, `[block][expert]` (under uniform routing); empty for a
-    /// dense model.
+    /// MoE: where each expert runs, `[block][expert]` (under uniform routing; `block` the MoE
+    /// block's number, the sparse layers in order); empty for a dense model.
     pub placements: Vec<Vec<Placement>>,
 }
 
@@ -229,6 +229,16 @@ impl PlannedModel {
         let tokens = batch * seq_len;
         let mut units = Vec::with_capacity(model.units().len());
         let mut experts_per_block = 0;
+        // `placements[b]` is the b-th MoE block's (the sparse layers in order).
+        let mut moe_blocks: Vec<usize> = model
+            .units()
+            .iter()
+            .filter_map(|u| match u.kind {
+                UnitKind::Expert { block, .. } => Some(block),
+                _ => None,
+            })
+            .collect();
+        moe_blocks.dedup();
         for (k, u) in model.units().iter().enumerate() {
             let mut unit = ModelUnit {
                 name: u.name.clone(),
@@ -244,7 +254,9 @@ impl PlannedModel {
                     .iter()
                     .filter(|s| matches!(s.kind, UnitKind::Expert { block: b, .. } if b == block))
                     .count();
-                let placement = placements.get(block).and_then(|b| b.get(expert)).copied().unwrap_or(Placement::Fetch);
+                let ordinal = moe_blocks.iter().position(|&b| b == block).expect("an expert's block");
+                let placement =
+                    placements.get(ordinal).and_then(|b| b.get(expert)).copied().unwrap_or(Placement::Fetch);
                 if placement == Placement::Skip {
                     continue;
                 }

@@ -113,7 +113,9 @@ pub struct StepOutcome {
     /// MoE: the load-balancing loss of the step (sum over blocks, already weighted); 0 for a
     /// dense model. The objective is `loss + aux_loss`.
     pub aux_loss: f64,
-    /// MoE: tokens routed to each expert, per block (`[block][expert]`); empty for a dense model.
+    /// MoE: tokens routed to each expert, per MoE block (`[block][expert]`, the sparse layers in
+    /// order: a model's dense layers among its sparse ones have no entry); empty for a dense
+    /// model.
     pub routed_tokens: Vec<Vec<usize>>,
     /// MoE: tokens whose expert ran on the CPU from its host copy this step (forward).
     pub cpu_tokens: usize,

@@ -25,7 +25,8 @@ use crate::runtime::{Phase, Runtime, UnitId, UnitParams};
 /// computed on the CPU, whichever is cheaper).
 #[derive(Debug, Clone, Default)]
 pub struct ExpertPlacement {
-    /// (block, expert) pairs kept on the device from their forward to their backward in a step.
+    /// (block, expert) pairs kept on the device from their forward to their backward in a step;
+    /// `block` is the layer index (`UnitKind::Expert { block, .. }`, dense layers counted).
     pub hot: HashSet<(usize, usize)>,
     /// A cold expert with at most this many routed tokens runs on the CPU from its host copy
     /// (no H2D, gradients straight to the CPU optimizer); 0: cold experts are always fetched.
@@ -110,6 +111,10 @@ pub(super) struct MoeState {
     lru: Option<LruCache>,
     /// Each expert's unit, for moving hot experts' optimizers.
     units: HashMap<ExpertId, UnitId>,
+    /// The MoE block number (the [`ExpertId`] block of the placer, the statistics and the
+    /// routing trace: the sparse layers' order) of each sparse layer (the trainer's block index,
+    /// `UnitKind::Expert { block, .. }`); the same numbers when every layer is sparse.
+    ordinals: HashMap<usize, u32>,
     /// The placer's hot experts keep their optimizer on the device
     /// ([`crate::moe::device_optimizer`]).
     device_optimizer: bool,
@@ -128,7 +133,7 @@ pub(super) struct MoeState {
 
 /// The arguments of [`MoeState::block_backward`] that say which block.
 pub(super) struct BlockBackward<'a> {
-    /// 0-based block index.
+    /// 0-based block index: the layer (dense layers count).
     pub(super) block: usize,
     pub(super) trunk: UnitId,
     pub(super) experts: &'a [UnitId],
@@ -165,7 +170,12 @@ impl MoeState {
                 _ => None,
             })
             .collect();
-        let blocks = experts.iter().map(|&(_, b, _)| b + 1).max().unwrap_or(0);
+        // The MoE blocks in layer order: the placer, the popularity statistics and the routing
+        // trace number them 0, 1, .. (a model's dense layers among its sparse ones have none).
+        let mut moe_layers: Vec<usize> = experts.iter().map(|&(_, b, _)| b).collect();
+        moe_layers.dedup();
+        let ordinals: HashMap<usize, u32> = moe_layers.iter().enumerate().map(|(i, &l)| (l, i as u32)).collect();
+        let blocks = moe_layers.len();
         let per_block = experts.iter().map(|&(_, _, e)| e + 1).max().unwrap_or(0);
         let top_k = model.moe().map_or(1, |m| m.experts_per_token());
         let expert_bytes = rt.compute_dtype().num_bytes(expert_params) as u64;
@@ -202,7 +212,7 @@ impl MoeState {
             let pc = crate::moe::placer_config(cfg, cpu, expert_params, world);
             let placer = Placer::new(blocks as u32, per_block as u32, header.expert_shape(), pc)
                 .map_err(moe_err("moe.expert_budget"))?;
-            let ids = experts.iter().map(|&(u, b, e)| (rt.units().tensor(u), ExpertId::new(b as u32, e as u32)));
+            let ids = experts.iter().map(|&(u, b, e)| (rt.units().tensor(u), ExpertId::new(ordinals[&b], e as u32)));
             rt.set_fallback_policy(Box::new(placer.fallback(ids)));
             Some(placer)
         } else {
@@ -213,7 +223,7 @@ impl MoeState {
             clock: 0,
             last_use: HashMap::new(),
         });
-        let units = experts.iter().map(|&(u, b, e)| (ExpertId::new(b as u32, e as u32), u)).collect();
+        let units = experts.iter().map(|&(u, b, e)| (ExpertId::new(ordinals[&b], e as u32), u)).collect();
         if device_optimizer {
             tracing::info!(
                 hot_expert_bytes = crate::moe::hot_expert_bytes(cfg, expert_params, world),
@@ -228,6 +238,7 @@ impl MoeState {
             expert_bytes,
             lru,
             units,
+            ordinals,
             device_optimizer,
             traffic: ExpertTraffic::default(),
             used_anywhere: HashMap::new(),
@@ -236,7 +247,7 @@ impl MoeState {
         })
     }
 
-    /// Where each expert of `block` runs for the routed `tokens`.
+    /// Where each expert of `block` (a sparse layer's index) runs for the routed `tokens`.
     fn place_block(&self, block: usize, tokens: &[usize]) -> Result<Vec<Placement>> {
         if let Some(p) = &self.placement {
             return Ok(tokens.iter().enumerate().map(|(e, &n)| p.place(block, e, n)).collect());
@@ -248,7 +259,7 @@ impl MoeState {
         match &self.placer {
             Some(placer) => {
                 let t: Vec<u64> = tokens.iter().map(|&n| n as u64).collect();
-                placer.place_block(block as u32, &t).map_err(moe_err("moe"))
+                placer.place_block(self.ordinals[&block], &t).map_err(moe_err("moe"))
             }
             // `fetch` / `resident`: every routed expert fetched on demand.
             None => Ok(tokens.iter().map(|&n| if n == 0 { Placement::Skip } else { Placement::Fetch }).collect()),
@@ -491,7 +502,8 @@ impl MoeState {
         Ok(t.to_device(device)?)
     }
 
-    /// Between steps: the step's routing (`routed[block][expert]` tokens) feeds the popularity
+    /// Between steps: the step's routing (`routed[block][expert]` tokens, `block` the MoE block
+    /// number: the sparse layers in order) feeds the popularity
     /// statistics and the routing trace, and the hot set is re-placed (with hysteresis). With
     /// device optimizers the experts leaving the hot set take their optimizer back to the host
     /// first, then those entering move theirs to the device (their state's H2D bytes count in

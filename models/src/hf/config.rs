@@ -94,9 +94,9 @@ pub fn read_config(path: &Path) -> Result<LlamaConfig> {
 /// than `full_attention`), an unsupported `rope_type`, `partial_rotary_factor` ≠ 1, a non-zero
 /// `attention_dropout`, a `quantization_config`, both `rope_scaling` and `rope_parameters`; MoE
 /// options no family here computes (`router_bias`, `scoring_func` other than softmax,
-/// `n_group`/`topk_group` > 1, `kv_lora_rank`/`q_lora_rank`, OLMoE's `clip_qkv`,
-/// `decoder_sparse_step` ≠ 1, a non-empty `mlp_only_layers`, `num_experts` ≠
-/// `num_local_experts`); or a
+/// `n_group`/`topk_group` > 1, `kv_lora_rank`/`q_lora_rank`, OLMoE's `clip_qkv`, OLMoE's
+/// `decoder_sparse_step` ≠ 1 or non-empty `mlp_only_layers` (Qwen3-MoE and Qwen2-MoE take
+/// both: their dense layers among the sparse ones), `num_experts` ≠ `num_local_experts`); or a
 /// config that fails [`LlamaConfig::validate`] (the key it names).
 pub fn parse_config(text: &str, path: &Path) -> Result<LlamaConfig> {
     let value: Value = serde_json::from_str(text).map_err(|e| Error::HfConfig {
@@ -209,8 +209,8 @@ pub fn config_json(config: &LlamaConfig, torch_dtype: &str, extra: &Map<String, 
         put("norm_topk_prob", c.norm_topk_prob().into());
         if c.family != LlamaFamily::Olmoe {
             put("moe_intermediate_size", c.expert_intermediate_size().into());
-            put("decoder_sparse_step", 1.into());
-            put("mlp_only_layers", Value::Array(Vec::new()));
+            put("decoder_sparse_step", c.decoder_sparse_step.unwrap_or(1).into());
+            put("mlp_only_layers", c.mlp_only_layers.clone().unwrap_or_default().into());
         }
     }
     // transformers ≥ 4.56 and 5 name it `dtype` (and warn on the older `torch_dtype`).
@@ -499,6 +499,8 @@ fn parse_map(map: &Map<String, Value>, path: &Path) -> Result<LlamaConfig> {
         moe_intermediate_size: None,
         norm_topk_prob: None,
         shared_expert_intermediate_size: None,
+        decoder_sparse_step: None,
+        mlp_only_layers: None,
     };
     let config = if config.is_moe() { parse_moe(&k, config)? } else { config };
     config.validate().map_err(|e| match e {
@@ -549,7 +551,8 @@ fn refuse_moe_options(k: &Keys<'_>) -> Result<()> {
 /// The MoE keys of an MoE family, with transformers' defaults per family: the expert count as
 /// `num_local_experts` or `num_experts` (both spellings; equal when both are given), top-k, the
 /// load-balancing loss's weight and switch, `norm_topk_prob`, the expert widths; and
-/// `decoder_sparse_step` / `mlp_only_layers`, whose dense layers among sparse ones are refused.
+/// `decoder_sparse_step` / `mlp_only_layers` (Qwen3-MoE, Qwen2-MoE: dense layers among the
+/// sparse ones).
 fn parse_moe(k: &Keys<'_>, config: LlamaConfig) -> Result<LlamaConfig> {
     let family = config.family;
     // transformers' defaults: (experts, top-k, aux coef, moe_intermediate_size, shared width).
@@ -566,29 +569,7 @@ fn parse_moe(k: &Keys<'_>, config: LlamaConfig) -> Result<LlamaConfig> {
         (Some(a), _) | (None, Some(a)) => a,
         (None, None) => experts,
     };
-    if family != LlamaFamily::Mixtral {
-        if let Some(step) = k.usize("decoder_sparse_step")? {
-            if step != 1 {
-                return Err(k.err(
-                    "decoder_sparse_step",
-                    format!(
-                        "{step}: dense MLP layers among the sparse ones are not supported; set it to 1 (every layer \
-                         sparse)"
-                    ),
-                ));
-            }
-        }
-        match k.get("mlp_only_layers") {
-            None => {}
-            Some(Value::Array(a)) if a.is_empty() => {}
-            Some(v) => {
-                return Err(k.err(
-                    "mlp_only_layers",
-                    format!("{v}: dense MLP layers among the sparse ones are not supported; set it to []"),
-                ))
-            }
-        }
-    }
+    let (decoder_sparse_step, mlp_only_layers) = parse_dense_layers(k, family)?;
     let uses_moe_width = matches!(family, LlamaFamily::Qwen3Moe | LlamaFamily::Qwen2Moe);
     Ok(LlamaConfig {
         num_local_experts: Some(experts),
@@ -609,8 +590,47 @@ fn parse_moe(k: &Keys<'_>, config: LlamaConfig) -> Result<LlamaConfig> {
             .then(|| k.usize("shared_expert_intermediate_size"))
             .transpose()?
             .map(|s| s.unwrap_or(shared_width)),
+        decoder_sparse_step,
+        mlp_only_layers,
         ..config
     })
+}
+
+/// `decoder_sparse_step` and `mlp_only_layers`, the dense layers among the sparse ones of
+/// Qwen3-MoE and Qwen2-MoE (`None` for their defaults, 1 and `[]`). OLMoE has neither (every
+/// layer is sparse): a value other than the default is refused there. Mixtral's config has no
+/// such keys; they are ignored.
+fn parse_dense_layers(k: &Keys<'_>, family: LlamaFamily) -> Result<(Option<usize>, Option<Vec<usize>>)> {
+    if family == LlamaFamily::Mixtral {
+        return Ok((None, None));
+    }
+    let step = k.usize("decoder_sparse_step")?.filter(|&s| s != 1);
+    let layers = match k.get("mlp_only_layers") {
+        None => Vec::new(),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| v.as_u64().and_then(|n| usize::try_from(n).ok()))
+            .collect::<Option<Vec<usize>>>()
+            .ok_or_else(|| {
+                k.err("mlp_only_layers", format!("must be a list of layer indices, got {}", Value::Array(a.clone())))
+            })?,
+        Some(v) => return Err(k.err("mlp_only_layers", format!("must be a list of layer indices, got {v}"))),
+    };
+    if family == LlamaFamily::Olmoe {
+        if let Some(s) = step {
+            return Err(k.err(
+                "decoder_sparse_step",
+                format!("{s}: OLMoE has no dense layers among its sparse ones; set it to 1"),
+            ));
+        }
+        if !layers.is_empty() {
+            return Err(k.err(
+                "mlp_only_layers",
+                format!("{layers:?}: OLMoE has no dense layers among its sparse ones; set it to []"),
+            ));
+        }
+    }
+    Ok((step, (!layers.is_empty()).then_some(layers)))
 }
 
 /// `(rope_theta, rope_scaling)` from transformers 5's `rope_parameters` or transformers 4's

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use super::*;
 use crate::lm::{loss_and_grads, CausalLm, IGNORE_INDEX};
 use crate::shared_tests::{assert_fixture_grads_within, rel_max_abs, to_f32};
-use crate::{Error, Llama, LlamaConfig, LlamaFamily, RopeScaling};
+use crate::{Error, Llama, LlamaConfig, LlamaFamily, RopeScaling, UnitKind};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures/llama")
@@ -659,9 +659,15 @@ fn unsupported_options_are_refused_by_name() {
     // The fine-grained MoE families are supported (mixtral/tests.rs), but not every option of
     // the MoE configs: each refused by its key, with the value that is supported.
     for (case, key, v, fix) in [
-        ("qwen3_moe", "decoder_sparse_step", json!(2), "set it to 1"),
-        ("qwen3_moe", "mlp_only_layers", json!([0]), "set it to []"),
-        ("qwen2_moe", "mlp_only_layers", json!([1]), "set it to []"),
+        // Qwen3-MoE and Qwen2-MoE take dense layers among sparse ones (below); OLMoE has none.
+        ("olmoe", "decoder_sparse_step", json!(2), "set it to 1"),
+        ("olmoe", "mlp_only_layers", json!([0]), "set it to []"),
+        ("qwen3_moe", "mlp_only_layers", json!([0, 1]), "keep at least one MoE layer"),
+        ("qwen2_moe", "decoder_sparse_step", json!(3), "keep at least one MoE layer"),
+        ("qwen2_moe", "decoder_sparse_step", json!(0), "at least 1"),
+        ("qwen3_moe", "mlp_only_layers", json!([2]), "names layer 2"),
+        ("qwen3_moe", "mlp_only_layers", json!("1"), "a list of layer indices"),
+        ("qwen3_moe", "mlp_only_layers", json!([-1]), "a list of layer indices"),
         ("qwen3_moe", "router_bias", json!(true), "set it to false"),
         ("olmoe", "scoring_func", json!("sigmoid"), "softmax"),
         ("qwen3_moe", "n_group", json!(8), "set it to 1"),
@@ -806,4 +812,56 @@ fn read_tensors_converts_each_dtype() {
     assert_eq!((t["c"].shape.len(), t["c"].as_f32().unwrap()), (0, [0.5].as_slice()));
     assert_eq!(t["d"].as_i64().unwrap(), [-100, 7]);
     assert!(t["d"].as_f32().is_none());
+}
+
+/// Qwen3-MoE's and Qwen2-MoE's dense layers among the sparse ones (`decoder_sparse_step`,
+/// `mlp_only_layers`): transformers' rule per layer, a dense unit of the MLP's width for each
+/// dense layer (Qwen2-MoE's without a shared expert), and `config.json` written back with them.
+#[test]
+fn dense_layers_among_sparse_ones_parse_lay_out_and_write_back() {
+    let mut m = fixture_config("qwen3_moe");
+    m.insert("num_hidden_layers".into(), json!(4));
+    m.insert("mlp_only_layers".into(), json!([2]));
+    m.insert("decoder_sparse_step".into(), json!(2));
+    let c = parse(&m).unwrap();
+    // (i + 1) % 2 == 0 and i not in [2]: layer 1 and 3, but 2 is not a multiple anyway.
+    let sparse: Vec<bool> = (0..4).map(|l| c.is_sparse_layer(l)).collect();
+    assert_eq!(sparse, [false, true, false, true]);
+    assert_eq!(c.sparse_layers(), [1, 3]);
+    let units = c.units();
+    assert_eq!(units.len(), c.num_units());
+    assert_eq!(units.len(), 4 + 2 * 8 + 2);
+    for l in 0..4 {
+        let u = &units[c.block_unit(l)];
+        assert_eq!(u.name, format!("model.layers.{l}"));
+        if sparse[l] {
+            assert_eq!(u.kind, UnitKind::MoeTrunk(l));
+            assert_eq!(units[c.expert_unit(l, 7)].kind, UnitKind::Expert { block: l, expert: 7 });
+        } else {
+            assert_eq!(u.kind, UnitKind::Block(l));
+            let names: Vec<&str> = u.params.iter().map(|p| p.name.as_str()).collect();
+            assert!(names.contains(&format!("model.layers.{l}.mlp.down_proj.weight").as_str()), "{names:?}");
+            assert!(!names.iter().any(|n| n.contains("gate.weight") || n.contains("experts")), "{names:?}");
+            let down = u.params.iter().find(|p| p.name.ends_with("mlp.down_proj.weight")).unwrap();
+            assert_eq!(down.shape, vec![c.hidden_size, c.intermediate_size]);
+        }
+    }
+    let back = parse(config_json(&c, "float32", &Default::default()).as_object().unwrap()).unwrap();
+    assert_eq!(back, c);
+    let written = config_json(&c, "float32", &Default::default());
+    assert_eq!((written["decoder_sparse_step"].clone(), written["mlp_only_layers"].clone()), (json!(2), json!([2])));
+    // The defaults are the all-sparse model, as before.
+    let all = parse(&fixture_config("qwen3_moe")).unwrap();
+    assert_eq!((all.decoder_sparse_step, all.mlp_only_layers.clone()), (None, None));
+    assert_eq!(all.sparse_layers(), (0..all.num_hidden_layers).collect::<Vec<_>>());
+
+    // Qwen2-MoE: a dense layer has no shared expert.
+    let mut m = fixture_config("qwen2_moe");
+    m.insert("mlp_only_layers".into(), json!([0]));
+    let c = parse(&m).unwrap();
+    let dense = &c.units()[c.block_unit(0)];
+    assert_eq!(dense.kind, UnitKind::Block(0));
+    assert!(!dense.params.iter().any(|p| p.name.contains("shared_expert")), "{:?}", dense.params);
+    let trunk = &c.units()[c.block_unit(1)];
+    assert!(trunk.params.iter().any(|p| p.name.contains("shared_expert_gate")));
 }

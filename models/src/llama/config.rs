@@ -221,6 +221,18 @@ pub struct LlamaConfig {
     /// (`shared_expert_intermediate_size`, ≥ 1).
     #[serde(default)]
     pub shared_expert_intermediate_size: Option<usize>,
+    /// Qwen3-MoE and Qwen2-MoE only: layer `i` is sparse (an MoE block) when `(i + 1)` is a
+    /// multiple of this (`decoder_sparse_step`, ≥ 1) and `i` is not in `mlp_only_layers`; the
+    /// other layers are dense, a SwiGLU MLP of width
+    /// `intermediate_size` (transformers' `Qwen3MoeDecoderLayer`). Default: 1 (every layer
+    /// sparse).
+    #[serde(default)]
+    pub decoder_sparse_step: Option<usize>,
+    /// Qwen3-MoE and Qwen2-MoE only: 0-based indices of the layers that are dense whatever
+    /// `decoder_sparse_step` says (`mlp_only_layers`, each `< num_hidden_layers`).
+    /// Qwen2-MoE's dense layers have no shared expert. Default: none.
+    #[serde(default)]
+    pub mlp_only_layers: Option<Vec<usize>>,
 }
 
 fn default_family() -> LlamaFamily {
@@ -311,6 +323,8 @@ impl LlamaConfig {
             moe_intermediate_size: None,
             norm_topk_prob: None,
             shared_expert_intermediate_size: None,
+            decoder_sparse_step: None,
+            mlp_only_layers: None,
         }
     }
 
@@ -401,13 +415,31 @@ impl LlamaConfig {
         }
     }
 
-    /// Unit index of layer `layer`'s unit: its decoder layer (dense) or its MoE trunk (Mixtral:
-    /// `1 + layer · (1 + E)`).
-    pub fn block_unit(&self, layer: usize) -> usize {
-        1 + layer * (1 + self.num_experts())
+    /// Whether layer `layer`'s feed-forward network is a sparse MoE block (transformers' rule:
+    /// an MoE family, `layer` not in `mlp_only_layers` and `(layer + 1) % decoder_sparse_step
+    /// == 0`); false for every layer of a dense family.
+    pub fn is_sparse_layer(&self, layer: usize) -> bool {
+        self.is_moe()
+            && (layer + 1) % self.decoder_sparse_step.unwrap_or(1).max(1) == 0
+            && !self.mlp_only_layers.as_deref().unwrap_or_default().contains(&layer)
     }
 
-    /// Mixtral: unit index of expert `expert` of layer `layer` (`block_unit(layer) + 1 + expert`).
+    /// MoE: the sparse layers in order (every layer unless `decoder_sparse_step` or
+    /// `mlp_only_layers` make some dense); empty for a dense family. The trainer's routing
+    /// statistics, routing trace and placer number MoE blocks by their position here.
+    pub fn sparse_layers(&self) -> Vec<usize> {
+        (0..self.num_hidden_layers).filter(|&l| self.is_sparse_layer(l)).collect()
+    }
+
+    /// Unit index of layer `layer`'s unit: its decoder layer (dense) or its MoE trunk: `1 +`
+    /// the units of the layers before it (one per dense layer, `1 + E` per sparse one; Mixtral
+    /// `1 + layer · (1 + E)`).
+    pub fn block_unit(&self, layer: usize) -> usize {
+        1 + (0..layer).map(|l| if self.is_sparse_layer(l) { 1 + self.num_experts() } else { 1 }).sum::<usize>()
+    }
+
+    /// MoE: unit index of expert `expert` of the sparse layer `layer` (`block_unit(layer) + 1 +
+    /// expert`).
     pub fn expert_unit(&self, layer: usize, expert: usize) -> usize {
         self.block_unit(layer) + 1 + expert
     }
@@ -469,10 +501,10 @@ impl LlamaConfig {
         }
     }
 
-    /// Number of units: `num_hidden_layers + 2` (embedding, layers, head); Mixtral
-    /// `num_hidden_layers · (1 + E) + 2` (a trunk and `E` experts per layer).
+    /// Number of units: `num_hidden_layers + 2` (embedding, layers, head), plus `E` experts per
+    /// sparse layer of an MoE family (Mixtral: `num_hidden_layers · (1 + E) + 2`).
     pub fn num_units(&self) -> usize {
-        self.num_hidden_layers * (1 + self.num_experts()) + 2
+        self.num_hidden_layers + self.sparse_layers().len() * self.num_experts() + 2
     }
 
     /// Checks every constraint in one place.
@@ -592,6 +624,16 @@ impl LlamaConfig {
                 self.shared_expert_intermediate_size.is_some(),
                 &[LlamaFamily::Qwen2Moe][..],
             ),
+            (
+                "model.decoder_sparse_step",
+                self.decoder_sparse_step.is_some(),
+                &[LlamaFamily::Qwen3Moe, LlamaFamily::Qwen2Moe][..],
+            ),
+            (
+                "model.mlp_only_layers",
+                self.mlp_only_layers.is_some(),
+                &[LlamaFamily::Qwen3Moe, LlamaFamily::Qwen2Moe][..],
+            ),
         ] {
             if set && !families.contains(&self.family) {
                 let names: Vec<&str> = families.iter().map(|f| f.model_type()).collect();
@@ -682,6 +724,27 @@ impl LlamaConfig {
         if self.expert_intermediate_size() == 0 {
             return cfg("model.moe_intermediate_size", "must be at least 1".into());
         }
+        if self.decoder_sparse_step == Some(0) {
+            return cfg("model.decoder_sparse_step", "must be at least 1 (1: every layer sparse)".into());
+        }
+        let layers = self.num_hidden_layers;
+        if let Some(&l) = self.mlp_only_layers.iter().flatten().find(|&&l| l >= layers) {
+            return cfg(
+                "model.mlp_only_layers",
+                format!("names layer {l}, but the model has {layers} (0-based indices below num_hidden_layers)"),
+            );
+        }
+        if self.sparse_layers().is_empty() {
+            let only = self.mlp_only_layers.as_ref().is_some_and(|l| !l.is_empty());
+            return cfg(
+                if only { "model.mlp_only_layers" } else { "model.decoder_sparse_step" },
+                format!(
+                    "with decoder_sparse_step = {} no layer of {layers} is sparse: keep at least one MoE layer, or \
+                     use the dense family (\"qwen3\" or \"qwen2\")",
+                    self.decoder_sparse_step.unwrap_or(1)
+                ),
+            );
+        }
         if self.family == LlamaFamily::Mixtral && self.norm_topk_prob == Some(false) {
             return cfg("model.norm_topk_prob", "Mixtral always renormalizes its top-k: leave it unset".into());
         }
@@ -729,7 +792,7 @@ impl LlamaConfig {
             b.push(format!("{prefix}.input_layernorm.weight"), vec![d], ParamInit::Ones);
             self.push_attention(&mut b, &format!("{prefix}.self_attn"));
             b.push(format!("{prefix}.post_attention_layernorm.weight"), vec![d], ParamInit::Ones);
-            if self.is_moe() {
+            if self.is_sparse_layer(layer) {
                 let moe = format!("{prefix}.{}", self.moe_prefix());
                 b.push(format!("{moe}.gate.weight"), vec![self.num_experts(), d], normal);
                 if let Some(s) = self.shared_expert_width() {
@@ -819,6 +882,18 @@ impl LlamaConfig {
     /// its own group but `gate_proj`/`up_proj`, merged into one `[2I, d]` weight (and `[2I]`
     /// bias).
     pub(crate) fn block_groups(&self) -> (Vec<(usize, Vec<usize>)>, BlockGroups) {
+        self.layer_groups(self.is_moe())
+    }
+
+    /// The computation groups of a dense decoder layer's flat vector (a dense family's layer, or
+    /// a dense layer among an MoE family's sparse ones: attention, then the MLP of width
+    /// `intermediate_size`), as [`LlamaConfig::block_groups`].
+    pub(crate) fn dense_block_groups(&self) -> (Vec<(usize, Vec<usize>)>, BlockGroups) {
+        self.layer_groups(false)
+    }
+
+    /// [`LlamaConfig::block_groups`] of an MoE trunk (`sparse`) or a dense layer.
+    fn layer_groups(&self, sparse: bool) -> (Vec<(usize, Vec<usize>)>, BlockGroups) {
         let (d, hd, inter) = (self.hidden_size, self.head_dim(), self.intermediate_size);
         let (q, kv) = (self.num_attention_heads * hd, self.kv_heads() * hd);
         let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
@@ -843,9 +918,12 @@ impl LlamaConfig {
         let k_norm = self.qk_norm_widths().map(|(_, kn)| push(vec![kn]));
         let ln2 = push(vec![d]);
         // An MoE trunk has the router in place of the MLP (gate_up_w and down_w name it).
-        let router = self.is_moe().then(|| push(vec![self.num_experts(), d]));
+        let router = sparse.then(|| push(vec![self.num_experts(), d]));
         // Qwen2-MoE: the shared expert's gate/up, down and its sigmoid gate `[1, d]`.
-        let shared = self.shared_expert_width().map(|s| (push(vec![2 * s, d]), push(vec![d, s]), push(vec![1, d])));
+        let shared = self
+            .shared_expert_width()
+            .filter(|_| sparse)
+            .map(|s| (push(vec![2 * s, d]), push(vec![d, s]), push(vec![1, d])));
         let (gate_up_w, gate_up_b, down_w, down_b) = match router {
             Some(r) => (r, None, r, None),
             None => {

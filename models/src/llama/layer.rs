@@ -226,7 +226,7 @@ impl Llama {
     /// Decoder layer forward on the fused CPU path (`p` the layer's group views), with the
     /// caches of its backward.
     fn block_forward_fused(&self, p: &[Tensor], x: &Tensor) -> Result<(Tensor, BlockCache)> {
-        let g = &self.block;
+        let g = &self.dense;
         let (b, t, d) = x.dims3()?;
         let eps = self.config.rms_norm_eps;
         let n1 = rms_norm_fused(x, &p[g.ln1], eps)?;
@@ -252,7 +252,7 @@ impl Llama {
     /// Decoder layer backward on the fused CPU path by recomputation from `x` `[B, T, d]`:
     /// `(gradient of the layer's flat vector, gradient of x)` for `gy` `[B, T, d]`.
     pub(super) fn block_backward_fused(&self, p: &[Tensor], x: &Tensor, gy: &Tensor) -> Result<(Tensor, Tensor)> {
-        let g = &self.block;
+        let g = &self.dense;
         let (b, t, d) = x.dims3()?;
         let n = b * t;
         let eps = self.config.rms_norm_eps;

@@ -155,7 +155,12 @@ pub struct Llama {
     units: Vec<UnitSpec>,
     /// Computation groups of each unit's flat vector (every parameter, but gate/up merged).
     groups: Vec<Vec<Group>>,
+    /// Where the groups of a layer unit sit: an MoE trunk's (MoE families), else a dense
+    /// layer's.
     block: BlockGroups,
+    /// Where the groups of a dense layer unit sit (a dense family's layers, or the dense layers
+    /// among an MoE family's sparse ones).
+    dense: BlockGroups,
     tables: Mutex<Vec<Tables>>,
     /// The fused kernels on or off, the composed attention's chunk and masks.
     compute: Compute,
@@ -178,15 +183,17 @@ impl Llama {
         let config = config.resolved();
         let units = config.units();
         let (block_groups, block) = config.block_groups();
+        let (dense_groups, dense) = config.dense_block_groups();
         let groups = units
             .iter()
             .map(|u| match u.kind {
-                UnitKind::Block(_) | UnitKind::MoeTrunk(_) => block_groups.clone(),
+                UnitKind::Block(_) => dense_groups.clone(),
+                UnitKind::MoeTrunk(_) => block_groups.clone(),
                 UnitKind::Expert { .. } => config.expert_groups(),
                 _ => u.params.iter().map(|p| (p.offset, p.shape.clone())).collect(),
             })
             .collect();
-        Ok(Self { config, units, groups, block, tables: Mutex::new(Vec::new()), compute: Compute::default() })
+        Ok(Self { config, units, groups, block, dense, tables: Mutex::new(Vec::new()), compute: Compute::default() })
     }
 
     /// The configuration (with its defaults resolved).
@@ -286,7 +293,7 @@ impl Llama {
         if self.compute.fused(x) && !x.track_op() && p.iter().all(|t| !t.track_op()) {
             return self.block_math_fused(p, x);
         }
-        let g = &self.block;
+        let g = &self.dense;
         let h = self.rms_norm(x, &p[g.ln1])?;
         let x = (x + self.attention(&AttnParams::of_block(p, g), &h)?)?;
         let h = self.rms_norm(&x, &p[g.ln2])?;
