@@ -248,17 +248,7 @@ impl ResidencyManager {
                 reason: format!("{bytes} must be in 1..={capacity} (the device's capacity)"),
             });
         }
-        let mut st = inner.state.lock();
-        let old = inner.budget_bytes(Tier::Device);
-        inner.budgets[Tier::Device.index()].store(bytes, Ordering::Relaxed);
-        let deadline = Instant::now() + inner.config.wait_timeout;
-        // Room for nothing more: evicts until the bytes held fit the new budget.
-        let fit = Reservation { tier: Tier::Device, bytes: 0, for_id: TensorId(u64::MAX) };
-        if let Err(e) = inner.reserve(&mut st, fit, deadline) {
-            inner.budgets[Tier::Device.index()].store(old, Ordering::Relaxed);
-            return Err(e);
-        }
-        Ok(())
+        inner.refit_budget(Tier::Device, bytes)
     }
 
     /// Lowers (or raises) the host budget, and the host pool's with it: unpinned copies are
@@ -273,19 +263,8 @@ impl ResidencyManager {
         if bytes == 0 {
             return Err(Error::Config { key: "host_budget_bytes".into(), reason: "must be > 0".into() });
         }
-        let inner = &self.inner;
-        let mut st = inner.state.lock();
-        let old = inner.budget_bytes(Tier::Host);
-        inner.budgets[Tier::Host.index()].store(bytes, Ordering::Relaxed);
-        let deadline = Instant::now() + inner.config.wait_timeout;
-        // Room for nothing more: evicts until the bytes held fit the new budget.
-        let fit = Reservation { tier: Tier::Host, bytes: 0, for_id: TensorId(u64::MAX) };
-        if let Err(e) = inner.reserve(&mut st, fit, deadline) {
-            inner.budgets[Tier::Host.index()].store(old, Ordering::Relaxed);
-            return Err(e);
-        }
-        drop(st);
-        inner.pool.set_budget_bytes(bytes);
+        self.inner.refit_budget(Tier::Host, bytes)?;
+        self.inner.pool.set_budget_bytes(bytes);
         Ok(())
     }
 
@@ -642,6 +621,23 @@ impl Inner {
     /// The byte budget of `tier`, `Device` or `Host`.
     fn budget_bytes(&self, tier: Tier) -> u64 {
         self.budgets[tier.index()].load(Ordering::Relaxed)
+    }
+
+    /// Sets `tier`'s budget (`Device` or `Host`) to `bytes` and evicts by the policy until the
+    /// bytes held fit it; on failure (copies that cannot be evicted hold more) the budget is left
+    /// as it was and the error returned.
+    fn refit_budget(&self, tier: Tier, bytes: u64) -> Result<()> {
+        let mut st = self.state.lock();
+        let old = self.budget_bytes(tier);
+        self.budgets[tier.index()].store(bytes, Ordering::Relaxed);
+        let deadline = Instant::now() + self.config.wait_timeout;
+        // Room for nothing more: evicts until the bytes held fit the new budget.
+        let fit = Reservation { tier, bytes: 0, for_id: TensorId(u64::MAX) };
+        if let Err(e) = self.reserve(&mut st, fit, deadline) {
+            self.budgets[tier.index()].store(old, Ordering::Relaxed);
+            return Err(e);
+        }
+        Ok(())
     }
 
     /// The NVMe store.
