@@ -108,17 +108,18 @@ impl Case {
     ) -> (Runtime, Vec<UnitId>) {
         let cfg = self.model.config();
         let units = self.model.units();
-        let (layers, experts) = (cfg.num_hidden_layers, cfg.num_experts());
+        let (sparse, experts) = (cfg.sparse_layers(), cfg.num_experts());
         let bytes = |numel: usize| dtype.num_bytes(numel) as u64;
         let total_bytes: u64 = units.iter().map(|u| bytes(u.numel)).sum();
         let largest = units.iter().map(|u| bytes(u.numel)).max().unwrap();
-        let expert_bytes = bytes(units[cfg.expert_unit(0, 0)].numel);
-        let resident = (0..layers)
-            .flat_map(|b| (0..experts).map(move |e| (b, e)))
+        let expert_bytes = bytes(units[cfg.expert_unit(sparse[0], 0)].numel);
+        let resident = sparse
+            .iter()
+            .flat_map(|&b| (0..experts).map(move |e| (b, e)))
             .filter(|&(b, e)| place(b, e) == Place::Resident)
             .count() as u64;
         let mut rc = RuntimeConfig::sim(resident * expert_bytes + 3 * largest);
-        if resident < (layers * experts) as u64 {
+        if resident < (sparse.len() * experts) as u64 {
             assert!(rc.gpu_budget_bytes < total_bytes, "the GPU budget must be below the model's bytes");
         }
         rc.state_placement = StatePlacement::Nvme;
@@ -140,8 +141,9 @@ impl Case {
 
     /// One forward and backward with the unit parameters `source` gives (`keep(unit)`: an
     /// expert's forward parameters are held until its backward), routed as the router decides
-    /// or, with `replay` (every layer's choices `[N · k]`), to those experts
-    /// (`Llama::trunk_forward_routed`).
+    /// or, with `replay` (every sparse layer's choices `[N · k]`), to those experts
+    /// (`Llama::trunk_forward_routed`). Dense layers among the sparse ones (`mlp_only_layers`,
+    /// `decoder_sparse_step`) run as the block units they are; a tied head uses the embedding.
     pub(crate) fn pass(
         &self,
         source: &mut dyn FnMut(usize, Phase) -> Params,
@@ -160,8 +162,13 @@ impl Case {
         let (mut inputs, mut routings, mut router_logits) = (Vec::new(), Vec::new(), Vec::new());
         for b in 0..layers {
             let trunk = source(cfg.block_unit(b), Phase::Forward);
+            if !cfg.is_sparse_layer(b) {
+                let y = model.forward(cfg.block_unit(b), trunk.tensor(), &x, None).unwrap();
+                inputs.push(std::mem::replace(&mut x, y));
+                continue;
+            }
             let t = match replay {
-                Some(choices) => model.trunk_forward_routed(b, trunk.tensor(), &x, &choices[b]).unwrap(),
+                Some(choices) => model.trunk_forward_routed(b, trunk.tensor(), &x, &choices[routings.len()]).unwrap(),
                 None => moe.trunk_forward(b, trunk.tensor(), &x).unwrap(),
             };
             drop(trunk);
@@ -183,17 +190,28 @@ impl Case {
         moe.finish_forward(&mut routings.iter_mut().collect::<Vec<_>>()).unwrap();
         let weighted_aux = moe.aux_loss(&routings.iter().collect::<Vec<_>>());
 
+        let emb = cfg.tie_word_embeddings.then(|| source(0, Phase::Backward));
+        let emb_t = emb.as_ref().map(|e| e.tensor().clone());
         let p = source(head, Phase::Backward);
-        let logits = f32s(&model.forward(head, p.tensor(), &x, None).unwrap());
-        let out = model.head_loss_backward(p.tensor(), &x, None, &targets).unwrap();
-        drop(p);
+        let logits = f32s(&model.forward(head, p.tensor(), &x, emb_t.as_ref()).unwrap());
+        let out = model.head_loss_backward(p.tensor(), &x, emb_t.as_ref(), &targets).unwrap();
+        drop((p, emb));
         let mut grads: BTreeMap<usize, Vec<f32>> = BTreeMap::new();
         grads.insert(head, f32s(&out.grads.grad_params));
+        let tied_grad = out.grads.grad_tied_wte;
         let mut g = out.grads.grad_input.unwrap();
+        let mut sparse = routings.len();
         for b in (0..layers).rev() {
             let trunk = cfg.block_unit(b);
             let pt = source(trunk, Phase::Backward);
-            let routing = &routings[b];
+            if !cfg.is_sparse_layer(b) {
+                let ug = model.backward(trunk, pt.tensor(), &inputs[b], &g, None).unwrap();
+                grads.insert(trunk, f32s(&ug.grad_params));
+                g = ug.grad_input.unwrap();
+                continue;
+            }
+            sparse -= 1;
+            let routing = &routings[sparse];
             let t = moe.trunk_forward(b, pt.tensor(), &inputs[b]).unwrap();
             let (mut grad_inputs, mut grad_gates) = (vec![None; experts], vec![None; experts]);
             for e in 0..experts {
@@ -218,8 +236,12 @@ impl Case {
         }
         assert!(held.is_empty());
         let p = source(0, Phase::Backward);
-        grads.insert(0, f32s(&model.backward(0, p.tensor(), &tokens, &g, None).unwrap().grad_params));
+        let mut g0 = model.backward(0, p.tensor(), &tokens, &g, None).unwrap().grad_params;
         drop(p);
+        if let Some(gt) = tied_grad {
+            g0 = (g0 + gt).unwrap();
+        }
+        grads.insert(0, f32s(&g0));
         let choices = routings.iter().map(|r| r.choices().to_vec()).collect();
         let (aux, loss) = (weighted_aux / cfg.aux_loss_weight(), out.loss + weighted_aux);
         Pass { router_logits, choices, aux, logits, loss_ce: out.loss, loss, grads }
@@ -288,9 +310,9 @@ impl Params {
 
 /// What one forward and backward of an MoE fixture gives (values as f32).
 pub(crate) struct Pass {
-    /// Every layer's router logits, `[layers, N, E]` flat.
+    /// Every sparse layer's router logits, `[sparse layers, N, E]` flat.
     pub(crate) router_logits: Vec<f32>,
-    /// Every layer's top-k choices `[N · k]`, best first.
+    /// Every sparse layer's top-k choices `[N · k]`, best first.
     pub(crate) choices: Vec<Vec<u32>>,
     /// The load-balancing loss (transformers' `aux_loss`, before its coefficient).
     pub(crate) aux: f64,
@@ -305,7 +327,14 @@ pub(crate) struct Pass {
 
 /// [`through_the_runtime`] for the fixture case in `dir`.
 fn case_through_the_runtime(dir: &Path, label: &str, chunk: Option<usize>, place: impl Fn(usize, usize) -> Place) {
-    let case = Case::open(dir, chunk);
+    check_through_the_runtime(&Case::open(dir, chunk), label, place)
+}
+
+/// One step of `case` through an offloaded `Runtime`, experts where `place(layer, expert)` says:
+/// router logits, load-balancing loss, logits and losses within 1e-4 relative + 1e-5 absolute of
+/// transformers', every gradient (the runtime's and the in-memory loop's) within 1e-3 + 1e-6,
+/// and the AdamW step ([`Case::adamw_step`]).
+pub(crate) fn check_through_the_runtime(case: &Case, label: &str, place: impl Fn(usize, usize) -> Place) {
     let nvme = tempfile::tempdir().unwrap();
     let (mut rt, unit_ids) = case.runtime(DType::F32, nvme.path(), &place);
     let pass = case.runtime_pass(&mut rt, &unit_ids, &place);
