@@ -160,12 +160,14 @@ fn sigterm_checkpoints_the_finished_step_and_exits_3_and_a_second_signal_exits_a
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(losses(&metrics), expected, "the stopped and resumed run equals the uninterrupted one");
 
-    // A second signal while the stop's checkpoint is being written (paused there by the test
-    // hook) exits at once with 128 + 15; the checkpoints before stay valid.
+    // A second signal while the stop waits for the checkpoint in flight (paused there by the
+    // test hook) exits at once with 128 + 15; the checkpoints before stay valid. Step 4's line
+    // is written after step 2's checkpoint completed (a save waits for the one before it), so
+    // the first signal comes while step 4's is in flight.
     let cfg = config(dir.path(), "twice", 40, 2);
     let metrics = dir.path().join("twice/metrics.jsonl");
     let mut child = spawn(&cfg, &[("OOGC_PAUSE_AT", "checkpoint:1500")]);
-    wait_for_steps(&mut child, &metrics, 3);
+    wait_for_steps(&mut child, &metrics, 4);
     signal(&child, "-TERM");
     // Let the first signal be taken (the flag set) before the second.
     std::thread::sleep(Duration::from_millis(200));

@@ -75,7 +75,7 @@ pub use master::{adam_step_bf16_master, sr_bf16, sr_bits, sr_key, MasterDType, S
 pub use oogc_swapper::{DType, StatePlacement};
 pub use pipeline::{
     compute_copy, speculation_cost, state_host_bytes, stream_host_bytes, Grads, NormReduce, PipelinedOptimizer,
-    SpeculationReport, StepReport, UnitState, UpdateHandle,
+    SpeculationReport, StateSnapshot, StepReport, UnitState, UpdateHandle,
 };
 pub use quant::{
     adam_step_moments, bf16_rne, dequantize_dynamic, dequantize_linear, dynamic_map, quantize_dynamic, quantize_linear,

@@ -105,7 +105,10 @@ fn held_master(dtype: MasterDType, master: &[f32]) -> std::borrow::Cow<'_, [f32]
 use crate::quant::{MomentBufs, Reduced};
 use crate::simd::Isa;
 use crate::stream::{state_nvme_bytes, stream_update, MasterIn, NvmeState, StreamConfig};
+
+mod snapshot;
 use oogc_swapper::{DType, StatePlacement};
+pub use snapshot::StateSnapshot;
 
 /// A unit's gradients, owned (the optimizer keeps them until the step is final, then gives them
 /// to its [`GradPool`] for the next step's).
@@ -1220,49 +1223,66 @@ impl PipelinedOptimizer {
         }
     }
 
-    /// The unit's committed state (for a checkpoint), after waiting as [`wait_unit`](Self::wait_unit).
+    /// The unit's committed state (for a checkpoint), after waiting as [`wait_unit`](Self::wait_unit):
+    /// [`PipelinedOptimizer::snapshot_state`] read at once.
     ///
     /// # Errors
     /// [`Error::UnknownUnit`]; [`Error::Protocol`] during a step; [`Error::Swapper`] reading NVMe.
     pub fn export_state(&self, unit: TensorId) -> Result<UnitState> {
-        self.no_open_step("export_state")?;
+        self.snapshot_state(unit)?.read()
+    }
+
+    /// The unit's committed state as it is now, to be read later ([`StateSnapshot::read`]) while
+    /// the optimizer goes on updating the unit (a background checkpoint), after waiting as
+    /// [`wait_unit`](Self::wait_unit). Host-placed state is copied now (master weights in f32
+    /// and the moments in their dtype: [`StateSnapshot::host_bytes`]); NVMe-placed state is
+    /// copy-on-write: the snapshot holds the state's extents (updates write new ones, and the
+    /// extents are freed when the last of the optimizer and the snapshot lets them go), so it
+    /// copies only the master weights when they live in the compute copy
+    /// ([`crate::StreamConfig::master_in_copy`]).
+    ///
+    /// # Errors
+    /// [`Error::UnknownUnit`]; [`Error::Protocol`] during a step; [`Error::Swapper`] reading
+    /// the compute copy's home.
+    pub fn snapshot_state(&self, unit: TensorId) -> Result<StateSnapshot> {
+        self.no_open_step("snapshot_state")?;
         let cell = self.cell(unit)?;
         let mut g = cell.idle();
         if let Some(e) = g.error.take() {
             return Err(e);
         }
         let data = g.data.as_ref().expect("idle cell holds its data");
-        match &data.home {
-            Home::Host { cur, .. } => Ok(UnitState { master: cur.p.to_f32(), moments: cur.mom.clone() }),
+        let state = match &data.home {
+            Home::Host { cur, .. } => {
+                snapshot::Held::Copied(Some(UnitState { master: cur.p.to_f32(), moments: cur.mom.clone() }))
+            }
             Home::Nvme { cur, .. } => {
-                let store = self.shared.nvme.as_ref().ok_or(Error::NoNvmeStore { unit })?;
-                let read = {
-                    let _slot = self.shared.slots.acquire();
-                    cur.as_ref().expect("committed state").read(store, &self.shared.stream_pool)?
-                };
-                let (master, moments) = read;
-                let master = match master {
-                    Some(m) => m,
-                    None => {
+                let state = cur.as_ref().expect("committed state").share();
+                let master = match self.shared.stream.master_in_copy {
+                    false => None,
+                    true => {
                         // Kept in the committed compute copy (the second buffer's while it waits).
                         let dtype = self.shared.config.compute_dtype;
                         let mut master = vec![0f32; cell.n];
                         let mut fill =
                             |bytes: &[u8]| copy_to_f32(&bytes[..cell.n * dtype.size_in_bytes()], dtype, &mut master);
-                        match data.spare_copy.as_ref().filter(|s| s.unpublished) {
-                            Some(spare) => fill(copy_bytes(&spare.words, cell.n, dtype)),
-                            None => self
-                                .shared
-                                .home
-                                .read(unit, &mut fill)
-                                .map_err(|source| Error::Swapper { unit, source })?,
+                        let read = match data.spare_copy.as_ref().filter(|s| s.unpublished) {
+                            Some(spare) => Ok(fill(copy_bytes(&spare.words, cell.n, dtype))),
+                            None => {
+                                self.shared.home.read(unit, &mut fill).map_err(|source| Error::Swapper { unit, source })
+                            }
+                        };
+                        if let Err(e) = read {
+                            state.free(self.shared.nvme.as_ref().expect("NVMe unit has a store"));
+                            return Err(e);
                         }
-                        master
+                        Some(master)
                     }
                 };
-                Ok(UnitState { master, moments })
+                snapshot::Held::Nvme { state: Some(state), master, shared: Arc::clone(&self.shared) }
             }
-        }
+        };
+        Ok(StateSnapshot { unit, held: state })
     }
 
     /// Replaces the unit's state (from a checkpoint) and rewrites its compute copy in its home

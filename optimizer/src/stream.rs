@@ -32,6 +32,7 @@
 //! budget bounds it.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use oogc_swapper::host::PAGE_BYTES;
 use oogc_swapper::{Extent, HostBuffer, IoHandle, NvmeStore, PinnedPool, TensorId};
@@ -190,7 +191,9 @@ pub struct NvmeState {
     /// The unit's index of element 0 (a rank's shard starts inside its unit).
     offset: u64,
     cfg: StreamConfig,
-    extents: Vec<Extent>,
+    /// Shared with the snapshots of this state ([`NvmeState::share`]): the last holder frees
+    /// them ([`NvmeState::free`]).
+    extents: Arc<Vec<Extent>>,
 }
 
 fn swap_err(unit: TensorId) -> impl Fn(oogc_swapper::Error) -> Error {
@@ -229,7 +232,7 @@ impl NvmeState {
                 reason: format!("unit {unit}: {} moments given to a {} stream", moments.dtype(), cfg.format.moments),
             });
         }
-        let mut state = NvmeState { unit, len: p.len(), offset: 0, cfg, extents: Vec::new() };
+        let mut state = NvmeState { unit, len: p.len(), offset: 0, cfg, extents: Arc::default() };
         let mut buf = Some(pool.alloc(state.buffer_bytes(0)).map_err(swap_err(unit))?);
         for k in 0..state.num_chunks() {
             let r = state.chunk_range(k);
@@ -245,7 +248,7 @@ impl NvmeState {
             let (res, b) = store.write(unit, b).wait();
             buf = Some(b);
             match res {
-                Ok(e) => state.extents.push(e),
+                Ok(e) => state.push_extent(e),
                 Err(e) => {
                     state.free(store);
                     return Err(Error::Swapper { unit, source: e });
@@ -285,11 +288,24 @@ impl NvmeState {
         self.cfg.buffer_len(self.chunk_range(k).len())
     }
 
-    /// Frees every extent.
+    /// Frees every extent, unless a [`NvmeState::share`] of this state still holds them: the
+    /// last holder's `free` does (copy-on-write snapshots for background checkpoints).
     pub fn free(self, store: &NvmeStore) {
-        for e in self.extents {
+        for e in Arc::into_inner(self.extents).into_iter().flatten() {
             store.free(e);
         }
+    }
+
+    /// The same state, holding the same extents: they stay valid (and allocated on the store)
+    /// until every holder has called [`NvmeState::free`]. An update writes new extents and
+    /// leaves these as they are, so a share reads the state of the moment it was taken.
+    pub fn share(&self) -> Self {
+        Self { extents: Arc::clone(&self.extents), ..*self }
+    }
+
+    /// Appends a written chunk's extent to a state being written (never shared yet).
+    fn push_extent(&mut self, e: Extent) {
+        Arc::get_mut(&mut self.extents).expect("a state being written is not shared").push(e);
     }
 
     /// The unit.
@@ -388,7 +404,8 @@ pub fn stream_update(
     }
     let chunks = state.num_chunks();
     let mut stats = StreamStats { chunks, ..Default::default() };
-    let mut new = NvmeState { unit, len: n, offset: state.offset, cfg: state.cfg, extents: Vec::with_capacity(chunks) };
+    let extents = Arc::new(Vec::with_capacity(chunks));
+    let mut new = NvmeState { unit, len: n, offset: state.offset, cfg: state.cfg, extents };
     if chunks == 0 {
         return Ok((new, stats));
     }
@@ -413,7 +430,7 @@ pub fn stream_update(
                 let (res, b) = writes.pop_front().expect("a buffer is in a write").wait();
                 free.push(b);
                 match res {
-                    Ok(e) => new.extents.push(e),
+                    Ok(e) => new.push_extent(e),
                     Err(e) => return Err(fail(new, e)),
                 }
             }
@@ -477,7 +494,7 @@ pub fn stream_update(
     }
     while let Some(h) = writes.pop_front() {
         match h.wait() {
-            (Ok(e), _) => new.extents.push(e),
+            (Ok(e), _) => new.push_extent(e),
             (Err(e), _) => return Err(fail(new, e)),
         }
     }

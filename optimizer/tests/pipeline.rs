@@ -329,6 +329,53 @@ fn nvme_placed_units_equal_the_reference_and_leave_no_extents() {
     assert_eq!(store.used_bytes(), 0, "extents left on the store");
 }
 
+/// A snapshot taken between steps reads the state of that moment after later steps have
+/// updated the unit (host state copied, NVMe state held by its extents, speculated and immediate
+/// updates alike, the master in the compute copy or stored), and the extents it held are freed
+/// once it and the optimizer have let them go.
+#[test]
+fn snapshots_read_the_state_they_were_taken_at_while_updates_go_on() {
+    for (immediate, master_in_copy) in [(false, false), (true, false), (false, true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Arc::new(NvmeStore::open(NvmeConfig::new(vec![dir.path().to_path_buf()], 256 << 20)).unwrap());
+        let mut cfg = config(if immediate { None } else { Some(50.0) }, 2);
+        if immediate {
+            cfg.nonfinite = oogc_optimizer::NonFinite::Stop;
+        }
+        if master_in_copy {
+            cfg.compute_dtype = DType::F32;
+        }
+        let place = |i: usize| if i.is_multiple_of(2) { StatePlacement::Nvme } else { StatePlacement::Host };
+        let (opt, mut reference) = setup(&cfg, Some(store.clone()), &SIZES, place);
+        let case = format!("immediate {immediate}, master in copy {master_in_copy}");
+        run(&opt, &mut reference, &SIZES, &[(1, 1e-3, 1e-3, None)]);
+        let ids: Vec<TensorId> = (0..SIZES.len() as u64).map(TensorId).collect();
+        let then: Vec<_> = ids.iter().map(|&u| opt.export_state(u).unwrap()).collect();
+        let snaps: Vec<_> = ids.iter().map(|&u| opt.snapshot_state(u).unwrap()).collect();
+        let held = store.used_bytes();
+        for (s, st) in snaps.iter().zip(&then) {
+            let nvme = place(s.unit().0 as usize) == StatePlacement::Nvme;
+            let copied = if nvme && !master_in_copy { 0 } else { 4 * st.master.len() as u64 };
+            let moments = if nvme { 0 } else { 8 * st.master.len() as u64 };
+            assert_eq!(s.host_bytes(), copied + moments, "{case}: unit {:?}", s.unit());
+        }
+        run(&opt, &mut reference, &SIZES, &[(2, 1e-3, 1e-3, None), (3, 1e-3, 1e-3, None)]);
+        assert!(store.used_bytes() > held, "{case}: the snapshots hold the old extents beside the new");
+        let moved = opt.export_state(TensorId(4)).unwrap();
+        assert_ne!(moved, then[4], "{case}: the steps updated unit 4");
+        // Read on another thread, as a background checkpoint does.
+        let read = std::thread::spawn(move || snaps.into_iter().map(|s| s.read().unwrap()).collect::<Vec<_>>());
+        assert_eq!(read.join().unwrap(), then, "{case}");
+        assert_eq!(store.used_bytes(), held, "{case}: the snapshots' extents freed once read");
+        // A snapshot dropped unread, after its unit moved on, lets its extents go too.
+        let snap = opt.snapshot_state(TensorId(0)).unwrap();
+        run(&opt, &mut reference, &SIZES, &[(4, 1e-3, 1e-3, None)]);
+        drop(snap);
+        drop(opt);
+        assert_eq!(store.used_bytes(), 0, "{case}: extents left on the store");
+    }
+}
+
 #[test]
 fn rollback_budget_bounds_the_second_buffers_and_defers_the_rest() {
     let mut cfg = config(None, 2);

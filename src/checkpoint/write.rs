@@ -31,6 +31,8 @@ pub const WRITE_BUFFER_BYTES: usize = oogc_models::streamed::BUFFER_BYTES;
 /// What a finished [`Writer`] saved.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Saved {
+    /// The step it holds.
+    pub step: u64,
     /// The checkpoint file.
     pub path: PathBuf,
     /// Bytes of the file (header and data).
@@ -63,6 +65,7 @@ pub struct Writer {
     /// `None` once finished (then `Drop` leaves the file alone).
     file: Option<StreamedFile>,
     half_way: bool,
+    step: u64,
     start: Instant,
 }
 
@@ -117,7 +120,7 @@ impl Writer {
                 return Err(io_or_no_space(dir, &tmp, needed, 0, e));
             }
         };
-        Ok(Self { dir: dir.to_path_buf(), path, tmp, file: Some(file), half_way: false, start: Instant::now() })
+        Ok(Self { dir: dir.to_path_buf(), path, tmp, file: Some(file), half_way: false, step, start: Instant::now() })
     }
 
     fn file(&self) -> &StreamedFile {
@@ -231,7 +234,7 @@ impl Writer {
             return Err(io(&self.path)(e));
         }
         File::open(&self.dir).and_then(|d| d.sync_all()).map_err(io(&self.dir))?;
-        Ok(Saved { path: self.path.clone(), bytes, seconds: self.start.elapsed().as_secs_f64() })
+        Ok(Saved { step: self.step, path: self.path.clone(), bytes, seconds: self.start.elapsed().as_secs_f64() })
     }
 }
 

@@ -138,12 +138,15 @@ fn default_eval_batches() -> usize {
     8
 }
 
-/// `[checkpoint]`: safetensors checkpoints, written atomically and streamed: a save reads one
-/// unit's master weights and Adam state at a time from wherever they live (host, NVMe, the
-/// device optimizer) into a staging the host plan keeps room for (the ledger's `checkpoint`
-/// category: the largest unit's state), appends it and lets it go; a resume reads one unit's
-/// tensors at a time. A run's memory never holds the model's state for a checkpoint, so a run
-/// larger than host memory saves and resumes (`configs/scale-beyond-ram.toml`).
+/// `[checkpoint]`: safetensors checkpoints, written atomically, streamed and in the background:
+/// between two steps a save snapshots each unit's master weights and Adam state (host state
+/// copied, NVMe state held copy-on-write, a device optimizer's copied D2H) into staging claimed
+/// from the host ledger (the `checkpoint` category; the plan keeps room for the largest unit's
+/// state, and snapshots take at most the room the run has never used), and a writer thread
+/// appends each unit and lets it go while training goes on; a second save waits for the first,
+/// and a stopped or failing run for the one in flight. A resume reads one unit's tensors at a
+/// time. A run's memory never holds the model's state for a checkpoint, so a run larger than
+/// host memory saves and resumes (`configs/scale-beyond-ram.toml`).
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointConfig {
@@ -168,8 +171,10 @@ pub struct OutputConfig {
     /// JSON-lines metrics, one object per step: `step`, `loss`, `val_loss` (when evaluated), `lr`,
     /// `tokens_per_s`, `step_s`, `stall_s`, `stall_transfer_s`, `stall_optimizer_s`, `h2d_bytes`,
     /// `d2h_bytes`, `nvme_read_bytes`, `nvme_write_bytes`, `grad_norm`, `clip_scale`, `skipped`;
-    /// after a checkpoint, the next step's line has `ckpt_s` and `ckpt_bytes` (the save's seconds
-    /// and file bytes). Default: none.
+    /// the step after a checkpoint started has `ckpt_held_s` (the seconds the save held the
+    /// trainer: its snapshots), the step by whose end it completed (written in the background)
+    /// `ckpt_s` and `ckpt_bytes` (the save's seconds from start to rename, and its files' bytes).
+    /// Default: none.
     #[serde(default)]
     pub metrics: Option<PathBuf>,
     /// Chrome/Perfetto trace of the timeline (open in ui.perfetto.dev): one track per thread

@@ -78,11 +78,16 @@ pub struct StepRecord {
     /// on the sim device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub device_peak_bytes: Option<u64>,
-    /// Seconds the checkpoint saved after the previous step took (streamed, unit by unit:
-    /// between the steps, outside `step_s`); absent when none was saved.
+    /// Seconds the trainer was held between the previous step and this one by a checkpoint
+    /// started there (its snapshots, outside `step_s`: the rest of the save is written in the
+    /// background, [`crate::train::Trainer::start_checkpoint`]); absent when none started.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ckpt_held_s: Option<f64>,
+    /// Seconds of a checkpoint completed by the end of this step, from its start to its rename
+    /// (written in the background while training went on); absent when none completed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ckpt_s: Option<f64>,
-    /// Bytes of that checkpoint file.
+    /// Bytes of that checkpoint's files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ckpt_bytes: Option<u64>,
 }

@@ -226,8 +226,9 @@ pub fn run(
         ));
     }
     let mut saved_step = resumed_from.as_ref().map(|_| trainer.step());
-    // The checkpoint saved after the previous step: its figures go on the next step's line.
-    let mut last_save: Option<crate::checkpoint::Saved> = None;
+    // Seconds the trainer was held by the checkpoint started after the previous step (on the
+    // next step's line); a completed one's figures go on the line of the step it completed in.
+    let mut held_s: Option<f64> = None;
     summary.checkpoint = resumed_from;
     while trainer.step() < last {
         if stop_requested()? {
@@ -258,6 +259,23 @@ pub fn run(
         summary.gather_bytes += s.gather_bytes;
         summary.final_loss = out.loss;
         let step = trainer.step();
+        let interval = cfg.checkpoint.interval;
+        let ckpt_now = step == last || (interval > 0 && step % interval == 0);
+        // A save written in the background is completed when done (and before the next starts).
+        let completed = match trainer.finish_checkpoint(ckpt_now) {
+            Ok(saved) => saved,
+            // A save between steps that could not be written (a full disk) leaves the previous
+            // checkpoint intact and the run going.
+            Err(TrainError::Checkpoint(e)) => {
+                checkpoint_failed(&mut summary, observer, &e);
+                None
+            }
+            Err(e) => return Err(e),
+        };
+        if let Some(saved) = &completed {
+            note_save(&mut summary, observer, saved);
+            saved_step = Some(saved.step);
+        }
         let eval_now = step == last || (cfg.train.eval_interval > 0 && step % cfg.train.eval_interval == 0);
         let val = if eval_now { Some(trainer.evaluate()?) } else { None };
         if let Some(v) = val {
@@ -293,8 +311,9 @@ pub fn run(
             gathers: (s.gathers > 0).then_some(s.gathers),
             gather_bytes: (s.gathers > 0).then_some(s.gather_bytes),
             device_peak_bytes: s.device_peak_bytes,
-            ckpt_s: last_save.as_ref().map(|c| c.seconds),
-            ckpt_bytes: last_save.take().map(|c| c.bytes),
+            ckpt_held_s: held_s.take(),
+            ckpt_s: completed.as_ref().map(|c| c.seconds),
+            ckpt_bytes: completed.as_ref().map(|c| c.bytes),
         };
         if s.figures.skipped {
             observer.line(&format!("step {step}: skipped, a gradient was not finite (norm {})", s.figures.grad_norm));
@@ -306,36 +325,36 @@ pub fn run(
             })?;
         }
         observer.step(&record, &summary);
-        let interval = cfg.checkpoint.interval;
-        if step == last || (interval > 0 && step % interval == 0) {
-            match trainer.save_checkpoint() {
-                Ok(Some(saved)) => {
-                    note_save(&mut summary, &saved);
-                    observer.line(&format!(
-                        "step {step}: checkpoint {} ({:.2} GB in {:.1} s)",
-                        saved.path.display(),
-                        saved.bytes as f64 / 1e9,
-                        saved.seconds
-                    ));
-                    saved_step = Some(step);
-                    last_save = Some(saved);
-                }
-                Ok(None) => {}
-                // A save between steps that cannot be written (a full disk) leaves the previous
-                // checkpoint intact and the run going; the last one's failure ends the run.
-                Err(TrainError::Checkpoint(e)) if step != last && !summary.stopped => {
-                    tracing::error!(step, error = %e, "checkpoint not saved: training goes on");
-                    observer.line(&format!("step {step}: checkpoint not saved ({e}); training goes on"));
-                    summary.checkpoint_failures += 1;
-                }
+        if ckpt_now && step == last {
+            // The last step's save is waited for; its failure ends the run.
+            if let Some(saved) = trainer.save_checkpoint()? {
+                note_save(&mut summary, observer, &saved);
+                saved_step = Some(step);
+            }
+        } else if ckpt_now {
+            match trainer.start_checkpoint() {
+                Ok(held) => held_s = held,
+                Err(TrainError::Checkpoint(e)) => checkpoint_failed(&mut summary, observer, &e),
                 Err(e) => return Err(e),
             }
+        }
+    }
+    if summary.stopped {
+        // A stop waits for the save in flight before its own.
+        match trainer.finish_checkpoint(true) {
+            Ok(Some(saved)) => {
+                note_save(&mut summary, observer, &saved);
+                saved_step = Some(saved.step);
+            }
+            Ok(None) => {}
+            Err(TrainError::Checkpoint(e)) => checkpoint_failed(&mut summary, observer, &e),
+            Err(e) => return Err(e),
         }
     }
     if summary.stopped && saved_step != Some(trainer.step()) {
         tracing::warn!(step = trainer.step(), "stop requested: writing a checkpoint of the steps done");
         if let Some(saved) = trainer.save_checkpoint()? {
-            note_save(&mut summary, &saved);
+            note_save(&mut summary, observer, &saved);
         }
     }
     observer.finish();
@@ -351,8 +370,22 @@ pub fn run(
     Ok(summary)
 }
 
-/// Records a checkpoint the run saved in its summary.
-fn note_save(summary: &mut RunSummary, saved: &crate::checkpoint::Saved) {
+/// Logs a checkpoint that could not be written (the run goes on) and counts it.
+fn checkpoint_failed(summary: &mut RunSummary, observer: &mut dyn RunObserver, e: &crate::checkpoint::CheckpointError) {
+    tracing::error!(error = %e, "checkpoint not saved: training goes on");
+    observer.line(&format!("checkpoint not saved ({e}); training goes on"));
+    summary.checkpoint_failures += 1;
+}
+
+/// Records a checkpoint the run saved in its summary and tells the observer.
+fn note_save(summary: &mut RunSummary, observer: &mut dyn RunObserver, saved: &crate::checkpoint::Saved) {
+    observer.line(&format!(
+        "step {}: checkpoint {} ({:.2} GB in {:.1} s)",
+        saved.step,
+        saved.path.display(),
+        saved.bytes as f64 / 1e9,
+        saved.seconds
+    ));
     tracing::info!(
         path = %saved.path.display(),
         bytes = saved.bytes,
@@ -544,6 +577,7 @@ mod tests {
             device_peak_bytes: None,
             gathers: None,
             gather_bytes: None,
+            ckpt_held_s: None,
             ckpt_s: None,
             ckpt_bytes: None,
         };
@@ -569,6 +603,7 @@ mod tests {
         r.gathers = Some(9);
         r.gather_bytes = Some(10);
         r.device_peak_bytes = Some(11);
+        r.ckpt_held_s = Some(0.25);
         r.ckpt_s = Some(0.5);
         r.ckpt_bytes = Some(13);
         r.stats.h2d_bytes = 12;
@@ -581,7 +616,7 @@ mod tests {
         let mut want: Vec<&str> = "step loss val_loss val_bits_per_byte lr tokens_per_s step_s stall_s \
              stall_transfer_s stall_optimizer_s h2d_bytes d2h_bytes nvme_read_bytes nvme_write_bytes grad_norm \
              clip_scale skipped aux_loss cpu_tokens expert_h2d_bytes expert_hit_rate rank_step_s rss_bytes \
-             minor_faults device_units device_optimizer_bytes gathers gather_bytes device_peak_bytes ckpt_s ckpt_bytes"
+             minor_faults device_units device_optimizer_bytes gathers gather_bytes device_peak_bytes ckpt_held_s ckpt_s ckpt_bytes"
             .split_whitespace()
             .collect();
         want.sort_unstable();

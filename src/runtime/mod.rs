@@ -99,6 +99,7 @@ pub use error::{Result, RuntimeError};
 pub use memory::Memory;
 pub use oogc_prefetch::Phase;
 pub use ordering::OrderingCall;
+pub(crate) use state::UnitSnapshot;
 pub use stats::{PeakBytes, PhaseStats, StepFigures, StepStats};
 pub use unit::{DeviceMemory, PinnedUnit, UnitParams, Units};
 

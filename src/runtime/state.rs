@@ -45,15 +45,28 @@ impl Runtime {
     /// # Errors
     /// Optimizer failures (NVMe read).
     pub(crate) fn local_unit_state(&self, unit: UnitId) -> Result<(Range<usize>, UnitState)> {
+        let (range, snap) = self.local_unit_snapshot(unit)?;
+        Ok((range, snap.read()?))
+    }
+
+    /// [`Runtime::local_unit_state`] as it is now, to be read later while training goes on (a
+    /// background checkpoint): the CPU optimizer's [`oogc_optimizer::StateSnapshot`] (host
+    /// state copied, NVMe state copy-on-write), a device-resident unit's state copied D2H now.
+    /// Call [`Runtime::sync`] first.
+    ///
+    /// # Errors
+    /// Optimizer failures (reading a compute copy's home), device copies.
+    pub(crate) fn local_unit_snapshot(&self, unit: UnitId) -> Result<(Range<usize>, UnitSnapshot)> {
         let u = self.units.get(unit);
         if let Some(d) = u.device() {
             // The device optimizer's state (a checkpoint's read, not counted as link traffic).
             let moments = d.moments.to_host(tensor::host_bytes)?;
-            return Ok((0..u.numel, UnitState { master: d.master.to_vec1()?, moments }));
+            let state = UnitState { master: d.master.to_vec1()?, moments };
+            return Ok((0..u.numel, UnitSnapshot::Copied(state)));
         }
         let world = self.ranks.world();
-        let s = self.grads.optimizer().export_state(unit.tensor())?;
-        Ok((crate::dist::shard_range(u.numel, world.rank, world.size), s))
+        let s = self.grads.optimizer().snapshot_state(unit.tensor())?;
+        Ok((crate::dist::shard_range(u.numel, world.rank, world.size), UnitSnapshot::Optimizer(s)))
     }
 
     /// A unit of `numel`'s whole state from every rank's shard `s`, each array in its dtype.
@@ -185,6 +198,28 @@ mod tests {
                 }
                 assert_eq!(next, numel);
             }
+        }
+    }
+}
+
+/// A unit's state at one moment ([`Runtime::local_unit_snapshot`]), read later, on any thread.
+#[derive(Debug)]
+pub(crate) enum UnitSnapshot {
+    /// Read already (a device-resident unit's, copied D2H).
+    Copied(UnitState),
+    /// The CPU optimizer's snapshot.
+    Optimizer(oogc_optimizer::StateSnapshot),
+}
+
+impl UnitSnapshot {
+    /// The state as it was when the snapshot was taken.
+    ///
+    /// # Errors
+    /// Optimizer failures (NVMe read).
+    pub(crate) fn read(self) -> Result<UnitState> {
+        match self {
+            UnitSnapshot::Copied(s) => Ok(s),
+            UnitSnapshot::Optimizer(s) => Ok(s.read()?),
         }
     }
 }

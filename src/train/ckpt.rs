@@ -135,73 +135,26 @@ impl UnitLayout {
         out
     }
 
-    /// Host bytes of the unit's state while it is staged: [`Runtime::unit_state`]'s vectors
-    /// (f32 master weights and the moments in their dtype) and the writer's buffer
+    /// Host bytes of `elements` of the unit's state while a save holds them (f32 master weights
+    /// and the moments in their dtype) and the writer's buffer
     /// ([`crate::runtime::budget::checkpoint_staging_bytes`]).
-    fn staging_bytes(self, world: World, numel: usize) -> u64 {
-        let shard = crate::dist::shard_range(numel, world.rank, world.size).len();
-        crate::runtime::budget::checkpoint_staging_bytes(numel, shard, self.moments)
+    pub(super) fn staging_bytes(self, elements: usize) -> u64 {
+        crate::runtime::budget::checkpoint_staging_bytes(elements, elements, self.moments)
     }
 }
 
-/// Claims the staging of one unit's state from the runtime's host ledger.
+/// Claims the staging of one unit's state while a resume reads it whole (with ranks beside this
+/// rank's shard of it) from the runtime's host ledger.
 fn claim(rt: &Runtime, world: World, layout: UnitLayout, numel: usize) -> Result<HostClaim, RuntimeError> {
-    let bytes = layout.staging_bytes(world, numel);
+    let shard = crate::dist::shard_range(numel, world.rank, world.size).len();
+    let bytes = crate::runtime::budget::checkpoint_staging_bytes(numel, shard, layout.moments);
     rt.memory().host_ledger().claim(HostUse::Checkpoint, bytes).map_err(RuntimeError::from)
-}
-
-/// Reads unit `id`'s state (a collective with ranks: every rank calls it for the same units in
-/// the same order) within a claim of its staging, and appends its tensors to `w` (rank 0; `None`
-/// on the others, or after a failed write, so that the ranks' collectives stay in step).
-/// Returns the first write error, if any, without stopping the gathers.
-pub(super) fn save_unit(
-    rt: &Runtime,
-    world: World,
-    id: UnitId,
-    spec: &UnitSpec,
-    layout: UnitLayout,
-    w: Option<&mut Writer>,
-) -> Result<Option<CheckpointError>, RuntimeError> {
-    let _claim = claim(rt, world, layout, spec.numel)?;
-    let state = rt.unit_state(id)?;
-    let Some(w) = w else { return Ok(None) };
-    Ok(write_unit(w, spec, layout, &state, 0..spec.numel).err())
-}
-
-/// Appends this rank's shard of unit `id` (elements `range`: [`UnitLayout::written_range`]) to
-/// `w`, its tensors [`UnitLayout::shard_tensors`], read without a collective within a claim of
-/// the shard's staging alone (never the whole unit's).
-///
-/// # Errors
-/// Runtime failures; [`TrainError::Checkpoint`] for the write's.
-pub(super) fn save_shard(
-    rt: &Runtime,
-    id: UnitId,
-    spec: &UnitSpec,
-    layout: UnitLayout,
-    range: Range<usize>,
-    w: &mut Writer,
-) -> TrainResult<()> {
-    if range.is_empty() {
-        return Ok(());
-    }
-    let bytes = crate::runtime::budget::checkpoint_staging_bytes(range.len(), range.len(), layout.moments);
-    let _claim = rt.memory().host_ledger().claim(HostUse::Checkpoint, bytes).map_err(RuntimeError::from)?;
-    let (held, state) = rt.local_unit_state(id)?;
-    if held != range {
-        return Err(RuntimeError::Usage(format!(
-            "unit {}: this rank holds elements {held:?} of its state, its checkpoint shard is {range:?}",
-            spec.name
-        ))
-        .into());
-    }
-    Ok(write_unit(w, spec, layout, &state, range)?)
 }
 
 /// Appends one unit's tensors (the layout's, in its order) to `w`, restricted to elements
 /// `range` of the unit ([`UnitLayout::shard_tensors`]; `0..numel`: the whole tensors), `state`
 /// holding those elements.
-fn write_unit(
+pub(super) fn write_unit(
     w: &mut Writer,
     spec: &UnitSpec,
     layout: UnitLayout,

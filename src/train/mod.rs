@@ -36,6 +36,7 @@ use crate::runtime::budget::HostOverhead;
 use crate::runtime::{Runtime, StepStats, UnitId};
 use ckpt::UnitLayout;
 
+mod background;
 mod build;
 mod ckpt;
 mod clock;
@@ -221,6 +222,8 @@ pub struct Trainer {
     batch_dump: Option<BatchDump>,
     /// Time in the model's calls ([`StepOutcome::compute_s`]), shared with the MoE state.
     clock: clock::ComputeClock,
+    /// The checkpoint being written in the background ([`Trainer::start_checkpoint`]).
+    in_flight: Option<background::InFlight>,
     /// The run's exclusive hold on its checkpoint and NVMe directories (released on drop, after
     /// the runtime has removed its store files).
     _lock: crate::lock::RunLock,
@@ -368,6 +371,7 @@ impl Trainer {
             checkpoints,
             batch_dump: None,
             clock,
+            in_flight: None,
             _lock: lock,
         })
     }
@@ -552,125 +556,6 @@ impl Trainer {
     pub fn master_weights(&mut self) -> Result<Vec<Vec<f32>>> {
         self.rt.sync()?;
         self.ids.iter().map(|&u| Ok(self.rt.unit_state(u)?.master)).collect()
-    }
-
-    /// Writes a checkpoint of the completed steps into `[checkpoint] dir`, streamed unit by unit
-    /// (each unit's state read from its tier into a staging claimed from the host ledger,
-    /// appended, released: [`checkpoint::Writer`]) and atomically; returns what was saved,
-    /// `None` when the config has no checkpoint directory (and on ranks other than 0). With
-    /// ranks each rank writes its own shard of every unit to its own file and rank 0 the index
-    /// once every file is durable ([`checkpoint::shards`]): no rank gathers the state, and the
-    /// returned [`checkpoint::Saved`] names the index and the bytes of all files.
-    ///
-    /// # Errors
-    /// Runtime failures; checkpoint I/O failures ([`checkpoint::CheckpointError::NoSpace`] when
-    /// the disk is full): the previous checkpoint stays intact. With ranks every rank returns an
-    /// error when any rank's shard failed ([`checkpoint::CheckpointError::RankFailed`] on the
-    /// others), after removing its shard and before any index is written.
-    pub fn save_checkpoint(&mut self) -> Result<Option<checkpoint::Saved>> {
-        if !self.checkpoints {
-            return Ok(None);
-        }
-        self.rt.sync()?;
-        let world = self.ranks.world();
-        let layouts: Vec<UnitLayout> = self
-            .ids
-            .iter()
-            .map(|&id| {
-                let o = &self.cfg.optimizer;
-                UnitLayout::new(self.rt.units().optimizer_place(id), o.state_dtype, o.master_dtype)
-            })
-            .collect();
-        if world.size > 1 {
-            return self.save_shards(&layouts);
-        }
-        // Rank 0 writes; a failure to start or to write keeps the gathers going (the other
-        // ranks are in them) and is returned at the end.
-        let mut failed = None;
-        let mut writer = match self.cfg.checkpoint.dir.clone().filter(|_| world.is_root()) {
-            None => None,
-            Some(dir) => {
-                let units = self.model.units();
-                let tensors = units.iter().zip(&layouts).flat_map(|(spec, l)| l.tensors(spec)).collect();
-                match checkpoint::Writer::create(&dir, self.step, &self.checkpoint_metadata(), tensors) {
-                    Ok(w) => Some(w),
-                    Err(e) => {
-                        failed = Some(e);
-                        None
-                    }
-                }
-            }
-        };
-        for (k, spec) in self.model.units().iter().enumerate() {
-            if let Some(e) = ckpt::save_unit(&self.rt, world, self.ids[k], spec, layouts[k], writer.as_mut())? {
-                failed = Some(e);
-                writer = None;
-            }
-        }
-        if let Some(e) = failed {
-            return Err(e.into());
-        }
-        let keep = self.cfg.checkpoint.keep.unwrap_or(2);
-        Ok(writer.map(|w| w.finish(keep)).transpose()?)
-    }
-
-    /// [`Trainer::save_checkpoint`] with ranks: this rank's shard file (`layouts`: each unit's),
-    /// then a collective on whether every rank's is durable, then rank 0's index.
-    fn save_shards(&mut self, layouts: &[UnitLayout]) -> Result<Option<checkpoint::Saved>> {
-        use checkpoint::shards::{self, ShardIndex};
-        let world = self.ranks.world();
-        let dir = self.cfg.checkpoint.dir.clone().expect("a run that checkpoints has a directory");
-        let started = std::time::Instant::now();
-        let units = self.model.units();
-        let ranges: Vec<_> =
-            units.iter().zip(layouts).map(|(u, l)| l.written_range(u.numel, world.rank, world.size)).collect();
-        let tensors = units
-            .iter()
-            .zip(layouts)
-            .zip(&ranges)
-            .flat_map(|((u, l), r)| l.shard_tensors(u, r.clone()).into_iter().map(|(t, _)| t))
-            .collect();
-        let name = shards::shard_file_name(self.step, world.rank, world.size);
-        let meta = shards::shard_metadata(&self.checkpoint_metadata(), world.rank, world.size);
-        // This rank's file; a failure is shared with the others below, not returned at once.
-        let written = checkpoint::Writer::create_at(&dir, dir.join(&name), self.step, &meta, tensors)
-            .map_err(TrainError::from)
-            .and_then(|mut w| {
-                for (k, spec) in units.iter().enumerate() {
-                    ckpt::save_shard(&self.rt, self.ids[k], spec, layouts[k], ranges[k].clone(), &mut w)?;
-                }
-                Ok(w.complete()?)
-            });
-        let mut outcome = [0.0; 2];
-        match &written {
-            Ok(saved) => outcome[1] = saved.bytes as f64,
-            Err(_) => outcome[0] = 1.0,
-        }
-        let failed = self.ranks.all_gather_f64(outcome[0]).map_err(crate::runtime::RuntimeError::from)?;
-        let failed: Vec<usize> = failed.iter().enumerate().filter(|(_, &f)| f != 0.0).map(|(r, _)| r).collect();
-        if !failed.is_empty() {
-            let _ = std::fs::remove_file(dir.join(&name));
-            written?;
-            return Err(checkpoint::CheckpointError::RankFailed { step: self.step, ranks: failed }.into());
-        }
-        self.ranks.all_reduce_sum_f64(&mut outcome).map_err(crate::runtime::RuntimeError::from)?;
-        if !world.is_root() {
-            return Ok(None);
-        }
-        let (units_index, tensors_index): (Vec<_>, Vec<_>) =
-            units.iter().zip(layouts).map(|(u, l)| l.index_entries(u, world.size)).unzip();
-        let index = ShardIndex {
-            format: shards::FORMAT.into(),
-            step: self.step,
-            world_size: world.size,
-            files: (0..world.size).map(|r| shards::shard_file_name(self.step, r, world.size)).collect(),
-            units: units_index,
-            tensors: tensors_index.into_iter().flatten().collect(),
-        };
-        let (path, index_bytes) = index.write(&dir)?;
-        checkpoint::prune(&dir, self.cfg.checkpoint.keep.unwrap_or(2))?;
-        let bytes = outcome[1] as u64 + index_bytes;
-        Ok(Some(checkpoint::Saved { path, bytes, seconds: started.elapsed().as_secs_f64() }))
     }
 
     /// A checkpoint's string metadata: format, optimizer updates, the state's dtypes, the model,
