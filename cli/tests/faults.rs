@@ -190,6 +190,59 @@ fn sigterm_checkpoints_the_finished_step_and_exits_3_and_a_second_signal_exits_a
     }
 }
 
+/// A checkpoint is written in the background while the next steps update every unit (its
+/// writer paused half-way by the test hook, the steps going on): the file holds the state of
+/// the step it was started after — the NVMe-placed state read after the optimizer has moved
+/// it to new extents — so a resume from it gives the uninterrupted run's losses. Every save
+/// puts `ckpt_held_s` on the next step's line and `ckpt_s` / `ckpt_bytes` on the line of the
+/// step it completed by, its seconds including the pause (the step was not held for it).
+#[test]
+fn a_background_checkpoint_holds_the_state_it_was_started_at_while_steps_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let reference = config(dir.path(), "ref", 10, 0);
+    assert!(train(&reference, &[]).status.success());
+    let expected = losses(&dir.path().join("ref/metrics.jsonl"));
+
+    // Seven steps of the reference's ten (its learning-rate schedule).
+    let cfg = config(dir.path(), "run", 10, 2);
+    let out = oogc()
+        .args(["train", "--no-progress", "--steps", "7", "--config"])
+        .arg(&cfg)
+        .env("OOGC_PAUSE_AT", "checkpoint:400")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", stderr(&out));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.path().join("run/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let steps_with = |key: &str| -> Vec<u64> {
+        lines.iter().filter(|v| v.get(key).is_some()).map(|v| v["step"].as_u64().unwrap()).collect()
+    };
+    assert_eq!(steps_with("ckpt_held_s"), [3, 5, 7], "saves started after steps 2, 4 and 6");
+    let completed = steps_with("ckpt_s");
+    assert_eq!(completed.len(), 3, "each save completed by a step's end: {completed:?}");
+    for (saved, by) in [2, 4, 6].into_iter().zip(&completed) {
+        assert!(*by > saved && *by <= saved + 2, "the save of step {saved} completed by step {by}");
+    }
+    for v in lines.iter().filter(|v| v.get("ckpt_s").is_some()) {
+        assert!(v["ckpt_s"].as_f64().unwrap() >= 0.4, "the pause is in the save's seconds: {v}");
+        assert!(v["ckpt_bytes"].as_u64().unwrap() > 0, "{v}");
+    }
+    let ckpt = dir.path().join("run/ckpt");
+    let saved: Vec<u64> = oogc::checkpoint::list(&ckpt).unwrap().into_iter().map(|(s, _)| s).collect();
+    assert_eq!(saved, [4, 6, 7], "keep 3: the saves of steps 4, 6 and the last step's");
+    for step in [4, 6] {
+        let resumed = config(dir.path(), &format!("from{step}"), 10, 0);
+        let from = oogc::checkpoint::path_for(&ckpt, step);
+        let out = train(&resumed, &["--resume", from.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", stderr(&out));
+        let got = losses(&dir.path().join(format!("from{step}/metrics.jsonl")));
+        assert_eq!(got, expected[step as usize..], "resumed from the background save of step {step}");
+    }
+}
+
 #[test]
 fn a_failing_nvme_write_stops_the_run_naming_the_file_and_resuming_gives_the_same_losses() {
     let dir = tempfile::tempdir().unwrap();

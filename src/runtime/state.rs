@@ -212,6 +212,14 @@ pub(crate) enum UnitSnapshot {
 }
 
 impl UnitSnapshot {
+    /// NVMe bytes it keeps allocated until read ([`oogc_optimizer::StateSnapshot::nvme_bytes`]).
+    pub(crate) fn nvme_bytes(&self) -> u64 {
+        match self {
+            UnitSnapshot::Copied(_) => 0,
+            UnitSnapshot::Optimizer(s) => s.nvme_bytes(),
+        }
+    }
+
     /// The state as it was when the snapshot was taken.
     ///
     /// # Errors

@@ -44,16 +44,21 @@ struct Room {
 
 #[derive(Debug, Default)]
 struct Held {
+    /// Host bytes of the staging claimed.
     bytes: u64,
+    /// NVMe bytes of extents kept by copy-on-write snapshots.
+    nvme: u64,
     /// The writer failed: it drops what it is sent, and the trainer stops sending.
     failed: bool,
 }
 
 impl Room {
-    /// Gives back `bytes` (and records a failure), waking the trainer.
-    fn release(&self, bytes: u64, failed: bool) {
+    /// Gives back `bytes` of host staging and `nvme` bytes of extents (and records a failure),
+    /// waking the trainer.
+    fn release(&self, bytes: u64, nvme: u64, failed: bool) {
         let mut h = self.held.lock();
         h.bytes -= bytes;
+        h.nvme -= nvme;
         h.failed |= failed;
         self.changed.notify_all();
     }
@@ -69,6 +74,8 @@ struct Staged {
     /// The claim of its staging, of `bytes`.
     claim: HostClaim,
     bytes: u64,
+    /// NVMe bytes the snapshot keeps allocated.
+    nvme: u64,
 }
 
 /// What the writer thread does with its file once every unit is appended.
@@ -306,8 +313,10 @@ impl Trainer {
         room: &Room,
     ) -> Result<()> {
         let ledger = self.rt.memory().host_ledger();
-        // The room the run has never used: snapshots held beside a step stay within the budget.
+        // The room the run has never used: snapshots held beside a step stay within the host
+        // budget and the NVMe store.
         let spare = ledger.budget_bytes().saturating_sub(ledger.peak_bytes());
+        let spare_nvme = self.rt.memory().nvme_spare_bytes();
         for (k, spec) in units.iter().enumerate() {
             let range = ranges[k].clone();
             if range.is_empty() {
@@ -331,17 +340,25 @@ impl Trainer {
                 }
             };
             room.held.lock().bytes += bytes;
-            let (held, snap) = self.rt.local_unit_snapshot(self.ids[k]).inspect_err(|_| room.release(bytes, false))?;
+            let (held, snap) =
+                self.rt.local_unit_snapshot(self.ids[k]).inspect_err(|_| room.release(bytes, 0, false))?;
             if held != range {
-                room.release(bytes, false);
+                room.release(bytes, 0, false);
                 let msg = format!(
                     "unit {}: this rank holds elements {held:?} of its state, its checkpoint shard is {range:?}",
                     spec.name
                 );
                 return Err(RuntimeError::Usage(msg).into());
             }
-            if tx.send(Staged { unit: k, range, snap, claim, bytes }).is_err() {
-                room.release(bytes, true);
+            let nvme = snap.nvme_bytes();
+            room.held.lock().nvme += nvme;
+            if tx.send(Staged { unit: k, range, snap, claim, bytes, nvme }).is_err() {
+                room.release(bytes, nvme, true);
+            }
+            // Extents kept beyond the store's spare room are read before training goes on.
+            let mut held = room.held.lock();
+            while held.nvme > spare_nvme && !held.failed {
+                room.changed.wait(&mut held);
             }
         }
         Ok(())
@@ -361,7 +378,7 @@ fn write_all(
 ) -> Result<Saved> {
     let mut failed: Option<TrainError> = None;
     for s in rx {
-        let bytes = s.bytes;
+        let (bytes, nvme) = (s.bytes, s.nvme);
         if failed.is_none() {
             let r = s.snap.read().map_err(TrainError::from).and_then(|state| {
                 Ok(ckpt::write_unit(&mut w, &units[s.unit], layouts[s.unit], &state, s.range.clone())?)
@@ -371,7 +388,7 @@ fn write_all(
             drop(s.snap);
         }
         drop(s.claim);
-        room.release(bytes, failed.is_some());
+        room.release(bytes, nvme, failed.is_some());
     }
     if let Some(e) = failed {
         return Err(e);

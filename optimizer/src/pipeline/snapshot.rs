@@ -54,6 +54,16 @@ impl StateSnapshot {
         }
     }
 
+    /// NVMe bytes the snapshot keeps allocated until it is read (an NVMe-placed unit's extents,
+    /// padded; 0 for a host-placed unit). They cost store room only once the optimizer has
+    /// moved the unit on to new extents.
+    pub fn nvme_bytes(&self) -> u64 {
+        match &self.held {
+            Held::Copied(_) => 0,
+            Held::Nvme { state, .. } => state.as_ref().map_or(0, NvmeState::allocated_bytes),
+        }
+    }
+
     /// The state as it was: an NVMe-placed unit's read from its extents now (through one of the
     /// optimizer's stream slots and a buffer of its stream pool), which are then let go.
     ///
