@@ -190,12 +190,13 @@ fn sigterm_checkpoints_the_finished_step_and_exits_3_and_a_second_signal_exits_a
     }
 }
 
-/// A checkpoint is written in the background while the next steps update every unit (its
-/// writer paused half-way by the test hook, the steps going on): the file holds the state of
-/// the step it was started after — the NVMe-placed state read after the optimizer has moved
-/// it to new extents — so a resume from it gives the uninterrupted run's losses. Every save
-/// puts `ckpt_held_s` on the next step's line and `ckpt_s` / `ckpt_bytes` on the line of the
-/// step it completed by, its seconds including the pause (the step was not held for it).
+/// A checkpoint is written in the background while the next step runs (its writer paused
+/// half-way by the test hook): the next step's speculated updates write new NVMe extents beside
+/// the ones being read and the step waits before committing them until every unit is read, so
+/// the file holds the state of the step it was started after and a resume from it gives the
+/// uninterrupted run's losses (without that wait the save reads a moved state and fails). Every
+/// save puts `ckpt_held_s` on the next step's line and `ckpt_s` / `ckpt_bytes` on the line of
+/// the step it completed by, its seconds including the pause.
 #[test]
 fn a_background_checkpoint_holds_the_state_it_was_started_at_while_steps_go_on() {
     let dir = tempfile::tempdir().unwrap();

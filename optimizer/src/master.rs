@@ -263,9 +263,18 @@ impl MasterBuf {
 
     /// The master weights in f32 (bf16 widened exactly).
     pub fn to_f32(&self) -> Vec<f32> {
+        let mut out = Vec::new();
+        self.write_f32(&mut out);
+        out
+    }
+
+    /// [`MasterBuf::to_f32`] into `out` (replacing what it held, within its capacity when that
+    /// suffices: a buffer reused unit after unit allocates once).
+    pub fn write_f32(&self, out: &mut Vec<f32>) {
+        out.clear();
         match self {
-            MasterBuf::F32(p) => p.clone(),
-            MasterBuf::Bf16(p) => p.iter().map(|b| b.to_f32()).collect(),
+            MasterBuf::F32(p) => out.extend_from_slice(p),
+            MasterBuf::Bf16(p) => out.extend(p.iter().map(|b| b.to_f32())),
         }
     }
 

@@ -318,6 +318,8 @@ impl HostBufs {
     }
 }
 
+// One per unit, held in its cell: the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum Home {
     Host { cur: HostBufs, spare: Option<HostBufs> },
     Nvme { cur: Option<NvmeState>, new: Option<NvmeState> },
@@ -341,6 +343,9 @@ struct UnitData {
     /// Claim of the partials (and of the host state's first buffers).
     _claim: HostClaim,
     grads: Option<(Grads, HostClaim)>,
+    /// Bumped whenever the committed state changes (a commit, an in-place update, an import):
+    /// a [`StateSnapshot`] reads the state only while it is the version it was taken at.
+    version: u64,
 }
 
 impl UnitData {
@@ -822,6 +827,7 @@ impl PipelinedOptimizer {
             return Err(Error::Swapper { unit, source });
         }
         let data = UnitData {
+            version: 0,
             home,
             spare_copy: None,
             partials: vec![0.0; n.div_ceil(NORM_BLOCK)],
@@ -1232,57 +1238,28 @@ impl PipelinedOptimizer {
         self.snapshot_state(unit)?.read()
     }
 
-    /// The unit's committed state as it is now, to be read later ([`StateSnapshot::read`]) while
-    /// the optimizer goes on updating the unit (a background checkpoint), after waiting as
-    /// [`wait_unit`](Self::wait_unit). Host-placed state is copied now (master weights in f32
-    /// and the moments in their dtype: [`StateSnapshot::host_bytes`]); NVMe-placed state is
-    /// copy-on-write: the snapshot holds the state's extents (updates write new ones, and the
-    /// extents are freed when the last of the optimizer and the snapshot lets them go), so it
-    /// copies only the master weights when they live in the compute copy
-    /// ([`crate::StreamConfig::master_in_copy`]).
+    /// The unit's committed state as it is now, to be read later ([`StateSnapshot::read`], on
+    /// any thread) while the step goes on, after waiting as [`wait_unit`](Self::wait_unit): a
+    /// background checkpoint's snapshot. Nothing is copied now: the read copies the state
+    /// (host-placed: from its buffers; NVMe-placed: from its extents, copy-on-write, so the
+    /// read holds them while it streams) as long as the committed state is still this one,
+    /// else it fails. A speculated step leaves the committed state as it is until
+    /// [`finish_step`](Self::finish_step) (an [immediate](OptimizerConfig::updates_immediately)
+    /// one until the unit's update), so a caller reads its snapshots before then.
     ///
     /// # Errors
-    /// [`Error::UnknownUnit`]; [`Error::Protocol`] during a step; [`Error::Swapper`] reading
-    /// the compute copy's home.
+    /// [`Error::UnknownUnit`]; [`Error::Protocol`] during a step; the unit's failed job's error.
     pub fn snapshot_state(&self, unit: TensorId) -> Result<StateSnapshot> {
         self.no_open_step("snapshot_state")?;
         let cell = self.cell(unit)?;
-        let mut g = cell.idle();
-        if let Some(e) = g.error.take() {
-            return Err(e);
-        }
-        let data = g.data.as_ref().expect("idle cell holds its data");
-        let state = match &data.home {
-            Home::Host { cur, .. } => {
-                snapshot::Held::Copied(Some(UnitState { master: cur.p.to_f32(), moments: cur.mom.clone() }))
+        let version = {
+            let mut g = cell.idle();
+            if let Some(e) = g.error.take() {
+                return Err(e);
             }
-            Home::Nvme { cur, .. } => {
-                let state = cur.as_ref().expect("committed state").share();
-                let master = match self.shared.stream.master_in_copy {
-                    false => None,
-                    true => {
-                        // Kept in the committed compute copy (the second buffer's while it waits).
-                        let dtype = self.shared.config.compute_dtype;
-                        let mut master = vec![0f32; cell.n];
-                        let mut fill =
-                            |bytes: &[u8]| copy_to_f32(&bytes[..cell.n * dtype.size_in_bytes()], dtype, &mut master);
-                        let read = match data.spare_copy.as_ref().filter(|s| s.unpublished) {
-                            Some(spare) => Ok(fill(copy_bytes(&spare.words, cell.n, dtype))),
-                            None => {
-                                self.shared.home.read(unit, &mut fill).map_err(|source| Error::Swapper { unit, source })
-                            }
-                        };
-                        if let Err(e) = read {
-                            state.free(self.shared.nvme.as_ref().expect("NVMe unit has a store"));
-                            return Err(e);
-                        }
-                        Some(master)
-                    }
-                };
-                snapshot::Held::Nvme { state: Some(state), master, shared: Arc::clone(&self.shared) }
-            }
+            g.data.as_ref().expect("idle cell holds its data").version
         };
-        Ok(StateSnapshot { unit, held: state })
+        Ok(StateSnapshot { cell, version, shared: Arc::clone(&self.shared) })
     }
 
     /// Replaces the unit's state (from a checkpoint) and rewrites its compute copy in its home
@@ -1366,6 +1343,7 @@ fn copy_to_f32(bytes: &[u8], dtype: DType, out: &mut [f32]) {
 /// [`PipelinedOptimizer::import_state`] on the unit's data, taken out of its cell.
 fn import_data(sh: &Shared, cell: &UnitCell, data: &mut UnitData, state: UnitState) -> Result<()> {
     let unit = cell.id;
+    data.version += 1;
     match &mut data.home {
         Home::Host { cur, .. } => {
             cur.p = MasterBuf::from_f32(sh.stream.format.master, &state.master);
@@ -1404,6 +1382,7 @@ fn publish_data(sh: &Shared, cell: &UnitCell, data: &mut UnitData) -> Result<()>
 /// Makes the speculative (or deferred NVMe) result the committed state; a second compute copy
 /// becomes the unit's committed copy, to be published into its home.
 fn commit(sh: &Shared, data: &mut UnitData) {
+    data.version += 1;
     match &mut data.home {
         Home::Host { cur, spare } => {
             if let Some(spare) = spare.as_mut() {
@@ -1632,6 +1611,8 @@ fn update_and_commit(sh: &Shared, cell: &UnitCell, data: &mut UnitData, scalars:
         Ok(Ok(_)) => {
             if data.speculative() || matches!(data.home, Home::Nvme { .. }) {
                 commit(sh, data);
+            } else {
+                data.version += 1; // updated in place
             }
             None
         }

@@ -292,6 +292,34 @@ impl MomentBufs {
         }
     }
 
+    /// Makes these moments zero moments of `dtype` and `n` parameters, as [`MomentBufs::zeros`],
+    /// within the vectors' capacity when the dtype is theirs and it suffices (a buffer reused unit
+    /// after unit allocates once).
+    pub fn reset(&mut self, dtype: StateDType, n: usize) {
+        fn zeroed<T: Copy>(v: &mut Vec<T>, n: usize, zero: T) {
+            v.clear();
+            v.resize(n, zero);
+        }
+        let b = n.div_ceil(QUANT_BLOCK);
+        match (self, dtype) {
+            (MomentBufs::F32 { m, v }, StateDType::F32) => {
+                zeroed(m, n, 0.0);
+                zeroed(v, n, 0.0);
+            }
+            (MomentBufs::Bf16 { m, v }, StateDType::Bf16) => {
+                zeroed(m, n, bf16::ZERO);
+                zeroed(v, n, bf16::ZERO);
+            }
+            (MomentBufs::Int8 { m, m_absmax, v, v_absmax }, StateDType::Int8) => {
+                zeroed(m, n, 0);
+                zeroed(m_absmax, b, 0.0);
+                zeroed(v, n, 0);
+                zeroed(v_absmax, b, 0.0);
+            }
+            (this, _) => *this = MomentBufs::zeros(dtype, n),
+        }
+    }
+
     /// The element type.
     pub fn dtype(&self) -> StateDType {
         match self {
@@ -920,6 +948,26 @@ impl AdamKernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A reset buffer equals fresh zeros of the dtype and length, from any dtype and length
+    /// before it (and keeps its capacity when it can).
+    #[test]
+    fn reset_moments_equal_fresh_zeros() {
+        let dtypes = [StateDType::F32, StateDType::Bf16, StateDType::Int8];
+        for from in dtypes {
+            for to in dtypes {
+                for (a, b) in [(5000, 300), (300, 5000), (0, 257)] {
+                    let mut m = MomentBufs::zeros(from, a);
+                    if let MomentBufs::Int8 { m_absmax, .. } = &mut m {
+                        m_absmax.fill(3.0);
+                    }
+                    m.read_bytes(0..a.min(1), &vec![7u8; from.moment_bytes(a.min(1))]);
+                    m.reset(to, b);
+                    assert_eq!(m, MomentBufs::zeros(to, b), "{from} {a} -> {to} {b}");
+                }
+            }
+        }
+    }
 
     /// [`TreeLines`]' claim: at every threshold `k` the position `X` (the smaller of the octave's
     /// two lines, evaluated in f64 from the f32 table entries, plus the guess's 0.6) lies in

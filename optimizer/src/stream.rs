@@ -264,9 +264,28 @@ impl NvmeState {
     /// # Errors
     /// [`Error::Swapper`] for an I/O error, a corrupt block or the pool's budget.
     pub fn read(&self, store: &NvmeStore, pool: &PinnedPool) -> Result<(Option<Vec<f32>>, MomentBufs)> {
+        let (mut p, mut moments) = (Vec::new(), MomentBufs::zeros(self.cfg.format.moments, 0));
+        let stored = self.read_into(store, pool, &mut p, &mut moments)?;
+        Ok((stored.then_some(p), moments))
+    }
+
+    /// [`NvmeState::read`] into `p` and `moments` (replacing what they held, within their
+    /// capacity when it suffices); returns whether the master weights were stored (else `p` is
+    /// left empty: the compute copy holds them).
+    ///
+    /// # Errors
+    /// As [`NvmeState::read`].
+    pub fn read_into(
+        &self,
+        store: &NvmeStore,
+        pool: &PinnedPool,
+        p: &mut Vec<f32>,
+        moments: &mut MomentBufs,
+    ) -> Result<bool> {
         let stored = !self.cfg.master_in_copy;
-        let mut p = vec![0f32; if stored { self.len } else { 0 }];
-        let mut moments = MomentBufs::zeros(self.cfg.format.moments, self.len);
+        p.clear();
+        p.resize(if stored { self.len } else { 0 }, 0.0);
+        moments.reset(self.cfg.format.moments, self.len);
         let mut buf = Some(pool.alloc(self.buffer_bytes(0)).map_err(swap_err(self.unit))?);
         for (k, e) in self.extents.iter().enumerate() {
             let r = self.chunk_range(k);
@@ -280,7 +299,7 @@ impl NvmeState {
             moments.read_bytes(r, fm);
             buf = Some(b);
         }
-        Ok((stored.then_some(p), moments))
+        Ok(stored)
     }
 
     /// Host buffer bytes of chunk `k` ([`StreamConfig::buffer_len`]).

@@ -329,51 +329,68 @@ fn nvme_placed_units_equal_the_reference_and_leave_no_extents() {
     assert_eq!(store.used_bytes(), 0, "extents left on the store");
 }
 
-/// A snapshot taken between steps reads the state of that moment after later steps have
-/// updated the unit (host state copied, NVMe state held by its extents, speculated and immediate
-/// updates alike, the master in the compute copy or stored), and the extents it held are freed
-/// once it and the optimizer have let them go.
+/// An empty state of `n` parameters (f32 moments).
+fn opt_state(n: usize) -> oogc_optimizer::UnitState {
+    oogc_optimizer::UnitState { master: vec![0.0; n], moments: MomentBufs::zeros(StateDType::F32, n) }
+}
+
+/// A snapshot taken between steps, read on another thread while the next step's speculated
+/// updates run (before `finish_step` commits them), is the state of that moment — host-placed
+/// and NVMe-placed, the master weights stored or in the compute copy — and is refused once the
+/// unit's committed state has moved on (after a commit; after an immediate update), naming
+/// the unit. The NVMe extents the reads held are freed.
 #[test]
-fn snapshots_read_the_state_they_were_taken_at_while_updates_go_on() {
-    for (immediate, master_in_copy) in [(false, false), (true, false), (false, true)] {
+fn snapshots_read_the_state_they_were_taken_at_until_it_changes() {
+    for master_in_copy in [false, true] {
         let dir = tempfile::tempdir().unwrap();
         let store = Arc::new(NvmeStore::open(NvmeConfig::new(vec![dir.path().to_path_buf()], 256 << 20)).unwrap());
-        let mut cfg = config(if immediate { None } else { Some(50.0) }, 2);
-        if immediate {
-            cfg.nonfinite = oogc_optimizer::NonFinite::Stop;
-        }
+        let mut cfg = config(Some(50.0), 2);
         if master_in_copy {
             cfg.compute_dtype = DType::F32;
         }
         let place = |i: usize| if i.is_multiple_of(2) { StatePlacement::Nvme } else { StatePlacement::Host };
         let (opt, mut reference) = setup(&cfg, Some(store.clone()), &SIZES, place);
-        let case = format!("immediate {immediate}, master in copy {master_in_copy}");
+        let case = format!("master in copy {master_in_copy}");
         run(&opt, &mut reference, &SIZES, &[(1, 1e-3, 1e-3, None)]);
         let ids: Vec<TensorId> = (0..SIZES.len() as u64).map(TensorId).collect();
         let then: Vec<_> = ids.iter().map(|&u| opt.export_state(u).unwrap()).collect();
         let snaps: Vec<_> = ids.iter().map(|&u| opt.snapshot_state(u).unwrap()).collect();
-        let held = store.used_bytes();
-        for (s, st) in snaps.iter().zip(&then) {
-            let nvme = place(s.unit().0 as usize) == StatePlacement::Nvme;
-            let copied = if nvme && !master_in_copy { 0 } else { 4 * st.master.len() as u64 };
-            let moments = if nvme { 0 } else { 8 * st.master.len() as u64 };
-            assert_eq!(s.host_bytes(), copied + moments, "{case}: unit {:?}", s.unit());
+        // Step 2's updates speculate (out of place) while the snapshots are read.
+        opt.begin_step(2, 1e-3).unwrap();
+        for (i, &n) in SIZES.iter().enumerate().rev() {
+            opt.submit(TensorId(i as u64), Grads::BF16(grads(i as u64, 2, n, 1e-3))).unwrap();
         }
-        run(&opt, &mut reference, &SIZES, &[(2, 1e-3, 1e-3, None), (3, 1e-3, 1e-3, None)]);
-        assert!(store.used_bytes() > held, "{case}: the snapshots hold the old extents beside the new");
-        let moved = opt.export_state(TensorId(4)).unwrap();
-        assert_ne!(moved, then[4], "{case}: the steps updated unit 4");
-        // Read on another thread, as a background checkpoint does.
-        let read = std::thread::spawn(move || snaps.into_iter().map(|s| s.read().unwrap()).collect::<Vec<_>>());
+        // Into one staging reused unit after unit (sizes up and down), as a checkpoint's writer.
+        let read = std::thread::spawn(move || {
+            let mut staging = opt_state(0);
+            snaps.into_iter().map(|s| s.read_into(&mut staging).map(|()| staging.clone()).unwrap()).collect::<Vec<_>>()
+        });
         assert_eq!(read.join().unwrap(), then, "{case}");
-        assert_eq!(store.used_bytes(), held, "{case}: the snapshots' extents freed once read");
-        // A snapshot dropped unread, after its unit moved on, lets its extents go too.
-        let snap = opt.snapshot_state(TensorId(0)).unwrap();
-        run(&opt, &mut reference, &SIZES, &[(4, 1e-3, 1e-3, None)]);
-        drop(snap);
+        let r = opt.finish_step().unwrap();
+        assert_eq!(r.committed_speculative, SIZES.len(), "{case}: {r:?}");
+        assert_ne!(opt.export_state(TensorId(4)).unwrap(), then[4], "{case}: step 2 updated unit 4");
+        // A snapshot read after its unit's commit is refused.
+        let stale = opt.snapshot_state(TensorId(3)).unwrap();
+        opt.begin_step(3, 1e-3).unwrap();
+        for (i, &n) in SIZES.iter().enumerate().rev() {
+            opt.submit(TensorId(i as u64), Grads::BF16(grads(i as u64, 3, n, 1e-3))).unwrap();
+        }
+        opt.finish_step().unwrap();
+        let err = stale.read().unwrap_err().to_string();
+        assert!(err.contains("unit #3") && err.contains("updated since the snapshot"), "{case}: {err}");
         drop(opt);
         assert_eq!(store.used_bytes(), 0, "{case}: extents left on the store");
     }
+    // Immediate updates change the state at the unit's update: a snapshot read after it fails.
+    let mut cfg = config(None, 1);
+    cfg.nonfinite = oogc_optimizer::NonFinite::Stop;
+    let (opt, _) = setup(&cfg, None, &SIZES, |_| StatePlacement::Host);
+    let snap = opt.snapshot_state(TensorId(5)).unwrap();
+    opt.begin_step(1, 1e-3).unwrap();
+    opt.submit(TensorId(5), Grads::BF16(grads(5, 1, SIZES[5], 1e-3))).unwrap();
+    opt.wait_unit(TensorId(5)).unwrap();
+    let err = snap.read().unwrap_err().to_string();
+    assert!(err.contains("unit #5") && err.contains("updated since the snapshot"), "{err}");
 }
 
 #[test]

@@ -139,12 +139,12 @@ fn default_eval_batches() -> usize {
 }
 
 /// `[checkpoint]`: safetensors checkpoints, written atomically, streamed and in the background:
-/// between two steps a save snapshots each unit's master weights and Adam state (host state
-/// copied, NVMe state held copy-on-write, a device optimizer's copied D2H) into staging claimed
-/// from the host ledger (the `checkpoint` category; the plan keeps room for the largest unit's
-/// state, and snapshots take at most the room the run has never used), and a writer thread
-/// appends each unit and lets it go while training goes on; a second save waits for the first,
-/// and a stopped or failing run for the one in flight. A resume reads one unit's tensors at a
+/// between two steps a save snapshots each unit (nothing copied but a device optimizer's state),
+/// and while training goes on a writer thread reads each unit's master weights and Adam state
+/// from wherever they live (host, NVMe) into staging claimed from the host ledger (the
+/// `checkpoint` category: the plan keeps room for the largest unit's state), appends it and
+/// lets it go; the next step waits, before its updates are committed, until every unit is read.
+/// A second save waits for the first, and a stopped or failing run for the one in flight. A resume reads one unit's tensors at a
 /// time. A run's memory never holds the model's state for a checkpoint, so a run larger than
 /// host memory saves and resumes (`configs/scale-beyond-ram.toml`).
 #[derive(Debug, Clone, Deserialize, Serialize, PartialEq, Default)]

@@ -60,11 +60,6 @@ impl Tiers {
     pub(super) fn nvme_bytes(&self) -> u64 {
         self.nvme.as_ref().map_or(0, |s| s.used_bytes())
     }
-
-    /// The NVMe store's bytes never used so far: its capacity less its peak use (0 without one).
-    pub(super) fn nvme_spare_bytes(&self) -> u64 {
-        self.nvme.as_ref().map_or(0, |s| s.capacity_bytes().saturating_sub(s.peak_used_bytes()))
-    }
 }
 
 /// The budgets as carved at the first step ([`Runtime::check_working_set`]).
@@ -166,13 +161,6 @@ impl<'a> Memory<'a> {
     /// a store).
     pub fn nvme_bytes(&self) -> u64 {
         self.rt.tiers.nvme_bytes()
-    }
-
-    /// The NVMe store's room the run has never used: its capacity less the most its extents have
-    /// held at once, bytes (0 without a store). What a background checkpoint's copy-on-write
-    /// snapshots may keep allocated beside a step ([`crate::train::Trainer::start_checkpoint`]).
-    pub fn nvme_spare_bytes(&self) -> u64 {
-        self.rt.tiers.nvme_spare_bytes()
     }
 
     /// Traffic counters since the runtime began: the device's H2D/D2H links, every copy on them

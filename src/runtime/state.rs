@@ -50,9 +50,9 @@ impl Runtime {
     }
 
     /// [`Runtime::local_unit_state`] as it is now, to be read later while training goes on (a
-    /// background checkpoint): the CPU optimizer's [`oogc_optimizer::StateSnapshot`] (host
-    /// state copied, NVMe state copy-on-write), a device-resident unit's state copied D2H now.
-    /// Call [`Runtime::sync`] first.
+    /// background checkpoint): the CPU optimizer's [`oogc_optimizer::StateSnapshot`] (nothing
+    /// copied now; readable until the unit's next update is committed), a device-resident
+    /// unit's state copied D2H now. Call [`Runtime::sync`] first.
     ///
     /// # Errors
     /// Optimizer failures (reading a compute copy's home), device copies.
@@ -212,14 +212,6 @@ pub(crate) enum UnitSnapshot {
 }
 
 impl UnitSnapshot {
-    /// NVMe bytes it keeps allocated until read ([`oogc_optimizer::StateSnapshot::nvme_bytes`]).
-    pub(crate) fn nvme_bytes(&self) -> u64 {
-        match self {
-            UnitSnapshot::Copied(_) => 0,
-            UnitSnapshot::Optimizer(s) => s.nvme_bytes(),
-        }
-    }
-
     /// The state as it was when the snapshot was taken.
     ///
     /// # Errors

@@ -1,19 +1,24 @@
-//! Checkpoints written in the background: [`Trainer::start_checkpoint`] takes each unit's state
-//! as it is between two steps and a writer thread streams it into the file while training goes
-//! on; [`Trainer::finish_checkpoint`] completes the save (with ranks: a collective on every
-//! rank's shard, then rank 0's index).
+//! Checkpoints written in the background: [`Trainer::start_checkpoint`] takes each unit's
+//! snapshot between two steps and a writer thread streams the units into the file while
+//! training goes on; [`Trainer::finish_checkpoint`] completes the save (with ranks: a
+//! collective on every rank's shard, then rank 0's index).
 //!
 //! The split is CheckFreq's (Mohan et al., FAST '21): a snapshot the trainer waits for, then a
-//! persist it does not. A unit's snapshot is its optimizer's
-//! ([`oogc_optimizer::StateSnapshot`]: host-placed state copied, NVMe-placed state held by its
-//! extents, copy-on-write, so an update during the save writes new extents and leaves the
-//! snapshot's alone; a device-resident unit's state copied D2H). Each snapshot claims its unit's
-//! staging ([`crate::runtime::budget::checkpoint_staging_bytes`], category `checkpoint`) from the
-//! host ledger until the writer has appended it; the snapshots held at once are bounded by the
-//! room the run has never used (the ledger's budget less its peak so far), so a save never
-//! takes memory a step needs. When that room is spent the trainer waits for the writer to let
-//! earlier units go: a run whose state outgrows the room (the beyond-RAM run) saves partly in
-//! the foreground, in at most one unit's staging at a time, as a synchronous save does.
+//! persist it does not. A unit's snapshot is its optimizer's ([`oogc_optimizer::StateSnapshot`]):
+//! nothing is copied when it is taken; the writer reads it later — a host-placed unit's buffers,
+//! an NVMe-placed unit's extents — which is the state of the snapshot as long as the unit's
+//! committed state has not moved on. It moves on only at the next step's commit
+//! ([`oogc_optimizer::PipelinedOptimizer::finish_step`]; with immediate updates, at the unit's
+//! update in the backward), so the trainer waits there, if it must, until the writer has read
+//! every unit ([`Trainer::before_updates`]): the writer reads while the next step's forward
+//! (and with speculated updates, its backward) runs. A read that comes too late fails the save,
+//! never writes another step's state. A device-resident unit's state is copied D2H when its
+//! snapshot is taken. The writer reads one unit at a time into one staging, claimed from the
+//! host ledger (`checkpoint`: the plan's room for the largest unit's state) at the first save
+//! and kept from save to save ([`Staging`]: a unit's state allocated and freed beside a step
+//! would stay in malloc's heap beside the step's own memory, 100 MB of peak RSS more at a 32 k
+//! vocabulary), and appends it; device units' copies are claimed when taken, and when the
+//! ledger has no room for one the trainer waits for the writer to let earlier ones go.
 //!
 //! One checkpoint is in flight at a time: starting another waits for it. A run that stops
 //! (SIGTERM) waits for it before its last save; a failing run's trainer waits for it when it is
@@ -26,7 +31,8 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 use oogc_models::UnitSpec;
-use oogc_swapper::{HostClaim, HostUse};
+use oogc_optimizer::{MomentBufs, StateDType, UnitState};
+use oogc_swapper::{HostClaim, HostLedger, HostUse};
 use parking_lot::{Condvar, Mutex};
 
 use super::ckpt::{self, UnitLayout};
@@ -34,48 +40,42 @@ use super::{Result, TrainError, Trainer};
 use crate::checkpoint::{self, CheckpointError, Saved, Writer};
 use crate::runtime::{RuntimeError, UnitSnapshot};
 
-/// Host bytes the snapshots of a save hold, shared by the trainer (which takes them) and the
-/// writer thread (which lets them go once appended).
+/// A save's progress, shared by the trainer (which takes the snapshots and waits on it) and
+/// the writer thread (which reads and lets them go).
 #[derive(Debug, Default)]
 struct Room {
-    held: Mutex<Held>,
+    state: Mutex<Progress>,
     changed: Condvar,
 }
 
 #[derive(Debug, Default)]
-struct Held {
-    /// Host bytes of the staging claimed.
+struct Progress {
+    /// Snapshots sent and not read yet.
+    unread: usize,
+    /// Host bytes of device units' copies claimed and not yet appended.
     bytes: u64,
-    /// NVMe bytes of extents kept by copy-on-write snapshots.
-    nvme: u64,
-    /// The writer failed: it drops what it is sent, and the trainer stops sending.
-    failed: bool,
+    /// The writer has ended (done, failed or panicked): nothing more will change.
+    ended: bool,
 }
 
 impl Room {
-    /// Gives back `bytes` of host staging and `nvme` bytes of extents (and records a failure),
-    /// waking the trainer.
-    fn release(&self, bytes: u64, nvme: u64, failed: bool) {
-        let mut h = self.held.lock();
-        h.bytes -= bytes;
-        h.nvme -= nvme;
-        h.failed |= failed;
+    /// Changes the progress and wakes the trainer.
+    fn update(&self, f: impl FnOnce(&mut Progress)) {
+        f(&mut self.state.lock());
         self.changed.notify_all();
     }
 }
 
-/// One unit's snapshot on its way to the writer, with the claim of its staging.
+/// One unit's snapshot on its way to the writer.
 struct Staged {
     /// The unit's index in the model.
     unit: usize,
     /// The elements of the unit it holds (a rank's shard, or all of them).
     range: Range<usize>,
     snap: UnitSnapshot,
-    /// The claim of its staging, of `bytes`.
-    claim: HostClaim,
-    bytes: u64,
-    /// NVMe bytes the snapshot keeps allocated.
-    nvme: u64,
+    /// A device unit's copy: the claim of its `bytes` (the writer claims the others' staging
+    /// when it reads them).
+    claim: Option<(HostClaim, u64)>,
 }
 
 /// What the writer thread does with its file once every unit is appended.
@@ -94,9 +94,16 @@ pub(super) struct InFlight {
     step: u64,
     /// This rank's writer, or why this rank has none (a failed start, shared with the other
     /// ranks when the save completes).
-    job: std::result::Result<JoinHandle<Result<Saved>>, TrainError>,
+    job: std::result::Result<JoinHandle<(Result<Saved>, Staging)>, TrainError>,
     /// When it started (the save's seconds run from here).
     started: Instant,
+    /// Its progress (`None` without a writer).
+    room: Option<Arc<Room>>,
+    /// Each unit's layout, as written (rank 0's index names them).
+    layouts: Vec<UnitLayout>,
+    /// The next step's updates move the committed state at the turn (immediate updates), not
+    /// at its finish: the snapshots must be read by then.
+    read_by_turn: bool,
 }
 
 impl InFlight {
@@ -104,13 +111,38 @@ impl InFlight {
         self.job.as_ref().map_or(true, JoinHandle::is_finished)
     }
 
-    /// Waits for the writer: what it saved, or its error.
-    fn join(self) -> Result<Saved> {
+    /// Waits for the writer: what it saved, or its error; its staging goes back to `staging`.
+    fn join(self, staging: &mut Option<Staging>) -> Result<Saved> {
         let handle = self.job?;
         match handle.join() {
-            Ok(r) => r,
+            Ok((r, s)) => {
+                *staging = Some(s);
+                r
+            }
             Err(panic) => std::panic::resume_unwind(panic),
         }
+    }
+}
+
+/// The writer's staging of one unit's state, kept from save to save with the claim of its bytes
+/// (`HostUse::Checkpoint`: the plan's room for the largest unit's state): allocated once, so
+/// that no unit's state is allocated and freed beside a step (the heap would keep the freed
+/// block beside the step's own memory).
+#[derive(Debug)]
+pub(super) struct Staging {
+    state: UnitState,
+    /// Elements its vectors hold without growing.
+    elements: usize,
+    _claim: HostClaim,
+}
+
+impl Staging {
+    /// A staging of `elements` of f32 master weights and moments of `moments`, claiming `bytes`
+    /// (its vectors and the writer's buffer) from `ledger`.
+    fn new(ledger: &Arc<HostLedger>, elements: usize, moments: StateDType, bytes: u64) -> Result<Self> {
+        let claim = ledger.claim(HostUse::Checkpoint, bytes).map_err(RuntimeError::from)?;
+        let state = UnitState { master: Vec::with_capacity(elements), moments: MomentBufs::zeros(moments, elements) };
+        Ok(Self { state, elements, _claim: claim })
     }
 }
 
@@ -174,24 +206,36 @@ impl Trainer {
             let meta = shards::shard_metadata(&meta, world.rank, world.size);
             (Writer::create_at(&dir, path, self.step, &meta, tensors), Close::Shard)
         };
+        // The staging of the largest unit the writer reads (not a device unit's: copied now).
+        let elements = (0..units.len()).filter(|&k| !layouts[k].is_device()).map(|k| ranges[k].len()).max();
+        let staging = match (self.ckpt_staging.take(), elements.unwrap_or(0)) {
+            (Some(s), n) if s.elements >= n => Ok(s),
+            (old, n) => {
+                drop(old);
+                let bytes = elements.map_or(0, |_| UnitLayout::staging_bytes_of(n, self.cfg.optimizer.state_dtype));
+                Staging::new(self.rt.memory().host_ledger(), n, self.cfg.optimizer.state_dtype, bytes)
+            }
+        };
         let started = Instant::now();
         let step = self.step;
-        let writer = match writer {
+        let writer = match staging.and_then(|s| Ok((writer?, s))) {
             Ok(w) => w,
             Err(e) if world.size > 1 => {
                 // Shared with the other ranks when the save completes.
-                self.in_flight = Some(InFlight { step, job: Err(e.into()), started });
+                let read_by_turn = false;
+                self.in_flight = Some(InFlight { step, job: Err(e), started, room: None, layouts, read_by_turn });
                 return Ok(Some(began.elapsed().as_secs_f64()));
             }
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(e),
         };
+        let (writer, staging) = writer;
         let room = Arc::new(Room::default());
         let (tx, rx) = crossbeam_channel::unbounded::<Staged>();
         let thread = {
             let (room, layouts, units) = (Arc::clone(&room), layouts.clone(), units.clone());
             std::thread::Builder::new()
                 .name("oogc-checkpoint".into())
-                .spawn(move || write_all(writer, &units, &layouts, rx, &room, close))
+                .spawn(move || write_all(writer, staging, &units, &layouts, rx, &room, close))
                 .map_err(|e| RuntimeError::Usage(format!("cannot start the checkpoint writer thread: {e}")))?
         };
         let sent = self.send_snapshots(&units, &layouts, &ranges, &tx, &room);
@@ -200,14 +244,17 @@ impl Trainer {
             Ok(()) => Ok(thread),
             Err(e) => {
                 // The writer sees its channel end early and drops its temp file.
-                let _ = thread.join();
+                if let Ok((_, staging)) = thread.join() {
+                    self.ckpt_staging = Some(staging);
+                }
                 if world.size == 1 {
                     return Err(e);
                 }
                 Err(e) // shared with the other ranks when the save completes
             }
         };
-        self.in_flight = Some(InFlight { step, job, started });
+        let read_by_turn = super::optimizer_config(&self.cfg).updates_immediately();
+        self.in_flight = Some(InFlight { step, job, started, room: Some(room), layouts, read_by_turn });
         Ok(Some(began.elapsed().as_secs_f64()))
     }
 
@@ -235,9 +282,8 @@ impl Trainer {
             if !done {
                 return Ok(None);
             }
-            let f = self.in_flight.take().expect("in flight");
-            let started = f.started;
-            return f.join().map(|s| Some(Saved { seconds: started.elapsed().as_secs_f64(), ..s }));
+            // The writer's seconds run from the file's creation to its rename.
+            return self.in_flight.take().expect("in flight").join(&mut self.ckpt_staging).map(Some);
         }
         if !wait {
             let mut pending = [f64::from(u8::from(!done))];
@@ -252,13 +298,14 @@ impl Trainer {
 
     /// [`Trainer::finish_checkpoint`] with ranks: a collective on whether every rank's shard is
     /// durable, then rank 0's index.
-    fn finish_shards(&mut self, f: InFlight) -> Result<Option<Saved>> {
+    fn finish_shards(&mut self, mut f: InFlight) -> Result<Option<Saved>> {
         use checkpoint::shards::{self, ShardIndex};
         let world = self.ranks.world();
         let dir = self.cfg.checkpoint.dir.clone().expect("a run that checkpoints has a directory");
         let (step, started) = (f.step, f.started);
         let name = shards::shard_file_name(step, world.rank, world.size);
-        let written = f.join();
+        let layouts = std::mem::take(&mut f.layouts);
+        let written = f.join(&mut self.ckpt_staging);
         let mut outcome = [0.0; 2];
         match &written {
             Ok(saved) => outcome[1] = saved.bytes as f64,
@@ -275,7 +322,6 @@ impl Trainer {
         if !world.is_root() {
             return Ok(None);
         }
-        let layouts = self.layouts();
         let units = self.model.units();
         let (units_index, tensors_index): (Vec<_>, Vec<_>) =
             units.iter().zip(&layouts).map(|(u, l)| l.index_entries(u, world.size)).unzip();
@@ -293,6 +339,18 @@ impl Trainer {
         Ok(Some(Saved { step, path, bytes, seconds: started.elapsed().as_secs_f64() }))
     }
 
+    /// Called by the step at its forward→backward turn (`at_turn`) and before its finish: where
+    /// the optimizer may move a unit's committed state on (module docs), waits until the writer
+    /// of the checkpoint in flight has read every snapshot.
+    pub(super) fn before_updates(&self, at_turn: bool) {
+        let Some(f) = self.in_flight.as_ref() else { return };
+        let Some(room) = f.room.as_ref().filter(|_| f.read_by_turn || !at_turn) else { return };
+        let mut p = room.state.lock();
+        while p.unread > 0 && !p.ended {
+            room.changed.wait(&mut p);
+        }
+    }
+
     /// Each unit's layout in a checkpoint, in the model's order.
     fn layouts(&self) -> Vec<UnitLayout> {
         let o = &self.cfg.optimizer;
@@ -302,8 +360,9 @@ impl Trainer {
             .collect()
     }
 
-    /// Takes each unit's snapshot (this rank's elements `ranges`) within a claim of its staging
-    /// and sends it to the writer, waiting for staging room (module docs).
+    /// Takes each unit's snapshot (this rank's elements `ranges`) and sends it to the writer; a
+    /// device unit's copy within a claim of its staging, waiting for the writer to let earlier
+    /// copies go when the ledger has no room (module docs).
     fn send_snapshots(
         &self,
         units: &[UnitSpec],
@@ -313,90 +372,109 @@ impl Trainer {
         room: &Room,
     ) -> Result<()> {
         let ledger = self.rt.memory().host_ledger();
-        // The room the run has never used: snapshots held beside a step stay within the host
-        // budget and the NVMe store.
-        let spare = ledger.budget_bytes().saturating_sub(ledger.peak_bytes());
-        let spare_nvme = self.rt.memory().nvme_spare_bytes();
         for (k, spec) in units.iter().enumerate() {
             let range = ranges[k].clone();
             if range.is_empty() {
                 continue;
             }
-            let bytes = layouts[k].staging_bytes(range.len());
-            let claim = {
-                let mut held = room.held.lock();
-                loop {
-                    if held.failed {
-                        return Ok(()); // the writer's error is the save's
-                    }
-                    if held.bytes == 0 || held.bytes + bytes <= spare {
+            let claim = match layouts[k].is_device() {
+                false => None,
+                true => {
+                    let bytes = layouts[k].staging_bytes(range.len());
+                    let mut p = room.state.lock();
+                    let claim = loop {
                         match ledger.claim(HostUse::Checkpoint, bytes) {
                             Ok(c) => break c,
-                            Err(e) if held.bytes == 0 => return Err(RuntimeError::from(e).into()),
-                            Err(_) => {}
+                            Err(e) if p.bytes == 0 || p.ended => return Err(RuntimeError::from(e).into()),
+                            Err(_) => room.changed.wait(&mut p),
                         }
-                    }
-                    room.changed.wait(&mut held);
+                    };
+                    p.bytes += bytes;
+                    Some((claim, bytes))
                 }
             };
-            room.held.lock().bytes += bytes;
-            let (held, snap) =
-                self.rt.local_unit_snapshot(self.ids[k]).inspect_err(|_| room.release(bytes, 0, false))?;
+            let taken = self.rt.local_unit_snapshot(self.ids[k]);
+            let give_back = |claim: &Option<(HostClaim, u64)>| {
+                let bytes = claim.as_ref().map_or(0, |c| c.1);
+                room.update(|p| p.bytes -= bytes);
+            };
+            let (held, snap) = taken.inspect_err(|_| give_back(&claim))?;
             if held != range {
-                room.release(bytes, 0, false);
+                give_back(&claim);
                 let msg = format!(
                     "unit {}: this rank holds elements {held:?} of its state, its checkpoint shard is {range:?}",
                     spec.name
                 );
                 return Err(RuntimeError::Usage(msg).into());
             }
-            let nvme = snap.nvme_bytes();
-            room.held.lock().nvme += nvme;
-            if tx.send(Staged { unit: k, range, snap, claim, bytes, nvme }).is_err() {
-                room.release(bytes, nvme, true);
-            }
-            // Extents kept beyond the store's spare room are read before training goes on.
-            let mut held = room.held.lock();
-            while held.nvme > spare_nvme && !held.failed {
-                room.changed.wait(&mut held);
+            room.update(|p| p.unread += 1);
+            if let Err(e) = tx.send(Staged { unit: k, range, snap, claim }) {
+                // The writer has ended (it failed): its error is the save's.
+                give_back(&e.0.claim);
+                room.update(|p| p.unread -= 1);
+                return Ok(());
             }
         }
         Ok(())
     }
 }
 
-/// The writer thread: appends each unit's snapshot as it arrives (read, then written, then let
-/// go), then closes the file (`close`). After an error it drops what it is sent (giving back
-/// its room) and returns the error once the trainer is done sending.
+/// The writer thread: reads each unit's snapshot as it arrives into `staging` (a device unit's
+/// copy is read already), appends it, then closes the file (`close`). After an error it drops
+/// what it is sent and returns the error once the trainer is done sending. Gives the staging
+/// back either way.
 fn write_all(
     mut w: Writer,
+    mut staging: Staging,
     units: &[UnitSpec],
     layouts: &[UnitLayout],
     rx: crossbeam_channel::Receiver<Staged>,
     room: &Room,
     close: Close,
-) -> Result<Saved> {
+) -> (Result<Saved>, Staging) {
+    /// However the writer ends (a panic too), the trainer stops waiting on it.
+    struct Ended<'a>(&'a Room);
+    impl Drop for Ended<'_> {
+        fn drop(&mut self) {
+            self.0.update(|p| p.ended = true);
+        }
+    }
+    let _ended = Ended(room);
     let mut failed: Option<TrainError> = None;
     for s in rx {
-        let (bytes, nvme) = (s.bytes, s.nvme);
-        if failed.is_none() {
-            let r = s.snap.read().map_err(TrainError::from).and_then(|state| {
-                Ok(ckpt::write_unit(&mut w, &units[s.unit], layouts[s.unit], &state, s.range.clone())?)
-            });
-            failed = r.err();
-        } else {
-            drop(s.snap);
+        let copied = s.claim.as_ref().map_or(0, |c| c.1);
+        let (spec, layout) = (&units[s.unit], layouts[s.unit]);
+        let r = match (&failed, s.snap) {
+            (Some(_), snap) => {
+                drop(snap);
+                room.update(|p| p.unread -= 1);
+                Ok(())
+            }
+            (None, UnitSnapshot::Copied(state)) => {
+                room.update(|p| p.unread -= 1);
+                ckpt::write_unit(&mut w, spec, layout, &state, s.range.clone()).map_err(TrainError::from)
+            }
+            (None, UnitSnapshot::Optimizer(snap)) => {
+                let read = snap.read_into(&mut staging.state);
+                room.update(|p| p.unread -= 1);
+                read.map_err(|e| TrainError::from(RuntimeError::from(e)))
+                    .and_then(|()| Ok(ckpt::write_unit(&mut w, spec, layout, &staging.state, s.range.clone())?))
+            }
+        };
+        if let Err(e) = r {
+            failed = Some(e);
         }
         drop(s.claim);
-        room.release(bytes, nvme, failed.is_some());
+        room.update(|p| p.bytes -= copied);
     }
-    if let Some(e) = failed {
-        return Err(e);
-    }
-    Ok(match close {
-        Close::Finish { keep } => w.finish(keep)?,
-        Close::Shard => w.complete()?,
-    })
+    let r = match failed {
+        Some(e) => Err(e),
+        None => match close {
+            Close::Finish { keep } => w.finish(keep).map_err(TrainError::from),
+            Close::Shard => w.complete().map_err(TrainError::from),
+        },
+    };
+    (r, staging)
 }
 
 impl Drop for Trainer {
@@ -406,7 +484,7 @@ impl Drop for Trainer {
     fn drop(&mut self) {
         if let Some(f) = self.in_flight.take() {
             let step = f.step;
-            match f.join() {
+            match f.join(&mut self.ckpt_staging) {
                 Ok(saved) => tracing::info!(step, path = %saved.path.display(), "checkpoint in flight completed"),
                 Err(e) => tracing::error!(step, error = %e, "checkpoint in flight failed"),
             }

@@ -135,11 +135,21 @@ impl UnitLayout {
         out
     }
 
+    /// Whether the unit's optimizer is on the device (every rank holds it whole).
+    pub(super) fn is_device(self) -> bool {
+        self.whole
+    }
+
     /// Host bytes of `elements` of the unit's state while a save holds them (f32 master weights
     /// and the moments in their dtype) and the writer's buffer
     /// ([`crate::runtime::budget::checkpoint_staging_bytes`]).
     pub(super) fn staging_bytes(self, elements: usize) -> u64 {
-        crate::runtime::budget::checkpoint_staging_bytes(elements, elements, self.moments)
+        Self::staging_bytes_of(elements, self.moments)
+    }
+
+    /// [`UnitLayout::staging_bytes`] of `elements` with moments of `moments`.
+    pub(super) fn staging_bytes_of(elements: usize, moments: StateDType) -> u64 {
+        crate::runtime::budget::checkpoint_staging_bytes(elements, elements, moments)
     }
 }
 

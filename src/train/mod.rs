@@ -224,6 +224,8 @@ pub struct Trainer {
     clock: clock::ComputeClock,
     /// The checkpoint being written in the background ([`Trainer::start_checkpoint`]).
     in_flight: Option<background::InFlight>,
+    /// The checkpoint writer's staging, kept from save to save ([`background`]).
+    ckpt_staging: Option<background::Staging>,
     /// The run's exclusive hold on its checkpoint and NVMe directories (released on drop, after
     /// the runtime has removed its store files).
     _lock: crate::lock::RunLock,
@@ -372,6 +374,7 @@ impl Trainer {
             batch_dump: None,
             clock,
             in_flight: None,
+            ckpt_staging: None,
             _lock: lock,
         })
     }

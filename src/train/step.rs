@@ -125,7 +125,9 @@ impl Trainer {
             None => 0.0,
         };
 
-        // The turn: the head's forward, loss and backward at once, per micro-batch.
+        // The turn: the head's forward, loss and backward at once, per micro-batch. Immediate
+        // updates start here: a checkpoint in flight must have read the state by then.
+        self.before_updates(true);
         self.rt.end_forward();
         let (loss, mut grad_xs, tied_grad) = {
             let emb = if model.tied_head() { Some(self.rt.fetch(self.ids[embed], Phase::Backward)?) } else { None };
@@ -196,6 +198,8 @@ impl Trainer {
             }
             self.rt.push_grads(self.ids[embed], &grads)?;
         }
+        // The step's updates are committed here: so must the checkpoint in flight have read it.
+        self.before_updates(false);
         let stats = self.rt.finish_step()?;
         self.step = step;
         if !stats.figures.skipped {

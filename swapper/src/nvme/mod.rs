@@ -296,8 +296,6 @@ struct Inner {
     files: Arc<[StoreFile]>,
     alloc: Mutex<Vec<ExtentAllocator>>,
     used_bytes: AtomicU64,
-    /// The most `used_bytes` has been.
-    peak_used_bytes: AtomicU64,
     capacity_bytes: u64,
     block_bytes: usize,
     next_stripe: AtomicUsize,
@@ -345,8 +343,7 @@ impl Inner {
                 }
             }
         }
-        let used = self.used_bytes.fetch_add(padded, Ordering::Relaxed) + padded;
-        self.peak_used_bytes.fetch_max(used, Ordering::Relaxed);
+        self.used_bytes.fetch_add(padded, Ordering::Relaxed);
         let start_of = |file: usize| regions.iter().find(|r| r.file == file).expect("region per used file").offset;
         let blocks = (0..nblocks)
             .map(|i| {
@@ -638,7 +635,6 @@ impl NvmeStore {
             alloc: Mutex::new(files.iter().map(|_| ExtentAllocator::new(per_dir)).collect()),
             files,
             used_bytes: AtomicU64::new(0),
-            peak_used_bytes: AtomicU64::new(0),
             capacity_bytes: per_dir * config.dirs.len() as u64,
             block_bytes: config.block_bytes,
             next_stripe: AtomicUsize::new(0),
@@ -671,12 +667,6 @@ impl NvmeStore {
     /// Bytes in live extents (padded to 4 KiB), including writes in flight.
     pub fn used_bytes(&self) -> u64 {
         self.inner.used_bytes.load(Ordering::Relaxed)
-    }
-
-    /// The most bytes extents have held at once since the store opened (padded to 4 KiB,
-    /// writes in flight included).
-    pub fn peak_used_bytes(&self) -> u64 {
-        self.inner.peak_used_bytes.load(Ordering::Relaxed)
     }
 
     /// Bytes not in extents (possibly fragmented).
@@ -890,7 +880,6 @@ mod tests {
         assert_eq!(store.used_bytes(), (3 << 20) + 4096, "a refused write holds no space");
         store.free(ext);
         assert_eq!(store.used_bytes(), 0);
-        assert_eq!(store.peak_used_bytes(), (3 << 20) + 4096, "the most held at once");
     }
 
     #[test]
