@@ -82,7 +82,8 @@ losses = ", ".join(f"{r['loss']:.6f}" for r in resumed)
 verdict = "bitwise the reference" if same else f"DIFFERENT from {[loss[3], loss[4]]}"
 print(f"| state, master | checkpoint | save (background) | held the trainer | step 3 beside it vs the reference's | peak RSS through the save | budget | resumed losses (steps 3, 4) |")
 print("|---|---|---|---|---|---|---|---|")
-print(f"| {state}, {master} | {ckpt.stat().st_size / 1e9:.2f} GB | {f"{save_s:.0f} s" if save_s is not None else "not done by step 3's end"} | {held_s:.2f} s | {cost:+.1%} | {peak / 2**30:.2f} GiB | {budget / 2**30:.0f} GiB | {losses}: {verdict} |")
+save = f"{save_s:.0f} s" if save_s is not None else "not done by step 3's end"
+print(f"| {state}, {master} | {ckpt.stat().st_size / 1e9:.2f} GB | {save} | {held_s:.2f} s | {cost:+.1%} | {peak / 2**30:.2f} GiB | {budget / 2**30:.0f} GiB | {losses}: {verdict} |")
 print("step times (reference):", [round(r["step_s"], 1) for r in ref])
 print("step times (resumed):", [round(r["step_s"], 1) for r in resumed])
 sys.exit(0 if same else 1)
