@@ -84,6 +84,8 @@ pub struct ModeFigures {
     pub mode: SaveMode,
     /// Saves of this mode (each followed by a measured step).
     pub saves: usize,
+    /// The measured steps (1-based) after which they started.
+    pub after_steps: Vec<usize>,
     /// Median interval of the steps right after a save of this mode, seconds.
     pub after_s: f64,
     /// `after_s − step_s`, seconds (negative when within the noise).
@@ -129,6 +131,8 @@ pub struct CheckpointBenchReport {
     pub baseline_steps: usize,
     /// Median interval of the baseline steps, seconds.
     pub step_s: f64,
+    /// Every measured step's interval, seconds (measured step `j + 1` at index `j`).
+    pub intervals_s: Vec<f64>,
     /// Background saves.
     pub background: ModeFigures,
     /// Synchronous saves.
@@ -200,10 +204,10 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<CheckpointBenchReport> {
     // Every checkpoint is kept, to be verified after the steps.
     cfg.checkpoint.keep = Some(args.steps / args.interval + 1);
     let machine = machine::record(Some(&dir));
-    let result = measure(&cfg, args).and_then(|(intervals, saves)| figures(args, &intervals, &saves));
+    let result = measure(&cfg, args).and_then(|(intervals, saves)| Ok((figures(args, &intervals, &saves)?, intervals)));
     remove_scratch(&cfg);
     let _ = std::fs::remove_dir_all(&dir);
-    let (baseline_steps, step_s, background, sync) = result?;
+    let ((baseline_steps, step_s, background, sync), intervals_s) = result?;
     let passes = background.cost_ratio <= COST_BAR;
     Ok(CheckpointBenchReport {
         steps: args.steps,
@@ -211,6 +215,7 @@ pub fn run(args: &CheckpointBenchArgs) -> Result<CheckpointBenchReport> {
         interval: args.interval,
         baseline_steps,
         step_s,
+        intervals_s,
         background,
         sync,
         bar: COST_BAR,
@@ -309,6 +314,7 @@ fn figures(
         Ok(ModeFigures {
             mode,
             saves: of.len(),
+            after_steps: of.iter().map(|s| s.at).collect(),
             after_s,
             cost_s: after_s - step_s,
             cost_ratio: ratio(after_s),

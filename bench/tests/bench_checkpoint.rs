@@ -56,6 +56,14 @@ fn both_modes_save_verified_checkpoints_of_the_same_state() {
     // Saves after steps 2, 4 and 6: background, sync, background.
     assert_eq!((r.background.mode, r.sync.mode), (SaveMode::Background, SaveMode::Sync));
     assert_eq!((r.background.saves, r.sync.saves), (2, 1), "{r:#?}");
+    assert_eq!(
+        (r.background.after_steps.as_slice(), r.sync.after_steps.as_slice()),
+        ([2, 6].as_slice(), [4].as_slice())
+    );
+    assert_eq!(r.intervals_s.len(), 7);
+    assert!(r.intervals_s.iter().all(|x| x.is_finite() && *x > 0.0), "{:?}", r.intervals_s);
+    // The step right after the sync save (step 5) is at least as long as the save held the trainer.
+    assert!(r.intervals_s[4] >= r.sync.held_s, "{r:#?}");
     // Steps 1, 2, 4 and 6 follow no save (3, 5 and 7 do).
     assert_eq!(r.baseline_steps, 4, "{r:#?}");
     for m in [&r.background, &r.sync] {
