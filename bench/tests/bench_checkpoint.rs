@@ -10,42 +10,10 @@ use std::path::Path;
 use oogc::config::TrainConfig;
 use oogc_bench::checkpoint::{self, CheckpointBenchArgs, SaveMode};
 
-/// The tiny model of `bench_step.rs`, state on NVMe, its checkpoints in `ckpt` (replaced by the
-/// bench's scratch directory).
+/// [`common::small_run`]'s 4-block model, state on NVMe, its checkpoints in `run/ckpt` (replaced
+/// by the bench's scratch directory, made beside it in `run/`).
 fn tiny(dir: &Path) -> TrainConfig {
-    let text = format!(
-        r#"
-[model]
-d_model = 16
-n_layer = 4
-n_head = 2
-[data]
-path = "{data}"
-[train]
-batch_size = 4
-seq_len = 16
-steps = 4
-seed = 3
-eval_interval = 0
-eval_batches = 2
-[budgets]
-gpu = "64KiB"
-host = "64MiB"
-optimizer_state = "nvme"
-nvme_dirs = ["{nvme}"]
-[prefetch]
-depth = 2
-[threads]
-optimizer = 1
-[checkpoint]
-dir = "{ckpt}"
-interval = 1
-"#,
-        data = common::data_path().display(),
-        nvme = dir.join("nvme").display(),
-        ckpt = dir.join("runs/ckpt").display(),
-    );
-    TrainConfig::from_toml_str(&text).unwrap()
+    TrainConfig::load(&common::small_run(dir, "run", 4, 1, 2)).unwrap()
 }
 
 #[test]
@@ -85,8 +53,9 @@ fn both_modes_save_verified_checkpoints_of_the_same_state() {
     assert_eq!(r.passes, r.background.cost_ratio <= r.bar);
     // The scratch directory is removed, the config's own checkpoint directory never made.
     assert!(!r.dir.exists(), "{} left behind", r.dir.display());
-    assert!(!dir.path().join("runs/ckpt").exists());
-    assert_eq!(r.dir.parent(), Some(dir.path().join("runs").as_path()));
+    assert!(!dir.path().join("run/ckpt").exists());
+    assert!(!dir.path().join("run/metrics.jsonl").exists(), "the bench writes no metrics");
+    assert_eq!(r.dir.parent(), Some(dir.path().join("run").as_path()));
 }
 
 #[test]
