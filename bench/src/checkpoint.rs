@@ -23,7 +23,7 @@
 //! | `paired_cost_s`, `paired_cost_ratio` | median over the mode's saves of the step right after a save less the step the save followed (the steps a save sits between, so a slow drift of the machine's load cancels), and that over `step_s` |
 //! | `after2_s`, `after2_cost_ratio` | the same for the second step after a save (a background writer may still run then) |
 //! | `held_s` | median seconds the save held the trainer: [`Trainer::start_checkpoint`]'s figure (background), the whole [`Trainer::save_checkpoint`] call (sync) |
-//! | `save_s` | median [`oogc::checkpoint::Saved::seconds`], from the start to the rename; a background save's ends at the poll that found it done (a step's end), so it is an upper bound |
+//! | `save_s` | median [`oogc::checkpoint::Saved::seconds`]: the trainer's figure for the save, the writer's seconds from the file's creation to its rename |
 //! | `steps_in_flight` | median step ends a background save stayed in flight (1: done by the end of the step after it); one still in flight after the last step counts the steps it was in flight for |
 //! | `bytes`, `data_bytes` | the largest file of the mode, and its tensors' data bytes as [`oogc::checkpoint::verify`] counted them |
 
@@ -104,8 +104,7 @@ pub struct ModeFigures {
     pub after2_cost_ratio: Option<f64>,
     /// Median seconds the save held the trainer.
     pub held_s: f64,
-    /// Median seconds from the start of a save to its rename (background: to the poll that
-    /// found it done).
+    /// Median [`oogc::checkpoint::Saved::seconds`] (from the file's creation to its rename).
     pub save_s: f64,
     /// Median step ends a save stayed in flight after it started (0 for sync saves).
     pub steps_in_flight: f64,
