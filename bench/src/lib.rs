@@ -32,6 +32,7 @@
 //! | `oogc bench evict` | [`evict`] | bytes moved and stall of next-use, LRU, FIFO and offline MIN over device budgets, in the step simulator |
 //! | `oogc bench moe` | [`moe`] | expert bytes moved, hit rate and predicted MoE step of expert placement policies replaying a routing trace |
 //! | `oogc bench step` | [`step`] | real training steps under ours, on-demand and all-resident, beside the lower bound and the plan ([`machine`] records the machine) |
+//! | `oogc bench checkpoint` | [`checkpoint`] | what a checkpoint written in the background (and, beside it, a synchronous one) costs the step after it, against the steps of the same run that follow no save |
 //! | `oogc bench plan` | [`plan_check`] | `oogc plan`'s predicted step (compute probed for the config's shape) beside the measured one, per config, within 15% or not |
 //! | `oogc plan --probe-compute`, `--hardware-probe`, `oogc bench probe` | [`probe`] | candle's compute rate for a model's block (the config's dtype), this machine's memory, NVMe and Adam figures, and a GPU's matrix-product TFLOP/s, H2D/D2H, name and memory ([`probe::gpu_profile`]), for the planner |
 //! | `oogc bench swap` | [`swap`] | host↔sim-device copies and the residency manager, beside memcpy or the link throttle |
@@ -42,6 +43,7 @@
 //! drives pass through unchanged, with a layer naming the stage, variant or policy that failed.
 pub mod adam;
 pub mod all;
+pub mod checkpoint;
 pub mod error;
 pub mod evict;
 pub mod machine;

@@ -1,4 +1,4 @@
-//! `oogc bench`: the offload benchmarks (nvme, swap, evict, adam, moe, step, plan, all) of `oogc-bench`, as tables or JSON Lines, and `probe`, the machine's figures for `oogc plan --profile`.
+//! `oogc bench`: the offload benchmarks (nvme, swap, evict, adam, moe, step, checkpoint, plan, all) of `oogc-bench`, as tables or JSON Lines, and `probe`, the machine's figures for `oogc plan --profile`.
 
 use std::path::PathBuf;
 
@@ -7,7 +7,7 @@ use clap::{Args, Subcommand, ValueEnum};
 use oogc::config::TrainConfig;
 use oogc::optimizer::{DType, Isa, StateDType};
 use oogc::swapper::EngineChoice;
-use oogc_bench::{adam, all, evict, moe, nvme, plan_check, probe, step, swap};
+use oogc_bench::{adam, all, checkpoint, evict, moe, nvme, plan_check, probe, step, swap};
 use serde::Serialize;
 
 use crate::args::{
@@ -49,6 +49,15 @@ pub(crate) enum BenchCommand {
     /// not run.
     #[command(after_help = "Book: docs/src/benchmarks.md, section \"End-to-end step (`oogc bench step`)\"")]
     Step(StepCmd),
+    /// What a checkpoint costs the step after it: one trainer of the config saves after every
+    /// --interval steps, alternating a save in the background (as `oogc train` does) and a
+    /// synchronous one, into a scratch directory; each step is timed from the end of the step
+    /// before it. Reports the median step that follows no save, and per mode the median step
+    /// right after a save, its cost over that baseline (the bar: background ≤ 10 % of a step),
+    /// the seconds the save held the trainer and the save's own; every checkpoint is verified
+    /// against its checksums. With --json: one JSON object.
+    #[command(after_help = "Book: docs/src/benchmarks.md, section \"Checkpoint cost (`oogc bench checkpoint`)\"")]
+    Checkpoint(CheckpointCmd),
     /// `oogc plan` checked against reality: per config, the plan (with this CPU's compute rate
     /// probed around the steps) beside the median of real training steps, and whether it is
     /// within 15%.
@@ -136,6 +145,31 @@ pub(crate) struct StepCmd {
     #[arg(long, value_name = "FRACTIONS", value_delimiter = ',')]
     pub(crate) device_units: Option<Vec<f64>>,
     /// JSON Lines on stdout instead of a table.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+#[derive(Debug, Args)]
+pub(crate) struct CheckpointCmd {
+    /// The `oogc train` config (its `[checkpoint]` is replaced by the scratch directory; no
+    /// metrics or trace are written; NVMe scratch goes to a subdirectory of its nvme_dirs).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: PathBuf,
+    /// Steps measured, after the warmup (more than 2 × --interval).
+    #[arg(long, value_name = "N", default_value_t = 48)]
+    pub(crate) steps: u64,
+    /// A save after every this many measured steps (at least 2).
+    #[arg(long, value_name = "K", default_value_t = 4)]
+    pub(crate) interval: u64,
+    /// Steps run first and not measured.
+    #[arg(long, value_name = "N", default_value_t = 4)]
+    pub(crate) warmup: u64,
+    /// Directory under which the scratch checkpoint directory `oogc-bench-checkpoint-<pid>` is
+    /// made and removed (default: the parent of the config's `[checkpoint] dir`, else the temp
+    /// directory).
+    #[arg(long, value_name = "DIR")]
+    pub(crate) dir: Option<PathBuf>,
+    /// One JSON object on stdout instead of a table.
     #[arg(long)]
     pub(crate) json: bool,
 }
@@ -527,6 +561,25 @@ pub(crate) fn bench_step(cmd: StepCmd) -> anyhow::Result<()> {
     Ok(())
 }
 
+pub(crate) fn bench_checkpoint(cmd: CheckpointCmd) -> anyhow::Result<()> {
+    let cfg = step::load_config(&cmd.config, None)?;
+    oogc::run::size_compute_threads(&cfg)?;
+    let args = checkpoint::CheckpointBenchArgs {
+        steps: cmd.steps as usize,
+        warmup: cmd.warmup as usize,
+        interval: cmd.interval as usize,
+        dir: cmd.dir,
+        ..checkpoint::CheckpointBenchArgs::new(cfg)
+    };
+    let report = checkpoint::run(&args).context("oogc bench checkpoint")?;
+    if cmd.json {
+        print_json_lines(&[report])
+    } else {
+        checkpoint::print_table(&report);
+        Ok(())
+    }
+}
+
 pub(crate) fn bench_plan(cmd: PlanBenchCmd) -> anyhow::Result<()> {
     // The probe times candle on the global pool: size it first, from the first config.
     oogc::run::size_compute_threads(&TrainConfig::load(&cmd.configs[0])?)?;
@@ -695,6 +748,7 @@ pub(crate) fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Adam(cmd) => bench_adam(cmd),
         BenchCommand::Moe(cmd) => bench_moe(cmd),
         BenchCommand::Step(cmd) => bench_step(cmd),
+        BenchCommand::Checkpoint(cmd) => bench_checkpoint(cmd),
         BenchCommand::Plan(cmd) => bench_plan(cmd),
         BenchCommand::All(cmd) => bench_all(cmd),
         BenchCommand::Probe(cmd) => bench_probe(cmd),
