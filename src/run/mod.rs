@@ -262,18 +262,8 @@ pub fn run(
         let interval = cfg.checkpoint.interval;
         let ckpt_now = step == last || (interval > 0 && step % interval == 0);
         // A save written in the background is completed when done (and before the next starts).
-        let completed = match trainer.finish_checkpoint(ckpt_now) {
-            Ok(saved) => saved,
-            // A save between steps that could not be written (a full disk) leaves the previous
-            // checkpoint intact and the run going.
-            Err(TrainError::Checkpoint(e)) => {
-                checkpoint_failed(&mut summary, observer, &e);
-                None
-            }
-            Err(e) => return Err(e),
-        };
+        let completed = complete_save(&mut trainer, ckpt_now, &mut summary, observer)?;
         if let Some(saved) = &completed {
-            note_save(&mut summary, observer, saved);
             saved_step = Some(saved.step);
         }
         let eval_now = step == last || (cfg.train.eval_interval > 0 && step % cfg.train.eval_interval == 0);
@@ -341,14 +331,8 @@ pub fn run(
     }
     if summary.stopped {
         // A stop waits for the save in flight before its own.
-        match trainer.finish_checkpoint(true) {
-            Ok(Some(saved)) => {
-                note_save(&mut summary, observer, &saved);
-                saved_step = Some(saved.step);
-            }
-            Ok(None) => {}
-            Err(TrainError::Checkpoint(e)) => checkpoint_failed(&mut summary, observer, &e),
-            Err(e) => return Err(e),
+        if let Some(saved) = complete_save(&mut trainer, true, &mut summary, observer)? {
+            saved_step = Some(saved.step);
         }
     }
     if summary.stopped && saved_step != Some(trainer.step()) {
@@ -368,6 +352,33 @@ pub fn run(
     summary.host = host_report(&trainer);
     tracing::debug!(wall_s = run_start.elapsed().as_secs_f64(), "run finished");
     Ok(summary)
+}
+
+/// Completes the save in flight ([`Trainer::finish_checkpoint`]: with `wait`, once written, else
+/// if done) and records it; a save that could not be written (a full disk) is logged and
+/// counted, the previous checkpoint intact and the run going.
+///
+/// # Errors
+/// The save's other failures (runtime, a collective).
+fn complete_save(
+    trainer: &mut Trainer,
+    wait: bool,
+    summary: &mut RunSummary,
+    observer: &mut dyn RunObserver,
+) -> Result<Option<crate::checkpoint::Saved>> {
+    match trainer.finish_checkpoint(wait) {
+        Ok(saved) => {
+            if let Some(saved) = &saved {
+                note_save(summary, observer, saved);
+            }
+            Ok(saved)
+        }
+        Err(TrainError::Checkpoint(e)) => {
+            checkpoint_failed(summary, observer, &e);
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Logs a checkpoint that could not be written (the run goes on) and counts it.
