@@ -25,7 +25,22 @@ fn config(dir: &Path, name: &str, steps: u64, interval: u64) -> PathBuf {
 }
 
 fn train(cfg: &Path, extra: &[&str]) -> Output {
-    oogc().args(["train", "--no-progress", "--config"]).arg(cfg).args(extra).output().unwrap()
+    train_env(cfg, extra, &[])
+}
+
+/// [`train`] with the environment variables `envs` (the test hooks).
+fn train_env(cfg: &Path, extra: &[&str], envs: &[(&str, &str)]) -> Output {
+    train_command(cfg, extra, envs).output().unwrap()
+}
+
+/// `oogc train --no-progress --config CFG EXTRA…` with the environment variables `envs`.
+fn train_command(cfg: &Path, extra: &[&str], envs: &[(&str, &str)]) -> Command {
+    let mut c = oogc();
+    c.args(["train", "--no-progress", "--config"]).arg(cfg).args(extra);
+    for (k, v) in envs {
+        c.env(k, v);
+    }
+    c
 }
 
 fn stderr(out: &Output) -> String {
@@ -33,12 +48,7 @@ fn stderr(out: &Output) -> String {
 }
 
 fn spawn(cfg: &Path, envs: &[(&str, &str)]) -> Child {
-    let mut c = oogc();
-    c.args(["train", "--no-progress", "--config"]).arg(cfg).stdout(Stdio::null()).stderr(Stdio::piped());
-    for (k, v) in envs {
-        c.env(k, v);
-    }
-    c.spawn().unwrap()
+    train_command(cfg, &[], envs).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap()
 }
 
 /// Waits until `metrics` has at least `n` lines (the child must still be running).
@@ -206,18 +216,10 @@ fn a_background_checkpoint_holds_the_state_it_was_started_at_while_steps_go_on()
 
     // Seven steps of the reference's ten (its learning-rate schedule).
     let cfg = config(dir.path(), "run", 10, 2);
-    let out = oogc()
-        .args(["train", "--no-progress", "--steps", "7", "--config"])
-        .arg(&cfg)
-        .env("OOGC_PAUSE_AT", "checkpoint:400")
-        .output()
-        .unwrap();
+    let out = train_env(&cfg, &["--steps", "7"], &[("OOGC_PAUSE_AT", "checkpoint:400")]);
     assert!(out.status.success(), "{}", stderr(&out));
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(dir.path().join("run/metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = common::metrics_lines(&dir.path().join("run/metrics.jsonl"));
+    assert_eq!(lines.len(), 7, "a line per step, each whole");
     let steps_with = |key: &str| -> Vec<u64> {
         lines.iter().filter(|v| v.get(key).is_some()).map(|v| v["step"].as_u64().unwrap()).collect()
     };
@@ -253,12 +255,7 @@ fn a_failing_nvme_write_stops_the_run_naming_the_file_and_resuming_gives_the_sam
 
     // 6 units of one chunk each: 6 state writes at start, 6 per step; write 50 is in step 8.
     let cfg = config(dir.path(), "run", 16, 3);
-    let out = oogc()
-        .args(["train", "--no-progress", "--config"])
-        .arg(&cfg)
-        .env("OOGC_FAULT_NVME", "write:50")
-        .output()
-        .unwrap();
+    let out = train_env(&cfg, &[], &[("OOGC_FAULT_NVME", "write:50")]);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     for needle in ["I/O error on", "oogc-nvme-", ".swap at offset", "injected fault", "--resume"] {

@@ -104,14 +104,14 @@ pub fn tiny_moe(gpu: &str, state: &str, nvme: &Path) -> String {
         .replace("[data]", "[model.moe]\nexperts = 4\ntop_k = 2\ncapacity_factor = 1.25\n[data]")
 }
 
-/// (step, loss) of each complete line of a metrics file (`[output] metrics`); none when missing.
+/// Each complete line of a metrics file (`[output] metrics`), parsed; none when missing.
+pub fn metrics_lines(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path).unwrap_or_default().lines().filter_map(|l| serde_json::from_str(l).ok()).collect()
+}
+
+/// (step, loss) of each complete line of a metrics file ([`metrics_lines`]).
 pub fn metrics_losses(path: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(path)
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap()))
-        .collect()
+    metrics_lines(path).iter().map(|v| (v["step"].as_u64().unwrap(), v["loss"].as_f64().unwrap())).collect()
 }
 
 /// A 4-block [`tiny`] run written to `dir/{name}.toml`: state on NVMe in `dir/name/nvme`,
