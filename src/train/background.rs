@@ -73,8 +73,8 @@ struct Staged {
     /// The elements of the unit it holds (a rank's shard, or all of them).
     range: Range<usize>,
     snap: UnitSnapshot,
-    /// A device unit's copy: the claim of its `bytes` (the writer claims the others' staging
-    /// when it reads them).
+    /// A device unit's copy: the claim of its `bytes` (the others are read into the writer's
+    /// [`Staging`]).
     claim: Option<(HostClaim, u64)>,
 }
 
@@ -256,11 +256,6 @@ impl Trainer {
         let read_by_turn = super::optimizer_config(&self.cfg).updates_immediately();
         self.in_flight = Some(InFlight { step, job, started, room: Some(room), layouts, read_by_turn });
         Ok(Some(began.elapsed().as_secs_f64()))
-    }
-
-    /// Whether a checkpoint is being written ([`Trainer::start_checkpoint`]).
-    pub fn checkpoint_in_flight(&self) -> bool {
-        self.in_flight.is_some()
     }
 
     /// Completes the checkpoint in flight: with `wait`, once its writer is done; without, only

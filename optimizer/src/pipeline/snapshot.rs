@@ -26,16 +26,6 @@ impl StateSnapshot {
         self.cell.id
     }
 
-    /// Parameters of the unit (this optimizer's shard of it).
-    pub fn len(&self) -> usize {
-        self.cell.n
-    }
-
-    /// Whether the unit has no parameters.
-    pub fn is_empty(&self) -> bool {
-        self.cell.n == 0
-    }
-
     /// The state as it was taken: master weights in f32 and the moments as stored (`[len]`
     /// each; int8 with their block absmaxes): [`StateSnapshot::read_into`] a new state.
     ///
@@ -64,8 +54,8 @@ impl StateSnapshot {
         let dtype = sh.config.compute_dtype;
         let (extents, from_spare) = {
             let g = self.cell.idle();
-            self.check(g.error.is_some(), g.data.as_ref().expect("idle cell holds its data").version)?;
             let data = g.data.as_ref().expect("idle cell holds its data");
+            self.check(g.error.is_some(), data.version)?;
             match &data.home {
                 Home::Host { cur, .. } => {
                     cur.p.write_f32(&mut out.master);
